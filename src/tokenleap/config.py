@@ -1,0 +1,158 @@
+"""Typed, frozen configuration: model shape, sampling parameters, speculation settings.
+
+Validation lives here (``__post_init__``) so every entry point -- Python API, CLI, HTTP --
+reports the same clear message for the same bad value.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+class ConfigError(ValueError):
+    """A configuration or request value is invalid; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama / Qwen2 decoder. Field names follow Hugging Face's config.json."""
+
+    architecture: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has a bias on q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; tokenleap supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dictionary."""
+        model_type = str(d.get("model_type", "")).lower()
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = d.get("architectures") or [model_type or "unknown"]
+            raise ConfigError(
+                f"unsupported architecture {archs[0]!r} (model_type {model_type!r}); tokenleap "
+                f"supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json a Hugging Face loader accepts for this model."""
+        d = asdict(self)
+        d["model_type"] = d.pop("architecture")
+        d["architectures"] = ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"]
+        eos = list(d.pop("eos_token_ids"))
+        d["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+        d["hidden_act"] = "silu"
+        return d
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. ``temperature == 0`` means exact greedy (argmax)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to speculate. ``method=None`` means plain decoding."""
+
+    method: str | None = None  # None | "draft" | "ngram"
+    draft_model: str | None = None
+    draft_quant: str = "none"
+    draft_dtype: str | None = None
+    num_tokens: int | str = "auto"  # "auto" or a fixed draft length >= 1
+    max_num_tokens: int = 8  # upper bound for the adaptive controller
+    ngram_max: int = 4
+    ngram_min: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.method in (None, "draft", "ngram"),
+               f"unknown speculative method {self.method!r}; choose draft or ngram")
+        _check(self.method != "draft" or bool(self.draft_model),
+               "speculative method 'draft' needs a draft model (--draft-model NAME_OR_PATH)")
+        _check(self.num_tokens == "auto" or (isinstance(self.num_tokens, int) and self.num_tokens >= 1),
+               f"num_tokens must be 'auto' or an integer >= 1, got {self.num_tokens!r}")
+        _check(isinstance(self.max_num_tokens, int) and self.max_num_tokens >= 1,
+               f"max_num_tokens must be an integer >= 1, got {self.max_num_tokens!r}")
+        _check(1 <= self.ngram_min <= self.ngram_max,
+               f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,23 @@
+"""Errors with messages meant for the user; the CLI prints them without a traceback."""
+from __future__ import annotations
+
+from .config import ConfigError
+
+
+class TokenleapError(Exception):
+    """Base class of user-facing errors."""
+
+
+class ModelNotFoundError(TokenleapError):
+    """An unknown model name or a path that does not exist."""
+
+
+class ModelFormatError(TokenleapError):
+    """A model file that is truncated, corrupt, or of an unsupported architecture."""
+
+
+class PromptTooLongError(TokenleapError):
+    """A prompt that does not fit the context window."""
+
+
+__all__ = ["ConfigError", "TokenleapError", "ModelNotFoundError", "ModelFormatError", "PromptTooLongError"]

@@ -1,0 +1,1 @@
+"""Model implementation, weight loading and quantization."""

@@ -1,0 +1,36 @@
+"""Turn a checkpoint's weights into a ready ``Transformer`` in the requested dtype."""
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelFormatError
+from .transformer import Transformer
+
+
+def build_transformer(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    """Create the model without allocating random weights, then adopt ``weights`` (HF names)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ModelFormatError(f"checkpoint does not match the {config.architecture} layout: "
+                               f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ModelFormatError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+    state = {k: v.to(dtype) for k, v in weights.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = type(model.rotary)(config.head_dim, config.rope_theta, config.max_position_embeddings)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

