@@ -1,0 +1,147 @@
+"""logits_to_probs against analytic distributions; greedy; seeded sampling."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenleap.config import SamplingParams
+from tokenleap.sampling import (SamplingFilters, greedy, inverse_cdf, logits_to_probs,
+                                make_generator, sample)
+
+# probabilities that are exact in binary, in a shuffled order: token 1 > token 3 > tokens 0 = 2
+P4 = torch.tensor([0.125, 0.5, 0.125, 0.25])  # [4]
+LOGITS4 = P4.log()[None]  # [1, 4]
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; 0.0 if a zero-probability cell was observed."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()  # [cells] each
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    support = probs > 0
+    expected = probs[support] / probs[support].sum() * counts.sum()  # [support]
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = torch.tensor(support.sum().item() - 1.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+def probs_of(**kw) -> list[float]:
+    return logits_to_probs(LOGITS4, **kw)[0].tolist()
+
+
+def test_temperature_matches_softmax():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0)) * 3  # [3, 10]
+    out = logits_to_probs(logits, temperature=0.7)  # [3, 10]
+    torch.testing.assert_close(out, torch.softmax(logits / 0.7, dim=-1))
+    assert out.dtype == torch.float32
+
+
+def test_temperature_zero_is_one_hot_at_first_max():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0]])  # [2, 4]
+    out = logits_to_probs(logits, temperature=0.0, top_p=0.5)  # [2, 4]
+    assert out.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    assert greedy(logits).tolist() == [1, 0]
+
+
+def test_top_k():
+    assert probs_of(top_k=2) == pytest.approx([0, 2 / 3, 0, 1 / 3])
+    assert probs_of(top_k=1) == [0.0, 1.0, 0.0, 0.0]
+    assert probs_of(top_k=0) == pytest.approx(P4.tolist())
+    assert probs_of(top_k=99) == pytest.approx(P4.tolist())
+    # a tie at the cut keeps the lower token id
+    assert probs_of(top_k=3) == pytest.approx([1 / 7, 4 / 7, 0, 2 / 7])
+
+
+def test_top_p_boundaries():
+    # cumulative 0.5, 0.75, 0.875, 1.0 in the order 1, 3, 0, 2
+    assert probs_of(top_p=0.75) == pytest.approx([0, 2 / 3, 0, 1 / 3])  # reaches 0.75 exactly
+    assert probs_of(top_p=0.76) == pytest.approx([1 / 7, 4 / 7, 0, 2 / 7])  # tie: lower id
+    assert probs_of(top_p=0.74) == pytest.approx([0, 2 / 3, 0, 1 / 3])
+    assert probs_of(top_p=0.5) == [0.0, 1.0, 0.0, 0.0]
+    assert probs_of(top_p=1e-9) == [0.0, 1.0, 0.0, 0.0]  # the top token is always kept
+    assert probs_of(top_p=1.0) == pytest.approx(P4.tolist())
+
+
+def test_min_p():
+    assert probs_of(min_p=0.6) == [0.0, 1.0, 0.0, 0.0]  # keeps p >= 0.3
+    assert probs_of(min_p=0.45) == pytest.approx([0, 2 / 3, 0, 1 / 3])  # keeps p >= 0.225
+    assert probs_of(min_p=0.2) == pytest.approx(P4.tolist())  # keeps p >= 0.1
+    assert probs_of(min_p=1.0) == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_order_temperature_then_top_k_then_top_p():
+    # T = 2 flattens to sqrt(P4): 0.369, 0.261, 0.185, 0.185 -> top_p 0.7 keeps three tokens
+    flat = P4.sqrt() * torch.tensor([1.0, 1.0, 0.0, 1.0])  # [4]
+    assert probs_of(temperature=2.0, top_p=0.7) == pytest.approx((flat / flat.sum()).tolist())
+    assert probs_of(temperature=1.0, top_p=0.7) == pytest.approx([0, 2 / 3, 0, 1 / 3])
+    # top-k first: 2/3, 1/3 -> top_p 0.6 keeps one token (top-p first would keep two)
+    assert probs_of(top_k=2, top_p=0.6) == [0.0, 1.0, 0.0, 0.0]
+    # all four: T = 2, top-k 3, top-p 0.95, min-p 0.6 (drops 0.185 < 0.6 * 0.369)
+    assert probs_of(temperature=2.0, top_k=3, top_p=0.95, min_p=0.6) == pytest.approx(
+        [0, math.sqrt(0.5) / (math.sqrt(0.5) + 0.5), 0, 0.5 / (math.sqrt(0.5) + 0.5)])
+
+
+def test_rows_are_independent_and_params_per_row():
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(1)) * 4  # [6, 1000]
+    params = [(1.0, 0, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (1.3, 0, 0.9, 0.0),
+              (1.0, 0, 1.0, 0.05), (0.0, 0, 1.0, 0.0), (0.8, 20, 0.8, 0.01)]
+    t, k, p, m = (torch.tensor(col) for col in zip(*params))  # [6] each
+    batch = logits_to_probs(logits.bfloat16(), t, k, p, m)  # [6, 1000]
+    alone = [logits_to_probs(logits[i:i + 1].bfloat16(), *params[i]) for i in range(6)]
+    for i in range(6):
+        assert torch.equal(batch[i], alone[i][0]), f"row {i} depends on its batch"
+    reordered = logits_to_probs(logits.flip(0).bfloat16(), t.flip(0), k.flip(0), p.flip(0), m.flip(0))
+    assert torch.equal(reordered.flip(0), batch)
+    assert batch.dtype == torch.float32 and not batch.isnan().any()
+    torch.testing.assert_close(batch.sum(-1), torch.ones(6))
+
+
+def test_masked_logits_stay_zero():
+    logits = torch.tensor([[float("-inf"), 1.0, 2.0, float("-inf")]])  # [1, 4]
+    for kw in ({}, {"top_k": 3}, {"top_p": 0.99}, {"min_p": 0.01}):
+        out = logits_to_probs(logits, **kw)[0]  # [4]
+        assert out[0] == 0 and out[3] == 0 and not out.isnan().any()
+
+
+def test_filters_from_params():
+    reqs = [SamplingParams(temperature=0.8, top_k=5), SamplingParams(),  # the default is greedy
+            SamplingParams(temperature=1.0, top_p=0.5)]
+    filters = SamplingFilters.from_params(reqs, rows=[2, 1, 3])
+    assert filters.top_k.tolist() == [5, 5, 0, 0, 0, 0]
+    logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(2))  # [6, 30]
+    out = filters.probs(logits)  # [6, 30]
+    assert torch.equal(out[0], logits_to_probs(logits[:1], 0.8, 5)[0])
+    assert out[2].tolist() == torch.nn.functional.one_hot(logits[2].argmax(), 30).float().tolist()
+    assert torch.equal(out[5], logits_to_probs(logits[5:], 1.0, 0, 0.5)[0])
+
+
+def test_sample_is_seeded_and_per_row():
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(3)), -1)  # [4, 50]
+    a = sample(probs, make_generator(7))
+    b = sample(probs, make_generator(7))
+    assert torch.equal(a, b)
+    gens = [make_generator(s) for s in (10, 11, 12, 13)]
+    batch = sample(probs, gens)  # [4]
+    alone = [sample(probs[i:i + 1], make_generator(10 + i))[0] for i in range(4)]
+    assert batch.tolist() == [int(x) for x in alone]
+
+
+def test_sample_never_picks_zero_probability():
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0],
+                          [1e-30, 0.0, 0.0, 0.0, 0.0]]).repeat(2000, 1)  # [6000, 5]
+    tokens = sample(probs, make_generator(0))  # [6000]
+    assert (probs.gather(1, tokens[:, None]) > 0).all()
+    # rounding edges: u = 0 with leading zeros, u just below 1 with trailing zeros
+    weights = torch.tensor([[0.0, 0.0, 0.5, 0.5, 0.0, 0.0]] * 2)  # [2, 6]
+    u = torch.tensor([[0.0], [1.0 - 2.0 ** -53]], dtype=torch.float64)  # [2, 1]
+    assert inverse_cdf(weights, u).tolist() == [2, 3]
+
+
+def test_sample_distribution():
+    p = torch.tensor([0.05, 0.0, 0.4, 0.25, 0.3, 0.0])  # [6]
+    tokens = sample(p.repeat(20000, 1), make_generator(123))  # [20000]
+    counts = torch.bincount(tokens, minlength=6)  # [6]
+    assert chi2_pvalue(counts, p) > 1e-3
+    assert chi2_pvalue(counts, torch.tensor([0.1, 0.0, 0.35, 0.25, 0.3, 0.0])) < 1e-6  # has teeth
