@@ -98,9 +98,10 @@ class Attention(nn.Module):
         if row_exact or T == 1:
             outs = []
             for t in range(T):  # each row exactly as a one-token step computes it
-                qt = q[t].view(self.n_kv, group, self.hd)  # [n_kv, group, hd]
+                qt = q[t].view(1, self.n_kv, group, self.hd)  # [1, n_kv, group, hd]
                 n = seg.pos_start + t + 1
-                outs.append(F.scaled_dot_product_attention(qt, keys[:, :n], values[:, :n]).reshape(-1, self.hd))
+                o = F.scaled_dot_product_attention(qt, keys[None, :, :n], values[None, :, :n])
+                outs.append(o.reshape(-1, self.hd))  # [heads, hd]
             return torch.stack(outs)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, T, hd]
         mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(seg.pos_start)  # [T, end]

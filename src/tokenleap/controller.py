@@ -1,0 +1,101 @@
+"""Adaptive draft length: choose k each step to maximise expected tokens per second.
+
+Model (METRICS.md): with conditional acceptance b_i = P(draft i accepted | drafts 1..i-1 accepted),
+a step that drafts k tokens yields E(k) = 1 + sum_{i<=k} prod_{j<=i} b_j tokens per sequence.
+Its cost is the draft's time for k tokens plus one target forward over ``batch * (k + 1)`` rows.
+All three figures are measured while running: b_i as moving averages, the draft's seconds per
+token, and the target's seconds per forward as a function of the rows it computes. A row count
+never measured is predicted from the measured ones (linear through the nearest two), and
+optimistically as the cheapest measured cost until it has been tried once, so every k gets a
+chance. When no k beats plain decoding, the step decodes plainly; every ``probe_every`` plain
+steps it drafts once with a small k, so a change in the text (a copy-heavy passage) is noticed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    max_k: int = 8
+    fixed_k: int | None = None  # a fixed draft length disables adaptation
+    prior_acceptance: float = 0.6
+    ema: float = 0.15  # weight of a new observation
+    probe_every: int = 16
+    probe_k: int = 2
+
+
+class DraftLengthController:
+    def __init__(self, config: ControllerConfig) -> None:
+        self.cfg = config
+        self.accept = [config.prior_acceptance] * config.max_k  # conditional b_i
+        self.draft_cost: float | None = None  # seconds per drafted token per sequence
+        self.forward_cost: dict[int, float] = {}  # rows -> seconds
+        self._plain_streak = 0
+
+    # -- choosing ---------------------------------------------------------------------------
+    def choose(self, batch: int = 1) -> int:
+        if self.cfg.fixed_k is not None:
+            return self.cfg.fixed_k
+        best_k, best_rate = 0, self.rate(0, batch)
+        for k in range(1, self.cfg.max_k + 1):
+            r = self.rate(k, batch)
+            if r > best_rate * 1.0001:
+                best_k, best_rate = k, r
+        if best_k == 0:
+            self._plain_streak += 1
+            if self._plain_streak >= self.cfg.probe_every:
+                self._plain_streak = 0
+                return min(self.cfg.probe_k, self.cfg.max_k)
+        else:
+            self._plain_streak = 0
+        return best_k
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for b in self.accept[:k]:
+            run *= b
+            total += run
+        return total
+
+    def rate(self, k: int, batch: int = 1) -> float:
+        """Predicted tokens per second of a step drafting k tokens for each of ``batch`` sequences."""
+        draft = 0.0 if k == 0 else k * batch * (self.draft_cost if self.draft_cost is not None else 0.0)
+        cost = draft + self.predict_forward(batch * (k + 1))
+        return batch * self.expected_tokens(k) / cost if cost > 0 else float("inf")
+
+    def predict_forward(self, rows: int) -> float:
+        if rows in self.forward_cost:
+            return self.forward_cost[rows]
+        if not self.forward_cost:
+            return 1.0
+        known = sorted(self.forward_cost)
+        lower = [r for r in known if r < rows]
+        upper = [r for r in known if r > rows]
+        if not upper:  # untried larger block: optimistic until measured
+            return self.forward_cost[known[-1]] if len(known) < 2 else self._line(known[-2], known[-1], rows)
+        if not lower:
+            return self.forward_cost[upper[0]]
+        return self._line(lower[-1], upper[0], rows)
+
+    def _line(self, r0: int, r1: int, rows: int) -> float:
+        c0, c1 = self.forward_cost[r0], self.forward_cost[r1]
+        slope = max(0.0, (c1 - c0) / (r1 - r0))
+        return c0 + slope * (rows - r0)
+
+    # -- learning ---------------------------------------------------------------------------
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        old = self.forward_cost.get(rows)
+        self.forward_cost[rows] = seconds if old is None else old + self.cfg.ema * (seconds - old)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        per = seconds / tokens
+        self.draft_cost = per if self.draft_cost is None else self.draft_cost + self.cfg.ema * (per - self.draft_cost)
+
+    def observe_acceptance(self, proposed: int, accepted: int) -> None:
+        """One sequence's step: positions 1..accepted passed, position accepted+1 failed (if proposed)."""
+        for i in range(min(proposed, accepted + 1)):
+            hit = 1.0 if i < accepted else 0.0
+            self.accept[i] += self.cfg.ema * (hit - self.accept[i])

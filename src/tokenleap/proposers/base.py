@@ -1,0 +1,35 @@
+"""The one small interface every drafting method implements; the engine never asks which it has.
+
+Lifecycle per sequence (llama.cpp's begin / draft / accept):
+    begin(seq_id, prompt)           -- a new sequence with its prompt token ids
+    propose(seq_id, tokens, k, ..)  -- up to k draft tokens to follow ``tokens`` (or None)
+    accept(seq_id, num_accepted)    -- how many of the last proposal the target kept
+    end(seq_id)                     -- the sequence is finished; free what it held
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..config import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]  # k proposed token ids, k >= 1
+    probs: torch.Tensor | None  # [k, vocab] draft distribution each token was drawn from; None = deterministic
+
+
+class Proposer(Protocol):
+    name: str
+
+    def begin(self, seq_id: int, prompt: list[int]) -> None: ...
+
+    def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft | None: ...
+
+    def accept(self, seq_id: int, num_accepted: int) -> None: ...
+
+    def end(self, seq_id: int) -> None: ...
