@@ -1,0 +1,342 @@
+"""GGUF reading: header and metadata -> ModelConfig, tensors -> Hugging Face names, dequantization.
+
+The header (metadata and tensor table) is parsed here with bounds checks on every read, so a
+truncated or corrupt file fails in well under a second with a clear message, before any
+dequantization starts (``gguf.GGUFReader`` needs ~16 s to parse the 150k-token Qwen
+vocabularies, and fails late and obscurely on truncated files). The ``gguf`` package supplies the
+type tables and the dequantization kernels (``gguf.quants.dequantize``).
+
+llama.cpp's converter permutes the rows of the q and k projections of *llama* models (it
+interleaves the two rotary halves of each head); ``GGUFFile`` undoes that so every tensor equals the
+Hugging Face original (up to quantization error). Qwen2 files are not permuted.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
+
+from ..config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from ..errors import ModelFormatError, ModelNotFoundError
+
+GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+_SCALARS: dict[int, str] = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """Hugging Face name of a GGUF tensor name, or None for tensors tokenleap does not use."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the GGUF tensor table."""
+
+    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # row-major (PyTorch / HF) order, e.g. [out, in]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        """Shape of the raw data as uint8: rows stay rows, the last dim becomes bytes per row."""
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return (*self.shape[:-1], self.shape[-1] // block * type_size)
+
+
+class _HeaderReader:
+    """Bounds-checked little-endian reads over the file bytes."""
+
+    def __init__(self, buf: memoryview, path: Path):
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def fail(self, what: str) -> ModelFormatError:
+        return ModelFormatError(
+            f"{self.path} is not a valid GGUF file: it is truncated or corrupt ({what}). "
+            "Re-download or reinstall the model."
+        )
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > len(self.buf):
+            raise self.fail(f"header ends past the end of the file at byte {start + n:,}")
+        self.pos += n
+        return start
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        return bytes(self.buf[self.take(n):self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            return self.array()
+        raise self.fail(f"unknown metadata value type {vtype}")
+
+    def array(self) -> list[Any]:
+        itype, count = self.scalar("<I"), self.scalar("<Q")
+        if itype in _SCALARS and itype != GGUFValueType.BOOL:
+            dtype = np.dtype(_SCALARS[itype])
+            start = self.take(count * dtype.itemsize)
+            return np.frombuffer(self.buf, dtype, count, start).tolist()
+        if count > len(self.buf):
+            raise self.fail(f"array length {count:,} exceeds the file size")
+        return [self.value(itype) for _ in range(count)]
+
+
+def _parse_tensor_info(r: _HeaderReader) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int]:
+    name = r.string()
+    n_dims = r.scalar("<I")
+    if n_dims > 8:
+        raise r.fail(f"tensor {name!r} claims {n_dims} dimensions")
+    dims = [r.scalar("<Q") for _ in range(n_dims)]  # ggml order: innermost first
+    raw_type, rel_offset = r.scalar("<I"), r.scalar("<Q")
+    try:
+        qtype = GGMLQuantizationType(raw_type)
+    except ValueError:
+        raise r.fail(f"tensor {name!r} has unknown data type {raw_type}") from None
+    return name, qtype, tuple(reversed(dims)), rel_offset
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """Metadata and tensor table of a GGUF file; checks magic, version and every tensor's data range."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(4)
+        if head != GGUF_MAGIC:
+            raise ModelFormatError(
+                f"{path} is not a GGUF file (it starts with {head!r}, not b'GGUF'); it may be truncated or corrupt"
+            )
+        mm = np.memmap(f, dtype=np.uint8, mode="r")
+    r = _HeaderReader(memoryview(mm), path)
+    r.take(4)
+    version = r.scalar("<I")
+    if version not in (2, 3):
+        raise ModelFormatError(f"{path}: GGUF version {version} is not supported (need 2 or 3)")
+    n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+    if n_tensors > size or n_kv > size:
+        raise r.fail("implausible tensor or metadata count")
+    meta = {}
+    for _ in range(n_kv):
+        key = r.string()
+        meta[key] = r.value(r.scalar("<I"))
+    entries = [_parse_tensor_info(r) for _ in range(n_tensors)]
+    align = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise r.fail(f"invalid general.alignment {align!r}")
+    data_start = -(-r.pos // align) * align
+    return meta, _tensor_table(entries, data_start, size, r)
+
+
+def _tensor_table(entries: list, data_start: int, size: int, r: _HeaderReader) -> dict[str, TensorInfo]:
+    infos = {}
+    for name, qtype, shape, rel_offset in entries:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_elems = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if shape and shape[-1] % block:
+            raise r.fail(f"tensor {name!r} row size {shape[-1]} is not a multiple of {qtype.name}'s block {block}")
+        info = TensorInfo(name, qtype, shape, data_start + rel_offset, n_elems // block * type_size)
+        if info.offset + info.nbytes > size:
+            raise r.fail(
+                f"tensor {name!r} needs bytes up to {info.offset + info.nbytes:,} but the file has {size:,}"
+            )
+        infos[name] = info
+    return infos
+
+
+def _unpermute_rows(w: Any, n_head: int) -> Any:
+    """Invert llama.cpp's q/k row permutation; works on torch tensors and numpy arrays alike."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _permute_rows(w: Any, n_head: int) -> Any:
+    """llama.cpp's permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py), for tests and writers."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """A validated GGUF file: config, tensors under Hugging Face names, raw blocks, tokenizer metadata."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {self.path}")
+        self.metadata, self.infos = read_header(self.path)
+        self.architecture = str(self.metadata.get("general.architecture", ""))
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelFormatError(
+                f"{self.path}: architecture {self.architecture or 'unknown'!r} is not supported; "
+                f"tokenleap runs {' and '.join(SUPPORTED_ARCHITECTURES)} models"
+            )
+        self._check_rope_scaling()
+        self.hf_to_gguf = {hf: n for n in self.infos if (hf := gguf_to_hf_name(n)) is not None}
+        self.ignored = [n for n in self.infos if gguf_to_hf_name(n) is None]
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def _check_rope_scaling(self) -> None:
+        kind = self.metadata.get(f"{self.architecture}.rope.scaling.type", "none")
+        factor = float(self.metadata.get(f"{self.architecture}.rope.scaling.factor", 1.0) or 1.0)
+        if "rope_freqs.weight" in self.infos or (kind not in ("none", "") and factor != 1.0):
+            raise ModelFormatError(f"{self.path}: RoPE scaling ({kind}) is not supported by tokenleap")
+
+    def _meta(self, key: str, default: Any = ...) -> Any:
+        full = f"{self.architecture}.{key}"
+        if full in self.metadata:
+            return self.metadata[full]
+        if default is ...:
+            raise ModelFormatError(f"{self.path}: GGUF metadata lacks {full!r}; the file is incomplete")
+        return default
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        """The model's shape, mapped from GGUF metadata to ModelConfig."""
+        hidden, heads = int(self._meta("embedding_length")), int(self._meta("attention.head_count"))
+        kv_heads = self._meta("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):
+            raise ModelFormatError(f"{self.path}: per-layer KV head counts are not supported")
+        if "token_embd.weight" not in self.infos:
+            raise ModelFormatError(f"{self.path}: the file has no token_embd.weight tensor")
+        eos = [self.metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        try:
+            return ModelConfig(
+                architecture=self.architecture,
+                vocab_size=self.infos["token_embd.weight"].shape[0],
+                hidden_size=hidden,
+                intermediate_size=int(self._meta("feed_forward_length")),
+                num_hidden_layers=int(self._meta("block_count")),
+                num_attention_heads=heads,
+                num_key_value_heads=int(kv_heads),
+                head_dim=int(self._meta("attention.key_length", hidden // heads)),
+                max_position_embeddings=int(self._meta("context_length", 4096)),
+                rope_theta=float(self._meta("rope.freq_base", 10000.0)),
+                rms_norm_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-6)),
+                tie_word_embeddings="output.weight" not in self.infos,
+                attention_bias=self.architecture == "qwen2",
+                bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
+                eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            )
+        except ConfigError as e:
+            raise ModelFormatError(f"{self.path}: {e}") from None
+
+    def hf_names(self) -> list[str]:
+        """Hugging Face names of the tensors tokenleap uses, in file order."""
+        return list(self.hf_to_gguf)
+
+    def info(self, hf_name: str) -> TensorInfo:
+        if hf_name not in self.hf_to_gguf:
+            raise KeyError(f"{self.path} has no tensor {hf_name!r}")
+        return self.infos[self.hf_to_gguf[hf_name]]
+
+    def _heads_to_unpermute(self, hf_name: str) -> int | None:
+        if self.architecture != "llama":
+            return None
+        if ".self_attn.q_proj." in hf_name:
+            return self.config.num_attention_heads
+        if ".self_attn.k_proj." in hf_name:
+            return self.config.num_key_value_heads
+        return None
+
+    def raw_tensor(self, hf_name: str) -> tuple[GGMLQuantizationType, np.ndarray, tuple[int, ...]]:
+        """(type, raw bytes, HF shape): bytes as uint8 [*shape[:-1], bytes_per_row], read-only.
+
+        Rows are in Hugging Face order (llama's q/k permutation is undone on whole rows, which is
+        exact: quantization blocks never cross rows); each row holds its quantization blocks.
+        """
+        info = self.info(hf_name)
+        raw = self._data[info.offset:info.offset + info.nbytes].reshape(info.byte_shape)  # [rows, row_bytes]
+        n_head = self._heads_to_unpermute(hf_name)
+        if n_head is not None:
+            raw = _unpermute_rows(raw, n_head)
+        return info.qtype, raw, info.shape
+
+    def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized tensor in HF shape and order, e.g. [out, in] for projections."""
+        info = self.info(hf_name)
+        raw = self._data[info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
+        try:
+            values = quants.dequantize(raw, info.qtype)  # float32, info.shape
+        except NotImplementedError:
+            raise ModelFormatError(
+                f"{self.path}: tensor {info.name!r} is stored as {info.qtype.name}, which tokenleap cannot "
+                "dequantize; use a file quantized as Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, F16, BF16 or F32"
+            ) from None
+        out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True).reshape(info.shape))
+        n_head = self._heads_to_unpermute(hf_name)
+        if n_head is not None:
+            out = _unpermute_rows(out, n_head).contiguous()
+        return out.to(dtype)
+
+    def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, dequantized tensor) pairs, one at a time to bound memory."""
+        for hf_name in self.hf_to_gguf:
+            yield hf_name, self.tensor(hf_name, dtype)
+
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        """Every ``tokenizer.*`` metadata entry under its GGUF key, plus ``general.architecture``.
+
+        Keys include ``tokenizer.ggml.model`` ("gpt2" for byte-level BPE, "llama" for SentencePiece),
+        ``tokenizer.ggml.pre``, ``tokenizer.ggml.tokens`` (list[str]), ``tokenizer.ggml.token_type``
+        (list[int]), ``tokenizer.ggml.merges`` (list[str], "a b"), ``tokenizer.ggml.bos_token_id``,
+        ``tokenizer.ggml.eos_token_id``, ``tokenizer.ggml.padding_token_id``,
+        ``tokenizer.ggml.add_bos_token`` and ``tokenizer.chat_template`` where the file has them.
+        """
+        out = {k: v for k, v in self.metadata.items() if k.startswith("tokenizer.")}
+        out["general.architecture"] = self.architecture
+        return out
+
+    def close(self) -> None:
+        mm = getattr(self._data, "_mmap", None)
+        self._data = None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # views still alive elsewhere; the OS frees the map with them
+                pass
+
+    def __enter__(self) -> "GGUFFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["GGUFFile", "TensorInfo", "gguf_to_hf_name", "read_header", "GGUF_MAGIC"]
