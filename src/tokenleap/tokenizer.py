@@ -1,0 +1,455 @@
+"""Tokenizer: GGUF tokenizer metadata -> Hugging Face ``tokenizers`` files, chat templates, streaming decode.
+
+A GGUF file carries its tokenizer as metadata (vocabulary, merges, token types, special ids, chat
+template). ``write_tokenizer_files`` turns that into ``tokenizer.json`` + ``tokenizer_config.json``,
+the same pair a Hugging Face model directory has, so ``Tokenizer.from_dir`` serves both sources.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import operator
+import struct
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from .config import ConfigError
+from .errors import ModelFormatError, ModelNotFoundError, TokenleapError
+
+# Pre-tokenizer split patterns, keyed by GGUF ``tokenizer.ggml.pre`` (llama.cpp's names)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_DIGIT_SPLIT = r"\p{N}"
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+# pre type -> (split patterns applied in order, BPE ignore_merges)
+_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    **{name: ((_GPT2_SPLIT,), False) for name in ("gpt2", "gpt-2", "mpt", "olmo")},
+    **{name: ((_DIGIT_SPLIT, _GPT2_SPLIT), False)
+       for name in ("smollm", "starcoder", "refact", "codeshell", "command-r")},
+    **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "stablelm2")},
+    **{name: ((_LLAMA3_SPLIT,), True) for name in ("llama-bpe", "llama3", "llama-v3", "falcon3")},
+}
+
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+# Tokens that end a chat turn (stop ids when the template uses them) and ones that end a document.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+_DOC_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
+
+
+class ChatTemplateError(TokenleapError, ConfigError):
+    """No chat template, bad messages, or a template that failed to render."""
+
+
+# Reading tokenizer metadata straight from a GGUF file (header only; fast, no tensor parsing)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _GGUFCursor:
+    def __init__(self, buf: Any, endian: str) -> None:
+        self.buf, self.endian, self.pos = buf, endian, 0
+
+    def scalar(self, fmt: str) -> Any:
+        value = struct.unpack_from(self.endian + fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        raw = self.buf[self.pos:self.pos + n]
+        if len(raw) != n:
+            raise struct.error("string runs past the end of the file")
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == _ARRAY:
+            etype, count = self.scalar("I"), self.scalar("Q")
+            if etype in _SCALARS:
+                fmt = f"{self.endian}{count}{_SCALARS[etype]}"
+                items = list(struct.unpack_from(fmt, self.buf, self.pos))
+                self.pos += struct.calcsize(fmt)
+                return items
+            return [self.value(etype) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
+    """The ``tokenizer.*`` (and ``general.architecture``) metadata of a GGUF file, keys as in GGUF."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF" or path.stat().st_size < 24:
+            raise ModelFormatError(f"{path} is not a GGUF file (bad magic bytes or too short)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with buf:
+        endian = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
+        cur = _GGUFCursor(buf, endian)
+        cur.pos = 8
+        try:
+            cur.scalar("Q")  # tensor count
+            out: dict[str, Any] = {}
+            for _ in range(cur.scalar("Q")):
+                key = cur.string()
+                value = cur.value(cur.scalar("I"))
+                if key.startswith("tokenizer.") or key == "general.architecture":
+                    out[key] = value
+        except (struct.error, ValueError) as e:
+            raise ModelFormatError(f"{path}: corrupt or truncated GGUF metadata ({e})") from e
+    return out
+
+
+# GGUF metadata -> tokenizers.Tokenizer
+@lru_cache(maxsize=1)
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _byte_level_spelling(token: str) -> str:
+    """A token spelled in the byte alphabet (unchanged if it already is)."""
+    table = _byte_to_char()
+    if set(token) <= set(table.values()):
+        return token
+    return "".join(table[b] for b in token.encode("utf-8"))
+
+
+def _require(metadata: dict[str, Any], key: str) -> Any:
+    if key not in metadata or metadata[key] is None:
+        raise ModelFormatError(f"GGUF tokenizer metadata lacks {key!r}; the file is incomplete")
+    return metadata[key]
+
+
+def _pre_tokenizer_spec(pre: str | None) -> tuple[tuple[str, ...], bool]:
+    if pre is None or pre == "default":  # older byte-level conversions: plain GPT-2 splitting
+        return _PRE_TOKENIZERS["gpt2"]
+    if pre not in _PRE_TOKENIZERS:
+        raise ModelFormatError(
+            f"unsupported GGUF pre-tokenizer {pre!r}; tokenleap supports "
+            f"{', '.join(sorted(_PRE_TOKENIZERS))}")
+    return _PRE_TOKENIZERS[pre]
+
+
+def build_backend_tokenizer(metadata: dict[str, Any]) -> _Backend:
+    """A byte-level BPE ``tokenizers.Tokenizer`` from GGUF tokenizer metadata."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelFormatError(
+            f"unsupported tokenizer model {kind!r} in GGUF metadata; tokenleap supports byte-level "
+            "BPE ('gpt2', used by Qwen2, SmolLM2 and Llama 3), not sentencepiece ('llama') or others")
+    tokens = [str(t) for t in _require(metadata, "tokenizer.ggml.tokens")]
+    merges = [str(m) for m in _require(metadata, "tokenizer.ggml.merges")]
+    types = metadata.get("tokenizer.ggml.token_type")
+    types = [int(k) for k in types] if types is not None else [_TOKEN_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelFormatError("GGUF tokenizer metadata: token_type and tokens differ in length")
+    splits, ignore_merges = _pre_tokenizer_spec(metadata.get("tokenizer.ggml.pre"))
+
+    added = {_TOKEN_CONTROL, _TOKEN_USER_DEFINED}
+    vocab: dict[str, int] = {}
+    for i, (tok, kind_) in enumerate(zip(tokens, types)):
+        vocab.setdefault(tok if kind_ in added else _byte_level_spelling(tok), i)
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise ModelFormatError("GGUF tokenizer metadata: a merge is not two space-separated tokens")
+    try:
+        backend = _Backend(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    except Exception as e:  # tokenizers raises plain Exceptions for merges naming unknown tokens
+        raise ModelFormatError(f"GGUF tokenizer metadata is inconsistent: {e}") from e
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == _TOKEN_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == _TOKEN_USER_DEFINED])
+    _set_post_processor(backend, metadata, tokens)
+    return backend
+
+
+def _special(metadata: dict[str, Any], tokens: list[str], name: str) -> str | None:
+    idx = metadata.get(f"tokenizer.ggml.{name}_token_id")
+    if idx is None or isinstance(idx, bool) or not float(idx).is_integer():
+        return None
+    return tokens[int(idx)] if 0 <= int(idx) < len(tokens) else None
+
+
+def _set_post_processor(backend: _Backend, metadata: dict[str, Any], tokens: list[str]) -> None:
+    bos, eos = _special(metadata, tokens, "bos"), _special(metadata, tokens, "eos")
+    head = [bos] if bos and metadata.get("tokenizer.ggml.add_bos_token") else []
+    tail = [eos] if eos and metadata.get("tokenizer.ggml.add_eos_token") else []
+    if not head and not tail:
+        return
+    single = " ".join([*head, "$A", *tail])
+    pair = " ".join([*head, "$A", *tail, *head, "$B:1", *tail])
+    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(head + tail)]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def tokenizer_config_from_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` content Hugging Face uses, from GGUF metadata."""
+    tokens = [str(t) for t in metadata.get("tokenizer.ggml.tokens", [])]
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                              "clean_up_tokenization_spaces": False}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+        config[f"{name}_token"] = _special(metadata, tokens, key)
+    config["add_bos_token"] = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    config["add_eos_token"] = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    if metadata.get("tokenizer.chat_template"):
+        config["chat_template"] = metadata["tokenizer.chat_template"]
+    return config
+
+
+def write_tokenizer_files(metadata: dict[str, Any], out_dir: Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` for GGUF tokenizer metadata."""
+    out_dir = Path(out_dir)
+    backend = build_backend_tokenizer(metadata)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    backend.save(str(out_dir / "tokenizer.json"))
+    config = json.dumps(tokenizer_config_from_metadata(metadata), indent=2, ensure_ascii=False)
+    (out_dir / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
+
+
+# Chat templates (rendered like Hugging Face transformers does)
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the model's chat template rejected the conversation: {message}")
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"message {i} must be a dict with a string 'role', got {m!r}")
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(value: Any) -> str | None:
+    """A template string, or the 'default' one of a list of named templates."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
+
+
+# Tokenizer
+class Tokenizer:
+    """Text <-> token ids, chat templates, stop ids. Wraps a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, backend: _Backend, config: dict[str, Any] | None = None,
+                 generation_config: dict[str, Any] | None = None) -> None:
+        self._backend = backend
+        config = dict(config or {})
+        self.chat_template: str | None = _pick_template(config.get("chat_template"))
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.pad_token = _token_content(config.get("pad_token"))
+        self.unk_token = _token_content(config.get("unk_token"))
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        self.eos_token_id = self.token_to_id(self.eos_token)
+        with_specials = backend.encode("a", add_special_tokens=True).ids
+        self.add_bos_token = self.bos_token_id is not None and with_specials[:1] == [self.bos_token_id]
+        self.eos_token_ids = self._stop_ids(generation_config or {})
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load ``tokenizer.json`` (required) and, when present, ``tokenizer_config.json``,
+        ``chat_template.jinja`` and ``generation_config.json`` from a directory."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ModelNotFoundError(f"no tokenizer.json in {path}; the model directory is incomplete")
+        try:
+            backend = _Backend.from_file(str(path / "tokenizer.json"))
+        except Exception as e:
+            raise ModelFormatError(f"{path / 'tokenizer.json'} could not be read: {e}") from e
+        config = _read_json(path / "tokenizer_config.json")
+        if not _pick_template(config.get("chat_template")) and (path / "chat_template.jinja").is_file():
+            config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(backend, config, _read_json(path / "generation_config.json"))
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        """Build in memory from GGUF tokenizer metadata (no files written)."""
+        return cls(build_backend_tokenizer(metadata), tokenizer_config_from_metadata(metadata))
+
+    # -- vocabulary ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (may be below the model's embedding rows)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> _Backend:
+        """The wrapped ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
+
+    def _stop_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
+        ids: list[int | None] = [self.eos_token_id]
+        gen_eos = generation_config.get("eos_token_id")
+        ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        template = self.chat_template or ""
+        ids += [self.token_to_id(t) for t in _TURN_END_TOKENS if t in template]
+        specials = {t.content for t in self._backend.get_added_tokens_decoder().values() if t.special}
+        ids += [self.token_to_id(t) for t in _DOC_END_TOKENS if t in specials]
+        return tuple(dict.fromkeys(int(i) for i in ids if isinstance(i, int)))
+
+    # -- encode / decode ----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS where the model's config says so."""
+        if not isinstance(text, str):
+            raise ConfigError(f"text to encode must be a string, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+    # -- chat -----------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Render a conversation with the model's chat template, as transformers does."""
+        if not self.chat_template:
+            raise ChatTemplateError(
+                "this model has no chat template, so it cannot format chat messages; use --chat "
+                "(or chat messages) only with instruct/chat models, or pass a plain text prompt")
+        _check_messages(messages)
+        template = _compile_template(self.chat_template)
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                     "pad_token": self.pad_token, "unk_token": self.unk_token, **kwargs}
+        try:
+            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                   tools=tools, **variables)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # jinja2 errors, or a template indexing a field a message lacks
+            raise ChatTemplateError(f"the model's chat template failed on these messages: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """Token ids of a rendered conversation; BOS is added only if the model wants one and
+        the template did not already write it."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        ids = self.encode(text, add_special_tokens=False)
+        if self.add_bos_token and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{path} is not valid JSON: {e}") from e
+    return data if isinstance(data, dict) else {}
+
+
+# Streaming detokenization
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces, never splitting a UTF-8 character.
+
+    Only a small window is decoded per call: ``_prefix`` marks where the window starts (a clean
+    character boundary, kept one chunk back as context), ``_read`` where already-emitted text ends,
+    ``_pending`` how many characters past ``_read`` were emitted while a multi-byte character at
+    the end was still incomplete. Concatenating every ``add`` result and ``flush`` equals
+    ``tokenizer.decode(all_ids)``.
+    """
+
+    # Past this many tokens without a complete character the bytes are garbage, not a split char.
+    MAX_PENDING_TOKENS = 16
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = self._pending = 0
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self.ids[start:end], skip_special_tokens=self._skip)
+
+    def add(self, ids: int | Iterable[int]) -> str:
+        """Append token id(s); return the text they complete ("" while a character is partial)."""
+        try:
+            self.ids.append(operator.index(ids))
+        except TypeError:
+            self.ids.extend(operator.index(i) for i in ids)
+        prefix_text = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix)
+        stable = len(text.rstrip("\ufffd"))
+        if stable < len(text) and len(self.ids) - self._read > self.MAX_PENDING_TOKENS:
+            stable = len(text)
+        start = len(prefix_text) + self._pending
+        piece = text[start:stable] if stable > start else ""
+        if stable == len(text):
+            self._prefix, self._read, self._pending = self._read, len(self.ids), 0
+        else:
+            self._pending += len(piece)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """Return whatever is held back (an incomplete character decodes as U+FFFD) and reset."""
+        prefix_text = self._decode(self._prefix, self._read)
+        piece = self._decode(self._prefix)[len(prefix_text) + self._pending:]
+        self._prefix = self._read = len(self.ids)
+        self._pending = 0
+        self.text += piece
+        return piece
