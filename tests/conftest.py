@@ -11,7 +11,8 @@ import torch
 from tokenleap.config import ModelConfig
 from tokenleap.models.build import build_transformer
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tiny models are latency-bound: one thread avoids OpenMP hand-offs that dominate their cost.
+torch.set_num_threads(1)
 
 
 def tiny_config(arch: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 2, heads: int = 4,
@@ -54,3 +55,34 @@ def smollm2_gguf() -> Path:
     if not path.exists():
         pytest.skip(f"{path} missing")
     return path
+
+
+class ToyDetokenizer:
+    def __init__(self, tok: "ToyTokenizer") -> None:
+        self.tok = tok
+
+    def add(self, ids: list[int]) -> str:
+        return "".join(self.tok.piece(i) for i in ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+class ToyTokenizer:
+    """Token i is spelled as two letters, so stop strings can span tokens; EOS spells nothing."""
+
+    def __init__(self, vocab: int, eos: tuple[int, ...] = (2,)) -> None:
+        self.vocab_size = vocab
+        self.eos_token_ids = eos
+
+    def piece(self, i: int) -> str:
+        return "" if i in self.eos_token_ids else chr(97 + i % 26) + chr(97 + (i // 26) % 26)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % self.vocab_size for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.piece(i) for i in ids)
+
+    def detokenizer(self) -> ToyDetokenizer:
+        return ToyDetokenizer(self)

@@ -1,0 +1,117 @@
+"""The Python API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.stream(...)``."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ConfigError, SamplingParams, SpecConfig
+from .controller import ControllerConfig
+from .engine import Engine
+from .loading import LoadedModel, load_model
+from .proposers.base import Proposer
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str | None
+    seconds: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "num_tokens": self.num_tokens,
+                "prompt_tokens": self.prompt_tokens, "finish_reason": self.finish_reason,
+                "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
+                "stats": self.stats}
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # all generated token ids so far
+    finished: bool
+    output: RequestOutput | None = None  # set on the last chunk
+
+
+class LLM:
+    """A target model, its tokenizer, and optionally a speculative proposer."""
+
+    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto", quant: str = "none",
+                 speculative: SpecConfig | None = None, max_model_len: int | None = None,
+                 cache_dir: str | Path | None = None, num_slots: int = 1) -> None:
+        self.target: LoadedModel = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
+        self.tokenizer = self.target.tokenizer
+        self.spec = speculative or SpecConfig()
+        max_len = min(max_model_len or 4096, self.target.model.config.max_position_embeddings)
+        self.proposer = build_proposer(self.spec, self.target, max_len, num_slots, cache_dir)
+        fixed = None if self.spec.num_tokens == "auto" else int(self.spec.num_tokens)
+        ctl = ControllerConfig(max_k=max(self.spec.max_num_tokens, fixed or 1), fixed_k=fixed)
+        self.engine = Engine(self.target.model, self.tokenizer, max_len=max_len, num_slots=num_slots,
+                             proposer=self.proposer, controller=ctl)
+
+    # -- prompts ----------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    # -- generation -------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               chat: bool = False) -> Iterator[StreamChunk]:
+        params = params or SamplingParams()
+        ids = self.encode(prompt, chat)
+        t0 = time.perf_counter()
+        seq = None
+        for seq, piece in self.engine.generate(ids, params):
+            if not seq.finished:
+                yield StreamChunk(piece, seq.generated, False)
+            else:
+                last_piece = piece
+        assert seq is not None
+        seconds = time.perf_counter() - t0
+        out = RequestOutput(prompt=prompt, text=seq.text, token_ids=seq.generated, prompt_tokens=len(ids),
+                            finish_reason=seq.finish_reason, seconds=seconds, stats=seq.stats.to_dict())
+        yield StreamChunk(last_piece, seq.generated, True, out)
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 params: SamplingParams | None = None, chat: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            raise ConfigError("no prompts given")
+        outputs = []
+        for p in prompts:  # type: ignore[union-attr]
+            *_, last = self.stream(p, params, chat)
+            outputs.append(last.output)
+        return outputs
+
+
+def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slots: int,
+                   cache_dir: str | Path | None) -> Proposer | None:
+    if spec.method is None:
+        return None
+    if spec.method == "ngram":
+        from .proposers.ngram import NgramProposer
+        return NgramProposer(spec.ngram_max, spec.ngram_min)
+    from .proposers.draft_model import DraftModelProposer
+    draft = load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
+                       cache_dir=cache_dir)
+    return DraftModelProposer(draft.model, target.model.config.vocab_size, max_len, num_slots)

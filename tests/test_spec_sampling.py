@@ -1,0 +1,110 @@
+"""Speculative sampling through the whole engine has exactly the target's distribution.
+
+A tiny 3-token vocabulary makes the exact distribution of 4-token continuations computable by
+enumeration (81 sequences). Samples from the engine with a deliberately different draft model
+must fit it by a chi-square test; the same test at the same seed and sample size rejects a
+verifier with a classic bug (resampling from p instead of norm(max(0, p - q)) on rejection).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import tokenleap.engine as engine_mod
+from tokenleap.cache import KVCache
+from tokenleap.config import SamplingParams
+from tokenleap.controller import ControllerConfig
+from tokenleap.engine import Engine
+from tokenleap.models.build import build_transformer
+from tokenleap.models.transformer import Segment
+from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.sampling import logits_to_probs, sample
+from tokenleap.verify import Verification
+
+from conftest import ToyTokenizer, random_weights, tiny_config
+
+V, N_NEW, N_SAMPLES = 3, 4, 1500
+PROMPT = [0, 1, 2, 1]
+PARAMS = dict(temperature=0.9, top_k=0, top_p=1.0)
+
+
+def model(seed: int, scale: float):
+    cfg = tiny_config("llama", vocab=V, hidden=32, intermediate=64, heads=2, kv_heads=1)
+    return build_transformer(cfg, random_weights(cfg, seed, scale=scale), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return model(11, 1.0), model(12, 2.0)  # a draft far from the target: many rejections
+
+
+def exact_distribution(target) -> dict[tuple[int, ...], float]:
+    out = {}
+    for cont in itertools.product(range(V), repeat=N_NEW):
+        ids = PROMPT + list(cont)
+        cache = KVCache(target.config, 1, 32, torch.float32)
+        logits = target(torch.tensor(ids), [Segment(cache.allocate(), 0, len(ids))], cache).logits
+        probs = logits_to_probs(logits[len(PROMPT) - 1: -1], **PARAMS)  # [N_NEW, V]
+        out[cont] = float(torch.prod(probs[torch.arange(N_NEW), torch.tensor(cont)]))
+    return out
+
+
+def sample_counts(target, draft, seed: int) -> dict[tuple[int, ...], int]:
+    eng = Engine(target, ToyTokenizer(V, eos=()), max_len=32,
+                 proposer=DraftModelProposer(draft, V, 32), controller=ControllerConfig(max_k=3, fixed_k=3))
+    gen = torch.Generator().manual_seed(seed)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(N_SAMPLES):
+        s = int(torch.randint(0, 2**31, (1,), generator=gen))
+        params = SamplingParams(max_tokens=N_NEW, seed=s, ignore_eos=True, **PARAMS)
+        *_, (seq, _) = eng.generate(PROMPT, params)
+        key = tuple(seq.generated)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def p_value(counts, exact) -> float:
+    keys = sorted(exact, key=exact.get, reverse=True)
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for k in keys:  # pool cells with a small expectation
+        e = exact[k] * N_SAMPLES
+        if e >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(e)
+        else:
+            rest_o += counts.get(k, 0)
+            rest_e += e
+    obs.append(rest_o)
+    exp.append(rest_e)
+    total = sum(exp)
+    exp = [e * N_SAMPLES / total for e in exp]  # exact sums to 1 up to float rounding
+    return float(chisquare(obs, exp).pvalue)
+
+
+def test_engine_sampling_matches_target_distribution(pair):
+    target, draft = pair
+    exact = exact_distribution(target)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    counts = sample_counts(target, draft, seed=5)
+    assert p_value(counts, exact) > 1e-3
+
+
+def test_same_check_rejects_a_biased_verifier(pair, monkeypatch):
+    def biased(draft_tokens, draft_probs, target_probs, generator=None):
+        k = draft_tokens.shape[0]
+        u = torch.rand(k, generator=generator, dtype=torch.float64)
+        for i in range(k):
+            x = int(draft_tokens[i])
+            if u[i] * float(draft_probs[i, x]) >= float(target_probs[i, x]):  # rejected:
+                tok = int(sample(target_probs[i:i + 1], generator)[0])  # bug: from p, not the residual
+                return Verification(draft_tokens[:i].tolist() + [tok], i)
+        return Verification(draft_tokens.tolist() + [int(sample(target_probs[k:], generator)[0])], k)
+
+    target, draft = pair
+    exact = exact_distribution(target)
+    monkeypatch.setattr(engine_mod, "verify_sampling", biased)
+    counts = sample_counts(target, draft, seed=5)
+    assert p_value(counts, exact) < 1e-6
