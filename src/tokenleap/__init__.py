@@ -1,6 +1,13 @@
 """tokenleap: lossless speculative decoding for LLMs in PyTorch."""
 from .config import ModelConfig, SamplingParams, SpecConfig
 
+
+def __getattr__(name):  # the API pulls in torch and the loaders: import it on first use
+    if name in ("LLM", "RequestOutput", "StreamChunk"):
+        from . import api
+        return getattr(api, name)
+    raise AttributeError(name)
+
 __version__ = "0.1.0"
 
-__all__ = ["ModelConfig", "SamplingParams", "SpecConfig", "__version__"]
+__all__ = ["LLM", "ModelConfig", "SamplingParams", "SpecConfig", "__version__"]
