@@ -49,7 +49,11 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     dt = resolve_dtype(dtype)
     ckpt = load_checkpoint(str(name_or_path), dt, Path(cache_dir) if cache_dir else None)
     model = build_transformer(ckpt.config, ckpt.weights, dt)
-    if quant != "none":
+    if quant == "int4" and ckpt.gguf_path is not None:
+        # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become int8
+        from .models.quant import quantize_from_gguf_
+        quantize_from_gguf_(model, ckpt.gguf_path, other="int8")
+    elif quant != "none":
         from .models.quant import quantize_
         quantize_(model, quant)
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)

@@ -1,0 +1,72 @@
+"""The adaptive draft length follows measured acceptance and cost."""
+from __future__ import annotations
+
+import pytest
+
+from tokenleap.controller import ControllerConfig, DraftLengthController
+from tokenleap.errors import TokenleapError
+from tokenleap.proposers.draft_model import DraftModelProposer
+
+from conftest import tiny_model
+
+
+def controller(acceptance: float, steps: int = 200, draft_cost: float = 0.05, probe_every: int = 16):
+    c = DraftLengthController(ControllerConfig(max_k=8, probe_every=probe_every))
+    for rows in range(1, 10):  # verification nearly free up to 9 rows (memory-bound target)
+        c.observe_forward(rows, 1.0 + 0.02 * (rows - 1))
+    c.observe_draft(1, draft_cost)
+    # feed per-position outcomes with conditional acceptance `acceptance` at every position
+    import random
+    rng = random.Random(0)
+    for _ in range(steps):
+        accepted = 0
+        while accepted < 8 and rng.random() < acceptance:
+            accepted += 1
+        c.observe_acceptance(8, accepted)
+    return c
+
+
+def test_k_shrinks_as_acceptance_falls():
+    ks = [controller(a).choose() for a in (0.95, 0.8, 0.6, 0.4)]
+    assert ks == sorted(ks, reverse=True)
+    assert ks[0] >= 6 and ks[-1] <= 2
+
+
+def test_never_matching_draft_switches_to_plain_and_probes():
+    c = controller(0.0, probe_every=5)
+    picks = [c.choose() for _ in range(10)]
+    assert picks.count(0) == 8  # plain decoding ...
+    assert picks[4] > 0 and picks[9] > 0  # ... with a short probe every 5 steps
+
+
+def test_expensive_verification_means_plain():
+    c = DraftLengthController(ControllerConfig(max_k=8))
+    for rows in range(1, 10):  # fp32 row-exact: every row costs a full matrix-vector pass
+        c.observe_forward(rows, float(rows))
+    c.observe_draft(1, 0.1)
+    for _ in range(50):
+        c.observe_acceptance(8, 5)
+    assert c.choose() == 0
+
+
+def test_load_turns_speculation_off_and_back_on():
+    c = DraftLengthController(ControllerConfig(max_k=8))
+    for rows in range(1, 160):  # memory-bound up to ~8 rows, then compute-bound: linear in rows
+        c.observe_forward(rows, max(1.0, rows / 8))
+    c.observe_draft(1, 0.02)
+    for _ in range(100):
+        c.observe_acceptance(8, 6)
+    assert c.choose(batch=1) > 0
+    assert c.choose(batch=16) == 0
+    assert c.choose(batch=1) > 0
+
+
+def test_fixed_k_is_kept():
+    c = DraftLengthController(ControllerConfig(max_k=8, fixed_k=3))
+    assert c.choose() == 3
+
+
+def test_draft_with_other_vocabulary_is_refused():
+    draft = tiny_model("llama", vocab=50)
+    with pytest.raises(TokenleapError, match="vocabulary"):
+        DraftModelProposer(draft, target_vocab_size=96, max_len=64)
