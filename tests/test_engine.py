@@ -120,3 +120,18 @@ def test_bf16_greedy_speculative_equals_plain():
     want = plain(target, PROMPTS[0], params).generated
     seq = run(engine(target, NgramProposer(3, 1), 4), PROMPTS[0], params)
     assert seq.generated == want
+
+
+def test_reduced_vocabulary_draft_head_stays_lossless(target):
+    from tokenleap.proposers.draft_head import ReducedVocabHead
+    draft = tiny_model("qwen2", seed=77, vocab=VOCAB)
+    head = ReducedVocabHead(draft.lm_head, static_size=40, special_ids=[2])
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for prompt in PROMPTS:
+        want = plain(target, prompt, params).generated
+        seq = run(engine(target, DraftModelProposer(draft, VOCAB, 128, head=head), 3), prompt, params)
+        assert seq.generated == want
+    seq_head = head.for_prompt(PROMPTS[1])  # prompt tokens 40..43 join the subset
+    logits = seq_head(torch.randn(2, draft.config.hidden_size))
+    allowed = set(range(40)) | {2, 40, 41, 42, 43}
+    assert {i for i in range(VOCAB) if torch.isfinite(logits[0, i])} == allowed

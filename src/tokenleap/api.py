@@ -114,4 +114,9 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
     from .proposers.draft_model import DraftModelProposer
     draft = load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
                        cache_dir=cache_dir)
-    return DraftModelProposer(draft.model, target.model.config.vocab_size, max_len, num_slots)
+    head = None
+    if spec.draft_vocab and draft.model.config.vocab_size > 2 * spec.draft_vocab:
+        from .proposers.draft_head import ReducedVocabHead
+        specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
+        head = ReducedVocabHead(draft.model.lm_head, spec.draft_vocab, specials)
+    return DraftModelProposer(draft.model, target.model.config.vocab_size, max_len, num_slots, head=head)

@@ -36,6 +36,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
     p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
+    p.add_argument("--draft-vocab", type=int, default=32768,
+                   help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
                    help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N")
     p.add_argument("--max-spec-tokens", type=int, default=8, help="upper bound for the adaptive draft length")
@@ -52,6 +54,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
         args.spec = "draft"  # --draft-model alone implies draft-model speculation
     return SpecConfig(method=None if args.spec == "none" else args.spec, draft_model=args.draft_model,
                       draft_quant=args.draft_quant, draft_dtype=args.draft_dtype,
+                      draft_vocab=args.draft_vocab or None,
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
                       ngram_max=args.ngram_max, ngram_min=args.ngram_min)
 

@@ -132,6 +132,7 @@ class SpecConfig:
     draft_dtype: str | None = None
     num_tokens: int | str = "auto"  # "auto" or a fixed draft length >= 1
     max_num_tokens: int = 8  # upper bound for the adaptive controller
+    draft_vocab: int | None = 32768  # draft head over the first N ids + specials + prompt; None = full
     ngram_max: int = 4
     ngram_min: int = 1
     extra: dict[str, Any] = field(default_factory=dict)

@@ -166,12 +166,14 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, segments: list[Segment], cache: KVCache,
                 logit_rows: torch.Tensor | None = None, row_exact: bool = False,
-                hidden_layers: tuple[int, ...] = (), num_layers: int | None = None) -> ForwardOutput:
+                hidden_layers: tuple[int, ...] = (), num_layers: int | None = None,
+                head=None) -> ForwardOutput:
         """Run new rows through the model and update ``cache``.
 
         tokens: [rows] token ids; segments place consecutive row ranges in cache slots.
         logit_rows: [n] indices of rows whose logits are wanted (None: all rows).
         num_layers: stop after this many layers (early exit for self-speculation).
+        head: replaces ``lm_head`` (e.g. a draft's reduced-vocabulary head); called as head(x, row_exact).
         """
         positions = torch.cat([torch.arange(s.pos_start, s.pos_start + s.length) for s in segments])
         x = self.model.embed_tokens(tokens)  # [rows, hidden]
@@ -186,5 +188,5 @@ class Transformer(nn.Module):
         sel = x if logit_rows is None else x[logit_rows]
         normed = self.model.norm(sel)
         hidden[-1] = normed
-        logits = self.lm_head(normed, row_exact).float()
+        logits = (head or self.lm_head)(normed, row_exact).float()
         return ForwardOutput(logits=logits, hidden=hidden)

@@ -8,24 +8,29 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
+from ..cache import CacheFullError, KVCache
 from ..config import SamplingParams
 from ..errors import TokenleapError
 from ..models.transformer import Segment, Transformer
 from ..sampling import greedy, logits_to_probs, sample
 from .base import Draft
+from .draft_head import ReducedVocabHead
 
 
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, model: Transformer, target_vocab_size: int, max_len: int, num_slots: int = 1) -> None:
+    def __init__(self, model: Transformer, target_vocab_size: int, max_len: int, num_slots: int = 1,
+                 cache: KVCache | None = None, head: ReducedVocabHead | None = None) -> None:
         if model.config.vocab_size != target_vocab_size:
             raise TokenleapError(
                 f"draft model vocabulary ({model.config.vocab_size} tokens) differs from the target's "
                 f"({target_vocab_size}); a draft model must share the target's tokenizer")
         self.model = model
-        self.cache = KVCache(model.config, num_slots, max_len, model.dtype)
+        self.head = head  # None: the model's own full-vocabulary head
+        self._heads: dict[int, object] = {}
+        # any cache with KVCache's interface, e.g. a PagedKVCache when serving many sequences
+        self.cache = cache if cache is not None else KVCache(model.config, num_slots, max_len, model.dtype)
         self._slot: dict[int, int] = {}
         self._fed: dict[int, int] = {}
         self._proposal_start: dict[int, int] = {}
@@ -33,6 +38,8 @@ class DraftModelProposer:
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         self._slot[seq_id] = self.cache.allocate()
         self._fed[seq_id] = 0
+        if self.head is not None:
+            self._heads[seq_id] = self.head.for_prompt(prompt)
 
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
@@ -45,7 +52,12 @@ class DraftModelProposer:
         rows: list[torch.Tensor] = []
         pos = fed
         for _ in range(k):
-            logits = self._forward(slot, pending, pos)  # [1, vocab]
+            try:
+                logits = self._forward(slot, pending, pos, self._heads.get(seq_id))  # [1, vocab]
+            except CacheFullError:  # a paged cache out of blocks: no draft this step
+                self._fed[seq_id] = pos
+                self.cache.truncate(slot, pos)
+                return None
             pos += len(pending)
             token, probs = self._choose(logits, params, generator)
             drafted.append(token)
@@ -54,6 +66,19 @@ class DraftModelProposer:
             pending = [token]
         self._fed[seq_id] = pos  # the last drafted token is not fed yet
         return Draft(tokens=drafted, probs=torch.cat(rows) if rows else None)
+
+    def prefill(self, seq_id: int, tokens: list[int]) -> None:
+        """Optional hook: feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the
+        first proposal does not stall on a long prompt."""
+        slot, fed = self._slot[seq_id], self._fed[seq_id]
+        if fed >= len(tokens):
+            return
+        try:
+            self._forward(slot, tokens[fed:], fed)
+        except CacheFullError:
+            self.cache.truncate(slot, fed)
+            return
+        self._fed[seq_id] = len(tokens)
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         valid = self._proposal_start[seq_id] + num_accepted  # tokens both agree on
@@ -66,11 +91,12 @@ class DraftModelProposer:
             self.cache.free(slot)
         self._fed.pop(seq_id, None)
         self._proposal_start.pop(seq_id, None)
+        self._heads.pop(seq_id, None)
 
-    def _forward(self, slot: int, tokens: list[int], pos: int) -> torch.Tensor:
+    def _forward(self, slot: int, tokens: list[int], pos: int, head=None) -> torch.Tensor:
         seg = [Segment(slot=slot, pos_start=pos, length=len(tokens))]
         last = torch.tensor([len(tokens) - 1])
-        return self.model(torch.tensor(tokens), seg, self.cache, logit_rows=last).logits
+        return self.model(torch.tensor(tokens), seg, self.cache, logit_rows=last, head=head).logits
 
     @staticmethod
     def _choose(logits: torch.Tensor, params: SamplingParams,
