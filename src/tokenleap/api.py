@@ -65,6 +65,16 @@ class LLM:
         self.engine = Engine(self.target.model, self.tokenizer, max_len=max_len, num_slots=num_slots,
                              proposer=self.proposer, controller=ctl)
 
+    def describe(self) -> str:
+        """One line: what was loaded and the memory it holds."""
+        from .models.quant import weight_bytes
+        t = self.target
+        line = (f"{t.source} ({t.dtype}, quant {t.quant}): weights {weight_bytes(t.model) / 2**30:.2f} GiB, "
+                f"KV cache {self.engine.cache.nbytes / 2**20:.0f} MiB for {self.engine.max_len} tokens")
+        if self.proposer is not None:
+            line += f"; speculation: {self.spec.method}, draft length {self.spec.num_tokens}"
+        return line
+
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):

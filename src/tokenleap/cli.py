@@ -90,6 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .api import LLM
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir)
+    if args.stats:
+        print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
     for prompt in prompts:
         for chunk in llm.stream(prompt, params, chat=args.chat):
             if not args.json:
@@ -101,7 +103,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write("\n")
         if args.stats:
-            from .metrics import SpecStats
             print(f"[tokenleap] {_stats_line(out.stats)}", file=sys.stderr)
     return 0
 
