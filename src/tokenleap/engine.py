@@ -18,6 +18,7 @@ from .cache import KVCache
 from .config import SamplingParams
 from .controller import ControllerConfig, DraftLengthController
 from .errors import PromptTooLongError
+from .metrics import SpecStats
 from .models.transformer import Segment, Transformer
 from .proposers.base import Draft, Proposer
 from .sampling import logits_to_probs, make_generator
@@ -28,11 +29,14 @@ from .verify import Verification, verify_greedy, verify_sampling
 class Engine:
     def __init__(self, model: Transformer, tokenizer, *, max_len: int | None = None, num_slots: int = 1,
                  proposer: Proposer | None = None, controller: ControllerConfig | None = None,
-                 prefill_chunk: int = 256) -> None:
+                 prefill_chunk: int = 256, cache: KVCache | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_len = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
-        self.cache = KVCache(model.config, num_slots, self.max_len, model.dtype)
+        if cache is not None:  # e.g. a PagedKVCache shared by a serving scheduler
+            self.max_len = min(self.max_len, cache.max_len)
+        self.cache = cache if cache is not None else KVCache(model.config, num_slots, self.max_len, model.dtype)
+        self.totals = SpecStats()  # every sequence's steps, for server metrics
         self.proposer = proposer
         self.controller = DraftLengthController(controller or ControllerConfig())
         self.prefill_chunk = prefill_chunk
@@ -42,6 +46,14 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
         """Validate, allocate a cache slot and prefill; the first token is produced here."""
+        seq = self.create(prompt, params)
+        self.attach(seq)
+        while self.prefill_step(seq):
+            pass
+        return seq
+
+    def create(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        """Validate and build a sequence without touching the cache (then ``attach``, ``prefill_step``)."""
         if not prompt:
             raise PromptTooLongError("the prompt is empty: give at least one token")
         room = self.max_len - len(prompt)
@@ -50,23 +62,32 @@ class Engine:
                                      f"{self.max_len}; shorten it or raise --max-model-len")
         if params.max_tokens > room:
             params = _replace_max_tokens(params, room)
-        seq = Sequence(seq_id=next(self._ids), prompt=list(prompt), params=params, eos_ids=self.eos_ids,
-                       detokenizer=self.tokenizer.detokenizer(),
-                       generator=None if params.greedy else make_generator(params.seed))
+        return Sequence(seq_id=next(self._ids), prompt=list(prompt), params=params, eos_ids=self.eos_ids,
+                        detokenizer=self.tokenizer.detokenizer(),
+                        generator=None if params.greedy else make_generator(params.seed))
+
+    def attach(self, seq: Sequence) -> None:
+        """Give ``seq`` a cache slot and start its proposer state (its cache is filled by ``prefill_step``)."""
         seq.slot = self.cache.allocate()
         if self.proposer is not None:
             self.proposer.begin(seq.seq_id, seq.prompt)
-        self._prefill(seq)
-        return seq
 
-    def release(self, seq: Sequence) -> None:
+    def detach(self, seq: Sequence) -> None:
+        """Free ``seq``'s cache and proposer state but keep its tokens (preemption; ``attach`` resumes)."""
         if seq.slot >= 0:
             self.cache.free(seq.slot)
             seq.slot = -1
         if self.proposer is not None:
             self.proposer.end(seq.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        self.detach(seq)
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
+
+    def ready(self, seq: Sequence) -> bool:
+        """Prefilled: the cache holds every token but the last, which the next step feeds."""
+        return seq.num_generated > 0 and self.cache.lengths[seq.slot] == len(seq.tokens) - 1
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[tuple[Sequence, str]]:
         """Decode one request; yields (sequence, new text) after every step."""
@@ -82,24 +103,46 @@ class Engine:
             self.release(seq)
 
     # -- the step ---------------------------------------------------------------------------
-    def _prefill(self, seq: Sequence) -> None:
-        t0 = time.perf_counter()
-        n = len(seq.prompt)
-        for start in range(0, n, self.prefill_chunk):
-            chunk = seq.prompt[start:start + self.prefill_chunk]
-            last = torch.tensor([len(chunk) - 1])
-            out = self.model(torch.tensor(chunk), [Segment(seq.slot, start, len(chunk))], self.cache,
-                             logit_rows=last)
-        result = self._verify(seq, None, out.logits)  # [1, vocab]
-        seq.stats.prefill_seconds += time.perf_counter() - t0
-        seq.stats.record_step(0, 0, seq.append(result.tokens))
+    def prefill_step(self, seq: Sequence) -> int:
+        """Fill the next chunk of ``seq``'s missing cache entries; returns its rows (0: nothing left).
 
-    def step(self, seqs: list[Sequence]) -> None:
-        """One decoding step for every unfinished sequence in ``seqs`` (one target forward)."""
+        Prompt chunks are the fixed windows [i*chunk, (i+1)*chunk), computed with fast GEMMs; the last
+        one yields the first token. After a preemption the same call recomputes the cache bitwise: the
+        prompt in the same windows, then the generated tokens row-exact, as decoding computed them."""
+        done, end, exact = self.prefill_window(seq)
+        if end <= done:
+            return 0
+        t0 = time.perf_counter()
+        chunk = seq.tokens[done:end]
+        out = self.model(torch.tensor(chunk), [Segment(seq.slot, done, len(chunk))], self.cache,
+                         logit_rows=torch.tensor([len(chunk) - 1]), row_exact=exact)
+        warm = getattr(self.proposer, "prefill", None)  # optional: a draft model fills its cache alongside
+        if warm is not None:
+            warm(seq.seq_id, seq.tokens[:end])
+        if end == len(seq.prompt) and seq.num_generated == 0:
+            result = self._verify(seq, None, out.logits)  # [1, vocab]
+            kept = seq.append(result.tokens)
+            seq.stats.record_step(0, 0, kept)
+            self.totals.record_step(0, 0, kept)
+        seq.stats.prefill_seconds += time.perf_counter() - t0
+        return len(chunk)
+
+    def prefill_window(self, seq: Sequence) -> tuple[int, int, bool]:
+        """(start, end, row_exact) of the next ``prefill_step``; start == end when nothing is missing."""
+        done, n_prompt = self.cache.lengths[seq.slot], len(seq.prompt)
+        if done < n_prompt:
+            return done, min((done // self.prefill_chunk + 1) * self.prefill_chunk, n_prompt), False
+        return done, max(done, min(done + self.prefill_chunk, len(seq.tokens) - 1)), True
+
+    def step(self, seqs: list[Sequence], k: int | None = None) -> None:
+        """One decoding step for every unfinished sequence in ``seqs`` (one target forward).
+
+        ``k`` overrides the controller's draft length (a scheduler short of cache memory passes 0)."""
         seqs = [s for s in seqs if not s.finished]
         if not seqs:
             return
-        k = self.controller.choose(len(seqs)) if self.proposer is not None else 0
+        if k is None or self.proposer is None:
+            k = self.controller.choose(len(seqs)) if self.proposer is not None else 0
         drafts = [self._draft(s, k) for s in seqs]
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
@@ -138,7 +181,9 @@ class Engine:
             self.proposer.accept(seq.seq_id, result.num_accepted)
             self.controller.observe_acceptance(proposed, result.num_accepted)
         kept = seq.append(result.tokens)
-        seq.stats.record_step(proposed, min(result.num_accepted, kept), kept)
+        accepted = min(result.num_accepted, kept)
+        seq.stats.record_step(proposed, accepted, kept)
+        self.totals.record_step(proposed, accepted, kept)
 
     @staticmethod
     def _verify(seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> Verification:

@@ -1,0 +1,195 @@
+"""OpenAI-compatible request bodies (pydantic, strict types) and their translation to
+``SamplingParams``; errors are ``APIError`` carrying the OpenAI error object.
+
+Value checks are ``SamplingParams``'s own (one message per bad value for every entry point); this
+module only adds what is HTTP-specific: types, ``n``, unsupported options, the context length.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .config import ConfigError, SamplingParams
+
+MAX_N = 16  # choices per request
+MAX_PROMPTS = 16  # prompts in one completions request
+MAX_STOP = 16
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None  # OpenAI's default is 16
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+def parse_body(raw: bytes, model: type[_Strict]) -> Any:
+    """JSON bytes -> a validated request model, or a 400 that says what is wrong."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        param = loc[0] if loc else None
+        raise bad_request(f"invalid value for {'.'.join(loc) or 'the body'}: {err['msg']}", param) from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def check_common(req: _Sampling) -> None:
+    if req.n is None or not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported by this server", name)
+    if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:
+        raise bad_request("seed must be a 64-bit signed integer", "seed")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"at most {MAX_STOP} stop strings", "stop")
+
+
+def sampling_params(req: _Sampling, max_tokens: int, choice: int) -> SamplingParams:
+    """``SamplingParams`` for choice ``choice`` of ``req`` (seeded choices get seed + choice)."""
+    top_k = req.top_k if req.top_k is not None else 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=0 if top_k == -1 else top_k, top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p or 0.0, seed=None if req.seed is None else req.seed + choice,
+            stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
+            ignore_eos=bool(req.ignore_eos))
+    except ConfigError as e:
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        raise bad_request(message, param if param.isidentifier() else None) from None
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    if not req.messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "".join(p.text for p in m.content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
+    """The completion budget: an explicit value must fit the context; a default is cut to fit."""
+    room = max_model_len - prompt_len
+    if requested is None:
+        return max(1, min(default or room, room))
+    if isinstance(requested, int) and requested >= 1 and prompt_len + requested > max_model_len:
+        raise bad_request(f"this model's maximum context length is {max_model_len} tokens; you requested "
+                          f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the "
+                          f"completion): lower max_tokens or shorten the prompt", "max_tokens",
+                          "context_length_exceeded")
+    return requested
+
+
+# -- responses ------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def chat_delta(index: int, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -1,0 +1,122 @@
+"""``tokenleap serve``: load a model (and a proposer), build the paged engine, run the HTTP server."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .cli import UsageError, add_model_args, spec_config
+from .config import SpecConfig
+
+# heavy modules (torch, fastapi) are imported when serving, so other sub-commands start fast
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TOKENLEAP_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: $TOKENLEAP_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-waiting", type=int, default=64, help="queued sequences before requests get 503")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from --kv-cache-gb)")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV-cache memory budget (target model)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
+    p.set_defaults(func=cmd_serve)
+
+
+def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "auto", quant: str = "none",
+                 max_model_len: int | None = None, max_num_seqs: int = 16, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_gb: float = 4.0, prefill_chunk: int = 256,
+                 cache_dir: str | None = None):
+    """A serving ``Engine``: the target on a PagedKVCache, and a proposer (a draft's cache paged too).
+
+    Default pool: room for ``max_num_seqs`` full-length sequences, capped at ``kv_cache_gb``, and
+    never below one full-length sequence (memory is only touched as blocks are written)."""
+    from .controller import ControllerConfig
+    from .engine import Engine
+    from .loading import load_model
+    from .paged_cache import PagedKVCache, num_blocks_for_budget
+    spec = spec or SpecConfig()
+    target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
+    cfg = target.model.config
+    max_len = min(max_model_len or 4096, cfg.max_position_embeddings)
+    per_seq = -(-(max_len + 1) // block_size)
+    budget = num_blocks_for_budget(cfg, target.dtype, block_size, int(kv_cache_gb * 2**30))
+    blocks = num_kv_blocks or max(min(max_num_seqs * per_seq, budget), per_seq)
+    cache = PagedKVCache(cfg, blocks, max_len, target.dtype, block_size, num_slots=max_num_seqs)
+    fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
+    ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed)
+    proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir)
+    return Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer, controller=ctl,
+                  prefill_chunk=prefill_chunk, cache=cache)
+
+
+def _proposer(spec: SpecConfig, target, max_len: int, blocks: int, block_size: int, slots: int,
+              cache_dir: str | None):
+    if spec.method is None:
+        return None
+    if spec.method == "ngram":
+        from .proposers.ngram import NgramProposer
+        return NgramProposer(spec.ngram_max, spec.ngram_min)
+    from .loading import load_model
+    from .paged_cache import PagedKVCache
+    from .proposers.draft_model import DraftModelProposer
+    draft = load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
+                       cache_dir=cache_dir)
+    head = None
+    if spec.draft_vocab and draft.model.config.vocab_size > 2 * spec.draft_vocab:  # as api.build_proposer
+        from .proposers.draft_head import ReducedVocabHead
+        specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
+        head = ReducedVocabHead(draft.model.lm_head, spec.draft_vocab, specials)
+    # as many blocks as the target: a draft never holds more tokens of a sequence than the target
+    cache = PagedKVCache(draft.model.config, blocks, max_len, draft.dtype, block_size, num_slots=slots)
+    return DraftModelProposer(draft.model, target.model.config.vocab_size, max_len, cache=cache, head=head)
+
+
+def model_aliases(model: str) -> tuple[str, ...]:
+    """Names a request may use for the served model besides its served name: the --model string,
+    and for a path its file or directory name with and without the extension."""
+    path = Path(model)
+    return tuple(dict.fromkeys([model, path.name, path.stem, str(path.expanduser().resolve())]))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .scheduler import SchedulerConfig
+    from .server import ServerConfig, create_app
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(args.model, spec=spec_config(args), dtype=args.dtype, quant=args.quant,
+                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir)
+    name = args.served_model_name or args.model
+    config = ServerConfig(model_name=name, model_aliases=model_aliases(args.model), api_key=args.api_key,
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                                                    log_interval=args.log_interval))
+    app = create_app(engine, config)
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    cache = engine.cache
+    print(f"tokenleap: serving {name} on http://{args.host}:{args.port}/v1 -- {cache.num_blocks} KV blocks of "
+          f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
+          f"speculation: {engine.proposer.name if engine.proposer else 'off'}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,317 @@
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
+background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
+request owns an ``asyncio.Queue``; the scheduler thread puts outputs on it with
+``loop.call_soon_threadsafe``. A client that disconnects (a cancelled stream, or a closed
+connection noticed while waiting) has its sequences cancelled, which frees their KV blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .config import ConfigError
+from .errors import PromptTooLongError
+from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request, chat_choice,
+                       chat_delta, chat_messages, check_common, check_max_tokens, completion_choice, new_id,
+                       now, parse_body, sampling_params, usage)
+from .scheduler import Output, QueueFullError, Request, Scheduler, SchedulerConfig
+from .serve_metrics import make_registry
+
+log = logging.getLogger("tokenleap.serve")
+_POLL_SECONDS = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    model_aliases: tuple[str, ...] = ()  # other names accepted in a request's "model" (catalog name, path)
+    api_key: str | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Job:
+    """One HTTP request's choices and the queue their outputs arrive on."""
+
+    def __init__(self, scheduler: Scheduler, seqs: list, prompt_tokens: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.scheduler, self.prompt_tokens = scheduler, prompt_tokens
+        self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+        self.requests = [Request(s, partial(self._deliver, loop, i)) for i, s in enumerate(seqs)]
+        self.pending = set(range(len(seqs)))
+        self.generated = [0] * len(seqs)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, out: Output) -> None:
+        loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))  # runs on the scheduler thread
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, sum(self.generated))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
+        while self.pending:
+            i, out = await self.queue.get()
+            yield self._record(i, out)
+
+    def _record(self, i: int, out: Output) -> tuple[int, Output]:
+        self.generated[i] = out.num_generated
+        if out.finish_reason is not None:
+            self.pending.discard(i)
+        return i, out
+
+    async def collect(self, http: HTTPRequest) -> tuple[list[str], list[str | None]]:
+        texts, reasons = [""] * len(self.requests), [None] * len(self.requests)
+        while self.pending:
+            try:
+                i, out = self._record(*await asyncio.wait_for(self.queue.get(), _POLL_SECONDS))
+            except TimeoutError:
+                if await http.is_disconnected():
+                    raise _ClientGone() from None
+                continue
+            if out.error:
+                raise APIError(500, f"the request failed: {out.error}", "server_error")
+            texts[i] += out.text
+            reasons[i] = out.finish_reason
+        return texts, reasons
+
+    def cancel(self) -> None:
+        for i in self.pending:
+            self.scheduler.cancel(self.requests[i])
+
+
+@dataclass(frozen=True)
+class _Format:
+    """Response envelope shared by the chunks and the final object of one request."""
+
+    id: str
+    object: str
+    model: str
+    created: int
+    chat: bool
+    include_usage: bool = False
+
+    def obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def chunk(self, i: int, out: Output) -> dict[str, Any]:
+        if self.chat:
+            choice = chat_delta(i, {"content": out.text} if out.text else {}, out.finish_reason)
+        else:
+            choice = completion_choice(i, out.text, out.finish_reason)
+        return self.obj([choice], **({"usage": None} if self.include_usage else {}))
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    def __init__(self, engine, config: ServerConfig) -> None:
+        self.engine, self.cfg = engine, config
+        self.tokenizer = engine.tokenizer
+        self.scheduler = Scheduler(engine, config.scheduler)
+        self.registry = make_registry(self.scheduler.snapshot, config.model_name)
+        self.created = now()
+
+    # -- app --------------------------------------------------------------------------------
+    def app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_: FastAPI):
+            self.scheduler.start()
+            try:
+                yield
+            finally:
+                self.scheduler.shutdown()
+
+        app = FastAPI(title="tokenleap", lifespan=lifespan)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_exception_handler(APIError, _api_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(Exception, _internal_error)
+        app.state.server = self
+        return app
+
+    # -- endpoints --------------------------------------------------------------------------
+    async def completions(self, request: HTTPRequest) -> Response:
+        self._auth(request)
+        req = parse_body(await request.body(), CompletionRequest)
+        self._check(req)
+        if req.logprobs or req.echo:
+            raise bad_request("logprobs and echo are not supported by this server",
+                              "logprobs" if req.logprobs else "echo")
+        prompts = self._prompts(req.prompt)
+        budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
+        fmt = _Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
+                      include_usage=self._include_usage(req))
+        return await self._run(request, req, prompts, budgets, fmt)
+
+    async def chat(self, request: HTTPRequest) -> Response:
+        self._auth(request)
+        req = parse_body(await request.body(), ChatRequest)
+        self._check(req)
+        if req.logprobs or req.top_logprobs:
+            raise bad_request("logprobs are not supported by this server", "logprobs")
+        prompt = self._encode_chat(chat_messages(req))
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        budget = check_max_tokens(requested, len(prompt), self.engine.max_len, None)
+        fmt = _Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
+                      include_usage=self._include_usage(req))
+        return await self._run(request, req, [prompt], [budget], fmt)
+
+    async def models(self, request: HTTPRequest) -> dict[str, Any]:
+        self._auth(request)
+        card = {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "tokenleap",
+                "max_model_len": self.engine.max_len}
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> Response:
+        ok = self.scheduler.alive
+        return JSONResponse({"status": "ok" if ok else "scheduler stopped"}, status_code=200 if ok else 503)
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- running a request ------------------------------------------------------------------
+    async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int],
+                   fmt: _Format) -> Response:
+        job = self._submit(req, prompts, budgets)
+        if req.stream:
+            return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")
+        try:
+            texts, reasons = await job.collect(http)
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            job.cancel()
+        make = chat_choice if fmt.chat else completion_choice
+        choices = [make(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
+        return JSONResponse(fmt.obj(choices, usage=job.usage()))
+
+    def _submit(self, req, prompts: list[list[int]], budgets: list[int]) -> _Job:
+        seqs = []
+        for prompt, budget in zip(prompts, budgets):
+            for choice in range(req.n):
+                params = sampling_params(req, budget, choice)
+                try:
+                    seqs.append(self.engine.create(prompt, params))
+                except PromptTooLongError as e:
+                    raise bad_request(str(e), "prompt", "context_length_exceeded") from None
+        job = _Job(self.scheduler, seqs, sum(len(p) for p in prompts))
+        try:
+            self.scheduler.submit(job.requests)
+        except QueueFullError as e:
+            raise APIError(503, f"the server is busy: {e}", "server_busy", None, "queue_full") from None
+        return job
+
+    async def _stream(self, job: _Job, fmt: _Format) -> AsyncIterator[str]:
+        chunk_fmt = _Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
+                            fmt.chat, fmt.include_usage)
+        try:
+            if fmt.chat:
+                first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
+                yield _sse(chunk_fmt.obj(first, **({"usage": None} if fmt.include_usage else {})))
+            async for i, out in job.outputs():
+                if out.error:
+                    yield _sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
+                    break
+                if out.text or out.finish_reason:
+                    yield _sse(chunk_fmt.chunk(i, out))
+            else:
+                if fmt.include_usage:
+                    yield _sse(chunk_fmt.obj([], usage=job.usage()))
+            yield _sse("[DONE]")
+        finally:  # normal end, error, or the client went away (the task is cancelled)
+            job.cancel()
+
+    # -- checks and prompts -----------------------------------------------------------------
+    def _auth(self, request: HTTPRequest) -> None:
+        key = self.cfg.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                           "authentication_error", None, "invalid_api_key")
+
+    def _check(self, req) -> None:
+        names = (self.cfg.model_name, *self.cfg.model_aliases)
+        if req.model is not None and req.model not in names:
+            raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
+                                f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
+        check_common(req)
+
+    @staticmethod
+    def _include_usage(req) -> bool:
+        return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        return [self._encode(p) for p in prompt]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            vocab = self.engine.model.config.vocab_size
+            if not prompt or not all(0 <= t < vocab for t in prompt):
+                raise bad_request(f"token ids must be non-empty lists of ids in [0, {vocab})", "prompt")
+            return prompt
+        try:
+            return self.tokenizer.encode(prompt)
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            encode_chat = getattr(self.tokenizer, "encode_chat", None)
+            if encode_chat is not None:
+                return encode_chat(messages)
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except ConfigError as e:
+            raise bad_request(str(e), "messages") from None
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise bad_request(f"the messages could not be tokenized: {e}", "messages") from None
+
+
+async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+
+async def _internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse(APIError(500, "internal server error", "server_error").body(), status_code=500)
+
+
+def create_app(engine, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``Engine`` built on a ``PagedKVCache``)."""
+    return OpenAIServer(engine, config).app()

@@ -1,0 +1,142 @@
+"""Shared pieces of the serving tests: a paged engine on a tiny model, the same request run alone,
+a ToyTokenizer with a chat template, and a real uvicorn server on a free loopback port."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import uvicorn
+
+from tokenleap.config import SamplingParams
+from tokenleap.controller import ControllerConfig
+from tokenleap.engine import Engine
+from tokenleap.paged_cache import PagedKVCache
+from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.proposers.ngram import NgramProposer
+
+from conftest import ToyTokenizer, tiny_model
+
+VOCAB = 96
+MAX_LEN = 128
+CHUNK = 8  # prefill chunk: small, so prompts span several chunks
+
+
+class ChatToyTokenizer(ToyTokenizer):
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+_MODELS: dict[int, object] = {}
+
+
+def model(seed: int = 1):
+    if seed not in _MODELS:
+        _MODELS[seed] = tiny_model("qwen2", seed=seed, vocab=VOCAB)
+    return _MODELS[seed]
+
+
+def proposer(kind: str | None, blocks: int, slots: int):
+    if kind is None:
+        return None
+    if kind == "ngram":
+        return NgramProposer(3, 1)
+    draft = model(77) if kind == "draft" else model(1)  # "self-draft": the target drafts for itself
+    cache = PagedKVCache(draft.config, blocks, MAX_LEN, torch.float32, block_size=16, num_slots=slots)
+    return DraftModelProposer(draft, VOCAB, MAX_LEN, cache=cache)
+
+
+def paged_engine(kind: str | None = None, blocks: int = 64, slots: int = 16, k: int | str = "auto") -> Engine:
+    cache = PagedKVCache(model().config, blocks, MAX_LEN, torch.float32, block_size=16, num_slots=slots)
+    fixed = None if k == "auto" else k
+    return Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=CHUNK, cache=cache,
+                  proposer=proposer(kind, blocks, slots), controller=ControllerConfig(max_k=4, fixed_k=fixed))
+
+
+def alone(prompt: list[int], params: SamplingParams):
+    """The sequence run by itself through a plain engine (contiguous cache, same prefill chunk)."""
+    eng = Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=CHUNK)
+    *_, (seq, _) = eng.generate(prompt, params)
+    return seq
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) pairs of mixed lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(1, 45, (1,), generator=g))
+        prompt = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        if length > 10:  # some repetition, so n-gram drafts get accepted
+            prompt = prompt[: length // 2] * 2
+        out.append((prompt, int(torch.randint(1, 50, (1,), generator=g))))
+    return out
+
+
+class FailingProposer:
+    """Wraps a proposer; fails for sequences whose prompt starts with token 66."""
+
+    name = "failing"
+
+    def __init__(self, inner, where: str) -> None:
+        self.inner, self.where, self.bad = inner, where, set()
+
+    def begin(self, seq_id, prompt):
+        if prompt[0] == 66:
+            self.bad.add(seq_id)
+        self.inner.begin(seq_id, prompt)
+
+    def prefill(self, seq_id, tokens):
+        if self.where == "prefill" and seq_id in self.bad:
+            raise RuntimeError("boom in prefill")
+
+    def propose(self, seq_id, tokens, k, params, generator):
+        if self.where == "propose" and seq_id in self.bad:
+            raise RuntimeError("boom in propose")
+        return self.inner.propose(seq_id, tokens, k, params, generator)
+
+    def accept(self, seq_id, n):
+        self.inner.accept(seq_id, n)
+
+    def end(self, seq_id):
+        self.inner.end(seq_id)
+
+
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    """Poll ``predicate`` (no assertion on timing: only a generous upper bound)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on 127.0.0.1 at a free port, in a thread."""
+
+    def __init__(self, app) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.app = app
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        if not wait_until(lambda: self.server.started, 30):
+            raise RuntimeError("uvicorn did not start")
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def scheduler(self):
+        return self.app.state.server.scheduler

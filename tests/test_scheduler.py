@@ -1,0 +1,154 @@
+"""Continuous batching, driven synchronously (``run_until_idle``), so every check is deterministic."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.scheduler import Request, Scheduler, SchedulerConfig
+from tokenleap.serve_metrics import ServeSnapshot, log_line, make_registry
+
+from serving_helpers import FailingProposer, alone, paged_engine, workload
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.outputs = []
+
+    def __call__(self, out) -> None:
+        self.outputs.append(out)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for o in self.outputs for t in o.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.text for o in self.outputs)
+
+    @property
+    def finish_reason(self):
+        return self.outputs[-1].finish_reason if self.outputs else None
+
+
+def submit(sched: Scheduler, prompt: list[int], params: SamplingParams) -> Collector:
+    sink = Collector()
+    sched.submit([Request(sched.engine.create(prompt, params), sink)])
+    return sink
+
+
+def run_workload(kind, blocks, n=12, max_seqs=16, seed=0):
+    eng = paged_engine(kind, blocks=blocks)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=max_seqs, log_interval=0))
+    jobs = [(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in workload(n, seed)]
+    sinks = [submit(sched, p, params) for p, params in jobs]
+    sched.run_until_idle()
+    for (prompt, params), sink in zip(jobs, sinks):
+        ref = alone(prompt, params)
+        assert sink.tokens == ref.generated and sink.text == ref.text, prompt
+        assert sink.finish_reason == "length"
+    assert eng.cache.num_used_blocks == 0
+    if kind == "draft":
+        assert eng.proposer.cache.num_used_blocks == 0
+    return sched
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "draft", "self-draft"])
+def test_batched_outputs_equal_alone(kind):
+    sched = run_workload(kind, blocks=128)
+    assert sched.stats.preemptions == 0 and sched.stats.finished == {"length": 12}
+    if kind in ("ngram", "self-draft"):
+        assert sched.engine.totals.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "draft"])
+def test_preemption_in_a_small_pool_keeps_outputs_exact(kind):
+    sched = run_workload(kind, blocks=10, seed=1)  # 160 token slots for ~12 sequences of up to 95 tokens
+    assert sched.stats.preemptions > 0
+
+
+def test_scheduler_refuses_a_pool_smaller_than_one_sequence():
+    with pytest.raises(ConfigError, match="cannot hold one sequence"):
+        Scheduler(paged_engine(blocks=8))
+
+
+def test_long_prompt_prefill_is_interleaved_with_decoding():
+    sched = Scheduler(paged_engine(), SchedulerConfig(log_interval=0))  # prefill budget: one 8-token chunk
+    short = submit(sched, [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True))
+    sched.iterate()
+    long = submit(sched, list(range(3, 90)), SamplingParams(max_tokens=5, ignore_eos=True))  # 11 chunks
+    while not long.outputs:
+        sched.iterate()
+    assert len(short.tokens) >= 11  # the short request decoded during every prefill chunk
+    sched.run_until_idle()
+    assert long.tokens == alone(list(range(3, 90)), SamplingParams(max_tokens=5, ignore_eos=True)).generated
+
+
+def test_cancelled_requests_free_everything_at_once():
+    eng = paged_engine("draft", blocks=64)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, log_interval=0))
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    sinks, reqs = [], []
+    for prompt, _ in workload(8):
+        sink = Collector()
+        reqs.append(Request(eng.create(prompt, params), sink))
+        sinks.append(sink)
+    sched.submit(reqs)
+    for _ in range(5):
+        sched.iterate()
+    for r in reqs[::2]:  # running and waiting ones alike
+        sched.cancel(r)
+    sched.iterate()
+    assert all(r.done for r in reqs[::2])
+    assert len(sched.running) + len(sched.waiting) == 4
+    sched.run_until_idle()
+    assert eng.cache.num_used_blocks == 0 and eng.proposer.cache.num_used_blocks == 0
+    assert eng.cache.num_free_slots == eng.cache.num_slots
+    assert sched.stats.finished == {"abort": 4, "length": 4}
+
+
+@pytest.mark.parametrize("where", ["prefill", "propose"])
+def test_a_failing_request_does_not_disturb_the_others(where):
+    eng = paged_engine("ngram", k=2)
+    eng.proposer = FailingProposer(eng.proposer, where)
+    sched = Scheduler(eng, SchedulerConfig(log_interval=0))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [[5, 9, 14, 3, 5, 9], [66, 5, 9, 14, 3, 5, 9], [40, 41, 42, 40, 41]]
+    sinks = [submit(sched, p, params) for p in prompts]
+    sched.run_until_idle()
+    assert sinks[1].finish_reason == "error" and "boom" in sinks[1].outputs[-1].error
+    for i in (0, 2):
+        assert sinks[i].tokens == alone(prompts[i], params).generated
+    assert eng.cache.num_used_blocks == 0
+    assert sched.stats.finished == {"error": 1, "length": 2}
+
+
+def test_scheduler_passes_the_batch_size_to_the_controller():
+    eng = paged_engine("ngram")
+    seen = []
+    choose = eng.controller.choose
+    eng.controller.choose = lambda batch=1: seen.append(batch) or choose(batch)
+    sched = Scheduler(eng, SchedulerConfig(log_interval=0, prefill_budget=1000))  # all prefilled at once
+    for i, (prompt, _) in enumerate(workload(5)):
+        submit(sched, prompt, SamplingParams(max_tokens=5 + 5 * i, ignore_eos=True))
+    sched.run_until_idle()
+    assert seen[0] == 5 and seen[-1] == 1  # the batch shrinks as requests finish
+
+
+def test_metrics_export_and_log_line():
+    sched = run_workload("self-draft", blocks=128, n=4)
+    snap = sched.snapshot()
+    assert snap.num_drafts > 0 and snap.num_accepted_tokens > 0 and snap.generation_tokens > 0
+    text = generate_latest(make_registry(sched.snapshot, "tiny")).decode()
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "num_requests_running", "num_requests_waiting",
+                 "kv_cache_usage_perc", "generation_tokens_total", "prompt_tokens_total"):
+        assert f"tokenleap:{name}{{" in text, name
+    assert 'tokenleap:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+    prev = ServeSnapshot(0.0, 0, 0, 0, 10, 0, 0, 0, {}, 0, 0, 0, ())
+    now = ServeSnapshot(10.0, 3, 1, 4, 10, 200, 500, 2, {}, 100, 300, 150, (80, 50, 20))
+    line = log_line(prev, now)
+    assert "running: 3 reqs, waiting: 1 reqs" in line and "4 used / 6 free (40.0%)" in line
+    assert "generation: 50.0 tok/s" in line and "prompt: 20.0 tok/s" in line
+    assert "acceptance rate 50.0%" in line and "mean acceptance length 2.50" in line
+    assert "[0.80 0.50 0.20]" in line

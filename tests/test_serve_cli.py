@@ -1,0 +1,67 @@
+"""``tokenleap serve`` through the real command line with the real SmolLM2-135M-Instruct."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tokenleap.cli import build_parser
+from tokenleap.serve_cli import model_aliases
+
+from serving_helpers import wait_until
+
+
+def test_serve_arguments_and_defaults():
+    args = build_parser().parse_args(["serve", "--model", "smollm2-135m-instruct", "--spec", "ngram"])
+    assert (args.host, args.port, args.max_num_seqs, args.block_size) == ("127.0.0.1", 8000, 16, 16)
+    assert args.func.__name__ == "cmd_serve"
+    assert {"/m/q.gguf", "q.gguf", "q"} <= set(model_aliases("/m/q.gguf"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_smollm2_through_the_cli(smollm2_gguf):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tokenleap.cli", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
+           "--max-model-len", "512", "--api-key", "k", "--spec", "ngram", "--max-num-seqs", "4", "--log-interval", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _healthy(url) or proc.poll() is not None, 300) and proc.poll() is None, \
+            proc.stderr.read() if proc.poll() is not None else "no answer"
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=300)
+        questions = ["What is the capital of France?", "Name three colors."]
+
+        def ask(q: str) -> str:
+            r = c.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": q}],
+                                          max_tokens=10, temperature=0)
+            return r.choices[0].message.content
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(ask, questions))
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="bad", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    from tokenleap.api import LLM
+    from tokenleap.config import SamplingParams
+    llm = LLM("smollm2-135m-instruct", max_model_len=512)
+    want = [o.text for o in llm.generate(questions, SamplingParams(max_tokens=10), chat=True)]
+    assert answers == want and "Paris" in answers[0]

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server, exercised with the official ``openai`` client against a real uvicorn
+server on 127.0.0.1 (tiny random model, ToyTokenizer with a chat template)."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tokenleap.config import SamplingParams
+from tokenleap.scheduler import SchedulerConfig
+from tokenleap.server import ServerConfig, create_app
+
+from serving_helpers import (VOCAB, ChatToyTokenizer, FailingProposer, LiveServer, alone, paged_engine, wait_until,
+                             workload)
+
+KEY = "test-key"
+NAME = "tiny-qwen2"
+
+
+def start(kind=None, blocks=64, api_key=None, **sched) -> LiveServer:
+    config = ServerConfig(model_name=NAME, model_aliases=("/models/tiny.gguf",), api_key=api_key,
+                          scheduler=SchedulerConfig(log_interval=0, **sched))
+    return LiveServer(create_app(paged_engine(kind, blocks=blocks), config))
+
+
+def client(server: LiveServer, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start(api_key=KEY) as s:
+        yield s
+
+
+def expected(prompt_text: str, max_tokens: int, **kw):
+    return alone(ChatToyTokenizer(VOCAB).encode(prompt_text), SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def chat_prompt(content: str) -> str:
+    return ChatToyTokenizer(VOCAB).apply_chat_template([{"role": "user", "content": content}])
+
+
+def test_completion_and_chat(server):
+    c = client(server)
+    r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0)
+    ref = expected("hello world", 12)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (11, ref.num_generated)
+    assert r.object == "text_completion" and r.model == NAME
+    r = c.chat.completions.create(model="/models/tiny.gguf", messages=[{"role": "user", "content": "hi there"}],
+                                  max_completion_tokens=9, temperature=0)
+    ref = expected(chat_prompt("hi there"), 9)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == ref.num_generated and r.object == "chat.completion"
+
+
+def test_streaming_with_usage(server):
+    c = client(server)
+    chunks = list(c.completions.create(model=NAME, prompt="stream me", max_tokens=15, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    ref = expected("stream me", 15)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.num_generated
+    chunks = list(c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "abc"}],
+                                            max_tokens=10, temperature=0, stream=True))
+    ref = expected(chat_prompt("abc"), 10)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_n_choices_stop_strings_and_seeds(server):
+    c = client(server)
+    r = c.completions.create(model=NAME, prompt="several", n=3, max_tokens=8, temperature=0.9, seed=7,
+                             extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 24
+    again = c.completions.create(model=NAME, prompt="several", n=3, max_tokens=8, temperature=0.9, seed=7,
+                                 extra_body={"ignore_eos": True})
+    assert [ch.text for ch in r.choices] == [ch.text for ch in again.choices]  # seeded: reproducible
+    ref = expected("stop test", 20, ignore_eos=True).text
+    stop = ref[7:10]
+    r = c.completions.create(model=NAME, prompt="stop test", max_tokens=20, temperature=0, stop=[stop, "zzzz"],
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref[: ref.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_auth_model_and_value_errors(server):
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").completions.create(model=NAME, prompt="x", max_tokens=2)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=NAME, prompt="x", temperature=-1)
+    assert "temperature must be >= 0" in e.value.body["message"] and e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert [m.id for m in c.models.list()] == [NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+FUZZ = [
+    b"{", b"", b"\xff\xfe\xfa", b'{"prompt": "\xff\xfe"}', b"[]", b"null", b'"prompt"', b'{"prompt": NaN}',
+    b'{"prompt": "a", "temperature": NaN}', b'{"prompt": 5}', b'{"prompt": []}', b'{"prompt": [[]]}',
+    b'{"prompt": [-1]}', b'{"prompt": [100000]}', b'{"prompt": "a", "max_tokens": "10"}',
+    b'{"prompt": "a", "max_tokens": 1000000000}', b'{"prompt": "a", "max_tokens": 0}',
+    b'{"prompt": "a", "max_tokens": 2.5}', b'{"prompt": "a", "n": 1000}', b'{"prompt": "a", "n": 0}',
+    b'{"prompt": "a", "temperature": -0.5}', b'{"prompt": "a", "top_p": 2}', b'{"prompt": "a", "top_k": -5}',
+    b'{"prompt": "a", "min_p": 7}', b'{"prompt": "a", "stop": [""]}', b'{"prompt": "a", "stop": 5}',
+    b'{"prompt": "a", "seed": "x"}', b'{"prompt": "a", "stream": "yes"}', b'{"prompt": "a", "logprobs": 3}',
+    b'{"prompt": "a", "presence_penalty": 1.0}', b'{"prompt": "a", "stream_options": 3}',
+    b'{"prompt": "' + b"x" * 200 + b'"}', b'{"prompt": ["a", 3]}', b'{"prompt": "a", "model": 17}',
+    b'{"prompt": "a", "seed": 100000000000000000000000}', b"[" * 100000 + b"]" * 100000,
+]
+CHAT_FUZZ = [
+    b'{"messages": []}', b'{"messages": "hi"}', b'{"messages": [{"role": "x", "content": "a"}]}',
+    b'{"messages": [{"content": "a"}]}', b'{"messages": [{"role": "user", "content": 5}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+    b'{"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -1}',
+    b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true}', b"{}",
+]
+
+
+def test_malformed_and_hostile_bodies_get_4xx_and_the_server_keeps_serving(server):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for path, bodies in (("/v1/completions", FUZZ), ("/v1/chat/completions", CHAT_FUZZ)):
+        for body in bodies:
+            r = httpx.post(server.url + path, content=body, headers=headers)
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], body
+    r = httpx.get(server.url + "/v1/nothing", headers=headers)
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(server.url + "/v1/completions", headers=headers).status_code == 405
+    ok = client(server).completions.create(model=NAME, prompt="still alive", max_tokens=4, temperature=0)
+    assert ok.choices[0].text == expected("still alive", 4).text
+    assert wait_until(lambda: server.scheduler.idle) and server.scheduler.cache.num_used_blocks == 0
+
+
+def test_queue_full_is_503():
+    with start(max_num_seqs=1, max_waiting=0) as s:
+        with pytest.raises(openai.InternalServerError) as e:
+            client(s).completions.create(model=NAME, prompt="x", n=2, max_tokens=2)
+        assert e.value.status_code == 503
+        assert client(s).completions.create(model=NAME, prompt="x", max_tokens=2).choices
+
+
+def _one_request(url: str, i: int, prompt: list[int], max_tokens: int) -> str:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    if i % 2:
+        stream = c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+        return "".join(ch.choices[0].text for ch in stream if ch.choices)
+    return c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "draft"])
+def test_concurrent_greedy_outputs_equal_alone(kind):
+    jobs = workload(16, seed=3)
+    with start(kind, blocks=10) as s:  # a small pool: preemption is likely under this load
+        with ThreadPoolExecutor(16) as pool:
+            texts = list(pool.map(lambda a: _one_request(s.url, a[0], *a[1]), enumerate(jobs)))
+        assert wait_until(lambda: s.scheduler.idle)
+        assert s.scheduler.cache.num_used_blocks == 0
+        metrics = httpx.get(s.url + "/metrics").text
+    for (prompt, max_tokens), text in zip(jobs, texts):
+        assert text == alone(prompt, SamplingParams(max_tokens=max_tokens)).text, prompt
+    assert "tokenleap:generation_tokens_total" in metrics
+    if kind is not None:
+        assert "tokenleap:spec_decode_num_draft_tokens_total" in metrics
+
+
+def _read_then_leave(url: str, chunks: int) -> int:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    stream = c.completions.create(model=NAME, prompt="leave early " * 3, max_tokens=80, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    seen = 0
+    for _ in stream:
+        seen += 1
+        if seen == chunks:
+            break
+    stream.close()  # the client disconnects mid-stream
+    return seen
+
+
+def test_disconnected_clients_free_their_blocks():
+    with start("draft", blocks=64) as s:
+        with ThreadPoolExecutor(8) as pool:
+            seen = list(pool.map(lambda i: _read_then_leave(s.url, 2 + i % 3), range(8)))
+        assert all(n >= 2 for n in seen)
+        assert wait_until(lambda: s.scheduler.idle)
+        engine = s.scheduler.engine
+        assert engine.cache.num_used_blocks == 0 and engine.proposer.cache.num_used_blocks == 0
+        assert s.scheduler.stats.finished.get("abort", 0) == 8
+        ok = client(s).completions.create(model=NAME, prompt="after", max_tokens=3, temperature=0)
+        assert ok.choices[0].text == expected("after", 3).text
+
+
+def test_a_failing_request_gets_an_error_and_the_others_their_output():
+    eng = paged_engine("ngram", k=2)
+    eng.proposer = FailingProposer(eng.proposer, "propose")
+    with LiveServer(create_app(eng, ServerConfig(NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
+        c = client(s)
+        bad = chr(66 + 96)  # encodes to token 66: its proposer raises
+        with ThreadPoolExecutor(3) as pool:
+            good = pool.submit(c.completions.create, model=NAME, prompt="fine one", max_tokens=10, temperature=0)
+            failed = pool.submit(c.completions.create, model=NAME, prompt=bad + "xy", max_tokens=10, temperature=0)
+            streamed = pool.submit(lambda: list(c.completions.create(model=NAME, prompt=bad + "z", max_tokens=10,
+                                                                     temperature=0, stream=True)))
+        assert good.result().choices[0].text == expected("fine one", 10).text
+        with pytest.raises(openai.InternalServerError, match="boom in propose"):
+            failed.result()
+        with pytest.raises(openai.APIError, match="boom in propose"):
+            streamed.result()
+        assert wait_until(lambda: s.scheduler.idle) and eng.cache.num_used_blocks == 0
+        assert httpx.get(s.url + "/health").status_code == 200
+
+
+class GateProposer:
+    """An n-gram proposer whose proposals wait for ``gate``: holds the scheduler mid-request."""
+
+    name = "gate"
+
+    def __init__(self, inner) -> None:
+        self.inner, self.gate = inner, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, *args):
+        self.gate.wait(120)
+        return self.inner.propose(*args)
+
+
+def test_a_non_streaming_client_that_leaves_is_cancelled():
+    eng = paged_engine("ngram", k=2)
+    eng.proposer = held = GateProposer(eng.proposer)
+    with LiveServer(create_app(eng, ServerConfig(NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(s.url + "/v1/completions", json={"prompt": "wait for me", "max_tokens": 60}, timeout=1.0)
+        assert wait_until(lambda: s.scheduler._cancelled, 30)  # noticed while the scheduler is held
+        held.gate.set()
+        assert wait_until(lambda: s.scheduler.idle)
+        assert s.scheduler.stats.finished == {"abort": 1} and eng.cache.num_used_blocks == 0
