@@ -115,7 +115,9 @@ class LLM:
 
 
 def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slots: int,
-                   cache_dir: str | Path | None) -> Proposer | None:
+                   cache_dir: str | Path | None, draft_cache=None) -> Proposer | None:
+    """The proposer ``spec`` asks for. ``draft_cache(draft_model)`` may supply the draft's KV cache
+    (a server passes a paged one); by default the draft gets a contiguous cache of ``num_slots``."""
     if spec.method is None:
         return None
     if spec.method == "ngram":
@@ -129,4 +131,6 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
         from .proposers.draft_head import ReducedVocabHead
         specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
         head = ReducedVocabHead(draft.model.lm_head, spec.draft_vocab, specials)
-    return DraftModelProposer(draft.model, target.model.config.vocab_size, max_len, num_slots, head=head)
+    cache = draft_cache(draft) if draft_cache is not None else None
+    return DraftModelProposer(draft.model, target.model.config.vocab_size, max_len, num_slots,
+                              cache=cache, head=head)

@@ -116,9 +116,8 @@ class Engine:
         chunk = seq.tokens[done:end]
         out = self.model(torch.tensor(chunk), [Segment(seq.slot, done, len(chunk))], self.cache,
                          logit_rows=torch.tensor([len(chunk) - 1]), row_exact=exact)
-        warm = getattr(self.proposer, "prefill", None)  # optional: a draft model fills its cache alongside
-        if warm is not None:
-            warm(seq.seq_id, seq.tokens[:end])
+        if self.proposer is not None:  # a draft model fills its cache alongside
+            self.proposer.prefill(seq.seq_id, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:
             result = self._verify(seq, None, out.logits)  # [1, vocab]
             kept = seq.append(result.tokens)

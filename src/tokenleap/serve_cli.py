@@ -61,24 +61,13 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
 
 def _proposer(spec: SpecConfig, target, max_len: int, blocks: int, block_size: int, slots: int,
               cache_dir: str | None):
-    if spec.method is None:
-        return None
-    if spec.method == "ngram":
-        from .proposers.ngram import NgramProposer
-        return NgramProposer(spec.ngram_max, spec.ngram_min)
-    from .loading import load_model
+    from .api import build_proposer
     from .paged_cache import PagedKVCache
-    from .proposers.draft_model import DraftModelProposer
-    draft = load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
-                       cache_dir=cache_dir)
-    head = None
-    if spec.draft_vocab and draft.model.config.vocab_size > 2 * spec.draft_vocab:  # as api.build_proposer
-        from .proposers.draft_head import ReducedVocabHead
-        specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
-        head = ReducedVocabHead(draft.model.lm_head, spec.draft_vocab, specials)
-    # as many blocks as the target: a draft never holds more tokens of a sequence than the target
-    cache = PagedKVCache(draft.model.config, blocks, max_len, draft.dtype, block_size, num_slots=slots)
-    return DraftModelProposer(draft.model, target.model.config.vocab_size, max_len, cache=cache, head=head)
+
+    def paged(draft):  # as many blocks as the target: a draft never holds more tokens of a sequence
+        return PagedKVCache(draft.model.config, blocks, max_len, draft.dtype, block_size, num_slots=slots)
+
+    return build_proposer(spec, target, max_len, slots, cache_dir, draft_cache=paged)
 
 
 def model_aliases(model: str) -> tuple[str, ...]:

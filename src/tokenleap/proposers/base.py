@@ -2,6 +2,7 @@
 
 Lifecycle per sequence (llama.cpp's begin / draft / accept):
     begin(seq_id, prompt)           -- a new sequence with its prompt token ids
+    prefill(seq_id, tokens)         -- the target prefilled ``tokens``: warm up alongside (may do nothing)
     propose(seq_id, tokens, k, ..)  -- up to k draft tokens to follow ``tokens`` (or None)
     accept(seq_id, num_accepted)    -- how many of the last proposal the target kept
     end(seq_id)                     -- the sequence is finished; free what it held
@@ -26,6 +27,8 @@ class Proposer(Protocol):
     name: str
 
     def begin(self, seq_id: int, prompt: list[int]) -> None: ...
+
+    def prefill(self, seq_id: int, tokens: list[int]) -> None: ...
 
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None: ...

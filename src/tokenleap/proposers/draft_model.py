@@ -68,8 +68,8 @@ class DraftModelProposer:
         return Draft(tokens=drafted, probs=torch.cat(rows) if rows else None)
 
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
-        """Optional hook: feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the
-        first proposal does not stall on a long prompt."""
+        """Feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the first
+        proposal does not stall on a long prompt (nor count the prompt as drafting time)."""
         slot, fed = self._slot[seq_id], self._fed[seq_id]
         if fed >= len(tokens):
             return

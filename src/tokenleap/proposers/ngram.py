@@ -44,6 +44,9 @@ class NgramProposer:
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         self._seqs[seq_id] = _Index(self.ngram_min, self.ngram_max)
 
+    def prefill(self, seq_id: int, tokens: list[int]) -> None:
+        pass  # the index is built lazily from the tokens at the first proposal
+
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
         index = self._seqs[seq_id]
