@@ -72,7 +72,8 @@ class HF:
         self.max_new = max_new
         emb = self.model.get_input_embeddings().weight
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.bytes_per_token = total - emb.numel() * emb.element_size()
+        tied = self.model.config.tie_word_embeddings  # then the embedding is also the full LM head
+        self.bytes_per_token = total - (0 if tied else emb.numel() * emb.element_size())
 
     def run(self, prompt: str) -> tuple[list[int], float]:
         ids = torch.tensor([self.tok.encode(prompt)])

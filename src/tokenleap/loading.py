@@ -42,6 +42,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return as_dtype(dtype)
 
 
+def _own_memory(model: Transformer) -> None:
+    """Copy the float tensors left after quantization (embeddings, norms, biases) out of the
+    memory-mapped checkpoint, so the mapping of the whole float file can be released."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            t.data = t.data.clone()
+
+
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quant: str = "none",
                cache_dir: str | Path | None = None) -> LoadedModel:
     if quant not in QUANT_MODES:
@@ -56,5 +64,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     elif quant != "none":
         from .models.quant import quantize_
         quantize_(model, quant)
+    if quant != "none":
+        _own_memory(model)
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
     return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)

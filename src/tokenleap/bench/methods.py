@@ -1,0 +1,194 @@
+"""Method specs (``draft:k=4``, ``ngram:k=3,max=4,min=1``), the models they share, tokenleap methods.
+
+A spec names a family and options. ``parse_methods`` turns the ``--methods`` list into specs;
+``build_methods`` turns specs into runnable methods that share one loaded target (and draft), so
+tokenleap's plain, draft and n-gram methods run on the very same weights.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import SamplingParams
+from ..controller import ControllerConfig
+from ..engine import Engine
+from ..loading import LoadedModel, load_model, resolve_dtype
+from .common import AUTO_K_FAMILIES, FAMILIES, PEER, TOKENLEAP, BenchError, BenchMethod, Generation, MethodInfo
+from .machine import memory_status
+
+@dataclass(frozen=True)
+class MethodSpec:
+    family: str
+    options: tuple[tuple[str, int | str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        if not self.options:
+            return self.family
+        return self.family + ":" + ",".join(f"{k}={v}" for k, v in self.options)
+
+    @property
+    def kind(self) -> str:
+        return TOKENLEAP if self.family in ("plain", "draft", "ngram") else PEER
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.options).get(key, default)
+
+
+def parse_methods(text: str, add_plain: bool = True) -> list[MethodSpec]:
+    """``plain,ngram:k=3,max=4,draft:k=auto`` -> specs; an item with ``=`` but no ``:`` continues
+    the previous method's options. ``plain`` is put first when missing (speedups need it)."""
+    items: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part and "=" in part and ":" not in part and items:
+            items[-1] += "," + part
+        elif part:
+            items.append(part)
+    specs = [_parse_one(item) for item in items]
+    if not specs:
+        raise BenchError(f"no methods given; choose from {', '.join(FAMILIES)}")
+    names = [s.name for s in specs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise BenchError(f"method {dup!r} is listed twice")
+    if add_plain and "plain" not in names:
+        specs.insert(0, MethodSpec("plain"))
+    return specs
+
+
+def _parse_one(item: str) -> MethodSpec:
+    family, _, rest = item.partition(":")
+    family = family.strip()
+    if family not in FAMILIES:
+        raise BenchError(f"unknown method {family!r}; valid methods: {', '.join(FAMILIES)} "
+                         "(options like draft:k=4, draft:k=auto, ngram:k=3,max=4,min=1)")
+    options = [_parse_option(family, o) for o in rest.split(",") if o.strip()] if rest else []
+    spec = MethodSpec(family, tuple(options))
+    if int(spec.get("min", 1)) > int(spec.get("max", 10**9)):
+        raise BenchError(f"method {spec.name!r}: min must not exceed max")
+    return spec
+
+
+def _parse_option(family: str, text: str) -> tuple[str, int | str]:
+    key, eq, value = (s.strip() for s in text.partition("="))
+    allowed = FAMILIES[family]
+    if key not in allowed or not eq:
+        valid = ", ".join(allowed) or "none"
+        raise BenchError(f"method {family!r}: unknown option {text.strip()!r}; valid options: {valid}")
+    if value == "auto" and key == "k" and family in AUTO_K_FAMILIES:
+        return key, value
+    if not value.isdigit() or int(value) < 1:
+        hint = "an integer >= 1" + (" or auto" if key == "k" and family in AUTO_K_FAMILIES else "")
+        raise BenchError(f"method {family!r}: option {key} must be {hint}, got {value!r}")
+    return key, int(value)
+
+
+@dataclass
+class ModelOptions:
+    target: str
+    draft: str | None = None
+    dtype: str = "auto"
+    quant: str = "none"
+    draft_quant: str = "none"
+    cache_dir: str | None = None
+    threads: int = 2
+    max_len: int = 2048  # context the engines (and peers) reserve
+
+
+@dataclass
+class ModelPool:
+    """Loads each model once, on first use, and hands it to every method that needs it."""
+
+    opts: ModelOptions
+    _cache: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str, make) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def target(self) -> LoadedModel:
+        o = self.opts
+        return self.get("target", lambda: load_model(o.target, o.dtype, o.quant, o.cache_dir))
+
+    def draft(self, needed_by: str) -> LoadedModel:
+        o = self.opts
+        if not o.draft:
+            raise BenchError(f"method {needed_by!r} needs a draft model: pass --draft MODEL")
+        return self.get("draft", lambda: load_model(o.draft, self.target().dtype, o.draft_quant, o.cache_dir))
+
+    @property
+    def dtype(self):
+        return resolve_dtype(self.opts.dtype)
+
+
+class TokenleapMethod:
+    """tokenleap's engine with or without a proposer; one engine (and KV cache) per method."""
+
+    kind = TOKENLEAP
+
+    def __init__(self, name: str, engine: Engine) -> None:
+        self.name = name
+        self.engine = engine
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        t0 = time.perf_counter()
+        seq = None
+        for seq, _ in self.engine.generate(prompt_ids, params):
+            pass
+        seconds = time.perf_counter() - t0
+        st = seq.stats
+        stats = {**st.to_dict(), "position_proposed": list(st.position_proposed),
+                 "position_accepted": list(st.position_accepted)}
+        return Generation(list(seq.generated), seq.text, seconds, seq.finish_reason, stats)
+
+
+def _controller(spec: MethodSpec) -> ControllerConfig:
+    k = spec.get("k", "auto")
+    kmax = int(spec.get("kmax", 8))
+    fixed = None if k == "auto" else int(k)
+    return ControllerConfig(max_k=max(kmax, fixed or 1), fixed_k=fixed)
+
+
+def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
+    target, max_len = pool.target(), pool.opts.max_len
+    proposer = None
+    if spec.family == "ngram":
+        from ..proposers.ngram import NgramProposer
+        proposer = NgramProposer(int(spec.get("max", 4)), int(spec.get("min", 1)))
+    elif spec.family == "draft":
+        from ..proposers.draft_model import DraftModelProposer
+        proposer = DraftModelProposer(pool.draft(spec.name).model, target.model.config.vocab_size, max_len)
+    engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
+                    controller=_controller(spec))
+    return TokenleapMethod(spec.name, engine)
+
+
+def build_methods(specs: list[MethodSpec], pool: ModelPool) -> tuple[list[BenchMethod], list[MethodInfo]]:
+    """Build every spec; a peer that is not installed or fails to load is recorded, not raised."""
+    from . import peers
+
+    methods: list[BenchMethod] = []
+    infos: list[MethodInfo] = []
+    for spec in specs:
+        info = MethodInfo(spec.name, spec.family, spec.kind, dict(spec.options))
+        t0 = time.perf_counter()
+        if spec.kind == TOKENLEAP:
+            method = build_tokenleap(spec, pool)
+        else:
+            method = peers.build_peer(spec, pool, info)
+        mem = memory_status()
+        info.detail.update(load_seconds=round(time.perf_counter() - t0, 2), rss_after_load_mb=mem.get("rss_mb"),
+                           rss_anon_after_load_mb=mem.get("rss_anon_mb"), rss_file_after_load_mb=mem.get("rss_file_mb"))
+        if method is not None:
+            info.detail.update(getattr(method, "detail", {}))
+            methods.append(method)
+        infos.append(info)
+    return methods, infos
+
+
+def describe_target(pool: ModelPool) -> dict[str, Any]:
+    t = pool.target()
+    return {"source": t.source, "dtype": str(t.dtype).removeprefix("torch."), "quant": t.quant,
+            "gguf": str(t.gguf_path) if t.gguf_path else None}

@@ -1,0 +1,273 @@
+"""The bench loop: warm-up, interleaved requests, an append-only log, resume, then the outputs.
+
+Protocol (STYLE.md practice 10, METRICS.md): one short warm-up generation per method is run and
+discarded; for every prompt and repeat all methods run back to back, their order rotated from one
+prompt to the next, so drift of the machine touches every method alike; each finished request is
+appended to ``results.jsonl`` at once, so an interrupted run keeps what it measured and
+``--resume`` runs only the missing (prompt, method, repeat) triples.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..config import SamplingParams
+from . import summary as S
+from .common import PEER, BenchError, BenchMethod, MethodInfo
+from .datasets import BenchPrompt
+from .machine import memory_status, peak_rss_mb
+
+RESULTS_LOG, RUN_FILE, RESULTS_FILE = "results.jsonl", "run.json", "results.json"
+SCHEMA = "tokenleap-bench/1"
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    out_dir: Path
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    repeats: int = 1
+    resume: bool = False
+    chat: bool = True
+    pass_at_1: bool = False
+    warmup_tokens: int = 8
+    progress: bool = True
+    identity: dict[str, Any] = field(default_factory=dict)  # must match the run being resumed
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.max_new_tokens < 1:
+            raise BenchError("--repeats and --max-new-tokens must be >= 1")
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+
+    def params(self, prompt_index: int, max_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens or self.max_new_tokens, temperature=self.temperature,
+                              seed=self.seed + prompt_index)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# -- output directory and the append-only log ----------------------------------------------------
+def check_out_dir(out: Path, resume: bool) -> None:
+    """Refuse an existing, non-empty output directory unless resuming."""
+    if out.exists() and not resume and (not out.is_dir() or any(out.iterdir())):
+        raise BenchError(f"output directory {out} already exists and is not empty; pass --resume to "
+                         "continue the run in it, or choose another --out (nothing is overwritten)")
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out} is a file, not a directory")
+
+
+def open_out_dir(settings: BenchSettings) -> Path:
+    """Create the output directory; refuse an existing one unless resuming a run of the same setup."""
+    out = settings.out_dir
+    run_file = out / RUN_FILE
+    check_out_dir(out, settings.resume)
+    if settings.resume and run_file.is_file():
+        _check_identity(json.loads(run_file.read_text(encoding="utf-8")).get("identity", {}), settings.identity)
+    out.mkdir(parents=True, exist_ok=True)
+    if not run_file.is_file():
+        run_file.write_text(json.dumps({"schema": SCHEMA, "identity": settings.identity}, indent=2) + "\n")
+    return out
+
+
+def _check_identity(old: dict[str, Any], new: dict[str, Any]) -> None:
+    diff = [f"{k}: {old.get(k)!r} then, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
+    if diff:
+        raise BenchError("cannot resume: the run in this directory used other settings (" + "; ".join(diff)
+                         + "); resume with the same settings or choose another --out")
+
+
+class ResultsLog:
+    """``results.jsonl``: one JSON object per finished request (or ``{"event": "failure"}``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict] = []
+        self.failures: list[dict] = []
+        if path.is_file():
+            self._load()
+
+    def _load(self) -> None:
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        good: list[str] = []
+        for n, line in enumerate(lines, 1):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                if n == len(lines):  # a write cut short by an interruption: drop it
+                    self.path.write_text("".join(good), encoding="utf-8")
+                    return
+                raise BenchError(f"{self.path} line {n} is corrupt; delete that line to resume") from None
+            good.append(line if line.endswith("\n") else line + "\n")
+            (self.failures if obj.get("event") == "failure" else self.records).append(obj)
+        if lines and not lines[-1].endswith("\n"):
+            self.path.write_text("".join(good), encoding="utf-8")
+
+    def done(self) -> set[tuple[str, str, int]]:
+        return {(r["prompt_id"], r["method"], r["repeat"]) for r in self.records}
+
+    def append(self, obj: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        (self.failures if obj.get("event") == "failure" else self.records).append(obj)
+
+
+# -- the loop --------------------------------------------------------------------------------------
+def schedule(num_prompts: int, repeats: int, methods: list[str]) -> list[tuple[int, int, str]]:
+    """(prompt index, repeat, method), all methods of a prompt and repeat side by side, their
+    order rotated by one place per step."""
+    out, step = [], 0
+    for pi in range(num_prompts):
+        for rep in range(repeats):
+            shift = step % len(methods)
+            out += [(pi, rep, m) for m in methods[shift:] + methods[:shift]]
+            step += 1
+    return out
+
+
+def _say(message: str) -> None:
+    from tqdm import tqdm
+    tqdm.write(message, file=sys.stderr)
+
+
+class _Run:
+    """State of one bench run: methods still active, the log, live equality warnings."""
+
+    def __init__(self, settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: list[list[int]],
+                 methods: list[BenchMethod], log: ResultsLog) -> None:
+        self.s, self.prompts, self.prompt_ids, self.log = settings, prompts, prompt_ids, log
+        self.methods = {m.name: m for m in methods}
+        self.failed: dict[str, str] = {}
+
+    def fail(self, method: BenchMethod, prompt_id: str, error: Exception) -> None:
+        reason = f"{type(error).__name__}: {error}"
+        self.failed[method.name] = reason
+        self.log.append({"event": "failure", "method": method.name, "prompt_id": prompt_id, "error": reason})
+        _say(f"[bench] peer {method.name} failed ({reason}); it is skipped for the rest of the run")
+
+    def warm_up(self, names: list[str]) -> None:
+        for name in names:
+            method = self.methods[name]
+            try:
+                method.generate(self.prompt_ids[0], self.s.params(0, min(self.s.warmup_tokens, self.s.max_new_tokens)))
+            except Exception as e:
+                if method.kind != PEER:
+                    raise
+                self.fail(method, "(warm-up)", e)
+
+    def run_one(self, pi: int, rep: int, name: str) -> None:
+        method, prompt = self.methods[name], self.prompts[pi]
+        try:
+            g = method.generate(self.prompt_ids[pi], self.s.params(pi))
+        except Exception as e:
+            if method.kind != PEER:
+                raise
+            return self.fail(method, prompt.id, e)
+        record = {"prompt_id": prompt.id, "category": prompt.category, "method": name, "kind": method.kind,
+                  "repeat": rep, "prompt_tokens": len(self.prompt_ids[pi]), "num_tokens": len(g.token_ids),
+                  "seconds": round(g.seconds, 4), "tokens_per_second": round(g.tokens_per_second, 3),
+                  "finish_reason": g.finish_reason, "token_ids": g.token_ids, "text": g.text,
+                  "stats": g.stats, "peak_rss_mb": peak_rss_mb(),
+                  "finished_at": _dt.datetime.now().isoformat(timespec="seconds")}
+        self.log.append(record)
+        self._live_check(record)
+
+    def _live_check(self, record: dict) -> None:
+        if not self.s.greedy:
+            return
+        same = [r for r in self.log.records if r["prompt_id"] == record["prompt_id"]]
+        ref = next((r for r in same if r["method"] == S.PLAIN), None)
+        if ref is None:
+            return
+        for r in ([record] if record is not ref else same):
+            diff = S.first_difference(r["token_ids"], ref["token_ids"])
+            if r is not ref and diff is not None:
+                who = "peer " if r["kind"] == PEER else ""
+                _say(f"[bench] MISMATCH: {who}{r['method']} differs from plain on {r['prompt_id']} "
+                     f"(repeat {r['repeat']}) at generated token {diff}")
+
+    def loop(self) -> None:
+        from tqdm import tqdm
+
+        done = self.log.done()
+        todo = [t for t in schedule(len(self.prompts), self.s.repeats, list(self.methods))
+                if (self.prompts[t[0]].id, t[2], t[1]) not in done]
+        self.warm_up(list(dict.fromkeys(t[2] for t in todo)))
+        bar = tqdm(total=len(todo), desc="bench", unit="req", disable=not self.s.progress, file=sys.stderr)
+        with bar:
+            for pi, rep, name in todo:
+                if name not in self.failed:
+                    bar.set_postfix_str(f"{name} {self.prompts[pi].id}")
+                    self.run_one(pi, rep, name)
+                bar.update(1)
+
+
+def run_bench(settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: list[list[int]],
+              methods: list[BenchMethod], infos: list[MethodInfo] | None = None,
+              context: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run (or resume) a bench and write results.json, report.md and the plots; returns results."""
+    if not prompts or len(prompts) != len(prompt_ids):
+        raise BenchError("no prompts to run" if not prompts else "prompts and prompt_ids differ in length")
+    names = [m.name for m in methods]
+    if S.PLAIN not in names:
+        raise BenchError("the method list must include plain: speedups and the equality check need it")
+    out = open_out_dir(settings)
+    log = ResultsLog(out / RESULTS_LOG)
+    run = _Run(settings, prompts, prompt_ids, methods, log)
+    started = _dt.datetime.now().isoformat(timespec="seconds")
+    try:
+        run.loop()
+    except KeyboardInterrupt:
+        _say(f"[bench] interrupted: {len(log.records)} finished requests are kept in {log.path}; "
+             "run the same command with --resume to continue")
+        raise
+    infos = _mark_failed(infos or [MethodInfo(m.name, m.name, m.kind) for m in methods], run.failed)
+    return finish(settings, prompts, log, infos, {**(context or {}), "started": started})
+
+
+def _mark_failed(infos: list[MethodInfo], failed: dict[str, str]) -> list[MethodInfo]:
+    return [replace(i, status="failed", reason=f"failed at run time: {failed[i.name]}") if i.name in failed
+            else i for i in infos]
+
+
+def finish(settings: BenchSettings, prompts: list[BenchPrompt], log: ResultsLog, infos: list[MethodInfo],
+           context: dict[str, Any]) -> dict[str, Any]:
+    ids = {p.id for p in prompts}
+    names = [i.name for i in infos]
+    records = [r for r in log.records if r["prompt_id"] in ids and r["method"] in names]
+    if settings.pass_at_1:
+        from .passk import score
+        score(records, {p.id: p for p in prompts}, settings.chat)
+    eq = S.equality(records, settings.greedy)
+    results = {
+        "schema": SCHEMA, **context, "finished": _dt.datetime.now().isoformat(timespec="seconds"),
+        "settings": {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+                     "seed": settings.seed, "repeats": settings.repeats, "chat": settings.chat,
+                     "warmup_tokens": settings.warmup_tokens, "pass_at_1": settings.pass_at_1,
+                     **settings.identity},
+        "methods": [i.to_dict() for i in infos],
+        "summary": S.summarize(records, [n for n in names if any(r["method"] == n for r in records)], eq),
+        "equality": eq, "peak_rss_mb": peak_rss_mb(), "memory_at_end": memory_status(), "failures": log.failures, "requests": records,
+    }
+    write_outputs(results, settings.out_dir)
+    return results
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> None:
+    from .plots import write_plots
+    from .report import console_summary, write_report
+
+    results["plots"] = write_plots(results, out)
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_report(results, out / "report.md")
+    print(console_summary(results), file=sys.stderr)

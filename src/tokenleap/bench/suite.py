@@ -1,0 +1,71 @@
+"""``bench(...)``: dataset + models + methods -> ``run_bench``; what ``tokenleap bench`` calls."""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .common import BenchError, BenchMethod
+from .datasets import BenchPrompt, load_dataset
+from .machine import machine_info, rss_mb, versions
+from .methods import MethodSpec, ModelOptions, ModelPool, build_methods, describe_target, parse_methods
+from .runner import BenchSettings, check_out_dir, run_bench
+
+_NEEDS_DRAFT = ("draft", "hf-assisted")
+
+
+def encode_prompts(tokenizer, prompts: list[BenchPrompt], chat: bool) -> list[list[int]]:
+    """Token ids per prompt: the chat template around the user message, or the raw text."""
+    if chat:
+        return [tokenizer.encode_chat([{"role": "user", "content": p.user_message}]) for p in prompts]
+    return [tokenizer.encode(p.text) for p in prompts]
+
+
+def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
+          methods: str | Sequence[MethodSpec] = "plain,ngram", limit: int | None = None,
+          max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, repeats: int = 1,
+          out: str | Path = "bench-results", dtype: str = "auto", quant: str = "none",
+          draft_quant: str = "none", resume: bool = False, chat: bool = True, pass_at_1: bool = False,
+          cache_dir: str | None = None, threads: int | None = None, progress: bool = True,
+          command: str | None = None, extra_methods: Sequence[BenchMethod] = ()) -> dict[str, Any]:
+    """Run a benchmark and write results.json, results.jsonl, report.md and PNGs into ``out``."""
+    import torch
+
+    specs = parse_methods(methods) if isinstance(methods, str) else list(methods)
+    missing_draft = [s.name for s in specs if s.family in _NEEDS_DRAFT]
+    if missing_draft and not draft:
+        raise BenchError(f"method(s) {', '.join(missing_draft)} need a draft model: pass --draft MODEL")
+    ds = load_dataset(dataset, limit)
+    check_out_dir(Path(out), resume)  # before any model loads
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rss_before = rss_mb()
+    pool = ModelPool(ModelOptions(target, draft, dtype, quant, draft_quant, cache_dir, threads))
+    t0 = time.perf_counter()
+    tok = pool.target().tokenizer  # loads the target (shared by every method)
+    target_seconds = round(time.perf_counter() - t0, 2)
+    use_chat = chat and bool(tok.chat_template)
+    prompt_ids = encode_prompts(tok, ds.prompts, use_chat)
+    limit_len = pool.target().model.config.max_position_embeddings
+    pool.opts.max_len = min(max(map(len, prompt_ids)) + max_new_tokens + 16, limit_len)
+    built, infos = build_methods(specs, pool)
+    identity = {"target": target, "draft": draft, "dataset": dataset, "dataset_sha256": ds.digest,
+                "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+                "dtype": str(pool.dtype).removeprefix("torch."), "quant": quant, "draft_quant": draft_quant,
+                "chat": use_chat}
+    settings = BenchSettings(Path(out), max_new_tokens, temperature, seed, repeats, resume, use_chat,
+                             pass_at_1, progress=progress, identity=identity)
+    context = {"command": command or shlex.join(sys.argv), "machine": machine_info(), "versions": versions(),
+               "dataset": ds.describe(), "target_model": describe_target(pool), "threads": threads, "rss_before_load_mb": rss_before,
+               "target_load_seconds": target_seconds}
+    return run_bench(settings, ds.prompts, prompt_ids, [*built, *extra_methods],
+                     infos + [_info(m) for m in extra_methods], context)
+
+
+def _info(method: BenchMethod):
+    from .common import MethodInfo
+    return MethodInfo(method.name, method.name.partition(":")[0], method.kind)

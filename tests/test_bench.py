@@ -1,0 +1,317 @@
+"""tokenleap bench: datasets, method specs, the runner (resume, equality, failures), outputs, CLI.
+
+The end-to-end tests run the harness on the real SmolLM2-135M with tiny limits; runner logic that
+needs no model (failing peers, scheduling) uses fake methods.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenleap.bench import (BenchError, BenchPrompt, BenchSettings, Generation, ModelOptions, ModelPool,
+                             build_methods, encode_prompts, load_dataset, parse_methods, run_bench)
+from tokenleap.bench import codeedit as codeedit_mod
+from tokenleap.bench import passk, peers
+from tokenleap.bench.common import PEER, TOKENLEAP
+from tokenleap.bench.runner import RESULTS_LOG, schedule
+from tokenleap.bench.summary import equality, first_difference
+from tokenleap.cli import main
+
+SMOL = "smollm2-135m-instruct"
+# short, repetitive prompts: quick prefill, and the n-gram proposer finds matches
+PROMPTS = [
+    BenchPrompt("p-list", "lists", "def f(a, b):\n    return a + b\n\ndef g(a, b):\n    return a +"),
+    BenchPrompt("p-count", "counting", "one two three one two three one two"),
+]
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool(smollm2_gguf) -> ModelPool:
+    p = ModelPool(ModelOptions(SMOL, max_len=128, threads=1))
+    p.target()  # load once for the module
+    return p
+
+
+@pytest.fixture(scope="module")
+def methods(pool):
+    built, infos = build_methods(parse_methods("plain,ngram:k=3,max=3,min=1"), pool)
+    assert [i.status for i in infos] == ["ok", "ok"]
+    return built
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(pool):
+    return encode_prompts(pool.target().tokenizer, PROMPTS, chat=False)
+
+
+def settings(out: Path, **kw) -> BenchSettings:
+    base = dict(max_new_tokens=8, progress=False, chat=False, identity={"target": SMOL})
+    return BenchSettings(out, **{**base, **kw})
+
+
+class Corrupt:
+    """Test-only method: plain decoding with one generated token changed."""
+
+    kind, name = TOKENLEAP, "corrupt"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def generate(self, prompt_ids, params) -> Generation:
+        g = self.inner.generate(prompt_ids, params)
+        ids = list(g.token_ids)
+        ids[len(ids) // 2] = (ids[len(ids) // 2] + 1) % 1000
+        return Generation(ids, g.text, g.seconds, g.finish_reason, g.stats)
+
+
+class Counting:
+    """Wraps a method and counts its requests."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.kind, self.calls = inner, inner.name, inner.kind, 0
+
+    def generate(self, prompt_ids, params) -> Generation:
+        self.calls += 1
+        return self.inner.generate(prompt_ids, params)
+
+
+class Fake:
+    """A model-free method: echoes the prompt; fails from request ``fail_at`` on."""
+
+    def __init__(self, name: str, kind: str = TOKENLEAP, fail_at: int | None = None) -> None:
+        self.name, self.kind, self.fail_at, self.calls = name, kind, fail_at, 0
+
+    def generate(self, prompt_ids, params) -> Generation:
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise RuntimeError("peer crashed")
+        ids = (prompt_ids * params.max_tokens)[: params.max_tokens]
+        return Generation(ids, "x", 0.01, "length")
+
+
+# -- the harness on SmolLM2 ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory, methods, prompt_ids):
+    out = tmp_path_factory.mktemp("bench") / "run"
+    results = run_bench(settings(out), PROMPTS, prompt_ids, [*methods, Corrupt(methods[0])])
+    return out, results
+
+
+def test_results_schema(main_run):
+    out, results = main_run
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["schema"] == "tokenleap-bench/1"
+    for key in ("settings", "methods", "summary", "equality", "requests", "peak_rss_mb", "started", "finished"):
+        assert key in saved, key
+    assert len(saved["requests"]) == 2 * 3
+    req = next(r for r in saved["requests"] if r["method"] == "ngram:k=3,max=3,min=1")
+    for key in ("prompt_id", "category", "repeat", "token_ids", "text", "seconds", "tokens_per_second",
+                "prompt_tokens", "peak_rss_mb"):
+        assert key in req, key
+    assert req["stats"]["position_proposed"] and len(req["token_ids"]) == 8
+    overall = saved["summary"]["overall"]
+    assert overall["plain"]["speedup"] == 1.0 and overall["plain"]["mean_accepted_tokens"] == 1.0
+    ngram = overall["ngram:k=3,max=3,min=1"]
+    assert ngram["mean_accepted_tokens"] > 1.0 and ngram["per_position_acceptance"]
+    assert set(saved["summary"]["by_category"]) == {"lists", "counting"}
+    assert len((out / RESULTS_LOG).read_text().splitlines()) == 6
+
+
+def test_equality_check_catches_a_corrupted_method(main_run):
+    out, results = main_run
+    eq = results["equality"]
+    assert eq["checked"]
+    assert eq["by_method"]["ngram:k=3,max=3,min=1"] == {"compared": 2, "identical": 2}
+    assert {m["method"] for m in eq["mismatches"]} == {"corrupt"}
+    assert all(m["first_difference"] == 4 for m in eq["mismatches"])
+    report = (out / "report.md").read_text()
+    assert "MISMATCH" in report and "`corrupt`" in report
+
+
+def test_report_and_plots_written(main_run):
+    out, results = main_run
+    report = (out / "report.md").read_text()
+    assert "## Overall" in report and "## Category `lists`" in report and "| `plain` |" in report
+    assert {"speedup.png", "acceptance.png"} <= set(results["plots"])
+    for name in results["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_runs_only_missing_requests(tmp_path, methods, prompt_ids):
+    out = tmp_path / "resume"
+    run_bench(settings(out, max_new_tokens=4), PROMPTS[:1], prompt_ids[:1], methods)
+    with open(out / RESULTS_LOG, "a") as f:
+        f.write('{"prompt_id": "p-count", "meth')  # a write cut short by an interruption
+    counted = [Counting(m) for m in methods]
+    results = run_bench(settings(out, max_new_tokens=4, resume=True), PROMPTS, prompt_ids, counted)
+    assert [c.calls for c in counted] == [2, 2]  # warm-up + the one new prompt
+    assert len(results["requests"]) == 4
+    assert len((out / RESULTS_LOG).read_text().splitlines()) == 4
+    again = [Counting(m) for m in methods]
+    run_bench(settings(out, max_new_tokens=4, resume=True), PROMPTS, prompt_ids, again)
+    assert [c.calls for c in again] == [0, 0]  # nothing left: no warm-up either
+    with pytest.raises(BenchError, match="other settings.*max_new_tokens"):
+        run_bench(settings(out, max_new_tokens=5, resume=True, identity={"target": SMOL, "max_new_tokens": 5}),
+                  PROMPTS, prompt_ids, methods)
+
+
+def test_cli_end_to_end_with_hf_peer(smollm2_gguf, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--limit", "1", "--max-new-tokens", "4",
+               "--methods", "ngram:k=2,hf-plain,llamacpp-plain", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    status = {m["name"]: m["status"] for m in results["methods"]}
+    assert status["plain"] == "ok"  # added automatically
+    assert results["settings"]["chat"] is True
+    if status["hf-plain"] == "ok":  # same weights, same prompt ids: at worst a near-tie flips a later token
+        assert results["equality"]["by_method"]["hf-plain"]["compared"] == 1
+        assert all(m["first_difference"] > 0 for m in results["equality"]["mismatches"])
+    if not peers._installed("llama_cpp"):
+        assert status["llamacpp-plain"] == "skipped"
+    assert results["machine"]["cpu_flags"].keys() >= {"avx512f", "amx_bf16"}
+    assert results["versions"]["torch"] and results["command"].startswith("tokenleap bench")
+
+
+# -- runner logic with fake methods ---------------------------------------------------------------------
+FAKE_PROMPTS = [BenchPrompt(f"q{i}", "c", "t") for i in range(3)]
+FAKE_IDS = [[5, 6, 7], [8, 9], [10, 11, 12]]
+
+
+def test_failing_peer_is_reported_and_skipped(tmp_path):
+    peer = Fake("hf-plain", PEER, fail_at=3)  # warm-up and one request pass, then it fails
+    results = run_bench(settings(tmp_path / "o"), FAKE_PROMPTS, FAKE_IDS, [Fake("plain"), peer])
+    info = {m["name"]: m for m in results["methods"]}
+    assert info["hf-plain"]["status"] == "failed" and "peer crashed" in info["hf-plain"]["reason"]
+    assert peer.calls == 3
+    assert len([r for r in results["requests"] if r["method"] == "plain"]) == 3
+    assert results["failures"][0]["method"] == "hf-plain"
+
+
+def test_mismatch_is_announced_on_the_console(tmp_path, capsys):
+    class Off(Fake):
+        def generate(self, prompt_ids, params):
+            g = super().generate(prompt_ids, params)
+            return Generation(g.token_ids[:-1] + [0], g.text, g.seconds, g.finish_reason)
+    results = run_bench(settings(tmp_path / "o"), FAKE_PROMPTS, FAKE_IDS, [Off("draft"), Fake("plain")])
+    err = capsys.readouterr().err
+    assert "MISMATCH: draft differs from plain on q0 (repeat 0) at generated token 7" in err
+    assert "!!! MISMATCH: 3 request(s) of tokenleap methods" in err
+    assert results["summary"]["overall"]["draft"]["mismatches"] == 3
+
+
+def test_tokenleap_method_errors_are_not_swallowed(tmp_path):
+    with pytest.raises(RuntimeError, match="peer crashed"):
+        run_bench(settings(tmp_path / "o"), FAKE_PROMPTS, FAKE_IDS, [Fake("plain"), Fake("ngram", fail_at=2)])
+
+
+def test_existing_out_dir_is_refused(tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    with pytest.raises(BenchError, match="already exists.*--resume"):
+        run_bench(settings(out), FAKE_PROMPTS, FAKE_IDS, [Fake("plain")])
+    rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--out", str(out)])
+    assert rc == 2 and "already exists" in capsys.readouterr().err
+    assert (out / "results.json").read_text() == "{}"
+
+
+def test_schedule_interleaves_and_rotates():
+    s = schedule(2, 2, ["plain", "a", "b"])
+    assert s[:3] == [(0, 0, "plain"), (0, 0, "a"), (0, 0, "b")]
+    assert s[3:6] == [(0, 1, "a"), (0, 1, "b"), (0, 1, "plain")]
+    assert len(s) == 12 and len(set(s)) == 12
+
+
+def test_equality_and_own_baselines():
+    def rec(method, pid, ids, rep=0):
+        return {"method": method, "prompt_id": pid, "repeat": rep, "token_ids": ids}
+    records = [rec("plain", "a", [1, 2, 3]), rec("plain", "a", [1, 2, 3], 1), rec("ngram", "a", [1, 2, 3]),
+               rec("hf-plain", "a", [1, 2, 4]), rec("hf-assisted", "a", [1, 2, 4]), rec("draft", "a", [1, 2])]
+    eq = equality(records, greedy=True)
+    assert {(m["method"], m["first_difference"]) for m in eq["mismatches"]} == {
+        ("hf-plain", 2), ("hf-assisted", 2), ("draft", 2)}
+    assert eq["own_baseline"]["hf-assisted"] == {"compared": 1, "identical": 1, "reference": "hf-plain"}
+    assert not equality(records, greedy=False)["checked"]
+    assert first_difference([1, 2], [1, 2]) is None and first_difference([1], [2]) == 0
+
+
+# -- datasets and method specs ---------------------------------------------------------------------------
+def test_malformed_jsonl_names_the_line(tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "category": "x"\n')
+    with pytest.raises(BenchError, match=r"line 3: not valid JSON"):
+        load_dataset(str(path))
+    path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(BenchError, match=r"line 2: .*\"prompt\""):
+        load_dataset(str(path))
+    rc = main(["bench", "--target", SMOL, "--dataset", str(path), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "line 2" in capsys.readouterr().err
+
+
+def test_user_jsonl_fields(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "id": 7, "category": "x"}\n{"prompt": "b"}\n')
+    ds = load_dataset(str(path), limit=5)
+    assert [(p.id, p.category) for p in ds.prompts] == [("7", "x"), ("line2", "default")]
+
+
+def test_unknown_dataset_and_methods_list_the_valid_ones(capsys):
+    with pytest.raises(BenchError, match="humaneval, codeedit, chat"):
+        load_dataset("mtbench")
+    with pytest.raises(BenchError, match="valid methods: plain, draft, ngram, hf-plain"):
+        parse_methods("plain,medusa")
+    with pytest.raises(BenchError, match="unknown option 'q=3'; valid options: k, kmax"):
+        parse_methods("draft:q=3")
+    with pytest.raises(BenchError, match="integer >= 1 or auto"):
+        parse_methods("ngram:k=0")
+    rc = main(["bench", "--target", SMOL, "--methods", "plain,spec", "--out", "/nonexistent/x"])
+    assert rc == 2 and "unknown method 'spec'" in capsys.readouterr().err
+
+
+def test_parse_methods_options_and_plain_first():
+    specs = parse_methods("ngram:k=3,max=4,min=1,draft:k=auto,hf-prompt-lookup:k=5")
+    assert [s.name for s in specs] == ["plain", "ngram:k=3,max=4,min=1", "draft:k=auto", "hf-prompt-lookup:k=5"]
+    assert specs[1].get("max") == 4 and specs[2].get("k") == "auto" and specs[3].kind == PEER
+    with pytest.raises(BenchError, match="listed twice"):
+        parse_methods("plain,ngram,ngram")
+
+
+def test_builtin_datasets():
+    he = load_dataset("humaneval")
+    assert len(he.prompts) == 164 and he.prompts[0].id == "HumanEval/0"
+    assert he.prompts[0].text.startswith("from typing import List")
+    assert "```python" in he.prompts[0].user_message and "entry_point" in he.prompts[0].extra
+    chat = load_dataset("chat")
+    assert len(chat.prompts) >= 30 and {"explain", "debug", "design"} <= set(chat.categories)
+    first, second = codeedit_mod.build_codeedit(), codeedit_mod.build_codeedit()
+    assert first == second and len(first) == 4 * codeedit_mod.PER_KIND
+    assert [d["category"] for d in first[:4]] == ["type-hints", "f-strings", "docstring", "rename"]
+    assert all("```python\n" in d["prompt"] for d in first)
+    assert load_dataset("codeedit", limit=6).total == len(first)
+
+
+def test_missing_peer_package_is_skipped(monkeypatch):
+    monkeypatch.setattr(peers, "_installed", lambda module: False)
+    built, infos = build_methods(parse_methods("llamacpp-plain,hf-plain", add_plain=False),
+                                 ModelPool(ModelOptions("unused-model")))
+    assert built == []
+    assert [i.status for i in infos] == ["skipped", "skipped"]
+    assert "pip install llama-cpp-python" in infos[0].reason
+
+
+# -- HumanEval pass@1 ---------------------------------------------------------------------------------------
+def test_pass_at_1_runs_the_tests():
+    problem = load_dataset("humaneval", limit=1).prompts[0]  # has_close_elements
+    body = ("    for i, a in enumerate(numbers):\n        for j, b in enumerate(numbers):\n"
+            "            if i != j and abs(a - b) < threshold:\n                return True\n    return False\n")
+    assert passk.run_program(passk.check_program(problem, body, chat=False)) == (True, "passed")
+    chat_answer = ("Here it is:\n```python\nfrom typing import List\n\ndef has_close_elements(numbers: List[float], "
+                   "threshold: float) -> bool:\n" + body + "```\nDone.")
+    assert passk.run_program(passk.check_program(problem, chat_answer, chat=True))[0]
+    ok, why = passk.run_program(passk.check_program(problem, "    return True\n", chat=False))
+    assert not ok and why.startswith("failed")
+    assert passk.run_program("while True: pass\n", timeout=0.5) == (False, "timed out")
