@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +54,39 @@ def smollm2_gguf() -> Path:
     if not path.exists():
         pytest.skip(f"{path} missing")
     return path
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; 0.0 if a zero-probability cell was observed."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()  # [cells] each
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    support = probs > 0
+    expected = probs[support] / probs[support].sum() * counts.sum()  # [support]
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = torch.tensor(support.sum().item() - 1.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+def assert_block_rows_equal_steps(model, dtype: torch.dtype) -> None:
+    """A one-token step's logits equal, bitwise, the matching row of a k-token row-exact block."""
+    from tokenleap.cache import KVCache
+    from tokenleap.models.transformer import Segment
+
+    def run(cache, slot, tokens, start, row_exact=False):
+        seg = [Segment(slot=slot, pos_start=start, length=len(tokens))]
+        return model(torch.tensor(tokens), seg, cache, row_exact=row_exact).logits
+
+    prompt, block = list(range(3, 20)), [21, 22, 23, 24, 25]
+    cache = KVCache(model.config, 2, 64, dtype)
+    a = cache.allocate()
+    run(cache, a, prompt, 0)
+    block_logits = run(cache, a, block, len(prompt), row_exact=True)
+    b = cache.allocate()
+    run(cache, b, prompt, 0)
+    for i, tok in enumerate(block):
+        step = run(cache, b, [tok], len(prompt) + i, row_exact=True)
+        assert torch.equal(step[0], block_logits[i]), f"row {i} differs"
 
 
 class ToyDetokenizer:

@@ -14,7 +14,7 @@ from tokenleap.models.quant import (Int4Linear, Int8Linear, int4_from_gguf_q4, q
                                     weight_bytes)
 from tokenleap.models.transformer import Segment
 
-from conftest import random_weights, tiny_config, tiny_model
+from conftest import assert_block_rows_equal_steps, random_weights, tiny_config, tiny_model
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -95,17 +95,7 @@ def test_quantized_logits_close_to_float(mode, bound, arch):
 def test_one_token_step_equals_row_of_block_bitwise(mode, dtype):
     model = tiny_model("qwen2", seed=5, dtype=dtype, **SHAPE)  # qwen2: q/k/v biases
     quantize_(model, mode)
-    cfg = model.config
-    prompt, block = list(range(3, 20)), [21, 22, 23, 24, 25]
-    cache = KVCache(cfg, 2, 64, dtype)
-    a = cache.allocate()
-    run(model, cache, a, prompt, 0)
-    block_logits = run(model, cache, a, block, len(prompt), row_exact=True)
-    b = cache.allocate()
-    run(model, cache, b, prompt, 0)
-    for i, tok in enumerate(block):
-        step = run(model, cache, b, [tok], len(prompt) + i, row_exact=True)
-        assert torch.equal(step[0], block_logits[i]), f"row {i} differs"
+    assert_block_rows_equal_steps(model, dtype)
 
 
 def test_unknown_mode_names_valid_choices():

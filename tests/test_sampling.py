@@ -7,24 +7,13 @@ import pytest
 import torch
 
 from tokenleap.config import SamplingParams
+from conftest import chi2_pvalue
 from tokenleap.sampling import (SamplingFilters, greedy, inverse_cdf, logits_to_probs,
                                 make_generator, sample)
 
 # probabilities that are exact in binary, in a shuffled order: token 1 > token 3 > tokens 0 = 2
 P4 = torch.tensor([0.125, 0.5, 0.125, 0.25])  # [4]
 LOGITS4 = P4.log()[None]  # [1, 4]
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; 0.0 if a zero-probability cell was observed."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()  # [cells] each
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    support = probs > 0
-    expected = probs[support] / probs[support].sum() * counts.sum()  # [support]
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    dof = torch.tensor(support.sum().item() - 1.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(dof / 2, stat / 2))
 
 
 def probs_of(**kw) -> list[float]:

@@ -8,7 +8,7 @@ from tokenleap.cache import KVCache
 from tokenleap.models.build import build_transformer
 from tokenleap.models.transformer import Segment
 
-from conftest import random_weights, tiny_config, tiny_model
+from conftest import assert_block_rows_equal_steps, random_weights, tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,18 +56,7 @@ def test_logits_match_transformers_prefill_decode_truncate(arch, tie):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_token_step_equals_row_of_block_bitwise(dtype):
     model = tiny_model("qwen2", seed=5, dtype=dtype, hidden=128, intermediate=256)
-    cfg = model.config
-    prompt = list(range(3, 20))
-    block = [21, 22, 23, 24, 25]
-    cache = KVCache(cfg, 2, 64, dtype)
-    a = cache.allocate()
-    run(model, cache, a, prompt, 0)
-    block_logits = run(model, cache, a, block, len(prompt), row_exact=True)
-    b = cache.allocate()
-    run(model, cache, b, prompt, 0)
-    for i, tok in enumerate(block):
-        step = run(model, cache, b, [tok], len(prompt) + i, row_exact=True)
-        assert torch.equal(step[0], block_logits[i]), f"row {i} differs"
+    assert_block_rows_equal_steps(model, dtype)
 
 
 def test_rows_do_not_depend_on_other_sequences_in_the_batch():

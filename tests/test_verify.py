@@ -14,23 +14,13 @@ import pytest
 import torch
 
 from tokenleap.sampling import logits_to_probs, make_generator, sample
+
+from conftest import chi2_pvalue
 from tokenleap.verify import (Verification, verify_greedy, verify_greedy_batch, verify_sampling,
                               verify_sampling_batch)
 
 V = 6  # vocabulary size of the statistical tests
 TRIALS = 20000
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; 0.0 if a zero-probability cell was observed."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()  # [cells] each
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    support = probs > 0
-    expected = probs[support] / probs[support].sum() * counts.sum()  # [support]
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    dof = torch.tensor(support.sum().item() - 1.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(dof / 2, stat / 2))
 
 
 # ---------------------------------------------------------------- greedy
