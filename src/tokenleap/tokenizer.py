@@ -7,9 +7,7 @@ the same pair a Hugging Face model directory has, so ``Tokenizer.from_dir`` serv
 from __future__ import annotations
 
 import json
-import mmap
 import operator
-import struct
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -50,68 +48,15 @@ class ChatTemplateError(TokenleapError, ConfigError):
     """No chat template, bad messages, or a template that failed to render."""
 
 
-# Reading tokenizer metadata straight from a GGUF file (header only; fast, no tensor parsing)
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-class _GGUFCursor:
-    def __init__(self, buf: Any, endian: str) -> None:
-        self.buf, self.endian, self.pos = buf, endian, 0
-
-    def scalar(self, fmt: str) -> Any:
-        value = struct.unpack_from(self.endian + fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.scalar("Q")
-        raw = self.buf[self.pos:self.pos + n]
-        if len(raw) != n:
-            raise struct.error("string runs past the end of the file")
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _STRING:
-            return self.string()
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype])
-        if vtype == _ARRAY:
-            etype, count = self.scalar("I"), self.scalar("Q")
-            if etype in _SCALARS:
-                fmt = f"{self.endian}{count}{_SCALARS[etype]}"
-                items = list(struct.unpack_from(fmt, self.buf, self.pos))
-                self.pos += struct.calcsize(fmt)
-                return items
-            return [self.value(etype) for _ in range(count)]
-        raise ValueError(f"unknown GGUF value type {vtype}")
-
-
 def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """The ``tokenizer.*`` (and ``general.architecture``) metadata of a GGUF file, keys as in GGUF."""
+    from .models.gguf import read_header  # the one GGUF header parser, with its corruption checks
+
     path = Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF" or path.stat().st_size < 24:
-            raise ModelFormatError(f"{path} is not a GGUF file (bad magic bytes or too short)")
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    with buf:
-        endian = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
-        cur = _GGUFCursor(buf, endian)
-        cur.pos = 8
-        try:
-            cur.scalar("Q")  # tensor count
-            out: dict[str, Any] = {}
-            for _ in range(cur.scalar("Q")):
-                key = cur.string()
-                value = cur.value(cur.scalar("I"))
-                if key.startswith("tokenizer.") or key == "general.architecture":
-                    out[key] = value
-        except (struct.error, ValueError) as e:
-            raise ModelFormatError(f"{path}: corrupt or truncated GGUF metadata ({e})") from e
-    return out
+    metadata, _ = read_header(path)
+    return {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
 
 
 # GGUF metadata -> tokenizers.Tokenizer
