@@ -70,3 +70,21 @@ def test_draft_with_other_vocabulary_is_refused():
     draft = tiny_model("llama", vocab=50)
     with pytest.raises(TokenleapError, match="vocabulary"):
         DraftModelProposer(draft, target_vocab_size=96, max_len=64)
+
+
+def test_no_probe_when_even_full_acceptance_cannot_pay():
+    c = DraftLengthController(ControllerConfig(max_k=8, probe_every=3))
+    for rows in range(1, 160):  # compute-bound: cost grows with rows
+        c.observe_forward(rows, max(1.0, rows / 8))
+    c.observe_draft(1, 0.2)
+    for _ in range(50):
+        c.observe_acceptance(8, 0)  # drafts never match
+    assert [c.choose(batch=16) for _ in range(9)] == [0] * 9  # heavy load: probing is pointless
+    assert any(c.choose(batch=1) > 0 for _ in range(9))  # alone: probes go on
+
+
+def test_unmeasured_large_blocks_are_predicted_compute_bound():
+    c = DraftLengthController(ControllerConfig(max_k=8))
+    c.observe_forward(16, 2.0)
+    assert c.predict_forward(8) == 2.0 and c.predict_forward(12) == 2.0
+    assert c.predict_forward(48) == 6.0

@@ -6,13 +6,17 @@ Its cost is the draft's time for k tokens plus one target forward over ``batch *
 All three figures are measured while running: b_i as moving averages, the draft's seconds per
 token, and the target's seconds per forward as a function of the rows it computes. A row count
 never measured is predicted from the measured ones (linear through the nearest two), and
-optimistically as the cheapest measured cost until it has been tried once, so every k gets a
-chance. When no k beats plain decoding, the step decodes plainly; every ``probe_every`` plain
-steps it drafts once with a small k, so a change in the text (a copy-heavy passage) is noticed.
+for a larger block than any measured: optimistically at the largest measured cost while the block
+has at most 16 rows (so every small k gets tried once), proportionally to its rows beyond that
+(large batches are compute-bound). When no k beats plain decoding, the step decodes plainly;
+every ``probe_every`` plain steps it drafts once with a small k, so a change in the text (a
+copy-heavy passage) is noticed -- unless even full acceptance could not pay at this batch size.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+_MEMORY_BOUND_ROWS = 16  # up to this many rows an unmeasured forward is guessed as cheap as the largest seen
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,19 @@ class DraftLengthController:
                 best_k, best_rate = k, r
         if best_k == 0:
             self._plain_streak += 1
-            if self._plain_streak >= self.cfg.probe_every:
+            probe_k = min(self.cfg.probe_k, self.cfg.max_k)
+            if self._plain_streak >= self.cfg.probe_every and self._could_pay(probe_k, batch, best_rate):
                 self._plain_streak = 0
-                return min(self.cfg.probe_k, self.cfg.max_k)
+                return probe_k
         else:
             self._plain_streak = 0
         return best_k
+
+    def _could_pay(self, k: int, batch: int, plain_rate: float) -> bool:
+        """Would drafting k tokens beat plain decoding if every draft were accepted? If not (the
+        batch makes verification too costly), a probe for acceptance cannot change the choice."""
+        draft = k * batch * (self.draft_cost or 0.0)
+        return batch * (k + 1) / (draft + self.predict_forward(batch * (k + 1))) > plain_rate
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
@@ -72,8 +83,11 @@ class DraftLengthController:
         known = sorted(self.forward_cost)
         lower = [r for r in known if r < rows]
         upper = [r for r in known if r > rows]
-        if not upper:  # untried larger block: optimistic until measured
-            return self.forward_cost[known[-1]] if len(known) < 2 else self._line(known[-2], known[-1], rows)
+        if not upper:  # a block larger than any measured
+            top = known[-1]
+            if rows <= _MEMORY_BOUND_ROWS:  # optimistic until tried: small blocks often cost ~one row
+                return self.forward_cost[top]
+            return self.forward_cost[top] * rows / top  # large blocks are compute-bound: ~ rows
         if not lower:
             return self.forward_cost[upper[0]]
         return self._line(lower[-1], upper[0], rows)
