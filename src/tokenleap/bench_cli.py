@@ -8,6 +8,8 @@ import sys
 from .bench.datasets import DATASETS
 from .bench.common import FAMILIES
 
+from .cli import positive_int
+
 _EPILOG = f"""methods: {', '.join(FAMILIES)}
   options: draft:k=4 | draft:k=auto,kmax=8 | ngram:k=3,max=4,min=1 | hf-assisted:k=5 |
            hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
@@ -19,16 +21,6 @@ example:
 """
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return n
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark methods and peers side by side (Spec-Bench style)",
                               epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,11 +28,11 @@ def register(subparsers) -> None:
     p.add_argument("--draft", help="draft model for draft and hf-assisted")
     p.add_argument("--dataset", default="humaneval", help=f"{', '.join(DATASETS)} or a JSONL file")
     p.add_argument("--methods", default="plain,ngram", help="comma-separated method list (see below)")
-    p.add_argument("--limit", type=_positive, default=None, help="first N prompts of the dataset")
-    p.add_argument("--max-new-tokens", type=_positive, default=128)
+    p.add_argument("--limit", type=positive_int, default=None, help="first N prompts of the dataset")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are checked for equality)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=_positive, default=1, help="runs per prompt and method; medians are reported")
+    p.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and method; medians are reported")
     p.add_argument("--out", default="bench-results", help="output directory (refused if it exists, unless --resume)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
     p.add_argument("--quant", default="none", help="tokenleap target weights: none, int8, int4")
@@ -49,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-chat", action="store_true", help="raw prompts, no chat template for instruct models")
     p.add_argument("--pass-at-1", action="store_true",
                    help="run HumanEval tests on the outputs (executes model-written code in a subprocess)")
-    p.add_argument("--threads", type=_positive, default=None, help="torch and llama.cpp threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch and llama.cpp threads (default: torch's)")
     p.add_argument("--cache-dir", default=None, help="where converted models are kept")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)

@@ -15,16 +15,19 @@ class UsageError(TokenleapError):
     """Bad command-line input."""
 
 
-def _num_spec_tokens(value: str) -> int | str:
-    if value == "auto":
-        return value
+def positive_int(value: str, expected: str = "an integer >= 1") -> int:
+    """argparse type: an integer >= 1, else a usage error that says what was expected."""
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value!r}") from None
+        n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value!r}")
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {value!r}")
     return n
+
+
+def _num_spec_tokens(value: str) -> int | str:
+    return value if value == "auto" else positive_int(value, "'auto' or an integer >= 1")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -61,7 +62,7 @@ class Engine:
             raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but the context window is "
                                      f"{self.max_len}; shorten it or raise --max-model-len")
         if params.max_tokens > room:
-            params = _replace_max_tokens(params, room)
+            params = replace(params, max_tokens=room)
         return Sequence(seq_id=next(self._ids), prompt=list(prompt), params=params, eos_ids=self.eos_ids,
                         detokenizer=self.tokenizer.detokenizer(),
                         generator=None if params.greedy else make_generator(params.seed))
@@ -192,8 +193,3 @@ class Engine:
             return verify_greedy(drafted, logits)
         probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [k+1, vocab]
         return verify_sampling(drafted, draft.probs if draft else None, probs, seq.generator)
-
-
-def _replace_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-    return replace(params, max_tokens=max_tokens)
