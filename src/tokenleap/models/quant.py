@@ -35,8 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import ConfigError
 from .linear import Linear
 
@@ -67,7 +69,13 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 
 
 class Int8Linear(nn.Module):
-    """``y = x (q * scale)^T (+ b)``; q int8 [out, in], scale per output channel."""
+    """``y = x (q * scale)^T (+ b)``; q int8 [out, in], scale per output channel.
+
+    With tokenleap's compiled kernel (``tokenleap.kernels``) the weight is kept only in the
+    kernel's packed layout and the product runs in float32 (exact int8 -> fp32 weights, fp32
+    accumulation), whatever ``compute_dtype`` says; otherwise torch's kernel runs in
+    ``compute_dtype``. Out features are padded to a multiple of 8 for the kernel.
+    """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
@@ -75,9 +83,29 @@ class Int8Linear(nn.Module):
         _check_compute_dtype(compute_dtype)
         self.out_features, self.in_features = qweight.shape
         self.compute_dtype = compute_dtype
-        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())  # [out, in]
-        self.register_buffer("scales", scales.to(compute_dtype).contiguous())  # [out]
+        self.use_kernel = self.in_features % 8 == 0 and kernels.available()
+        q = qweight.to(torch.int8)
+        if self.use_kernel:
+            pad = -self.out_features % 8
+            q = F.pad(q, (0, 0, 0, pad)) if pad else q  # [out8, in]
+            sc = F.pad(scales.to(compute_dtype).float(), (0, pad))  # [out8]: the values torch's path would use
+            self.register_buffer("packed", kernels.pack_int8(q))  # [out8/8, in/8, 8, 8]
+            self.register_buffer("scales", sc.contiguous())
+        else:
+            self.register_buffer("_qweight", q.contiguous())  # [out, in]
+            self.register_buffer("scales", scales.to(compute_dtype).contiguous())  # [out]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """int8 [out, in]."""
+        if self.use_kernel:
+            return kernels.unpack_int8(self.packed)[: self.out_features]
+        return self._qweight
+
+    def weight_scales(self) -> torch.Tensor:
+        """Per-output-channel scales, [out] (the padding dropped)."""
+        return self.scales[: self.out_features]
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -94,18 +122,23 @@ class Int8Linear(nn.Module):
         return cls(q, scale, bias, compute_dtype)
 
     def forward(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
-        # x: [rows, in] -> [rows, out]; the kernel is row-invariant, so row_exact needs nothing extra
+        # x: [rows, in] -> [rows, out]; both kernels are row-invariant, so row_exact needs nothing extra
+        if self.use_kernel:
+            y = kernels.int8_linear(x.reshape(-1, self.in_features).float(), self.packed, self.scales)  # [rows, out8]
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
+            return _finish(y, x, self.bias)
         xc = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [rows, in]
-        y = torch.ops.aten._weight_int8pack_mm(xc, self.qweight, self.scales)  # [rows, out]
+        y = torch.ops.aten._weight_int8pack_mm(xc, self._qweight, self.scales)  # [rows, out]
         return _finish(y, x, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by, [out, in] float32."""
-        return self.qweight.float() * self.scales.float()[:, None]
+        return self.qweight.float() * self.weight_scales().float()[:, None]
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-                f"compute={self.compute_dtype}")
+        compute = "float32 (tokenleap kernel)" if self.use_kernel else self.compute_dtype
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, compute={compute}"
 
 
 class Int4Linear(nn.Module):

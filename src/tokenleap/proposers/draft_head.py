@@ -29,7 +29,7 @@ class ReducedVocabHead:
         full = Int8Linear.from_float(_float_weight(lm_head))  # [vocab, hidden] int8 + per-row scale
         self.vocab = full.out_features
         ids = sorted(set(range(min(static_size, self.vocab))) | {i for i in special_ids if 0 <= i < self.vocab})
-        self._q, self._scales = full.qweight, full.scales  # [vocab, hidden], [vocab]
+        self._q, self._scales = full.qweight, full.weight_scales()  # [vocab, hidden], [vocab]
         self.static_ids = torch.tensor(ids, dtype=torch.long)  # [s]
         self._static = self._rows(self.static_ids)
         self._in_static = torch.zeros(self.vocab, dtype=torch.bool)

@@ -1,0 +1,94 @@
+// tokenleap CPU kernels (AVX2 + FMA): weight-only int8 matrix products for small row counts.
+//
+// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], x float32 [M, K], q int8 packed (see below).
+//
+// Row invariance, by construction: every output element is one 8-lane FMA chain over k in
+// ascending order (lane t sums k = t, t+8, t+16, ...), then a fixed horizontal sum, then the scale.
+// Tiles of different shapes (chosen by how many rows a call has) only change which chains run side by
+// side, never the arithmetic of a chain, so a row's result is bitwise the same for any M. Speculative
+// verification (k+1 rows) and batching therefore reproduce one-row decoding exactly.
+//
+// Packed layout: [N/8 column blocks][K/8][8 columns][8 k] int8, so one tile streams one contiguous
+// region and every 64-byte cache line holds 8 k of 8 neighbouring columns.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline __m256 load_q8(const int8_t* p) {  // 8 int8 -> 8 float32 (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Rows [0, MB) x block columns [j0, j0 + NB) of one 8-column block.
+template <int MB, int NB>
+inline void tile(const float* x, int64_t K, const int8_t* blk, int j0, const float* scale, float* y,
+                 int64_t ldy) {
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  const int8_t* p = blk + j0 * 8;
+  for (int64_t k = 0; k < K; k += 8, p += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
+    __m256 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = load_q8(p + j * 8);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(w[j], xv, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) y[m * ldy + j0 + j] = hsum8(acc[m][j]) * scale[j0 + j];
+}
+
+template <int MB, int NB>
+inline void block_rows(const float* x, int64_t K, const int8_t* blk, const float* scale, float* y, int64_t ldy) {
+  for (int j = 0; j < 8; j += NB) tile<MB, NB>(x, K, blk, j, scale, y, ldy);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be float32 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous(), "int8_linear: packed must be contiguous int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), "int8_linear: scale must be float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
+  TORCH_CHECK(N % 8 == 0 && K % 8 == 0 && packed.numel() == N * K, "int8_linear: N and K must be multiples of 8");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / 8, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int8_t* blk = qp + b * 8 * K;
+      const float* s = sp + b * 8;
+      int64_t m = 0;
+      for (; m + 6 <= M; m += 6) block_rows<6, 2>(xp + m * K, K, blk, s, yp + m * N + b * 8, N);
+      const float* xm = xp + m * K;
+      float* ym = yp + m * N + b * 8;
+      switch (M - m) {
+        case 5: block_rows<5, 2>(xm, K, blk, s, ym, N); break;
+        case 4: block_rows<4, 2>(xm, K, blk, s, ym, N); break;
+        case 3: block_rows<3, 2>(xm, K, blk, s, ym, N); break;
+        case 2: block_rows<2, 4>(xm, K, blk, s, ym, N); break;
+        case 1: block_rows<1, 8>(xm, K, blk, s, ym, N); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenleap, m) { m.def("int8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor"); }
+TORCH_LIBRARY_IMPL(tokenleap, CPU, m) { m.impl("int8_linear", &int8_linear); }

@@ -1,0 +1,77 @@
+"""tokenleap's compiled CPU kernel: built on AVX2 machines, exact to fp32, bitwise row-invariant,
+and the torch fallback taken when it is unavailable."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenleap import kernels
+from tokenleap.models.quant import Int8Linear
+
+HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+needs_kernel = pytest.mark.skipif(not HAS_AVX2, reason="the kernel needs AVX2 + FMA")
+
+
+@needs_kernel
+def test_kernel_builds_on_avx2_machines():
+    # CI runs on an AVX2 machine: a build failure must show up here, not as a silent slow fallback
+    assert kernels.available(), kernels.unavailable_reason()
+
+
+def test_pack_unpack_round_trip():
+    q = torch.randint(-127, 128, (24, 40), dtype=torch.int8)
+    packed = kernels.pack_int8(q)  # [3, 5, 8, 8]
+    assert packed.shape == (3, 5, 8, 8) and torch.equal(packed[1, 2, 3], q[8 + 3, 16:24])
+    assert torch.equal(kernels.unpack_int8(packed), q)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(8, 8), (64, 200), (136, 1024)])
+def test_int8_linear_matches_fp64_reference(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) + 0.01
+    x = torch.randn(13, k, generator=g)
+    y = kernels.int8_linear(x, kernels.pack_int8(q), scale)  # [13, n]
+    ref = (x.double() @ q.double().T) * scale.double()  # [13, n]
+    tol = 1e-6 * (x.double().abs() @ q.double().abs().T * scale.double()).clamp_min(1)  # fp32 accumulation error
+    assert ((y.double() - ref).abs() <= tol * k ** 0.5).all()
+
+
+@needs_kernel
+def test_int8_linear_rows_bitwise_independent_of_row_count():
+    g = torch.Generator().manual_seed(3)
+    q = kernels.pack_int8(torch.randint(-127, 128, (48, 520), dtype=torch.int8, generator=g))
+    scale = torch.rand(48, generator=g)
+    x = torch.randn(23, 520, generator=g)  # every tile shape (6, 5, 4, 3, 2, 1 rows) is used
+    alone = torch.cat([kernels.int8_linear(x[i : i + 1], q, scale) for i in range(23)])  # [23, 48]
+    for m in range(1, 24):
+        assert torch.equal(kernels.int8_linear(x[:m], q, scale), alone[:m]), m
+    assert torch.equal(kernels.int8_linear(x[5:16], q, scale), alone[5:16])
+
+
+@needs_kernel
+def test_int8_layer_pads_odd_output_sizes_and_keeps_fp32_exactness():
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(21, 64, generator=g), torch.randn(21, generator=g)
+    layer = Int8Linear.from_float(w, b, torch.float32)
+    assert layer.use_kernel and layer.packed.shape == (3, 8, 8, 8) and layer.qweight.shape == (21, 64)
+    x = torch.randn(7, 64, generator=g)
+    y = layer(x)  # [7, 21]
+    assert y.shape == (7, 21)
+    assert torch.allclose(y, F.linear(x, layer.dequantized_weight(), b), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_falls_back_to_torch_kernel_when_unavailable(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(32, 64, generator=g), torch.randn(3, 64, generator=g)
+    monkeypatch.setitem(kernels._state, "reason", "disabled in this test")
+    layer = Int8Linear.from_float(w, None, torch.float32)
+    assert not layer.use_kernel and not hasattr(layer, "packed")
+    assert torch.allclose(layer(x), F.linear(x, layer.dequantized_weight()), rtol=1e-5, atol=1e-5)
+
+
+def test_environment_variable_disables_kernels(monkeypatch):
+    monkeypatch.setenv("TOKENLEAP_KERNELS", "0")
+    assert kernels._reason_unavailable() == "disabled by TOKENLEAP_KERNELS"
