@@ -135,3 +135,41 @@ def test_reduced_vocabulary_draft_head_stays_lossless(target):
     logits = seq_head(torch.randn(2, draft.config.hidden_size))
     allowed = set(range(40)) | {2, 40, 41, 42, 43}
     assert {i for i in range(VOCAB) if torch.isfinite(logits[0, i])} == allowed
+
+
+def test_draft_prefill_skipped_while_speculation_does_not_pay_then_caught_up(target):
+    """With speculation predicted not to pay, the draft does not prefill the prompt; when drafting
+    starts, the first proposal feeds the backlog, reported as catch-up (prefill) time, and the
+    output still equals plain greedy decoding."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = plain(target, PROMPTS[0], params).generated
+    draft = DraftModelProposer(target, VOCAB, 128)
+    eng = engine(target, draft)
+    eng.controller.draft_cost = 10.0  # measured: drafting a token costs far more than a forward
+    eng.controller.observe_forward(1, 0.01)
+    assert not eng.controller.would_speculate(1)
+    seq = eng.add(PROMPTS[0], params)
+    while eng.prefill_step(seq):
+        pass
+    assert draft._fed[seq.seq_id] == 0  # the draft's prefill was skipped
+    d = draft.propose(seq.seq_id, seq.tokens, 2, params, None)  # drafting turns on: catch up first
+    assert d is not None and d.catch_up_seconds > 0 and draft._fed[seq.seq_id] == len(seq.tokens) + 1
+    draft.accept(seq.seq_id, 0)
+    eng.controller.draft_cost = 0.0  # now speculation pays
+    while not seq.finished:
+        eng.step([seq])
+    assert seq.generated == want
+    assert seq.stats.tau > 1.0
+    eng.release(seq)
+
+
+def test_draft_prefilled_alongside_when_speculation_is_expected(target):
+    draft = DraftModelProposer(target, VOCAB, 128)
+    eng = engine(target, draft)
+    assert eng.controller.would_speculate(1)  # nothing measured yet: drafting is expected to pay
+    seq = eng.add(PROMPTS[1], SamplingParams(max_tokens=4))
+    eng.prefill_step(seq)
+    assert draft._fed[seq.seq_id] == len(PROMPTS[1])
+    d = draft.propose(seq.seq_id, seq.tokens, 2, seq.params, None)
+    assert d is not None and d.catch_up_seconds == 0.0
+    eng.release(seq)

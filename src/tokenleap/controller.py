@@ -56,6 +56,13 @@ class DraftLengthController:
             self._plain_streak = 0
         return best_k
 
+    def would_speculate(self, batch: int = 1) -> bool:
+        """Whether some k > 0 is currently predicted to beat plain decoding (no probing, no state change)."""
+        if self.cfg.fixed_k is not None:
+            return self.cfg.fixed_k > 0
+        plain = self.rate(0, batch)
+        return any(self.rate(k, batch) > plain * 1.0001 for k in range(1, self.cfg.max_k + 1))
+
     def _could_pay(self, k: int, batch: int, plain_rate: float) -> bool:
         """Would drafting k tokens beat plain decoding if every draft were accepted? If not (the
         batch makes verification too costly), a probe for acceptance cannot change the choice."""

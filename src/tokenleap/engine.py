@@ -40,6 +40,7 @@ class Engine:
         self.totals = SpecStats()  # every sequence's steps, for server metrics
         self.proposer = proposer
         self.controller = DraftLengthController(controller or ControllerConfig())
+        self._batch = 1  # sequences in the last step: the batch speculation is judged at
         self.prefill_chunk = prefill_chunk
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or model.config.eos_token_ids)
         self._ids = itertools.count()
@@ -117,7 +118,9 @@ class Engine:
         chunk = seq.tokens[done:end]
         out = self.model(torch.tensor(chunk), [Segment(seq.slot, done, len(chunk))], self.cache,
                          logit_rows=torch.tensor([len(chunk) - 1]), row_exact=exact)
-        if self.proposer is not None:  # a draft model fills its cache alongside
+        if self.proposer is not None and self.controller.would_speculate(self._batch):
+            # a draft model fills its cache alongside; while speculation does not pay at the current
+            # batch size this is skipped, and a later proposal catches up (as prefill time)
             self.proposer.prefill(seq.seq_id, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:
             result = self._verify(seq, None, out.logits)  # [1, vocab]
@@ -141,6 +144,7 @@ class Engine:
         seqs = [s for s in seqs if not s.finished]
         if not seqs:
             return
+        self._batch = len(seqs)
         if k is None or self.proposer is None:
             k = self.controller.choose(len(seqs)) if self.proposer is not None else 0
         drafts = [self._draft(s, k) for s in seqs]
@@ -165,9 +169,11 @@ class Engine:
         t0 = time.perf_counter()
         draft = self.proposer.propose(seq.seq_id, seq.tokens, k, seq.params, seq.generator)
         elapsed = time.perf_counter() - t0
-        seq.stats.draft_seconds += elapsed
+        catch_up = draft.catch_up_seconds if draft is not None else 0.0
+        seq.stats.draft_seconds += elapsed - catch_up
+        seq.stats.prefill_seconds += catch_up
         if draft is not None and draft.tokens:
-            self.controller.observe_draft(len(draft.tokens), elapsed)
+            self.controller.observe_draft(len(draft.tokens), elapsed - catch_up)
             return draft
         return None
 

@@ -2,7 +2,8 @@
 
 Lifecycle per sequence (llama.cpp's begin / draft / accept):
     begin(seq_id, prompt)           -- a new sequence with its prompt token ids
-    prefill(seq_id, tokens)         -- the target prefilled ``tokens``: warm up alongside (may do nothing)
+    prefill(seq_id, tokens)         -- the target prefilled ``tokens``: warm up alongside (may do nothing;
+                                       the engine skips it while speculation is off, so propose catches up)
     propose(seq_id, tokens, k, ..)  -- up to k draft tokens to follow ``tokens`` (or None)
     accept(seq_id, num_accepted)    -- how many of the last proposal the target kept
     end(seq_id)                     -- the sequence is finished; free what it held
@@ -21,6 +22,9 @@ from ..config import SamplingParams
 class Draft:
     tokens: list[int]  # k proposed token ids, k >= 1
     probs: torch.Tensor | None  # [k, vocab] draft distribution each token was drawn from; None = deterministic
+    # seconds of this proposal spent catching up on tokens never fed before (a prefill skipped
+    # while speculation was off): prefill work, kept out of the measured cost per draft token
+    catch_up_seconds: float = 0.0
 
 
 class Proposer(Protocol):

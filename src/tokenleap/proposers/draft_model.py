@@ -2,9 +2,12 @@
 
 The draft keeps its own KV cache. ``fed[seq]`` counts the sequence's leading tokens whose keys and
 values the draft cache holds; after a rejection it is cut back to the accepted prefix (O(1)), and
-the next proposal first feeds whatever the draft has not seen (the recovered or bonus token).
+the next proposal first feeds whatever the draft has not seen (the recovered or bonus token, or
+the whole prompt when the engine skipped the draft's prefill because speculation was off).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -15,6 +18,10 @@ from ..models.transformer import Segment, Transformer
 from ..sampling import greedy, logits_to_probs, sample
 from .base import Draft
 from .draft_head import ReducedVocabHead
+
+
+# a proposal normally feeds the token drafted last plus the target's recovered or bonus token
+_STEP_TOKENS = 2
 
 
 class DraftModelProposer:
@@ -47,17 +54,20 @@ class DraftModelProposer:
         if len(tokens) + k > self.cache.max_len:
             return None
         self._proposal_start[seq_id] = len(tokens)
-        pending = tokens[fed:]  # at least the last token
+        pending = tokens[fed:]  # at least the last token; more after a skipped prefill
         drafted: list[int] = []
         rows: list[torch.Tensor] = []
-        pos = fed
+        pos, catch_up = fed, 0.0
         for _ in range(k):
+            t0 = time.perf_counter()
             try:
                 logits = self._forward(slot, pending, pos, self._heads.get(seq_id))  # [1, vocab]
             except CacheFullError:  # a paged cache out of blocks: no draft this step
                 self._fed[seq_id] = pos
                 self.cache.truncate(slot, pos)
                 return None
+            if len(pending) > _STEP_TOKENS:  # feeding a backlog: prefill work, not drafting
+                catch_up += time.perf_counter() - t0
             pos += len(pending)
             token, probs = self._choose(logits, params, generator)
             drafted.append(token)
@@ -65,7 +75,7 @@ class DraftModelProposer:
                 rows.append(probs)
             pending = [token]
         self._fed[seq_id] = pos  # the last drafted token is not fed yet
-        return Draft(tokens=drafted, probs=torch.cat(rows) if rows else None)
+        return Draft(tokens=drafted, probs=torch.cat(rows) if rows else None, catch_up_seconds=catch_up)
 
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
         """Feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the first
