@@ -75,3 +75,30 @@ def test_layer_falls_back_to_torch_kernel_when_unavailable(monkeypatch):
 def test_environment_variable_disables_kernels(monkeypatch):
     monkeypatch.setenv("TOKENLEAP_KERNELS", "0")
     assert kernels._reason_unavailable() == "disabled by TOKENLEAP_KERNELS"
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5, 6, 13, 64])
+def test_int8_gemm_matches_reference(m):
+    g = torch.Generator().manual_seed(m)
+    q = torch.randint(-127, 128, (32, 520), dtype=torch.int8, generator=g)  # K spans 3 panels of 256
+    scale = torch.rand(32, generator=g) + 0.01
+    x = torch.randn(m, 520, generator=g)
+    y = kernels.int8_gemm(x, kernels.pack_int8(q), scale)  # [m, 32]
+    ref = (x.double() @ q.double().T) * scale.double()
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    lin = kernels.int8_linear(x, kernels.pack_int8(q), scale)
+    assert torch.allclose(y, lin, rtol=1e-5, atol=1e-5 * lin.abs().max().item())
+
+
+@needs_kernel
+def test_int8_layer_uses_gemm_only_for_prefill_windows(monkeypatch):
+    from tokenleap.models import quant
+
+    layer = Int8Linear.from_float(torch.randn(32, 64))
+    calls = []
+    monkeypatch.setattr(kernels, "int8_gemm", lambda *a: calls.append("gemm") or torch.zeros(a[0].shape[0], 32))
+    layer(torch.randn(quant.GEMM_MIN_ROWS, 64))
+    layer(torch.randn(quant.GEMM_MIN_ROWS, 64), row_exact=True)  # verification: never the GEMM
+    layer(torch.randn(quant.GEMM_MIN_ROWS - 1, 64))
+    assert calls == ["gemm"]

@@ -86,8 +86,14 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x float32 [M, K] @ (unpack(packed) * scale[:, None]).T -> float32 [M, N]."""
+    """x float32 [M, K] @ (unpack(packed) * scale[:, None]).T -> float32 [M, N]; row-invariant."""
     return torch.ops.tokenleap.int8_linear(x, packed, scale)
 
 
-__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear"]
+def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The same product as ``int8_linear`` blocked for many rows (N a multiple of 16); faster from
+    ~16 rows up, but a row's rounding depends on the call, so only for prefill windows."""
+    return torch.ops.tokenleap.int8_gemm(x, packed, scale)
+
+
+__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm"]

@@ -88,7 +88,100 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+// ---------------------------------------------------------------------------------- many rows
+// int8_gemm: the same product for many rows (prompt prefill), as a register-blocked GEMM: 6 rows x
+// 16 columns of y in 12 accumulators, k by k, with the weights of 16 columns x 256 k converted
+// (times their scale) into a float32 panel that stays in L1 while every 6-row tile passes over it.
+// A different summation order from int8_linear, so not row-invariant -- used only where the
+// engine asks for speed over row exactness (fixed prompt windows; see Engine.prefill_step).
+constexpr int64_t kPanelK = 256;
+
+// panel[k][c], c < 16 = (columns n0 .. n0+16 of the weight) * scale, for k in [k0, k0 + kc)
+inline void fill_panel(const int8_t* qp, const float* sp, int64_t K, int64_t n0, int64_t k0, int64_t kc,
+                       float* panel) {
+  for (int half = 0; half < 2; ++half) {
+    const int64_t b = n0 / 8 + half;
+    const int8_t* blk = qp + b * 8 * K;
+    for (int c = 0; c < 8; ++c) {
+      const float s = sp[b * 8 + c];
+      for (int64_t k = k0; k < k0 + kc; k += 8) {
+        const int8_t* src = blk + (k / 8) * 64 + c * 8;
+        alignas(32) float w[8];
+        _mm256_store_ps(w, _mm256_mul_ps(load_q8(src), _mm256_set1_ps(s)));
+        for (int t = 0; t < 8; ++t) panel[(k - k0 + t) * 16 + half * 8 + c] = w[t];
+      }
+    }
+  }
+}
+
+template <int MR>
+inline void gemm_tile(const float* x, int64_t K, const float* panel, int64_t k0, int64_t kc, float* y,
+                      int64_t N, bool first) {
+  __m256 c0[MR], c1[MR];
+  for (int m = 0; m < MR; ++m) {
+    c0[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N);
+    c1[m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N + 8);
+  }
+  const float* xk = x + k0;
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(panel + k * 16), b1 = _mm256_load_ps(panel + k * 16 + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 a = _mm256_broadcast_ss(xk + m * K + k);
+      c0[m] = _mm256_fmadd_ps(a, b0, c0[m]);
+      c1[m] = _mm256_fmadd_ps(a, b1, c1[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(y + m * N, c0[m]);
+    _mm256_storeu_ps(y + m * N + 8, c1[m]);
+  }
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_gemm: x must be float32 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous(), "int8_gemm: packed must be contiguous int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), "int8_gemm: scale must be float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
+  TORCH_CHECK(N % 16 == 0 && K % 8 == 0 && packed.numel() == N * K, "int8_gemm: N must be a multiple of 16, K of 8");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t c0, int64_t c1) {
+    alignas(64) float panel[kPanelK * 16];
+    for (int64_t cb = c0; cb < c1; ++cb) {
+      const int64_t n0 = cb * 16;
+      for (int64_t k0 = 0; k0 < K; k0 += kPanelK) {
+        const int64_t kc = std::min(kPanelK, K - k0);
+        fill_panel(qp, sp, K, n0, k0, kc, panel);
+        const bool first = k0 == 0;
+        int64_t m = 0;
+        for (; m + 6 <= M; m += 6) gemm_tile<6>(xp + m * K, K, panel, k0, kc, yp + m * N + n0, N, first);
+        const float* xm = xp + m * K;
+        float* ym = yp + m * N + n0;
+        switch (M - m) {
+          case 5: gemm_tile<5>(xm, K, panel, k0, kc, ym, N, first); break;
+          case 4: gemm_tile<4>(xm, K, panel, k0, kc, ym, N, first); break;
+          case 3: gemm_tile<3>(xm, K, panel, k0, kc, ym, N, first); break;
+          case 2: gemm_tile<2>(xm, K, panel, k0, kc, ym, N, first); break;
+          case 1: gemm_tile<1>(xm, K, panel, k0, kc, ym, N, first); break;
+          default: break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(tokenleap, m) { m.def("int8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor"); }
-TORCH_LIBRARY_IMPL(tokenleap, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY(tokenleap, m) {
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+  m.def("int8_gemm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_gemm", &int8_gemm);
+}

@@ -45,6 +45,7 @@ from .linear import Linear
 log = logging.getLogger(__name__)
 
 QUANT_MODES = ("none", "int8", "int4")
+GEMM_MIN_ROWS = 48  # from here on (and only when row exactness is not asked for) int8 uses the blocked GEMM
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 _MIN_SCALE = 1e-10  # scale for all-equal rows/groups (the zero point then carries the value)
@@ -71,10 +72,12 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 class Int8Linear(nn.Module):
     """``y = x (q * scale)^T (+ b)``; q int8 [out, in], scale per output channel.
 
-    With tokenleap's compiled kernel (``tokenleap.kernels``) the weight is kept only in the
-    kernel's packed layout and the product runs in float32 (exact int8 -> fp32 weights, fp32
-    accumulation), whatever ``compute_dtype`` says; otherwise torch's kernel runs in
-    ``compute_dtype``. Out features are padded to a multiple of 8 for the kernel.
+    With tokenleap's compiled kernels (``tokenleap.kernels``) the weight is kept only in the
+    kernels' packed layout and the product runs in float32 (exact int8 -> fp32 weights, fp32
+    accumulation), whatever ``compute_dtype`` says: the row-invariant ``int8_linear`` for decoding
+    and verification (``row_exact``) and for few rows, the blocked ``int8_gemm`` for prefill
+    windows of many rows. Otherwise torch's kernel runs in ``compute_dtype``. Out features are
+    padded to a multiple of 8 for the kernels.
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
@@ -124,7 +127,11 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]; both kernels are row-invariant, so row_exact needs nothing extra
         if self.use_kernel:
-            y = kernels.int8_linear(x.reshape(-1, self.in_features).float(), self.packed, self.scales)  # [rows, out8]
+            x2 = x.reshape(-1, self.in_features).float()  # [rows, in]
+            if not row_exact and x2.shape[0] >= GEMM_MIN_ROWS and self.scales.shape[0] % 16 == 0:
+                y = kernels.int8_gemm(x2, self.packed, self.scales)  # prefill: blocked GEMM, [rows, out8]
+            else:
+                y = kernels.int8_linear(x2, self.packed, self.scales)  # [rows, out8], row-invariant
             if y.shape[1] != self.out_features:
                 y = y[:, : self.out_features]
             return _finish(y, x, self.bias)
