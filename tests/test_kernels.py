@@ -102,3 +102,47 @@ def test_int8_layer_uses_gemm_only_for_prefill_windows(monkeypatch):
     layer(torch.randn(quant.GEMM_MIN_ROWS, 64), row_exact=True)  # verification: never the GEMM
     layer(torch.randn(quant.GEMM_MIN_ROWS - 1, 64))
     assert calls == ["gemm"]
+
+
+@needs_kernel
+def test_fused_projections_are_bitwise_the_same_model():
+    """Joining q/k/v and gate/up into one int8 layer each changes no bit of the logits."""
+    from tokenleap.cache import KVCache
+    from tokenleap.models.quant import fuse_projections_, quantize_
+    from tokenleap.models.transformer import Segment
+
+    from conftest import tiny_model
+
+    def logits(model):
+        cache = KVCache(model.config, 1, 32, torch.float32)
+        slot = cache.allocate()
+        out = model(torch.tensor([3, 1, 4, 1, 5, 9]), [Segment(slot, 0, 6)], cache, row_exact=True).logits
+        step = model(torch.tensor([2]), [Segment(slot, 6, 1)], cache, row_exact=True).logits
+        return torch.cat([out, step])
+
+    plain = tiny_model("qwen2", seed=6, hidden=64, intermediate=128)  # qwen2: q/k/v carry biases
+    quantize_(plain, "int8")
+    fused = tiny_model("qwen2", seed=6, hidden=64, intermediate=128)
+    quantize_(fused, "int8")
+    assert fuse_projections_(fused) == 2 * fused.config.num_hidden_layers
+    attn = fused.model.layers[0].self_attn
+    assert attn.qkv is not None and attn.q_proj is None and fused.model.layers[0].mlp.gate_up is not None
+    assert torch.equal(logits(plain), logits(fused))
+
+
+@needs_kernel
+def test_fused_rms_norm_and_rope_match_torch_formulas():
+    from tokenleap.models.transformer import RMSNorm, Rotary
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 48, generator=g)
+    norm = RMSNorm(48, 1e-6)
+    norm.weight.data = torch.randn(48, generator=g)
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(norm(x), want, rtol=1e-5, atol=1e-6)
+    rot = Rotary(16, 10000.0, 64)
+    q = torch.randn(5, 3, 16, generator=g)
+    pos = torch.tensor([0, 7, 8, 30, 63])
+    cos, sin = rot.cos[pos][:, None], rot.sin[pos][:, None]
+    want = q * cos + torch.cat([-q[..., 8:], q[..., :8]], dim=-1) * sin
+    assert torch.allclose(rot(q.clone(), pos), want, rtol=1e-5, atol=1e-6)

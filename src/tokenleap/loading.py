@@ -65,6 +65,8 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
         from .models.quant import quantize_
         quantize_(model, quant)
     if quant != "none":
+        from .models.quant import fuse_projections_
+        fuse_projections_(model)
         _own_memory(model)
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
     return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)

@@ -96,4 +96,15 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tor
     return torch.ops.tokenleap.int8_gemm(x, packed, scale)
 
 
-__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm"]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` per row of float32 [M, D] (sum of squares in float64)."""
+    return torch.ops.tokenleap.rms_norm(x, weight, eps)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split layout, in place on contiguous float32 [M, heads, hd]; returns x."""
+    torch.ops.tokenleap.rope_(x, cos, sin, positions)
+    return x
+
+
+__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "rms_norm", "rope_"]

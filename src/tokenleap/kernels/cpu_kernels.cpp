@@ -15,6 +15,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <cmath>
+
 namespace {
 
 inline float hsum8(__m256 v) {
@@ -175,13 +177,68 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return y;
 }
 
+// ------------------------------------------------------------------------------- elementwise
+// Fused row-local operations of the decoder, replacing several small torch ops each. Every row is
+// computed on its own in a fixed order, so they are row-invariant.
+
+// y = w * x / sqrt(mean(x^2) + eps), per row. x float32 [M, D].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "rms_norm: float32 [M, D] input and weight");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t M = xc.size(0), D = xc.size(1);
+  TORCH_CHECK(wc.numel() == D, "rms_norm: weight size");
+  at::Tensor y = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = xp + m * D;
+    double ss = 0.0;
+    for (int64_t d = 0; d < D; ++d) ss += double(r[d]) * double(r[d]);
+    const float inv = float(1.0 / std::sqrt(ss / double(D) + eps));
+    for (int64_t d = 0; d < D; ++d) yp[m * D + d] = wp[d] * (r[d] * inv);
+  }
+  return y;
+}
+
+// In place: rotary embedding (half-split layout) of x float32 [M, H, hd] at positions [M],
+// with cos / sin tables float32 [max_pos, hd].
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == at::kFloat, "rope_: contiguous float32 [M, H, hd]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0), "rope_: int64 positions [M]");
+  const int64_t M = x.size(0), H = x.size(1), hd = x.size(2), half = hd / 2;
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), pc = positions.contiguous();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(pp[m] >= 0 && pp[m] < cc.size(0), "rope_: position out of range");
+    const float* c = cp + pp[m] * hd;
+    const float* s = sp + pp[m] * hd;
+    for (int64_t h = 0; h < H; ++h) {
+      float* v = xp + (m * H + h) * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenleap, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions) -> ()");
 }
 TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_gemm", &int8_gemm);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_", &rope_);
 }

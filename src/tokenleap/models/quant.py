@@ -99,6 +99,26 @@ class Int8Linear(nn.Module):
             self.register_buffer("scales", scales.to(compute_dtype).contiguous())  # [out]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @classmethod
+    def concat(cls, layers: list["Int8Linear"]) -> "Int8Linear | None":
+        """One layer computing ``layers``' outputs side by side, or None when they cannot be joined
+        (torch's kernel, or an output size the kernel pads). Each output column is computed exactly
+        as in its own layer, so the joined layer's results are bitwise the same."""
+        if not all(isinstance(l, cls) and l.use_kernel and l.out_features % 8 == 0 for l in layers):
+            return None
+        if len({(l.in_features, l.compute_dtype) for l in layers}) != 1:
+            return None
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.compute_dtype, new.use_kernel = layers[0].in_features, layers[0].compute_dtype, True
+        new.out_features = sum(l.out_features for l in layers)
+        new.register_buffer("packed", torch.cat([l.packed for l in layers]))  # [sum out/8, in/8, 8, 8]
+        new.register_buffer("scales", torch.cat([l.scales for l in layers]))
+        biases = [l.bias if l.bias is not None else torch.zeros(l.out_features) for l in layers]
+        has_bias = any(l.bias is not None for l in layers)
+        new.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False) if has_bias else None
+        return new
+
     @property
     def qweight(self) -> torch.Tensor:
         """int8 [out, in]."""
@@ -372,6 +392,24 @@ def _report(model: nn.Module, mode: str, before: int, done: list, kept: list) ->
     return QuantReport(mode, before, weight_bytes(model), tuple(done), tuple(kept))
 
 
+def fuse_projections_(model: nn.Module) -> int:
+    """Join each attention block's q/k/v and each MLP's gate/up int8 projections into one layer
+    (one kernel call instead of three or two; outputs bitwise unchanged). Returns how many joins
+    were made; layers that cannot be joined (torch's kernel, int4, float) are left as they are."""
+    joined = 0
+    for m in model.modules():
+        for names, target in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "gate_up")):
+            if hasattr(m, target) and getattr(m, target) is None and all(hasattr(m, n) for n in names):
+                fused = Int8Linear.concat([getattr(m, n) for n in names])
+                if fused is not None:
+                    setattr(m, target, fused)
+                    for n in names:
+                        delattr(m, n)
+                        setattr(m, n, None)
+                    joined += 1
+    return joined
+
+
 def quantize_from_gguf_(model: nn.Module, gguf: Any, other: str = "int8", skip_lm_head: bool = False,
                         compute_dtype: torch.dtype = torch.bfloat16) -> QuantReport:
     """Quantize ``model`` (built from the same GGUF) in place, reusing the file's 4-bit blocks.
@@ -412,5 +450,5 @@ def quantize_from_gguf_(model: nn.Module, gguf: Any, other: str = "int8", skip_l
     return _report(model, f"gguf+{other}", before, done, kept)
 
 
-__all__ = ["Int8Linear", "Int4Linear", "QuantLinear", "QuantReport", "QUANT_MODES", "quantize_",
+__all__ = ["Int8Linear", "Int4Linear", "QuantLinear", "QuantReport", "QUANT_MODES", "quantize_", "fuse_projections_",
            "quantize_from_gguf_", "int4_from_gguf_q4", "int4_unsupported_reason", "weight_bytes"]

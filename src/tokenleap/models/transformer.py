@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..cache import KVCache
 from ..config import ModelConfig
 from .linear import Linear
@@ -41,6 +42,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, dim]; normalise in fp32 like the reference implementations
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and kernels.available():
+            return kernels.rms_norm(x, self.weight, self.eps)  # one fused op (sum of squares in fp64)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -59,6 +62,8 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [rows, heads, hd]; positions: [rows]
+        if x.dtype == torch.float32 and kernels.available():
+            return kernels.rope_(x.contiguous(), self.cos, self.sin, positions)  # fused, in place
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [rows, 1, hd]
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         half = x.shape[-1] // 2
@@ -76,13 +81,19 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias)
         self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias)
         self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, False)
+        self.qkv: nn.Module | None = None
+        self.qkv_sizes = (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache,
                 segments: list[Segment], row_exact: bool) -> torch.Tensor:
         rows = x.shape[0]  # x: [rows, hidden]
-        q = rotary(self.q_proj(x, row_exact).view(rows, self.n_heads, self.hd), positions)
-        k = rotary(self.k_proj(x, row_exact).view(rows, self.n_kv, self.hd), positions)
-        v = self.v_proj(x, row_exact).view(rows, self.n_kv, self.hd)
+        if self.qkv is not None:  # q, k and v projections fused into one weight (see fuse_projections_)
+            q, k, v = self.qkv(x, row_exact).split(self.qkv_sizes, dim=-1)  # [rows, heads*hd], 2x [rows, n_kv*hd]
+        else:
+            q, k, v = self.q_proj(x, row_exact), self.k_proj(x, row_exact), self.v_proj(x, row_exact)
+        q = rotary(q.reshape(rows, self.n_heads, self.hd), positions)
+        k = rotary(k.reshape(rows, self.n_kv, self.hd), positions)
+        v = v.reshape(rows, self.n_kv, self.hd)
         out = torch.empty_like(q)  # [rows, heads, hd]
         for seg in segments:
             r = slice(seg.row_start, seg.row_start + seg.length)
@@ -116,9 +127,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up: nn.Module | None = None  # gate and up fused into one weight (see fuse_projections_)
 
     def forward(self, x: torch.Tensor, row_exact: bool) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, row_exact)) * self.up_proj(x, row_exact), row_exact)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x, row_exact).chunk(2, dim=-1)  # 2x [rows, intermediate]
+        else:
+            gate, up = self.gate_proj(x, row_exact), self.up_proj(x, row_exact)
+        return self.down_proj(F.silu(gate) * up, row_exact)
 
 
 class Block(nn.Module):
