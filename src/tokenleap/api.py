@@ -123,14 +123,21 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
     if spec.method == "ngram":
         from .proposers.ngram import NgramProposer
         return NgramProposer(spec.ngram_max, spec.ngram_min)
-    from .proposers.draft_model import DraftModelProposer
     draft = load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
                        cache_dir=cache_dir)
+    cache = draft_cache(draft) if draft_cache is not None else None
+    return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache)
+
+
+def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num_slots: int = 1,
+                   draft_vocab: int | None = SpecConfig.draft_vocab, cache=None) -> Proposer:
+    """A draft-model proposer for a loaded draft; with ``draft_vocab`` (and a vocabulary over twice
+    that) the draft scores only a reduced vocabulary (see ``proposers.draft_head``)."""
+    from .proposers.draft_model import DraftModelProposer
+
     head = None
-    if spec.draft_vocab and draft.model.config.vocab_size > 2 * spec.draft_vocab:
+    if draft_vocab and draft.model.config.vocab_size > 2 * draft_vocab:
         from .proposers.draft_head import ReducedVocabHead
         specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
-        head = ReducedVocabHead(draft.model.lm_head, spec.draft_vocab, specials)
-    cache = draft_cache(draft) if draft_cache is not None else None
-    return DraftModelProposer(draft.model, target.model.config.vocab_size, max_len, num_slots,
-                              cache=cache, head=head)
+        head = ReducedVocabHead(draft.model.lm_head, draft_vocab, specials)
+    return DraftModelProposer(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head)

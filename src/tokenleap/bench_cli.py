@@ -11,8 +11,8 @@ from .bench.common import FAMILIES
 from .cli import positive_int
 
 _EPILOG = f"""methods: {', '.join(FAMILIES)}
-  options: draft:k=4 | draft:k=auto,kmax=8 | ngram:k=3,max=4,min=1 | hf-assisted:k=5 |
-           hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
+  options: draft:k=4 | draft:k=auto,kmax=8 | draft:vocab=0 (full draft head) | ngram:k=3,max=4,min=1 |
+           hf-assisted:k=5 | hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
   plain is always run (speedups and the equality check are relative to it).
 datasets: {', '.join(DATASETS)}, or a JSONL file with "prompt" (and optional "category", "id") per line.
 example:

@@ -11,7 +11,7 @@ TOKENLEAP, PEER = "tokenleap", "peer"  # method kinds
 # family -> allowed options; "k" accepts "auto" for tokenleap's adaptive draft length
 FAMILIES: dict[str, tuple[str, ...]] = {
     "plain": (),
-    "draft": ("k", "kmax"),
+    "draft": ("k", "kmax", "vocab"),
     "ngram": ("k", "kmax", "max", "min"),
     "hf-plain": (),
     "hf-assisted": ("k",),

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SamplingParams
+from ..config import SamplingParams, SpecConfig
 from ..controller import ControllerConfig
 from ..engine import Engine
 from ..loading import LoadedModel, load_model, resolve_dtype
@@ -158,8 +158,9 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
         from ..proposers.ngram import NgramProposer
         proposer = NgramProposer(int(spec.get("max", 4)), int(spec.get("min", 1)))
     elif spec.family == "draft":
-        from ..proposers.draft_model import DraftModelProposer
-        proposer = DraftModelProposer(pool.draft(spec.name).model, target.model.config.vocab_size, max_len)
+        from ..api import draft_proposer
+        vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
+        proposer = draft_proposer(pool.draft(spec.name), target.model.config.vocab_size, max_len, draft_vocab=vocab)
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec))
     return TokenleapMethod(spec.name, engine)
