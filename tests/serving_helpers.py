@@ -96,6 +96,11 @@ class FailingProposer:
             raise RuntimeError("boom in propose")
         return self.inner.propose(seq_id, tokens, k, params, generator)
 
+    def propose_many(self, requests):
+        if self.where == "propose" and any(r.seq_id in self.bad for r in requests):
+            raise RuntimeError("boom in propose")
+        return self.inner.propose_many(requests)
+
     def accept(self, seq_id, n):
         self.inner.accept(seq_id, n)
 

@@ -88,3 +88,17 @@ def test_unmeasured_large_blocks_are_predicted_compute_bound():
     c.observe_forward(16, 2.0)
     assert c.predict_forward(8) == 2.0 and c.predict_forward(12) == 2.0
     assert c.predict_forward(48) == 6.0
+
+
+def test_draft_cost_is_learned_per_batch_size():
+    c = DraftLengthController(ControllerConfig(max_k=4))
+    assert c.predict_draft(4) == 0.0  # nothing measured: optimistic
+    c.observe_draft(3, 0.3)  # one sequence: 0.1 s per drafted token
+    c.observe_draft(8, 0.2, batch=4)  # four sequences drafting together: 0.025 s per token
+    assert c.predict_draft(1) == pytest.approx(0.1) and c.predict_draft(4) == pytest.approx(0.025)
+    assert c.predict_draft(2) == pytest.approx(0.1)  # unmeasured: the nearest smaller batch's cost
+    assert c.predict_draft(8) == pytest.approx(0.025)
+    c.observe_forward(4, 0.1)
+    c.observe_forward(8, 0.1)
+    # the batch-4 rate uses the batch-4 draft cost: k=1 costs 4 * 0.025 + forward(8)
+    assert c.rate(1, 4) == pytest.approx(4 * c.expected_tokens(1) / (4 * 0.025 + 0.1))

@@ -235,9 +235,9 @@ class GateProposer:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose(self, *args):
+    def propose_many(self, requests):
         self.gate.wait(120)
-        return self.inner.propose(*args)
+        return self.inner.propose_many(requests)
 
 
 def test_a_non_streaming_client_that_leaves_is_cancelled():

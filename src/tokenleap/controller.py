@@ -33,9 +33,30 @@ class DraftLengthController:
     def __init__(self, config: ControllerConfig) -> None:
         self.cfg = config
         self.accept = [config.prior_acceptance] * config.max_k  # conditional b_i
-        self.draft_cost: float | None = None  # seconds per drafted token per sequence
+        # batch size -> seconds per drafted token (a batched draft forward serves every sequence)
+        self.draft_cost_at: dict[int, float] = {}
         self.forward_cost: dict[int, float] = {}  # rows -> seconds
         self._plain_streak = 0
+
+    @property
+    def draft_cost(self) -> float | None:
+        """Seconds per drafted token when drafting for one sequence (None: not measured yet)."""
+        return self.draft_cost_at.get(1)
+
+    @draft_cost.setter
+    def draft_cost(self, seconds: float) -> None:
+        self.draft_cost_at[1] = seconds
+
+    def predict_draft(self, batch: int) -> float:
+        """Seconds per drafted token at ``batch`` sequences: measured, else the nearest smaller
+        batch's figure (batching only makes a token cheaper), else optimistic zero."""
+        known = self.draft_cost_at
+        if batch in known:
+            return known[batch]
+        smaller = [b for b in known if b < batch]
+        if smaller:
+            return known[max(smaller)]
+        return known[min(known)] if known else 0.0
 
     # -- choosing ---------------------------------------------------------------------------
     def choose(self, batch: int = 1) -> int:
@@ -66,7 +87,7 @@ class DraftLengthController:
     def _could_pay(self, k: int, batch: int, plain_rate: float) -> bool:
         """Would drafting k tokens beat plain decoding if every draft were accepted? If not (the
         batch makes verification too costly), a probe for acceptance cannot change the choice."""
-        draft = k * batch * (self.draft_cost or 0.0)
+        draft = k * batch * self.predict_draft(batch)
         return batch * (k + 1) / (draft + self.predict_forward(batch * (k + 1))) > plain_rate
 
     def expected_tokens(self, k: int) -> float:
@@ -78,7 +99,7 @@ class DraftLengthController:
 
     def rate(self, k: int, batch: int = 1) -> float:
         """Predicted tokens per second of a step drafting k tokens for each of ``batch`` sequences."""
-        draft = 0.0 if k == 0 else k * batch * (self.draft_cost if self.draft_cost is not None else 0.0)
+        draft = 0.0 if k == 0 else k * batch * self.predict_draft(batch)
         cost = draft + self.predict_forward(batch * (k + 1))
         return batch * self.expected_tokens(k) / cost if cost > 0 else float("inf")
 
@@ -109,11 +130,12 @@ class DraftLengthController:
         old = self.forward_cost.get(rows)
         self.forward_cost[rows] = seconds if old is None else old + self.cfg.ema * (seconds - old)
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
+    def observe_draft(self, tokens: int, seconds: float, batch: int = 1) -> None:
+        """``tokens`` drafted in ``seconds`` for ``batch`` sequences together."""
         if tokens <= 0:
             return
-        per = seconds / tokens
-        self.draft_cost = per if self.draft_cost is None else self.draft_cost + self.cfg.ema * (per - self.draft_cost)
+        per, old = seconds / tokens, self.draft_cost_at.get(batch)
+        self.draft_cost_at[batch] = per if old is None else old + self.cfg.ema * (per - old)
 
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         """One sequence's step: positions 1..accepted passed, position accepted+1 failed (if proposed)."""

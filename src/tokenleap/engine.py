@@ -21,7 +21,7 @@ from .controller import ControllerConfig, DraftLengthController
 from .errors import PromptTooLongError
 from .metrics import SpecStats
 from .models.transformer import Segment, Transformer
-from .proposers.base import Draft, Proposer
+from .proposers.base import Draft, DraftRequest, Proposer
 from .sampling import logits_to_probs, make_generator
 from .sequence import Sequence
 from .verify import Verification, verify_greedy, verify_sampling
@@ -147,7 +147,7 @@ class Engine:
         self._batch = len(seqs)
         if k is None or self.proposer is None:
             k = self.controller.choose(len(seqs)) if self.proposer is not None else 0
-        drafts = [self._draft(s, k) for s in seqs]
+        drafts = self._draft_all(seqs, k)
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
             block = [s.tokens[-1]] + (d.tokens if d else [])
@@ -162,20 +162,28 @@ class Engine:
             s.stats.verify_seconds += elapsed * seg.length / row
             self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length])
 
-    def _draft(self, seq: Sequence, k: int) -> Draft | None:
-        k = min(k, seq.params.max_tokens - seq.num_generated - 1, self.max_len - len(seq.tokens) - 1)
-        if k <= 0:
-            return None
+    def _draft_all(self, seqs: list[Sequence], k: int) -> list[Draft | None]:
+        """Every sequence's draft for this step, from one ``propose_many`` call."""
+        ks = [min(k, s.params.max_tokens - s.num_generated - 1, self.max_len - len(s.tokens) - 1) for s in seqs]
+        asked = [(s, n) for s, n in zip(seqs, ks) if n > 0]
+        if not asked:
+            return [None] * len(seqs)
         t0 = time.perf_counter()
-        draft = self.proposer.propose(seq.seq_id, seq.tokens, k, seq.params, seq.generator)
+        got = self.proposer.propose_many([DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator) for s, n in asked])
         elapsed = time.perf_counter() - t0
-        catch_up = draft.catch_up_seconds if draft is not None else 0.0
-        seq.stats.draft_seconds += elapsed - catch_up
-        seq.stats.prefill_seconds += catch_up
-        if draft is not None and draft.tokens:
-            self.controller.observe_draft(len(draft.tokens), elapsed - catch_up)
-            return draft
-        return None
+        got = [d if d is not None and d.tokens else None for d in got]
+        catch_up = sum(d.catch_up_seconds for d in got if d is not None)
+        drafting = elapsed - catch_up  # shared by the sequences in proportion to their draft tokens
+        drafted = sum(len(d.tokens) for d in got if d is not None)
+        by_seq = {}
+        for (s, _), d in zip(asked, got):
+            by_seq[s.seq_id] = d
+            share = len(d.tokens) / drafted if d is not None else 0.0
+            s.stats.draft_seconds += drafting * share if drafted else drafting / len(asked)
+            s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
+        if drafted:
+            self.controller.observe_draft(drafted, drafting, batch=len(asked))
+        return [by_seq.get(s.seq_id) for s in seqs]
 
     def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> None:
         # logits: [1 + len(draft), vocab]

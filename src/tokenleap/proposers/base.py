@@ -5,6 +5,8 @@ Lifecycle per sequence (llama.cpp's begin / draft / accept):
     prefill(seq_id, tokens)         -- the target prefilled ``tokens``: warm up alongside (may do nothing;
                                        the engine skips it while speculation is off, so propose catches up)
     propose(seq_id, tokens, k, ..)  -- up to k draft tokens to follow ``tokens`` (or None)
+    propose_many(requests)          -- the same for several sequences of one step at once (a draft
+                                       model batches them into one forward per draft position)
     accept(seq_id, num_accepted)    -- how many of the last proposal the target kept
     end(seq_id)                     -- the sequence is finished; free what it held
 """
@@ -27,6 +29,17 @@ class Draft:
     catch_up_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's share of a step's drafting (the arguments of ``propose``)."""
+
+    seq_id: int
+    tokens: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
 class Proposer(Protocol):
     name: str
 
@@ -36,6 +49,8 @@ class Proposer(Protocol):
 
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None: ...
+
+    def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]: ...
 
     def accept(self, seq_id: int, num_accepted: int) -> None: ...
 

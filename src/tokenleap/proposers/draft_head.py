@@ -57,3 +57,21 @@ class SequenceHead:
         if self.extra is not None:
             out[:, self.extra_ids] = self.extra(x).float()
         return out
+
+
+class BatchHead:
+    """Several sequences' heads over one forward's rows (row i belongs to heads[i]): the shared
+    subset is scored for all rows in one product, each prompt's extra tokens for its own row."""
+
+    def __init__(self, heads: list[SequenceHead]) -> None:
+        self.heads = heads
+        self.shared = heads[0].shared
+
+    def __call__(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
+        # x: [len(heads), hidden] -> [len(heads), vocab], -inf outside each row's subset
+        out = torch.full((x.shape[0], self.shared.vocab), float("-inf"), dtype=torch.float32)
+        out[:, self.shared.static_ids] = self.shared._static(x).float()
+        for i, h in enumerate(self.heads):
+            if h.extra is not None:
+                out[i, h.extra_ids] = h.extra(x[i : i + 1]).float()
+        return out

@@ -8,6 +8,7 @@ the whole prompt when the engine skipped the draft's prefill because speculation
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,12 +17,27 @@ from ..config import SamplingParams
 from ..errors import TokenleapError
 from ..models.transformer import Segment, Transformer
 from ..sampling import greedy, logits_to_probs, sample
-from .base import Draft
-from .draft_head import ReducedVocabHead
+from .base import Draft, DraftRequest
+from .draft_head import BatchHead, ReducedVocabHead
 
 
 # a proposal normally feeds the token drafted last plus the target's recovered or bonus token
 _STEP_TOKENS = 2
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One sequence's drafting within ``propose_many``."""
+
+    index: int  # position in the request list
+    req: DraftRequest
+    slot: int
+    pending: list[int]  # tokens to feed before the next draft token
+    pos: int  # cache position of pending[0]
+    drafted: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # each [1, vocab]
+    catch_up: float = 0.0
+    failed: bool = False
 
 
 class DraftModelProposer:
@@ -50,32 +66,64 @@ class DraftModelProposer:
 
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
-        slot, fed = self._slot[seq_id], min(self._fed[seq_id], len(tokens) - 1)
-        if len(tokens) + k > self.cache.max_len:
-            return None
-        self._proposal_start[seq_id] = len(tokens)
-        pending = tokens[fed:]  # at least the last token; more after a skipped prefill
-        drafted: list[int] = []
-        rows: list[torch.Tensor] = []
-        pos, catch_up = fed, 0.0
-        for _ in range(k):
-            t0 = time.perf_counter()
-            try:
-                logits = self._forward(slot, pending, pos, self._heads.get(seq_id))  # [1, vocab]
-            except CacheFullError:  # a paged cache out of blocks: no draft this step
-                self._fed[seq_id] = pos
-                self.cache.truncate(slot, pos)
-                return None
-            if len(pending) > _STEP_TOKENS:  # feeding a backlog: prefill work, not drafting
-                catch_up += time.perf_counter() - t0
-            pos += len(pending)
-            token, probs = self._choose(logits, params, generator)
-            drafted.append(token)
+        return self.propose_many([DraftRequest(seq_id, tokens, k, params, generator)])[0]
+
+    def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        """Draft for several sequences at once: draft position j of every sequence in one forward
+        (a one-row forward reads the whole draft's weights, a few rows cost little more)."""
+        lanes = []
+        for i, r in enumerate(requests):
+            if r.k <= 0 or len(r.tokens) + r.k > self.cache.max_len:
+                continue
+            fed = min(self._fed[r.seq_id], len(r.tokens) - 1)
+            self._proposal_start[r.seq_id] = len(r.tokens)
+            lanes.append(_Lane(i, r, self._slot[r.seq_id], r.tokens[fed:], fed))  # pending: at least the last token
+        out: list[Draft | None] = [None] * len(requests)
+        active = lanes
+        while active := [l for l in active if len(l.drafted) < l.req.k]:
+            if not self._draft_position(active):  # a paged cache out of blocks: no draft for these
+                for l in active:
+                    l.failed = True
+                    self._fed[l.req.seq_id] = l.pos
+                    self.cache.truncate(l.slot, l.pos)
+                active = []
+        for l in lanes:
+            if not l.failed:
+                self._fed[l.req.seq_id] = l.pos  # the last drafted token is not fed yet
+                probs = torch.cat(l.probs) if l.probs else None
+                out[l.index] = Draft(tokens=l.drafted, probs=probs, catch_up_seconds=l.catch_up)
+        return out
+
+    def _draft_position(self, lanes: list["_Lane"]) -> bool:
+        """Feed every lane's pending tokens in one forward and draft each lane's next token."""
+        tokens, segments, last = [], [], []
+        for l in lanes:
+            segments.append(Segment(l.slot, l.pos, len(l.pending), row_start=len(tokens)))
+            tokens += l.pending
+            last.append(len(tokens) - 1)
+        t0 = time.perf_counter()
+        try:
+            logits = self.model(torch.tensor(tokens), segments, self.cache, logit_rows=torch.tensor(last),
+                                head=self._head_for([l.req.seq_id for l in lanes])).logits  # [lanes, vocab]
+        except CacheFullError:
+            return False
+        backlog = [l for l in lanes if len(l.pending) > _STEP_TOKENS]  # feeding a backlog: prefill work
+        for l in backlog:
+            l.catch_up += (time.perf_counter() - t0) / len(backlog)
+        for j, l in enumerate(lanes):
+            l.pos += len(l.pending)
+            token, probs = self._choose(logits[j : j + 1], l.req.params, l.req.generator)
+            l.drafted.append(token)
             if probs is not None:
-                rows.append(probs)
-            pending = [token]
-        self._fed[seq_id] = pos  # the last drafted token is not fed yet
-        return Draft(tokens=drafted, probs=torch.cat(rows) if rows else None, catch_up_seconds=catch_up)
+                l.probs.append(probs)
+            l.pending = [token]
+        return True
+
+    def _head_for(self, seq_ids: list[int]):
+        if self.head is None:
+            return None
+        heads = [self._heads[s] for s in seq_ids]
+        return heads[0] if len(heads) == 1 else BatchHead(heads)
 
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
         """Feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the first

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SamplingParams
-from .base import Draft
+from .base import Draft, DraftRequest
 
 
 class _Index:
@@ -58,6 +58,9 @@ class NgramProposer:
                 proposal = tokens[follow : follow + k]
                 return Draft(tokens=proposal, probs=None) if proposal else None
         return None
+
+    def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        return [self.propose(r.seq_id, r.tokens, r.k, r.params, r.generator) for r in requests]
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         pass
