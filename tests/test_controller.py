@@ -102,3 +102,15 @@ def test_draft_cost_is_learned_per_batch_size():
     c.observe_forward(8, 0.1)
     # the batch-4 rate uses the batch-4 draft cost: k=1 costs 4 * 0.025 + forward(8)
     assert c.rate(1, 4) == pytest.approx(4 * c.expected_tokens(1) / (4 * 0.025 + 0.1))
+
+
+def test_unexplored_positions_are_guessed_from_the_deepest_measured_one():
+    c = DraftLengthController(ControllerConfig(max_k=8, prior_acceptance=0.6))
+    for rows in range(1, 10):
+        c.observe_forward(rows, 1.0 + 0.05 * (rows - 1))
+    c.observe_draft(1, 0.05)
+    for _ in range(100):  # only k=2 was ever drafted, always fully accepted
+        c.observe_acceptance(2, 2)
+    assert c.accept[2] == 0.6  # position 3 itself has no measurement
+    assert c.expected_tokens(4) > 4.5  # but it is guessed like position 2 (~1.0), not the prior
+    assert c.choose() > 2  # so longer drafts get tried

@@ -3,14 +3,18 @@
 Model (METRICS.md): with conditional acceptance b_i = P(draft i accepted | drafts 1..i-1 accepted),
 a step that drafts k tokens yields E(k) = 1 + sum_{i<=k} prod_{j<=i} b_j tokens per sequence.
 Its cost is the draft's time for k tokens plus one target forward over ``batch * (k + 1)`` rows.
-All three figures are measured while running: b_i as moving averages, the draft's seconds per
-token, and the target's seconds per forward as a function of the rows it computes. A row count
+All three figures are measured while running: b_i as exponentially forgotten hit / trial counts
+with a weak prior (so a few observations already count; a position never drafted yet is guessed
+like the deepest measured one), the draft's seconds per token, and the target's
+seconds per forward as a function of the rows it computes. A row count
 never measured is predicted from the measured ones (linear through the nearest two), and
 for a larger block than any measured: optimistically at the largest measured cost while the block
 has at most 16 rows (so every small k gets tried once), proportionally to its rows beyond that
 (large batches are compute-bound). When no k beats plain decoding, the step decodes plainly;
 every ``probe_every`` plain steps it drafts once with a small k, so a change in the text (a
 copy-heavy passage) is noticed -- unless even full acceptance could not pay at this batch size.
+While drafting, every ``probe_every`` steps it tries one step with k - 1 or k + 1 (alternately),
+so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ class ControllerConfig:
     max_k: int = 8
     fixed_k: int | None = None  # a fixed draft length disables adaptation
     prior_acceptance: float = 0.6
-    ema: float = 0.15  # weight of a new observation
+    ema: float = 0.15  # weight of a new observation (costs); forgetting rate of acceptance counts
+    initial_k: int = 4  # the first step's draft length, before any cost is measured
+    prior_weight: float = 0.5  # observations' worth of prior_acceptance in each b_i
     probe_every: int = 16
     probe_k: int = 2
 
@@ -33,10 +39,15 @@ class DraftLengthController:
     def __init__(self, config: ControllerConfig) -> None:
         self.cfg = config
         self.accept = [config.prior_acceptance] * config.max_k  # conditional b_i
+        self._seen = [False] * config.max_k  # whether position i was ever drafted
+        # exponentially forgotten counts behind accept[i]: (hits + prior weight) / (trials + weight)
+        self._hits = [0.0] * config.max_k
+        self._trials = [0.0] * config.max_k
         # batch size -> seconds per drafted token (a batched draft forward serves every sequence)
         self.draft_cost_at: dict[int, float] = {}
         self.forward_cost: dict[int, float] = {}  # rows -> seconds
         self._plain_streak = 0
+        self._spec_streak, self._side = 0, 1
 
     @property
     def draft_cost(self) -> float | None:
@@ -62,6 +73,8 @@ class DraftLengthController:
     def choose(self, batch: int = 1) -> int:
         if self.cfg.fixed_k is not None:
             return self.cfg.fixed_k
+        if not self.forward_cost:  # nothing measured yet: a middling first draft
+            return min(self.cfg.initial_k, self.cfg.max_k)
         best_k, best_rate = 0, self.rate(0, batch)
         for k in range(1, self.cfg.max_k + 1):
             r = self.rate(k, batch)
@@ -75,6 +88,12 @@ class DraftLengthController:
                 return probe_k
         else:
             self._plain_streak = 0
+            self._spec_streak += 1
+            if self._spec_streak >= self.cfg.probe_every:  # re-measure a neighbouring length now and
+                self._spec_streak = 0  # then, so an early, noisy cost figure cannot lock k in place
+                self._side = -self._side
+                if 1 <= best_k + self._side <= self.cfg.max_k:
+                    return best_k + self._side
         return best_k
 
     def would_speculate(self, batch: int = 1) -> bool:
@@ -91,8 +110,12 @@ class DraftLengthController:
         return batch * (k + 1) / (draft + self.predict_forward(batch * (k + 1))) > plain_rate
 
     def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for b in self.accept[:k]:
+        total, run, last = 1.0, 1.0, self.cfg.prior_acceptance
+        for i in range(k):
+            # a position never drafted is guessed like the deepest one measured (acceptance
+            # changes slowly along a draft), so high acceptance invites trying longer drafts
+            b = self.accept[i] if self._seen[i] else last
+            last = b
             run *= b
             total += run
         return total
@@ -140,5 +163,9 @@ class DraftLengthController:
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         """One sequence's step: positions 1..accepted passed, position accepted+1 failed (if proposed)."""
         for i in range(min(proposed, accepted + 1)):
-            hit = 1.0 if i < accepted else 0.0
-            self.accept[i] += self.cfg.ema * (hit - self.accept[i])
+            self._seen[i] = True
+            keep = 1.0 - self.cfg.ema
+            self._hits[i] = self._hits[i] * keep + (1.0 if i < accepted else 0.0)
+            self._trials[i] = self._trials[i] * keep + 1.0
+            w = self.cfg.prior_weight
+            self.accept[i] = (self._hits[i] + w * self.cfg.prior_acceptance) / (self._trials[i] + w)
