@@ -57,37 +57,56 @@ inline void block_rows(const float* x, int64_t K, const int8_t* blk, const float
   for (int j = 0; j < 8; j += NB) tile<MB, NB>(x, K, blk, j, scale, y, ldy);
 }
 
+// Checked arguments of an int8 product: x float32 [M, K], packed int8 [N*K], scale float32 [N].
+struct Int8Args {
+  at::Tensor xc, y;
+  int64_t M, K, N;
+  const float* x;
+  const int8_t* q;
+  const float* scale;
+  float* out;
+};
+
+Int8Args int8_args(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                   int64_t n_multiple) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be float32 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous(), name, ": packed must be contiguous int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), name,
+              ": scale must be float32 [N]");
+  Int8Args a;
+  a.M = x.size(0), a.K = x.size(1), a.N = scale.size(0);
+  TORCH_CHECK(a.N % n_multiple == 0 && a.K % 8 == 0 && packed.numel() == a.N * a.K, name,
+              ": N must be a multiple of ", n_multiple, " and K of 8");
+  a.xc = x.contiguous();
+  a.y = at::empty({a.M, a.N}, x.options());
+  a.x = a.xc.data_ptr<float>();
+  a.q = packed.data_ptr<int8_t>();
+  a.scale = scale.data_ptr<float>();
+  a.out = a.y.data_ptr<float>();
+  return a;
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear: x must be float32 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous(), "int8_linear: packed must be contiguous int8");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), "int8_linear: scale must be float32 [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  TORCH_CHECK(N % 8 == 0 && K % 8 == 0 && packed.numel() == N * K, "int8_linear: N and K must be multiples of 8");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const int8_t* qp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 8, 8, [&](int64_t b0, int64_t b1) {
+  const Int8Args a = int8_args("int8_linear", x, packed, scale, 8);
+  at::parallel_for(0, a.N / 8, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int8_t* blk = qp + b * 8 * K;
-      const float* s = sp + b * 8;
+      const int8_t* blk = a.q + b * 8 * a.K;
+      const float* s = a.scale + b * 8;
       int64_t m = 0;
-      for (; m + 6 <= M; m += 6) block_rows<6, 2>(xp + m * K, K, blk, s, yp + m * N + b * 8, N);
-      const float* xm = xp + m * K;
-      float* ym = yp + m * N + b * 8;
-      switch (M - m) {
-        case 5: block_rows<5, 2>(xm, K, blk, s, ym, N); break;
-        case 4: block_rows<4, 2>(xm, K, blk, s, ym, N); break;
-        case 3: block_rows<3, 2>(xm, K, blk, s, ym, N); break;
-        case 2: block_rows<2, 4>(xm, K, blk, s, ym, N); break;
-        case 1: block_rows<1, 8>(xm, K, blk, s, ym, N); break;
+      for (; m + 6 <= a.M; m += 6) block_rows<6, 2>(a.x + m * a.K, a.K, blk, s, a.out + m * a.N + b * 8, a.N);
+      const float* xm = a.x + m * a.K;
+      float* ym = a.out + m * a.N + b * 8;
+      switch (a.M - m) {
+        case 5: block_rows<5, 2>(xm, a.K, blk, s, ym, a.N); break;
+        case 4: block_rows<4, 2>(xm, a.K, blk, s, ym, a.N); break;
+        case 3: block_rows<3, 2>(xm, a.K, blk, s, ym, a.N); break;
+        case 2: block_rows<2, 4>(xm, a.K, blk, s, ym, a.N); break;
+        case 1: block_rows<1, 8>(xm, a.K, blk, s, ym, a.N); break;
         default: break;
       }
     }
   });
-  return y;
+  return a.y;
 }
 
 // ---------------------------------------------------------------------------------- many rows
@@ -140,41 +159,31 @@ inline void gemm_tile(const float* x, int64_t K, const float* panel, int64_t k0,
 }
 
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_gemm: x must be float32 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous(), "int8_gemm: packed must be contiguous int8");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), "int8_gemm: scale must be float32 [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  TORCH_CHECK(N % 16 == 0 && K % 8 == 0 && packed.numel() == N * K, "int8_gemm: N must be a multiple of 16, K of 8");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const int8_t* qp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 16, 1, [&](int64_t c0, int64_t c1) {
+  const Int8Args a = int8_args("int8_gemm", x, packed, scale, 16);
+  at::parallel_for(0, a.N / 16, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) float panel[kPanelK * 16];
     for (int64_t cb = c0; cb < c1; ++cb) {
       const int64_t n0 = cb * 16;
-      for (int64_t k0 = 0; k0 < K; k0 += kPanelK) {
-        const int64_t kc = std::min(kPanelK, K - k0);
-        fill_panel(qp, sp, K, n0, k0, kc, panel);
+      for (int64_t k0 = 0; k0 < a.K; k0 += kPanelK) {
+        const int64_t kc = std::min(kPanelK, a.K - k0);
+        fill_panel(a.q, a.scale, a.K, n0, k0, kc, panel);
         const bool first = k0 == 0;
         int64_t m = 0;
-        for (; m + 6 <= M; m += 6) gemm_tile<6>(xp + m * K, K, panel, k0, kc, yp + m * N + n0, N, first);
-        const float* xm = xp + m * K;
-        float* ym = yp + m * N + n0;
-        switch (M - m) {
-          case 5: gemm_tile<5>(xm, K, panel, k0, kc, ym, N, first); break;
-          case 4: gemm_tile<4>(xm, K, panel, k0, kc, ym, N, first); break;
-          case 3: gemm_tile<3>(xm, K, panel, k0, kc, ym, N, first); break;
-          case 2: gemm_tile<2>(xm, K, panel, k0, kc, ym, N, first); break;
-          case 1: gemm_tile<1>(xm, K, panel, k0, kc, ym, N, first); break;
+        for (; m + 6 <= a.M; m += 6) gemm_tile<6>(a.x + m * a.K, a.K, panel, k0, kc, a.out + m * a.N + n0, a.N, first);
+        const float* xm = a.x + m * a.K;
+        float* ym = a.out + m * a.N + n0;
+        switch (a.M - m) {
+          case 5: gemm_tile<5>(xm, a.K, panel, k0, kc, ym, a.N, first); break;
+          case 4: gemm_tile<4>(xm, a.K, panel, k0, kc, ym, a.N, first); break;
+          case 3: gemm_tile<3>(xm, a.K, panel, k0, kc, ym, a.N, first); break;
+          case 2: gemm_tile<2>(xm, a.K, panel, k0, kc, ym, a.N, first); break;
+          case 1: gemm_tile<1>(xm, a.K, panel, k0, kc, ym, a.N, first); break;
           default: break;
         }
       }
     }
   });
-  return y;
+  return a.y;
 }
 
 // ------------------------------------------------------------------------------- elementwise
