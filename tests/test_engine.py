@@ -213,3 +213,17 @@ def test_batched_drafting_equals_one_sequence_at_a_time(target, reduced_head):
     for s, p in zip(seqs, PROMPTS):
         assert s.generated == plain(target, p, greedy).generated
     assert 3 in eng.controller.draft_cost_at  # drafting cost measured for a batch of three
+
+
+def test_draft_out_of_cache_blocks_mid_proposal_forgets_its_drafted_tokens():
+    """A paged draft cache running out of blocks at draft position 2 yields no draft, and the
+    draft tokens already fed are not kept as if they were the sequence's."""
+    from tokenleap.paged_cache import PagedKVCache
+
+    draft_model = tiny_model("qwen2", seed=78, vocab=VOCAB)
+    cache = PagedKVCache(draft_model.config, 2, 64, torch.float32, block_size=4, num_slots=1)  # 8 tokens
+    draft = DraftModelProposer(draft_model, VOCAB, 64, cache=cache)
+    tokens = [5, 9, 14, 3, 7, 9, 14]  # 7 tokens: drafts 1 and 2 are fed into the 8th place, draft 3 fails
+    draft.begin(0, tokens)
+    assert draft.propose(0, tokens, 3, SamplingParams(max_tokens=8), None) is None
+    assert draft._fed[0] == len(tokens) and cache.lengths[draft._slot[0]] == len(tokens)

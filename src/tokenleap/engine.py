@@ -169,7 +169,8 @@ class Engine:
         if not asked:
             return [None] * len(seqs)
         t0 = time.perf_counter()
-        got = self.proposer.propose_many([DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator) for s, n in asked])
+        requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator) for s, n in asked]
+        got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         got = [d if d is not None and d.tokens else None for d in got]
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)

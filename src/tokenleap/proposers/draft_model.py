@@ -84,8 +84,9 @@ class DraftModelProposer:
             if not self._draft_position(active):  # a paged cache out of blocks: no draft for these
                 for l in active:
                     l.failed = True
-                    self._fed[l.req.seq_id] = l.pos
-                    self.cache.truncate(l.slot, l.pos)
+                    valid = min(l.pos, len(l.req.tokens))  # drafted tokens fed so far are not the sequence's
+                    self._fed[l.req.seq_id] = valid
+                    self.cache.truncate(l.slot, valid)
                 active = []
         for l in lanes:
             if not l.failed:
