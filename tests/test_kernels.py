@@ -146,3 +146,32 @@ def test_fused_rms_norm_and_rope_match_torch_formulas():
     cos, sin = rot.cos[pos][:, None], rot.sin[pos][:, None]
     want = q * cos + torch.cat([-q[..., 8:], q[..., :8]], dim=-1) * sin
     assert torch.allclose(rot(q.clone(), pos), want, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_bf16_products_exact_to_fp32_and_row_invariant():
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(48, 264, generator=g).bfloat16()
+    x = torch.randn(13, 264, generator=g)
+    packed = kernels.pack_int8(w)  # the same layout serves bfloat16
+    ref = x.double() @ w.double().T
+    tol = 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert ((kernels.bf16_linear(x, packed).double() - ref).abs() <= tol).all()
+    assert ((kernels.bf16_gemm(x, packed).double() - ref).abs() <= tol).all()
+    alone = torch.cat([kernels.bf16_linear(x[i : i + 1], packed) for i in range(13)])
+    for m in range(1, 14):
+        assert torch.equal(kernels.bf16_linear(x[:m], packed), alone[:m]), m
+
+
+@needs_kernel
+def test_bf16_linear_layer_uses_the_kernel():
+    from tokenleap.models.linear import Linear
+
+    lin = Linear(64, 32, bias=True).to(torch.bfloat16)
+    torch.nn.init.normal_(lin.weight)
+    torch.nn.init.normal_(lin.bias)
+    x = torch.randn(5, 64).bfloat16()
+    y = lin(x, row_exact=True)  # [5, 32] bf16
+    assert lin.__dict__["_packed"] is not False and y.dtype == torch.bfloat16
+    want = (x.float() @ lin.weight.float().T + lin.bias.float()).bfloat16()
+    assert torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2)

@@ -74,7 +74,7 @@ def unavailable_reason() -> str | None:
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] (N, K multiples of 8) -> the kernel's layout [N/8, K/8, 8, 8]."""
+    """int8 (or bfloat16) [N, K] (N, K multiples of 8) -> the kernels' layout [N/8, K/8, 8, 8]."""
     n, k = q.shape
     return q.reshape(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3).contiguous()
 
@@ -96,6 +96,27 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tor
     return torch.ops.tokenleap.int8_gemm(x, packed, scale)
 
 
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] @ W.T for bfloat16 W packed like ``pack_int8`` -> float32 [M, N]; row-invariant,
+    products and sums in float32."""
+    ones = _ones(packed.shape[0] * 8)
+    return torch.ops.tokenleap.bf16_linear(x, packed, ones)
+
+
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``bf16_linear`` blocked for many rows (N a multiple of 16); prefill windows only."""
+    return torch.ops.tokenleap.bf16_gemm(x, packed, _ones(packed.shape[0] * 8))
+
+
+_ONES: dict[int, torch.Tensor] = {}
+
+
+def _ones(n: int) -> torch.Tensor:  # the bfloat16 products' "scale": multiplying by 1 is exact
+    if n not in _ONES:
+        _ONES[n] = torch.ones(n)
+    return _ONES[n]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` per row of float32 [M, D] (sum of squares in float64)."""
     return torch.ops.tokenleap.rms_norm(x, weight, eps)
@@ -107,4 +128,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "rms_norm", "rope_"]
+__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear", "bf16_gemm",
+           "rms_norm", "rope_"]

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
@@ -27,22 +28,27 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-inline __m256 load_q8(const int8_t* p) {  // 8 int8 -> 8 float32 (exact)
+inline __m256 load_w(const int8_t* p) {  // 8 int8 -> 8 float32 (exact)
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+inline __m256 load_w(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (exact: a shift)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // Rows [0, MB) x block columns [j0, j0 + NB) of one 8-column block.
-template <int MB, int NB>
-inline void tile(const float* x, int64_t K, const int8_t* blk, int j0, const float* scale, float* y,
+template <int MB, int NB, typename W>
+inline void tile(const float* x, int64_t K, const W* blk, int j0, const float* scale, float* y,
                  int64_t ldy) {
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
-  const int8_t* p = blk + j0 * 8;
+  const W* p = blk + j0 * 8;
   for (int64_t k = 0; k < K; k += 8, p += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
     __m256 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = load_q8(p + j * 8);
+    for (int j = 0; j < NB; ++j) w[j] = load_w(p + j * 8);
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + k);
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(w[j], xv, acc[m][j]);
@@ -52,56 +58,62 @@ inline void tile(const float* x, int64_t K, const int8_t* blk, int j0, const flo
     for (int j = 0; j < NB; ++j) y[m * ldy + j0 + j] = hsum8(acc[m][j]) * scale[j0 + j];
 }
 
-template <int MB, int NB>
-inline void block_rows(const float* x, int64_t K, const int8_t* blk, const float* scale, float* y, int64_t ldy) {
-  for (int j = 0; j < 8; j += NB) tile<MB, NB>(x, K, blk, j, scale, y, ldy);
+template <int MB, int NB, typename W>
+inline void block_rows(const float* x, int64_t K, const W* blk, const float* scale, float* y, int64_t ldy) {
+  for (int j = 0; j < 8; j += NB) tile<MB, NB, W>(x, K, blk, j, scale, y, ldy);
 }
 
-// Checked arguments of an int8 product: x float32 [M, K], packed int8 [N*K], scale float32 [N].
-struct Int8Args {
+// Checked arguments of a weight product: x float32 [M, K], packed weights [N*K] (int8 or bfloat16),
+// scale float32 [N] (ones for bfloat16 weights).
+template <typename W>
+struct ProductArgs {
   at::Tensor xc, y;
   int64_t M, K, N;
   const float* x;
-  const int8_t* q;
+  const W* q;
   const float* scale;
   float* out;
 };
 
-Int8Args int8_args(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                   int64_t n_multiple) {
+template <typename W>
+ProductArgs<W> product_args(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                            int64_t n_multiple) {
+  constexpr bool is_int8 = std::is_same<W, int8_t>::value;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be float32 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous(), name, ": packed must be contiguous int8");
+  TORCH_CHECK(packed.scalar_type() == (is_int8 ? at::kChar : at::kBFloat16) && packed.is_contiguous(), name,
+              ": packed must be contiguous ", is_int8 ? "int8" : "bfloat16");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), name,
               ": scale must be float32 [N]");
-  Int8Args a;
+  ProductArgs<W> a;
   a.M = x.size(0), a.K = x.size(1), a.N = scale.size(0);
   TORCH_CHECK(a.N % n_multiple == 0 && a.K % 8 == 0 && packed.numel() == a.N * a.K, name,
               ": N must be a multiple of ", n_multiple, " and K of 8");
   a.xc = x.contiguous();
   a.y = at::empty({a.M, a.N}, x.options());
-  a.x = a.xc.data_ptr<float>();
-  a.q = packed.data_ptr<int8_t>();
-  a.scale = scale.data_ptr<float>();
-  a.out = a.y.data_ptr<float>();
+  a.x = a.xc.template data_ptr<float>();
+  a.q = reinterpret_cast<const W*>(packed.data_ptr());
+  a.scale = scale.template data_ptr<float>();
+  a.out = a.y.template data_ptr<float>();
   return a;
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
-  const Int8Args a = int8_args("int8_linear", x, packed, scale, 8);
+template <typename W>
+at::Tensor linear_impl(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  const ProductArgs<W> a = product_args<W>(name, x, packed, scale, 8);
   at::parallel_for(0, a.N / 8, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int8_t* blk = a.q + b * 8 * a.K;
+      const W* blk = a.q + b * 8 * a.K;
       const float* s = a.scale + b * 8;
       int64_t m = 0;
-      for (; m + 6 <= a.M; m += 6) block_rows<6, 2>(a.x + m * a.K, a.K, blk, s, a.out + m * a.N + b * 8, a.N);
+      for (; m + 6 <= a.M; m += 6) block_rows<6, 2, W>(a.x + m * a.K, a.K, blk, s, a.out + m * a.N + b * 8, a.N);
       const float* xm = a.x + m * a.K;
       float* ym = a.out + m * a.N + b * 8;
       switch (a.M - m) {
-        case 5: block_rows<5, 2>(xm, a.K, blk, s, ym, a.N); break;
-        case 4: block_rows<4, 2>(xm, a.K, blk, s, ym, a.N); break;
-        case 3: block_rows<3, 2>(xm, a.K, blk, s, ym, a.N); break;
-        case 2: block_rows<2, 4>(xm, a.K, blk, s, ym, a.N); break;
-        case 1: block_rows<1, 8>(xm, a.K, blk, s, ym, a.N); break;
+        case 5: block_rows<5, 2, W>(xm, a.K, blk, s, ym, a.N); break;
+        case 4: block_rows<4, 2, W>(xm, a.K, blk, s, ym, a.N); break;
+        case 3: block_rows<3, 2, W>(xm, a.K, blk, s, ym, a.N); break;
+        case 2: block_rows<2, 4, W>(xm, a.K, blk, s, ym, a.N); break;
+        case 1: block_rows<1, 8, W>(xm, a.K, blk, s, ym, a.N); break;
         default: break;
       }
     }
@@ -118,17 +130,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 constexpr int64_t kPanelK = 256;
 
 // panel[k][c], c < 16 = (columns n0 .. n0+16 of the weight) * scale, for k in [k0, k0 + kc)
-inline void fill_panel(const int8_t* qp, const float* sp, int64_t K, int64_t n0, int64_t k0, int64_t kc,
+template <typename W>
+inline void fill_panel(const W* qp, const float* sp, int64_t K, int64_t n0, int64_t k0, int64_t kc,
                        float* panel) {
   for (int half = 0; half < 2; ++half) {
     const int64_t b = n0 / 8 + half;
-    const int8_t* blk = qp + b * 8 * K;
+    const W* blk = qp + b * 8 * K;
     for (int c = 0; c < 8; ++c) {
       const float s = sp[b * 8 + c];
       for (int64_t k = k0; k < k0 + kc; k += 8) {
-        const int8_t* src = blk + (k / 8) * 64 + c * 8;
+        const W* src = blk + (k / 8) * 64 + c * 8;
         alignas(32) float w[8];
-        _mm256_store_ps(w, _mm256_mul_ps(load_q8(src), _mm256_set1_ps(s)));
+        _mm256_store_ps(w, _mm256_mul_ps(load_w(src), _mm256_set1_ps(s)));
         for (int t = 0; t < 8; ++t) panel[(k - k0 + t) * 16 + half * 8 + c] = w[t];
       }
     }
@@ -158,8 +171,9 @@ inline void gemm_tile(const float* x, int64_t K, const float* panel, int64_t k0,
   }
 }
 
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
-  const Int8Args a = int8_args("int8_gemm", x, packed, scale, 16);
+template <typename W>
+at::Tensor gemm_impl(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  const ProductArgs<W> a = product_args<W>(name, x, packed, scale, 16);
   at::parallel_for(0, a.N / 16, 1, [&](int64_t c0, int64_t c1) {
     alignas(64) float panel[kPanelK * 16];
     for (int64_t cb = c0; cb < c1; ++cb) {
@@ -184,6 +198,19 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     }
   });
   return a.y;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s) {
+  return linear_impl<int8_t>("int8_linear", x, p, s);
+}
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s) {
+  return gemm_impl<int8_t>("int8_gemm", x, p, s);
+}
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s) {
+  return linear_impl<uint16_t>("bf16_linear", x, p, s);
+}
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s) {
+  return gemm_impl<uint16_t>("bf16_gemm", x, p, s);
 }
 
 // ------------------------------------------------------------------------------- elementwise
@@ -242,12 +269,16 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at
 TORCH_LIBRARY(tokenleap, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+  m.def("bf16_gemm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions) -> ()");
 }
 TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_gemm", &int8_gemm);
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_gemm", &bf16_gemm);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
 }

@@ -1,5 +1,8 @@
 """Dense linear layer whose rows can be computed batch-invariantly.
 
+bf16 weights use tokenleap's compiled kernel where it is available (row-invariant by construction,
+float32 products and sums; see ``tokenleap.kernels``), torch's bf16 ``F.linear`` otherwise.
+
 Losslessness needs a position's logits to be bitwise the same whether that position is computed
 alone (plain decoding) or inside a block (verification, batching). On CPU, bf16 ``F.linear`` and the
 int8/int4 weight-only kernels are row-invariant; fp32 GEMM is not (MKL picks a different reduction
@@ -12,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+
+GEMM_MIN_ROWS = 48  # from here on (and only without row exactness) the kernels use the blocked GEMM
 # dtypes whose F.linear rows were measured bitwise-equal for any number of rows on torch's CPU kernels
 ROW_INVARIANT_DTYPES = (torch.bfloat16,)
 
@@ -27,9 +33,32 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
         # x: [rows, in_features] -> [rows, out_features]
+        if self.weight.dtype == torch.bfloat16 and self._bf16_kernel():
+            return self._bf16_forward(x, row_exact)
         if not row_exact or x.shape[0] == 1 or self.weight.dtype in ROW_INVARIANT_DTYPES:
             return F.linear(x, self.weight, self.bias)
         return torch.cat([F.linear(x[i : i + 1], self.weight, self.bias) for i in range(x.shape[0])])
+
+    def _bf16_kernel(self) -> bool:
+        """tokenleap's bf16 kernel applies (AVX2 machine, sizes multiples of 16 / 8); packs the weight
+        once into the kernel's layout (a second copy: the float weight may be shared, e.g. tied)."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            ok = self.out_features % 16 == 0 and self.in_features % 8 == 0 and kernels.available()
+            packed = kernels.pack_int8(self.weight.detach()) if ok else False  # [out/8, in/8, 8, 8]
+            self.__dict__["_packed"] = packed
+        return packed is not False
+
+    def _bf16_forward(self, x: torch.Tensor, row_exact: bool) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()  # [rows, in]
+        packed = self.__dict__["_packed"]
+        if not row_exact and x2.shape[0] >= GEMM_MIN_ROWS:
+            y = kernels.bf16_gemm(x2, packed)  # prefill windows: blocked GEMM
+        else:
+            y = kernels.bf16_linear(x2, packed)  # [rows, out], row-invariant
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -38,9 +38,9 @@ from torch import nn
 
 from .. import kernels
 from ..config import ConfigError
+from .linear import GEMM_MIN_ROWS
 
 QUANT_MODES = ("none", "int8", "int4")
-GEMM_MIN_ROWS = 48  # from here on (and only when row exactness is not asked for) int8 uses the blocked GEMM
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 _MIN_SCALE = 1e-10  # scale for all-equal rows/groups (the zero point then carries the value)
