@@ -1,7 +1,8 @@
 """Optional compiled CPU kernels, built once per machine with the PyTorch C++ extension tools.
 
 ``int8_linear`` (see ``cpu_kernels.cpp``) is a weight-only int8 product for float32 activations
-that is row-invariant by construction and reads its weights in a cache-friendly packed layout;
+that is row-invariant by construction and reads its weights in a cache-friendly packed layout
+(``bf16_linear`` the same for bfloat16 weights; ``*_gemm`` blocked variants for prefill);
 on this project's AVX2 machine it is about 2x faster than ``aten._weight_int8pack_mm`` for one
 row and 1.5x for 2-8 rows (see BENCHMARKS.md). It needs an x86-64 CPU with AVX2 and FMA, a C++
 compiler and ninja; the first use compiles it (~20 s) into ``<tokenleap cache>/kernels/<key>``.
