@@ -39,7 +39,6 @@ class DraftLengthController:
     def __init__(self, config: ControllerConfig) -> None:
         self.cfg = config
         self.accept = [config.prior_acceptance] * config.max_k  # conditional b_i
-        self._seen = [False] * config.max_k  # whether position i was ever drafted
         # exponentially forgotten counts behind accept[i]: (hits + prior weight) / (trials + weight)
         self._hits = [0.0] * config.max_k
         self._trials = [0.0] * config.max_k
@@ -114,7 +113,7 @@ class DraftLengthController:
         for i in range(k):
             # a position never drafted is guessed like the deepest one measured (acceptance
             # changes slowly along a draft), so high acceptance invites trying longer drafts
-            b = self.accept[i] if self._seen[i] else last
+            b = self.accept[i] if self._trials[i] > 0 else last
             last = b
             run *= b
             total += run
@@ -163,7 +162,6 @@ class DraftLengthController:
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         """One sequence's step: positions 1..accepted passed, position accepted+1 failed (if proposed)."""
         for i in range(min(proposed, accepted + 1)):
-            self._seen[i] = True
             keep = 1.0 - self.cfg.ema
             self._hits[i] = self._hits[i] * keep + (1.0 if i < accepted else 0.0)
             self._trials[i] = self._trials[i] * keep + 1.0

@@ -97,6 +97,19 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tor
     return torch.ops.tokenleap.int8_gemm(x, packed, scale)
 
 
+GEMM_MIN_ROWS = 48  # from here on (and only without row exactness) the blocked GEMM is used
+
+
+def weight_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, row_exact: bool) -> torch.Tensor:
+    """x float32 [M, K] times int8 (with ``scale``) or bfloat16 (``scale`` None) weights packed by
+    ``pack_int8`` -> float32 [M, N]: the row-invariant product, or for prefill windows
+    (not ``row_exact``, ``GEMM_MIN_ROWS``+ rows, N a multiple of 16) the blocked GEMM."""
+    gemm = not row_exact and x.shape[0] >= GEMM_MIN_ROWS and packed.shape[0] % 2 == 0
+    if scale is None:
+        return bf16_gemm(x, packed) if gemm else bf16_linear(x, packed)
+    return int8_gemm(x, packed, scale) if gemm else int8_linear(x, packed, scale)
+
+
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x float32 [M, K] @ W.T for bfloat16 W packed like ``pack_int8`` -> float32 [M, N]; row-invariant,
     products and sums in float32."""
@@ -129,5 +142,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear", "bf16_gemm",
-           "rms_norm", "rope_"]
+__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+           "bf16_gemm", "weight_product", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

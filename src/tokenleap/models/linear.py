@@ -17,7 +17,6 @@ from torch import nn
 
 from .. import kernels
 
-GEMM_MIN_ROWS = 48  # from here on (and only without row exactness) the kernels use the blocked GEMM
 # dtypes whose F.linear rows were measured bitwise-equal for any number of rows on torch's CPU kernels
 ROW_INVARIANT_DTYPES = (torch.bfloat16,)
 
@@ -51,11 +50,7 @@ class Linear(nn.Module):
 
     def _bf16_forward(self, x: torch.Tensor, row_exact: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()  # [rows, in]
-        packed = self.__dict__["_packed"]
-        if not row_exact and x2.shape[0] >= GEMM_MIN_ROWS:
-            y = kernels.bf16_gemm(x2, packed)  # prefill windows: blocked GEMM
-        else:
-            y = kernels.bf16_linear(x2, packed)  # [rows, out], row-invariant
+        y = kernels.weight_product(x2, self.__dict__["_packed"], None, row_exact)  # [rows, out]
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import ConfigError
-from .linear import GEMM_MIN_ROWS
+GEMM_MIN_ROWS = kernels.GEMM_MIN_ROWS
 
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -143,10 +143,7 @@ class Int8Linear(nn.Module):
         # x: [rows, in] -> [rows, out]; both kernels are row-invariant, so row_exact needs nothing extra
         if self.use_kernel:
             x2 = x.reshape(-1, self.in_features).float()  # [rows, in]
-            if not row_exact and x2.shape[0] >= GEMM_MIN_ROWS and self.scales.shape[0] % 16 == 0:
-                y = kernels.int8_gemm(x2, self.packed, self.scales)  # prefill: blocked GEMM, [rows, out8]
-            else:
-                y = kernels.int8_linear(x2, self.packed, self.scales)  # [rows, out8], row-invariant
+            y = kernels.weight_product(x2, self.packed, self.scales, row_exact)  # [rows, out8]
             if y.shape[1] != self.out_features:
                 y = y[:, : self.out_features]
             return _finish(y, x, self.bias)

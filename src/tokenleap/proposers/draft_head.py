@@ -52,11 +52,7 @@ class SequenceHead:
 
     def __call__(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
         # x: [rows, hidden] -> [rows, vocab] logits, -inf outside the subset
-        out = torch.full((x.shape[0], self.shared.vocab), float("-inf"), dtype=torch.float32)
-        out[:, self.shared.static_ids] = self.shared._static(x).float()
-        if self.extra is not None:
-            out[:, self.extra_ids] = self.extra(x).float()
-        return out
+        return _subset_logits(self.shared, x, [(slice(None), self)])
 
 
 class BatchHead:
@@ -69,9 +65,15 @@ class BatchHead:
 
     def __call__(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
         # x: [len(heads), hidden] -> [len(heads), vocab], -inf outside each row's subset
-        out = torch.full((x.shape[0], self.shared.vocab), float("-inf"), dtype=torch.float32)
-        out[:, self.shared.static_ids] = self.shared._static(x).float()
-        for i, h in enumerate(self.heads):
-            if h.extra is not None:
-                out[i, h.extra_ids] = h.extra(x[i : i + 1]).float()
-        return out
+        return _subset_logits(self.shared, x, [(slice(i, i + 1), h) for i, h in enumerate(self.heads)])
+
+
+def _subset_logits(shared: ReducedVocabHead, x: torch.Tensor, parts: list[tuple[slice, SequenceHead]]) -> torch.Tensor:
+    """Logits [rows, vocab], -inf outside the subsets: the shared subset for every row of x
+    [rows, hidden] in one product, each part's prompt tokens for that part's rows."""
+    out = torch.full((x.shape[0], shared.vocab), float("-inf"), dtype=torch.float32)
+    out[:, shared.static_ids] = shared._static(x).float()
+    for rows, head in parts:
+        if head.extra is not None:
+            out[rows, head.extra_ids] = head.extra(x[rows]).float()
+    return out
