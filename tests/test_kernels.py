@@ -105,8 +105,9 @@ def test_int8_layer_uses_gemm_only_for_prefill_windows(monkeypatch):
 
 
 @needs_kernel
-def test_fused_projections_are_bitwise_the_same_model():
-    """Joining q/k/v and gate/up into one int8 layer each changes no bit of the logits."""
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_fused_projections_are_bitwise_the_same_model(mode):
+    """Joining q/k/v and gate/up into one int8 (int4) layer each changes no bit of the logits."""
     from tokenleap.cache import KVCache
     from tokenleap.models.quant import fuse_projections_, quantize_
     from tokenleap.models.transformer import Segment
@@ -121,9 +122,9 @@ def test_fused_projections_are_bitwise_the_same_model():
         return torch.cat([out, step])
 
     plain = tiny_model("qwen2", seed=6, hidden=64, intermediate=128)  # qwen2: q/k/v carry biases
-    quantize_(plain, "int8")
+    quantize_(plain, mode)
     fused = tiny_model("qwen2", seed=6, hidden=64, intermediate=128)
-    quantize_(fused, "int8")
+    quantize_(fused, mode)
     assert fuse_projections_(fused) == 2 * fused.config.num_hidden_layers
     attn = fused.model.layers[0].self_attn
     assert attn.qkv is not None and attn.q_proj is None and fused.model.layers[0].mlp.gate_up is not None
@@ -175,3 +176,79 @@ def test_bf16_linear_layer_uses_the_kernel():
     assert lin.__dict__["_packed"] is not False and y.dtype == torch.bfloat16
     want = (x.float() @ lin.weight.float().T + lin.bias.float()).bfloat16()
     assert torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------ int4 (W4A8)
+
+
+def _int4_operands(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)  # [N, K]
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()  # [N, K/32], float16 values
+    low = (-8 * scale + 0.001 * torch.randn(n, k // 32, generator=g)).half().float()
+    return q, scale, low
+
+
+def _w4a8_reference(x: torch.Tensor, q, scale, low) -> torch.Tensor:
+    """What int4_linear states it computes, in float64: x quantized to int8 per 32 inputs (round
+    half to even of x * 127 / max|x|), times q * scale + min."""
+    m, k = x.shape
+    xg = x.reshape(m, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)  # [M, K/32, 1]
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel
+    xq = torch.round(xg * inv)  # [M, K/32, 32]
+    xd = (xq.double() * (amax / 127).double()).reshape(m, k)
+    w = q.double() * scale.double().repeat_interleave(32, 1) + low.double().repeat_interleave(32, 1)
+    return xd @ w.T  # [M, N]
+
+
+def test_int4_pack_unpack_round_trip():
+    q, scale, low = _int4_operands(16, 64, 0)
+    packed, sm = kernels.pack_int4(q, scale, low)
+    assert packed.shape == (2, 8, 8, 4) and sm.shape == (2, 2, 2, 8) and sm.dtype == torch.float16
+    # byte (column 3, t=1) of k-step 5 in block 1: q[8+3, 41] low nibble, q[8+3, 45] high nibble
+    assert int(packed[1, 5, 3, 1]) == int(q[11, 41]) | (int(q[11, 45]) << 4)
+    q2, s2, m2 = kernels.unpack_int4(packed, sm)
+    assert torch.equal(q2, q) and torch.equal(s2, scale) and torch.equal(m2, low)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(8, 32), (24, 96), (64, 1024)])
+def test_int4_linear_matches_its_formula(n, k):
+    q, scale, low = _int4_operands(n, k, n + k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
+    x[2, :32] = 0  # an all-zero group quantizes to zeros with scale 0
+    y = kernels.int4_linear(x, *kernels.pack_int4(q, scale, low))  # [9, n]
+    ref = _w4a8_reference(x, q, scale, low)
+    mag = (x.double().abs() @ (q.double() * scale.double().repeat_interleave(32, 1)).T).clamp_min(1)
+    assert ((y.double() - ref).abs() <= 1e-5 * mag).all()
+    # and it is a close approximation of the float product
+    w = q.float() * scale.repeat_interleave(32, 1) + low.repeat_interleave(32, 1)
+    assert ((y - x @ w.T).norm() / (x @ w.T).norm()) < 0.02
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [40, 48])  # an odd and an even number of 8-column blocks
+def test_int4_linear_rows_bitwise_independent_of_row_count(n):
+    packed, sm = kernels.pack_int4(*_int4_operands(n, 320, 7))
+    x = torch.randn(11, 320, generator=torch.Generator().manual_seed(8))  # every tile shape
+    alone = torch.cat([kernels.int4_linear(x[i : i + 1], packed, sm) for i in range(11)])  # [11, n]
+    for m in range(1, 12):
+        assert torch.equal(kernels.int4_linear(x[:m], packed, sm), alone[:m]), m
+    assert torch.equal(kernels.int4_linear(x[3:10], packed, sm), alone[3:10])
+
+
+@needs_kernel
+def test_int4_layer_on_kernel_and_float32_reference_on_torch():
+    from tokenleap.models.quant import Int4Linear
+
+    g = torch.Generator().manual_seed(9)
+    w, x = torch.randn(32, 128, generator=g), torch.randn(4, 128, generator=g)
+    fast, exact = Int4Linear.from_float(w), Int4Linear.from_float(w, compute_dtype=torch.float32)
+    assert fast.use_kernel and not exact.use_kernel and fast.packed.dtype == torch.uint8
+    deq = fast.dequantized_weight()  # [32, 128] from float16 scale / min
+    y = fast(x)
+    q, s, m = kernels.unpack_int4(fast.packed, fast.scales_and_mins)
+    torch.testing.assert_close(y.double(), _w4a8_reference(x, q, s, m), rtol=1e-5, atol=1e-5)
+    assert ((y - x @ deq.T).norm() / (x @ deq.T).norm()) < 0.02
+    assert ((exact(x) - x @ w.T).norm() / (x @ w.T).norm()) < 0.15

@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -131,6 +131,35 @@ def _ones(n: int) -> torch.Tensor:  # the bfloat16 products' "scale": multiplyin
     return _ONES[n]
 
 
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit weights ``W[n, k] = scale[n, k // 32] * q[n, k] + mn[n, k // 32]`` -> ``int4_linear``'s
+    operands: q uint8 [N, K] in 0..15 (N a multiple of 8, K of 32), scale and mn float [N, K/32]
+    (rounded to float16 here). Returns packed uint8 [N/8, K/8, 8, 4] and float16 [N/8, K/32, 2, 8]."""
+    n, k = q.shape
+    q5 = q.to(torch.uint8).reshape(n // 8, 8, k // 8, 2, 4)  # [blocks, col, kstep, lo/hi, t]
+    byte = q5[:, :, :, 0] | (q5[:, :, :, 1] << 4)  # [blocks, col, kstep, t]
+    packed = byte.permute(0, 2, 1, 3).contiguous()  # [blocks, kstep, col, t]
+    sm = torch.stack([scale.half(), mn.half()], dim=-1)  # [N, G, 2]
+    sm = sm.reshape(n // 8, 8, k // 32, 2).permute(0, 2, 3, 1).contiguous()  # [blocks, G, 2, col]
+    return packed, sm
+
+
+def unpack_int4(packed: torch.Tensor, sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``pack_int4``: (q uint8 [N, K], scale float32 [N, K/32], mn float32 [N, K/32])."""
+    nb, ks = packed.shape[:2]
+    byte = packed.permute(0, 2, 1, 3)  # [blocks, col, kstep, t]
+    q = torch.stack([byte & 0x0F, byte >> 4], dim=3).reshape(nb * 8, ks * 8)
+    s = sm.permute(0, 3, 1, 2).reshape(nb * 8, sm.shape[1], 2).float()  # [N, G, 2]
+    return q, s[..., 0].contiguous(), s[..., 1].contiguous()
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] times 4-bit weights from ``pack_int4`` -> float32 [M, N]. Each row of x is
+    quantized to int8 per group of 32 (as llama.cpp does for its 4-bit products); integer dot
+    products, one fixed float chain per output: row-invariant for any number of rows."""
+    return torch.ops.tokenleap.int4_linear(x, packed, sm)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` per row of float32 [M, D] (sum of squares in float64)."""
     return torch.ops.tokenleap.rms_norm(x, weight, eps)
@@ -143,4 +172,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 __all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
-           "bf16_gemm", "weight_product", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

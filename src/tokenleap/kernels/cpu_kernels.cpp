@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -213,6 +214,157 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& p, const at::Tensor&
   return gemm_impl<uint16_t>("bf16_gemm", x, p, s);
 }
 
+// --------------------------------------------------------------- int4 weights, int8 activations
+// int4_linear: y = x W^T with W[n, k] = s[n, g] * q[n, k] + mn[n, g], q in 0..15, groups g of 32 k.
+// Each row of x is first quantized to int8 per group of 32 (xq = round(x / a), a = max|x| / 127,
+// the way llama.cpp feeds its 4-bit dot products), then
+//   y[m, n] = sum_g a[m, g] * s[n, g] * (sum_{k in g} q[n, k] xq[m, k])  +  mn[n, g] * (a[m, g] sum_{k in g} xq[m, k]).
+// The integer dot products (vpmaddubsw: unsigned 4-bit weight x signed 8-bit activation, summed
+// in int16 without overflow: 32 * 15 * 127 < 32767) are exact; the float work is a fixed chain of
+// one multiply and two FMAs per group per output, in ascending g, so a row's result does not
+// depend on how many rows share the call (row-invariant), and the weights are unpacked once for
+// all rows of a tile. Every row is quantized on its own, so the quantization is row-invariant too.
+//
+// Packed layout: [N/8 column blocks][K/8][8 columns][4 bytes]; byte (c, t) of k-step k0 holds
+// q[c, k0 + t] in its low nibble and q[c, k0 + 4 + t] in its high nibble, so a 32-byte load
+// unpacks (and / shift+and) into two vectors that line up with 4 broadcast activation bytes.
+// Scales and mins: float16 [N/8][K/32][2][8] (8 scales then 8 mins of one column block and group).
+constexpr int64_t kGroup = 32;
+
+inline __m256i bcast4(const int8_t* p) {  // 4 bytes repeated 8 times
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Row m of x [M, K] -> xq int8 [K], a[g] = scale, as[g] = a[g] * sum of the group's xq.
+inline void quantize_row(const float* x, int64_t K, int8_t* xq, float* a, float* as) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* v = x + g * kGroup;
+    __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+           v3 = _mm256_loadu_ps(v + 24);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
+                              _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 iv = _mm256_set1_ps(inv);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, iv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, iv)),
+                  i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, iv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, iv));
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    p = _mm256_permutevar8x32_epi32(p, order);  // back to k order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + g * kGroup), p);
+    // sum of the signed bytes: |1 * xq| pairs in int16, then pairs of those in int32
+    const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, p), ones16);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    a[g] = amax / 127.f;
+    as[g] = a[g] * float(_mm_cvtsi128_si32(s4));
+  }
+}
+
+// Rows [0, MB) of quantized x times NB neighbouring column blocks starting at wb / smb.
+template <int MB, int NB>
+inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* wb,
+                      const uint16_t* smb, float* y, int64_t ldy) {
+  const int64_t G = K / kGroup, wstride = K * 4, sstride = G * 16;
+  const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i s16[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB; ++j) s16[m][j] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int st = 0; st < 4; ++st) {
+      __m256i lo[NB], hi[NB];
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* p = wb + j * wstride + g * 128 + st * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        lo[j] = _mm256_and_si256(v, mask);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xp = xq + m * K + g * kGroup + st * 8;
+        const __m256i x0 = bcast4(xp), x1 = bcast4(xp + 4);
+        for (int j = 0; j < NB; ++j)
+          s16[m][j] = _mm256_add_epi16(
+              s16[m][j], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x0), _mm256_maddubs_epi16(hi[j], x1)));
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const uint16_t* sp = smb + j * sstride + g * 16;
+      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 8)));
+      for (int m = 0; m < MB; ++m) {
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m][j], ones));
+        acc[m][j] = _mm256_fmadd_ps(d, _mm256_mul_ps(sc, _mm256_set1_ps(a[m * G + g])), acc[m][j]);
+        acc[m][j] = _mm256_fmadd_ps(mn, _mm256_set1_ps(as[m * G + g]), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) _mm256_storeu_ps(y + m * ldy + j * 8, acc[m][j]);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x must be float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == 8 && packed.size(3) == 4,
+              "int4_linear: packed must be contiguous uint8 [N/8, K/8, 8, 4]");
+  const int64_t M = x.size(0), K = x.size(1), NB8 = packed.size(0), N = NB8 * 8, G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && packed.size(1) * 8 == K, "int4_linear: K must be a multiple of 32 and match packed");
+  TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && sm.numel() == NB8 * G * 16,
+              "int4_linear: scales/mins must be contiguous float16 [N/8, K/32, 2, 8]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  at::Tensor sc = at::empty({M, G}, x.options()), ss = at::empty({M, G}, x.options());
+  float* scp = sc.data_ptr<float>();
+  float* ssp = ss.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, scp + m * G, ssp + m * G);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
+  float* out = y.data_ptr<float>();
+  // work unit: two neighbouring column blocks (one when N/8 is odd and this is the last)
+  at::parallel_for(0, (NB8 + 1) / 2, 4, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u * 2;
+      const bool pair = b + 1 < NB8;
+      const uint8_t* wb = w + b * K * 4;
+      const uint16_t* sb = s + b * G * 16;
+      for (int64_t m = 0; m < M;) {
+        const int8_t* xm = qp + m * K;
+        const float *am = scp + m * G, *sm2 = ssp + m * G;
+        float* ym = out + m * N + b * 8;
+        const int64_t left = M - m;
+        if (pair && left == 1) { int4_tile<1, 2>(xm, am, sm2, K, wb, sb, ym, N); m += 1; continue; }
+        for (int j = 0; j < (pair ? 2 : 1); ++j) {
+          const uint8_t* wj = wb + j * K * 4;
+          const uint16_t* sj = sb + j * G * 16;
+          float* yj = ym + j * 8;
+          if (left >= 4) int4_tile<4, 1>(xm, am, sm2, K, wj, sj, yj, N);
+          else if (left == 3) int4_tile<3, 1>(xm, am, sm2, K, wj, sj, yj, N);
+          else if (left == 2) int4_tile<2, 1>(xm, am, sm2, K, wj, sj, yj, N);
+          else int4_tile<1, 1>(xm, am, sm2, K, wj, sj, yj, N);
+        }
+        m += std::min<int64_t>(left, 4);
+      }
+    }
+  });
+  return y;
+}
+
 // ------------------------------------------------------------------------------- elementwise
 // Fused row-local operations of the decoder, replacing several small torch ops each. Every row is
 // computed on its own in a fixed order, so they are row-invariant.
@@ -271,6 +423,7 @@ TORCH_LIBRARY(tokenleap, m) {
   m.def("int8_gemm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("bf16_gemm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor sm) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions) -> ()");
 }
@@ -279,6 +432,7 @@ TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
   m.impl("int8_gemm", &int8_gemm);
   m.impl("bf16_linear", &bf16_linear);
   m.impl("bf16_gemm", &bf16_gemm);
+  m.impl("int4_linear", &int4_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
 }

@@ -10,11 +10,13 @@ of rows in the call -- so ``row_exact`` needs no per-row loop, unlike fp32 ``Lin
   Measured here (1536x8960 layer, 2 threads, weights streamed from memory): tokenleap 0.8 ms for
   one row, 1.6 ms for four; torch 1.6 / 2.5 ms (bf16 activations).
 * ``Int4Linear``: groups of ``group_size`` (32, 64, 128 or 256) input columns, asymmetric
-  min/max round-to-nearest, ``w = (q - 8) * scale + zero`` with q in [0, 15] (the kernel's
-  convention); ``aten._weight_int4pack_mm_for_cpu``. Needs out_features % 16 == 0 and
-  in_features % group_size == 0; ``quantize_`` keeps other layers float and says why. (A W4A8
-  AVX2 kernel in tokenleap's style was tried: 0.9 ms for one row of that layer, no faster than
-  int8 here, because unpacking nibbles is compute-bound on AVX2; so int8 is the fast mode.)
+  min/max round-to-nearest, ``w = q * scale + min`` with q in [0, 15]. Needs out_features % 16
+  == 0 and in_features % group_size == 0; ``quantize_`` keeps other layers float and says why.
+  With tokenleap's kernels: the W4A8 ``int4_linear`` (float16 scale / min per 32 inputs,
+  activations quantized to int8 per 32 inputs the way llama.cpp does for its 4-bit products);
+  measured here with weights streamed from memory, 1536x8960 layer: 0.55 ms for one row vs
+  int8's 0.9, 0.9 vs 1.9 ms for four rows. Otherwise torch's ``aten._weight_int4pack_mm_for_cpu``
+  (convention ``(q - 8) * scale + zero``).
 
 Activation dtype of torch's kernels: activations, scales (and zeros) in one dtype. On this
 AVX2-only CPU the bf16 paths were measured much faster than fp32 (8960x1536 layer, 1 thread,
@@ -23,9 +25,10 @@ M=1/4/8 rows: int8 3.5/4.7/9.0 ms with bf16 vs 14/82/163 ms with fp32 activation
 and the result is cast back to x's dtype. ``compute_dtype=torch.float32`` is exact to fp32
 rounding (scales and zeros kept in fp32) but slow; the GGUF exactness tests use it.
 
-GGUF: ``int4_from_gguf_q4`` turns Q4_0 / Q4_1 / Q4_K blocks into the int4 kernel's (q, scale,
-zero) with group size 32, representing the file's dequantized values exactly (up to the dtype
-of scale and zero), so no second round of quantization error is added.
+GGUF: ``int4_from_gguf_q4`` turns Q4_0 / Q4_1 / Q4_K blocks into (q, scale, min) with group
+size 32, representing the file's dequantized values exactly (up to the dtype scale and min are
+stored in: float32 with ``compute_dtype=torch.float32``, else float16 on tokenleap's kernel or
+bfloat16 on torch's), so no second round of quantization error is added.
 """
 from __future__ import annotations
 
@@ -161,9 +164,17 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """``y = x W^T (+ b)`` with ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]``, g = k // group_size."""
+    """``y = x W^T (+ b)`` with ``W[n, k] = q[n, k] * scale[n, g] + min[n, g]``, q in 0..15, g = k // group_size.
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    With tokenleap's compiled kernels (and ``compute_dtype`` not float32) the product is the
+    W4A8 ``int4_linear``: scales and mins in float16 per 32 inputs, each row of x quantized to int8
+    per 32 inputs, integer dot products -- row-invariant, and about half the time of int8 for any
+    number of rows (it reads half the bytes; see BENCHMARKS.md). Otherwise, and always with
+    ``compute_dtype=torch.float32`` (the exact reference: fp32 scales, mins and activations),
+    torch's ``aten._weight_int4pack_mm_for_cpu``.
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  bias: torch.Tensor | None = None, group_size: int = 32,
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
@@ -174,56 +185,95 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.group_size, self.compute_dtype = group_size, compute_dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        # packing row chunks of a multiple of 64 separately gives the same bytes as packing all at once
+        self.use_kernel = compute_dtype != torch.float32 and kernels.available()
+        if self.use_kernel:
+            rep = group_size // 32  # the kernel's groups are 32 wide
+            packed, sm = kernels.pack_int4(q, scales.float().repeat_interleave(rep, 1),
+                                           mins.float().repeat_interleave(rep, 1))
+            self.register_buffer("packed", packed)  # uint8 [out/8, in/8, 8, 4]
+            self.register_buffer("scales_and_mins", sm)  # float16 [out/8, in/32, 2, 8]
+            return
+        # torch's kernel: w = (q - 8) * scale + zero; row chunks of a multiple of 64 pack like the whole
         pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
         packed = torch.cat([pack(q[r].to(torch.int32).contiguous(), 1) for r in _row_chunks(q.shape[0])])  # [out, in/2]
-        sz = torch.stack([scales.float(), zeros.float()], dim=-1)  # [out, in/gs, 2]
+        sz = torch.stack([scales.float(), mins.float() + 8 * scales.float()], dim=-1)  # [out, in/gs, 2]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", sz.transpose(0, 1).to(compute_dtype).contiguous())  # [in/gs, out, 2]
 
     @classmethod
+    def concat(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
+        """One layer computing ``layers``' outputs side by side (bitwise the same results), or None
+        when they cannot be joined (not all on tokenleap's kernel, or different inputs)."""
+        if not all(isinstance(l, cls) and l.use_kernel for l in layers):
+            return None
+        if len({l.in_features for l in layers}) != 1:
+            return None
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        first = layers[0]
+        new.in_features, new.group_size, new.compute_dtype = first.in_features, first.group_size, first.compute_dtype
+        new.use_kernel, new.out_features = True, sum(l.out_features for l in layers)
+        new.register_buffer("packed", torch.cat([l.packed for l in layers]))
+        new.register_buffer("scales_and_mins", torch.cat([l.scales_and_mins for l in layers]))
+        biases = [l.bias if l.bias is not None else torch.zeros(l.out_features) for l in layers]
+        has_bias = any(l.bias is not None for l in layers)
+        new.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False) if has_bias else None
+        return new
+
+    @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32,
                    compute_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
+        """Asymmetric round-to-nearest per group: min -> q = 0, max -> q = 15 (scale and min are
+        rounded to the dtype they are stored in first, so q is chosen against the stored values)."""
         _check_compute_dtype(compute_dtype)
         n, k = weight.shape
         reason = int4_unsupported_reason(n, k, group_size)
         if reason:
             raise ConfigError(f"Int4Linear: {reason}")
+        store = torch.float16 if compute_dtype != torch.float32 and kernels.available() else compute_dtype
         q = torch.empty(n, k, dtype=torch.uint8)  # [out, in]
         scale = torch.empty(n, k // group_size)  # [out, groups]
-        zero = torch.empty(n, k // group_size)
+        low = torch.empty(n, k // group_size)
         for r in _row_chunks(n):
             w = weight[r].detach().float().reshape(-1, k // group_size, group_size)  # [chunk, groups, gs]
             lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [chunk, groups]
-            s = ((hi - lo) / 15).clamp_min(_MIN_SCALE).to(compute_dtype).float()
-            z = (lo + 8 * s).to(compute_dtype).float()  # q = 0 decodes to lo
-            scale[r], zero[r] = s, z
-            q[r] = torch.round((w - z[..., None]) / s[..., None] + 8).clamp_(0, 15).reshape(-1, k)
-        return cls(q, scale, zero, bias, group_size, compute_dtype)
+            s = ((hi - lo) / 15).clamp_min(_MIN_SCALE).to(store).float()
+            m = lo.to(store).float()
+            scale[r], low[r] = s, m
+            q[r] = torch.round((w - m[..., None]) / s[..., None]).clamp_(0, 15).reshape(-1, k)
+        return cls(q, scale, low, bias, group_size, compute_dtype)
 
     @classmethod
     def from_gguf(cls, qtype: Any, raw: Any, shape: tuple[int, int], bias: torch.Tensor | None = None,
                   compute_dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
         """Build from raw GGUF Q4_0 / Q4_1 / Q4_K blocks of a [out, in] weight (see ``int4_from_gguf_q4``)."""
-        q, scales, zeros = int4_from_gguf_q4(qtype, raw, shape)
-        return cls(q, scales, zeros, bias, 32, compute_dtype)
+        q, scales, mins = int4_from_gguf_q4(qtype, raw, shape)
+        return cls(q, scales, mins, bias, 32, compute_dtype)
 
     def forward(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
-        # x: [rows, in] -> [rows, out]; the kernel is row-invariant, so row_exact needs nothing extra
+        # x: [rows, in] -> [rows, out]; both kernels are row-invariant, so row_exact needs nothing extra
+        if self.use_kernel:
+            y = kernels.int4_linear(x.reshape(-1, self.in_features).float(), self.packed, self.scales_and_mins)
+            return _finish(y, x, self.bias)
         xc = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [rows, in]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self.packed, self.group_size,
                                                         self.scales_and_zeros)  # [rows, out]
         return _finish(y, x, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight the fp32 kernel multiplies by, [out, in] float32 (runs the kernel on an identity)."""
-        eye = torch.eye(self.in_features, dtype=torch.float32)  # [in, in]
+        """The weight the kernel multiplies by, [out, in] float32 (the W4A8 kernel multiplies it by
+        int8-quantized activations)."""
+        if self.use_kernel:
+            q, s, m = kernels.unpack_int4(self.packed, self.scales_and_mins)  # [out, in], [out, in/32] x2
+            return q.float() * s.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+        eye = torch.eye(self.in_features, dtype=torch.float32)  # [in, in]: run torch's kernel on an identity
         sz = self.scales_and_zeros.float()  # exact widening of bf16
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).T.contiguous()
 
     def extra_repr(self) -> str:
+        compute = "W4A8 (tokenleap kernel)" if self.use_kernel else self.compute_dtype
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}, compute={self.compute_dtype}")
+                f"group_size={self.group_size}, compute={compute}")
 
 
 QuantLinear = (Int8Linear, Int4Linear)
@@ -261,11 +311,11 @@ def int4_from_gguf_q4(qtype: Any, raw: Any, shape: tuple[int, int]) -> tuple[tor
 
     raw: the tensor's bytes (anything ``np.asarray`` takes; e.g. ``GGUFFile.raw_tensor``'s
     uint8 [out, bytes_per_row]) with rows in HF order; shape: (out, in) in HF / torch order.
-    Returns q uint8 [out, in] in 0..15, scales and zeros float32 [out, in/32], such that
-    ``(q - 8) * scale + zero`` equals ``gguf.quants.dequantize`` up to float32 rounding:
-      Q4_0: d * (q - 8)                      -> scale d,      zero 0
-      Q4_1: d * q + m                        -> scale d,      zero m + 8 d
-      Q4_K: d * sc_j * q - dmin * m_j        -> scale d sc_j, zero 8 d sc_j - dmin m_j
+    Returns q uint8 [out, in] in 0..15, scales and mins float32 [out, in/32], such that
+    ``q * scale + min`` equals ``gguf.quants.dequantize`` up to float32 rounding:
+      Q4_0: d * (q - 8)                      -> scale d,      min -8 d
+      Q4_1: d * q + m                        -> scale d,      min m
+      Q4_K: d * sc_j * q - dmin * m_j        -> scale d sc_j, min -dmin m_j
             (256-value super-blocks of 8 sub-blocks of 32 with 6-bit sc_j, m_j)
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -282,16 +332,16 @@ def int4_from_gguf_q4(qtype: Any, raw: Any, shape: tuple[int, int]) -> tuple[tor
         qs = b[..., 16:].reshape(n, k // block, 4, 1, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c+1 (high)
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=3)  # [out, blocks, 4, 2, 32]
         scale = d * sc
-        zero = 8 * scale - dmin * mn
+        low = -dmin * mn
     else:
         d = _f16(b[..., 0:2])  # [out, blocks]
         off = 2 if qtype == T.Q4_0 else 4
         qs = b[..., None, off:]  # [out, blocks, 1, 16]: values j (low nibble) and j + 16 (high)
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [out, blocks, 2, 16]
         scale = d
-        zero = np.zeros_like(d) if qtype == T.Q4_0 else _f16(b[..., 2:4]) + 8 * d
+        low = -8 * d if qtype == T.Q4_0 else _f16(b[..., 2:4])
     to_t = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(n, k // 32), dtype=np.float32))
-    return torch.from_numpy(q.reshape(n, k).copy()), to_t(scale), to_t(zero)
+    return torch.from_numpy(q.reshape(n, k).copy()), to_t(scale), to_t(low)
 
 
 __all__ = ["Int8Linear", "Int4Linear", "QuantLinear", "QUANT_MODES", "GEMM_MIN_ROWS", "INT4_GROUP_SIZES",
