@@ -114,3 +114,17 @@ def test_unexplored_positions_are_guessed_from_the_deepest_measured_one():
     assert c.accept[2] == 0.6  # position 3 itself has no measurement
     assert c.expected_tokens(4) > 4.5  # but it is guessed like position 2 (~1.0), not the prior
     assert c.choose() > 2  # so longer drafts get tried
+
+
+def test_one_slow_measurement_does_not_pin_a_draft_length():
+    """A single slow forward of the block k=5 needs (say another process ran) is outvoted by the
+    next few measurements instead of keeping k small for the rest of the request."""
+    c = controller(0.95)
+    for _ in range(2):
+        c.observe_forward(6, 1.1)  # k=5 ran a few times
+    assert c.choose() >= 5
+    c.observe_forward(6, 20.0)  # one outlier, 20x the real cost
+    assert c.forward_cost[6] < 1.2 and c.choose() >= 5
+    for _ in range(2):
+        c.observe_forward(6, 20.0)  # but a lasting change is followed
+    assert c.forward_cost[6] == 20.0 and c.choose() != 5

@@ -252,3 +252,23 @@ def test_int4_layer_on_kernel_and_float32_reference_on_torch():
     torch.testing.assert_close(y.double(), _w4a8_reference(x, q, s, m), rtol=1e-5, atol=1e-5)
     assert ((y - x @ deq.T).norm() / (x @ deq.T).norm()) < 0.02
     assert ((exact(x) - x @ w.T).norm() / (x @ w.T).norm()) < 0.15
+
+
+# ------------------------------------------------------------------------------ attention rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv,hd,pos0,rows", [(12, 2, 128, 37, 6), (4, 4, 24, 0, 9), (6, 3, 64, 13, 1)])
+def test_attend_rows_matches_sdpa_and_is_row_invariant(heads, kv, hd, pos0, rows):
+    g = torch.Generator().manual_seed(hd + rows)
+    length = pos0 + rows
+    q = torch.randn(rows, heads, hd, generator=g)
+    k = torch.randn(kv, length + 5, hd, generator=g)[:, :length]  # strided views, like a cache's
+    v = torch.randn(kv, length + 5, hd, generator=g)[:, :length]
+    out = kernels.attend_rows(q, k, v, pos0, hd ** -0.5)  # [rows, heads, hd]
+    group = heads // kv
+    for t in range(rows):  # row t sees positions 0 .. pos0 + t
+        n = pos0 + t + 1
+        want = F.scaled_dot_product_attention(q[t].view(1, kv, group, hd), k[None, :, :n], v[None, :, :n])
+        torch.testing.assert_close(out[t], want.reshape(heads, hd), rtol=1e-5, atol=1e-5)
+        assert torch.equal(kernels.attend_rows(q[t : t + 1], k[:, :n], v[:, :n], pos0 + t, hd ** -0.5)[0], out[t])

@@ -124,7 +124,7 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
         from .proposers.ngram import NgramProposer
         return NgramProposer(spec.ngram_max, spec.ngram_min)
     draft = load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
-                       cache_dir=cache_dir)
+                       cache_dir=cache_dir, gguf_other="int4")
     cache = draft_cache(draft) if draft_cache is not None else None
     return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache)
 

@@ -6,7 +6,8 @@ Its cost is the draft's time for k tokens plus one target forward over ``batch *
 All three figures are measured while running: b_i as exponentially forgotten hit / trial counts
 with a weak prior (so a few observations already count; a position never drafted yet is guessed
 like the deepest measured one), the draft's seconds per token, and the target's
-seconds per forward as a function of the rows it computes. A row count
+seconds per forward as a function of the rows it computes (each cost the median of its last
+few observations, so a single slow step cannot pin a figure). A row count
 never measured is predicted from the measured ones (linear through the nearest two), and
 for a larger block than any measured: optimistically at the largest measured cost while the block
 has at most 16 rows (so every small k gets tried once), proportionally to its rows beyond that
@@ -18,6 +19,8 @@ so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 _MEMORY_BOUND_ROWS = 16  # up to this many rows an unmeasured forward is guessed as cheap as the largest seen
@@ -28,7 +31,8 @@ class ControllerConfig:
     max_k: int = 8
     fixed_k: int | None = None  # a fixed draft length disables adaptation
     prior_acceptance: float = 0.6
-    ema: float = 0.15  # weight of a new observation (costs); forgetting rate of acceptance counts
+    ema: float = 0.15  # forgetting rate of acceptance counts
+    cost_window: int = 5  # a cost is the median of its last this-many observations
     initial_k: int = 4  # the first step's draft length, before any cost is measured
     prior_weight: float = 0.5  # observations' worth of prior_acceptance in each b_i
     probe_every: int = 16
@@ -45,6 +49,8 @@ class DraftLengthController:
         # batch size -> seconds per drafted token (a batched draft forward serves every sequence)
         self.draft_cost_at: dict[int, float] = {}
         self.forward_cost: dict[int, float] = {}  # rows -> seconds
+        self._draft_obs: dict[int, deque[float]] = {}
+        self._forward_obs: dict[int, deque[float]] = {}
         self._plain_streak = 0
         self._spec_streak, self._side = 0, 1
 
@@ -55,7 +61,8 @@ class DraftLengthController:
 
     @draft_cost.setter
     def draft_cost(self, seconds: float) -> None:
-        self.draft_cost_at[1] = seconds
+        self._draft_obs.pop(1, None)
+        self._observe(self._draft_obs, self.draft_cost_at, 1, seconds)
 
     def predict_draft(self, batch: int) -> float:
         """Seconds per drafted token at ``batch`` sequences: measured, else the nearest smaller
@@ -148,16 +155,21 @@ class DraftLengthController:
         return c0 + slope * (rows - r0)
 
     # -- learning ---------------------------------------------------------------------------
+    def _observe(self, obs: dict[int, deque[float]], table: dict[int, float], key: int, value: float) -> None:
+        """The median of the last ``cost_window`` observations: one slow step (a page fault, another
+        process) moves nothing, and a size measured rarely (a probe) is right after a few visits."""
+        window = obs.setdefault(key, deque(maxlen=self.cfg.cost_window))
+        window.append(value)
+        table[key] = statistics.median(window)
+
     def observe_forward(self, rows: int, seconds: float) -> None:
-        old = self.forward_cost.get(rows)
-        self.forward_cost[rows] = seconds if old is None else old + self.cfg.ema * (seconds - old)
+        self._observe(self._forward_obs, self.forward_cost, rows, seconds)
 
     def observe_draft(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """``tokens`` drafted in ``seconds`` for ``batch`` sequences together."""
         if tokens <= 0:
             return
-        per, old = seconds / tokens, self.draft_cost_at.get(batch)
-        self.draft_cost_at[batch] = per if old is None else old + self.cfg.ema * (per - old)
+        self._observe(self._draft_obs, self.draft_cost_at, batch, seconds / tokens)
 
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         """One sequence's step: positions 1..accepted passed, position accepted+1 failed (if proposed)."""

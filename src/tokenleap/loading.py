@@ -51,16 +51,23 @@ def _own_memory(model: Transformer) -> None:
 
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quant: str = "none",
-               cache_dir: str | Path | None = None) -> LoadedModel:
+               cache_dir: str | Path | None = None, gguf_other: str = "int8") -> LoadedModel:
+    """Load a catalog name, GGUF file or HF directory, quantized with ``quant``.
+
+    With ``quant="int4"`` a GGUF's own 4-bit blocks are re-packed exactly and its other tensors
+    (Q5/Q6/Q8, e.g. the LM head llama.cpp's Q4_K_M keeps at 6 bits) are quantized with
+    ``gguf_other``: int8 by default, keeping their precision; drafts pass "int4", since a
+    draft's precision moves only acceptance, never the output.
+    """
     if quant not in QUANT_MODES:
         raise ConfigError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
     dt = resolve_dtype(dtype)
     ckpt = load_checkpoint(str(name_or_path), dt, Path(cache_dir) if cache_dir else None)
     model = build_transformer(ckpt.config, ckpt.weights, dt)
     if quant == "int4" and ckpt.gguf_path is not None:
-        # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become int8
+        # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other
         from .models.quant import quantize_from_gguf_
-        quantize_from_gguf_(model, ckpt.gguf_path, other="int8")
+        quantize_from_gguf_(model, ckpt.gguf_path, other=gguf_other)
     elif quant != "none":
         from .models.quant import quantize_
         quantize_(model, quant)

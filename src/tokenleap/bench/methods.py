@@ -116,7 +116,8 @@ class ModelPool:
         o = self.opts
         if not o.draft:
             raise BenchError(f"method {needed_by!r} needs a draft model: pass --draft MODEL")
-        return self.get("draft", lambda: load_model(o.draft, self.target().dtype, o.draft_quant, o.cache_dir))
+        return self.get("draft", lambda: load_model(o.draft, self.target().dtype, o.draft_quant, o.cache_dir,
+                                                           gguf_other="int4"))
 
     @property
     def dtype(self):

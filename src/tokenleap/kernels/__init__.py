@@ -160,6 +160,13 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor) -> torc
     return torch.ops.tokenleap.int4_linear(x, packed, sm)
 
 
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+    """Causal attention of new rows q float32 [T, H, hd] at positions pos0 .. pos0+T-1 over
+    keys / values float32 [n_kv, L, hd] (L >= pos0 + T; grouped heads) -> [T, H, hd]; each row
+    computed on its own (row-invariant). For decoding and verification, not long prefills."""
+    return torch.ops.tokenleap.attend_rows(q, keys, values, pos0, scale)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` per row of float32 [M, D] (sum of squares in float64)."""
     return torch.ops.tokenleap.rms_norm(x, weight, eps)
@@ -172,4 +179,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 __all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
-           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "attend_rows", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

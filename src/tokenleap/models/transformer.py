@@ -106,6 +106,8 @@ class Attention(nn.Module):
         T, group = q.shape[0], self.n_heads // self.n_kv
         end = seg.pos_start + T
         keys, values = cache.read(self.layer, seg.slot, end)  # [n_kv, end, hd]
+        if (row_exact or T == 1) and q.dtype == torch.float32 and kernels.available():
+            return kernels.attend_rows(q, keys, values, seg.pos_start, self.hd ** -0.5)  # each row on its own
         if row_exact or T == 1:
             outs = []
             for t in range(T):  # each row exactly as a one-token step computes it
