@@ -272,3 +272,18 @@ def test_attend_rows_matches_sdpa_and_is_row_invariant(heads, kv, hd, pos0, rows
         want = F.scaled_dot_product_attention(q[t].view(1, kv, group, hd), k[None, :, :n], v[None, :, :n])
         torch.testing.assert_close(out[t], want.reshape(heads, hd), rtol=1e-5, atol=1e-5)
         assert torch.equal(kernels.attend_rows(q[t : t + 1], k[:, :n], v[:, :n], pos0 + t, hd ** -0.5)[0], out[t])
+
+
+@needs_kernel
+def test_silu_mul_matches_torch_on_strided_halves():
+    gu = torch.randn(5, 96, generator=torch.Generator().manual_seed(11)) * 30  # large |g|: no overflow
+    gate, up = gu.chunk(2, dim=-1)  # [5, 48] views, row stride 96
+    torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_int4_linear_adds_bias_after_the_product():
+    q, scale, low = _int4_operands(16, 64, 12)
+    packed, sm = kernels.pack_int4(q, scale, low)
+    x, b = torch.randn(3, 64), torch.randn(16)
+    assert torch.equal(kernels.int4_linear(x, packed, sm, b), kernels.int4_linear(x, packed, sm) + b)

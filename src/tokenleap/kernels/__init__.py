@@ -153,11 +153,18 @@ def unpack_int4(packed: torch.Tensor, sm: torch.Tensor) -> tuple[torch.Tensor, t
     return q, s[..., 0].contiguous(), s[..., 1].contiguous()
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [M, K] times 4-bit weights from ``pack_int4`` -> float32 [M, N]. Each row of x is
     quantized to int8 per group of 32 (as llama.cpp does for its 4-bit products); integer dot
-    products, one fixed float chain per output: row-invariant for any number of rows."""
-    return torch.ops.tokenleap.int4_linear(x, packed, sm)
+    products, one fixed float chain per output: row-invariant for any number of rows. ``bias``
+    (float32 [N]) is added after the products."""
+    return torch.ops.tokenleap.int4_linear(x, packed, sm, bias)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for float32 [M, I] (views with unit column stride are fine): SwiGLU's
+    activation in one pass."""
+    return torch.ops.tokenleap.silu_mul(gate, up)
 
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
@@ -179,4 +186,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 __all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
-           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "attend_rows", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "attend_rows", "silu_mul", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

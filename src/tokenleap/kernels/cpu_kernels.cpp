@@ -316,7 +316,8 @@ inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t
     for (int j = 0; j < NB; ++j) _mm256_storeu_ps(y + m * ldy + j * 8, acc[m][j]);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm,
+                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x must be float32 [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == 8 && packed.size(3) == 4,
@@ -325,6 +326,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(K % kGroup == 0 && packed.size(1) * 8 == K, "int4_linear: K must be a multiple of 32 and match packed");
   TORCH_CHECK(sm.scalar_type() == at::kHalf && sm.is_contiguous() && sm.numel() == NB8 * G * 16,
               "int4_linear: scales/mins must be contiguous float16 [N/8, K/32, 2, 8]");
+  const float* bp = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == N, "int4_linear: bias must be float32 [N]");
+    bp = bc.data_ptr<float>();
+  }
   const at::Tensor xc = x.contiguous();
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor y = at::empty({M, N}, x.options());
@@ -363,6 +371,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       }
     }
   });
+  if (bp != nullptr)  // after the products, elementwise: row-invariant
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) out[m * N + n] += bp[n];
   return y;
 }
 
@@ -519,6 +530,31 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+// silu(g) * u for gate, up float32 [M, I] (rows may be strided, e.g. the halves of a joined
+// gate/up product); silu(g) = g / (1 + e^-g), evaluated with e^-|g| (never overflows) and the
+// same exp as attention.
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat &&
+                  up.scalar_type() == at::kFloat && gate.stride(1) == 1 && up.stride(1) == 1 && gate.size(1) % 8 == 0,
+              "silu_mul: float32 [M, I] gate and up, I a multiple of 8, unit column stride");
+  const int64_t M = gate.size(0), I = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  at::Tensor y = at::empty({M, I}, gate.options());
+  const float* gp = gate.data_ptr<float>();
+  const float* upp = up.data_ptr<float>();
+  float* o = y.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gp + m * gs + i), u = _mm256_loadu_ps(upp + m * us + i);
+      const __m256 e = exp_neg(_mm256_or_ps(g, sign));  // e^-|g|
+      const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+      // g >= 0: g / (1 + e^-g);  g < 0: g e^g / (1 + e^g)
+      const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
+      _mm256_storeu_ps(o + m * I + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), u));
+    }
+  return y;
+}
+
 // In place: rotary embedding (half-split layout) of x float32 [M, H, hd] at positions [M],
 // with cos / sin tables float32 [max_pos, hd].
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
@@ -552,8 +588,9 @@ TORCH_LIBRARY(tokenleap, m) {
   m.def("int8_gemm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("bf16_gemm(Tensor x, Tensor packed, Tensor scale) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor sm) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor sm, Tensor? bias=None) -> Tensor");
   m.def("attend_rows(Tensor q, Tensor keys, Tensor values, int pos0, float scale) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions) -> ()");
 }
@@ -564,6 +601,7 @@ TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
   m.impl("bf16_gemm", &bf16_gemm);
   m.impl("int4_linear", &int4_linear);
   m.impl("attend_rows", &attend_rows);
+  m.impl("silu_mul", &silu_mul);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
 }

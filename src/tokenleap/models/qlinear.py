@@ -253,6 +253,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]; both kernels are row-invariant, so row_exact needs nothing extra
         if self.use_kernel:
+            if x.dtype == torch.float32 and x.dim() == 2 and (self.bias is None or self.bias.dtype == torch.float32):
+                # the decoder's case: one op, bias included
+                return kernels.int4_linear(x, self.packed, self.scales_and_mins, self.bias)
             y = kernels.int4_linear(x.reshape(-1, self.in_features).float(), self.packed, self.scales_and_mins)
             return _finish(y, x, self.bias)
         xc = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [rows, in]

@@ -94,6 +94,11 @@ class Attention(nn.Module):
         q = rotary(q.reshape(rows, self.n_heads, self.hd), positions)
         k = rotary(k.reshape(rows, self.n_kv, self.hd), positions)
         v = v.reshape(rows, self.n_kv, self.hd)
+        if len(segments) == 1:  # one sequence: no row slicing
+            seg = segments[0]
+            cache.write(self.layer, seg.slot, seg.pos_start, k.transpose(0, 1), v.transpose(0, 1))
+            out = self._attend(q, cache, seg, row_exact)  # [rows, heads, hd]
+            return self.o_proj(out.reshape(rows, self.n_heads * self.hd), row_exact)
         out = torch.empty_like(q)  # [rows, heads, hd]
         for seg in segments:
             r = slice(seg.row_start, seg.row_start + seg.length)
@@ -133,9 +138,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, row_exact: bool) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x, row_exact).chunk(2, dim=-1)  # 2x [rows, intermediate]
+            gate, up = self.gate_up(x, row_exact).chunk(2, dim=-1)  # 2x [rows, intermediate] (views)
         else:
             gate, up = self.gate_proj(x, row_exact), self.up_proj(x, row_exact)
+        if gate.dtype == torch.float32 and gate.shape[-1] % 8 == 0 and kernels.available():
+            return self.down_proj(kernels.silu_mul(gate, up), row_exact)  # one fused pass
         return self.down_proj(F.silu(gate) * up, row_exact)
 
 
