@@ -4,7 +4,10 @@
 that is row-invariant by construction and reads its weights in a cache-friendly packed layout
 (``bf16_linear`` the same for bfloat16 weights; ``*_gemm`` blocked variants for prefill);
 on this project's AVX2 machine it is about 2x faster than ``aten._weight_int8pack_mm`` for one
-row and 1.5x for 2-8 rows (see BENCHMARKS.md). It needs an x86-64 CPU with AVX2 and FMA, a C++
+row and 1.5x for 2-8 rows (see BENCHMARKS.md). ``int4_linear`` is the 4-bit product (W4A8:
+activations quantized to int8 per 32 inputs, integer dot products), about half int8's time;
+``attend_rows`` is causal attention for decode / verification rows; ``rms_norm``, ``rope_`` and
+``silu_mul`` fuse the decoder's elementwise steps. Every one is row-invariant. It needs an x86-64 CPU with AVX2 and FMA, a C++
 compiler and ninja; the first use compiles it (~20 s) into ``<tokenleap cache>/kernels/<key>``.
 Where any of that is missing, ``available()`` is False, the reason is logged once, and the
 quantized layers use torch's own kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.

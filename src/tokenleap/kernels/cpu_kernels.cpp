@@ -1,5 +1,7 @@
-// tokenleap CPU kernels (AVX2 + FMA): weight-only int8 matrix products for small row counts.
+// tokenleap CPU kernels (AVX2 + FMA + F16C): weight-only int8 / bf16 / int4 matrix products,
+// attention over a few new rows, and fused elementwise steps of the decoder. All row-invariant.
 //
+// int8 / bf16 products:
 // y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], x float32 [M, K], q int8 packed (see below).
 //
 // Row invariance, by construction: every output element is one 8-lane FMA chain over k in
