@@ -45,10 +45,17 @@ def test_int8_linear_rows_bitwise_independent_of_row_count():
     q = kernels.pack_int8(torch.randint(-127, 128, (48, 520), dtype=torch.int8, generator=g))
     scale = torch.rand(48, generator=g)
     x = torch.randn(23, 520, generator=g)  # every tile shape (6, 5, 4, 3, 2, 1 rows) is used
-    alone = torch.cat([kernels.int8_linear(x[i : i + 1], q, scale) for i in range(23)])  # [23, 48]
-    for m in range(1, 24):
-        assert torch.equal(kernels.int8_linear(x[:m], q, scale), alone[:m]), m
-    assert torch.equal(kernels.int8_linear(x[5:16], q, scale), alone[5:16])
+    assert_rows_independent(lambda rows: kernels.int8_linear(rows, q, scale), x)
+
+
+def assert_rows_independent(product, x: torch.Tensor) -> None:
+    """product(x[a:b]) gives each row bitwise what product(that row alone) gives, for every
+    prefix of x and one slice from its middle."""
+    n = x.shape[0]
+    alone = torch.cat([product(x[i : i + 1]) for i in range(n)])  # [n, out]
+    for m in range(1, n + 1):
+        assert torch.equal(product(x[:m]), alone[:m]), m
+    assert torch.equal(product(x[n // 4 : n - 2]), alone[n // 4 : n - 2])
 
 
 @needs_kernel
@@ -159,9 +166,7 @@ def test_bf16_products_exact_to_fp32_and_row_invariant():
     tol = 1e-5 * (x.double().abs() @ w.double().abs().T)
     assert ((kernels.bf16_linear(x, packed).double() - ref).abs() <= tol).all()
     assert ((kernels.bf16_gemm(x, packed).double() - ref).abs() <= tol).all()
-    alone = torch.cat([kernels.bf16_linear(x[i : i + 1], packed) for i in range(13)])
-    for m in range(1, 14):
-        assert torch.equal(kernels.bf16_linear(x[:m], packed), alone[:m]), m
+    assert_rows_independent(lambda rows: kernels.bf16_linear(rows, packed), x)
 
 
 @needs_kernel
@@ -232,10 +237,7 @@ def test_int4_linear_matches_its_formula(n, k):
 def test_int4_linear_rows_bitwise_independent_of_row_count(n):
     packed, sm = kernels.pack_int4(*_int4_operands(n, 320, 7))
     x = torch.randn(11, 320, generator=torch.Generator().manual_seed(8))  # every tile shape
-    alone = torch.cat([kernels.int4_linear(x[i : i + 1], packed, sm) for i in range(11)])  # [11, n]
-    for m in range(1, 12):
-        assert torch.equal(kernels.int4_linear(x[:m], packed, sm), alone[:m]), m
-    assert torch.equal(kernels.int4_linear(x[3:10], packed, sm), alone[3:10])
+    assert_rows_independent(lambda rows: kernels.int4_linear(rows, packed, sm), x)
 
 
 @needs_kernel

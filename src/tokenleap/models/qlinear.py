@@ -59,6 +59,14 @@ def _row_chunks(n: int, chunk: int = 8192) -> list[slice]:
     return [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)]
 
 
+def _joined_bias(layers: list[nn.Module]) -> nn.Parameter | None:
+    """The biases of layers joined side by side (zeros for a layer without one), or None if none has one."""
+    if all(l.bias is None for l in layers):
+        return None
+    parts = [l.bias.detach() if l.bias is not None else torch.zeros(l.out_features) for l in layers]
+    return nn.Parameter(torch.cat(parts), requires_grad=False)
+
+
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Cast the kernel's [rows, out] result back to x's dtype and shape; add the bias elementwise."""
     y = y.to(x.dtype)
@@ -112,9 +120,7 @@ class Int8Linear(nn.Module):
         new.out_features = sum(l.out_features for l in layers)
         new.register_buffer("packed", torch.cat([l.packed for l in layers]))  # [sum out/8, in/8, 8, 8]
         new.register_buffer("scales", torch.cat([l.scales for l in layers]))
-        biases = [l.bias if l.bias is not None else torch.zeros(l.out_features) for l in layers]
-        has_bias = any(l.bias is not None for l in layers)
-        new.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False) if has_bias else None
+        new.bias = _joined_bias(layers)
         return new
 
     @property
@@ -215,9 +221,7 @@ class Int4Linear(nn.Module):
         new.use_kernel, new.out_features = True, sum(l.out_features for l in layers)
         new.register_buffer("packed", torch.cat([l.packed for l in layers]))
         new.register_buffer("scales_and_mins", torch.cat([l.scales_and_mins for l in layers]))
-        biases = [l.bias if l.bias is not None else torch.zeros(l.out_features) for l in layers]
-        has_bias = any(l.bias is not None for l in layers)
-        new.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False) if has_bias else None
+        new.bias = _joined_bias(layers)
         return new
 
     @classmethod
