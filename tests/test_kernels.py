@@ -289,3 +289,24 @@ def test_int4_linear_adds_bias_after_the_product():
     packed, sm = kernels.pack_int4(q, scale, low)
     x, b = torch.randn(3, 64), torch.randn(16)
     assert torch.equal(kernels.int4_linear(x, packed, sm, b), kernels.int4_linear(x, packed, sm) + b)
+
+
+@needs_kernel
+def test_rope_store_attend_equals_rope_cache_write_and_attend_rows():
+    g = torch.Generator().manual_seed(13)
+    heads, kv, hd, pos0, rows, max_len = 6, 2, 32, 9, 4, 20
+    qkv = torch.randn(rows, (heads + 2 * kv) * hd, generator=g)
+    q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], dim=-1)  # strided views, as the model has them
+    q, k, v = q.view(rows, heads, hd), k.view(rows, kv, hd), v.view(rows, kv, hd)
+    angles = torch.randn(64, hd, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    history = torch.randn(2, kv, max_len, hd, generator=g)
+    ks, vs = history[0].clone(), history[1].clone()  # one cache slot, positions < pos0 already filled
+    out = kernels.rope_store_attend(q, k, v, cos, sin, ks, vs, pos0, hd ** -0.5)
+    positions = torch.arange(pos0, pos0 + rows)
+    k_ref, v_ref = history[0].clone(), history[1].clone()
+    k_ref[:, pos0 : pos0 + rows] = kernels.rope_(k.contiguous(), cos, sin, positions).transpose(0, 1)
+    v_ref[:, pos0 : pos0 + rows] = v.transpose(0, 1)
+    want = kernels.attend_rows(kernels.rope_(q.contiguous(), cos, sin, positions), k_ref[:, : pos0 + rows],
+                               v_ref[:, : pos0 + rows], pos0, hd ** -0.5)
+    assert torch.equal(ks, k_ref) and torch.equal(vs, v_ref) and torch.equal(out, want)

@@ -58,6 +58,13 @@ class KVCache:
         self.k[layer][slot, :, start:end] = k
         self.v[layer][slot, :, start:end] = v
 
+    def slot_stores(self, layer: int, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value stores of one slot, each ``# [kv_heads, max_len, head_dim]``, for a
+        kernel that writes positions up to ``end`` itself."""
+        if end > self.max_len:
+            raise CacheFullError(f"sequence of {end} tokens exceeds the KV cache's {self.max_len}")
+        return self.k[layer][slot], self.v[layer][slot]
+
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0 .. length-1, each ``# [kv_heads, length, head_dim]``."""
         return self.k[layer][slot, :, :length], self.v[layer][slot, :, :length]

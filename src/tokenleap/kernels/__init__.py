@@ -177,6 +177,15 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0:
     return torch.ops.tokenleap.attend_rows(q, keys, values, pos0, scale)
 
 
+def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_store: torch.Tensor, v_store: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+    """One sequence's decode / verification attention in one call: rotate q [T, H, hd] and
+    k [T, n_kv, hd] at positions pos0.., store k and v into k_store / v_store [n_kv, max_len, hd]
+    (one cache slot), attend -> [T, H, hd]. Bitwise the same as ``rope_``, a cache write and
+    ``attend_rows``."""
+    return torch.ops.tokenleap.rope_store_attend(q, k, v, cos, sin, k_store, v_store, pos0, scale)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` per row of float32 [M, D] (sum of squares in float64)."""
     return torch.ops.tokenleap.rms_norm(x, weight, eps)
@@ -189,4 +198,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 __all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
-           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "attend_rows", "silu_mul", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "attend_rows", "silu_mul", "rope_store_attend", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

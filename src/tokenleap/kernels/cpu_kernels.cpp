@@ -557,6 +557,15 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return y;
 }
 
+// One head's rotation, in place: v[i], v[i + half] by the angle whose cos / sin rows are c, s.
+inline void rope_vec(float* v, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * c[i] - b * s[i];
+    v[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
 // In place: rotary embedding (half-split layout) of x float32 [M, H, hd] at positions [M],
 // with cos / sin tables float32 [max_pos, hd].
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
@@ -572,15 +581,49 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at
     TORCH_CHECK(pp[m] >= 0 && pp[m] < cc.size(0), "rope_: position out of range");
     const float* c = cp + pp[m] * hd;
     const float* s = sp + pp[m] * hd;
-    for (int64_t h = 0; h < H; ++h) {
-      float* v = xp + (m * H + h) * hd;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = a * c[i] - b * s[i];
-        v[i + half] = b * c[i + half] + a * s[i + half];
-      }
+    for (int64_t h = 0; h < H; ++h) rope_vec(xp + (m * H + h) * hd, c, s, half);
+  }
+}
+
+// The decode / verification attention of one sequence in one call: rotate q and k at positions
+// pos0 .. pos0+T-1, store k and v into that sequence's cache, attend (attend_rows). q [T, H, hd],
+// k, v [T, n_kv, hd] (views with unit last stride); k_store, v_store [n_kv, max_len, hd] (one
+// slot of the cache, unit last stride). The same arithmetic as rope_ + a cache write + attend_rows.
+at::Tensor rope_store_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor& k_store, at::Tensor& v_store, int64_t pos0,
+                             double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+                  q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "rope_store_attend: float32 q [T, H, hd], k / v [T, n_kv, hd]");
+  TORCH_CHECK(k_store.dim() == 3 && k_store.sizes() == v_store.sizes() && k_store.scalar_type() == at::kFloat &&
+                  v_store.scalar_type() == at::kFloat && k_store.stride(2) == 1 && v_store.stride(2) == 1 &&
+                  k.stride(2) == 1 && v.stride(2) == 1,
+              "rope_store_attend: float32 stores [n_kv, max_len, hd], unit last strides");
+  const int64_t T = q.size(0), nkv = k.size(1), hd = q.size(2), half = hd / 2;
+  TORCH_CHECK(k.size(2) == hd && k_store.size(0) == nkv && k_store.size(2) == hd, "rope_store_attend: shapes");
+  TORCH_CHECK(pos0 >= 0 && pos0 + T <= k_store.size(1) && pos0 + T <= cos.size(0), "rope_store_attend: positions");
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  at::Tensor qr = q.contiguous().clone();  // [T, H, hd]
+  float* qp = qr.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* ks = k_store.data_ptr<float>();
+  float* vs = v_store.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cp + (pos0 + t) * hd;
+    const float* s = sp + (pos0 + t) * hd;
+    for (int64_t h = 0; h < q.size(1); ++h) rope_vec(qp + (t * q.size(1) + h) * hd, c, s, half);
+    for (int64_t j = 0; j < nkv; ++j) {
+      float* kd = ks + j * k_store.stride(0) + (pos0 + t) * k_store.stride(1);
+      float* vd = vs + j * v_store.stride(0) + (pos0 + t) * v_store.stride(1);
+      std::memcpy(kd, kp + t * k.stride(0) + j * k.stride(1), hd * sizeof(float));
+      std::memcpy(vd, vp + t * v.stride(0) + j * v.stride(1), hd * sizeof(float));
+      rope_vec(kd, c, s, half);
     }
   }
+  return attend_rows(qr, k_store.narrow(1, 0, pos0 + T), v_store.narrow(1, 0, pos0 + T), pos0, scale);
 }
 
 }  // namespace
@@ -593,6 +636,7 @@ TORCH_LIBRARY(tokenleap, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor sm, Tensor? bias=None) -> Tensor");
   m.def("attend_rows(Tensor q, Tensor keys, Tensor values, int pos0, float scale) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("rope_store_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, int pos0, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions) -> ()");
 }
@@ -604,6 +648,7 @@ TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("attend_rows", &attend_rows);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rope_store_attend", &rope_store_attend);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
 }

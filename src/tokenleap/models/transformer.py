@@ -91,6 +91,21 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x, row_exact).split(self.qkv_sizes, dim=-1)  # [rows, heads*hd], 2x [rows, n_kv*hd]
         else:
             q, k, v = self.q_proj(x, row_exact), self.k_proj(x, row_exact), self.v_proj(x, row_exact)
+        if (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
+                and cache.k[self.layer].dtype == torch.float32 and kernels.available():  # decode / verification on a contiguous cache: one op a sequence
+            q, k, v = (q.view(rows, -1, self.hd), k.view(rows, -1, self.hd), v.view(rows, -1, self.hd))
+            outs = []
+            for seg in segments:
+                r = slice(seg.row_start, seg.row_start + seg.length)
+                ks, vs = cache.slot_stores(self.layer, seg.slot, seg.pos_start + seg.length)
+                outs.append(kernels.rope_store_attend(q[r], k[r], v[r], rotary.cos, rotary.sin, ks, vs,
+                                                      seg.pos_start, self.hd ** -0.5))  # [len, heads, hd]
+            if len(outs) == 1:
+                return self.o_proj(outs[0].view(rows, self.n_heads * self.hd), row_exact)
+            out = torch.empty(rows, self.n_heads, self.hd)
+            for seg, o in zip(segments, outs):
+                out[seg.row_start : seg.row_start + seg.length] = o
+            return self.o_proj(out.view(rows, self.n_heads * self.hd), row_exact)
         q = rotary(q.reshape(rows, self.n_heads, self.hd), positions)
         k = rotary(k.reshape(rows, self.n_kv, self.hd), positions)
         v = v.reshape(rows, self.n_kv, self.hd)
