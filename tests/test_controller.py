@@ -128,3 +128,14 @@ def test_one_slow_measurement_does_not_pin_a_draft_length():
     for _ in range(2):
         c.observe_forward(6, 20.0)  # but a lasting change is followed
     assert c.forward_cost[6] == 20.0 and c.choose() != 5
+
+
+def test_overhead_outside_the_forwards_counts_against_speculation():
+    """Time a speculative step spends beyond the two forwards (the draft catching up on a skipped
+    prompt, bookkeeping) is part of its cost: measured large enough, the controller decodes plainly."""
+    c = controller(0.8)
+    assert c.choose() > 0
+    for _ in range(3):
+        c.observe_step(False, 1, 0.01)
+        c.observe_step(True, 1, 5.0)
+    assert c.step_overhead[(True, 1)] == 5.0 and c.choose() == 0

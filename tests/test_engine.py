@@ -227,3 +227,10 @@ def test_draft_out_of_cache_blocks_mid_proposal_forgets_its_drafted_tokens():
     draft.begin(0, tokens)
     assert draft.propose(0, tokens, 3, SamplingParams(max_tokens=8), None) is None
     assert draft._fed[0] == len(tokens) and cache.lengths[draft._slot[0]] == len(tokens)
+
+
+def test_engine_reports_step_overhead_to_the_controller(target):
+    eng = engine(target, NgramProposer(3, 1))
+    run(eng, PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    table = eng.controller.step_overhead  # (speculative?, batch) -> seconds beyond the forwards
+    assert table and set(k[1] for k in table) == {1} and all(v >= 0 for v in table.values())

@@ -7,7 +7,9 @@ All three figures are measured while running: b_i as exponentially forgotten hit
 with a weak prior (so a few observations already count; a position never drafted yet is guessed
 like the deepest measured one), the draft's seconds per token, and the target's
 seconds per forward as a function of the rows it computes (each cost the median of its last
-few observations, so a single slow step cannot pin a figure). A row count
+few observations, so a single slow step cannot pin a figure), plus what a step spends outside
+those forwards, measured separately for speculative and plain steps at each batch size (the
+draft catching up on tokens it skipped is charged to speculation there). A row count
 never measured is predicted from the measured ones (linear through the nearest two), and
 for a larger block than any measured: optimistically at the largest measured cost while the block
 has at most 16 rows (so every small k gets tried once), proportionally to its rows beyond that
@@ -51,6 +53,11 @@ class DraftLengthController:
         self.forward_cost: dict[int, float] = {}  # rows -> seconds
         self._draft_obs: dict[int, deque[float]] = {}
         self._forward_obs: dict[int, deque[float]] = {}
+        # (speculative?, batch) -> seconds a step spends outside the draft's and the target's
+        # forwards: verification and bookkeeping, and for speculative steps the draft catching up
+        # on tokens it has not seen (a prompt it skipped, tokens decoded plainly meanwhile)
+        self.step_overhead: dict[tuple[bool, int], float] = {}
+        self._overhead_obs: dict[tuple[bool, int], deque[float]] = {}
         self._plain_streak = 0
         self._spec_streak, self._side = 0, 1
 
@@ -113,7 +120,8 @@ class DraftLengthController:
         """Would drafting k tokens beat plain decoding if every draft were accepted? If not (the
         batch makes verification too costly), a probe for acceptance cannot change the choice."""
         draft = k * batch * self.predict_draft(batch)
-        return batch * (k + 1) / (draft + self.predict_forward(batch * (k + 1))) > plain_rate
+        cost = draft + self.predict_forward(batch * (k + 1)) + self.step_overhead.get((True, batch), 0.0)
+        return batch * (k + 1) / cost > plain_rate
 
     def expected_tokens(self, k: int) -> float:
         total, run, last = 1.0, 1.0, self.cfg.prior_acceptance
@@ -129,7 +137,7 @@ class DraftLengthController:
     def rate(self, k: int, batch: int = 1) -> float:
         """Predicted tokens per second of a step drafting k tokens for each of ``batch`` sequences."""
         draft = 0.0 if k == 0 else k * batch * self.predict_draft(batch)
-        cost = draft + self.predict_forward(batch * (k + 1))
+        cost = draft + self.predict_forward(batch * (k + 1)) + self.step_overhead.get((k > 0, batch), 0.0)
         return batch * self.expected_tokens(k) / cost if cost > 0 else float("inf")
 
     def predict_forward(self, rows: int) -> float:
@@ -155,7 +163,7 @@ class DraftLengthController:
         return c0 + slope * (rows - r0)
 
     # -- learning ---------------------------------------------------------------------------
-    def _observe(self, obs: dict[int, deque[float]], table: dict[int, float], key: int, value: float) -> None:
+    def _observe(self, obs: dict, table: dict, key, value: float) -> None:
         """The median of the last ``cost_window`` observations: one slow step (a page fault, another
         process) moves nothing, and a size measured rarely (a probe) is right after a few visits."""
         window = obs.setdefault(key, deque(maxlen=self.cfg.cost_window))
@@ -164,6 +172,10 @@ class DraftLengthController:
 
     def observe_forward(self, rows: int, seconds: float) -> None:
         self._observe(self._forward_obs, self.forward_cost, rows, seconds)
+
+    def observe_step(self, speculative: bool, batch: int, overhead: float) -> None:
+        """A whole step's seconds beyond its timed draft and target forwards."""
+        self._observe(self._overhead_obs, self.step_overhead, (speculative, batch), max(0.0, overhead))  # type: ignore[arg-type]
 
     def observe_draft(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """``tokens`` drafted in ``seconds`` for ``batch`` sequences together."""

@@ -41,6 +41,7 @@ class Engine:
         self.proposer = proposer
         self.controller = DraftLengthController(controller or ControllerConfig())
         self._batch = 1  # sequences in the last step: the batch speculation is judged at
+        self._drafting = 0.0  # seconds the last step spent drafting (catch-up excluded)
         self.prefill_chunk = prefill_chunk
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or model.config.eos_token_ids)
         self._ids = itertools.count()
@@ -145,8 +146,10 @@ class Engine:
         if not seqs:
             return
         self._batch = len(seqs)
+        start = time.perf_counter()
         if k is None or self.proposer is None:
             k = self.controller.choose(len(seqs)) if self.proposer is not None else 0
+        self._drafting = 0.0
         drafts = self._draft_all(seqs, k)
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
@@ -161,6 +164,9 @@ class Engine:
         for s, d, seg in zip(seqs, drafts, segments):
             s.stats.verify_seconds += elapsed * seg.length / row
             self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length])
+        if self.proposer is not None:  # what the step cost beyond the timed forwards
+            spec = any(d is not None for d in drafts)
+            self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - self._drafting)
 
     def _draft_all(self, seqs: list[Sequence], k: int) -> list[Draft | None]:
         """Every sequence's draft for this step, from one ``propose_many`` call."""
@@ -184,6 +190,7 @@ class Engine:
             s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
         if drafted:
             self.controller.observe_draft(drafted, drafting, batch=len(asked))
+            self._drafting = drafting
         return [by_seq.get(s.seq_id) for s in seqs]
 
     def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> None:
