@@ -1,6 +1,6 @@
 """Optional compiled CPU kernels, built once per machine with the PyTorch C++ extension tools.
 
-``int8_linear`` (see ``cpu_kernels.cpp``) is a weight-only int8 product for float32 activations
+``int8_linear`` (see ``products.cpp``; attention and elementwise steps in ``decoder.cpp``) is a weight-only int8 product for float32 activations
 that is row-invariant by construction and reads its weights in a cache-friendly packed layout
 (``bf16_linear`` the same for bfloat16 weights; ``*_gemm`` blocked variants for prefill);
 on this project's AVX2 machine it is about 2x faster than ``aten._weight_int8pack_mm`` for one
@@ -24,7 +24,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "products.cpp", _DIR / "decoder.cpp"]
+_HEADERS = [_DIR / "simd.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -42,7 +44,8 @@ def _reason_unavailable() -> str | None:
 def _build_dir() -> Path:
     from ..models.catalog import default_cache_dir
 
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode())
+    code = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + torch.__version__.encode())
     d = default_cache_dir() / "kernels" / key.hexdigest()[:16]
     d.mkdir(parents=True, exist_ok=True)
     return d
@@ -54,11 +57,13 @@ def _load() -> None:
         try:
             from torch.utils.cpp_extension import load
 
-            load(name="tokenleap_kernels", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                 extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(_build_dir()))
-            torch.ops.tokenleap.int8_linear  # noqa: B018 -- raises if the op did not register
+            load(name="tokenleap_kernels", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                 extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"], is_python_module=False,
+                 build_directory=str(_build_dir()))
+            torch.ops.tokenleap.int8_linear  # noqa: B018 -- raises if the ops did not register
+            torch.ops.tokenleap.attend_rows  # noqa: B018
         except Exception as e:  # no compiler, no ninja, a build error: fall back, say why
-            reason = f"could not build {_SOURCE.name}: {type(e).__name__}: {str(e).strip()[-300:]}"
+            reason = f"could not build {', '.join(p.name for p in _SOURCES)}: {type(e).__name__}: {str(e).strip()[-300:]}"
     if reason:
         log.warning("tokenleap CPU kernels unavailable (%s); using torch's kernels", reason)
     _state["reason"] = reason

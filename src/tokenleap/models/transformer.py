@@ -91,8 +91,9 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x, row_exact).split(self.qkv_sizes, dim=-1)  # [rows, heads*hd], 2x [rows, n_kv*hd]
         else:
             q, k, v = self.q_proj(x, row_exact), self.k_proj(x, row_exact), self.v_proj(x, row_exact)
+        # decode / verification on a contiguous float32 cache: one op a sequence (rotate, store, attend)
         if (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
-                and cache.k[self.layer].dtype == torch.float32 and kernels.available():  # decode / verification on a contiguous cache: one op a sequence
+                and cache.k[self.layer].dtype == torch.float32 and kernels.available():
             q, k, v = (q.view(rows, -1, self.hd), k.view(rows, -1, self.hd), v.view(rows, -1, self.hd))
             outs = []
             for seg in segments:

@@ -1,0 +1,264 @@
+// tokenleap CPU kernels (AVX2 + FMA), part 2: the decoder's attention over a step's new rows and
+// its fused elementwise steps. Every row is computed on its own, in a fixed order: row-invariant.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using tokenleap_simd::exp_neg;
+using tokenleap_simd::hsum8;
+
+// ------------------------------------------------------------------------------ attention rows
+// attend_rows: causal attention for a few new rows (decoding and verification), replacing one
+// scaled_dot_product_attention call per row. Row t (at position pos0 + t) attends to cache
+// positions 0 .. pos0 + t; head h reads kv head h / (H / n_kv). Each (row, head) is computed on its
+// own in a fixed order -- scores, max, exp, sum, weighted values -- so rows are independent of how
+// many share the call.
+
+
+// 8 sums at once: lane i = sum of the lanes of a[i]
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// o[c .. c + 8R) = sum_i w[i] * v_i[c .. c + 8R) / sum, accumulated in registers
+template <int R>
+inline void weigh_values(const float* w, int64_t n, const float* vb, int64_t vs1, int64_t c, float inv, float* o) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 p = _mm256_set1_ps(w[i]);
+    const float* vv = vb + i * vs1 + c;
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + 8 * r), acc[r]);
+  }
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + c + 8 * r, _mm256_mul_ps(acc[r], iv));
+}
+
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t pos0,
+                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attend_rows: q must be float32 [T, H, hd]");
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat && keys.stride(2) == 1 && values.stride(2) == 1,
+              "attend_rows: keys / values must be float32 [n_kv, L, hd] with unit last stride");
+  const at::Tensor qc = q.contiguous();
+  const int64_t T = qc.size(0), H = qc.size(1), hd = qc.size(2), nkv = keys.size(0), L = keys.size(1);
+  TORCH_CHECK(hd % 8 == 0 && keys.size(2) == hd && H % nkv == 0, "attend_rows: head_dim % 8, shapes");
+  TORCH_CHECK(pos0 >= 0 && pos0 + T <= L, "attend_rows: rows reach past the keys");
+  at::Tensor out = at::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
+  const int64_t group = H / nkv;
+  const float sc = float(scale);
+  at::parallel_for(0, T * H, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> w(L + 8);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t = u / H, h = u % H, n = pos0 + t + 1;
+      const float* qv = qp + (t * H + h) * hd;
+      const float* kb = kp + (h / group) * ks0;
+      const float* vb = vp + (h / group) * vs0;
+      // scores, 8 keys at a time, then the rest one by one (which keys go which way depends only
+      // on the row's position n, so a row computes the same whatever else is in the call)
+      __m256 mxv = _mm256_set1_ps(-INFINITY);
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 8) {
+          const __m256 qd = _mm256_loadu_ps(qv + d);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + (j + i) * ks1 + d), acc[i]);
+        }
+        const __m256 sv = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(sc));
+        _mm256_storeu_ps(w.data() + j, sv);
+        mxv = _mm256_max_ps(mxv, sv);
+      }
+      alignas(32) float m8[8];
+      _mm256_store_ps(m8, mxv);
+      float mx = m8[0];
+      for (int i = 1; i < 8; ++i) mx = std::max(mx, m8[i]);
+      for (; j < n; ++j) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + j * ks1 + d), a);
+        w[j] = hsum8(a) * sc;
+        mx = std::max(mx, w[j]);
+      }
+      // exp(score - max), padded to whole 8-lane blocks, and their sum
+      const int64_t n8 = (n + 7) / 8 * 8;
+      for (int64_t i = n; i < n8; ++i) w[i] = -INFINITY;
+      const __m256 mv = _mm256_set1_ps(mx);
+      __m256 sv = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n8; i += 8) {
+        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(w.data() + i), mv));
+        _mm256_storeu_ps(w.data() + i, e);
+        sv = _mm256_add_ps(sv, e);
+      }
+      const float inv = 1.f / hsum8(sv);
+      float* o = op + (t * H + h) * hd;
+      for (int64_t c = 0; c < hd; c += 64) {
+        switch (std::min<int64_t>(8, (hd - c) / 8)) {
+          case 8: weigh_values<8>(w.data(), n, vb, vs1, c, inv, o); break;
+          case 7: weigh_values<7>(w.data(), n, vb, vs1, c, inv, o); break;
+          case 6: weigh_values<6>(w.data(), n, vb, vs1, c, inv, o); break;
+          case 5: weigh_values<5>(w.data(), n, vb, vs1, c, inv, o); break;
+          case 4: weigh_values<4>(w.data(), n, vb, vs1, c, inv, o); break;
+          case 3: weigh_values<3>(w.data(), n, vb, vs1, c, inv, o); break;
+          case 2: weigh_values<2>(w.data(), n, vb, vs1, c, inv, o); break;
+          default: weigh_values<1>(w.data(), n, vb, vs1, c, inv, o); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------- elementwise
+// Fused row-local operations of the decoder, replacing several small torch ops each. Every row is
+// computed on its own in a fixed order, so they are row-invariant.
+
+// y = w * x / sqrt(mean(x^2) + eps), per row. x float32 [M, D].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "rms_norm: float32 [M, D] input and weight");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t M = xc.size(0), D = xc.size(1);
+  TORCH_CHECK(wc.numel() == D, "rms_norm: weight size");
+  at::Tensor y = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = xp + m * D;
+    double ss = 0.0;
+    for (int64_t d = 0; d < D; ++d) ss += double(r[d]) * double(r[d]);
+    const float inv = float(1.0 / std::sqrt(ss / double(D) + eps));
+    for (int64_t d = 0; d < D; ++d) yp[m * D + d] = wp[d] * (r[d] * inv);
+  }
+  return y;
+}
+
+// silu(g) * u for gate, up float32 [M, I] (rows may be strided, e.g. the halves of a joined
+// gate/up product); silu(g) = g / (1 + e^-g), evaluated with e^-|g| (never overflows) and the
+// same exp as attention.
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat &&
+                  up.scalar_type() == at::kFloat && gate.stride(1) == 1 && up.stride(1) == 1 && gate.size(1) % 8 == 0,
+              "silu_mul: float32 [M, I] gate and up, I a multiple of 8, unit column stride");
+  const int64_t M = gate.size(0), I = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  at::Tensor y = at::empty({M, I}, gate.options());
+  const float* gp = gate.data_ptr<float>();
+  const float* upp = up.data_ptr<float>();
+  float* o = y.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gp + m * gs + i), u = _mm256_loadu_ps(upp + m * us + i);
+      const __m256 e = exp_neg(_mm256_or_ps(g, sign));  // e^-|g|
+      const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+      // g >= 0: g / (1 + e^-g);  g < 0: g e^g / (1 + e^g)
+      const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
+      _mm256_storeu_ps(o + m * I + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), u));
+    }
+  return y;
+}
+
+// One head's rotation, in place: v[i], v[i + half] by the angle whose cos / sin rows are c, s.
+inline void rope_vec(float* v, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * c[i] - b * s[i];
+    v[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
+// In place: rotary embedding (half-split layout) of x float32 [M, H, hd] at positions [M],
+// with cos / sin tables float32 [max_pos, hd].
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == at::kFloat, "rope_: contiguous float32 [M, H, hd]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0), "rope_: int64 positions [M]");
+  const int64_t M = x.size(0), H = x.size(1), hd = x.size(2), half = hd / 2;
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), pc = positions.contiguous();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(pp[m] >= 0 && pp[m] < cc.size(0), "rope_: position out of range");
+    const float* c = cp + pp[m] * hd;
+    const float* s = sp + pp[m] * hd;
+    for (int64_t h = 0; h < H; ++h) rope_vec(xp + (m * H + h) * hd, c, s, half);
+  }
+}
+
+// The decode / verification attention of one sequence in one call: rotate q and k at positions
+// pos0 .. pos0+T-1, store k and v into that sequence's cache, attend (attend_rows). q [T, H, hd],
+// k, v [T, n_kv, hd] (views with unit last stride); k_store, v_store [n_kv, max_len, hd] (one
+// slot of the cache, unit last stride). The same arithmetic as rope_ + a cache write + attend_rows.
+at::Tensor rope_store_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor& k_store, at::Tensor& v_store, int64_t pos0,
+                             double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+                  q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "rope_store_attend: float32 q [T, H, hd], k / v [T, n_kv, hd]");
+  TORCH_CHECK(k_store.dim() == 3 && k_store.sizes() == v_store.sizes() && k_store.scalar_type() == at::kFloat &&
+                  v_store.scalar_type() == at::kFloat && k_store.stride(2) == 1 && v_store.stride(2) == 1 &&
+                  k.stride(2) == 1 && v.stride(2) == 1,
+              "rope_store_attend: float32 stores [n_kv, max_len, hd], unit last strides");
+  const int64_t T = q.size(0), nkv = k.size(1), hd = q.size(2), half = hd / 2;
+  TORCH_CHECK(k.size(2) == hd && k_store.size(0) == nkv && k_store.size(2) == hd, "rope_store_attend: shapes");
+  TORCH_CHECK(pos0 >= 0 && pos0 + T <= k_store.size(1) && pos0 + T <= cos.size(0), "rope_store_attend: positions");
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  at::Tensor qr = q.contiguous().clone();  // [T, H, hd]
+  float* qp = qr.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* ks = k_store.data_ptr<float>();
+  float* vs = v_store.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cp + (pos0 + t) * hd;
+    const float* s = sp + (pos0 + t) * hd;
+    for (int64_t h = 0; h < q.size(1); ++h) rope_vec(qp + (t * q.size(1) + h) * hd, c, s, half);
+    for (int64_t j = 0; j < nkv; ++j) {
+      float* kd = ks + j * k_store.stride(0) + (pos0 + t) * k_store.stride(1);
+      float* vd = vs + j * v_store.stride(0) + (pos0 + t) * v_store.stride(1);
+      std::memcpy(kd, kp + t * k.stride(0) + j * k.stride(1), hd * sizeof(float));
+      std::memcpy(vd, vp + t * v.stride(0) + j * v.stride(1), hd * sizeof(float));
+      rope_vec(kd, c, s, half);
+    }
+  }
+  return attend_rows(qr, k_store.narrow(1, 0, pos0 + T), v_store.narrow(1, 0, pos0 + T), pos0, scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
+  m.def("attend_rows(Tensor q, Tensor keys, Tensor values, int pos0, float scale) -> Tensor");
+  m.def("rope_store_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, int pos0, float scale) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions) -> ()");
+}
+TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
+  m.impl("attend_rows", &attend_rows);
+  m.impl("rope_store_attend", &rope_store_attend);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_", &rope_);
+}
