@@ -1,16 +1,16 @@
 """Optional compiled CPU kernels, built once per machine with the PyTorch C++ extension tools.
 
-``int8_linear`` (see ``products.cpp``; attention and elementwise steps in ``decoder.cpp``) is a weight-only int8 product for float32 activations
-that is row-invariant by construction and reads its weights in a cache-friendly packed layout
-(``bf16_linear`` the same for bfloat16 weights; ``*_gemm`` blocked variants for prefill);
-on this project's AVX2 machine it is about 2x faster than ``aten._weight_int8pack_mm`` for one
-row and 1.5x for 2-8 rows (see BENCHMARKS.md). ``int4_linear`` is the 4-bit product (W4A8:
-activations quantized to int8 per 32 inputs, integer dot products), about half int8's time;
-``attend_rows`` is causal attention for decode / verification rows; ``rms_norm``, ``rope_`` and
-``silu_mul`` fuse the decoder's elementwise steps. Every one is row-invariant. It needs an x86-64 CPU with AVX2 and FMA, a C++
-compiler and ninja; the first use compiles it (~20 s) into ``<tokenleap cache>/kernels/<key>``.
-Where any of that is missing, ``available()`` is False, the reason is logged once, and the
-quantized layers use torch's own kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.
+``products.cpp``: weight-only products for float32 activations, row-invariant by construction,
+in cache-friendly packed layouts -- ``int8_linear`` (about 2x torch's ``_weight_int8pack_mm`` for
+one row on this project's AVX2 machine, 1.5x for 2-8 rows), ``bf16_linear``, ``int4_linear``
+(W4A8: activations quantized to int8 per 32 inputs, integer dot products; about half int8's
+time), and ``*_gemm`` blocked variants for prefill windows. ``decoder.cpp``: ``attend_rows``
+(causal attention for decode / verification rows), ``rope_store_attend`` (rotate, store into
+the cache, attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on
+its own. They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
+use compiles them (~30 s) into ``<tokenleap cache>/kernels/<key>``. Where any of that is
+missing, ``available()`` is False, the reason is logged once, and the layers use torch's own
+kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.
 """
 from __future__ import annotations
 
