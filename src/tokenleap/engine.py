@@ -41,7 +41,6 @@ class Engine:
         self.proposer = proposer
         self.controller = DraftLengthController(controller or ControllerConfig())
         self._batch = 1  # sequences in the last step: the batch speculation is judged at
-        self._drafting = 0.0  # seconds the last step spent drafting (catch-up excluded)
         self.prefill_chunk = prefill_chunk
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or model.config.eos_token_ids)
         self._ids = itertools.count()
@@ -149,8 +148,7 @@ class Engine:
         start = time.perf_counter()
         if k is None or self.proposer is None:
             k = self.controller.choose(len(seqs)) if self.proposer is not None else 0
-        self._drafting = 0.0
-        drafts = self._draft_all(seqs, k)
+        drafts, drafting = self._draft_all(seqs, k)
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
             block = [s.tokens[-1]] + (d.tokens if d else [])
@@ -166,14 +164,15 @@ class Engine:
             self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length])
         if self.proposer is not None:  # what the step cost beyond the timed forwards
             spec = any(d is not None for d in drafts)
-            self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - self._drafting)
+            self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - drafting)
 
-    def _draft_all(self, seqs: list[Sequence], k: int) -> list[Draft | None]:
-        """Every sequence's draft for this step, from one ``propose_many`` call."""
+    def _draft_all(self, seqs: list[Sequence], k: int) -> tuple[list[Draft | None], float]:
+        """Every sequence's draft for this step, from one ``propose_many`` call, and the seconds
+        spent drafting (the draft catching up on unseen tokens excluded)."""
         ks = [min(k, s.params.max_tokens - s.num_generated - 1, self.max_len - len(s.tokens) - 1) for s in seqs]
         asked = [(s, n) for s, n in zip(seqs, ks) if n > 0]
         if not asked:
-            return [None] * len(seqs)
+            return [None] * len(seqs), 0.0
         t0 = time.perf_counter()
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator) for s, n in asked]
         got = self.proposer.propose_many(requests)
@@ -190,8 +189,7 @@ class Engine:
             s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
         if drafted:
             self.controller.observe_draft(drafted, drafting, batch=len(asked))
-            self._drafting = drafting
-        return [by_seq.get(s.seq_id) for s in seqs]
+        return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0
 
     def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> None:
         # logits: [1 + len(draft), vocab]

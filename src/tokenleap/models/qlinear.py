@@ -59,6 +59,12 @@ def _row_chunks(n: int, chunk: int = 8192) -> list[slice]:
     return [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)]
 
 
+def _int4_on_kernel(compute_dtype: torch.dtype) -> bool:
+    """Int4 layers run on tokenleap's W4A8 kernel (float16 scale / min) unless the exact float32
+    reference is asked for or the kernels are unavailable."""
+    return compute_dtype != torch.float32 and kernels.available()
+
+
 def _joined_bias(layers: list[nn.Module]) -> nn.Parameter | None:
     """The biases of layers joined side by side (zeros for a layer without one), or None if none has one."""
     if all(l.bias is None for l in layers):
@@ -191,7 +197,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.group_size, self.compute_dtype = group_size, compute_dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.use_kernel = compute_dtype != torch.float32 and kernels.available()
+        self.use_kernel = _int4_on_kernel(compute_dtype)
         if self.use_kernel:
             rep = group_size // 32  # the kernel's groups are 32 wide
             packed, sm = kernels.pack_int4(q, scales.float().repeat_interleave(rep, 1),
@@ -234,7 +240,7 @@ class Int4Linear(nn.Module):
         reason = int4_unsupported_reason(n, k, group_size)
         if reason:
             raise ConfigError(f"Int4Linear: {reason}")
-        store = torch.float16 if compute_dtype != torch.float32 and kernels.available() else compute_dtype
+        store = torch.float16 if _int4_on_kernel(compute_dtype) else compute_dtype
         q = torch.empty(n, k, dtype=torch.uint8)  # [out, in]
         scale = torch.empty(n, k // group_size)  # [out, groups]
         low = torch.empty(n, k // group_size)

@@ -110,11 +110,6 @@ class Attention(nn.Module):
         q = rotary(q.reshape(rows, self.n_heads, self.hd), positions)
         k = rotary(k.reshape(rows, self.n_kv, self.hd), positions)
         v = v.reshape(rows, self.n_kv, self.hd)
-        if len(segments) == 1:  # one sequence: no row slicing
-            seg = segments[0]
-            cache.write(self.layer, seg.slot, seg.pos_start, k.transpose(0, 1), v.transpose(0, 1))
-            out = self._attend(q, cache, seg, row_exact)  # [rows, heads, hd]
-            return self.o_proj(out.reshape(rows, self.n_heads * self.hd), row_exact)
         out = torch.empty_like(q)  # [rows, heads, hd]
         for seg in segments:
             r = slice(seg.row_start, seg.row_start + seg.length)
