@@ -14,8 +14,8 @@ of rows in the call -- so ``row_exact`` needs no per-row loop, unlike fp32 ``Lin
   == 0 and in_features % group_size == 0; ``quantize_`` keeps other layers float and says why.
   With tokenleap's kernels: the W4A8 ``int4_linear`` (float16 scale / min per 32 inputs,
   activations quantized to int8 per 32 inputs the way llama.cpp does for its 4-bit products);
-  measured here with weights streamed from memory, 1536x8960 layer: 0.55 ms for one row vs
-  int8's 0.9, 0.9 vs 1.9 ms for four rows. Otherwise torch's ``aten._weight_int4pack_mm_for_cpu``
+  measured here with weights streamed from memory (``scripts/bench_kernels.py``, 1536x8960
+  layer): 0.52 ms for one row vs int8's 0.87, 0.73 vs 1.77 ms for four rows. Otherwise torch's ``aten._weight_int4pack_mm_for_cpu``
   (convention ``(q - 8) * scale + zero``).
 
 Activation dtype of torch's kernels: activations, scales (and zeros) in one dtype. On this
