@@ -7,7 +7,8 @@ one row on this project's AVX2 machine, 1.5x for 2-8 rows), ``bf16_linear``, ``i
 time), and ``*_gemm`` blocked variants for prefill windows. ``decoder.cpp``: ``attend_rows``
 (causal attention for decode / verification rows), ``rope_store_attend`` (rotate, store into
 the cache, attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on
-its own. They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
+its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / verification
+step in one call (the same kernels in the same order: bitwise the Python layer). They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
 use compiles them (~30 s) into ``<tokenleap cache>/kernels/<key>``. Where any of that is
 missing, ``available()`` is False, the reason is logged once, and the layers use torch's own
 kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.
@@ -25,8 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "products.cpp", _DIR / "decoder.cpp"]
-_HEADERS = [_DIR / "simd.h"]
+_SOURCES = [_DIR / "products.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp"]
+_HEADERS = [_DIR / "simd.h", _DIR / "ops.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -62,6 +63,7 @@ def _load() -> None:
                  build_directory=str(_build_dir()))
             torch.ops.tokenleap.int8_linear  # noqa: B018 -- raises if the ops did not register
             torch.ops.tokenleap.attend_rows  # noqa: B018
+            torch.ops.tokenleap.decoder_layer  # noqa: B018
         except Exception as e:  # no compiler, no ninja, a build error: fall back, say why
             reason = f"could not build {', '.join(p.name for p in _SOURCES)}: {type(e).__name__}: {str(e).strip()[-300:]}"
     if reason:
@@ -191,6 +193,15 @@ def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     return torch.ops.tokenleap.rope_store_attend(q, k, v, cos, sin, k_store, v_store, pos0, scale)
 
 
+def decoder_layer(x: torch.Tensor, weights: list[torch.Tensor | None], ints: list[int], cos: torch.Tensor,
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[int], eps: float,
+                  scale: float) -> torch.Tensor:
+    """One decoder layer over float32 rows x [M, hidden] of a decode / verification step: see
+    ``layer.cpp`` for the operands (``tokenleap.models.fused_layer`` builds them). Writes the rows'
+    keys and values into k_cache / v_cache [slots, n_kv, max_len, hd]; returns the layer's output."""
+    return torch.ops.tokenleap.decoder_layer(x, weights, ints, cos, sin, k_cache, v_cache, segments, eps, scale)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` per row of float32 [M, D] (sum of squares in float64)."""
     return torch.ops.tokenleap.rms_norm(x, weight, eps)
@@ -203,4 +214,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 __all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
-           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "attend_rows", "silu_mul", "rope_store_attend", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "attend_rows", "silu_mul", "rope_store_attend", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

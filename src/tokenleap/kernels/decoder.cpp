@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -247,6 +248,16 @@ at::Tensor rope_store_attend(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 }  // namespace
+
+namespace tokenleap_ops {
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps); }
+at::Tensor silu_mul_rows(const at::Tensor& gate, const at::Tensor& up) { return silu_mul(gate, up); }
+at::Tensor rope_store_attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_store,
+                                  at::Tensor& v_store, int64_t pos0, double scale) {
+  return rope_store_attend(q, k, v, cos, sin, k_store, v_store, pos0, scale);
+}
+}  // namespace tokenleap_ops
 
 TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
   m.def("attend_rows(Tensor q, Tensor keys, Tensor values, int pos0, float scale) -> Tensor");

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -359,6 +360,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 }  // namespace
+
+namespace tokenleap_ops {
+at::Tensor int4_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm,
+                        const c10::optional<at::Tensor>& bias) {
+  return int4_linear(x, packed, sm, bias);
+}
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  return int8_linear(x, packed, scale);
+}
+}  // namespace tokenleap_ops
 
 TORCH_LIBRARY(tokenleap, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale) -> Tensor");

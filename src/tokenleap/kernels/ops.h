@@ -1,0 +1,19 @@
+// The kernels one translation unit calls from another (layer.cpp composes the others).
+#pragma once
+#include <ATen/ATen.h>
+
+namespace tokenleap_ops {
+
+// products.cpp
+at::Tensor int4_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm,
+                        const c10::optional<at::Tensor>& bias);
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
+
+// decoder.cpp
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul_rows(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor rope_store_attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_store,
+                                  at::Tensor& v_store, int64_t pos0, double scale);
+
+}  // namespace tokenleap_ops

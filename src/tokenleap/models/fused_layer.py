@@ -1,0 +1,78 @@
+"""Operands for the compiled ``decoder_layer`` kernel: a whole decoder layer in one call.
+
+A decode step of a small model spends a large share of its time in Python -- module calls, a dozen
+small ops a layer -- rather than in the products (about a third of a 0.5B draft's step). When a
+layer's products all run on tokenleap's int4 / int8 kernels, the model is float32 and the KV cache
+is the contiguous one, ``Transformer.forward`` hands each layer to ``kernels.decoder_layer``
+instead: the same kernels in the same order, so the result is bitwise the Python layer's.
+A plan is built once per layer and rebuilt if the layer's modules are replaced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .qlinear import Int4Linear, Int8Linear
+
+_INT4, _INT8 = 4, 8
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    weights: tuple[torch.Tensor | None, ...]  # norms, then (packed, scales, bias) per product
+    ints: tuple[int, ...]  # heads, kv heads, head dim, #attention inputs, #MLP inputs, (kind, out) per product
+    eps: float
+    scale: float  # the attention's softmax scale
+
+
+def _product(lin: nn.Module | None) -> tuple[list, list[int]] | None:
+    """(tensors, ints) of one weight product the kernel can run, or None."""
+    bias = getattr(lin, "bias", None)
+    if bias is not None and bias.dtype != torch.float32:
+        return None
+    if isinstance(lin, Int4Linear) and lin.use_kernel:
+        return [lin.packed, lin.scales_and_mins, bias], [_INT4, lin.out_features]
+    if isinstance(lin, Int8Linear) and lin.use_kernel:
+        return [lin.packed, lin.scales, bias], [_INT8, lin.out_features]
+    return None
+
+
+def _modules(block: nn.Module) -> list:
+    attn, mlp = block.self_attn, block.mlp
+    attn_in = [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+    mlp_in = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
+    return [attn_in, attn.o_proj, mlp_in, mlp.down_proj, block.input_layernorm, block.post_attention_layernorm]
+
+
+def layer_plan(block: nn.Module) -> LayerPlan | None:
+    """The kernel's operands for ``block`` (a ``transformer.Block``), or None when it cannot run it."""
+    mods = _modules(block)
+    key = tuple(id(m) for m in mods[0] + mods[1:2] + mods[2] + mods[3:])
+    cached = block.__dict__.get("_fused_plan")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = _build(block, *mods)
+    block.__dict__["_fused_plan"] = (key, plan)
+    return plan
+
+
+def _build(block, attn_in, o_proj, mlp_in, down, norm1, norm2) -> LayerPlan | None:
+    attn = block.self_attn
+    if norm1.weight.dtype != torch.float32 or norm2.weight.dtype != torch.float32 or norm1.eps != norm2.eps:
+        return None
+    products = [_product(m) for m in [*attn_in, o_proj, *mlp_in, down]]
+    if any(p is None for p in products):
+        return None
+    if sum(m.out_features for m in mlp_in) % 16:  # SiLU * up runs 8 lanes at a time on each half
+        return None
+    weights: list[torch.Tensor | None] = [norm1.weight, norm2.weight]
+    ints = [attn.n_heads, attn.n_kv, attn.hd, len(attn_in), len(mlp_in)]
+    for tensors, kind_out in products:
+        weights += tensors
+        ints += kind_out
+    return LayerPlan(tuple(weights), tuple(ints), float(norm1.eps), attn.hd ** -0.5)
+
+
+__all__ = ["LayerPlan", "layer_plan"]

@@ -1,0 +1,98 @@
+"""The compiled whole-layer step (``kernels.decoder_layer``) is bitwise the Python layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap.cache import CacheFullError, KVCache
+from tokenleap.models.fused_layer import layer_plan
+from tokenleap.models.qlinear import Int8Linear
+from tokenleap.models.quant import fuse_projections_, quantize_
+from tokenleap.models.transformer import Segment
+
+from conftest import tiny_model
+
+needs_kernel = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                  reason="the kernels need AVX2 + FMA")
+
+
+def _model(arch: str, mode: str, join: bool, seed: int = 3):
+    model = tiny_model(arch, seed=seed, hidden=64, intermediate=128, layers=3)
+    if mode == "mixed":  # int4 with an int8 v_proj, as a Q4_K_M GGUF's Q6_K tensors load
+        quantize_(model, "int4")
+        for block in model.model.layers:
+            attn = block.self_attn
+            attn.v_proj = Int8Linear.from_float(attn.v_proj.dequantized_weight(), attn.v_proj.bias)
+    else:
+        quantize_(model, mode)
+    if join:
+        fuse_projections_(model)
+    return model
+
+
+def _steps(model, fused: bool):
+    """Prefill two sequences, then a one-row step, a row-exact block and a two-sequence block."""
+    model.use_fused_layers = fused
+    cache = KVCache(model.config, 2, 64, torch.float32)
+    a, b = cache.allocate(), cache.allocate()
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, model.config.vocab_size, (40,), generator=g)
+    outs = [model(toks[:20], [Segment(a, 0, 12), Segment(b, 0, 8, 12)], cache).logits]
+    outs.append(model(toks[20:21], [Segment(a, 12, 1)], cache).logits)
+    outs.append(model(toks[21:26], [Segment(a, 13, 5)], cache, row_exact=True).logits)
+    outs.append(model(toks[26:33], [Segment(a, 18, 3), Segment(b, 8, 4, 3)], cache, row_exact=True).logits)
+    return outs, cache
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("mode,join", [("int4", True), ("int4", False), ("int8", True), ("mixed", True)])
+def test_fused_layers_bitwise_equal_python_layers(arch, mode, join):
+    model = _model(arch, mode, join)
+    assert all(layer_plan(b) is not None for b in model.model.layers)
+    ref, ref_cache = _steps(model, fused=False)
+    got, got_cache = _steps(model, fused=True)
+    for r, o in zip(ref, got):
+        assert torch.equal(r, o)
+    for r, o in zip(ref_cache.k + ref_cache.v, got_cache.k + got_cache.v):
+        assert torch.equal(r, o)
+
+
+@needs_kernel
+def test_fused_path_is_taken_for_decode_rows(monkeypatch):
+    """The kernel runs for one-row and row-exact steps (not for prefill windows); a float layer
+    has no plan, so a float model keeps the Python layers."""
+    from tokenleap import kernels
+
+    calls = []
+    real = kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _model("qwen2", "int4", True)
+    cache = KVCache(model.config, 1, 32, torch.float32)
+    slot = cache.allocate()
+    model(torch.arange(6), [Segment(slot, 0, 6)], cache)
+    assert calls == []
+    model(torch.tensor([7]), [Segment(slot, 6, 1)], cache)
+    assert len(calls) == model.config.num_hidden_layers
+    assert layer_plan(tiny_model("qwen2").model.layers[0]) is None
+
+
+@needs_kernel
+def test_plan_follows_replaced_modules():
+    model = _model("qwen2", "int4", join=False)
+    block = model.model.layers[0]
+    before = layer_plan(block)
+    assert before.ints[3:5] == (3, 2)  # separate q/k/v and gate/up
+    fuse_projections_(model)
+    after = layer_plan(block)
+    assert after.ints[3:5] == (1, 1) and after is not before
+
+
+@needs_kernel
+def test_fused_step_past_the_cache_raises_cache_full():
+    model = _model("llama", "int4", True)
+    cache = KVCache(model.config, 1, 8, torch.float32)
+    slot = cache.allocate()
+    model(torch.arange(8), [Segment(slot, 0, 8)], cache)
+    with pytest.raises(CacheFullError):
+        model(torch.tensor([1]), [Segment(slot, 8, 1)], cache)
