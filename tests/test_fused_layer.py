@@ -6,6 +6,7 @@ import torch
 
 from tokenleap.cache import CacheFullError, KVCache
 from tokenleap.models.fused_layer import layer_plan
+from tokenleap.models.int6 import Int6Linear
 from tokenleap.models.qlinear import Int8Linear
 from tokenleap.models.quant import fuse_projections_, quantize_
 from tokenleap.models.transformer import Segment
@@ -17,12 +18,17 @@ needs_kernel = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in
 
 
 def _model(arch: str, mode: str, join: bool, seed: int = 3):
-    model = tiny_model(arch, seed=seed, hidden=64, intermediate=128, layers=3)
-    if mode == "mixed":  # int4 with an int8 v_proj, as a Q4_K_M GGUF's Q6_K tensors load
+    model = tiny_model(arch, seed=seed, hidden=64, intermediate=256, layers=3)  # down_proj: in % 256 for int6
+    if mode == "mixed":  # int4 with an int8 v_proj and a 6-bit down_proj, as Q4_K_M files mix them
         quantize_(model, "int4")
-        for block in model.model.layers:
-            attn = block.self_attn
+        for i, block in enumerate(model.model.layers):
+            attn, mlp = block.self_attn, block.mlp
             attn.v_proj = Int8Linear.from_float(attn.v_proj.dequantized_weight(), attn.v_proj.bias)
+            n, k = mlp.down_proj.out_features, mlp.down_proj.in_features
+            g = torch.Generator().manual_seed(i)
+            mlp.down_proj = Int6Linear(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g),
+                                       torch.randint(-64, 64, (n, k // 16), generator=g).to(torch.int8),
+                                       torch.full((n, k // 256), 2e-3))
     else:
         quantize_(model, mode)
     if join:

@@ -4,7 +4,8 @@
 in cache-friendly packed layouts -- ``int8_linear`` (about 2x torch's ``_weight_int8pack_mm`` for
 one row on this project's AVX2 machine, 1.5x for 2-8 rows), ``bf16_linear``, ``int4_linear``
 (W4A8: activations quantized to int8 per 32 inputs, integer dot products; about half int8's
-time), and ``*_gemm`` blocked variants for prefill windows. ``decoder.cpp``: ``attend_rows``
+time), and ``*_gemm`` blocked variants for prefill windows. ``int6.cpp``: ``int6_linear``, a GGUF's
+Q6_K weights exactly (W6A8). ``decoder.cpp``: ``attend_rows``
 (causal attention for decode / verification rows), ``rope_store_attend`` (rotate, store into
 the cache, attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on
 its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / verification
@@ -26,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "products.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp"]
+_SOURCES = [_DIR / "products.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp"]
 _HEADERS = [_DIR / "simd.h", _DIR / "ops.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
@@ -171,6 +172,44 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor, bias: t
     return torch.ops.tokenleap.int4_linear(x, packed, sm, bias)
 
 
+def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """6-bit weights ``W[n, k] = d[n, k // 256] * sc[n, k // 16] * (q[n, k] - 32)`` (a Q6_K tensor) ->
+    ``int6_linear``'s operands: q uint8 [N, K] in 0..63 (N a multiple of 8, K of 256), sc int8
+    [N, K/16], d float [N, K/256]. Returns packed uint8 [N/8, K/32, 208] and d float32 [N/8, K/256, 8]
+    (layout in ``int6.cpp``)."""
+    n, k = q.shape
+    q6 = q.to(torch.uint8).reshape(n // 8, 8, k // 32, 4, 2, 4)  # [blocks, col, group, kstep, lo/hi, t]
+    low = q6 & 0x0F
+    lo_plane = (low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [blocks, group, kstep, col, t]
+    top = (q6 >> 4).reshape(n // 8, 8, k // 32, 2, 2, 2, 4)  # [blocks, col, group, pair, step in pair, lo/hi, t]
+    hi_plane = (top[:, :, :, :, 0, 0] | (top[:, :, :, :, 0, 1] << 2) | (top[:, :, :, :, 1, 0] << 4)
+                | (top[:, :, :, :, 1, 1] << 6)).permute(0, 2, 3, 1, 4)  # [blocks, group, pair, col, t]
+    scales = sc.to(torch.int8).view(torch.uint8).reshape(n // 8, 8, k // 32, 2).permute(0, 2, 3, 1)  # [blocks, group, half, col]
+    packed = torch.cat([lo_plane.reshape(n // 8, k // 32, 128), hi_plane.reshape(n // 8, k // 32, 64),
+                        scales.reshape(n // 8, k // 32, 16)], dim=-1).contiguous()
+    dd = d.float().reshape(n // 8, 8, k // 256).permute(0, 2, 1).contiguous()  # [blocks, super, col]
+    return packed, dd
+
+
+def unpack_int6(packed: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``pack_int6``: (q uint8 [N, K], sc int8 [N, K/16], d float32 [N, K/256])."""
+    nb, groups = packed.shape[:2]
+    lo_plane = packed[..., :128].reshape(nb, groups, 4, 8, 4).permute(0, 3, 1, 2, 4)  # [blocks, col, group, kstep, t]
+    hi_plane = packed[..., 128:192].reshape(nb, groups, 2, 8, 4).permute(0, 3, 1, 2, 4)  # [blocks, col, group, pair, t]
+    low = torch.stack([lo_plane & 0x0F, lo_plane >> 4], dim=4)  # [blocks, col, group, kstep, lo/hi, t]
+    top = torch.stack([(hi_plane >> s) & 3 for s in (0, 2, 4, 6)], dim=4)  # [blocks, col, group, pair, 4, t]
+    q = low | (top.reshape(low.shape) << 4)
+    sc = packed[..., 192:].reshape(nb, groups, 2, 8).permute(0, 3, 1, 2).contiguous().view(torch.int8)
+    return (q.reshape(nb * 8, groups * 32), sc.reshape(nb * 8, groups * 2),
+            d.permute(0, 2, 1).reshape(nb * 8, d.shape[1]))
+
+
+def int6_linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [M, K] times 6-bit weights from ``pack_int6`` -> float32 [M, N]; x quantized to int8
+    per 32 inputs, integer dot products per 16, one fixed float chain per output: row-invariant."""
+    return torch.ops.tokenleap.int6_linear(x, packed, d, bias)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for float32 [M, I] (views with unit column stride are fine): SwiGLU's
     activation in one pass."""
@@ -214,4 +253,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 __all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
-           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "attend_rows", "silu_mul", "rope_store_attend", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

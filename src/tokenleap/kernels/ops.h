@@ -9,6 +9,10 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& packed, const at:
                         const c10::optional<at::Tensor>& bias);
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
 
+// int6.cpp
+at::Tensor int6_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                        const c10::optional<at::Tensor>& bias);
+
 // decoder.cpp
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul_rows(const at::Tensor& gate, const at::Tensor& up);

@@ -2,7 +2,7 @@
 
 A decode step of a small model spends a large share of its time in Python -- module calls, a dozen
 small ops a layer -- rather than in the products (about a third of a 0.5B draft's step). When a
-layer's products all run on tokenleap's int4 / int8 kernels, the model is float32 and the KV cache
+layer's products all run on tokenleap's int4 / int6 / int8 kernels, the model is float32 and the KV cache
 is the contiguous one, ``Transformer.forward`` hands each layer to ``kernels.decoder_layer``
 instead: the same kernels in the same order, so the result is bitwise the Python layer's.
 A plan is built once per layer and rebuilt if the layer's modules are replaced.
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .int6 import Int6Linear
 from .qlinear import Int4Linear, Int8Linear
 
-_INT4, _INT8 = 4, 8
+_INT4, _INT6, _INT8 = 4, 6, 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ def _product(lin: nn.Module | None) -> tuple[list, list[int]] | None:
         return None
     if isinstance(lin, Int4Linear) and lin.use_kernel:
         return [lin.packed, lin.scales_and_mins, bias], [_INT4, lin.out_features]
+    if isinstance(lin, Int6Linear):
+        return [lin.packed, lin.d, bias], [_INT6, lin.out_features]
     if isinstance(lin, Int8Linear) and lin.use_kernel:
         return [lin.packed, lin.scales, bias], [_INT8, lin.out_features]
     return None

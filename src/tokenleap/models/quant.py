@@ -15,6 +15,7 @@ from ..config import ConfigError
 from .linear import Linear
 from .qlinear import (GEMM_MIN_ROWS, INT4_GROUP_SIZES, QUANT_MODES, Int4Linear, Int8Linear, QuantLinear,
                       _check_compute_dtype, int4_from_gguf_q4, int4_unsupported_reason)
+from .int6 import Int6Linear, int6_unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,10 @@ def quantize_from_gguf_(model: nn.Module, gguf: Any, other: str = "int8", skip_l
                         compute_dtype: torch.dtype = torch.bfloat16) -> QuantReport:
     """Quantize ``model`` (built from the same GGUF) in place, reusing the file's 4-bit blocks.
 
-    Layers stored as Q4_0 / Q4_1 / Q4_K become ``Int4Linear`` with exactly the file's values; the
-    rest (Q5_0, Q6_K, Q8_0, F16, ...) are quantized from the model's float weight with ``other``
-    ("int8", "int4" or "none"). gguf: a path, or a ``tokenleap.models.gguf.GGUFFile`` (anything
+    Layers stored as Q4_0 / Q4_1 / Q4_K become ``Int4Linear`` with exactly the file's values; with
+    ``other="int8"`` (keep the file's precision) Q6_K layers become ``Int6Linear``, also exactly the
+    file's values (where tokenleap's kernels run); the rest (Q5_0, Q8_0, F16, ...) are quantized
+    from the model's float weight with ``other`` ("int8", "int4" or "none"). gguf: a path, or a ``tokenleap.models.gguf.GGUFFile`` (anything
     with ``hf_to_gguf`` (HF names it holds) and ``raw_tensor(hf_name) -> (type, raw, shape)``).
     """
     _check_mode(other, "mode for non-4-bit tensors")
@@ -158,6 +160,10 @@ def quantize_from_gguf_(model: nn.Module, gguf: Any, other: str = "int8", skip_l
             reason = int4_unsupported_reason(*shape, 32)
             if reason is None:
                 new = Int4Linear.from_gguf(qtype, raw, shape, lin.bias, compute_dtype)
+        if new is None and other == "int8" and getattr(qtype, "name", "") == "Q6_K":
+            reason = int6_unsupported_reason(*shape)
+            if reason is None:
+                new = Int6Linear.from_gguf(raw, shape, lin.bias)
         if new is None and other != "none":
             new, reason = _quantize_one(lin, other, 32, compute_dtype)
         if new is None:
@@ -168,6 +174,6 @@ def quantize_from_gguf_(model: nn.Module, gguf: Any, other: str = "int8", skip_l
     return _report(model, f"gguf+{other}", before, done, kept)
 
 
-__all__ = ["Int8Linear", "Int4Linear", "QuantLinear", "QuantReport", "QUANT_MODES", "GEMM_MIN_ROWS", "quantize_",
+__all__ = ["Int8Linear", "Int4Linear", "Int6Linear", "QuantLinear", "QuantReport", "QUANT_MODES", "GEMM_MIN_ROWS", "quantize_",
            "fuse_projections_", "quantize_from_gguf_", "int4_from_gguf_q4", "int4_unsupported_reason",
            "weight_bytes"]

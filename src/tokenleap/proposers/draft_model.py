@@ -103,9 +103,11 @@ class DraftModelProposer:
             tokens += l.pending
             last.append(len(tokens) - 1)
         t0 = time.perf_counter()
+        # a few rows a lane: the decode path (row-exact kernels, one compiled call a layer); a backlog: prefill
+        few = all(len(l.pending) <= _STEP_TOKENS for l in lanes)
         try:
             logits = self.model(torch.tensor(tokens), segments, self.cache, logit_rows=torch.tensor(last),
-                                head=self._head_for([l.req.seq_id for l in lanes])).logits  # [lanes, vocab]
+                                row_exact=few, head=self._head_for([l.req.seq_id for l in lanes])).logits  # [lanes, vocab]
         except CacheFullError:
             return False
         backlog = [l for l in lanes if len(l.pending) > _STEP_TOKENS]  # feeding a backlog: prefill work

@@ -1,0 +1,105 @@
+"""6-bit (Q6_K) layers: exact repacking of GGUF blocks, the W6A8 kernel's formula, row invariance,
+and their place in models loaded from GGUF files."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenleap import kernels
+from tokenleap.models.int6 import Int6Linear, int6_from_gguf_q6k
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+needs_kernel = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                  reason="the kernels need AVX2 + FMA")
+
+
+def random_q6k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q6_K blocks (gguf cannot quantize to Q6_K): random payload and scales, finite d."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+    d = (rng.random((rows, cols // 256)) * 0.002 + 1e-4).astype(np.float16)
+    blocks[..., 208:210] = d.view(np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)
+
+
+def w6a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x quantized to int8 per 32 as the kernel does (float32: xq = round(x * (127 / max|x|)), half to
+    even; scale max|x| / 127), times weight, in float64."""
+    m, k = x.shape
+    xg = x.float().view(m, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    xq = torch.round(xg * (127 / amax))
+    return (xq.double() * (amax / 127).double()).view(m, k) @ weight.double().T
+
+
+def test_q6k_blocks_repack_exactly():
+    raw = random_q6k(16, 512)
+    q, sc, d = int6_from_gguf_q6k(raw, (16, 512))
+    assert q.dtype == torch.uint8 and int(q.max()) <= 63 and sc.dtype == torch.int8
+    mine = d.repeat_interleave(256, 1) * sc.float().repeat_interleave(16, 1) * (q.float() - 32)
+    np.testing.assert_array_equal(mine.numpy(), gguf.quants.dequantize(raw, T.Q6_K))
+
+
+@needs_kernel
+def test_pack_unpack_round_trip():
+    raw = random_q6k(24, 768, seed=1)
+    q, sc, d = int6_from_gguf_q6k(raw, (24, 768))
+    back = kernels.unpack_int6(*kernels.pack_int6(q, sc, d))
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, sc, d)))
+    layer = Int6Linear(q, sc, d)
+    np.testing.assert_array_equal(layer.dequantized_weight().numpy(), gguf.quants.dequantize(raw, T.Q6_K))
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(8, 256), (64, 512), (40, 1536)])
+def test_int6_linear_matches_its_formula(n, k):
+    layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(n, k, seed=n), (n, k)))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(k))
+    want = w6a8_reference(x, layer.dequantized_weight())
+    got = layer(x).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_kernel
+def test_int6_rows_bitwise_independent_of_row_count_and_bias_added_after():
+    n, k = 48, 512
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(n, k, seed=2), (n, k)), bias)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(4))
+    full = layer(x)
+    for rows in range(1, 12):
+        assert torch.equal(layer(x[:rows]), full[:rows])
+    assert torch.equal(full, kernels.int6_linear(x, layer.packed, layer.d) + bias)
+
+
+@needs_kernel
+def test_q6k_layers_become_int6_when_keeping_precision():
+    """quantize_from_gguf_: Q6_K -> Int6Linear with other="int8", re-quantized to int4 with other="int4"."""
+    from tokenleap.models.build import build_transformer
+    from tokenleap.models.qlinear import Int4Linear
+    from tokenleap.models.quant import quantize_from_gguf_
+
+    from conftest import random_weights, tiny_config
+
+    cfg = tiny_config("qwen2", hidden=256, intermediate=512)
+    weights = random_weights(cfg, seed=5)
+    names = [n for n in weights if n.endswith("proj.weight") or n == "lm_head.weight"]
+    raw = {n: (T.Q6_K, random_q6k(*weights[n].shape, seed=i)) for i, n in enumerate(names)}
+    for n, (_, r) in raw.items():  # the model's float weights are the file's values, as when loading it
+        weights[n] = torch.from_numpy(gguf.quants.dequantize(r, T.Q6_K))
+
+    class File:
+        hf_to_gguf = {n: n for n in names}
+
+        def raw_tensor(self, name):
+            return T.Q6_K, raw[name][1], tuple(weights[name].shape)
+
+    for other, kind in (("int8", Int6Linear), ("int4", Int4Linear)):
+        model = build_transformer(cfg, dict(weights), torch.float32)
+        quantize_from_gguf_(model, File(), other=other)
+        assert isinstance(model.lm_head, kind) and isinstance(model.model.layers[0].mlp.down_proj, kind)
+        if other == "int8":  # exactly the file's values
+            v = model.model.layers[0].self_attn.v_proj
+            assert torch.equal(v.dequantized_weight(), weights["model.layers.0.self_attn.v_proj.weight"])
