@@ -81,7 +81,7 @@ inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, in
       __m256i s32[MB];
       for (int m = 0; m < MB; ++m) s32[m] = _mm256_setzero_si256();
       const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + h * 32));
-      for (int half = 0; half < 2; ++half) {
+      const auto step = [&](int half) {
         const int st = 2 * h + half;
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + st * 32));
         const __m256i top_lo = half == 0 ? _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2) : _mm256_and_si256(hb, m2);
@@ -94,6 +94,13 @@ inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, in
           const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)), _mm256_maddubs_epi16(hi, bcast4(xp + 4)));
           s32[m] = _mm256_add_epi32(s32[m], _mm256_madd_epi16(t, ones));
         }
+      };
+      if constexpr (MB == 1) {
+        step(0);
+        step(1);
+      } else {  // not unrolled: unrolling hoists every product and spills registers
+#pragma GCC unroll 1
+        for (int half = 0; half < 2; ++half) step(half);
       }
       const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 192 + h * 8));
       const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), dv);  // d * sc, exact
