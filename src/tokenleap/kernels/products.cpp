@@ -292,7 +292,7 @@ inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t
             s16[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)), _mm256_maddubs_epi16(hi, bcast4(xp + 4))));
       }
     };
-    if constexpr (MB == 1) {  // unrolled: more loads in flight for the memory-bound case
+    if constexpr (MB <= 2) {  // unrolled: more loads in flight for the memory-bound case
 #pragma GCC unroll 4
       for (int st = 0; st < 4; ++st) step(st);
     } else {  // not unrolled: unrolling hoists every product and spills registers (-30% at 64 rows)
@@ -355,11 +355,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         const float *am = scp + m * G, *sm2 = ssp + m * G;
         float* ym = out + m * N + b * 8;
         const int64_t left = M - m;
-        if (left >= 4) int4_tile<4>(xm, am, sm2, K, wb, sb, ym, N);
-        else if (left == 3) int4_tile<3>(xm, am, sm2, K, wb, sb, ym, N);
-        else if (left == 2) int4_tile<2>(xm, am, sm2, K, wb, sb, ym, N);
+        const int64_t take = left == 5 || left == 6 ? 3 : std::min<int64_t>(left, 4);  // 6 = 3 + 3, not 4 + 2
+        if (take == 4) int4_tile<4>(xm, am, sm2, K, wb, sb, ym, N);
+        else if (take == 3) int4_tile<3>(xm, am, sm2, K, wb, sb, ym, N);
+        else if (take == 2) int4_tile<2>(xm, am, sm2, K, wb, sb, ym, N);
         else int4_tile<1>(xm, am, sm2, K, wb, sb, ym, N);
-        m += std::min<int64_t>(left, 4);
+        m += take;
       }
     }
   });
