@@ -102,3 +102,26 @@ def test_fused_step_past_the_cache_raises_cache_full():
     model(torch.arange(8), [Segment(slot, 0, 8)], cache)
     with pytest.raises(CacheFullError):
         model(torch.tensor([1]), [Segment(slot, 8, 1)], cache)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_fused_layers_on_a_paged_cache_equal_the_contiguous_cache(block_size):
+    """The paged path (keys / values addressed through block tables) gives bitwise the logits of
+    the contiguous cache, with several sequences, including across block boundaries."""
+    from tokenleap.paged_cache import PagedKVCache
+
+    model = _model("qwen2", "mixed", True)
+    ref, _ = _steps(model, fused=False)
+    model.use_fused_layers = True
+    cache = PagedKVCache(model.config, num_blocks=40, max_len=64, dtype=torch.float32, block_size=block_size)
+    a, b = cache.allocate(), cache.allocate()
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, model.config.vocab_size, (40,), generator=g)
+    got = [model(toks[:20], [Segment(a, 0, 12), Segment(b, 0, 8, 12)], cache).logits]
+    got.append(model(toks[20:21], [Segment(a, 12, 1)], cache).logits)
+    got.append(model(toks[21:26], [Segment(a, 13, 5)], cache, row_exact=True).logits)
+    got.append(model(toks[26:33], [Segment(a, 18, 3), Segment(b, 8, 4, 3)], cache, row_exact=True).logits)
+    for r, o in zip(ref, got):
+        assert torch.equal(r, o)
+    assert cache.lengths[a] == 21 and cache.lengths[b] == 12

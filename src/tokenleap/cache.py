@@ -65,6 +65,13 @@ class KVCache:
             raise CacheFullError(f"sequence of {end} tokens exceeds the KV cache's {self.max_len}")
         return self.k[layer][slot], self.v[layer][slot]
 
+    def prepare_rows(self, spans: list[tuple[int, int]]) -> list[int]:
+        """Before a compiled layer writes positions up to ``end`` of each (slot, end): the capacity
+        check ``write`` makes (CacheFullError); a contiguous cache needs no block tables."""
+        for slot, end in spans:
+            self.slot_stores(0, slot, end)
+        return []
+
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0 .. length-1, each ``# [kv_heads, length, head_dim]``."""
         return self.k[layer][slot, :, :length], self.v[layer][slot, :, :length]

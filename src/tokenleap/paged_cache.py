@@ -97,6 +97,17 @@ class PagedKVCache:
             raise CacheFullError(f"KV cache out of blocks: need {need}, {len(self._free_blocks)} free")
         self.tables[slot].extend(self._free_blocks.pop() for _ in range(need))
 
+    def prepare_rows(self, spans: list[tuple[int, int]]) -> list[int]:
+        """Before a compiled layer writes positions up to ``end`` of each (slot, end): reserve the
+        blocks (CacheFullError as ``write`` would raise) and return the block tables covering them,
+        one after another (see ``kernels.decoder_layer``)."""
+        out: list[int] = []
+        for slot, end in spans:
+            if len(self.tables[slot]) * self.block_size < end:
+                self.reserve(slot, end)
+            out += self.tables[slot][: self.blocks_for(end)]
+        return out
+
     def release_unused(self, slot: int) -> None:
         """Give back blocks reserved past the slot's committed length."""
         self._release_blocks(slot, self.blocks_for(self.lengths[slot]))

@@ -233,12 +233,21 @@ def rope_store_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
 
 
 def decoder_layer(x: torch.Tensor, weights: list[torch.Tensor | None], ints: list[int], cos: torch.Tensor,
-                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[int], eps: float,
-                  scale: float) -> torch.Tensor:
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[int],
+                  tables: list[int], eps: float, scale: float) -> torch.Tensor:
     """One decoder layer over float32 rows x [M, hidden] of a decode / verification step: see
     ``layer.cpp`` for the operands (``tokenleap.models.fused_layer`` builds them). Writes the rows'
-    keys and values into k_cache / v_cache [slots, n_kv, max_len, hd]; returns the layer's output."""
-    return torch.ops.tokenleap.decoder_layer(x, weights, ints, cos, sin, k_cache, v_cache, segments, eps, scale)
+    keys and values into k_cache / v_cache -- contiguous [slots, n_kv, max_len, hd], or paged
+    [n_kv, blocks, block_size, hd] with the segments' block ``tables`` -- and returns the layer's output."""
+    return torch.ops.tokenleap.decoder_layer(x, weights, ints, cos, sin, k_cache, v_cache, segments, tables, eps, scale)
+
+
+def rope_store_attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            k_pool: torch.Tensor, v_pool: torch.Tensor, table: list[int], pos0: int,
+                            scale: float) -> torch.Tensor:
+    """``rope_store_attend`` on a paged cache: pools [n_kv, blocks, block_size, hd], ``table`` the
+    sequence's blocks covering positions 0 .. pos0+T-1."""
+    return torch.ops.tokenleap.rope_store_attend_paged(q, k, v, cos, sin, k_pool, v_pool, table, pos0, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -253,4 +262,4 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 __all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
-           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+           "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

@@ -37,36 +37,33 @@ inline __m256 hsum8x8(const __m256* a) {
 
 // o[c .. c + 8R) = sum_i w[i] * v_i[c .. c + 8R) / sum, accumulated in registers
 template <int R>
-inline void weigh_values(const float* w, int64_t n, const float* vb, int64_t vs1, int64_t c, float inv, float* o) {
+inline void weigh_values(const float* w, int64_t n, const float* vb, const int64_t* voff, int64_t c, float inv, float* o) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const __m256 p = _mm256_set1_ps(w[i]);
-    const float* vv = vb + i * vs1 + c;
+    const float* vv = vb + voff[i] + c;
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + 8 * r), acc[r]);
   }
   const __m256 iv = _mm256_set1_ps(inv);
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + c + 8 * r, _mm256_mul_ps(acc[r], iv));
 }
 
-at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t pos0,
-                       double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attend_rows: q must be float32 [T, H, hd]");
-  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat && keys.stride(2) == 1 && values.stride(2) == 1,
-              "attend_rows: keys / values must be float32 [n_kv, L, hd] with unit last stride");
+// Rows q [T, H, hd] at positions pos0 .. pos0+T-1; key / value j of kv head g at kp + g * ks0 +
+// koff[j] (vp + g * vs0 + voff[j]): a contiguous cache (offsets j * stride) or a paged one.
+at::Tensor attend_impl(const at::Tensor& q, const float* kp, const float* vp, int64_t ks0, int64_t vs0,
+                       const std::vector<int64_t>& koff, const std::vector<int64_t>& voff, int64_t nkv,
+                       int64_t pos0, double scale) {
   const at::Tensor qc = q.contiguous();
-  const int64_t T = qc.size(0), H = qc.size(1), hd = qc.size(2), nkv = keys.size(0), L = keys.size(1);
-  TORCH_CHECK(hd % 8 == 0 && keys.size(2) == hd && H % nkv == 0, "attend_rows: head_dim % 8, shapes");
+  const int64_t T = qc.size(0), H = qc.size(1), hd = qc.size(2), L = static_cast<int64_t>(koff.size());
+  TORCH_CHECK(hd % 8 == 0 && H % nkv == 0, "attend_rows: head_dim % 8, shapes");
   TORCH_CHECK(pos0 >= 0 && pos0 + T <= L, "attend_rows: rows reach past the keys");
   at::Tensor out = at::empty_like(qc);
   const float* qp = qc.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), vs0 = values.stride(0), vs1 = values.stride(1);
   const int64_t group = H / nkv;
   const float sc = float(scale);
+  const int64_t* ko = koff.data();
   at::parallel_for(0, T * H, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> w(L + 8);
     for (int64_t u = u0; u < u1; ++u) {
@@ -83,7 +80,7 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Te
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t d = 0; d < hd; d += 8) {
           const __m256 qd = _mm256_loadu_ps(qv + d);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + (j + i) * ks1 + d), acc[i]);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + ko[j + i] + d), acc[i]);
         }
         const __m256 sv = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(sc));
         _mm256_storeu_ps(w.data() + j, sv);
@@ -95,7 +92,7 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Te
       for (int i = 1; i < 8; ++i) mx = std::max(mx, m8[i]);
       for (; j < n; ++j) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + j * ks1 + d), a);
+        for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + ko[j] + d), a);
         w[j] = hsum8(a) * sc;
         mx = std::max(mx, w[j]);
       }
@@ -113,19 +110,37 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Te
       float* o = op + (t * H + h) * hd;
       for (int64_t c = 0; c < hd; c += 64) {
         switch (std::min<int64_t>(8, (hd - c) / 8)) {
-          case 8: weigh_values<8>(w.data(), n, vb, vs1, c, inv, o); break;
-          case 7: weigh_values<7>(w.data(), n, vb, vs1, c, inv, o); break;
-          case 6: weigh_values<6>(w.data(), n, vb, vs1, c, inv, o); break;
-          case 5: weigh_values<5>(w.data(), n, vb, vs1, c, inv, o); break;
-          case 4: weigh_values<4>(w.data(), n, vb, vs1, c, inv, o); break;
-          case 3: weigh_values<3>(w.data(), n, vb, vs1, c, inv, o); break;
-          case 2: weigh_values<2>(w.data(), n, vb, vs1, c, inv, o); break;
-          default: weigh_values<1>(w.data(), n, vb, vs1, c, inv, o); break;
+          case 8: weigh_values<8>(w.data(), n, vb, voff.data(), c, inv, o); break;
+          case 7: weigh_values<7>(w.data(), n, vb, voff.data(), c, inv, o); break;
+          case 6: weigh_values<6>(w.data(), n, vb, voff.data(), c, inv, o); break;
+          case 5: weigh_values<5>(w.data(), n, vb, voff.data(), c, inv, o); break;
+          case 4: weigh_values<4>(w.data(), n, vb, voff.data(), c, inv, o); break;
+          case 3: weigh_values<3>(w.data(), n, vb, voff.data(), c, inv, o); break;
+          case 2: weigh_values<2>(w.data(), n, vb, voff.data(), c, inv, o); break;
+          default: weigh_values<1>(w.data(), n, vb, voff.data(), c, inv, o); break;
         }
       }
     }
   });
   return out;
+}
+
+std::vector<int64_t> strided_offsets(int64_t L, int64_t stride) {
+  std::vector<int64_t> off(L);
+  for (int64_t j = 0; j < L; ++j) off[j] = j * stride;
+  return off;
+}
+
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t pos0,
+                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attend_rows: q must be float32 [T, H, hd]");
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat && keys.stride(2) == 1 && values.stride(2) == 1,
+              "attend_rows: keys / values must be float32 [n_kv, L, hd] with unit last stride");
+  TORCH_CHECK(keys.size(2) == q.size(2), "attend_rows: head_dim");
+  const int64_t L = keys.size(1);
+  return attend_impl(q, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), values.stride(0),
+                     strided_offsets(L, keys.stride(1)), strided_offsets(L, values.stride(1)), keys.size(0), pos0, scale);
 }
 
 // ------------------------------------------------------------------------------- elementwise
@@ -207,22 +222,22 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at
 }
 
 // The decode / verification attention of one sequence in one call: rotate q and k at positions
-// pos0 .. pos0+T-1, store k and v into that sequence's cache, attend (attend_rows). q [T, H, hd],
-// k, v [T, n_kv, hd] (views with unit last stride); k_store, v_store [n_kv, max_len, hd] (one
-// slot of the cache, unit last stride). The same arithmetic as rope_ + a cache write + attend_rows.
-at::Tensor rope_store_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                             const at::Tensor& sin, at::Tensor& k_store, at::Tensor& v_store, int64_t pos0,
-                             double scale) {
+// pos0 .. pos0+T-1, store k and v into that sequence's cache entries, attend (as attend_rows).
+// q [T, H, hd], k, v [T, n_kv, hd] (views with unit last stride). Cache entry j of kv head g is at
+// kbase + g * ks0 + koff[j] (values likewise): the same arithmetic as rope_ + a cache write +
+// attend_rows, for a contiguous or a paged cache.
+at::Tensor rope_store_attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                  const at::Tensor& sin, float* kbase, float* vbase, int64_t ks0, int64_t vs0,
+                                  const std::vector<int64_t>& koff, const std::vector<int64_t>& voff, int64_t pos0,
+                                  double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
-                  q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "rope_store_attend: float32 q [T, H, hd], k / v [T, n_kv, hd]");
-  TORCH_CHECK(k_store.dim() == 3 && k_store.sizes() == v_store.sizes() && k_store.scalar_type() == at::kFloat &&
-                  v_store.scalar_type() == at::kFloat && k_store.stride(2) == 1 && v_store.stride(2) == 1 &&
+                  q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                   k.stride(2) == 1 && v.stride(2) == 1,
-              "rope_store_attend: float32 stores [n_kv, max_len, hd], unit last strides");
+              "rope_store_attend: float32 q [T, H, hd], k / v [T, n_kv, hd] with unit last strides");
   const int64_t T = q.size(0), nkv = k.size(1), hd = q.size(2), half = hd / 2;
-  TORCH_CHECK(k.size(2) == hd && k_store.size(0) == nkv && k_store.size(2) == hd, "rope_store_attend: shapes");
-  TORCH_CHECK(pos0 >= 0 && pos0 + T <= k_store.size(1) && pos0 + T <= cos.size(0), "rope_store_attend: positions");
+  TORCH_CHECK(k.size(2) == hd, "rope_store_attend: shapes");
+  TORCH_CHECK(pos0 >= 0 && pos0 + T <= static_cast<int64_t>(koff.size()) && pos0 + T <= cos.size(0),
+              "rope_store_attend: positions");
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   const float* cp = cc.data_ptr<float>();
   const float* sp = sc.data_ptr<float>();
@@ -230,21 +245,57 @@ at::Tensor rope_store_attend(const at::Tensor& q, const at::Tensor& k, const at:
   float* qp = qr.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* ks = k_store.data_ptr<float>();
-  float* vs = v_store.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     const float* c = cp + (pos0 + t) * hd;
     const float* s = sp + (pos0 + t) * hd;
     for (int64_t h = 0; h < q.size(1); ++h) rope_vec(qp + (t * q.size(1) + h) * hd, c, s, half);
     for (int64_t j = 0; j < nkv; ++j) {
-      float* kd = ks + j * k_store.stride(0) + (pos0 + t) * k_store.stride(1);
-      float* vd = vs + j * v_store.stride(0) + (pos0 + t) * v_store.stride(1);
+      float* kd = kbase + j * ks0 + koff[pos0 + t];
+      float* vd = vbase + j * vs0 + voff[pos0 + t];
       std::memcpy(kd, kp + t * k.stride(0) + j * k.stride(1), hd * sizeof(float));
       std::memcpy(vd, vp + t * v.stride(0) + j * v.stride(1), hd * sizeof(float));
       rope_vec(kd, c, s, half);
     }
   }
-  return attend_rows(qr, k_store.narrow(1, 0, pos0 + T), v_store.narrow(1, 0, pos0 + T), pos0, scale);
+  const std::vector<int64_t> kused(koff.begin(), koff.begin() + pos0 + T), vused(voff.begin(), voff.begin() + pos0 + T);
+  return attend_impl(qr, kbase, vbase, ks0, vs0, kused, vused, nkv, pos0, scale);
+}
+
+// Contiguous cache: k_store, v_store [n_kv, max_len, hd] (one slot, unit last stride).
+at::Tensor rope_store_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor& k_store, at::Tensor& v_store, int64_t pos0,
+                             double scale) {
+  TORCH_CHECK(k_store.dim() == 3 && k_store.sizes() == v_store.sizes() && k_store.scalar_type() == at::kFloat &&
+                  v_store.scalar_type() == at::kFloat && k_store.stride(2) == 1 && v_store.stride(2) == 1 &&
+                  k_store.size(0) == k.size(1) && k_store.size(2) == q.size(2),
+              "rope_store_attend: float32 stores [n_kv, max_len, hd], unit last strides");
+  TORCH_CHECK(pos0 + q.size(0) <= k_store.size(1), "rope_store_attend: positions past the store");
+  const int64_t L = pos0 + q.size(0);
+  return rope_store_attend_impl(q, k, v, cos, sin, k_store.data_ptr<float>(), v_store.data_ptr<float>(),
+                                k_store.stride(0), v_store.stride(0), strided_offsets(L, k_store.stride(1)),
+                                strided_offsets(L, v_store.stride(1)), pos0, scale);
+}
+
+// Paged cache: pools [n_kv, num_blocks, block_size, hd] (unit last stride); table: the sequence's
+// blocks, covering positions 0 .. pos0+T-1 (position p in block table[p / block_size]).
+at::Tensor rope_store_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                   const at::Tensor& sin, at::Tensor& k_pool, at::Tensor& v_pool, at::IntArrayRef table,
+                                   int64_t pos0, double scale) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == at::kFloat &&
+                  v_pool.scalar_type() == at::kFloat && k_pool.stride(3) == 1 && v_pool.stride(3) == 1 &&
+                  k_pool.size(0) == k.size(1) && k_pool.size(3) == q.size(2),
+              "rope_store_attend_paged: float32 pools [n_kv, blocks, block_size, hd], unit last strides");
+  const int64_t L = pos0 + q.size(0), bs = k_pool.size(2);
+  TORCH_CHECK(static_cast<int64_t>(table.size()) * bs >= L, "rope_store_attend_paged: the block table is too short");
+  std::vector<int64_t> koff(L), voff(L);
+  for (int64_t j = 0; j < L; ++j) {
+    const int64_t b = table[j / bs];
+    TORCH_CHECK(b >= 0 && b < k_pool.size(1), "rope_store_attend_paged: block id out of range");
+    koff[j] = b * k_pool.stride(1) + (j % bs) * k_pool.stride(2);
+    voff[j] = b * v_pool.stride(1) + (j % bs) * v_pool.stride(2);
+  }
+  return rope_store_attend_impl(q, k, v, cos, sin, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                k_pool.stride(0), v_pool.stride(0), koff, voff, pos0, scale);
 }
 
 }  // namespace
@@ -257,11 +308,17 @@ at::Tensor rope_store_attend_rows(const at::Tensor& q, const at::Tensor& k, cons
                                   at::Tensor& v_store, int64_t pos0, double scale) {
   return rope_store_attend(q, k, v, cos, sin, k_store, v_store, pos0, scale);
 }
+at::Tensor rope_store_attend_paged_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
+                                        at::Tensor& v_pool, at::IntArrayRef table, int64_t pos0, double scale) {
+  return rope_store_attend_paged(q, k, v, cos, sin, k_pool, v_pool, table, pos0, scale);
+}
 }  // namespace tokenleap_ops
 
 TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
   m.def("attend_rows(Tensor q, Tensor keys, Tensor values, int pos0, float scale) -> Tensor");
   m.def("rope_store_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, int pos0, float scale) -> Tensor");
+  m.def("rope_store_attend_paged(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, int[] table, int pos0, float scale) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions) -> ()");
@@ -269,6 +326,7 @@ TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
 TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
   m.impl("attend_rows", &attend_rows);
   m.impl("rope_store_attend", &rope_store_attend);
+  m.impl("rope_store_attend_paged", &rope_store_attend_paged);
   m.impl("silu_mul", &silu_mul);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);

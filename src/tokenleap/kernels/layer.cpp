@@ -46,11 +46,14 @@ at::Tensor side_by_side(const std::vector<Product>& ps, const at::Tensor& x) {
 // (packed, scales, bias or None); ints: n_heads, n_kv, head_dim, the number of attention input
 // products (1: joined q/k/v, 3: separate), the number of MLP input products (1 or 2), then
 // (kind, out) per product: attention inputs, o, MLP inputs, down. k_cache / v_cache: this layer's
-// stores [slots, n_kv, max_len, head_dim]; segments: (slot, pos0, length, row_start) per sequence;
-// scale: the attention's softmax scale.
+// stores, either contiguous [slots, n_kv, max_len, head_dim] or paged [n_kv, blocks, block_size,
+// head_dim]; segments: (slot, pos0, length, row_start) per sequence; tables (paged only): each
+// segment's block table covering positions 0 .. pos0+length-1, one after another; scale: the
+// attention's softmax scale.
 at::Tensor decoder_layer(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights,
                          at::IntArrayRef ints, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                         at::Tensor& v_cache, at::IntArrayRef segments, double eps, double scale) {
+                         at::Tensor& v_cache, at::IntArrayRef segments, at::IntArrayRef tables, double eps,
+                         double scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decoder_layer: x must be float32 [M, hidden]");
   TORCH_CHECK(ints.size() >= 5, "decoder_layer: ints");
   const int64_t H = ints[0], nkv = ints[1], hd = ints[2], n_attn = ints[3], n_mlp = ints[4];
@@ -84,13 +87,24 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<c10::optional<at
   const at::Tensor v = qkv.narrow(1, (H + nkv) * hd, nkv * hd).view({M, nkv, hd});
   at::Tensor attn;  // [M, H, hd]
   const int64_t n_seg = static_cast<int64_t>(segments.size()) / 4;
+  const bool paged = !tables.empty();  // contiguous caches pass no block tables
+  int64_t table_at = 0;
   for (int64_t s = 0; s < n_seg; ++s) {
     const int64_t slot = segments[4 * s], pos0 = segments[4 * s + 1], len = segments[4 * s + 2],
                   row0 = segments[4 * s + 3];
     TORCH_CHECK(row0 >= 0 && len >= 1 && row0 + len <= M, "decoder_layer: segment rows");
-    at::Tensor ks = k_cache.select(0, slot), vs = v_cache.select(0, slot);
-    at::Tensor o = tokenleap_ops::rope_store_attend_rows(q.narrow(0, row0, len), k.narrow(0, row0, len),
-                                                         v.narrow(0, row0, len), cos, sin, ks, vs, pos0, scale);
+    const at::Tensor qs = q.narrow(0, row0, len), ks = k.narrow(0, row0, len), vs = v.narrow(0, row0, len);
+    at::Tensor o;
+    if (paged) {
+      const int64_t bs = k_cache.size(2), nb = (pos0 + len + bs - 1) / bs;
+      TORCH_CHECK(table_at + nb <= static_cast<int64_t>(tables.size()), "decoder_layer: block tables too short");
+      o = tokenleap_ops::rope_store_attend_paged_rows(qs, ks, vs, cos, sin, k_cache, v_cache,
+                                                      tables.slice(table_at, nb), pos0, scale);
+      table_at += nb;
+    } else {
+      at::Tensor kst = k_cache.select(0, slot), vst = v_cache.select(0, slot);
+      o = tokenleap_ops::rope_store_attend_rows(qs, ks, vs, cos, sin, kst, vst, pos0, scale);
+    }
     if (n_seg == 1) {
       TORCH_CHECK(len == M, "decoder_layer: one segment must hold every row");
       attn = o;
@@ -111,6 +125,6 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<c10::optional<at
 
 TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
   m.def("decoder_layer(Tensor x, Tensor?[] weights, int[] ints, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, int[] segments, float eps, float scale) -> Tensor");
+        "Tensor(b!) v_cache, int[] segments, int[] tables, float eps, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tokenleap, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

@@ -19,5 +19,8 @@ at::Tensor silu_mul_rows(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rope_store_attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_store,
                                   at::Tensor& v_store, int64_t pos0, double scale);
+at::Tensor rope_store_attend_paged_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
+                                        at::Tensor& v_pool, at::IntArrayRef table, int64_t pos0, double scale);
 
 }  // namespace tokenleap_ops

@@ -217,14 +217,15 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)  # [rows, hidden]
         hidden: dict[int, torch.Tensor] = {}
         layers = self.model.layers[: num_layers or len(self.model.layers)]
-        plans = self._fused_plans(layers, x, cache, segments, row_exact)
+        plans = self._fused_plans(layers, x, cache, row_exact)
         if plans:
             seg_ints = [v for s in segments for v in (s.slot, s.pos_start, s.length, s.row_start)]
+            tables = cache.prepare_rows([(s.slot, s.pos_start + s.length) for s in segments])
         for i, block in enumerate(layers):
             if plans:  # the whole layer in one compiled call, bitwise the same as block(...)
                 p, li = plans[i], block.self_attn.layer
                 x = kernels.decoder_layer(x, p.weights, p.ints, self.rotary.cos, self.rotary.sin, cache.k[li],
-                                          cache.v[li], seg_ints, p.eps, p.scale)
+                                          cache.v[li], seg_ints, tables, p.eps, p.scale)
             else:
                 x = block(x, positions, self.rotary, cache, segments, row_exact)
             if i in hidden_layers:
@@ -237,17 +238,12 @@ class Transformer(nn.Module):
         logits = (head or self.lm_head)(normed, row_exact).float()
         return ForwardOutput(logits=logits, hidden=hidden)
 
-    def _fused_plans(self, layers, x: torch.Tensor, cache: KVCache, segments: list[Segment],
-                     row_exact: bool) -> list[LayerPlan] | None:
+    def _fused_plans(self, layers, x: torch.Tensor, cache, row_exact: bool) -> list[LayerPlan] | None:
         """Plans for running every layer on ``kernels.decoder_layer``, or None: only for the rows of a
-        decode / verification step (row-exact or one row), float32, on the contiguous float32
-        cache, with every product on tokenleap's int4 / int8 kernels."""
+        decode / verification step (row-exact or one row), float32, on a float32 cache (contiguous
+        or paged), with every product on tokenleap's int4 / int6 / int8 kernels."""
         if not (self.use_fused_layers and (row_exact or x.shape[0] == 1) and x.dtype == torch.float32
-                and hasattr(cache, "slot_stores") and cache.k[0].dtype == torch.float32 and kernels.available()):
+                and hasattr(cache, "prepare_rows") and cache.k[0].dtype == torch.float32 and kernels.available()):
             return None
         plans = [layer_plan(b) for b in layers]
-        if any(p is None for p in plans):
-            return None
-        for s in segments:  # the same capacity check the Python layers make (CacheFullError)
-            cache.slot_stores(0, s.slot, s.pos_start + s.length)
-        return plans
+        return None if any(p is None for p in plans) else plans
