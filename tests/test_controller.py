@@ -139,3 +139,25 @@ def test_overhead_outside_the_forwards_counts_against_speculation():
         c.observe_step(False, 1, 0.01)
         c.observe_step(True, 1, 5.0)
     assert c.step_overhead[(True, 1)] == 5.0 and c.choose() == 0
+
+
+def test_small_predicted_gain_speculates_alone_but_not_in_a_batch():
+    """With several sequences a predicted gain below ``batch_margin`` keeps plain decoding."""
+    def rates(margin: float):
+        c = DraftLengthController(ControllerConfig(max_k=1, batch_margin=margin))
+        for rows in (1, 2, 4):  # drafting one token (acceptance ~1/3) predicts ~1.1x plain
+            c.observe_forward(rows, 1.0 if rows <= 2 else 1.2)
+        c.observe_draft(1, 0.0)
+        c.observe_draft(2, 0.0, batch=2)
+        for _ in range(200):
+            c.observe_acceptance(1, 0)
+            c.observe_acceptance(1, 0)
+            c.observe_acceptance(1, 0)
+            c.observe_acceptance(1, 1)
+        return c
+
+    c = rates(0.15)
+    gain = c.rate(1, batch=2) / c.rate(0, batch=2)
+    assert 1.0 < gain < 1.15
+    assert c.choose(batch=1) == 1 and c.choose(batch=2) == 0 and not c.would_speculate(batch=2)
+    assert rates(0.0).choose(batch=2) == 1
