@@ -36,10 +36,10 @@ def _model(arch: str, mode: str, join: bool, seed: int = 3):
     return model
 
 
-def _steps(model, fused: bool):
+def _steps(model, fused: bool, cache=None):
     """Prefill two sequences, then a one-row step, a row-exact block and a two-sequence block."""
     model.use_fused_layers = fused
-    cache = KVCache(model.config, 2, 64, torch.float32)
+    cache = cache if cache is not None else KVCache(model.config, 2, 64, torch.float32)
     a, b = cache.allocate(), cache.allocate()
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, model.config.vocab_size, (40,), generator=g)
@@ -113,15 +113,8 @@ def test_fused_layers_on_a_paged_cache_equal_the_contiguous_cache(block_size):
 
     model = _model("qwen2", "mixed", True)
     ref, _ = _steps(model, fused=False)
-    model.use_fused_layers = True
     cache = PagedKVCache(model.config, num_blocks=40, max_len=64, dtype=torch.float32, block_size=block_size)
-    a, b = cache.allocate(), cache.allocate()
-    g = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, model.config.vocab_size, (40,), generator=g)
-    got = [model(toks[:20], [Segment(a, 0, 12), Segment(b, 0, 8, 12)], cache).logits]
-    got.append(model(toks[20:21], [Segment(a, 12, 1)], cache).logits)
-    got.append(model(toks[21:26], [Segment(a, 13, 5)], cache, row_exact=True).logits)
-    got.append(model(toks[26:33], [Segment(a, 18, 3), Segment(b, 8, 4, 3)], cache, row_exact=True).logits)
+    got, _ = _steps(model, fused=True, cache=cache)
     for r, o in zip(ref, got):
         assert torch.equal(r, o)
-    assert cache.lengths[a] == 21 and cache.lengths[b] == 12
+    assert cache.lengths[0] == 21 and cache.lengths[1] == 12

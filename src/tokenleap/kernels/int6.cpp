@@ -29,6 +29,7 @@
 #include <cstring>
 
 #include "ops.h"
+#include "simd.h"
 
 namespace {
 
@@ -95,7 +96,7 @@ inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, in
           s32[m] = _mm256_add_epi32(s32[m], _mm256_madd_epi16(t, ones));
         }
       };
-      if constexpr (MB == 1) {
+      if constexpr (MB <= 2) {
         step(0);
         step(1);
       } else {  // not unrolled: unrolling hoists every product and spills registers
@@ -152,18 +153,16 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         const float* am = ap + m * G;
         const int32_t* sm = sp + m * 2 * G;
         float* ym = out + m * N + b * 8;
-        const int64_t left = M - m;
-        if (left >= 4) int6_tile<4>(xm, am, sm, K, wb, db, ym, N);
-        else if (left == 3) int6_tile<3>(xm, am, sm, K, wb, db, ym, N);
-        else if (left == 2) int6_tile<2>(xm, am, sm, K, wb, db, ym, N);
+        const int64_t take = tokenleap_simd::tile_rows(M - m);
+        if (take == 4) int6_tile<4>(xm, am, sm, K, wb, db, ym, N);
+        else if (take == 3) int6_tile<3>(xm, am, sm, K, wb, db, ym, N);
+        else if (take == 2) int6_tile<2>(xm, am, sm, K, wb, db, ym, N);
         else int6_tile<1>(xm, am, sm, K, wb, db, ym, N);
-        m += std::min<int64_t>(left, 4);
+        m += take;
       }
     }
   });
-  if (bp != nullptr)  // after the products, elementwise: row-invariant
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) out[m * N + n] += bp[n];
+  if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
   return y;
 }
 

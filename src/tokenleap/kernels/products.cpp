@@ -355,7 +355,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         const float *am = scp + m * G, *sm2 = ssp + m * G;
         float* ym = out + m * N + b * 8;
         const int64_t left = M - m;
-        const int64_t take = left == 5 || left == 6 ? 3 : std::min<int64_t>(left, 4);  // 6 = 3 + 3, not 4 + 2
+        const int64_t take = tokenleap_simd::tile_rows(left);
         if (take == 4) int4_tile<4>(xm, am, sm2, K, wb, sb, ym, N);
         else if (take == 3) int4_tile<3>(xm, am, sm2, K, wb, sb, ym, N);
         else if (take == 2) int4_tile<2>(xm, am, sm2, K, wb, sb, ym, N);
@@ -364,9 +364,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       }
     }
   });
-  if (bp != nullptr)  // after the products, elementwise: row-invariant
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) out[m * N + n] += bp[n];
+  if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
   return y;
 }
 

@@ -2,6 +2,9 @@
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstdint>
+
 namespace tokenleap_simd {
 
 inline float hsum8(__m256 v) {
@@ -31,5 +34,16 @@ inline __m256 exp_neg(__m256 x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
+
+// y[m, n] += bias[n] for M rows of N: after a product, elementwise, so row-invariant.
+inline void add_bias_rows(float* y, const float* bias, int64_t M, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+}
+
+// Rows the next register tile of a weight-times-int8-activations product takes (tiles of 1-4
+// rows), `left` rows remaining: 6 as 3 + 3 and 5 as 3 + 2, not 4 + 2 / 4 + 1, whose small tile
+// re-reads the weights for too few rows. (Which tile a row lands in never changes its result.)
+inline int64_t tile_rows(int64_t left) { return left == 5 || left == 6 ? 3 : std::min<int64_t>(left, 4); }
 
 }  // namespace tokenleap_simd

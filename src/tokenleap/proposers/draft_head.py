@@ -10,7 +10,7 @@ when the target's choice falls outside the subset.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ class ReducedVocabHead:
     def _rows(self, ids: torch.Tensor) -> Int8Linear:
         return Int8Linear(self._q[ids], self._scales[ids])
 
-    def _static_rows(self, ids: torch.Tensor) -> nn.Module:
+    def _static_rows(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The shared subset, read for every drafted token: 4-bit on tokenleap's kernel (half the
         bytes of int8; a draft's precision moves only acceptance), padded to the kernel's 16 rows."""
         if not kernels.available() or self._q.shape[1] % 32:
