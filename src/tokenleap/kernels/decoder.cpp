@@ -223,7 +223,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at
 
 // The decode / verification attention of one sequence in one call: rotate q and k at positions
 // pos0 .. pos0+T-1, store k and v into that sequence's cache entries, attend (as attend_rows).
-// q [T, H, hd], k, v [T, n_kv, hd] (views with unit last stride). Cache entry j of kv head g is at
+// q [T, H, hd], k, v [T, n_kv, hd] (views with unit last stride). Cache entry j < pos0 + T of kv head g is at
 // kbase + g * ks0 + koff[j] (values likewise): the same arithmetic as rope_ + a cache write +
 // attend_rows, for a contiguous or a paged cache.
 at::Tensor rope_store_attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -236,8 +236,9 @@ at::Tensor rope_store_attend_impl(const at::Tensor& q, const at::Tensor& k, cons
               "rope_store_attend: float32 q [T, H, hd], k / v [T, n_kv, hd] with unit last strides");
   const int64_t T = q.size(0), nkv = k.size(1), hd = q.size(2), half = hd / 2;
   TORCH_CHECK(k.size(2) == hd, "rope_store_attend: shapes");
-  TORCH_CHECK(pos0 >= 0 && pos0 + T <= static_cast<int64_t>(koff.size()) && pos0 + T <= cos.size(0),
-              "rope_store_attend: positions");
+  TORCH_CHECK(pos0 >= 0 && pos0 + T == static_cast<int64_t>(koff.size()) && koff.size() == voff.size() &&
+                  pos0 + T <= cos.size(0),
+              "rope_store_attend: positions (offsets for exactly positions 0 .. pos0+T-1)");
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   const float* cp = cc.data_ptr<float>();
   const float* sp = sc.data_ptr<float>();
@@ -257,8 +258,7 @@ at::Tensor rope_store_attend_impl(const at::Tensor& q, const at::Tensor& k, cons
       rope_vec(kd, c, s, half);
     }
   }
-  const std::vector<int64_t> kused(koff.begin(), koff.begin() + pos0 + T), vused(voff.begin(), voff.begin() + pos0 + T);
-  return attend_impl(qr, kbase, vbase, ks0, vs0, kused, vused, nkv, pos0, scale);
+  return attend_impl(qr, kbase, vbase, ks0, vs0, koff, voff, nkv, pos0, scale);
 }
 
 // Contiguous cache: k_store, v_store [n_kv, max_len, hd] (one slot, unit last stride).

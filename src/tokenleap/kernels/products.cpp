@@ -343,9 +343,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   // Each thread walks its column blocks in memory order (one block is K*4 contiguous bytes), all
   // rows of a block before the next: a single forward stream, which the prefetchers keep up with
   // (two interleaved streams ran at ~12 GB/s instead of ~18 on short K).
-  // Each thread walks its column blocks in memory order (one block is K*4 contiguous bytes), all
-  // rows of a block before the next: a single forward stream, which the prefetchers keep up with
-  // (two interleaved streams ran at ~12 GB/s instead of ~18 on short K).
   at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = w + b * K * 4;

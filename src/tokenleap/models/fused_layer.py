@@ -2,8 +2,8 @@
 
 A decode step of a small model spends a large share of its time in Python -- module calls, a dozen
 small ops a layer -- rather than in the products (about a third of a 0.5B draft's step). When a
-layer's products all run on tokenleap's int4 / int6 / int8 kernels, the model is float32 and the KV cache
-is the contiguous one, ``Transformer.forward`` hands each layer to ``kernels.decoder_layer``
+layer's products all run on tokenleap's int4 / int6 / int8 kernels and the model and its KV cache
+(contiguous or paged) are float32, ``Transformer.forward`` hands each layer to ``kernels.decoder_layer``
 instead: the same kernels in the same order, so the result is bitwise the Python layer's.
 A plan is built once per layer and rebuilt if the layer's modules are replaced.
 """

@@ -66,7 +66,6 @@ class Int6Linear(nn.Module):
         self.register_buffer("packed", packed)  # uint8 [out/8, in/32, 208]
         self.register_buffer("d", dd)  # float32 [out/8, in/256, 8]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
-        self.use_kernel = True
 
     @classmethod
     def from_gguf(cls, raw: Any, shape: tuple[int, int], bias: torch.Tensor | None = None) -> "Int6Linear":
