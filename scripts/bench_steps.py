@@ -1,0 +1,50 @@
+"""Time one decode / verification step of a real model: a forward over R new rows (row-exact, as
+verification computes them) after a 200-token prompt, with the compiled decoder layer and with the
+Python layers, alternating, median ms over repeats.
+
+    python scripts/bench_steps.py --model qwen2.5-coder-1.5b-instruct --rows 1 2 4 6
+    python scripts/bench_steps.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --rows 1
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tokenleap.cache import KVCache
+from tokenleap.loading import load_model
+from tokenleap.models.transformer import Segment
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--gguf-other", default="int8", help="how a GGUF's non-4-bit tensors load (drafts: int4)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6])
+    ap.add_argument("--prompt", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=12)
+    args = ap.parse_args()
+    model = load_model(args.model, quant=args.quant, gguf_other=args.gguf_other).model
+    cache = KVCache(model.config, 1, args.prompt + max(args.rows) + 1, torch.float32)
+    slot = cache.allocate()
+    model(torch.randint(0, 1000, (args.prompt,), generator=torch.Generator().manual_seed(0)),
+          [Segment(slot, 0, args.prompt)], cache)
+    times: dict[tuple[bool, int], list[float]] = {}
+    for _ in range(args.repeats):
+        for fused in (True, False):
+            model.use_fused_layers = fused
+            for rows in args.rows:
+                t = time.perf_counter()
+                model(torch.arange(rows), [Segment(slot, args.prompt, rows)], cache, row_exact=True)
+                times.setdefault((fused, rows), []).append(time.perf_counter() - t)
+    print(f"{args.model} ({args.quant}, other {args.gguf_other}), {torch.get_num_threads()} threads; median ms")
+    for rows in args.rows:
+        f, p = (statistics.median(times[(fz, rows)]) * 1e3 for fz in (True, False))
+        print(f"rows {rows}: compiled layers {f:.1f}  python layers {p:.1f}")
+
+
+if __name__ == "__main__":
+    main()
