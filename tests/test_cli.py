@@ -50,6 +50,8 @@ def test_unsupported_architecture(capsys, tmp_path):
     ("--top-p", "1.5", "top_p must be in (0, 1]"),
     ("--top-k", "-2", "top_k must be an integer >= 0"),
     ("--max-tokens", "0", "max_tokens must be an integer >= 1"),
+    ("--logprobs", "30", "logprobs must be an integer in [0, 20]"),
+    ("--presence-penalty", "5", "presence_penalty must be in [-2, 2]"),
 ])
 def test_invalid_sampling_values(capsys, flag, value, needle):
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", flag, value], needle)
@@ -127,6 +129,12 @@ def test_ngram_speculation_equals_plain_on_real_model(capsys, smollm2_gguf):
     assert spec["stats"]["draft_tokens"] > 0 and spec["stats"]["mean_accepted_tokens"] >= 1.0
     auto = cli_json(capsys, "--prompt", prompt, "--chat", "--spec", "ngram")[0]
     assert auto["token_ids"] == plain["token_ids"]
+    assert "logprobs" not in auto
+    # logprobs on the real model: the same figures with and without speculation
+    lp_plain = cli_json(capsys, "--prompt", prompt, "--chat", "--logprobs", "2")[0]["logprobs"]
+    lp_spec = cli_json(capsys, "--prompt", prompt, "--chat", "--logprobs", "2", "--spec", "ngram")[0]["logprobs"]
+    assert lp_spec == lp_plain and [e["token_id"] for e in lp_plain] == plain["token_ids"]
+    assert all(e["logprob"] <= 0 and e["top"][0] == [e["token_id"], e["logprob"]] for e in lp_plain)
 
 
 def test_models_lists_the_catalog(capsys):

@@ -116,8 +116,10 @@ FUZZ = [
     b'{"prompt": "a", "max_tokens": 2.5}', b'{"prompt": "a", "n": 1000}', b'{"prompt": "a", "n": 0}',
     b'{"prompt": "a", "temperature": -0.5}', b'{"prompt": "a", "top_p": 2}', b'{"prompt": "a", "top_k": -5}',
     b'{"prompt": "a", "min_p": 7}', b'{"prompt": "a", "stop": [""]}', b'{"prompt": "a", "stop": 5}',
-    b'{"prompt": "a", "seed": "x"}', b'{"prompt": "a", "stream": "yes"}', b'{"prompt": "a", "logprobs": 3}',
-    b'{"prompt": "a", "presence_penalty": 1.0}', b'{"prompt": "a", "stream_options": 3}',
+    b'{"prompt": "a", "seed": "x"}', b'{"prompt": "a", "stream": "yes"}', b'{"prompt": "a", "logprobs": 21}',
+    b'{"prompt": "a", "logprobs": -1}', b'{"prompt": "a", "logprobs": true}', b'{"prompt": "a", "echo": 1}',
+    b'{"prompt": "a", "presence_penalty": 3.0}', b'{"prompt": "a", "frequency_penalty": "x"}',
+    b'{"prompt": "a", "repetition_penalty": 0}', b'{"prompt": "a", "stream_options": 3}',
     b'{"prompt": "' + b"x" * 200 + b'"}', b'{"prompt": ["a", 3]}', b'{"prompt": "a", "model": 17}',
     b'{"prompt": "a", "seed": 100000000000000000000000}', b"[" * 100000 + b"]" * 100000,
 ]
@@ -126,7 +128,9 @@ CHAT_FUZZ = [
     b'{"messages": [{"content": "a"}]}', b'{"messages": [{"role": "user", "content": 5}]}',
     b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
     b'{"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -1}',
-    b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true}', b"{}",
+    b'{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}',
+    b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 50}',
+    b'{"messages": [{"role": "user", "content": "a"}], "logprobs": 1}', b"{}",
 ]
 
 
@@ -250,3 +254,60 @@ def test_a_non_streaming_client_that_leaves_is_cancelled():
         held.gate.set()
         assert wait_until(lambda: s.scheduler.idle)
         assert s.scheduler.stats.finished == {"abort": 1} and eng.cache.num_used_blocks == 0
+
+
+def test_logprobs_completions_and_chat(server):
+    c = client(server)
+    ref = expected("score me", 10, temperature=0, logprobs=2)
+    r = c.completions.create(model=NAME, prompt="score me", max_tokens=10, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    tok = ChatToyTokenizer(VOCAB)
+    assert lp.tokens == [tok.piece(t) for t in ref.generated]
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-6)
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-6)  # greedy: the best token
+               for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # streamed: the same tokens and figures, chunk by chunk, offsets continuing across chunks
+    chunks = list(c.completions.create(model=NAME, prompt="score me", max_tokens=10, temperature=0, logprobs=2,
+                                       stream=True))
+    streamed = [(t, v, o) for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for t, v, o in zip(ch.choices[0].logprobs.tokens, ch.choices[0].logprobs.token_logprobs,
+                                   ch.choices[0].logprobs.text_offset)]
+    assert streamed == list(zip(lp.tokens, lp.token_logprobs, lp.text_offset))
+    # chat: content entries with bytes and top alternatives
+    ref = expected(chat_prompt("hi"), 6, temperature=0, logprobs=3)
+    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                  temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.piece(t) for t in ref.generated]
+    assert [e.logprob for e in content] == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-6)
+    assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3 for e in content)
+    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                  temperature=0)
+    assert r.choices[0].logprobs is None
+
+
+def test_echo_with_prompt_logprobs(server):
+    c = client(server)
+    r = c.completions.create(model=NAME, prompt="echo this", max_tokens=5, temperature=0, echo=True, logprobs=1)
+    ref = expected("echo this", 5, temperature=0)
+    assert r.choices[0].text == "echo this" + ref.text
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    r = c.completions.create(model=NAME, prompt=["ab", "cd"], max_tokens=3, temperature=0, echo=True, n=2)
+    assert [ch.text[:2] for ch in r.choices] == ["ab", "ab", "cd", "cd"] and r.choices[0].logprobs is None
+    chunks = list(c.completions.create(model=NAME, prompt="echo", max_tokens=4, temperature=0, echo=True,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "echo" + expected("echo", 4).text
+
+
+def test_penalties_reach_the_engine(server):
+    c = client(server)
+    kw = dict(presence_penalty=1.5, frequency_penalty=0.5)
+    r = c.completions.create(model=NAME, prompt="again again", max_tokens=20, temperature=0,
+                             extra_body={"repetition_penalty": 1.2, "ignore_eos": True}, **kw)
+    ref = expected("again again", 20, temperature=0, repetition_penalty=1.2, ignore_eos=True, **kw)
+    assert r.choices[0].text == ref.text
+    assert ref.generated != expected("again again", 20, temperature=0, ignore_eos=True).generated

@@ -41,25 +41,36 @@ def pair():
     return model(11, 1.0), model(12, 2.0)  # a draft far from the target: many rejections
 
 
-def exact_distribution(target) -> dict[tuple[int, ...], float]:
+def penalized(logits: torch.Tensor, cont: tuple[int, ...], penalties: dict) -> torch.Tensor:
+    """Row j after the continuation's first j tokens, penalized token by token (OpenAI's formulas)."""
+    out = logits.clone()
+    for j in range(out.shape[0]):
+        for t in range(V):
+            c = cont[:j].count(t)
+            out[j, t] -= penalties.get("frequency_penalty", 0) * c + penalties.get("presence_penalty", 0) * (c > 0)
+    return out
+
+
+def exact_distribution(target, penalties: dict | None = None) -> dict[tuple[int, ...], float]:
     out = {}
     for cont in itertools.product(range(V), repeat=N_NEW):
         ids = PROMPT + list(cont)
         cache = KVCache(target.config, 1, 32, torch.float32)
         logits = target(torch.tensor(ids), [Segment(cache.allocate(), 0, len(ids))], cache).logits
-        probs = logits_to_probs(logits[len(PROMPT) - 1: -1], **PARAMS)  # [N_NEW, V]
+        logits = penalized(logits[len(PROMPT) - 1: -1], cont, penalties or {})
+        probs = logits_to_probs(logits, **PARAMS)  # [N_NEW, V]
         out[cont] = float(torch.prod(probs[torch.arange(N_NEW), torch.tensor(cont)]))
     return out
 
 
-def sample_counts(target, draft, seed: int) -> dict[tuple[int, ...], int]:
+def sample_counts(target, draft, seed: int, penalties: dict | None = None) -> dict[tuple[int, ...], int]:
     eng = Engine(target, ToyTokenizer(V, eos=()), max_len=32,
                  proposer=DraftModelProposer(draft, V, 32), controller=ControllerConfig(max_k=3, fixed_k=3))
     gen = torch.Generator().manual_seed(seed)
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(N_SAMPLES):
         s = int(torch.randint(0, 2**31, (1,), generator=gen))
-        params = SamplingParams(max_tokens=N_NEW, seed=s, ignore_eos=True, **PARAMS)
+        params = SamplingParams(max_tokens=N_NEW, seed=s, ignore_eos=True, **PARAMS, **(penalties or {}))
         *_, (seq, _) = eng.generate(PROMPT, params)
         key = tuple(seq.generated)
         counts[key] = counts.get(key, 0) + 1
@@ -89,6 +100,17 @@ def test_engine_sampling_matches_target_distribution(pair):
     exact = exact_distribution(target)
     assert abs(sum(exact.values()) - 1) < 1e-5
     counts = sample_counts(target, draft, seed=5)
+    assert p_value(counts, exact) > 1e-3
+
+
+def test_engine_sampling_with_penalties_matches_target_distribution(pair):
+    """Penalties change the target distribution row by row (each row after its own drafted prefix);
+    speculation must still sample exactly from it."""
+    target, draft = pair
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.6)
+    exact = exact_distribution(target, penalties)
+    assert max(abs(exact[k] - v) for k, v in exact_distribution(target).items()) > 0.02  # they act
+    counts = sample_counts(target, draft, seed=6, penalties=penalties)
     assert p_value(counts, exact) > 1e-3
 
 

@@ -307,3 +307,13 @@ def test_qwen_ids_and_chat_match_transformers(tmp_path):
     want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tok.apply_chat_template(messages) == want
     assert tok.encode_chat(messages) == ref.encode(want)
+
+
+def test_smollm2_token_bytes_are_exact(smol):
+    """Each token's bytes, joined, give the text's UTF-8 -- also across tokens that split a character."""
+    for text in TEXTS + _random_texts(60, seed=3):
+        ids = smol.encode(text, add_special_tokens=False)
+        assert b"".join(smol.token_bytes(i) for i in ids) == text.encode("utf-8"), repr(text)
+    split = [i for i in smol.encode("世界", add_special_tokens=False) if "\ufffd" in smol.decode([i])]
+    assert split and all(smol.token_bytes(i)[0] >= 0x80 for i in split)
+    assert smol.token_bytes(smol.eos_token_id) == b"<|im_end|>"

@@ -13,6 +13,7 @@ from .config import ConfigError, SamplingParams, SpecConfig
 from .controller import ControllerConfig
 from .engine import Engine
 from .loading import LoadedModel, load_model
+from .logprobs import TokenLogprob
 from .proposers.base import Proposer
 
 
@@ -25,6 +26,8 @@ class RequestOutput:
     finish_reason: str | None
     seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None)
 
     @property
     def num_tokens(self) -> int:
@@ -38,7 +41,15 @@ class RequestOutput:
         return {"text": self.text, "token_ids": self.token_ids, "num_tokens": self.num_tokens,
                 "prompt_tokens": self.prompt_tokens, "finish_reason": self.finish_reason,
                 "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
-                "stats": self.stats}
+                "stats": self.stats, **self._logprob_fields()}
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.logprobs is not None:
+            out["logprobs"] = [t.to_dict() for t in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [None if t is None else t.to_dict() for t in self.prompt_logprobs]
+        return out
 
 
 @dataclass
@@ -98,7 +109,10 @@ class LLM:
         assert seq is not None
         seconds = time.perf_counter() - t0
         out = RequestOutput(prompt=prompt, text=seq.text, token_ids=seq.generated, prompt_tokens=len(ids),
-                            finish_reason=seq.finish_reason, seconds=seconds, stats=seq.stats.to_dict())
+                            finish_reason=seq.finish_reason, seconds=seconds, stats=seq.stats.to_dict(),
+                            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                            prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None
+                            else None)
         yield StreamChunk(last_piece, seq.generated, True, out)
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],

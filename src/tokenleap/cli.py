@@ -88,7 +88,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = [args.prompt] if args.prompt is not None else read_prompts_file(args.prompts_file)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            logprobs=args.logprobs)
     spec = spec_config(args)
     from .api import LLM
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
@@ -157,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables it")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each generated token's logprob and its N most likely alternatives")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of streamed text")
     g.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     g.set_defaults(func=cmd_generate)

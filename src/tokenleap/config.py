@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (vLLM's default limit)
 
 
 class ConfigError(ValueError):
@@ -98,6 +99,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each generated token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
+    presence_penalty: float = 0.0  # OpenAI's: subtract once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtract per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # HF / vLLM's: shrink the logits of tokens seen in prompt or output
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,10 +122,24 @@ class SamplingParams:
                f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                     and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+               f"repetition_penalty must be in (0, 100] (1 disables it), got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,10 @@ from .cache import KVCache
 from .config import SamplingParams
 from .controller import ControllerConfig, DraftLengthController
 from .errors import PromptTooLongError
+from .logprobs import token_logprobs
 from .metrics import SpecStats
 from .models.transformer import Segment, Transformer
+from .penalties import apply_penalties
 from .proposers.base import Draft, DraftRequest, Proposer
 from .sampling import logits_to_probs, make_generator
 from .sequence import Sequence
@@ -116,15 +118,26 @@ class Engine:
             return 0
         t0 = time.perf_counter()
         chunk = seq.tokens[done:end]
+        n_prompt = len(seq.prompt)
+        # prompt logprobs: row r predicts position done + r + 1 (each recorded once, also after a preemption)
+        scored = seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < min(end + 1, n_prompt)
+        rows = None if scored else torch.tensor([len(chunk) - 1])
         out = self.model(torch.tensor(chunk), [Segment(seq.slot, done, len(chunk))], self.cache,
-                         logit_rows=torch.tensor([len(chunk) - 1]), row_exact=exact)
+                         logit_rows=rows, row_exact=exact)  # logits: [1 or len(chunk), vocab]
+        if scored:
+            first = len(seq.prompt_logprobs)  # the next prompt position without a logprob
+            last = min(end + 1, n_prompt)
+            if done < first <= end:
+                seq.prompt_logprobs += token_logprobs(out.logits[first - done - 1:last - done - 1],
+                                                      seq.tokens[first:last], seq.params.prompt_logprobs)
         if self.proposer is not None and self.controller.would_speculate(self._batch):
             # a draft model fills its cache alongside; while speculation does not pay at the current
             # batch size this is skipped, and a later proposal catches up (as prefill time)
             self.proposer.prefill(seq.seq_id, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:
-            result = self._verify(seq, None, out.logits)  # [1, vocab]
-            kept = seq.append(result.tokens)
+            # the last row's logits as a one-row head computes them (a many-row head may round differently)
+            logits = self.model.lm_head(out.hidden[-1][-1:], exact).float() if scored else out.logits  # [1, vocab]
+            kept = self._emit(seq, self._verify(seq, None, logits), logits)
             seq.stats.record_step(0, 0, kept)
             self.totals.record_step(0, 0, kept)
         seq.stats.prefill_seconds += time.perf_counter() - t0
@@ -200,15 +213,26 @@ class Engine:
         if draft is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted)
             self.controller.observe_acceptance(proposed, result.num_accepted)
-        kept = seq.append(result.tokens)
+        kept = self._emit(seq, result, logits)
         accepted = min(result.num_accepted, kept)
         seq.stats.record_step(proposed, accepted, kept)
         self.totals.record_step(proposed, accepted, kept)
 
     @staticmethod
+    def _emit(seq: Sequence, result: Verification, logits: torch.Tensor) -> int:
+        """Append the verified tokens (stop rules apply) and their logprobs; returns how many were kept.
+        Token i of ``result`` was chosen from row i of ``logits`` [>= len(result.tokens), vocab]."""
+        kept = seq.append(result.tokens)
+        if seq.params.logprobs is not None and kept:
+            seq.logprobs += token_logprobs(logits[:kept], result.tokens[:kept], seq.params.logprobs)
+        return kept
+
+    @staticmethod
     def _verify(seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> Verification:
         drafted = torch.tensor(draft.tokens if draft else [], dtype=torch.long)  # [k]
         p = seq.params
+        if p.penalized:  # the target's distribution given each row's history
+            logits = apply_penalties(logits, p, seq.prompt, seq.generated, draft.tokens if draft else [])
         if p.greedy:
             return verify_greedy(drafted, logits)
         probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [k+1, vocab]

@@ -2,7 +2,8 @@
 ``SamplingParams``; errors are ``APIError`` carrying the OpenAI error object.
 
 Value checks are ``SamplingParams``'s own (one message per bad value for every entry point); this
-module only adds what is HTTP-specific: types, ``n``, unsupported options, the context length.
+module only adds what is HTTP-specific: types, ``n``, the context length, and the response objects
+(choices, usage, the completions and chat forms of ``logprobs``).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .config import ConfigError, SamplingParams
+from .logprobs import TokenLogprob
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -61,6 +63,7 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     user: str | None = None
 
 
@@ -116,9 +119,6 @@ def _reject_constant(name: str) -> None:
 def check_common(req: _Sampling) -> None:
     if req.n is None or not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported by this server", name)
     if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:
         raise bad_request("seed must be a 64-bit signed integer", "seed")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -126,7 +126,8 @@ def check_common(req: _Sampling) -> None:
         raise bad_request(f"at most {MAX_STOP} stop strings", "stop")
 
 
-def sampling_params(req: _Sampling, max_tokens: int, choice: int) -> SamplingParams:
+def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """``SamplingParams`` for choice ``choice`` of ``req`` (seeded choices get seed + choice)."""
     top_k = req.top_k if req.top_k is not None else 0
     try:
@@ -135,7 +136,9 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int) -> SamplingPar
             top_k=0 if top_k == -1 else top_k, top_p=1.0 if req.top_p is None else req.top_p,
             min_p=req.min_p or 0.0, seed=None if req.seed is None else req.seed + choice,
             stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
-            ignore_eos=bool(req.ignore_eos))
+            ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]
@@ -182,14 +185,69 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
-def chat_delta(index: int, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_delta(index: int, delta: dict[str, str], finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+class TokenText:
+    """Each token's own text (special tokens spelled out) and its UTF-8 bytes, cached. A token that
+    holds part of a multi-byte character shows U+FFFD in its text; its bytes are exact where the
+    tokenizer can say (``token_bytes``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        if token_id not in self._text:
+            try:
+                self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            except TypeError:  # a tokenizer without the option
+                self._text[token_id] = self.tokenizer.decode([token_id])
+        return self._text[token_id]
+
+    def bytes(self, token_id: int) -> list[int]:
+        if token_id not in self._bytes:
+            exact = getattr(self.tokenizer, "token_bytes", None)
+            raw = exact(token_id) if exact is not None else self.text(token_id).encode("utf-8")
+            self._bytes[token_id] = list(raw)
+        return self._bytes[token_id]
+
+
+Scored = tuple[int, TokenLogprob | None]  # a token id and its logprob (None: the prompt's first token)
+
+
+def completion_logprobs(scored: list[Scored], tt: TokenText, offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset``: characters of text before these tokens."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, lp in scored:
+        text = tt.text(token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        out["top_logprobs"].append(None if lp is None else {tt.text(t): v for t, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(scored: list[Scored], tt: TokenText) -> dict[str, Any]:
+    """The chat completions ``logprobs`` object (``content``: one entry per generated token)."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tt.text(token_id), "logprob": logprob, "bytes": tt.bytes(token_id)}
+    content = [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
+               for t, lp in scored if lp is not None]
+    return {"content": content, "refusal": None}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from .config import ConfigError
 from .errors import TokenleapError
+from .logprobs import TokenLogprob
 from .paged_cache import PagedKVCache
 from .sequence import Sequence
 from .serve_metrics import ServeSnapshot, ServeStats, log_line
@@ -56,6 +57,8 @@ class Output:
     num_generated: int
     finish_reason: str | None = None  # "stop" | "length" | "error" on the last output
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the new tokens, if the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, if the request asked
 
 
 @dataclass(eq=False)
@@ -306,10 +309,14 @@ class Scheduler:
     def _emit(self, req: Request) -> None:
         seq = req.seq
         text, new_ids = seq.take_text(), seq.generated[req.sent:]
+        logprobs = seq.logprobs[req.sent:] if seq.params.logprobs is not None else []
+        prompt_logprobs = list(seq.prompt_logprobs) if req.sent == 0 and seq.params.prompt_logprobs is not None \
+            else None
         req.sent = seq.num_generated
         finished = seq.finished
         if text or new_ids or finished:
-            self._send(req, Output(text, new_ids, seq.num_generated, seq.finish_reason if finished else None))
+            self._send(req, Output(text, new_ids, seq.num_generated, seq.finish_reason if finished else None,
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         if finished:
             self._finish(req, seq.finish_reason or "stop")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
+from .logprobs import TokenLogprob
 from .metrics import SpecStats
 
 
@@ -23,6 +24,8 @@ class Sequence:
     streamed: int = 0  # characters of ``text`` already handed out
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # per prompt token
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -25,9 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ConfigError
 from .errors import PromptTooLongError
-from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request, chat_choice,
-                       chat_delta, chat_messages, check_common, check_max_tokens, completion_choice, new_id,
-                       now, parse_body, sampling_params, usage)
+from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, Scored, TokenText, bad_request,
+                       chat_choice, chat_delta, chat_logprobs, chat_messages, check_common, check_max_tokens,
+                       completion_choice, completion_logprobs, new_id, now, parse_body, sampling_params, usage)
 from .scheduler import Output, QueueFullError, Request, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
 
@@ -50,13 +50,26 @@ class _ClientGone(Exception):
 class _Job:
     """One HTTP request's choices and the queue their outputs arrive on."""
 
-    def __init__(self, scheduler: Scheduler, seqs: list, prompt_tokens: int) -> None:
+    def __init__(self, scheduler: Scheduler, seqs: list, prompt_tokens: int, echo: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.scheduler, self.prompt_tokens = scheduler, prompt_tokens
         self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
         self.requests = [Request(s, partial(self._deliver, loop, i)) for i, s in enumerate(seqs)]
         self.pending = set(range(len(seqs)))
         self.generated = [0] * len(seqs)
+        self.echo = echo  # per choice, the prompt text that starts it (completions' echo)
+        self.started = [False] * len(seqs)
+
+    def piece(self, i: int, out: Output) -> tuple[str, list[Scored]]:
+        """Choice ``i``'s new text and scored tokens in ``out`` (the echoed prompt before the first)."""
+        text, scored = out.text, [(lp.token_id, lp) for lp in out.logprobs]
+        if not self.started[i]:
+            self.started[i] = True
+            if self.echo is not None:
+                text = self.echo[i] + text
+                if out.prompt_logprobs is not None:
+                    scored = list(zip(self.requests[i].seq.prompt, out.prompt_logprobs)) + scored
+        return text, scored
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, out: Output) -> None:
         loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))  # runs on the scheduler thread
@@ -75,8 +88,9 @@ class _Job:
             self.pending.discard(i)
         return i, out
 
-    async def collect(self, http: HTTPRequest) -> tuple[list[str], list[str | None]]:
-        texts, reasons = [""] * len(self.requests), [None] * len(self.requests)
+    async def collect(self, http: HTTPRequest) -> tuple[list[str], list[str | None], list[list[Scored]]]:
+        n = len(self.requests)
+        texts, reasons, scored = [""] * n, [None] * n, [[] for _ in range(n)]
         while self.pending:
             try:
                 i, out = self._record(*await asyncio.wait_for(self.queue.get(), _POLL_SECONDS))
@@ -86,9 +100,11 @@ class _Job:
                 continue
             if out.error:
                 raise APIError(500, f"the request failed: {out.error}", "server_error")
-            texts[i] += out.text
+            text, tokens = self.piece(i, out)
+            texts[i] += text
+            scored[i] += tokens
             reasons[i] = out.finish_reason
-        return texts, reasons
+        return texts, reasons, scored
 
     def cancel(self) -> None:
         for i in self.pending:
@@ -105,17 +121,25 @@ class _Format:
     created: int
     chat: bool
     include_usage: bool = False
+    tokens: TokenText | None = None  # set when the request asked for logprobs
 
     def obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def chunk(self, i: int, out: Output) -> dict[str, Any]:
+    def choice(self, i: int, text: str, reason: str | None, scored: list[Scored], offset: int = 0,
+               delta: bool = False) -> dict[str, Any]:
+        """Choice ``i`` of a response (``delta``: of a streamed chat chunk); ``offset``: text before it."""
         if self.chat:
-            choice = chat_delta(i, {"content": out.text} if out.text else {}, out.finish_reason)
-        else:
-            choice = completion_choice(i, out.text, out.finish_reason)
-        return self.obj([choice], **({"usage": None} if self.include_usage else {}))
+            lp = chat_logprobs(scored, self.tokens) if self.tokens else None
+            if delta:
+                return chat_delta(i, {"content": text} if text else {}, reason, lp)
+            return chat_choice(i, text, reason, lp)
+        return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
+                                 if self.tokens else None)
+
+    def with_usage(self) -> dict[str, Any]:
+        return {"usage": None} if self.include_usage else {}
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -129,6 +153,7 @@ class OpenAIServer:
         self.scheduler = Scheduler(engine, config.scheduler)
         self.registry = make_registry(self.scheduler.snapshot, config.model_name)
         self.created = now()
+        self._tokens: TokenText | None = None  # token texts for logprobs, cached across requests
 
     # -- app --------------------------------------------------------------------------------
     def app(self) -> FastAPI:
@@ -157,27 +182,29 @@ class OpenAIServer:
         self._auth(request)
         req = parse_body(await request.body(), CompletionRequest)
         self._check(req)
-        if req.logprobs or req.echo:
-            raise bad_request("logprobs and echo are not supported by this server",
-                              "logprobs" if req.logprobs else "echo")
         prompts = self._prompts(req.prompt)
         budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
         fmt = _Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
-                      include_usage=self._include_usage(req))
-        return await self._run(request, req, prompts, budgets, fmt)
+                      include_usage=self._include_usage(req), tokens=self._token_text(req.logprobs is not None))
+        echo = None
+        if req.echo:  # the prompt as given (token ids: decoded) starts each choice
+            texts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+            echo = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts for _ in range(req.n)]
+        return await self._run(request, req, prompts, budgets, fmt, req.logprobs,
+                               req.logprobs if req.echo else None, echo)
 
     async def chat(self, request: HTTPRequest) -> Response:
         self._auth(request)
         req = parse_body(await request.body(), ChatRequest)
         self._check(req)
-        if req.logprobs or req.top_logprobs:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         prompt = self._encode_chat(chat_messages(req))
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = check_max_tokens(requested, len(prompt), self.engine.max_len, None)
         fmt = _Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
-                      include_usage=self._include_usage(req))
-        return await self._run(request, req, [prompt], [budget], fmt)
+                      include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)))
+        return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         self._auth(request)
@@ -193,31 +220,32 @@ class OpenAIServer:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- running a request ------------------------------------------------------------------
-    async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int],
-                   fmt: _Format) -> Response:
-        job = self._submit(req, prompts, budgets)
+    async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: _Format,
+                   logprobs: int | None = None, prompt_logprobs: int | None = None,
+                   echo: list[str] | None = None) -> Response:
+        job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo)
         if req.stream:
             return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")
         try:
-            texts, reasons = await job.collect(http)
+            texts, reasons, scored = await job.collect(http)
         except _ClientGone:
             return Response(status_code=499)
         finally:
             job.cancel()
-        make = chat_choice if fmt.chat else completion_choice
-        choices = [make(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [fmt.choice(i, t, r, s) for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
         return JSONResponse(fmt.obj(choices, usage=job.usage()))
 
-    def _submit(self, req, prompts: list[list[int]], budgets: list[int]) -> _Job:
+    def _submit(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
+                prompt_logprobs: int | None, echo: list[str] | None) -> _Job:
         seqs = []
         for prompt, budget in zip(prompts, budgets):
             for choice in range(req.n):
-                params = sampling_params(req, budget, choice)
+                params = sampling_params(req, budget, choice, logprobs, prompt_logprobs)
                 try:
                     seqs.append(self.engine.create(prompt, params))
                 except PromptTooLongError as e:
                     raise bad_request(str(e), "prompt", "context_length_exceeded") from None
-        job = _Job(self.scheduler, seqs, sum(len(p) for p in prompts))
+        job = _Job(self.scheduler, seqs, sum(len(p) for p in prompts), echo)
         try:
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
@@ -226,17 +254,22 @@ class OpenAIServer:
 
     async def _stream(self, job: _Job, fmt: _Format) -> AsyncIterator[str]:
         chunk_fmt = _Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
-                            fmt.chat, fmt.include_usage)
+                            fmt.chat, fmt.include_usage, fmt.tokens)
+        offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
         try:
             if fmt.chat:
                 first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
-                yield _sse(chunk_fmt.obj(first, **({"usage": None} if fmt.include_usage else {})))
+                yield _sse(chunk_fmt.obj(first, **fmt.with_usage()))
             async for i, out in job.outputs():
                 if out.error:
                     yield _sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
                     break
-                if out.text or out.finish_reason:
-                    yield _sse(chunk_fmt.chunk(i, out))
+                text, scored = job.piece(i, out)
+                if text or out.finish_reason or (scored and fmt.tokens):
+                    choice = chunk_fmt.choice(i, text, out.finish_reason, scored, offsets[i], delta=True)
+                    yield _sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                    if fmt.tokens:
+                        offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
             else:
                 if fmt.include_usage:
                     yield _sse(chunk_fmt.obj([], usage=job.usage()))
@@ -260,6 +293,13 @@ class OpenAIServer:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                                 f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
         check_common(req)
+
+    def _token_text(self, wanted: bool) -> TokenText | None:
+        if not wanted:
+            return None
+        if self._tokens is None:
+            self._tokens = TokenText(self.tokenizer)
+        return self._tokens
 
     @staticmethod
     def _include_usage(req) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -71,6 +72,11 @@ def _byte_to_char() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+@lru_cache(maxsize=1)
+def _char_to_byte() -> dict[str, int]:
+    return {c: b for b, c in _byte_to_char().items()}
 
 
 def _byte_level_spelling(token: str) -> str:
@@ -301,6 +307,20 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for -- exact also for a token that holds part of a
+        multi-byte character (byte-level BPE spelling, or SentencePiece's ``<0xNN>`` byte tokens)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            spelled = self.id_to_token(token_id) or ""
+            byte_of = _char_to_byte()
+            if spelled and all(c in byte_of for c in spelled):
+                return bytes(byte_of[c] for c in spelled)
+            hex_byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", spelled)
+            if hex_byte:
+                return bytes([int(hex_byte.group(1), 16)])
+        return text.encode("utf-8")
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)

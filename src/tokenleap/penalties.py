@@ -1,0 +1,50 @@
+"""Repetition penalties as a pure function of a sequence's tokens -- applied to the target's logits
+before greedy choice or sampling, so they are part of the target distribution that speculation
+reproduces exactly.
+
+* ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtract ``presence`` once from every token
+  that occurs in the generated text and ``frequency`` once per occurrence.
+* ``repetition_penalty`` (Hugging Face / vLLM): a token seen in the prompt or the generated text has
+  its logit divided by the penalty when positive and multiplied by it when negative.
+
+In a verification step, row ``i`` of the logits is the distribution after the generated tokens and
+the first ``i`` drafted tokens, so each row is penalized for its own history.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [k+1, vocab]
+    params: SamplingParams,
+    prompt: list[int],
+    generated: list[int],
+    draft: list[int],  # k drafted tokens; row i follows draft[:i]
+) -> torch.Tensor:  # [k+1, vocab] float32, a new tensor
+    rows, vocab = logits.shape
+    assert len(draft) == rows - 1, f"{rows} logit rows need {rows - 1} drafted tokens, got {len(draft)}"
+    out = logits.float().clone()
+    if not params.penalized:
+        return out
+    counts = torch.zeros(rows, vocab)  # [k+1, vocab]: occurrences in the generated text before each row
+    if generated:
+        counts += torch.bincount(torch.tensor(generated), minlength=vocab)[:vocab].float()
+    for i, tok in enumerate(draft):
+        counts[i + 1:, tok] += 1
+    if params.repetition_penalty != 1:
+        seen = counts > 0  # [k+1, vocab]
+        if prompt:
+            seen[:, torch.tensor(prompt)] = True
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if params.frequency_penalty:
+        out -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        out -= params.presence_penalty * (counts > 0).float()
+    return out
+
+
+__all__ = ["apply_penalties"]

@@ -1,0 +1,72 @@
+"""Presence / frequency / repetition penalties: the pure function against a direct per-token loop,
+and speculation with penalties stays lossless (greedy token-identical; sampling exact)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.controller import ControllerConfig
+from tokenleap.engine import Engine
+from tokenleap.penalties import apply_penalties
+from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.proposers.ngram import NgramProposer
+
+from conftest import ToyTokenizer, tiny_model
+
+VOCAB = 96
+
+
+def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history: list[int]) -> torch.Tensor:
+    out = row.clone()
+    for t in range(out.shape[0]):
+        c = history.count(t)
+        if params.repetition_penalty != 1 and (c or t in prompt):
+            out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
+        out[t] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=0.7), dict(frequency_penalty=-1.3),
+                                dict(repetition_penalty=1.8), dict(repetition_penalty=0.6, presence_penalty=2.0,
+                                                                   frequency_penalty=0.4)])
+def test_penalties_match_a_per_token_loop(kw):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 20, generator=g) * 3  # [k+1, vocab]
+    params = SamplingParams(**kw)
+    prompt, generated, draft = [1, 2, 2, 19], [3, 3, 7, 1], [7, 8, 3]
+    got = apply_penalties(logits, params, prompt, generated, draft)
+    for i in range(4):
+        want = naive(logits[i], params, prompt, generated + draft[:i])
+        assert torch.allclose(got[i], want, atol=1e-6), (kw, i)
+    assert torch.equal(apply_penalties(logits, SamplingParams(), prompt, generated, draft), logits)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("qwen2", seed=1, vocab=VOCAB, hidden=64, intermediate=128, layers=2)
+
+
+def run(target, params, proposer=None, k=None):
+    eng = Engine(target, ToyTokenizer(VOCAB), max_len=128, proposer=proposer,
+                 controller=ControllerConfig(max_k=6, fixed_k=k))
+    *_, (seq, _) = eng.generate([5, 9, 14, 3, 7, 9, 14, 3], params)
+    return seq
+
+
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=1.5), dict(repetition_penalty=1.3, presence_penalty=0.5)])
+def test_greedy_speculation_with_penalties_equals_plain(target, kw):
+    params = SamplingParams(max_tokens=30, ignore_eos=True, **kw)
+    want = run(target, params).generated
+    assert want != run(target, SamplingParams(max_tokens=30, ignore_eos=True)).generated  # the penalty acts
+    for k in (3, None):
+        for proposer in (DraftModelProposer(target, VOCAB, 128), NgramProposer(3, 1),
+                         DraftModelProposer(tiny_model("qwen2", seed=77, vocab=VOCAB), VOCAB, 128)):
+            assert run(target, params, proposer, k).generated == want, (type(proposer).__name__, k)
+
+
+def test_penalty_values_are_checked():
+    for kw in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
+               dict(presence_penalty=float("nan"))):
+        with pytest.raises(ConfigError, match="penalty"):
+            SamplingParams(**kw)
