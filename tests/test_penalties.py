@@ -24,12 +24,14 @@ def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history:
         if params.repetition_penalty != 1 and (c or t in prompt):
             out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
         out[t] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
+        out[t] += dict(params.logit_bias).get(t, 0.0)
     return out
 
 
 @pytest.mark.parametrize("kw", [dict(presence_penalty=0.7), dict(frequency_penalty=-1.3),
                                 dict(repetition_penalty=1.8), dict(repetition_penalty=0.6, presence_penalty=2.0,
-                                                                   frequency_penalty=0.4)])
+                                                                   frequency_penalty=0.4),
+                                dict(logit_bias={3: -100.0, 11: 5.5}, presence_penalty=0.3)])
 def test_penalties_match_a_per_token_loop(kw):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 20, generator=g) * 3  # [k+1, vocab]
@@ -54,7 +56,8 @@ def run(target, params, proposer=None, k=None):
     return seq
 
 
-@pytest.mark.parametrize("kw", [dict(frequency_penalty=1.5), dict(repetition_penalty=1.3, presence_penalty=0.5)])
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=1.5), dict(repetition_penalty=1.3, presence_penalty=0.5),
+                                dict(logit_bias={40: 3.0, 41: -100.0})])
 def test_greedy_speculation_with_penalties_equals_plain(target, kw):
     params = SamplingParams(max_tokens=30, ignore_eos=True, **kw)
     want = run(target, params).generated
@@ -67,6 +70,6 @@ def test_greedy_speculation_with_penalties_equals_plain(target, kw):
 
 def test_penalty_values_are_checked():
     for kw in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-               dict(presence_penalty=float("nan"))):
-        with pytest.raises(ConfigError, match="penalty"):
+               dict(presence_penalty=float("nan")), dict(logit_bias={5: 101.0}), dict(logit_bias={-1: 1.0})):
+        with pytest.raises(ConfigError, match="penalty|logit_bias"):
             SamplingParams(**kw)

@@ -119,7 +119,8 @@ FUZZ = [
     b'{"prompt": "a", "seed": "x"}', b'{"prompt": "a", "stream": "yes"}', b'{"prompt": "a", "logprobs": 21}',
     b'{"prompt": "a", "logprobs": -1}', b'{"prompt": "a", "logprobs": true}', b'{"prompt": "a", "echo": 1}',
     b'{"prompt": "a", "presence_penalty": 3.0}', b'{"prompt": "a", "frequency_penalty": "x"}',
-    b'{"prompt": "a", "repetition_penalty": 0}', b'{"prompt": "a", "stream_options": 3}',
+    b'{"prompt": "a", "repetition_penalty": 0}', b'{"prompt": "a", "logit_bias": {"x": 1}}',
+    b'{"prompt": "a", "logit_bias": {"5": 500}}', b'{"prompt": "a", "logit_bias": {"100000": 1}}', b'{"prompt": "a", "stream_options": 3}',
     b'{"prompt": "' + b"x" * 200 + b'"}', b'{"prompt": ["a", 3]}', b'{"prompt": "a", "model": 17}',
     b'{"prompt": "a", "seed": 100000000000000000000000}', b"[" * 100000 + b"]" * 100000,
 ]
@@ -311,3 +312,8 @@ def test_penalties_reach_the_engine(server):
     ref = expected("again again", 20, temperature=0, repetition_penalty=1.2, ignore_eos=True, **kw)
     assert r.choices[0].text == ref.text
     assert ref.generated != expected("again again", 20, temperature=0, ignore_eos=True).generated
+    banned = expected("again again", 5, temperature=0).generated[0]  # the first token, forbidden by a bias
+    r = c.completions.create(model=NAME, prompt="again again", max_tokens=5, temperature=0,
+                             logit_bias={str(banned): -100})
+    ref = expected("again again", 5, temperature=0, logit_bias={banned: -100.0})
+    assert r.choices[0].text == ref.text and ref.generated[0] != banned

@@ -104,12 +104,15 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtract once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtract per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # HF / vLLM's: shrink the logits of tokens seen in prompt or output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and self.temperature >= 0,
@@ -132,14 +135,19 @@ class SamplingParams:
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
                f"repetition_penalty must be in (0, 100] (1 disables it), got {self.repetition_penalty!r}")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b) and -100 <= b <= 100
+                   for t, b in self.logit_bias),
+               "logit_bias must map token ids >= 0 to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the target's logits before choosing (``penalties.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,7 @@ class Engine:
     def _verify(seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> Verification:
         drafted = torch.tensor(draft.tokens if draft else [], dtype=torch.long)  # [k]
         p = seq.params
-        if p.penalized:  # the target's distribution given each row's history
+        if p.adjusts_logits:  # the target's distribution given each row's history
             logits = apply_penalties(logits, p, seq.prompt, seq.generated, draft.tokens if draft else [])
         if p.greedy:
             return verify_greedy(drafted, logits)

@@ -1,11 +1,12 @@
-"""Repetition penalties as a pure function of a sequence's tokens -- applied to the target's logits
-before greedy choice or sampling, so they are part of the target distribution that speculation
-reproduces exactly.
+"""Repetition penalties and logit bias as a pure function of a sequence's tokens -- applied to the
+target's logits before greedy choice or sampling, so they are part of the target distribution that
+speculation reproduces exactly.
 
 * ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtract ``presence`` once from every token
   that occurs in the generated text and ``frequency`` once per occurrence.
 * ``repetition_penalty`` (Hugging Face / vLLM): a token seen in the prompt or the generated text has
   its logit divided by the penalty when positive and multiplied by it when negative.
+* ``logit_bias`` (OpenAI): a fixed amount added to the logits of given tokens.
 
 In a verification step, row ``i`` of the logits is the distribution after the generated tokens and
 the first ``i`` drafted tokens, so each row is penalized for its own history.
@@ -27,7 +28,7 @@ def apply_penalties(
     rows, vocab = logits.shape
     assert len(draft) == rows - 1, f"{rows} logit rows need {rows - 1} drafted tokens, got {len(draft)}"
     out = logits.float().clone()
-    if not params.penalized:
+    if not params.adjusts_logits:
         return out
     counts = torch.zeros(rows, vocab)  # [k+1, vocab]: occurrences in the generated text before each row
     if generated:
@@ -44,6 +45,9 @@ def apply_penalties(
         out -= params.frequency_penalty * counts
     if params.presence_penalty:
         out -= params.presence_penalty * (counts > 0).float()
+    for tok, bias in params.logit_bias:
+        if tok < vocab:
+            out[:, tok] += bias
     return out
 
 

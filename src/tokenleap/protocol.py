@@ -64,6 +64,7 @@ class _Sampling(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
 
@@ -138,11 +139,26 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias))
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]
         raise bad_request(message, param if param.isidentifier() else None) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
+    if bias and any(int(k) >= vocab for k in bias if k.strip().isdigit()):
+        raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, str]]:

@@ -26,8 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .config import ConfigError
 from .errors import PromptTooLongError
 from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, Scored, TokenText, bad_request,
-                       chat_choice, chat_delta, chat_logprobs, chat_messages, check_common, check_max_tokens,
-                       completion_choice, completion_logprobs, new_id, now, parse_body, sampling_params, usage)
+                       chat_choice, chat_delta, chat_logprobs, chat_messages, check_common, check_logit_bias,
+                       check_max_tokens, completion_choice, completion_logprobs, new_id, now, parse_body,
+                       sampling_params, usage)
 from .scheduler import Output, QueueFullError, Request, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
 
@@ -293,6 +294,7 @@ class OpenAIServer:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                                 f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
         check_common(req)
+        check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
 
     def _token_text(self, wanted: bool) -> TokenText | None:
         if not wanted:
