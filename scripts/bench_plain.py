@@ -5,7 +5,9 @@ with the weight bandwidth each achieves next to a large tensor reduction's read 
     python scripts/bench_plain.py --model qwen2.5-coder-1.5b-instruct --prompts 3 --max-new-tokens 64
 
 Configurations are interleaved per prompt (one warm-up generation each, not counted); the
-figure per configuration is the median over prompts of new tokens / wall time (prefill included).
+figure per configuration is the median over prompts of new tokens / wall time (prefill included),
+and next to it the decoding phase alone: the tokens after the first / the time after the first
+token (the first token comes out of prefill), from which the weight bandwidth of decoding follows.
 """
 from __future__ import annotations
 
@@ -54,9 +56,10 @@ class Tokenleap:
             0 if m.config.tie_word_embeddings else 1)
         self.params = SamplingParams(max_tokens=max_new, ignore_eos=True)
 
-    def run(self, prompt: str) -> tuple[list[int], float]:
+    def run(self, prompt: str) -> tuple[list[int], float, float]:
+        """(token ids, seconds, seconds to the first token)"""
         out = self.llm.generate([prompt], self.params, chat=False)[0]
-        return out.token_ids, out.seconds
+        return out.token_ids, out.seconds, out.stats["prefill_seconds"]
 
 
 class HF:
@@ -75,13 +78,29 @@ class HF:
         tied = self.model.config.tie_word_embeddings  # then the embedding is also the full LM head
         self.bytes_per_token = total - (0 if tied else emb.numel() * emb.element_size())
 
-    def run(self, prompt: str) -> tuple[list[int], float]:
+    def run(self, prompt: str) -> tuple[list[int], float, float]:
         ids = torch.tensor([self.tok.encode(prompt)])
+        first = _FirstToken()
         t = time.perf_counter()
         with torch.no_grad():
             out = self.model.generate(ids, max_new_tokens=self.max_new, min_new_tokens=self.max_new,
-                                      do_sample=False)
-        return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t
+                                      do_sample=False, streamer=first)
+        return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t, first.at - t
+
+
+class _FirstToken:
+    """A transformers streamer that notes when the first new token arrives (its first call is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.at = 0, float("nan")
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 class LlamaCpp:
@@ -97,16 +116,19 @@ class LlamaCpp:
         self.bytes_per_token = path.stat().st_size - (emb.nbytes if emb is not None and "output.weight" in infos else 0)
         self.max_new = max_new
 
-    def run(self, prompt: str) -> tuple[list[int], float]:
+    def run(self, prompt: str) -> tuple[list[int], float, float]:
         ids = self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
         self.llm.reset()
         out: list[int] = []
         t = time.perf_counter()
+        first = float("nan")
         for tok in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
             out.append(tok)
+            if len(out) == 1:
+                first = time.perf_counter() - t
             if len(out) >= self.max_new:
                 break
-        return out, time.perf_counter() - t
+        return out, time.perf_counter() - t, first
 
 
 def main() -> None:
@@ -134,22 +156,28 @@ def main() -> None:
     for r in runners:  # warm-up, not counted
         r.run("def warm_up():")
     rates: dict[str, list[float]] = {r.name: [] for r in runners}
+    decode: dict[str, list[float]] = {r.name: [] for r in runners}
     for p in prompts:
         for r in runners:
-            ids, secs = r.run(p)
+            ids, secs, first = r.run(p)
             rates[r.name].append(len(ids) / secs)
-            print(f"{r.name:28s} {len(ids):4d} tokens {secs:7.2f}s {len(ids) / secs:6.2f} tok/s", flush=True)
+            decode[r.name].append((len(ids) - 1) / (secs - first))
+            print(f"{r.name:28s} {len(ids):4d} tokens {secs:7.2f}s {len(ids) / secs:6.2f} tok/s, first token "
+                  f"{first:5.2f}s, decoding {decode[r.name][-1]:6.2f} tok/s", flush=True)
     bw = read_bandwidth()
     rows = []
     print(f"\nread bandwidth (sum over a 1 GiB tensor): {bw:.1f} GB/s\n")
-    print("| engine | tok/s (median) | weight bytes/token | weight GB/s | % of read bandwidth |")
-    print("|---|---|---|---|---|")
+    print("| engine | tok/s (median, prefill incl.) | weight bytes/token | weight GB/s | % of read bandwidth "
+          "| decoding tok/s (median) | decoding weight GB/s | % of read bandwidth |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runners:
-        tps = statistics.median(rates[r.name])
-        gbs = r.bytes_per_token * tps / 1e9
+        tps, dtps = statistics.median(rates[r.name]), statistics.median(decode[r.name])
+        gbs, dgbs = r.bytes_per_token * tps / 1e9, r.bytes_per_token * dtps / 1e9
         rows.append({"engine": r.name, "tokens_per_second": tps, "bytes_per_token": r.bytes_per_token,
-                     "weight_gb_per_s": gbs, "read_bandwidth_gb_per_s": bw})
-        print(f"| {r.name} | {tps:.2f} | {r.bytes_per_token / 1e9:.2f} GB | {gbs:.1f} | {100 * gbs / bw:.0f}% |")
+                     "weight_gb_per_s": gbs, "read_bandwidth_gb_per_s": bw, "decode_tokens_per_second": dtps,
+                     "decode_weight_gb_per_s": dgbs})
+        print(f"| {r.name} | {tps:.2f} | {r.bytes_per_token / 1e9:.2f} GB | {gbs:.1f} | {100 * gbs / bw:.0f}% "
+              f"| {dtps:.2f} | {dgbs:.1f} | {100 * dgbs / bw:.0f}% |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -114,12 +114,20 @@ def test_seeded_speculative_sampling_is_reproducible(target):
     assert other != outs[0]
 
 
-def test_bf16_greedy_speculative_equals_plain():
+@pytest.mark.parametrize("float32_activations", [False, True])
+def test_bf16_greedy_speculative_equals_plain(float32_activations):
+    """bf16 weights with bf16 activations, and with float32 activations (what --dtype bfloat16 loads
+    on CPUs without native bf16: the kernel computes in float32, and the KV cache is float32)."""
+    from tokenleap.models.build import float32_activations_
     target = tiny_model("llama", seed=4, vocab=VOCAB, dtype=torch.bfloat16, hidden=128, intermediate=256)
+    if float32_activations:
+        float32_activations_(target)
+        assert target.dtype == torch.float32 and target.lm_head.weight.dtype == torch.bfloat16
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     want = plain(target, PROMPTS[0], params).generated
-    seq = run(engine(target, NgramProposer(3, 1), 4), PROMPTS[0], params)
-    assert seq.generated == want
+    for proposer in (NgramProposer(3, 1), DraftModelProposer(target, VOCAB, 128)):
+        seq = run(engine(target, proposer, 4), PROMPTS[0], params)
+        assert seq.generated == want
 
 
 def test_reduced_vocabulary_draft_head_stays_lossless(target):

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from tokenleap.cache import CacheFullError, KVCache
+from tokenleap.models.build import float32_activations_
 from tokenleap.models.fused_layer import layer_plan
+from tokenleap.models.hugepages import move_weights_, on_huge_pages
 from tokenleap.models.int6 import Int6Linear
 from tokenleap.models.qlinear import Int8Linear
 from tokenleap.models.quant import fuse_projections_, quantize_
@@ -29,6 +31,9 @@ def _model(arch: str, mode: str, join: bool, seed: int = 3):
             mlp.down_proj = Int6Linear(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g),
                                        torch.randint(-64, 64, (n, k // 16), generator=g).to(torch.int8),
                                        torch.full((n, k // 256), 2e-3))
+    elif mode == "bf16":  # bf16 weights, float32 activations (what --dtype bfloat16 loads on AVX2 CPUs)
+        model = float32_activations_(tiny_model(arch, seed=seed, hidden=64, intermediate=256, layers=3,
+                                                dtype=torch.bfloat16))
     else:
         quantize_(model, mode)
     if join:
@@ -52,7 +57,8 @@ def _steps(model, fused: bool, cache=None):
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("mode,join", [("int4", True), ("int4", False), ("int8", True), ("mixed", True)])
+@pytest.mark.parametrize("mode,join", [("int4", True), ("int4", False), ("int8", True), ("mixed", True),
+                                       ("bf16", False)])
 def test_fused_layers_bitwise_equal_python_layers(arch, mode, join):
     model = _model(arch, mode, join)
     assert all(layer_plan(b) is not None for b in model.model.layers)
@@ -118,3 +124,22 @@ def test_fused_layers_on_a_paged_cache_equal_the_contiguous_cache(block_size):
     for r, o in zip(ref, got):
         assert torch.equal(r, o)
     assert cache.lengths[0] == 21 and cache.lengths[1] == 12
+
+
+def test_huge_page_copies_are_exact_and_aligned():
+    t = torch.randn(3, 1000)
+    h = on_huge_pages(t)
+    assert torch.equal(h, t) and h.data_ptr() % (2 << 20) == 0 and h.dtype == t.dtype
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["mixed", "bf16"])
+def test_weights_on_huge_pages_compute_the_same(mode):
+    model = _model("qwen2", mode, join=mode != "bf16")
+    ref, _ = _steps(model, fused=True)
+    assert move_weights_(model, min_bytes=0) > 0
+    for block in model.model.layers:  # the compiled layers now read the moved copies
+        packed = layer_plan(block).weights[2::3]  # each product's packed weight
+        assert all(t.data_ptr() % (2 << 20) == 0 for t in packed)
+    got, _ = _steps(model, fused=True)
+    assert all(torch.equal(r, o) for r, o in zip(ref, got))

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
 from .config import ConfigError
-from .models.build import build_transformer
+from .models.build import build_transformer, float32_activations_
+from .models.hugepages import move_weights_
+from .models.linear import Linear
 from .models.loader import as_dtype, load_checkpoint
 from .models.transformer import Transformer
 from .tokenizer import Tokenizer
@@ -71,9 +74,15 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     elif quant != "none":
         from .models.quant import quantize_
         quantize_(model, quant)
+    elif dt == torch.bfloat16 and not cpu_has_native_bf16() and kernels.available():
+        float32_activations_(model)  # bf16 weights on tokenleap's kernel, float32 everything else
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m._bf16_kernel()  # pack now, so the packed copy can go on huge pages
     if quant != "none":
         from .models.quant import fuse_projections_
         fuse_projections_(model)
         _own_memory(model)
+    move_weights_(model)  # the buffers every decode step streams, on transparent huge pages
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
     return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)

@@ -124,19 +124,19 @@ def weight_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x float32 [M, K] @ W.T for bfloat16 W packed like ``pack_int8`` -> float32 [M, N]; row-invariant,
     products and sums in float32."""
-    ones = _ones(packed.shape[0] * 8)
+    ones = unit_scale(packed.shape[0] * 8)
     return torch.ops.tokenleap.bf16_linear(x, packed, ones)
 
 
 def bf16_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``bf16_linear`` blocked for many rows (N a multiple of 16); prefill windows only."""
-    return torch.ops.tokenleap.bf16_gemm(x, packed, _ones(packed.shape[0] * 8))
+    return torch.ops.tokenleap.bf16_gemm(x, packed, unit_scale(packed.shape[0] * 8))
 
 
 _ONES: dict[int, torch.Tensor] = {}
 
 
-def _ones(n: int) -> torch.Tensor:  # the bfloat16 products' "scale": multiplying by 1 is exact
+def unit_scale(n: int) -> torch.Tensor:  # the bfloat16 products' "scale": multiplying by 1 is exact
     if n not in _ONES:
         _ONES[n] = torch.ones(n)
     return _ONES[n]

@@ -16,9 +16,9 @@
 
 namespace {
 
-constexpr int64_t kInt4 = 4, kInt6 = 6, kInt8 = 8;
+constexpr int64_t kInt4 = 4, kInt6 = 6, kInt8 = 8, kBf16 = 16;
 
-// One weight product: kind (kInt4 / kInt6 / kInt8), its true output size, its tensors.
+// One weight product: kind (kInt4 / kInt6 / kInt8 / kBf16), its true output size, its tensors.
 struct Product {
   int64_t kind, out;
   at::Tensor packed, scales;
@@ -27,9 +27,10 @@ struct Product {
   at::Tensor operator()(const at::Tensor& x) const {  // x float32 [M, K] -> [M, out]
     if (kind == kInt4) return tokenleap_ops::int4_product(x, packed, scales, bias);
     if (kind == kInt6) return tokenleap_ops::int6_product(x, packed, scales, bias);
-    at::Tensor y = tokenleap_ops::int8_product(x, packed, scales);  // [M, out padded to 8]
+    at::Tensor y = kind == kBf16 ? tokenleap_ops::bf16_product(x, packed, scales)   // [M, out]
+                                 : tokenleap_ops::int8_product(x, packed, scales);  // [M, out padded to 8]
     if (y.size(1) != out) y = y.narrow(1, 0, out);
-    if (bias.has_value()) y = y + *bias;  // as Int8Linear: the bias added after the product
+    if (bias.has_value()) y = y + *bias;  // as Int8Linear / Linear: the bias added after the product
     return y;
   }
 };
@@ -69,7 +70,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<c10::optional<at
     const auto& scales = weights[3 + 3 * i];
     TORCH_CHECK(packed.has_value() && scales.has_value(), "decoder_layer: product ", i, " has no weights");
     const int64_t kind = ints[5 + 2 * i];
-    TORCH_CHECK(kind == kInt4 || kind == kInt6 || kind == kInt8, "decoder_layer: product kind");
+    TORCH_CHECK(kind == kInt4 || kind == kInt6 || kind == kInt8 || kind == kBf16, "decoder_layer: product kind");
     products.push_back({ints[5 + 2 * i], ints[6 + 2 * i], *packed, *scales, weights[4 + 3 * i]});
   }
   const std::vector<Product> attn_in(products.begin(), products.begin() + n_attn);

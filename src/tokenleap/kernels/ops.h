@@ -8,6 +8,7 @@ namespace tokenleap_ops {
 at::Tensor int4_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm,
                         const c10::optional<at::Tensor>& bias);
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
+at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
 
 // int6.cpp
 at::Tensor int6_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,

@@ -28,6 +28,9 @@
 namespace {
 
 using tokenleap_simd::hsum8;
+#ifndef PF_AHEAD
+#define PF_AHEAD 4096
+#endif
 
 inline __m256 load_w(const int8_t* p) {  // 8 int8 -> 8 float32 (exact)
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -47,7 +50,8 @@ inline void tile(const float* x, int64_t K, const W* blk, int j0, const float* s
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   const W* p = blk + j0 * 8;
   for (int64_t k = 0; k < K; k += 8, p += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+    for (int line = 0; line < static_cast<int>(sizeof(W)); ++line)  // every line of this k-step's 64 weights
+      _mm_prefetch(reinterpret_cast<const char*>(p) + PF_AHEAD + 64 * line, _MM_HINT_T0);
     __m256 w[NB];
     for (int j = 0; j < NB; ++j) w[j] = load_w(p + j * 8);
     for (int m = 0; m < MB; ++m) {
@@ -377,6 +381,9 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& packed, const at:
 }
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
   return int8_linear(x, packed, scale);
+}
+at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  return bf16_linear(x, packed, scale);
 }
 }  // namespace tokenleap_ops
 

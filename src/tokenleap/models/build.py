@@ -34,3 +34,14 @@ def build_transformer(config: ModelConfig, weights: dict[str, torch.Tensor], dty
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def float32_activations_(model: Transformer) -> Transformer:
+    """Keep the bf16 weight matrices but compute in float32: norms, biases (and so activations and
+    the KV cache, which follow the norms' dtype) become float32. For CPUs without native bf16 math,
+    where tokenleap's bf16 product converts each weight to float32 anyway: no casts between layers,
+    and the layers can run as one compiled call each (``fused_layer``)."""
+    for name, p in model.named_parameters():
+        if p.dtype == torch.bfloat16 and (p.dim() == 1 or name.endswith("bias")):
+            p.data = p.data.float()
+    return model

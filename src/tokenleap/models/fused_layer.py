@@ -2,7 +2,7 @@
 
 A decode step of a small model spends a large share of its time in Python -- module calls, a dozen
 small ops a layer -- rather than in the products (about a third of a 0.5B draft's step). When a
-layer's products all run on tokenleap's int4 / int6 / int8 kernels and the model and its KV cache
+layer's products all run on tokenleap's int4 / int6 / int8 / bf16 kernels and the model and its KV cache
 (contiguous or paged) are float32, ``Transformer.forward`` hands each layer to ``kernels.decoder_layer``
 instead: the same kernels in the same order, so the result is bitwise the Python layer's.
 A plan is built once per layer and rebuilt if the layer's modules are replaced.
@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import kernels
 from .int6 import Int6Linear
+from .linear import Linear
 from .qlinear import Int4Linear, Int8Linear
 
-_INT4, _INT6, _INT8 = 4, 6, 8
+_INT4, _INT6, _INT8, _BF16 = 4, 6, 8, 16
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ def _product(lin: nn.Module | None) -> tuple[list, list[int]] | None:
         return [lin.packed, lin.d, bias], [_INT6, lin.out_features]
     if isinstance(lin, Int8Linear) and lin.use_kernel:
         return [lin.packed, lin.scales, bias], [_INT8, lin.out_features]
+    if isinstance(lin, Linear) and lin.weight.dtype == torch.bfloat16 and lin._bf16_kernel():
+        return [lin.__dict__["_packed"], kernels.unit_scale(lin.out_features), bias], [_BF16, lin.out_features]
     return None
 
 

@@ -34,6 +34,9 @@ class Linear(nn.Module):
         # x: [rows, in_features] -> [rows, out_features]
         if self.weight.dtype == torch.bfloat16 and self._bf16_kernel():
             return self._bf16_forward(x, row_exact)
+        if x.dtype != self.weight.dtype:  # float32 activations, bf16 weights, no kernel: bf16 F.linear
+            bias = None if self.bias is None else self.bias.to(self.weight.dtype)
+            return F.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
         if not row_exact or x.shape[0] == 1 or self.weight.dtype in ROW_INVARIANT_DTYPES:
             return F.linear(x, self.weight, self.bias)
         return torch.cat([F.linear(x[i : i + 1], self.weight, self.bias) for i in range(x.shape[0])])

@@ -214,7 +214,7 @@ class Transformer(nn.Module):
         head: replaces ``lm_head`` (e.g. a draft's reduced-vocabulary head); called as head(x, row_exact).
         """
         positions = torch.cat([torch.arange(s.pos_start, s.pos_start + s.length) for s in segments])
-        x = self.model.embed_tokens(tokens)  # [rows, hidden]
+        x = self.model.embed_tokens(tokens).to(self.dtype)  # [rows, hidden]; bf16 tables may feed float32 layers
         hidden: dict[int, torch.Tensor] = {}
         layers = self.model.layers[: num_layers or len(self.model.layers)]
         plans = self._fused_plans(layers, x, cache, row_exact)

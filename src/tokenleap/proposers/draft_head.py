@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..models.hugepages import move_weights_
 from ..models.quant import Int4Linear, Int8Linear
 
 
@@ -46,6 +47,7 @@ class ReducedVocabHead:
             return self._rows(ids)
         w = self._q[ids].float() * self._scales[ids].float()[:, None]  # [s, hidden]
         layer = Int4Linear.from_float(torch.nn.functional.pad(w, (0, 0, 0, -len(ids) % 16)))
+        move_weights_(layer)  # read for every drafted token: huge pages, like the model's own weights
         n = len(ids)
         return lambda x: layer(x)[:, :n]
 
