@@ -58,7 +58,7 @@ def _steps(model, fused: bool, cache=None):
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("mode,join", [("int4", True), ("int4", False), ("int8", True), ("mixed", True),
-                                       ("bf16", False)])
+                                       ("bf16", False), ("bf16", True)])
 def test_fused_layers_bitwise_equal_python_layers(arch, mode, join):
     model = _model(arch, mode, join)
     assert all(layer_plan(b) is not None for b in model.model.layers)
@@ -141,5 +141,15 @@ def test_weights_on_huge_pages_compute_the_same(mode):
     for block in model.model.layers:  # the compiled layers now read the moved copies
         packed = layer_plan(block).weights[2::3]  # each product's packed weight
         assert all(t.data_ptr() % (2 << 20) == 0 for t in packed)
+    got, _ = _steps(model, fused=True)
+    assert all(torch.equal(r, o) for r, o in zip(ref, got))
+
+
+@needs_kernel
+def test_joining_bf16_projections_changes_nothing():
+    model = _model("qwen2", "bf16", join=False)
+    ref, _ = _steps(model, fused=True)
+    assert fuse_projections_(model) == 2 * len(model.model.layers)  # q/k/v and gate/up of every layer
+    assert model.model.layers[0].self_attn.qkv.weight.dtype == torch.bfloat16
     got, _ = _steps(model, fused=True)
     assert all(torch.equal(r, o) for r, o in zip(ref, got))

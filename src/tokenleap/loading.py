@@ -76,6 +76,8 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
         quantize_(model, quant)
     elif dt == torch.bfloat16 and not cpu_has_native_bf16() and kernels.available():
         float32_activations_(model)  # bf16 weights on tokenleap's kernel, float32 everything else
+        from .models.quant import fuse_projections_
+        fuse_projections_(model)  # q/k/v and gate/up in one call each
         for m in model.modules():
             if isinstance(m, Linear):
                 m._bf16_kernel()  # pack now, so the packed copy can go on huge pages

@@ -41,6 +41,23 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return torch.cat([F.linear(x[i : i + 1], self.weight, self.bias) for i in range(x.shape[0])])
 
+    @classmethod
+    def concat(cls, layers: list[nn.Module]) -> "Linear | None":
+        """One bf16 layer computing ``layers``' outputs side by side (q | k | v, gate | up), or None.
+        Every output of tokenleap's bf16 product is its own chain, so joining changes no value."""
+        if not all(isinstance(l, Linear) and l.weight.dtype == torch.bfloat16 for l in layers):
+            return None
+        if len({l.in_features for l in layers}) != 1:
+            return None
+        has_bias = any(l.bias is not None for l in layers)
+        new = cls(layers[0].in_features, sum(l.out_features for l in layers), bias=has_bias)
+        new.weight = nn.Parameter(torch.cat([l.weight for l in layers]), requires_grad=False)
+        if has_bias:
+            dtype = next(l.bias.dtype for l in layers if l.bias is not None)
+            new.bias = nn.Parameter(torch.cat([l.bias if l.bias is not None else torch.zeros(l.out_features, dtype=dtype)
+                                               for l in layers]), requires_grad=False)
+        return new
+
     def _bf16_kernel(self) -> bool:
         """tokenleap's bf16 kernel applies (AVX2 machine, sizes multiples of 16 / 8); packs the weight
         once into the kernel's layout (a second copy: the float weight may be shared, e.g. tied)."""

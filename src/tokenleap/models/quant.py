@@ -111,7 +111,7 @@ def _report(model: nn.Module, mode: str, before: int, done: list, kept: list) ->
 
 
 def fuse_projections_(model: nn.Module) -> int:
-    """Join each attention block's q/k/v and each MLP's gate/up int8 (or int4) projections into one layer
+    """Join each attention block's q/k/v and each MLP's gate/up int8 (int4, bf16) projections into one layer
     (one kernel call instead of three or two; outputs bitwise unchanged). Returns how many joins
     were made; layers that cannot be joined (torch's kernels, mixed int8 / int4, float) are left as they are."""
     joined = 0
@@ -119,7 +119,7 @@ def fuse_projections_(model: nn.Module) -> int:
         for names, target in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "gate_up")):
             if hasattr(m, target) and getattr(m, target) is None and all(hasattr(m, n) for n in names):
                 parts = [getattr(m, n) for n in names]
-                fused = Int8Linear.concat(parts) or Int4Linear.concat(parts)
+                fused = Int8Linear.concat(parts) or Int4Linear.concat(parts) or Linear.concat(parts)
                 if fused is not None:
                     setattr(m, target, fused)
                     for n in names:
