@@ -13,6 +13,12 @@ HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 needs_kernel = pytest.mark.skipif(not HAS_AVX2, reason="the kernel needs AVX2 + FMA")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_loaded():  # the ops register on first use; tests here call them directly
+    if HAS_AVX2:
+        kernels.available()
+
+
 @needs_kernel
 def test_kernel_builds_on_avx2_machines():
     # CI runs on an AVX2 machine: a build failure must show up here, not as a silent slow fallback
@@ -159,9 +165,9 @@ def test_fused_rms_norm_and_rope_match_torch_formulas():
 @needs_kernel
 def test_bf16_products_exact_to_fp32_and_row_invariant():
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(48, 264, generator=g).bfloat16()
-    x = torch.randn(13, 264, generator=g)
-    packed = kernels.pack_int8(w)  # the same layout serves bfloat16
+    w = torch.randn(48, 272, generator=g).bfloat16()
+    x = torch.randn(13, 272, generator=g)
+    packed = kernels.pack_bf16(w)
     ref = x.double() @ w.double().T
     tol = 1e-5 * (x.double().abs() @ w.double().abs().T)
     assert ((kernels.bf16_linear(x, packed).double() - ref).abs() <= tol).all()

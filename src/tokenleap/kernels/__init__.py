@@ -85,8 +85,14 @@ def unavailable_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 [N, K] (N a multiple of 8, K of 16) -> the bf16 products' layout [N/8, K/16, 8, 16]."""
+    n, k = w.shape
+    return w.reshape(n // 8, 8, k // 16, 16).permute(0, 2, 1, 3).contiguous()
+
+
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """int8 (or bfloat16) [N, K] (N, K multiples of 8) -> the kernels' layout [N/8, K/8, 8, 8]."""
+    """int8 [N, K] (N, K multiples of 8) -> the int8 products' layout [N/8, K/8, 8, 8]."""
     n, k = q.shape
     return q.reshape(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3).contiguous()
 
@@ -112,8 +118,8 @@ GEMM_MIN_ROWS = 48  # from here on (and only without row exactness) the blocked 
 
 
 def weight_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, row_exact: bool) -> torch.Tensor:
-    """x float32 [M, K] times int8 (with ``scale``) or bfloat16 (``scale`` None) weights packed by
-    ``pack_int8`` -> float32 [M, N]: the row-invariant product, or for prefill windows
+    """x float32 [M, K] times int8 (with ``scale``; ``pack_int8``) or bfloat16 (``scale`` None;
+    ``pack_bf16``) weights -> float32 [M, N]: the row-invariant product, or for prefill windows
     (not ``row_exact``, ``GEMM_MIN_ROWS``+ rows, N a multiple of 16) the blocked GEMM."""
     gemm = not row_exact and x.shape[0] >= GEMM_MIN_ROWS and packed.shape[0] % 2 == 0
     if scale is None:
@@ -122,7 +128,7 @@ def weight_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | 
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x float32 [M, K] @ W.T for bfloat16 W packed like ``pack_int8`` -> float32 [M, N]; row-invariant,
+    """x float32 [M, K] @ W.T for bfloat16 W packed by ``pack_bf16`` -> float32 [M, N]; row-invariant,
     products and sums in float32."""
     ones = unit_scale(packed.shape[0] * 8)
     return torch.ops.tokenleap.bf16_linear(x, packed, ones)
@@ -261,5 +267,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

@@ -11,7 +11,10 @@
 // verification (k+1 rows) and batching therefore reproduce one-row decoding exactly.
 //
 // Packed layout: [N/8 column blocks][K/8][8 columns][8 k] int8, so one tile streams one contiguous
-// region and every 64-byte cache line holds 8 k of 8 neighbouring columns.
+// region and every 64-byte cache line holds 8 k of 8 neighbouring columns. bfloat16 weights:
+// [N/8][K/16][8 columns][16 k], so one 32-byte load holds 16 k of one column; its even k become
+// float32 by a shift and its odd k by a mask (bf16 is the top half of a float32), multiplied by x
+// with each 16 inputs stored evens first (``split16``): two ALU ops and two FMAs per 16 weights.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -68,6 +71,49 @@ inline void block_rows(const float* x, int64_t K, const W* blk, const float* sca
   for (int j = 0; j < 8; j += NB) tile<MB, NB, W>(x, K, blk, j, scale, y, ldy);
 }
 
+// bf16: rows [0, MB) x columns [j0, j0 + NB) of one 8-column block, x split per 16 (split16).
+// Lane t of an output's accumulator takes, per 16 k, the product at k0 + 2t, then at k0 + 2t + 1:
+// one fixed chain whatever the tile shape, so row-invariant like the int8 tiles.
+template <int MB, int NB>
+inline void tile_bf16(const float* xs, int64_t K, const uint16_t* blk, int j0, float* y, int64_t ldy) {
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  const uint16_t* p = blk + j0 * 16;
+  for (int64_t k = 0; k < K; k += 16, p += 128) {
+    for (int line = 0; line < 4; ++line)  // the step's 256 bytes, PF_AHEAD on
+      _mm_prefetch(reinterpret_cast<const char*>(p) + PF_AHEAD + 64 * line, _MM_HINT_T0);
+    for (int j = 0; j < NB; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 16));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+      for (int m = 0; m < MB; ++m) {
+        acc[m][j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xs + m * K + k), acc[m][j]);
+        acc[m][j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + m * K + k + 8), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) y[m * ldy + j0 + j] = hsum8(acc[m][j]);
+}
+
+template <int MB, int NB>
+inline void block_rows_bf16(const float* xs, int64_t K, const uint16_t* blk, float* y, int64_t ldy) {
+  for (int j = 0; j < 8; j += NB) tile_bf16<MB, NB>(xs, K, blk, j, y, ldy);
+}
+
+// x float32 [M, K] -> the same values with each 16 reordered evens first: k0, k0+2, .., k0+14, k0+1, ..
+at::Tensor split16(const at::Tensor& xc) {
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor xs = at::empty({M, K}, xc.options());
+  const float* src = xc.data_ptr<float>();
+  float* dst = xs.data_ptr<float>();
+  for (int64_t i = 0; i < M * K; i += 16)
+    for (int t = 0; t < 8; ++t) dst[i + t] = src[i + 2 * t], dst[i + 8 + t] = src[i + 2 * t + 1];
+  return xs;
+}
+
 // Checked arguments of a weight product: x float32 [M, K], packed weights [N*K] (int8 or bfloat16),
 // scale float32 [N] (ones for bfloat16 weights).
 template <typename W>
@@ -100,6 +146,31 @@ ProductArgs<W> product_args(const char* name, const at::Tensor& x, const at::Ten
   a.scale = scale.template data_ptr<float>();
   a.out = a.y.template data_ptr<float>();
   return a;
+}
+
+at::Tensor bf16_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  const ProductArgs<uint16_t> a = product_args<uint16_t>("bf16_linear", x, packed, scale, 8);
+  TORCH_CHECK(a.K % 16 == 0, "bf16_linear: K must be a multiple of 16");
+  const at::Tensor xs_t = split16(a.xc);
+  const float* xs = xs_t.data_ptr<float>();
+  at::parallel_for(0, a.N / 8, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* blk = a.q + b * 8 * a.K;
+      int64_t m = 0;
+      for (; m + 6 <= a.M; m += 6) block_rows_bf16<6, 2>(xs + m * a.K, a.K, blk, a.out + m * a.N + b * 8, a.N);
+      const float* xm = xs + m * a.K;
+      float* ym = a.out + m * a.N + b * 8;
+      switch (a.M - m) {
+        case 5: block_rows_bf16<5, 2>(xm, a.K, blk, ym, a.N); break;
+        case 4: block_rows_bf16<4, 2>(xm, a.K, blk, ym, a.N); break;
+        case 3: block_rows_bf16<3, 2>(xm, a.K, blk, ym, a.N); break;
+        case 2: block_rows_bf16<2, 4>(xm, a.K, blk, ym, a.N); break;
+        case 1: block_rows_bf16<1, 8>(xm, a.K, blk, ym, a.N); break;
+        default: break;
+      }
+    }
+  });
+  return a.y;
 }
 
 template <typename W>
@@ -144,7 +215,8 @@ inline void fill_panel(const W* qp, const float* sp, int64_t K, int64_t n0, int6
     for (int c = 0; c < 8; ++c) {
       const float s = sp[b * 8 + c];
       for (int64_t k = k0; k < k0 + kc; k += 8) {
-        const W* src = blk + (k / 8) * 64 + c * 8;
+        const W* src = std::is_same<W, uint16_t>::value ? blk + (k / 16) * 128 + c * 16 + k % 16  // bf16 layout
+                                                         : blk + (k / 8) * 64 + c * 8;
         alignas(32) float w[8];
         _mm256_store_ps(w, _mm256_mul_ps(load_w(src), _mm256_set1_ps(s)));
         for (int t = 0; t < 8; ++t) panel[(k - k0 + t) * 16 + half * 8 + c] = w[t];
@@ -212,9 +284,10 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& p, const at::Tensor&
   return gemm_impl<int8_t>("int8_gemm", x, p, s);
 }
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s) {
-  return linear_impl<uint16_t>("bf16_linear", x, p, s);
+  return bf16_linear_impl(x, p, s);
 }
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 16 == 0, "bf16_gemm: K must be a multiple of 16");
   return gemm_impl<uint16_t>("bf16_gemm", x, p, s);
 }
 

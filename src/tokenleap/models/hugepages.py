@@ -30,7 +30,11 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` in a 2 MiB-aligned private mapping advised for huge pages."""
     n = t.numel() * t.element_size()
     m = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copy faults in huge pages
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copy faults in huge pages
+    except OSError:  # a kernel without transparent huge pages: keep the tensor where it is
+        m.close()
+        return t
     raw = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive as long as any view
     start = (-raw.data_ptr()) % _HUGE
     out = raw[start:start + n].view(t.dtype).view(t.shape)
@@ -48,12 +52,12 @@ def move_weights_(model: nn.Module, min_bytes: int = _MIN_BYTES) -> int:
         module.__dict__.pop("_fused_plan", None)  # a compiled layer's cached operands (fused_layer)
         packed = module.__dict__.get("_packed")  # Linear's packed bf16 copy
         if isinstance(packed, torch.Tensor) and packed.numel() * packed.element_size() >= min_bytes:
-            module.__dict__["_packed"] = on_huge_pages(packed)
-            moved += packed.numel() * packed.element_size()
+            module.__dict__["_packed"] = new = on_huge_pages(packed)
+            moved += (new is not packed) * packed.numel() * packed.element_size()
         for name, buf in list(module.named_buffers(recurse=False)):
             if name in _STREAMED and buf.numel() * buf.element_size() >= min_bytes:
-                setattr(module, name, on_huge_pages(buf))
-                moved += buf.numel() * buf.element_size()
+                setattr(module, name, new := on_huge_pages(buf))
+                moved += (new is not buf) * buf.numel() * buf.element_size()
     return moved
 
 

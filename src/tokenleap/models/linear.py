@@ -59,12 +59,12 @@ class Linear(nn.Module):
         return new
 
     def _bf16_kernel(self) -> bool:
-        """tokenleap's bf16 kernel applies (AVX2 machine, sizes multiples of 16 / 8); packs the weight
+        """tokenleap's bf16 kernel applies (AVX2 machine, sizes multiples of 16); packs the weight
         once into the kernel's layout (a second copy: the float weight may be shared, e.g. tied)."""
         packed = self.__dict__.get("_packed")
         if packed is None:
-            ok = self.out_features % 16 == 0 and self.in_features % 8 == 0 and kernels.available()
-            packed = kernels.pack_int8(self.weight.detach()) if ok else False  # [out/8, in/8, 8, 8]
+            ok = self.out_features % 16 == 0 and self.in_features % 16 == 0 and kernels.available()
+            packed = kernels.pack_bf16(self.weight.detach()) if ok else False  # [out/8, in/16, 8, 16]
             self.__dict__["_packed"] = packed
         return packed is not False
 
