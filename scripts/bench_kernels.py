@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1536, help="output features")
     ap.add_argument("--k", type=int, default=8960, help="input features")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    ap.add_argument("--huge-pages", action="store_true", help="weights on huge pages, as a loaded model keeps them")
     args = ap.parse_args()
     if not kernels.available():
         raise SystemExit(f"kernels unavailable: {kernels.unavailable_reason()}")
@@ -38,7 +39,11 @@ def main() -> None:
             sc = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
             int6.append(kernels.pack_int6(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g), sc,
                                           torch.rand(n, k // 256, generator=g) * 0.01))
-    print(f"{n}x{k} layer, {torch.get_num_threads()} threads, {copies} weight copies; median ms per call")
+    if args.huge_pages:
+        from tokenleap.models.hugepages import on_huge_pages
+        int4, int6, int8, bf16 = ([tuple(on_huge_pages(t) for t in w) for w in ws] for ws in (int4, int6, int8, bf16))
+    print(f"{n}x{k} layer, {torch.get_num_threads()} threads, {copies} weight copies"
+          f"{' on huge pages' if args.huge_pages else ''}; median ms per call")
     for rows in args.rows:
         x = torch.randn(rows, k, generator=g)
         line = [f"rows {rows}:"]

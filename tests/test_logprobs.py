@@ -106,3 +106,25 @@ def test_logprob_values_are_checked():
             SamplingParams(logprobs=bad)
     with pytest.raises(ConfigError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=99)
+
+
+def test_prompt_logprobs_survive_a_preemption(target):
+    """A preempted sequence recomputes its cache (prompt windows, then its tokens row-exact); its
+    prompt logprobs are recorded once and its continuation and logprobs are unchanged."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    want = run(target, params, chunk=4)
+    eng = Engine(target, ToyTokenizer(VOCAB), max_len=128, prefill_chunk=4)
+    seq = eng.create(PROMPT, params)
+    eng.attach(seq)
+    while eng.prefill_step(seq):
+        pass
+    for _ in range(4):
+        eng.step([seq])
+    eng.detach(seq)  # preempted: cache freed, tokens kept
+    eng.attach(seq)
+    while eng.prefill_step(seq):
+        pass
+    while not seq.finished:
+        eng.step([seq])
+    assert seq.generated == want.generated and seq.logprobs == want.logprobs
+    assert seq.prompt_logprobs == want.prompt_logprobs and len(seq.prompt_logprobs) == len(PROMPT)
