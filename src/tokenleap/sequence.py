@@ -16,7 +16,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     eos_ids: frozenset[int]
-    detokenizer: object  # tokenizer.IncrementalDetokenizer: .add(ids) -> str, .flush() -> str
+    detokenizer: object  # detokenizer.IncrementalDetokenizer: .add(ids) -> str, .flush() -> str
     generator: torch.Generator | None = None
     slot: int = -1
     tokens: list[int] = field(default_factory=list)  # prompt + generated

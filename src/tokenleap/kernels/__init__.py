@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "products.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp"]
+_SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp"]
 _HEADERS = [_DIR / "simd.h", _DIR / "ops.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
