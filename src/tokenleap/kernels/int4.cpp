@@ -4,12 +4,13 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include <cstring>
-
 #include "ops.h"
 #include "simd.h"
 
 namespace {
+
+using tokenleap_simd::bcast4;
+
 // int4_linear: y = x W^T with W[n, k] = s[n, g] * q[n, k] + mn[n, g], q in 0..15, groups g of 32 k.
 // Each row of x is first quantized to int8 per group of 32 (xq = round(x / a), a = max|x| / 127,
 // the way llama.cpp feeds its 4-bit dot products), then
@@ -25,12 +26,6 @@ namespace {
 // unpacks (and / shift+and) into two vectors that line up with 4 broadcast activation bytes.
 // Scales and mins: float16 [N/8][K/32][2][8] (8 scales then 8 mins of one column block and group).
 constexpr int64_t kGroup = 32;
-
-inline __m256i bcast4(const int8_t* p) {  // 4 bytes repeated 8 times
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 
 // Row m of x [M, K] -> xq int8 [K], a[g] = scale, as[g] = a[g] * sum of the group's xq.
 inline void quantize_row(const float* x, int64_t K, int8_t* xq, float* a, float* as) {

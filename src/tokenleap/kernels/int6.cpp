@@ -26,20 +26,14 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
-#include <cstring>
-
 #include "ops.h"
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t kGroup = 32, kGroupBytes = 208, kSuper = 256;
+using tokenleap_simd::bcast4;
 
-inline __m256i bcast4(const int8_t* p) {  // 4 bytes repeated 8 times
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+constexpr int64_t kGroup = 32, kGroupBytes = 208, kSuper = 256;
 
 // Row x [K] -> xq int8 [K], a[g] per 32, sum16[h] = sum of xq over each 16.
 inline void quantize_row(const float* x, int64_t K, int8_t* xq, float* a, int32_t* sum16) {

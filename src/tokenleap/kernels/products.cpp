@@ -148,52 +148,57 @@ ProductArgs<W> product_args(const char* name, const at::Tensor& x, const at::Ten
   return a;
 }
 
-at::Tensor bf16_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
-  const ProductArgs<uint16_t> a = product_args<uint16_t>("bf16_linear", x, packed, scale, 8);
-  TORCH_CHECK(a.K % 16 == 0, "bf16_linear: K must be a multiple of 16");
-  const at::Tensor xs_t = split16(a.xc);
-  const float* xs = xs_t.data_ptr<float>();
-  at::parallel_for(0, a.N / 8, 8, [&](int64_t b0, int64_t b1) {
+// Runs tiles.rows<MB, NB>(b, m) for every 8-column block b (a thread streams its blocks in order)
+// and the row tiles of M rows: 6-row tiles, then one tile for what is left. Which tile a row lands
+// in never changes its result.
+template <typename Tiles>
+void for_each_tile(int64_t M, int64_t NB8, const Tiles& tiles) {
+  at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* blk = a.q + b * 8 * a.K;
       int64_t m = 0;
-      for (; m + 6 <= a.M; m += 6) block_rows_bf16<6, 2>(xs + m * a.K, a.K, blk, a.out + m * a.N + b * 8, a.N);
-      const float* xm = xs + m * a.K;
-      float* ym = a.out + m * a.N + b * 8;
-      switch (a.M - m) {
-        case 5: block_rows_bf16<5, 2>(xm, a.K, blk, ym, a.N); break;
-        case 4: block_rows_bf16<4, 2>(xm, a.K, blk, ym, a.N); break;
-        case 3: block_rows_bf16<3, 2>(xm, a.K, blk, ym, a.N); break;
-        case 2: block_rows_bf16<2, 4>(xm, a.K, blk, ym, a.N); break;
-        case 1: block_rows_bf16<1, 8>(xm, a.K, blk, ym, a.N); break;
+      for (; m + 6 <= M; m += 6) tiles.template rows<6, 2>(b, m);
+      switch (M - m) {
+        case 5: tiles.template rows<5, 2>(b, m); break;
+        case 4: tiles.template rows<4, 2>(b, m); break;
+        case 3: tiles.template rows<3, 2>(b, m); break;
+        case 2: tiles.template rows<2, 4>(b, m); break;
+        case 1: tiles.template rows<1, 8>(b, m); break;
         default: break;
       }
     }
   });
+}
+
+template <typename W>
+struct ScaledTiles {  // int8 weights times their per-column scale
+  const ProductArgs<W>& a;
+  template <int MB, int NB>
+  void rows(int64_t b, int64_t m) const {
+    block_rows<MB, NB, W>(a.x + m * a.K, a.K, a.q + b * 8 * a.K, a.scale + b * 8, a.out + m * a.N + b * 8, a.N);
+  }
+};
+
+struct Bf16Tiles {  // bf16 weights, x split evens-first per 16 inputs
+  const ProductArgs<uint16_t>& a;
+  const float* xs;
+  template <int MB, int NB>
+  void rows(int64_t b, int64_t m) const {
+    block_rows_bf16<MB, NB>(xs + m * a.K, a.K, a.q + b * 8 * a.K, a.out + m * a.N + b * 8, a.N);
+  }
+};
+
+at::Tensor bf16_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  const ProductArgs<uint16_t> a = product_args<uint16_t>("bf16_linear", x, packed, scale, 8);
+  TORCH_CHECK(a.K % 16 == 0, "bf16_linear: K must be a multiple of 16");
+  const at::Tensor xs = split16(a.xc);
+  for_each_tile(a.M, a.N / 8, Bf16Tiles{a, xs.data_ptr<float>()});
   return a.y;
 }
 
 template <typename W>
 at::Tensor linear_impl(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
   const ProductArgs<W> a = product_args<W>(name, x, packed, scale, 8);
-  at::parallel_for(0, a.N / 8, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const W* blk = a.q + b * 8 * a.K;
-      const float* s = a.scale + b * 8;
-      int64_t m = 0;
-      for (; m + 6 <= a.M; m += 6) block_rows<6, 2, W>(a.x + m * a.K, a.K, blk, s, a.out + m * a.N + b * 8, a.N);
-      const float* xm = a.x + m * a.K;
-      float* ym = a.out + m * a.N + b * 8;
-      switch (a.M - m) {
-        case 5: block_rows<5, 2, W>(xm, a.K, blk, s, ym, a.N); break;
-        case 4: block_rows<4, 2, W>(xm, a.K, blk, s, ym, a.N); break;
-        case 3: block_rows<3, 2, W>(xm, a.K, blk, s, ym, a.N); break;
-        case 2: block_rows<2, 4, W>(xm, a.K, blk, s, ym, a.N); break;
-        case 1: block_rows<1, 8, W>(xm, a.K, blk, s, ym, a.N); break;
-        default: break;
-      }
-    }
-  });
+  for_each_tile(a.M, a.N / 8, ScaledTiles<W>{a});
   return a.y;
 }
 

@@ -4,8 +4,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace tokenleap_simd {
+
+// 4 int8 values repeated 8 times (one k-step's activations for every column of a block)
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
 
 inline float hsum8(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
