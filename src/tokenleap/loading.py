@@ -74,17 +74,18 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     elif quant != "none":
         from .models.quant import quantize_
         quantize_(model, quant)
-    elif dt == torch.bfloat16 and not cpu_has_native_bf16() and kernels.available():
+    bf16_kernel = quant == "none" and dt == torch.bfloat16 and not cpu_has_native_bf16() and kernels.available()
+    if bf16_kernel:
         float32_activations_(model)  # bf16 weights on tokenleap's kernel, float32 everything else
+    if quant != "none" or bf16_kernel:
         from .models.quant import fuse_projections_
         fuse_projections_(model)  # q/k/v and gate/up in one call each
+    if quant != "none":
+        _own_memory(model)
+    if bf16_kernel:
         for m in model.modules():
             if isinstance(m, Linear):
                 m._bf16_kernel()  # pack now, so the packed copy can go on huge pages
-    if quant != "none":
-        from .models.quant import fuse_projections_
-        fuse_projections_(model)
-        _own_memory(model)
     move_weights_(model)  # the buffers every decode step streams, on transparent huge pages
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
     return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)

@@ -28,8 +28,17 @@ def apply_penalties(
     rows, vocab = logits.shape
     assert len(draft) == rows - 1, f"{rows} logit rows need {rows - 1} drafted tokens, got {len(draft)}"
     out = logits.float().clone()
-    if not params.adjusts_logits:
-        return out
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
+        out = _penalize(out, params, prompt, generated, draft)
+    for tok, bias in params.logit_bias:
+        if tok < vocab:
+            out[:, tok] += bias
+    return out
+
+
+def _penalize(out: torch.Tensor, params: SamplingParams, prompt: list[int], generated: list[int],
+              draft: list[int]) -> torch.Tensor:  # out: [k+1, vocab] float32
+    rows, vocab = out.shape
     counts = torch.zeros(rows, vocab)  # [k+1, vocab]: occurrences in the generated text before each row
     if generated:
         counts += torch.bincount(torch.tensor(generated), minlength=vocab)[:vocab].float()
@@ -45,9 +54,6 @@ def apply_penalties(
         out -= params.frequency_penalty * counts
     if params.presence_penalty:
         out -= params.presence_penalty * (counts > 0).float()
-    for tok, bias in params.logit_bias:
-        if tok < vocab:
-            out[:, tok] += bias
     return out
 
 
