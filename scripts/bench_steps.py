@@ -22,13 +22,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--quant", default="int4")
+    ap.add_argument("--dtype", default="auto", help="e.g. bfloat16 (with --quant none)")
     ap.add_argument("--gguf-other", default="int8", help="how a GGUF's non-4-bit tensors load (drafts: int4)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6])
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=12)
     args = ap.parse_args()
-    model = load_model(args.model, quant=args.quant, gguf_other=args.gguf_other).model
-    cache = KVCache(model.config, 1, args.prompt + max(args.rows) + 1, torch.float32)
+    model = load_model(args.model, dtype=args.dtype, quant=args.quant, gguf_other=args.gguf_other).model
+    cache = KVCache(model.config, 1, args.prompt + max(args.rows) + 1, model.dtype)
     slot = cache.allocate()
     model(torch.randint(0, 1000, (args.prompt,), generator=torch.Generator().manual_seed(0)),
           [Segment(slot, 0, args.prompt)], cache)
@@ -40,7 +41,7 @@ def main() -> None:
                 t = time.perf_counter()
                 model(torch.arange(rows), [Segment(slot, args.prompt, rows)], cache, row_exact=True)
                 times.setdefault((fused, rows), []).append(time.perf_counter() - t)
-    print(f"{args.model} ({args.quant}, other {args.gguf_other}), {torch.get_num_threads()} threads; median ms")
+    print(f"{args.model} ({args.dtype}, {args.quant}, other {args.gguf_other}), {torch.get_num_threads()} threads; median ms")
     for rows in args.rows:
         f, p = (statistics.median(times[(fz, rows)]) * 1e3 for fz in (True, False))
         print(f"rows {rows}: compiled layers {f:.1f}  python layers {p:.1f}")
