@@ -101,6 +101,9 @@ class FailingProposer:
             raise RuntimeError("boom in propose")
         return self.inner.propose_many(requests)
 
+    def backlog(self, seq_id, tokens):
+        return self.inner.backlog(seq_id, tokens)
+
     def accept(self, seq_id, n):
         self.inner.accept(seq_id, n)
 

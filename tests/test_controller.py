@@ -90,6 +90,47 @@ def test_unmeasured_large_blocks_are_predicted_compute_bound():
     assert c.predict_forward(48) == 6.0
 
 
+def test_unmeasured_larger_blocks_follow_the_slope_of_the_two_largest_measured():
+    """A batch never measured is judged by the row costs smaller batches measured, not tried blind:
+    past the largest measured block the cost grows along the last measured slope."""
+    c = DraftLengthController(ControllerConfig(max_k=4))
+    c.observe_forward(1, 1.0)
+    c.observe_forward(4, 1.6)  # 0.2 s a row from 1 to 4 rows
+    assert c.predict_forward(8) == pytest.approx(2.4)
+    assert c.predict_forward(40) == pytest.approx(1.6 * 40 / 4)  # beyond 16 rows: at least ~ rows
+    c.observe_forward(6, 1.5)  # a noisy dip: the slope is taken as flat, never negative
+    assert c.predict_forward(8) == pytest.approx(1.6)
+    c = DraftLengthController(ControllerConfig(max_k=4))
+    for rows in range(1, 7):  # measured alone with drafts of up to 5 tokens: 2 rows as cheap as
+        c.observe_forward(rows, 1.0 + 0.5 * max(0, rows - 2))  # one, then compute-bound
+    c.observe_draft(1, 0.05)
+    for i in range(100):
+        c.observe_acceptance(4, 0 if i % 10 == 0 else 4)  # b_1 ~ 0.9
+    assert c.choose(batch=1) > 0
+    assert not c.would_speculate(batch=4) and c.choose(batch=4) == 0  # 4 * (k + 1) rows: too costly
+
+
+def test_a_catch_up_is_made_only_when_it_pays_back():
+    """Drafting for sequences the draft has not followed first costs a catch-up; speculation turns
+    on only when the time it saves over the tokens still to generate exceeds that cost, and no
+    probe pays for a large catch-up."""
+    c = DraftLengthController(ControllerConfig(max_k=4, probe_every=2))
+    for rows in range(1, 6):
+        c.observe_forward(rows, 1.0)
+    c.observe_draft(1, 0.05)
+    for _ in range(100):
+        c.observe_acceptance(4, 4)
+    assert c.choose(backlog=200, remaining=10) > 0  # catch-up cost not measured yet: optimistic
+    c.observe_catch_up(100, 10.0)  # 0.1 s a token
+    k = c.choose(backlog=0, remaining=10)
+    saved = 10 * (1 / c.rate(0) - 1 / c.rate(k))  # ~7.6 s over 10 tokens
+    assert k > 0 and 2.0 < saved < 20.0
+    assert c.would_speculate(1, backlog=int(saved / 0.1) - 5, remaining=10)
+    assert not c.would_speculate(1, backlog=int(saved / 0.1) + 5, remaining=10)
+    assert [c.choose(backlog=200, remaining=10) for _ in range(6)] == [0] * 6  # no probe either
+    assert c.choose(backlog=200, remaining=1000) > 0
+
+
 def test_draft_cost_is_learned_per_batch_size():
     c = DraftLengthController(ControllerConfig(max_k=4))
     assert c.predict_draft(4) == 0.0  # nothing measured: optimistic

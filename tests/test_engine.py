@@ -171,6 +171,35 @@ def test_draft_prefill_skipped_while_speculation_does_not_pay_then_caught_up(tar
     eng.release(seq)
 
 
+def test_newcomers_skip_the_draft_prefill_when_their_batch_would_not_speculate(target):
+    """The draft prefill of a new sequence is judged at the batch it joins (every sequence holding
+    a slot), not at the size of the last step: two requests arriving together in a batch where
+    speculation does not pay leave the draft idle; a request alone feeds it alongside."""
+    draft = DraftModelProposer(target, VOCAB, 128, num_slots=2)
+    eng = Engine(target, ToyTokenizer(VOCAB, (2,)), max_len=128, num_slots=2, proposer=draft,
+                 controller=ControllerConfig(max_k=6))
+    for rows in range(1, 15):  # two rows as cheap as one, then compute-bound
+        eng.controller.observe_forward(rows, max(1.0, rows / 2))
+    eng.controller.draft_cost = 0.0
+    assert eng.controller.would_speculate(1) and not eng.controller.would_speculate(2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    pair = [eng.create(p, params) for p in PROMPTS[:2]]
+    for seq in pair:
+        eng.attach(seq)
+    for seq in pair:
+        while eng.prefill_step(seq):
+            pass
+    assert [draft._fed[s.seq_id] for s in pair] == [0, 0]
+    eng.release(pair[1])
+    alone = eng.add(PROMPTS[2], params)  # joins a batch of two again: still skipped
+    assert draft._fed[alone.seq_id] == 0
+    eng.release(pair[0])
+    eng.release(alone)
+    alone = eng.add(PROMPTS[2], params)
+    assert draft._fed[alone.seq_id] == len(PROMPTS[2])
+    eng.release(alone)
+
+
 def test_draft_prefilled_alongside_when_speculation_is_expected(target):
     draft = DraftModelProposer(target, VOCAB, 128)
     eng = engine(target, draft)
@@ -178,6 +207,7 @@ def test_draft_prefilled_alongside_when_speculation_is_expected(target):
     seq = eng.add(PROMPTS[1], SamplingParams(max_tokens=4))
     eng.prefill_step(seq)
     assert draft._fed[seq.seq_id] == len(PROMPTS[1])
+    assert eng.controller.catch_up_cost is not None  # the draft's prefill measured, per token
     d = draft.propose(seq.seq_id, seq.tokens, 2, seq.params, None)
     assert d is not None and d.catch_up_seconds == 0.0
     eng.release(seq)

@@ -127,7 +127,7 @@ def test_scheduler_passes_the_batch_size_to_the_controller():
     eng = paged_engine("ngram")
     seen = []
     choose = eng.controller.choose
-    eng.controller.choose = lambda batch=1: seen.append(batch) or choose(batch)
+    eng.controller.choose = lambda batch=1, *rest: seen.append(batch) or choose(batch, *rest)
     sched = Scheduler(eng, SchedulerConfig(log_interval=0, prefill_budget=1000))  # all prefilled at once
     for i, (prompt, _) in enumerate(workload(5)):
         submit(sched, prompt, SamplingParams(max_tokens=5 + 5 * i, ignore_eos=True))

@@ -8,14 +8,18 @@ with a weak prior (so a few observations already count; a position never drafted
 like the deepest measured one), the draft's seconds per token, and the target's
 seconds per forward as a function of the rows it computes (each cost the median of its last
 few observations, so a single slow step cannot pin a figure), plus what a step spends outside
-those forwards, measured separately for speculative and plain steps at each batch size (the
-draft catching up on tokens it skipped is charged to speculation there). A row count
-never measured is predicted from the measured ones (linear through the nearest two), and
-for a larger block than any measured: optimistically at the largest measured cost while the block
-has at most 16 rows (so every small k gets tried once), proportionally to its rows beyond that
-(large batches are compute-bound). When no k beats plain decoding, the step decodes plainly;
+those forwards, measured separately for speculative and plain steps at each batch size. A row
+count never measured is predicted from the measured ones (linear through the nearest two; past
+the largest, along the slope of the two largest, at least flat, and beyond 16 rows, where
+every CPU is compute-bound, at least proportional to rows), so a batch never measured is judged by the
+row costs smaller batches measured instead of being tried blind.
+Turning speculation on for sequences the draft has not followed (a prompt whose draft prefill was
+skipped, tokens decoded plainly meanwhile) first costs a catch-up: the draft feeding that backlog,
+measured in seconds per token. It is an investment, made only when the predicted time saved over
+the tokens the batch may still generate exceeds it. When no k beats plain decoding, the step decodes plainly;
 every ``probe_every`` plain steps it drafts once with a small k, so a change in the text (a
-copy-heavy passage) is noticed -- unless even full acceptance could not pay at this batch size.
+copy-heavy passage) is noticed -- unless even full acceptance could not pay at this batch size
+or the draft would first have to catch up on more than two plain steps' worth of time.
 While drafting, every ``probe_every`` steps it tries one step with k - 1 or k + 1 (alternately),
 so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 """
@@ -25,7 +29,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-_MEMORY_BOUND_ROWS = 16  # up to this many rows an unmeasured forward is guessed as cheap as the largest seen
+_MEMORY_BOUND_ROWS = 16  # beyond this many rows an unmeasured forward is guessed at least proportional to rows
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,11 @@ class DraftLengthController:
         self._draft_obs: dict[int, deque[float]] = {}
         self._forward_obs: dict[int, deque[float]] = {}
         # (speculative?, batch) -> seconds a step spends outside the draft's and the target's
-        # forwards: verification and bookkeeping, and for speculative steps the draft catching up
-        # on tokens it has not seen (a prompt it skipped, tokens decoded plainly meanwhile)
+        # forwards (verification, bookkeeping); a catch-up is not part of it (see catch_up_cost)
         self.step_overhead: dict[tuple[bool, int], float] = {}
         self._overhead_obs: dict[tuple[bool, int], deque[float]] = {}
+        self.catch_up_cost: float | None = None  # seconds per token the draft feeds outside drafting
+        self._catch_up_obs: deque[float] = deque(maxlen=config.cost_window)
         self._plain_streak = 0
         self._spec_streak, self._side = 0, 1
 
@@ -88,21 +93,24 @@ class DraftLengthController:
         return known[min(known)] if known else 0.0
 
     # -- choosing ---------------------------------------------------------------------------
-    def choose(self, batch: int = 1) -> int:
+    def choose(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf")) -> int:
+        """The draft length for a step of ``batch`` sequences; ``backlog``: tokens the draft must
+        catch up on before drafting for them, ``remaining``: tokens they may still generate."""
         if self.cfg.fixed_k is not None:
             return self.cfg.fixed_k
         if not self.forward_cost:  # nothing measured yet: a middling first draft
             return min(self.cfg.initial_k, self.cfg.max_k)
         plain = self.rate(0, batch)
-        best_k, best_rate = 0, plain * self._margin(batch)
-        for k in range(1, self.cfg.max_k + 1):
-            r = self.rate(k, batch)
-            if r > best_rate * 1.0001:
-                best_k, best_rate = k, r
+        best_k, best_rate = self._best(batch)
+        if best_k and not self._pays_back(plain, best_rate, backlog, remaining):
+            best_k = 0
         if best_k == 0:
             self._plain_streak += 1
             probe_k = min(self.cfg.probe_k, self.cfg.max_k)
-            if self._plain_streak >= self.cfg.probe_every and self._could_pay(probe_k, batch, plain * self._margin(batch)):
+            # a probe is cheap information unless the draft must first catch up on more than a
+            # couple of plain steps' worth of tokens (e.g. prompts whose draft prefill was skipped)
+            if (self._plain_streak >= self.cfg.probe_every and self._catch_up_seconds(backlog) <= 2 * batch / plain
+                    and self._could_pay(probe_k, batch, plain * self._margin(batch))):
                 self._plain_streak = 0
                 return probe_k
         else:
@@ -115,12 +123,33 @@ class DraftLengthController:
                     return best_k + self._side
         return best_k
 
-    def would_speculate(self, batch: int = 1) -> bool:
-        """Whether some k > 0 is currently predicted to beat plain decoding (no probing, no state change)."""
+    def would_speculate(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf")) -> bool:
+        """Whether some k > 0 is currently predicted to beat plain decoding, after paying for a
+        ``backlog`` the draft must feed first (no probing, no state change)."""
         if self.cfg.fixed_k is not None:
             return self.cfg.fixed_k > 0
-        plain = self.rate(0, batch) * self._margin(batch)
-        return any(self.rate(k, batch) > plain * 1.0001 for k in range(1, self.cfg.max_k + 1))
+        best_k, best_rate = self._best(batch)
+        return best_k > 0 and self._pays_back(self.rate(0, batch), best_rate, backlog, remaining)
+
+    def _best(self, batch: int) -> tuple[int, float]:
+        """The k > 0 with the highest predicted rate if it beats plain by the batch margin, else (0, _)."""
+        best_k, best_rate = 0, self.rate(0, batch) * self._margin(batch)
+        for k in range(1, self.cfg.max_k + 1):
+            r = self.rate(k, batch)
+            if r > best_rate * 1.0001:
+                best_k, best_rate = k, r
+        return best_k, best_rate
+
+    def _catch_up_seconds(self, backlog: int) -> float:
+        return backlog * (self.catch_up_cost or 0.0)
+
+    def _pays_back(self, plain_rate: float, spec_rate: float, backlog: int, remaining: float) -> bool:
+        """Does speculating at ``spec_rate`` instead of ``plain_rate`` (tokens/s) over ``remaining``
+        tokens save more time than the draft's catch-up on ``backlog`` tokens costs?"""
+        cost = self._catch_up_seconds(backlog)
+        if cost <= 0.0:
+            return True
+        return remaining * (1.0 / plain_rate - 1.0 / spec_rate) > cost
 
     def _margin(self, batch: int) -> float:
         return 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
@@ -157,11 +186,12 @@ class DraftLengthController:
         known = sorted(self.forward_cost)
         lower = [r for r in known if r < rows]
         upper = [r for r in known if r > rows]
-        if not upper:  # a block larger than any measured
+        if not upper:  # a block larger than any measured: along the slope of the two largest
             top = known[-1]
-            if rows <= _MEMORY_BOUND_ROWS:  # optimistic until tried: small blocks often cost ~one row
-                return self.forward_cost[top]
-            return self.forward_cost[top] * rows / top  # large blocks are compute-bound: ~ rows
+            guess = self._line(known[-2], top, rows) if len(known) > 1 else self.forward_cost[top]
+            if rows > _MEMORY_BOUND_ROWS:  # large blocks are compute-bound: at least ~ rows
+                guess = max(guess, self.forward_cost[top] * rows / top)
+            return guess
         if not lower:
             return self.forward_cost[upper[0]]
         return self._line(lower[-1], upper[0], rows)
@@ -185,6 +215,12 @@ class DraftLengthController:
     def observe_step(self, speculative: bool, batch: int, overhead: float) -> None:
         """A whole step's seconds beyond its timed draft and target forwards."""
         self._observe(self._overhead_obs, self.step_overhead, (speculative, batch), max(0.0, overhead))  # type: ignore[arg-type]
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The draft fed ``tokens`` outside drafting (a prompt, a backlog) in ``seconds``."""
+        if tokens > 0:
+            self._catch_up_obs.append(seconds / tokens)
+            self.catch_up_cost = statistics.median(self._catch_up_obs)
 
     def observe_draft(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """``tokens`` drafted in ``seconds`` for ``batch`` sequences together."""

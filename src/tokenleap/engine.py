@@ -42,7 +42,7 @@ class Engine:
         self.totals = SpecStats()  # every sequence's steps, for server metrics
         self.proposer = proposer
         self.controller = DraftLengthController(controller or ControllerConfig())
-        self._batch = 1  # sequences in the last step: the batch speculation is judged at
+        self._attached: set[int] = set()  # sequences holding a cache slot: the batch a newcomer joins
         self.prefill_chunk = prefill_chunk
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or model.config.eos_token_ids)
         self._ids = itertools.count()
@@ -73,6 +73,7 @@ class Engine:
     def attach(self, seq: Sequence) -> None:
         """Give ``seq`` a cache slot and start its proposer state (its cache is filled by ``prefill_step``)."""
         seq.slot = self.cache.allocate()
+        self._attached.add(seq.seq_id)
         if self.proposer is not None:
             self.proposer.begin(seq.seq_id, seq.prompt)
 
@@ -81,6 +82,7 @@ class Engine:
         if seq.slot >= 0:
             self.cache.free(seq.slot)
             seq.slot = -1
+        self._attached.discard(seq.seq_id)
         if self.proposer is not None:
             self.proposer.end(seq.seq_id)
 
@@ -130,10 +132,8 @@ class Engine:
             if done < first <= end:
                 seq.prompt_logprobs += token_logprobs(out.logits[first - done - 1:last - done - 1],
                                                       seq.tokens[first:last], seq.params.prompt_logprobs)
-        if self.proposer is not None and self.controller.would_speculate(self._batch):
-            # a draft model fills its cache alongside; while speculation does not pay at the current
-            # batch size this is skipped, and a later proposal catches up (as prefill time)
-            self.proposer.prefill(seq.seq_id, seq.tokens[:end])
+        if self.proposer is not None:
+            self._prefill_proposer(seq, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:
             # the last row's logits as a one-row head computes them (a many-row head may round differently)
             logits = self.model.lm_head(out.hidden[-1][-1:], exact).float() if scored else out.logits  # [1, vocab]
@@ -142,6 +142,26 @@ class Engine:
             self.totals.record_step(0, 0, kept)
         seq.stats.prefill_seconds += time.perf_counter() - t0
         return len(chunk)
+
+    def _prefill_proposer(self, seq: Sequence, tokens: list[int]) -> None:
+        """A draft model fills its cache alongside the target's prefill -- unless speculation is
+        not predicted to pay, with that prefill counted, at the batch this sequence joins (every
+        sequence holding a slot, newcomers included); a later proposal catches up if load drops."""
+        backlog = self.proposer.backlog(seq.seq_id, tokens)
+        remaining = seq.params.max_tokens - seq.num_generated
+        if not self.controller.would_speculate(max(1, len(self._attached)), backlog, remaining):
+            return
+        t0 = time.perf_counter()
+        self.proposer.prefill(seq.seq_id, tokens)
+        self.controller.observe_catch_up(backlog, time.perf_counter() - t0)
+
+    def choose_k(self, seqs: list[Sequence]) -> int:
+        """The controller's draft length for a step of ``seqs``, a catch-up it would need included."""
+        if self.proposer is None:
+            return 0
+        backlog = sum(self.proposer.backlog(s.seq_id, s.tokens) for s in seqs)
+        remaining = sum(s.params.max_tokens - s.num_generated for s in seqs)
+        return self.controller.choose(len(seqs), backlog, remaining)
 
     def prefill_window(self, seq: Sequence) -> tuple[int, int, bool]:
         """(start, end, row_exact) of the next ``prefill_step``; start == end when nothing is missing."""
@@ -157,11 +177,10 @@ class Engine:
         seqs = [s for s in seqs if not s.finished]
         if not seqs:
             return
-        self._batch = len(seqs)
         start = time.perf_counter()
         if k is None or self.proposer is None:
-            k = self.controller.choose(len(seqs)) if self.proposer is not None else 0
-        drafts, drafting = self._draft_all(seqs, k)
+            k = self.choose_k(seqs)
+        drafts, drafting, catch_up = self._draft_all(seqs, k)
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
             block = [s.tokens[-1]] + (d.tokens if d else [])
@@ -175,23 +194,24 @@ class Engine:
         for s, d, seg in zip(seqs, drafts, segments):
             s.stats.verify_seconds += elapsed * seg.length / row
             self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length])
-        if self.proposer is not None:  # what the step cost beyond the timed forwards
+        if self.proposer is not None:  # what the step cost beyond the timed forwards and any catch-up
             spec = any(d is not None for d in drafts)
-            self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - drafting)
+            self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - drafting - catch_up)
 
-    def _draft_all(self, seqs: list[Sequence], k: int) -> tuple[list[Draft | None], float]:
-        """Every sequence's draft for this step, from one ``propose_many`` call, and the seconds
-        spent drafting (the draft catching up on unseen tokens excluded)."""
+    def _draft_all(self, seqs: list[Sequence], k: int) -> tuple[list[Draft | None], float, float]:
+        """Every sequence's draft for this step, from one ``propose_many`` call, the seconds spent
+        drafting and the seconds the draft spent catching up on unseen tokens (not drafting)."""
         ks = [min(k, s.params.max_tokens - s.num_generated - 1, self.max_len - len(s.tokens) - 1) for s in seqs]
         asked = [(s, n) for s, n in zip(seqs, ks) if n > 0]
         if not asked:
-            return [None] * len(seqs), 0.0
+            return [None] * len(seqs), 0.0, 0.0
         t0 = time.perf_counter()
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator) for s, n in asked]
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         got = [d if d is not None and d.tokens else None for d in got]
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)
+        self.controller.observe_catch_up(sum(d.catch_up_tokens for d in got if d is not None), catch_up)
         drafting = elapsed - catch_up  # shared by the sequences in proportion to their draft tokens
         drafted = sum(len(d.tokens) for d in got if d is not None)
         by_seq = {}
@@ -202,7 +222,7 @@ class Engine:
             s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
         if drafted:
             self.controller.observe_draft(drafted, drafting, batch=len(asked))
-        return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0
+        return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0, catch_up
 
     def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> None:
         # logits: [1 + len(draft), vocab]

@@ -242,7 +242,7 @@ class Scheduler:
         batch = [r for r in self.running if self.engine.ready(r.seq) and not r.seq.finished]
         if not batch:
             return
-        k = self.engine.controller.choose(len(batch)) if self.engine.proposer is not None else 0
+        k = self.engine.choose_k([r.seq for r in batch])
         batch, k = self._reserve_decode(batch, k)
         if not batch:
             return

@@ -7,6 +7,8 @@ Lifecycle per sequence (llama.cpp's begin / draft / accept):
     propose(seq_id, tokens, k, ..)  -- up to k draft tokens to follow ``tokens`` (or None)
     propose_many(requests)          -- the same for several sequences of one step at once (a draft
                                        model batches them into one forward per draft position)
+    backlog(seq_id, tokens)         -- how many of ``tokens`` it would have to catch up on (feed beyond
+                                       a step's usual one or two) before drafting; 0 for stateless drafters
     accept(seq_id, num_accepted)    -- how many of the last proposal the target kept
     end(seq_id)                     -- the sequence is finished; free what it held
 """
@@ -27,6 +29,7 @@ class Draft:
     # seconds of this proposal spent catching up on tokens never fed before (a prefill skipped
     # while speculation was off): prefill work, kept out of the measured cost per draft token
     catch_up_seconds: float = 0.0
+    catch_up_tokens: int = 0  # how many tokens that catch-up fed
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class Proposer(Protocol):
                 generator: torch.Generator | None) -> Draft | None: ...
 
     def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]: ...
+
+    def backlog(self, seq_id: int, tokens: list[int]) -> int: ...
 
     def accept(self, seq_id: int, num_accepted: int) -> None: ...
 

@@ -37,6 +37,7 @@ class _Lane:
     drafted: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # each [1, vocab]
     catch_up: float = 0.0
+    catch_up_tokens: int = 0
     failed: bool = False
 
 
@@ -92,7 +93,8 @@ class DraftModelProposer:
             if not l.failed:
                 self._fed[l.req.seq_id] = l.pos  # the last drafted token is not fed yet
                 probs = torch.cat(l.probs) if l.probs else None
-                out[l.index] = Draft(tokens=l.drafted, probs=probs, catch_up_seconds=l.catch_up)
+                out[l.index] = Draft(tokens=l.drafted, probs=probs, catch_up_seconds=l.catch_up,
+                                     catch_up_tokens=l.catch_up_tokens)
         return out
 
     def _draft_position(self, lanes: list["_Lane"]) -> bool:
@@ -113,6 +115,7 @@ class DraftModelProposer:
         backlog = [l for l in lanes if len(l.pending) > _STEP_TOKENS]  # feeding a backlog: prefill work
         for l in backlog:
             l.catch_up += (time.perf_counter() - t0) / len(backlog)
+            l.catch_up_tokens += len(l.pending)
         for j, l in enumerate(lanes):
             l.pos += len(l.pending)
             token, probs = self._choose(logits[j : j + 1], l.req.params, l.req.generator)
@@ -127,6 +130,9 @@ class DraftModelProposer:
             return None
         heads = [self._heads[s] for s in seq_ids]
         return heads[0] if len(heads) == 1 else BatchHead(heads)
+
+    def backlog(self, seq_id: int, tokens: list[int]) -> int:
+        return max(0, len(tokens) - self._fed[seq_id] - _STEP_TOKENS)
 
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
         """Feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the first

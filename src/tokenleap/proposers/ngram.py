@@ -47,6 +47,9 @@ class NgramProposer:
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
         pass  # the index is built lazily from the tokens at the first proposal
 
+    def backlog(self, seq_id: int, tokens: list[int]) -> int:
+        return 0  # indexing the text costs nothing next to a forward pass
+
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
         index = self._seqs[seq_id]
