@@ -4,21 +4,25 @@ clients, speculation off vs on, measured side by side in one run.
 
 Either against a running server (one configuration):
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --model NAME [--api-key KEY]
-or launching ``tokenleap serve`` itself once per configuration (plain, then speculative):
+or launching ``tokenleap serve`` itself for each configuration (plain and speculative, both up at
+once; at every concurrency level they take turns, ``--rounds`` times):
     python scripts/bench_serve.py --launch --model qwen2.5-coder-1.5b-instruct \
-        --draft-model qwen2.5-coder-0.5b-instruct --concurrency 1 2 4 8 16 --max-tokens 128
+        --draft-model qwen2.5-coder-0.5b-instruct --concurrency 1 2 4 8 16 --max-tokens 128 --rounds 3
 Small smoke run:
     python scripts/bench_serve.py --launch --model smollm2-135m-instruct --concurrency 1 2 \
         --requests-per-client 2 --max-tokens 16 --server-args "--max-model-len 512"
 
 Every client sends ``--requests-per-client`` streaming chat requests (greedy) one after another; a
-warm-up request before each configuration is not counted. Reported per concurrency level:
+warm-up request to each server is not counted. Reported per configuration and concurrency level:
 throughput (all output tokens / wall time), median and p99 request latency, median time to first
-token, and the speculative/plain throughput ratio.
+token (medians over rounds), and the speculative/plain ratio of the median throughputs with each
+round's own ratio. Taking turns matters here: this machine's speed drifts by 15-30% over minutes,
+so a sweep of one configuration after the other compares different moments.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import socket
@@ -70,6 +74,7 @@ class Level:
     latency_median: float
     latency_p99: float
     ttft_median: float
+    round: int = 0
 
 
 def one_request(c: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> Sample:
@@ -109,15 +114,24 @@ def run_level(args, url: str, variant: str, concurrency: int) -> Level:
                  round(statistics.median(s.ttft for s in samples), 3))
 
 
-def sweep(args, url: str, variant: str) -> list[Level]:
+def warm_up(args, url: str) -> None:
     c = openai.OpenAI(base_url=url + "/v1", api_key=args.api_key or "none", max_retries=0, timeout=3600)
-    one_request(c, args.model, PROMPTS[0], min(args.max_tokens, 16))  # warm-up, not counted
+    one_request(c, args.model, PROMPTS[0], min(args.max_tokens, 16))  # not counted
+
+
+def measure(args, servers: list[tuple[str, str]]) -> list[Level]:
+    """Every concurrency level, ``--rounds`` times, the servers taking turns at each level (the order
+    reversed every other round), so each ratio compares runs minutes apart at most."""
     levels = []
-    for n in args.concurrency:
-        level = run_level(args, url, variant, n)
-        print(f"  {variant:>8s} x{n:<3d} {level.throughput:8.2f} tok/s  latency median {level.latency_median:.2f}s "
-              f"p99 {level.latency_p99:.2f}s  ttft {level.ttft_median:.2f}s", file=sys.stderr)
-        levels.append(level)
+    for r in range(args.rounds):
+        for n in args.concurrency:
+            for variant, url in (servers if r % 2 == 0 else servers[::-1]):
+                level = run_level(args, url, variant, n)
+                level.round = r
+                print(f"  round {r} {variant:>8s} x{n:<3d} {level.throughput:8.2f} tok/s  latency median "
+                      f"{level.latency_median:.2f}s p99 {level.latency_p99:.2f}s  ttft {level.ttft_median:.2f}s",
+                      file=sys.stderr)
+                levels.append(level)
     return levels
 
 
@@ -142,7 +156,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 1800) -> Non
     raise SystemExit("the server did not become healthy")
 
 
-def launched(args, variant: str, extra: list[str]) -> list[Level]:
+def launch(args, extra: list[str], stack: contextlib.ExitStack) -> str:
+    """Start ``tokenleap serve`` (stopped when ``stack`` closes); returns its URL once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "tokenleap.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-num-seqs", str(max(args.concurrency)), *shlex.split(args.server_args), *extra]
@@ -150,13 +165,14 @@ def launched(args, variant: str, extra: list[str]) -> list[Level]:
         cmd += ["--api-key", args.api_key]
     print("launching:", " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
-        return sweep(args, url, variant)
-    finally:
+
+    def stop() -> None:
         proc.terminate()
         proc.wait(60)
+    stack.callback(stop)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return url
 
 
 def variants(args) -> list[tuple[str, list[str]]]:
@@ -167,20 +183,31 @@ def variants(args) -> list[tuple[str, list[str]]]:
 
 
 def report(levels: list[Level]) -> None:
-    print(f"{'variant':>8s} {'clients':>7s} {'tok/s':>9s} {'lat p50':>8s} {'lat p99':>8s} {'ttft p50':>8s} {'ratio':>6s}")
-    plain = {lv.concurrency: lv.throughput for lv in levels if lv.variant == "plain"}
+    """Per variant and level: medians over rounds (throughput, latency p50, TTFT), the worst p99,
+    and the speculative / plain ratio of the median throughputs with each round's ratio."""
+    groups: dict[tuple[str, int], list[Level]] = {}
     for lv in levels:
-        base = plain.get(lv.concurrency)
-        ratio = f"{lv.throughput / base:.2f}" if base and lv.variant != "plain" else ""
-        print(f"{lv.variant:>8s} {lv.concurrency:7d} {lv.throughput:9.2f} {lv.latency_median:8.2f} "
-              f"{lv.latency_p99:8.2f} {lv.ttft_median:8.2f} {ratio:>6s}")
+        groups.setdefault((lv.variant, lv.concurrency), []).append(lv)
+    print(f"{'variant':>8s} {'clients':>7s} {'tok/s':>9s} {'lat p50':>8s} {'lat p99':>8s} {'ttft p50':>8s} "
+          f"{'ratio':>6s}  per round")
+    for (variant, n), runs in groups.items():
+        tput = statistics.median(lv.throughput for lv in runs)
+        base_runs = groups.get(("plain", n))
+        ratio, rounds = "", ""
+        if base_runs and variant != "plain":
+            ratio = f"{tput / statistics.median(lv.throughput for lv in base_runs):.2f}"
+            by_round = {lv.round: lv.throughput for lv in base_runs}
+            rounds = " ".join(f"{lv.throughput / by_round[lv.round]:.2f}" for lv in runs if lv.round in by_round)
+        print(f"{variant:>8s} {n:7d} {tput:9.2f} {statistics.median(lv.latency_median for lv in runs):8.2f} "
+              f"{max(lv.latency_p99 for lv in runs):8.2f} {statistics.median(lv.ttft_median for lv in runs):8.2f} "
+              f"{ratio:>6s}  {rounds}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model name (as the server knows it; with --launch: to load)")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--launch", action="store_true", help="start 'tokenleap serve' per configuration")
+    p.add_argument("--launch", action="store_true", help="start 'tokenleap serve' for each configuration")
     p.add_argument("--draft-model", help="with --launch: speculative configuration uses this draft (else ngram)")
     p.add_argument("--num-spec-tokens", default=None, help="with --launch: 'auto' or N for the speculative run")
     p.add_argument("--server-args", default="", help="extra 'tokenleap serve' arguments, e.g. '--dtype bfloat16'")
@@ -188,14 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1, help="measure every level this many times, the "
+                   "configurations taking turns (ratios use the medians)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if bool(args.url) == bool(args.launch):
         p.error("give exactly one of --url or --launch")
-    if args.url:
-        levels = sweep(args, args.url.rstrip("/"), "server")
-    else:
-        levels = [lv for name, extra in variants(args) for lv in launched(args, name, extra)]
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            servers = [("server", args.url.rstrip("/"))]
+        else:  # every configuration up at once, so the measurements can take turns
+            servers = [(name, launch(args, extra, stack)) for name, extra in variants(args)]
+        for _, url in servers:
+            warm_up(args, url)
+        levels = measure(args, servers)
     report(levels)
     if args.json:
         with open(args.json, "w") as f:

@@ -75,7 +75,7 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 class FailingProposer:
-    """Wraps a proposer; fails for sequences whose prompt starts with token 66."""
+    """Wraps a proposer; its proposals fail for sequences whose prompt starts with token 66."""
 
     name = "failing"
 
@@ -88,8 +88,7 @@ class FailingProposer:
         self.inner.begin(seq_id, prompt)
 
     def prefill(self, seq_id, tokens):
-        if self.where == "prefill" and seq_id in self.bad:
-            raise RuntimeError("boom in prefill")
+        self.inner.prefill(seq_id, tokens)
 
     def propose(self, seq_id, tokens, k, params, generator):
         if self.where == "propose" and seq_id in self.bad:

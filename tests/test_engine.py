@@ -200,6 +200,32 @@ def test_newcomers_skip_the_draft_prefill_when_their_batch_would_not_speculate(t
     eng.release(alone)
 
 
+def test_a_long_backlog_is_caught_up_a_chunk_per_step(target):
+    """A draft that skipped a long prompt feeds it ``catch_up_chunk`` tokens a step, drafting
+    nothing for that sequence meanwhile (so the others of its batch are not stalled), then drafts;
+    the output equals plain greedy decoding."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompt = (PROMPTS[0] * 4)[:30]
+    want = plain(target, prompt, params).generated
+    draft = DraftModelProposer(target, VOCAB, 128, catch_up_chunk=8)
+    eng = engine(target, draft, k=2)
+    seq = eng.create(prompt, params)
+    eng.attach(seq)
+    while eng.prefill_step(seq, draft_alongside=False):
+        pass
+    assert draft._fed[seq.seq_id] == 0 and draft.backlog(seq.seq_id, seq.tokens) == len(seq.tokens) - 2
+    fed = []
+    while not seq.finished:
+        eng.step([seq])
+        fed.append(draft._fed[seq.seq_id])
+    # 31 tokens after the prefill, one more each plain step: 8 fed a step while more than 8 are
+    # missing (steps 1-4), then the rest with the first draft
+    assert fed[:4] == [8, 16, 24, 32] and seq.stats.target_forwards < 16
+    assert seq.stats.draft_steps > 0 and seq.stats.tau > 1.0
+    assert seq.generated == want
+    eng.release(seq)
+
+
 def test_draft_prefilled_alongside_when_speculation_is_expected(target):
     draft = DraftModelProposer(target, VOCAB, 128)
     eng = engine(target, draft)

@@ -110,7 +110,16 @@ def test_cancelled_requests_free_everything_at_once():
 @pytest.mark.parametrize("where", ["prefill", "propose"])
 def test_a_failing_request_does_not_disturb_the_others(where):
     eng = paged_engine("ngram", k=2)
-    eng.proposer = FailingProposer(eng.proposer, where)
+    if where == "propose":
+        eng.proposer = FailingProposer(eng.proposer, where)
+    else:  # the target's prefill raises
+        prefill_step = eng.prefill_step
+
+        def failing(seq, draft_alongside=True):
+            if seq.prompt[0] == 66:
+                raise RuntimeError("boom in prefill")
+            return prefill_step(seq, draft_alongside)
+        eng.prefill_step = failing
     sched = Scheduler(eng, SchedulerConfig(log_interval=0))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     prompts = [[5, 9, 14, 3, 5, 9], [66, 5, 9, 14, 3, 5, 9], [40, 41, 42, 40, 41]]

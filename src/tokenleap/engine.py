@@ -109,8 +109,10 @@ class Engine:
             self.release(seq)
 
     # -- the step ---------------------------------------------------------------------------
-    def prefill_step(self, seq: Sequence) -> int:
+    def prefill_step(self, seq: Sequence, draft_alongside: bool = True) -> int:
         """Fill the next chunk of ``seq``'s missing cache entries; returns its rows (0: nothing left).
+        With ``draft_alongside`` a draft model may prefill the chunk too; without, it catches up at
+        the first step that drafts for ``seq`` (a server: only then is the batch known).
 
         Prompt chunks are the fixed windows [i*chunk, (i+1)*chunk), computed with fast GEMMs; the last
         one yields the first token. After a preemption the same call recomputes the cache bitwise: the
@@ -132,7 +134,7 @@ class Engine:
             if done < first <= end:
                 seq.prompt_logprobs += token_logprobs(out.logits[first - done - 1:last - done - 1],
                                                       seq.tokens[first:last], seq.params.prompt_logprobs)
-        if self.proposer is not None:
+        if self.proposer is not None and draft_alongside:
             self._prefill_proposer(seq, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:
             # the last row's logits as a one-row head computes them (a many-row head may round differently)
@@ -209,9 +211,11 @@ class Engine:
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator) for s, n in asked]
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
-        got = [d if d is not None and d.tokens else None for d in got]
-        catch_up = sum(d.catch_up_seconds for d in got if d is not None)
+        catch_up = sum(d.catch_up_seconds for d in got if d is not None)  # an empty draft may have caught up
         self.controller.observe_catch_up(sum(d.catch_up_tokens for d in got if d is not None), catch_up)
+        for (s, _), d in zip(asked, got):
+            s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
+        got = [d if d is not None and d.tokens else None for d in got]
         drafting = elapsed - catch_up  # shared by the sequences in proportion to their draft tokens
         drafted = sum(len(d.tokens) for d in got if d is not None)
         by_seq = {}
@@ -219,7 +223,6 @@ class Engine:
             by_seq[s.seq_id] = d
             share = len(d.tokens) / drafted if d is not None else 0.0
             s.stats.draft_seconds += drafting * share if drafted else drafting / len(asked)
-            s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
         if drafted:
             self.controller.observe_draft(drafted, drafting, batch=len(asked))
         return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0, catch_up

@@ -3,7 +3,9 @@ sequence, with new requests admitted between steps.
 
 An iteration: take new and cancelled requests -> admit waiting ones while slots and free blocks
 allow -> prefill at most ``prefill_budget`` tokens in fixed-size chunks, each sequence on its own
-(so a long prompt is spread over many iterations and never stalls decoding) -> reserve blocks for
+(so a long prompt is spread over many iterations and never stalls decoding; a draft model is not
+fed alongside: it catches up, a chunk a step, once the controller drafts for the batch the
+sequence actually joined, and only if that pays back) -> reserve blocks for
 the decode step (speculation is dropped first, then the newest running sequence is preempted:
 its blocks are freed and it is recomputed later) -> ONE ``engine.step`` over every prefilled
 sequence with the draft length the controller picks for this batch size -> hand out new text.
@@ -224,7 +226,7 @@ class Scheduler:
                 if not self._make_room(req, end):
                     break
                 try:
-                    rows = self.engine.prefill_step(req.seq)
+                    rows = self.engine.prefill_step(req.seq, draft_alongside=False)
                 except Exception as e:
                     log.exception("prefill failed for sequence %d", req.seq.seq_id)
                     self._fail(req, f"prefill failed: {e}")

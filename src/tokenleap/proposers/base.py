@@ -3,7 +3,8 @@
 Lifecycle per sequence (llama.cpp's begin / draft / accept):
     begin(seq_id, prompt)           -- a new sequence with its prompt token ids
     prefill(seq_id, tokens)         -- the target prefilled ``tokens``: warm up alongside (may do nothing;
-                                       the engine skips it while speculation is off, so propose catches up)
+                                       the engine skips it while speculation is off, and a server always:
+                                       propose catches up, a long backlog a chunk per call)
     propose(seq_id, tokens, k, ..)  -- up to k draft tokens to follow ``tokens`` (or None)
     propose_many(requests)          -- the same for several sequences of one step at once (a draft
                                        model batches them into one forward per draft position)
@@ -24,7 +25,7 @@ from ..config import SamplingParams
 
 @dataclass(frozen=True)
 class Draft:
-    tokens: list[int]  # k proposed token ids, k >= 1
+    tokens: list[int]  # k proposed token ids (empty: a call that only caught up, see below)
     probs: torch.Tensor | None  # [k, vocab] draft distribution each token was drawn from; None = deterministic
     # seconds of this proposal spent catching up on tokens never fed before (a prefill skipped
     # while speculation was off): prefill work, kept out of the measured cost per draft token

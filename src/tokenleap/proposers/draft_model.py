@@ -45,13 +45,17 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model: Transformer, target_vocab_size: int, max_len: int, num_slots: int = 1,
-                 cache: KVCache | None = None, head: ReducedVocabHead | None = None) -> None:
+                 cache: KVCache | None = None, head: ReducedVocabHead | None = None,
+                 catch_up_chunk: int = 256) -> None:
         if model.config.vocab_size != target_vocab_size:
             raise TokenleapError(
                 f"draft model vocabulary ({model.config.vocab_size} tokens) differs from the target's "
                 f"({target_vocab_size}); a draft model must share the target's tokenizer")
         self.model = model
         self.head = head  # None: the model's own full-vocabulary head
+        # a longer backlog is fed this many tokens a call (no draft for that sequence meanwhile),
+        # so one sequence's catch-up never stalls the others of its batch for long
+        self.catch_up_chunk = catch_up_chunk
         self._heads: dict[int, object] = {}
         # any cache with KVCache's interface, e.g. a PagedKVCache when serving many sequences
         self.cache = cache if cache is not None else KVCache(model.config, num_slots, max_len, model.dtype)
@@ -73,13 +77,16 @@ class DraftModelProposer:
         """Draft for several sequences at once: draft position j of every sequence in one forward
         (a one-row forward reads the whole draft's weights, a few rows cost little more)."""
         lanes = []
+        out: list[Draft | None] = [None] * len(requests)
         for i, r in enumerate(requests):
             if r.k <= 0 or len(r.tokens) + r.k > self.cache.max_len:
                 continue
             fed = min(self._fed[r.seq_id], len(r.tokens) - 1)
+            if len(r.tokens) - fed > self.catch_up_chunk:  # a long backlog: one chunk now, drafts later
+                out[i] = self._catch_up_chunk(r.seq_id, r.tokens[fed:fed + self.catch_up_chunk], fed)
+                continue
             self._proposal_start[r.seq_id] = len(r.tokens)
             lanes.append(_Lane(i, r, self._slot[r.seq_id], r.tokens[fed:], fed))  # pending: at least the last token
-        out: list[Draft | None] = [None] * len(requests)
         active = lanes
         while active := [l for l in active if len(l.drafted) < l.req.k]:
             if not self._draft_position(active):  # a paged cache out of blocks: no draft for these
@@ -125,6 +132,13 @@ class DraftModelProposer:
             l.pending = [token]
         return True
 
+    def _catch_up_chunk(self, seq_id: int, tokens: list[int], pos: int) -> Draft:
+        """Feed one chunk of a long backlog (``tokens`` from position ``pos``); an empty draft
+        reports the time it took."""
+        t0 = time.perf_counter()
+        self._feed(seq_id, tokens, pos)
+        return Draft(tokens=[], probs=None, catch_up_seconds=time.perf_counter() - t0, catch_up_tokens=len(tokens))
+
     def _head_for(self, seq_ids: list[int]):
         if self.head is None:
             return None
@@ -137,15 +151,19 @@ class DraftModelProposer:
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
         """Feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the first
         proposal does not stall on a long prompt (nor count the prompt as drafting time)."""
-        slot, fed = self._slot[seq_id], self._fed[seq_id]
-        if fed >= len(tokens):
-            return
+        fed = self._fed[seq_id]
+        if fed < len(tokens):
+            self._feed(seq_id, tokens[fed:], fed)
+
+    def _feed(self, seq_id: int, tokens: list[int], pos: int) -> None:
+        """Put ``tokens`` (from position ``pos``, the first not fed) into the draft cache."""
+        slot = self._slot[seq_id]
         try:
-            self._forward(slot, tokens[fed:], fed)
+            self._forward(slot, tokens, pos)
         except CacheFullError:
-            self.cache.truncate(slot, fed)
+            self.cache.truncate(slot, pos)
             return
-        self._fed[seq_id] = len(tokens)
+        self._fed[seq_id] = pos + len(tokens)
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         valid = self._proposal_start[seq_id] + num_accepted  # tokens both agree on
