@@ -143,6 +143,18 @@ def test_scheduler_passes_the_batch_size_to_the_controller():
     sched.run_until_idle()
     assert seen[0] == 5 and seen[-1] == 1  # the batch shrinks as requests finish
 
+    seen.clear()
+    sched = Scheduler(eng, SchedulerConfig(log_interval=0, prefill_budget=1))  # one prompt an iteration
+    for prompt, _ in workload(3):
+        submit(sched, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    stepped = []
+    step = eng.step
+    eng.step = lambda seqs, k=None: stepped.append(len(seqs)) or step(seqs, k)
+    while not stepped:
+        sched.iterate()
+    # the first step ran while the others were still prefilling: judged as the batch about to run
+    assert stepped[0] < 3 and seen == [3]
+
 
 def test_metrics_export_and_log_line():
     sched = run_workload("self-draft", blocks=128, n=4)

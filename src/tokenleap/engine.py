@@ -157,13 +157,14 @@ class Engine:
         self.proposer.prefill(seq.seq_id, tokens)
         self.controller.observe_catch_up(backlog, time.perf_counter() - t0)
 
-    def choose_k(self, seqs: list[Sequence]) -> int:
-        """The controller's draft length for a step of ``seqs``, a catch-up it would need included."""
+    def choose_k(self, seqs: list[Sequence], batch: int | None = None) -> int:
+        """The controller's draft length for a step of ``seqs``, a catch-up it would need included;
+        ``batch``: the batch size to judge at if more sequences are about to join (default: len(seqs))."""
         if self.proposer is None:
             return 0
         backlog = sum(self.proposer.backlog(s.seq_id, s.tokens) for s in seqs)
         remaining = sum(s.params.max_tokens - s.num_generated for s in seqs)
-        return self.controller.choose(len(seqs), backlog, remaining)
+        return self.controller.choose(max(batch or 0, len(seqs)), backlog, remaining)
 
     def prefill_window(self, seq: Sequence) -> tuple[int, int, bool]:
         """(start, end, row_exact) of the next ``prefill_step``; start == end when nothing is missing."""

@@ -8,7 +8,8 @@ fed alongside: it catches up, a chunk a step, once the controller drafts for the
 sequence actually joined, and only if that pays back) -> reserve blocks for
 the decode step (speculation is dropped first, then the newest running sequence is preempted:
 its blocks are freed and it is recomputed later) -> ONE ``engine.step`` over every prefilled
-sequence with the draft length the controller picks for this batch size -> hand out new text.
+sequence with the draft length the controller picks for the batch size about to run (ready,
+prefilling, waiting and just-submitted sequences) -> hand out new text.
 
 A request that fails (an exception in its prefill, its draft or its verification) is finished with
 an error; the others go on. The batch step that raised is retried one sequence at a time, which
@@ -244,7 +245,10 @@ class Scheduler:
         batch = [r for r in self.running if self.engine.ready(r.seq) and not r.seq.finished]
         if not batch:
             return
-        k = self.engine.choose_k([r.seq for r in batch])
+        # judged at the batch about to run: sequences still prefilling or waiting (or just submitted) join
+        # within a few steps, so drafting (and a draft's catch-up) for the few ready now would not pay
+        coming = len(self.running) + len(self.waiting) + len(self._inbox)  # len() of a list: no lock needed
+        k = self.engine.choose_k([r.seq for r in batch], min(self.max_seqs, coming))
         batch, k = self._reserve_decode(batch, k)
         if not batch:
             return
