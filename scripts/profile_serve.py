@@ -1,6 +1,6 @@
 """Where a serving run's time goes: the scheduler driven in-process (no HTTP) for N requests arriving
 together, each configuration in turn, with every phase timed -- target prefill chunks, the draft's
-prefill alongside, drafting (and its catch-up), whole decode steps by batch size and draft length.
+catch-up inside drafting, whole decode steps by batch size and draft length.
 
     python scripts/profile_serve.py --clients 1 2 4 --variants plain draft
     python scripts/profile_serve.py --clients 2 --variants plain draft:1 draft:2 draft:3 plain
@@ -46,11 +46,11 @@ def timed(log: list, obj, name: str, key) -> None:
 
 def run(eng, clients: int, max_tokens: int) -> tuple[float, int, list]:
     log: list = []
-    timed(log, eng, "prefill_step", lambda seq: "target prefill chunk (draft prefill inside)")
+    timed(log, eng, "prefill_step", lambda seq, **kw: "target prefill chunk")
     timed(log, eng, "step", lambda seqs, k=None: f"step: batch {len(seqs)}, k {k}")
     if eng.proposer is not None:
-        timed(log, eng.proposer, "prefill", lambda seq_id, tokens: "draft prefill alongside")
-        timed(log, eng.proposer, "propose_many", lambda reqs: f"drafting: batch {len(reqs)}, k {max(r.k for r in reqs)}")
+        timed(log, eng.proposer, "propose_many", lambda reqs: f"drafting (catch-up included): batch {len(reqs)}, "
+                                                               f"k {max(r.k for r in reqs)}")
     sched = Scheduler(eng, SchedulerConfig(log_interval=0))
     reqs = []
     for i in range(clients):
@@ -60,7 +60,7 @@ def run(eng, clients: int, max_tokens: int) -> tuple[float, int, list]:
     sched.submit(reqs)
     sched.run_until_idle()
     wall = time.perf_counter() - t0
-    for obj, name in ((eng, "prefill_step"), (eng, "step"), (eng.proposer, "prefill"), (eng.proposer, "propose_many")):
+    for obj, name in ((eng, "prefill_step"), (eng, "step"), (eng.proposer, "propose_many")):
         if obj is not None and name in vars(obj):
             delattr(obj, name)
     return wall, sum(r.seq.num_generated for r in reqs), log
