@@ -9,17 +9,18 @@ like the deepest measured one), the draft's seconds per token, and the target's
 seconds per forward as a function of the rows it computes (each cost the median of its last
 few observations, so a single slow step cannot pin a figure), plus what a step spends outside
 those forwards, measured separately for speculative and plain steps at each batch size. A row
-count never measured is predicted from the measured ones (linear through the nearest two; past
-the largest, along the slope of the two largest, at least flat, and beyond 16 rows, where
-every CPU is compute-bound, at least proportional to rows), so a batch never measured is judged by the
-row costs smaller batches measured instead of being tried blind.
+count never measured is predicted from the measured ones: linear through the nearest two; past
+the largest, along the slope of the two largest (at least flat), and beyond 16 rows, where every
+CPU is compute-bound, at least proportionally to rows -- so a batch size never measured is judged
+by the row costs smaller batches measured instead of being tried blind.
 Turning speculation on for sequences the draft has not followed (a prompt whose draft prefill was
 skipped, tokens decoded plainly meanwhile) first costs a catch-up: the draft feeding that backlog,
 measured in seconds per token. It is an investment, made only when the predicted time saved over
-the tokens the batch may still generate exceeds it. When no k beats plain decoding, the step decodes plainly;
-every ``probe_every`` plain steps it drafts once with a small k, so a change in the text (a
-copy-heavy passage) is noticed -- unless even full acceptance could not pay at this batch size
-or the draft would first have to catch up on more than two plain steps' worth of time.
+the tokens the batch may still generate exceeds it.
+When no k beats plain decoding, the step decodes plainly; every ``probe_every`` plain steps it
+drafts once with a small k, so a change in the text (a copy-heavy passage) is noticed -- unless
+even full acceptance could not pay at this batch size, or the draft would first have to catch up
+on more than two plain steps' worth of time.
 While drafting, every ``probe_every`` steps it tries one step with k - 1 or k + 1 (alternately),
 so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 """
