@@ -92,12 +92,15 @@ def test_unmeasured_large_blocks_are_predicted_compute_bound():
 
 def test_unmeasured_larger_blocks_follow_the_slope_of_the_two_largest_measured():
     """A batch never measured is judged by the row costs smaller batches measured, not tried blind:
-    past the largest measured block the cost grows along the last measured slope."""
+    past the largest measured block the cost grows along the last measured slope. One sequence
+    still explores a longer draft as if it cost no more than the largest measured block."""
     c = DraftLengthController(ControllerConfig(max_k=4))
     c.observe_forward(1, 1.0)
     c.observe_forward(4, 1.6)  # 0.2 s a row from 1 to 4 rows
     assert c.predict_forward(8) == pytest.approx(2.4)
+    assert c.predict_forward(8, explore=True) == pytest.approx(1.6)  # one sequence: try it once
     assert c.predict_forward(40) == pytest.approx(1.6 * 40 / 4)  # beyond 16 rows: at least ~ rows
+    assert c.predict_forward(40, explore=True) == pytest.approx(1.6 * 40 / 4)
     c.observe_forward(6, 1.5)  # a noisy dip: the slope is taken as flat, never negative
     assert c.predict_forward(8) == pytest.approx(1.6)
     c = DraftLengthController(ControllerConfig(max_k=4))

@@ -10,9 +10,11 @@ seconds per forward as a function of the rows it computes (each cost the median 
 few observations, so a single slow step cannot pin a figure), plus what a step spends outside
 those forwards, measured separately for speculative and plain steps at each batch size. A row
 count never measured is predicted from the measured ones: linear through the nearest two; past
-the largest, along the slope of the two largest (at least flat), and beyond 16 rows, where every
-CPU is compute-bound, at least proportionally to rows -- so a batch size never measured is judged
-by the row costs smaller batches measured instead of being tried blind.
+the largest, for one sequence as cheap as the largest measured while at most 16 rows (so each
+longer draft gets tried: one step), for several along the slope of the two largest (at least
+flat) -- so a batch size never measured is judged by the row costs smaller batches measured
+instead of being tried blind, with every sequence's catch-up; beyond 16 rows, where every CPU is
+compute-bound, at least proportionally to rows.
 Turning speculation on for sequences the draft has not followed (a prompt whose draft prefill was
 skipped, tokens decoded plainly meanwhile) first costs a catch-up: the draft feeding that backlog,
 measured in seconds per token. It is an investment, made only when the predicted time saved over
@@ -159,7 +161,7 @@ class DraftLengthController:
         """Would drafting k tokens beat plain decoding if every draft were accepted? If not (the
         batch makes verification too costly), a probe for acceptance cannot change the choice."""
         draft = k * batch * self.predict_draft(batch)
-        cost = draft + self.predict_forward(batch * (k + 1)) + self.step_overhead.get((True, batch), 0.0)
+        cost = draft + self.predict_forward(batch * (k + 1), batch == 1) + self.step_overhead.get((True, batch), 0.0)
         return batch * (k + 1) / cost > plain_rate
 
     def expected_tokens(self, k: int) -> float:
@@ -176,10 +178,13 @@ class DraftLengthController:
     def rate(self, k: int, batch: int = 1) -> float:
         """Predicted tokens per second of a step drafting k tokens for each of ``batch`` sequences."""
         draft = 0.0 if k == 0 else k * batch * self.predict_draft(batch)
-        cost = draft + self.predict_forward(batch * (k + 1)) + self.step_overhead.get((k > 0, batch), 0.0)
+        cost = draft + self.predict_forward(batch * (k + 1), batch == 1) + self.step_overhead.get((k > 0, batch), 0.0)
         return batch * self.expected_tokens(k) / cost if cost > 0 else float("inf")
 
-    def predict_forward(self, rows: int) -> float:
+    def predict_forward(self, rows: int, explore: bool = False) -> float:
+        """Seconds for a target forward over ``rows``. ``explore`` (one sequence): a block larger
+        than any measured, up to 16 rows, is guessed as cheap as the largest measured, so each
+        longer draft gets tried -- one step, no catch-up; several sequences extrapolate instead."""
         if rows in self.forward_cost:
             return self.forward_cost[rows]
         if not self.forward_cost:
@@ -189,6 +194,8 @@ class DraftLengthController:
         upper = [r for r in known if r > rows]
         if not upper:  # a block larger than any measured: along the slope of the two largest
             top = known[-1]
+            if explore and rows <= _MEMORY_BOUND_ROWS:
+                return self.forward_cost[top]
             guess = self._line(known[-2], top, rows) if len(known) > 1 else self.forward_cost[top]
             if rows > _MEMORY_BOUND_ROWS:  # large blocks are compute-bound: at least ~ rows
                 guess = max(guess, self.forward_cost[top] * rows / top)
