@@ -79,8 +79,8 @@ class FailingProposer:
 
     name = "failing"
 
-    def __init__(self, inner, where: str) -> None:
-        self.inner, self.where, self.bad = inner, where, set()
+    def __init__(self, inner) -> None:
+        self.inner, self.bad = inner, set()
 
     def begin(self, seq_id, prompt):
         if prompt[0] == 66:
@@ -91,12 +91,12 @@ class FailingProposer:
         self.inner.prefill(seq_id, tokens)
 
     def propose(self, seq_id, tokens, k, params, generator):
-        if self.where == "propose" and seq_id in self.bad:
+        if seq_id in self.bad:
             raise RuntimeError("boom in propose")
         return self.inner.propose(seq_id, tokens, k, params, generator)
 
     def propose_many(self, requests):
-        if self.where == "propose" and any(r.seq_id in self.bad for r in requests):
+        if any(r.seq_id in self.bad for r in requests):
             raise RuntimeError("boom in propose")
         return self.inner.propose_many(requests)
 

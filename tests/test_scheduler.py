@@ -111,7 +111,7 @@ def test_cancelled_requests_free_everything_at_once():
 def test_a_failing_request_does_not_disturb_the_others(where):
     eng = paged_engine("ngram", k=2)
     if where == "propose":
-        eng.proposer = FailingProposer(eng.proposer, where)
+        eng.proposer = FailingProposer(eng.proposer)
     else:  # the target's prefill raises
         prefill_step = eng.prefill_step
 

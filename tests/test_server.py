@@ -211,7 +211,7 @@ def test_disconnected_clients_free_their_blocks():
 
 def test_a_failing_request_gets_an_error_and_the_others_their_output():
     eng = paged_engine("ngram", k=2)
-    eng.proposer = FailingProposer(eng.proposer, "propose")
+    eng.proposer = FailingProposer(eng.proposer)
     with LiveServer(create_app(eng, ServerConfig(NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
         c = client(s)
         bad = chr(66 + 96)  # encodes to token 66: its proposer raises

@@ -160,9 +160,7 @@ class DraftLengthController:
     def _could_pay(self, k: int, batch: int, plain_rate: float) -> bool:
         """Would drafting k tokens beat plain decoding if every draft were accepted? If not (the
         batch makes verification too costly), a probe for acceptance cannot change the choice."""
-        draft = k * batch * self.predict_draft(batch)
-        cost = draft + self.predict_forward(batch * (k + 1), batch == 1) + self.step_overhead.get((True, batch), 0.0)
-        return batch * (k + 1) / cost > plain_rate
+        return batch * (k + 1) / self.step_cost(k, batch) > plain_rate
 
     def expected_tokens(self, k: int) -> float:
         total, run, last = 1.0, 1.0, self.cfg.prior_acceptance
@@ -177,9 +175,14 @@ class DraftLengthController:
 
     def rate(self, k: int, batch: int = 1) -> float:
         """Predicted tokens per second of a step drafting k tokens for each of ``batch`` sequences."""
-        draft = 0.0 if k == 0 else k * batch * self.predict_draft(batch)
-        cost = draft + self.predict_forward(batch * (k + 1), batch == 1) + self.step_overhead.get((k > 0, batch), 0.0)
+        cost = self.step_cost(k, batch)
         return batch * self.expected_tokens(k) / cost if cost > 0 else float("inf")
+
+    def step_cost(self, k: int, batch: int = 1) -> float:
+        """Predicted seconds of a step drafting k tokens for each of ``batch`` sequences: drafting,
+        one target forward over ``batch * (k + 1)`` rows, and the step's measured overhead."""
+        draft = 0.0 if k == 0 else k * batch * self.predict_draft(batch)
+        return draft + self.predict_forward(batch * (k + 1), batch == 1) + self.step_overhead.get((k > 0, batch), 0.0)
 
     def predict_forward(self, rows: int, explore: bool = False) -> float:
         """Seconds for a target forward over ``rows``. ``explore`` (one sequence): a block larger
