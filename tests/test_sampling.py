@@ -8,6 +8,7 @@ import torch
 
 from tokenleap.config import SamplingParams
 from conftest import chi2_pvalue
+from tokenleap.seeded import BLOCK, SeededNoise, mix, splitmix64
 from tokenleap.sampling import (SamplingFilters, greedy, inverse_cdf, logits_to_probs,
                                 make_generator, sample)
 
@@ -134,3 +135,76 @@ def test_sample_distribution():
     counts = torch.bincount(tokens, minlength=6)  # [6]
     assert chi2_pvalue(counts, p) > 1e-3
     assert chi2_pvalue(counts, torch.tensor([0.1, 0.0, 0.35, 0.25, 0.3, 0.0])) < 1e-6  # has teeth
+
+
+def test_splitmix64_matches_the_reference_generator():
+    # the reference splitmix64 seeded with 0 outputs these first (Vigna's splitmix64.c)
+    assert [mix(0), mix(0x9E3779B97F4A7C15)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    state = torch.tensor([0, 0x9E3779B97F4A7C15 - 2**64])  # the same bit patterns in int64
+    assert [x & (2**64 - 1) for x in splitmix64(state).tolist()] == [mix(0), mix(0x9E3779B97F4A7C15)]
+
+
+def brute_force(noise: SeededNoise, probs: torch.Tensor, pos: int) -> list[int]:
+    """argmin_x E(t, x) / p(x) with E computed for every token (``probs # [n, vocab]``)."""
+    n, vocab = probs.shape
+    out = []
+    for i in range(n):
+        m, j = noise.block_minima(pos + i, vocab)  # [blocks] each
+        e = noise.exponentials(pos + i, torch.arange(m.numel()), m, j).flatten()[:vocab]  # [vocab]
+        p = probs[i].double()
+        out.append(int(torch.argmin(torch.where(p > 0, e / p, float("inf")))))
+    return out
+
+
+@pytest.mark.parametrize("vocab", [5, 256, 700, 2000])
+def test_seeded_race_skips_blocks_but_picks_what_brute_force_picks(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(20):
+        scale = [0.5, 2.0, 6.0, 12.0][trial % 4]  # flat to peaked
+        logits = torch.randn(4, vocab, generator=gen) * scale  # [4, vocab]
+        probs = logits_to_probs(logits, 1.0, 0, 0.9 if trial % 3 == 0 else 1.0)
+        noise = SeededNoise(trial * 7919 - 3)
+        assert noise.choose(probs, trial).tolist() == brute_force(noise, probs, trial)
+
+
+def test_block_exponentials_are_exp1():
+    noise = SeededNoise(12)
+    m, j = noise.block_minima(3, 300 * BLOCK)  # [300]
+    e = noise.exponentials(3, torch.arange(300), m, j)  # [300, BLOCK] independent Exp(1)
+    assert torch.equal(e.amin(dim=-1), m) and torch.equal(e.argmin(dim=-1), j)
+    cells = torch.bucketize(e.flatten(), torch.tensor([0.25, 0.5, 1.0, 2.0, 3.0], dtype=torch.float64))
+    edges = torch.tensor([0.0, 0.25, 0.5, 1.0, 2.0, 3.0, float("inf")], dtype=torch.float64)
+    expected = torch.exp(-edges[:-1]) - torch.exp(-edges[1:])  # [6] Exp(1) mass per cell
+    assert chi2_pvalue(torch.bincount(cells, minlength=6), expected) > 1e-3
+
+
+def test_seeded_noise_samples_exactly_over_seeds_and_over_positions():
+    p = torch.tensor([[0.05, 0.0, 0.4, 0.25, 0.3, 0.0]])  # [1, 6]
+    by_seed = torch.cat([SeededNoise(s).choose(p, 17) for s in range(5000)])  # [5000]
+    by_pos = SeededNoise(5).choose(p.expand(5000, 6), 0)  # [5000], rows at positions 0 .. 4999
+    for tokens in (by_seed, by_pos):
+        counts = torch.bincount(tokens, minlength=6)  # [6]
+        assert chi2_pvalue(counts, p[0]) > 1e-3
+        assert chi2_pvalue(counts, torch.tensor([0.1, 0.0, 0.35, 0.25, 0.3, 0.0])) < 1e-6  # has teeth
+
+
+def test_seeded_noise_depends_on_seed_position_and_token_only():
+    probs = torch.softmax(torch.randn(5, 600, generator=torch.Generator().manual_seed(2)) * 0.3, -1)  # [5, 600]
+    noise = SeededNoise(-3)  # any 64-bit seed
+    rows = noise.choose(probs, 100)  # [5]
+    assert rows.tolist() == [int(noise.choose(probs[i:i + 1], 100 + i)[0]) for i in range(5)]
+    assert torch.equal(SeededNoise(-3).choose(probs, 100), rows)
+    assert len({tuple(SeededNoise(s).choose(probs, 100).tolist()) for s in range(4)}) > 1
+    # dropping other tokens from the support keeps every token's noise: the winner stays
+    kept = probs.clone()
+    for i, t in enumerate(rows.tolist()):
+        kept[i, (t + 1) % 600] = 0
+        kept[i, (t + 300) % 600] = 0
+    assert torch.equal(noise.choose(kept, 100), rows)
+
+
+def test_seeded_noise_never_picks_zero_probability():
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [1e-30, 0.0, 0.0, 0.0, 0.0]])
+    tokens = torch.stack([SeededNoise(s).choose(probs, 0) for s in range(500)])  # [500, 3]
+    assert (probs.gather(1, tokens.T) > 0).all()
+    assert tokens[:, 1].eq(4).all() and tokens[:, 2].eq(0).all()

@@ -37,10 +37,13 @@ def submit(sched: Scheduler, prompt: list[int], params: SamplingParams) -> Colle
     return sink
 
 
-def run_workload(kind, blocks, n=12, max_seqs=16, seed=0):
+def run_workload(kind, blocks, n=12, max_seqs=16, seed=0, sampled=False):
+    """``sampled``: seeded sampling (each request its own seed) instead of greedy."""
     eng = paged_engine(kind, blocks=blocks)
     sched = Scheduler(eng, SchedulerConfig(max_num_seqs=max_seqs, log_interval=0))
-    jobs = [(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in workload(n, seed)]
+    sampling = lambda i: dict(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled else {}  # noqa: E731
+    jobs = [(p, SamplingParams(max_tokens=m, ignore_eos=True, **sampling(i)))
+            for i, (p, m) in enumerate(workload(n, seed))]
     sinks = [submit(sched, p, params) for p, params in jobs]
     sched.run_until_idle()
     for (prompt, params), sink in zip(jobs, sinks):
@@ -65,6 +68,16 @@ def test_batched_outputs_equal_alone(kind):
 def test_preemption_in_a_small_pool_keeps_outputs_exact(kind):
     sched = run_workload(kind, blocks=10, seed=1)  # 160 token slots for ~12 sequences of up to 95 tokens
     assert sched.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "draft", "self-draft"])
+@pytest.mark.parametrize("blocks", [128, 10])
+def test_seeded_sampled_outputs_equal_alone_under_batching_and_preemption(kind, blocks):
+    """A seeded request's tokens do not depend on the batch, the draft length or a preemption."""
+    sched = run_workload(kind, blocks=blocks, seed=1, sampled=True)
+    assert (sched.stats.preemptions > 0) == (blocks == 10)
+    if kind == "self-draft":
+        assert sched.engine.totals.accepted_tokens > 0
 
 
 def test_scheduler_refuses_a_pool_smaller_than_one_sequence():

@@ -4,6 +4,9 @@ A tiny 3-token vocabulary makes the exact distribution of 4-token continuations 
 enumeration (81 sequences). Samples from the engine with a deliberately different draft model
 must fit it by a chi-square test; the same test at the same seed and sample size rejects a
 verifier with a classic bug (resampling from p instead of norm(max(0, p - q)) on rejection).
+Both ways of sampling are tested: rejection sampling (unseeded requests) and drafter-invariant
+Gumbel-max sampling with noise keyed by position (seeded requests), whose check rejects noise
+shared across positions.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from tokenleap.engine import Engine
 from tokenleap.models.build import build_transformer
 from tokenleap.models.transformer import Segment
 from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.sampling import logits_to_probs, sample
+from tokenleap.sampling import logits_to_probs, make_generator, sample
+from tokenleap.seeded import SeededNoise
 from tokenleap.verify import Verification
 
 from conftest import ToyTokenizer, random_weights, tiny_config
@@ -63,14 +67,24 @@ def exact_distribution(target, penalties: dict | None = None) -> dict[tuple[int,
     return out
 
 
-def sample_counts(target, draft, seed: int, penalties: dict | None = None) -> dict[tuple[int, ...], int]:
+def sample_counts(target, draft, seed: int, monkeypatch, penalties: dict | None = None,
+                  seeded: bool = False) -> dict[tuple[int, ...], int]:
+    """Counts of N_SAMPLES continuations, each its own request. Unseeded requests (rejection
+    sampling) get generators seeded from this test's stream; seeded ones (noise keyed by position)
+    get seeds from it."""
     eng = Engine(target, ToyTokenizer(V, eos=()), max_len=32,
                  proposer=DraftModelProposer(draft, V, 32), controller=ControllerConfig(max_k=3, fixed_k=3))
     gen = torch.Generator().manual_seed(seed)
+
+    def next_seed() -> int:
+        return int(torch.randint(0, 2**31, (1,), generator=gen))
+
+    if not seeded:
+        monkeypatch.setattr(engine_mod, "request_randomness", lambda _: make_generator(next_seed()))
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(N_SAMPLES):
-        s = int(torch.randint(0, 2**31, (1,), generator=gen))
-        params = SamplingParams(max_tokens=N_NEW, seed=s, ignore_eos=True, **PARAMS, **(penalties or {}))
+        params = SamplingParams(max_tokens=N_NEW, seed=next_seed() if seeded else None, ignore_eos=True,
+                                **PARAMS, **(penalties or {}))
         *_, (seq, _) = eng.generate(PROMPT, params)
         key = tuple(seq.generated)
         counts[key] = counts.get(key, 0) + 1
@@ -95,22 +109,22 @@ def p_value(counts, exact) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-def test_engine_sampling_matches_target_distribution(pair):
+def test_engine_sampling_matches_target_distribution(pair, monkeypatch):
     target, draft = pair
     exact = exact_distribution(target)
     assert abs(sum(exact.values()) - 1) < 1e-5
-    counts = sample_counts(target, draft, seed=5)
+    counts = sample_counts(target, draft, seed=5, monkeypatch=monkeypatch)
     assert p_value(counts, exact) > 1e-3
 
 
-def test_engine_sampling_with_penalties_matches_target_distribution(pair):
+def test_engine_sampling_with_penalties_matches_target_distribution(pair, monkeypatch):
     """Penalties change the target distribution row by row (each row after its own drafted prefix);
     speculation must still sample exactly from it."""
     target, draft = pair
     penalties = dict(presence_penalty=0.8, frequency_penalty=0.6)
     exact = exact_distribution(target, penalties)
     assert max(abs(exact[k] - v) for k, v in exact_distribution(target).items()) > 0.02  # they act
-    counts = sample_counts(target, draft, seed=6, penalties=penalties)
+    counts = sample_counts(target, draft, seed=6, monkeypatch=monkeypatch, penalties=penalties)
     assert p_value(counts, exact) > 1e-3
 
 
@@ -128,5 +142,24 @@ def test_same_check_rejects_a_biased_verifier(pair, monkeypatch):
     target, draft = pair
     exact = exact_distribution(target)
     monkeypatch.setattr(engine_mod, "verify_sampling", biased)
-    counts = sample_counts(target, draft, seed=5)
+    counts = sample_counts(target, draft, seed=5, monkeypatch=monkeypatch)
     assert p_value(counts, exact) < 1e-6
+
+
+def test_seeded_speculative_sampling_matches_target_distribution(pair, monkeypatch):
+    """Seeded requests: drafter-invariant sampling (noise keyed by position) with a far draft."""
+    target, draft = pair
+    counts = sample_counts(target, draft, seed=7, monkeypatch=monkeypatch, seeded=True)
+    assert p_value(counts, exact_distribution(target)) > 1e-3
+
+
+def test_same_check_rejects_noise_shared_across_positions(pair, monkeypatch):
+    choose = SeededNoise.choose
+
+    def shared(self, probs, pos):  # bug: every position draws the same noise
+        return torch.cat([choose(self, probs[i:i + 1], 0) for i in range(probs.shape[0])])
+
+    target, draft = pair
+    monkeypatch.setattr(SeededNoise, "choose", shared)
+    counts = sample_counts(target, draft, seed=7, monkeypatch=monkeypatch, seeded=True)
+    assert p_value(counts, exact_distribution(target)) < 1e-6

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from tokenleap.sampling import logits_to_probs, make_generator, sample
+from tokenleap.seeded import SeededNoise
 
 from conftest import chi2_pvalue
-from tokenleap.verify import (Verification, verify_greedy, verify_greedy_batch, verify_sampling,
+from tokenleap.verify import (Verification, verify_coupled, verify_greedy, verify_greedy_batch, verify_sampling,
                               verify_sampling_batch)
 
 V = 6  # vocabulary size of the statistical tests
@@ -241,3 +242,30 @@ def test_zero_probabilities_never_nan_or_zero_token():
             assert (emitted > 0).all(), f"{name}: emitted a zero-probability token: {out}"
     accepted = [verify_sampling(d, q, p, make_generator(0)).num_accepted for d, q in cases.values()]
     assert accepted == [0, 0, 2, 2]
+
+
+def test_coupled_verification_emits_the_seeded_choices_whatever_was_drafted():
+    gen = torch.Generator().manual_seed(8)
+    probs = logits_to_probs(torch.randn(5, 12, generator=gen), 1.0, 0, 0.9)  # [5, 12], k = 4
+    noise = SeededNoise(31)
+    choice = noise.choose(probs, 40)  # [5] what plain seeded sampling emits at positions 40 .. 44
+    assert verify_coupled(choice[:4], probs, noise, 40) == Verification(choice.tolist(), 4)
+    for j in range(4):  # the first wrong draft at j: j accepted, then the target's choice
+        drafts = choice[:4].clone()
+        drafts[j] = (drafts[j] + 1) % 12
+        assert verify_coupled(drafts, probs, noise, 40) == Verification(choice[:j + 1].tolist(), j)
+    assert verify_coupled(torch.tensor([], dtype=torch.long), probs[:1], noise, 40) == Verification(choice[:1].tolist(), 0)
+
+
+def test_coupled_acceptance_is_within_the_drafter_invariant_bounds():
+    """A draft choosing with the same noise from q is accepted with probability between
+    (1 - TV) / (1 + TV) (Gumbel-max coupling's guarantee) and 1 - TV (rejection sampling's)."""
+    gen = torch.Generator().manual_seed(9)
+    p = torch.softmax(torch.randn(1, 8, generator=gen), -1)  # [1, 8]
+    q = torch.softmax(torch.log(p) + 0.7 * torch.randn(1, 8, generator=gen), -1)  # [1, 8]
+    tv = float((p - q).abs().sum()) / 2
+    n = 4000
+    accepted = sum(verify_coupled(SeededNoise(s).choose(q, 0), torch.cat([p, p]), SeededNoise(s), 0).num_accepted
+                   for s in range(n)) / n
+    assert 0.1 < tv < 0.5
+    assert (1 - tv) / (1 + tv) - 0.02 < accepted < 1 - tv + 0.02

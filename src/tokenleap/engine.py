@@ -24,9 +24,10 @@ from .metrics import SpecStats
 from .models.transformer import Segment, Transformer
 from .penalties import apply_penalties
 from .proposers.base import Draft, DraftRequest, Proposer
-from .sampling import logits_to_probs, make_generator
+from .sampling import logits_to_probs, request_randomness
+from .seeded import SeededNoise
 from .sequence import Sequence
-from .verify import Verification, verify_greedy, verify_sampling
+from .verify import Verification, verify_coupled, verify_greedy, verify_sampling
 
 
 class Engine:
@@ -68,7 +69,7 @@ class Engine:
             params = replace(params, max_tokens=room)
         return Sequence(seq_id=next(self._ids), prompt=list(prompt), params=params, eos_ids=self.eos_ids,
                         detokenizer=self.tokenizer.detokenizer(),
-                        generator=None if params.greedy else make_generator(params.seed))
+                        generator=None if params.greedy else request_randomness(params.seed))
 
     def attach(self, seq: Sequence) -> None:
         """Give ``seq`` a cache slot and start its proposer state (its cache is filled by ``prefill_step``)."""
@@ -260,4 +261,6 @@ class Engine:
         if p.greedy:
             return verify_greedy(drafted, logits)
         probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [k+1, vocab]
+        if isinstance(seq.generator, SeededNoise):  # row 0 chooses the token at position len(tokens)
+            return verify_coupled(drafted, probs, seq.generator, len(seq.tokens))
         return verify_sampling(drafted, draft.probs if draft else None, probs, seq.generator)

@@ -18,9 +18,15 @@ may be Python scalars (same for every row) or tensors ``# [n]`` (one value per r
 can mix requests. The target and the draft model must be filtered by this same function with the
 same parameters; rejection sampling in :mod:`tokenleap.verify` relies on it.
 
-Sampling draws float64 uniforms from a per-request ``torch.Generator`` (inverse CDF, one
-uniform per row), so a seeded request is reproducible and a zero-probability token is never
-chosen.
+Two sources of randomness:
+
+* an unseeded request draws float64 uniforms from its own ``torch.Generator`` (inverse CDF, one
+  uniform per row; speculation verifies by rejection sampling, :mod:`tokenleap.verify`);
+* a seeded request uses :class:`tokenleap.seeded.SeededNoise`: the token at sequence position
+  ``t`` is ``argmin_x E(t, x) / p_t(x)`` with ``E ~ Exp(1)`` keyed by (seed, t, x) alone (the
+  Gumbel-max trick), an exact sample from ``p_t``, the same whatever proposed it.
+
+Neither ever chooses a zero-probability token.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SamplingParams
+from .seeded import SeededNoise
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 Param = float | int | torch.Tensor
@@ -141,13 +148,18 @@ def rand_rows(n: int, size: int, generator: Generators) -> torch.Tensor:  # [n, 
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for one request: seeded when ``seed`` is given, else non-deterministic."""
+    """A CPU generator: seeded when ``seed`` is given, else non-deterministic."""
     g = torch.Generator()
     if seed is None:
         g.seed()
     else:
         g.manual_seed(seed)
     return g
+
+
+def request_randomness(seed: int | None) -> "torch.Generator | SeededNoise":
+    """What a sampled request draws from: ``SeededNoise`` when seeded, else its own generator."""
+    return make_generator(None) if seed is None else SeededNoise(seed)
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,4 +191,4 @@ class SamplingFilters:
 
 
 __all__ = ["logits_to_probs", "greedy", "sample", "inverse_cdf", "rand_rows", "make_generator",
-           "SamplingFilters"]
+           "request_randomness", "SamplingFilters"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
+from .seeded import SeededNoise
 from .logprobs import TokenLogprob
 from .metrics import SpecStats
 
@@ -17,7 +18,7 @@ class Sequence:
     params: SamplingParams
     eos_ids: frozenset[int]
     detokenizer: object  # detokenizer.IncrementalDetokenizer: .add(ids) -> str, .flush() -> str
-    generator: torch.Generator | None = None
+    generator: torch.Generator | SeededNoise | None = None
     slot: int = -1
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     text: str = ""  # generated text (stop string removed once matched)

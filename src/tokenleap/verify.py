@@ -23,6 +23,11 @@ no mass (``p <= q`` everywhere, i.e. ``p == q``) falls back to ``p``; sampling n
 zero-probability token. All randomness comes from the request's ``torch.Generator``: per request,
 ``k`` acceptance uniforms, then one uniform for the recovered or bonus token, so a plain sampling
 step (``k == 0``) consumes the generator exactly like :func:`tokenleap.sampling.sample`.
+
+A seeded request is verified by :func:`verify_coupled` instead: its tokens are chosen by
+:class:`tokenleap.seeded.SeededNoise` (Gumbel-max with noise keyed by position), which makes
+verification a greedy match on the noisy scores -- the draft is accepted where it chose what the
+target chooses -- and the output that of plain seeded sampling, token for token.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import Generators, greedy, inverse_cdf, rand_rows
+from .seeded import SeededNoise
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,21 @@ def verify_sampling_batch(
     weights = _residual(p_next, q_next)  # [b, vocab]
     last = inverse_cdf(weights, rand_rows(b, 1, generator))  # [b]
     return _results(draft_tokens, num_accepted, last)
+
+
+def verify_coupled(
+    draft_tokens: torch.Tensor,  # [k] long
+    target_probs: torch.Tensor,  # [k+1, vocab], filtered by logits_to_probs
+    noise: SeededNoise,
+    pos: int,  # sequence position of the first verified token (row 0)
+) -> Verification:
+    """Drafter-invariant verification of a seeded request: row ``i`` chooses
+    ``noise.choose(p_i, pos + i)``; drafts are accepted while they equal those choices, then the
+    target's choice is emitted. Whatever was drafted, the tokens are those of plain seeded sampling."""
+    _, k = _check_shapes(draft_tokens[None], target_probs[None])
+    target = noise.choose(target_probs, pos)  # [k+1]
+    num_accepted = (draft_tokens == target[:k]).long().cumprod(dim=-1).sum(dim=-1, keepdim=True)  # [1]
+    return _results(draft_tokens[None], num_accepted, target[num_accepted])[0]
 
 
 def _num_accepted(
@@ -168,4 +189,4 @@ def _results(
 
 
 __all__ = ["Verification", "verify_greedy", "verify_greedy_batch", "verify_sampling",
-           "verify_sampling_batch"]
+           "verify_sampling_batch", "verify_coupled"]

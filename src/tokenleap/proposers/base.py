@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from ..config import SamplingParams
+from ..seeded import SeededNoise
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class DraftRequest:
     tokens: list[int]
     k: int
     params: SamplingParams
-    generator: torch.Generator | None = None
+    generator: torch.Generator | SeededNoise | None = None
 
 
 class Proposer(Protocol):
@@ -52,7 +53,7 @@ class Proposer(Protocol):
     def prefill(self, seq_id: int, tokens: list[int]) -> None: ...
 
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Draft | None: ...
+                generator: torch.Generator | SeededNoise | None) -> Draft | None: ...
 
     def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]: ...
 

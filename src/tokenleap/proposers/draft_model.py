@@ -17,6 +17,7 @@ from ..config import SamplingParams
 from ..errors import TokenleapError
 from ..models.transformer import Segment, Transformer
 from ..sampling import greedy, logits_to_probs, sample
+from ..seeded import SeededNoise
 from .base import Draft, DraftRequest
 from .draft_head import BatchHead, ReducedVocabHead
 
@@ -125,7 +126,7 @@ class DraftModelProposer:
             l.catch_up_tokens += len(l.pending)
         for j, l in enumerate(lanes):
             l.pos += len(l.pending)
-            token, probs = self._choose(logits[j : j + 1], l.req.params, l.req.generator)
+            token, probs = self._choose(logits[j : j + 1], l.req.params, l.req.generator, l.pos)
             l.drafted.append(token)
             if probs is not None:
                 l.probs.append(probs)
@@ -184,10 +185,13 @@ class DraftModelProposer:
         return self.model(torch.tensor(tokens), seg, self.cache, logit_rows=last, head=head).logits
 
     @staticmethod
-    def _choose(logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-        # logits: [1, vocab]
+    def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | SeededNoise | None,
+                pos: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token for sequence position ``pos`` from ``logits`` [1, vocab]; with a seeded
+        request's noise, the choice the target makes if its distribution is the draft's."""
         if params.greedy:
             return int(greedy(logits)[0]), None
         probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+        if isinstance(generator, SeededNoise):
+            return int(generator.choose(probs, pos)[0]), probs
         return int(sample(probs, generator)[0]), probs  # probs: [1, vocab]
