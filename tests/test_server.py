@@ -159,25 +159,33 @@ def test_queue_full_is_503():
         assert client(s).completions.create(model=NAME, prompt="x", max_tokens=2).choices
 
 
-def _one_request(url: str, i: int, prompt: list[int], max_tokens: int) -> str:
+def _sampling(i: int, seeded: bool) -> dict:
+    return dict(temperature=0.8, top_p=0.95, seed=500 + i) if seeded else dict(temperature=0)
+
+
+def _one_request(url: str, i: int, prompt: list[int], max_tokens: int, seeded: bool) -> str:
     c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     if i % 2:
-        stream = c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+        stream = c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                      **_sampling(i, seeded))
         return "".join(ch.choices[0].text for ch in stream if ch.choices)
-    return c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+    return c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, **_sampling(i, seeded)).choices[0].text
 
 
+@pytest.mark.parametrize("seeded", [False, True])
 @pytest.mark.parametrize("kind", [None, "ngram", "draft"])
-def test_concurrent_greedy_outputs_equal_alone(kind):
+def test_concurrent_outputs_equal_alone(kind, seeded):
+    """Greedy, and seeded sampling (drafter-invariant): under load, with preemption, each request's
+    text is what the same request gets alone from a plain engine."""
     jobs = workload(16, seed=3)
     with start(kind, blocks=10) as s:  # a small pool: preemption is likely under this load
         with ThreadPoolExecutor(16) as pool:
-            texts = list(pool.map(lambda a: _one_request(s.url, a[0], *a[1]), enumerate(jobs)))
+            texts = list(pool.map(lambda a: _one_request(s.url, a[0], *a[1], seeded), enumerate(jobs)))
         assert wait_until(lambda: s.scheduler.idle)
         assert s.scheduler.cache.num_used_blocks == 0
         metrics = httpx.get(s.url + "/metrics").text
-    for (prompt, max_tokens), text in zip(jobs, texts):
-        assert text == alone(prompt, SamplingParams(max_tokens=max_tokens)).text, prompt
+    for i, ((prompt, max_tokens), text) in enumerate(zip(jobs, texts)):
+        assert text == alone(prompt, SamplingParams(max_tokens=max_tokens, **_sampling(i, seeded))).text, prompt
     assert "tokenleap:generation_tokens_total" in metrics
     if kind is not None:
         assert "tokenleap:spec_decode_num_draft_tokens_total" in metrics
