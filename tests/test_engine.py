@@ -194,6 +194,25 @@ def test_draft_prefill_skipped_while_speculation_does_not_pay_then_caught_up(tar
     eng.release(seq)
 
 
+def test_expected_remaining_follows_recently_finished_lengths(target):
+    """What a catch-up is weighed against: max_tokens left until sequences have finished, then the
+    median length of finished ones that ran longer, less what was generated (capped by max_tokens)."""
+    eng = engine(target)
+    long = eng.create(PROMPTS[0], SamplingParams(max_tokens=100))
+    assert eng.expected_remaining(long) == 100  # nothing finished yet
+    for n in (6, 10, 12):
+        run(eng, PROMPTS[1], SamplingParams(max_tokens=n, ignore_eos=True))
+    assert eng.expected_remaining(long) == 10
+    long.tokens += [5] * 8  # 8 generated: finished lengths above that are 10 and 12
+    assert eng.expected_remaining(long) == 11 - 8
+    long.tokens += [5] * 12  # 20 generated, longer than any finished one: as many again, capped
+    assert eng.expected_remaining(long) == 20
+    assert eng.expected_remaining(eng.create(PROMPTS[0], SamplingParams(max_tokens=4))) == 4
+    cancelled = eng.add(PROMPTS[2], SamplingParams(max_tokens=50))
+    eng.release(cancelled)  # an aborted sequence says nothing about lengths
+    assert eng.expected_remaining(eng.create(PROMPTS[0], SamplingParams(max_tokens=100))) == 10
+
+
 def test_newcomers_skip_the_draft_prefill_when_their_batch_would_not_speculate(target):
     """The draft prefill of a new sequence is judged at the batch it joins (every sequence holding
     a slot), not at the size of the last step: two requests arriving together in a batch where
