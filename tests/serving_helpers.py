@@ -47,16 +47,18 @@ def proposer(kind: str | None, blocks: int, slots: int):
     return DraftModelProposer(draft, VOCAB, MAX_LEN, cache=cache)
 
 
-def paged_engine(kind: str | None = None, blocks: int = 64, slots: int = 16, k: int | str = "auto") -> Engine:
-    cache = PagedKVCache(model().config, blocks, MAX_LEN, torch.float32, block_size=16, num_slots=slots)
+def paged_engine(kind: str | None = None, blocks: int = 64, slots: int = 16, k: int | str = "auto",
+                 chunk: int = CHUNK, block_size: int = 16) -> Engine:
+    """(With the default chunk of 8 and blocks of 16 no prompt window is whole blocks: no prefix caching.)"""
+    cache = PagedKVCache(model().config, blocks, MAX_LEN, torch.float32, block_size=block_size, num_slots=slots)
     fixed = None if k == "auto" else k
-    return Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=CHUNK, cache=cache,
+    return Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=chunk, cache=cache,
                   proposer=proposer(kind, blocks, slots), controller=ControllerConfig(max_k=4, fixed_k=fixed))
 
 
-def alone(prompt: list[int], params: SamplingParams):
+def alone(prompt: list[int], params: SamplingParams, chunk: int = CHUNK):
     """The sequence run by itself through a plain engine (contiguous cache, same prefill chunk)."""
-    eng = Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=CHUNK)
+    eng = Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=chunk)
     *_, (seq, _) = eng.generate(prompt, params)
     return seq
 

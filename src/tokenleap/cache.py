@@ -80,6 +80,13 @@ class KVCache:
         """Record that positions 0 .. length-1 of ``slot`` now hold valid entries."""
         self.lengths[slot] = length
 
+    def attach_prefix(self, slot: int, keys: list[bytes], window: int) -> int:
+        """Prefix caching is the paged cache's (see ``PagedKVCache``): nothing is cached here."""
+        return 0
+
+    def register_prefix(self, slot: int, index: int, key: bytes, window: int) -> None:
+        pass
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -8,6 +8,7 @@ is what makes greedy speculative output token-identical to plain greedy output.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import statistics
 import time
@@ -75,11 +76,25 @@ class Engine:
                         generator=None if params.greedy else request_randomness(params.seed))
 
     def attach(self, seq: Sequence) -> None:
-        """Give ``seq`` a cache slot and start its proposer state (its cache is filled by ``prefill_step``)."""
+        """Give ``seq`` a cache slot -- holding the prompt windows another sequence computed, if the
+        cache keeps them -- and start its proposer state (``prefill_step`` fills the rest)."""
         seq.slot = self.cache.allocate()
+        if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
+            # every window before the one holding the last prompt token, whose logits are needed
+            reusable = (len(seq.prompt) - 1) // self.prefill_chunk
+            seq.cached_tokens = self.cache.attach_prefix(seq.slot, self._window_keys(seq.prompt, reusable),
+                                                         self.prefill_chunk)
         self._attached.add(seq.seq_id)
         if self.proposer is not None:
             self.proposer.begin(seq.seq_id, seq.prompt)
+
+    def _window_keys(self, prompt: list[int], n: int) -> list[bytes]:
+        """Keys of the first ``n`` prompt windows: each names every token up to its window's end."""
+        keys, key, c = [], b"", self.prefill_chunk
+        for w in range(n):
+            key = hashlib.sha256(key + torch.tensor(prompt[w * c:(w + 1) * c], dtype=torch.int64).numpy().tobytes()).digest()
+            keys.append(key)
+        return keys
 
     def detach(self, seq: Sequence) -> None:
         """Free ``seq``'s cache and proposer state but keep its tokens (preemption; ``attach`` resumes)."""
@@ -151,6 +166,9 @@ class Engine:
             if done < first <= end:
                 seq.prompt_logprobs += token_logprobs(out.logits[first - done - 1:last - done - 1],
                                                       seq.tokens[first:last], seq.params.prompt_logprobs)
+        if not exact and end - done == self.prefill_chunk:  # a whole prompt window: others may reuse it
+            w = done // self.prefill_chunk
+            self.cache.register_prefix(seq.slot, w, self._window_keys(seq.prompt, w + 1)[w], self.prefill_chunk)
         if self.proposer is not None and draft_alongside:
             self._prefill_proposer(seq, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:

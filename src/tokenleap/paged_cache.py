@@ -6,6 +6,14 @@ Storage per layer: keys and values ``# [kv_heads, num_blocks, block_size, head_d
 sequence is freed or truncated below them, so memory follows the tokens actually held, not the
 context window.
 
+Prefix caching: a prompt window the engine computed (``register_prefix``: a fixed window of the
+prompt, whole blocks) stays cached under a key naming every token up to its end; a later sequence
+whose prompt starts with the same windows takes those blocks instead of computing them
+(``attach_prefix``). A window's keys and values depend only on the tokens up to its end and are
+computed by the same call whoever computes them, so a reused window is bitwise what prefill would
+write. Blocks are reference-counted; a cached window no sequence holds is kept, least recently
+used first out, until a block is needed -- so it counts as free.
+
 The interface is ``KVCache``'s (``write``, ``read``, ``commit``, ``truncate``, ``allocate``,
 ``free``, ``lengths``, ``max_len``, ``nbytes``), so the Transformer and the proposers use either.
 ``read`` gathers a sequence's blocks into one contiguous ``# [kv_heads, length, head_dim]`` tensor,
@@ -16,6 +24,8 @@ gathering ``[num_blocks, kv_heads, ...]`` blocks and transposing them.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from .cache import CacheFullError
@@ -24,7 +34,8 @@ from .config import ConfigError, ModelConfig
 
 class PagedKVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, max_len: int, dtype: torch.dtype,
-                 block_size: int = 16, num_slots: int = 64, device: torch.device | str = "cpu") -> None:
+                 block_size: int = 16, num_slots: int = 64, device: torch.device | str = "cpu",
+                 prefix_caching: bool = True) -> None:
         if block_size < 1 or num_blocks < 1 or num_slots < 1:
             raise ConfigError("a paged KV cache needs block_size, num_blocks and num_slots >= 1")
         shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
@@ -36,6 +47,14 @@ class PagedKVCache:
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_blocks  # block tables holding each block
+        self.prefix_caching = prefix_caching
+        self._windows: dict[bytes, tuple[int, ...]] = {}  # key -> blocks of a cached prompt window
+        self._window_of: dict[int, bytes] = {}  # block -> key of the cached window it belongs to
+        self._idle: OrderedDict[bytes, None] = OrderedDict()  # cached windows nobody holds, LRU first
+        self._idle_blocks = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found (not computed)
 
     # -- slot lifecycle ---------------------------------------------------------------------
     def allocate(self) -> int:
@@ -68,11 +87,16 @@ class PagedKVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks a reservation can take: never used, or holding a cached window nobody holds."""
+        return len(self._free_blocks) + self._idle_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(len(b) for b in self._windows.values())
 
     @property
     def usage(self) -> float:
@@ -93,9 +117,21 @@ class PagedKVCache:
         if length > self.max_len:
             raise CacheFullError(f"sequence of {length} tokens exceeds the KV cache's {self.max_len}")
         need = self.blocks_needed(slot, length)
-        if need > len(self._free_blocks):
-            raise CacheFullError(f"KV cache out of blocks: need {need}, {len(self._free_blocks)} free")
-        self.tables[slot].extend(self._free_blocks.pop() for _ in range(need))
+        if need > self.num_free_blocks:
+            raise CacheFullError(f"KV cache out of blocks: need {need}, {self.num_free_blocks} free")
+        self.tables[slot].extend(self._take() for _ in range(need))
+
+    def _take(self) -> int:
+        if not self._free_blocks:  # evict the least recently used cached window nobody holds
+            key, _ = self._idle.popitem(last=False)
+            blocks = self._windows.pop(key)
+            self._idle_blocks -= len(blocks)
+            for b in blocks:
+                del self._window_of[b]
+            self._free_blocks.extend(reversed(blocks))
+        b = self._free_blocks.pop()
+        self._refs[b] = 1
+        return b
 
     def prepare_rows(self, spans: list[tuple[int, int]]) -> list[int]:
         """Before a compiled layer writes positions up to ``end`` of each (slot, end): reserve the
@@ -115,7 +151,52 @@ class PagedKVCache:
     def _release_blocks(self, slot: int, keep: int) -> None:
         table = self.tables[slot]
         while len(table) > keep:
-            self._free_blocks.append(table.pop())
+            b = table.pop()
+            self._refs[b] -= 1
+            if self._refs[b]:
+                continue
+            key = self._window_of.get(b)
+            if key is None:
+                self._free_blocks.append(b)
+            elif all(self._refs[x] == 0 for x in self._windows[key]):  # its last holder let go
+                self._idle[key] = None
+                self._idle_blocks += len(self._windows[key])
+
+    # -- prefix caching -----------------------------------------------------------------------
+    def attach_prefix(self, slot: int, keys: list[bytes], window: int) -> int:
+        """Give an empty slot the cached windows ``keys[0], keys[1], ..`` (``window`` tokens each)
+        up to the first one not cached; returns the tokens it now holds."""
+        if not self.prefix_caching or window % self.block_size or self.tables[slot] or not keys:
+            return 0
+        self.prefix_queries += len(keys) * window
+        for n, key in enumerate(keys):
+            blocks = self._windows.get(key)
+            if blocks is None:
+                break
+            if key in self._idle:
+                del self._idle[key]
+                self._idle_blocks -= len(blocks)
+            for b in blocks:
+                self._refs[b] += 1
+            self.tables[slot].extend(blocks)
+        else:
+            n = len(keys)
+        self.lengths[slot] = n * window
+        self.prefix_hits += n * window
+        return n * window
+
+    def register_prefix(self, slot: int, index: int, key: bytes, window: int) -> None:
+        """``slot``'s prompt window ``index`` (positions ``index * window`` onwards) has been
+        computed: keep it cached under ``key`` (unless that key is cached already)."""
+        if not self.prefix_caching or window % self.block_size or key in self._windows:
+            return
+        per = window // self.block_size
+        blocks = tuple(self.tables[slot][index * per:(index + 1) * per])
+        if len(blocks) < per or any(b in self._window_of for b in blocks):
+            return
+        self._windows[key] = blocks
+        for b in blocks:
+            self._window_of[b] = key
 
     # -- data -------------------------------------------------------------------------------
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -142,7 +142,8 @@ class Scheduler:
             prompt_tokens=self.stats.prompt_tokens, generation_tokens=t.new_tokens,
             preemptions=self.stats.preemptions, finished=dict(self.stats.finished), num_drafts=t.draft_steps,
             num_draft_tokens=t.draft_tokens, num_accepted_tokens=t.accepted_tokens,
-            accepted_per_pos=tuple(t.position_accepted))
+            accepted_per_pos=tuple(t.position_accepted), prefix_cache_queries=self.cache.prefix_queries,
+            prefix_cache_hits=self.cache.prefix_hits)
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:

@@ -27,6 +27,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # per prompt token
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed) at the last attach
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from --kv-cache-gb)")
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV-cache memory budget (target model)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (default: reuse prompt windows another request computed)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
     p.set_defaults(func=cmd_serve)
 
@@ -35,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "auto", quant: str = "none",
                  max_model_len: int | None = None, max_num_seqs: int = 16, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_gb: float = 4.0, prefill_chunk: int = 256,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, prefix_caching: bool = True):
     """A serving ``Engine``: the target on a PagedKVCache, and a proposer (a draft's cache paged too).
 
     Default pool: room for ``max_num_seqs`` full-length sequences, capped at ``kv_cache_gb``, and
@@ -51,7 +53,11 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     per_seq = -(-(max_len + 1) // block_size)
     budget = num_blocks_for_budget(cfg, target.dtype, block_size, int(kv_cache_gb * 2**30))
     blocks = num_kv_blocks or max(min(max_num_seqs * per_seq, budget), per_seq)
-    cache = PagedKVCache(cfg, blocks, max_len, target.dtype, block_size, num_slots=max_num_seqs)
+    if prefix_caching and prefill_chunk % block_size:
+        raise UsageError(f"prefix caching reuses whole prefill chunks: --prefill-chunk ({prefill_chunk}) must be "
+                         f"a multiple of --block-size ({block_size}), or pass --no-prefix-caching")
+    cache = PagedKVCache(cfg, blocks, max_len, target.dtype, block_size, num_slots=max_num_seqs,
+                         prefix_caching=prefix_caching)
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
     ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed)
     proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir)
@@ -88,7 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = build_engine(args.model, spec=spec_config(args), dtype=args.dtype, quant=args.quant,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                          kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir)
+                          kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir,
+                          prefix_caching=not args.no_prefix_caching)
     name = args.served_model_name or args.model
     config = ServerConfig(model_name=name, model_aliases=model_aliases(args.model), api_key=args.api_key,
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
@@ -99,7 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cache = engine.cache
     print(f"tokenleap: serving {name} on http://{args.host}:{args.port}/v1 -- {cache.num_blocks} KV blocks of "
           f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
-          f"speculation: {engine.proposer.name if engine.proposer else 'off'}", file=sys.stderr)
+          f"speculation: {engine.proposer.name if engine.proposer else 'off'}, "
+          f"prefix caching: {'on' if cache.prefix_caching else 'off'}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -40,6 +40,8 @@ class ServeSnapshot:
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_pos: tuple[int, ...]  # [i] drafts whose first i+1 tokens were accepted
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens reused instead of computed
 
     @property
     def kv_usage(self) -> float:
@@ -71,6 +73,8 @@ class ServeCollector(Collector):
             ("spec_decode_num_drafts", "Speculative steps with a non-empty draft", s.num_drafts),
             ("spec_decode_num_draft_tokens", "Draft tokens proposed", s.num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", s.prefix_cache_hits),
         ):
             c = CounterMetricFamily(f"tokenleap:{name}", doc, labels=labels)
             c.add_metric(model, value)
@@ -107,6 +111,9 @@ def log_line(prev: ServeSnapshot, now: ServeSnapshot) -> str:
             f"KV blocks: {now.blocks_used} used / {now.blocks_total - now.blocks_used} free "
             f"({now.kv_usage:.1%}), prompt: {prompt_rate:.1f} tok/s, generation: {gen_rate:.1f} tok/s, "
             f"preemptions: {now.preemptions}")
+    queried = now.prefix_cache_queries - prev.prefix_cache_queries
+    if queried:
+        line += f", prefix cache hit rate {(now.prefix_cache_hits - prev.prefix_cache_hits) / queried:.1%}"
     drafts = now.num_drafts - prev.num_drafts
     if drafts:
         proposed = now.num_draft_tokens - prev.num_draft_tokens

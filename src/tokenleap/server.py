@@ -75,8 +75,8 @@ class _Job:
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, out: Output) -> None:
         loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))  # runs on the scheduler thread
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, sum(self.generated))
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, sum(self.generated), max(r.seq.cached_tokens for r in self.requests))
 
     async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
         while self.pending:

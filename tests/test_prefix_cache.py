@@ -1,0 +1,141 @@
+"""Prefix caching in the paged KV cache: prompt windows computed once are reused bitwise, blocks are
+reference-counted, cached windows nobody holds count as free and are evicted least recently used first."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap.config import SamplingParams
+from tokenleap.paged_cache import PagedKVCache
+from tokenleap.scheduler import Scheduler, SchedulerConfig
+
+from serving_helpers import alone, model, paged_engine
+from test_scheduler import submit
+
+WINDOW, BLOCK = 16, 8  # prefill windows of 16 tokens = 2 blocks
+
+
+def keys(n: int) -> list[bytes]:
+    return [bytes([i]) * 4 for i in range(n)]
+
+
+def test_windows_are_shared_counted_free_when_idle_and_evicted_lru():
+    cfg = model().config
+    cache = PagedKVCache(cfg, 8, 64, torch.float32, block_size=4, num_slots=4)
+    a = cache.allocate()
+    kv = torch.randn(cfg.num_key_value_heads, 16, cfg.head_dim)  # [kv_heads, 16, hd]
+    cache.write(0, a, 0, kv, -kv)
+    cache.commit(a, 16)
+    cache.register_prefix(a, 0, keys(1)[0], 8)
+    cache.register_prefix(a, 1, keys(2)[1], 8)
+    assert cache.num_used_blocks == 4 and cache.num_cached_blocks == 4
+    cache.free(a)  # nobody holds the windows: cached, yet free for reservations
+    assert cache.num_free_blocks == 8 and cache.num_cached_blocks == 4
+    b, c = cache.allocate(), cache.allocate()
+    assert cache.attach_prefix(b, keys(2), 8) == 16 and cache.lengths[b] == 16
+    assert cache.attach_prefix(c, keys(1) + [b"miss"], 8) == 8  # stops at the first window not cached
+    assert torch.equal(cache.read(0, b, 16)[0], kv) and torch.equal(cache.read(0, c, 8)[1], -kv[:, :8])
+    assert cache.num_used_blocks == 4  # shared, not copied
+    assert (cache.prefix_queries, cache.prefix_hits) == (32, 24)
+    cache.free(b)
+    assert cache.num_used_blocks == 2  # window 0 still held by c; window 1 idle
+    cache.reserve(cache.allocate(), 20)  # 5 blocks: 4 never used + window 1 evicted
+    assert cache.num_cached_blocks == 2 and cache.num_free_blocks == 1
+    cache.free(c)
+    d = cache.allocate()
+    assert cache.attach_prefix(d, keys(2), 8) == 8  # window 0 survived, window 1 was evicted
+
+
+def test_no_prefix_caching_when_off_or_windows_split_blocks():
+    cfg = model().config
+    for cache, window in ((PagedKVCache(cfg, 8, 64, torch.float32, block_size=4, prefix_caching=False), 8),
+                          (PagedKVCache(cfg, 8, 64, torch.float32, block_size=4), 6)):
+        a = cache.allocate()
+        cache.reserve(a, 12)
+        cache.commit(a, 12)
+        cache.register_prefix(a, 0, b"k", window)
+        cache.free(a)
+        assert cache.num_cached_blocks == 0 and cache.attach_prefix(cache.allocate(), [b"k"], window) == 0
+
+
+def shared_prefix_jobs(n: int, prefix: int = 40, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 96, (prefix,), generator=g).tolist()
+    return [(system + torch.randint(3, 96, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist(),
+             SamplingParams(max_tokens=int(torch.randint(10, 60, (1,), generator=g)), ignore_eos=True))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "draft"])
+@pytest.mark.parametrize("blocks", [128, 17])
+def test_shared_prefixes_are_reused_and_outputs_equal_alone(kind, blocks):
+    """A shared 40-token prefix: its two whole windows are computed once, then reused by every
+    later request -- with a small pool too, where cached windows get evicted and sequences preempted."""
+    eng = paged_engine(kind, blocks=blocks, chunk=WINDOW, block_size=BLOCK)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=8, log_interval=0))
+    jobs = shared_prefix_jobs(10)
+    first = submit(sched, *jobs[0])
+    sched.run_until_idle()
+    sinks = [first] + [submit(sched, p, params) for p, params in jobs[1:]]
+    sched.run_until_idle()
+    for (prompt, params), sink in zip(jobs, sinks):
+        assert sink.tokens == alone(prompt, params, chunk=WINDOW).generated, prompt
+    assert eng.cache.prefix_hits >= 2 * WINDOW * 5
+    assert eng.cache.num_used_blocks == 0 and eng.cache.num_cached_blocks > 0  # idle windows stay cached
+    if blocks == 17:
+        assert sched.stats.preemptions > 0
+
+
+def test_a_follow_up_turn_reuses_the_conversation_so_far():
+    eng = paged_engine("draft", blocks=64, chunk=WINDOW, block_size=BLOCK)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, log_interval=0))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    turn1 = list(range(10, 50))  # 40 tokens
+    sink = submit(sched, turn1, params)
+    sched.run_until_idle()
+    turn2 = turn1 + sink.tokens + [7, 8, 9]  # 63 tokens: windows 0-2 hold 48 of them
+    hits = eng.cache.prefix_hits
+    sink2 = submit(sched, turn2, params)
+    sched.run_until_idle()
+    assert eng.cache.prefix_hits - hits == 2 * WINDOW  # turn 1's prompt windows (its reply was decoded, not prefilled)
+    assert sink2.tokens == alone(turn2, params, chunk=WINDOW).generated
+
+
+def test_prompt_logprobs_requests_compute_every_prompt_row():
+    eng = paged_engine(None, blocks=64, chunk=WINDOW, block_size=BLOCK)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, log_interval=0))
+    prompt = list(range(10, 50))
+    submit(sched, prompt, SamplingParams(max_tokens=4))
+    sched.run_until_idle()
+    seq = eng.create(prompt, SamplingParams(max_tokens=4, prompt_logprobs=1))
+    eng.attach(seq)
+    assert seq.cached_tokens == 0 and eng.cache.lengths[seq.slot] == 0
+    again = eng.create(prompt, SamplingParams(max_tokens=4))
+    eng.attach(again)
+    assert again.cached_tokens == 2 * WINDOW
+
+
+def test_server_reports_cached_prompt_tokens_and_prefix_metrics():
+    import httpx
+    import openai
+
+    from tokenleap.server import ServerConfig, create_app
+    from serving_helpers import ChatToyTokenizer, LiveServer
+
+    eng = paged_engine("ngram", blocks=64, chunk=WINDOW, block_size=BLOCK)
+    tok = ChatToyTokenizer(96)
+    system = {"role": "system", "content": "You answer in short sentences about the sea."}
+    chats = [[system, {"role": "user", "content": q}] for q in ("hello", "tides?")]
+    prompts = [tok.encode(tok.apply_chat_template(m)) for m in chats]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert shared >= 2 * WINDOW
+    config = ServerConfig(model_name="tiny", scheduler=SchedulerConfig(log_interval=0))
+    with LiveServer(create_app(eng, config)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        first, second = (c.chat.completions.create(model="tiny", messages=m, max_tokens=6, temperature=0) for m in chats)
+        metrics = httpx.get(s.url + "/metrics").text
+    assert first.usage.prompt_tokens_details is None
+    assert second.usage.prompt_tokens_details.cached_tokens == shared // WINDOW * WINDOW
+    assert second.choices[0].message.content == alone(prompts[1], SamplingParams(max_tokens=6), chunk=WINDOW).text
+    assert f'tokenleap:prefix_cache_hits_total{{model_name="tiny"}} {float(shared // WINDOW * WINDOW)}' in metrics
+    assert "tokenleap:prefix_cache_queries_total" in metrics
