@@ -44,6 +44,10 @@ def test_windows_are_shared_counted_free_when_idle_and_evicted_lru():
     cache.free(c)
     d = cache.allocate()
     assert cache.attach_prefix(d, keys(2), 8) == 8  # window 0 survived, window 1 was evicted
+    cache.clear_prefix_cache()
+    assert cache.num_cached_blocks == 0 and cache.num_used_blocks == 7  # d's 2 blocks + the reservation's 5
+    cache.free(d)
+    assert cache.num_used_blocks == 5 and cache.attach_prefix(cache.allocate(), keys(1), 8) == 0
 
 
 def test_no_prefix_caching_when_off_or_windows_split_blocks():

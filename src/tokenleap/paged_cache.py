@@ -185,6 +185,17 @@ class PagedKVCache:
         self.prefix_hits += n * window
         return n * window
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached window (blocks a sequence holds stay its own until released)."""
+        for blocks in self._windows.values():
+            for b in blocks:
+                del self._window_of[b]
+                if self._refs[b] == 0:
+                    self._free_blocks.append(b)
+        self._windows.clear()
+        self._idle.clear()
+        self._idle_blocks = 0
+
     def register_prefix(self, slot: int, index: int, key: bytes, window: int) -> None:
         """``slot``'s prompt window ``index`` (positions ``index * window`` onwards) has been
         computed: keep it cached under ``key`` (unless that key is cached already)."""
