@@ -37,14 +37,15 @@ def model(seed: int = 1):
     return _MODELS[seed]
 
 
-def proposer(kind: str | None, blocks: int, slots: int):
+def proposer(kind: str | None, blocks: int, slots: int, block_size: int = 16, window: int = 256):
+    """``window``: the draft's catch-up chunk, also the windows its prefix cache keeps."""
     if kind is None:
         return None
     if kind == "ngram":
         return NgramProposer(3, 1)
     draft = model(77) if kind == "draft" else model(1)  # "self-draft": the target drafts for itself
-    cache = PagedKVCache(draft.config, blocks, MAX_LEN, torch.float32, block_size=16, num_slots=slots)
-    return DraftModelProposer(draft, VOCAB, MAX_LEN, cache=cache)
+    cache = PagedKVCache(draft.config, blocks, MAX_LEN, torch.float32, block_size=block_size, num_slots=slots)
+    return DraftModelProposer(draft, VOCAB, MAX_LEN, cache=cache, catch_up_chunk=window)
 
 
 def paged_engine(kind: str | None = None, blocks: int = 64, slots: int = 16, k: int | str = "auto",
@@ -53,7 +54,8 @@ def paged_engine(kind: str | None = None, blocks: int = 64, slots: int = 16, k: 
     cache = PagedKVCache(model().config, blocks, MAX_LEN, torch.float32, block_size=block_size, num_slots=slots)
     fixed = None if k == "auto" else k
     return Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=chunk, cache=cache,
-                  proposer=proposer(kind, blocks, slots), controller=ControllerConfig(max_k=4, fixed_k=fixed))
+                  proposer=proposer(kind, blocks, slots, block_size, chunk if chunk != CHUNK else 256),
+                  controller=ControllerConfig(max_k=4, fixed_k=fixed))
 
 
 def alone(prompt: list[int], params: SamplingParams, chunk: int = CHUNK):

@@ -8,7 +8,6 @@ is what makes greedy speculative output token-identical to plain greedy output.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import statistics
 import time
@@ -25,6 +24,7 @@ from .errors import PromptTooLongError
 from .logprobs import token_logprobs
 from .metrics import SpecStats
 from .models.transformer import Segment, Transformer
+from .paged_cache import prefix_keys
 from .penalties import apply_penalties
 from .proposers.base import Draft, DraftRequest, Proposer
 from .sampling import logits_to_probs, request_randomness
@@ -82,19 +82,11 @@ class Engine:
         if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
             # every window before the one holding the last prompt token, whose logits are needed
             reusable = (len(seq.prompt) - 1) // self.prefill_chunk
-            seq.cached_tokens = self.cache.attach_prefix(seq.slot, self._window_keys(seq.prompt, reusable),
+            seq.cached_tokens = self.cache.attach_prefix(seq.slot, prefix_keys(seq.prompt, self.prefill_chunk, reusable),
                                                          self.prefill_chunk)
         self._attached.add(seq.seq_id)
         if self.proposer is not None:
             self.proposer.begin(seq.seq_id, seq.prompt)
-
-    def _window_keys(self, prompt: list[int], n: int) -> list[bytes]:
-        """Keys of the first ``n`` prompt windows: each names every token up to its window's end."""
-        keys, key, c = [], b"", self.prefill_chunk
-        for w in range(n):
-            key = hashlib.sha256(key + torch.tensor(prompt[w * c:(w + 1) * c], dtype=torch.int64).numpy().tobytes()).digest()
-            keys.append(key)
-        return keys
 
     def detach(self, seq: Sequence) -> None:
         """Free ``seq``'s cache and proposer state but keep its tokens (preemption; ``attach`` resumes)."""
@@ -168,7 +160,8 @@ class Engine:
                                                       seq.tokens[first:last], seq.params.prompt_logprobs)
         if not exact and end - done == self.prefill_chunk:  # a whole prompt window: others may reuse it
             w = done // self.prefill_chunk
-            self.cache.register_prefix(seq.slot, w, self._window_keys(seq.prompt, w + 1)[w], self.prefill_chunk)
+            self.cache.register_prefix(seq.slot, w, prefix_keys(seq.prompt, self.prefill_chunk, w + 1)[w],
+                                       self.prefill_chunk)
         if self.proposer is not None and draft_alongside:
             self._prefill_proposer(seq, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:

@@ -24,6 +24,7 @@ gathering ``[num_blocks, kv_heads, ...]`` blocks and transposing them.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 import torch
@@ -249,6 +250,17 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         return self.nbytes // self.num_blocks
+
+
+def prefix_keys(tokens: list[int], window: int, n: int) -> list[bytes]:
+    """Prefix-cache keys of the first ``n`` windows of ``tokens``: each names every token up to its
+    window's end (a sha256 chain)."""
+    keys, key = [], b""
+    for w in range(n):
+        chunk = torch.tensor(tokens[w * window:(w + 1) * window], dtype=torch.int64).numpy().tobytes()
+        key = hashlib.sha256(key + chunk).digest()
+        keys.append(key)
+    return keys
 
 
 def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, budget_bytes: int) -> int:

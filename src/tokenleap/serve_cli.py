@@ -60,18 +60,19 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
                          prefix_caching=prefix_caching)
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
     ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed)
-    proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir)
+    proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir, prefix_caching)
     return Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer, controller=ctl,
                   prefill_chunk=prefill_chunk, cache=cache)
 
 
 def _proposer(spec: SpecConfig, target, max_len: int, blocks: int, block_size: int, slots: int,
-              cache_dir: str | None):
+              cache_dir: str | None, prefix_caching: bool):
     from .api import build_proposer
     from .paged_cache import PagedKVCache
 
     def paged(draft):  # as many blocks as the target: a draft never holds more tokens of a sequence
-        return PagedKVCache(draft.model.config, blocks, max_len, draft.dtype, block_size, num_slots=slots)
+        return PagedKVCache(draft.model.config, blocks, max_len, draft.dtype, block_size, num_slots=slots,
+                            prefix_caching=prefix_caching)
 
     return build_proposer(spec, target, max_len, slots, cache_dir, draft_cache=paged)
 

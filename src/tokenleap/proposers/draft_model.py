@@ -16,6 +16,7 @@ from ..cache import CacheFullError, KVCache
 from ..config import SamplingParams
 from ..errors import TokenleapError
 from ..models.transformer import Segment, Transformer
+from ..paged_cache import prefix_keys
 from ..sampling import greedy, logits_to_probs, sample
 from ..seeded import SeededNoise
 from .base import Draft, DraftRequest
@@ -62,11 +63,16 @@ class DraftModelProposer:
         self.cache = cache if cache is not None else KVCache(model.config, num_slots, max_len, model.dtype)
         self._slot: dict[int, int] = {}
         self._fed: dict[int, int] = {}
+        self._prompt: dict[int, list[int]] = {}
         self._proposal_start: dict[int, int] = {}
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
-        self._slot[seq_id] = self.cache.allocate()
-        self._fed[seq_id] = 0
+        slot = self._slot[seq_id] = self.cache.allocate()
+        # a paged cache may hold the prompt's first windows already (prefix caching): fed without work
+        window = self.catch_up_chunk
+        self._prompt[seq_id] = prompt
+        self._fed[seq_id] = self.cache.attach_prefix(slot, prefix_keys(prompt, window, (len(prompt) - 1) // window),
+                                                     window)
         if self.head is not None:
             self._heads[seq_id] = self.head.for_prompt(prompt)
 
@@ -165,6 +171,10 @@ class DraftModelProposer:
             self.cache.truncate(slot, pos)
             return
         self._fed[seq_id] = pos + len(tokens)
+        window, prompt = self.catch_up_chunk, self._prompt[seq_id]
+        if pos % window == 0 and len(tokens) == window and pos + window <= len(prompt):  # a whole prompt window
+            w = pos // window
+            self.cache.register_prefix(slot, w, prefix_keys(prompt, window, w + 1)[w], window)
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         valid = self._proposal_start[seq_id] + num_accepted  # tokens both agree on
@@ -176,6 +186,7 @@ class DraftModelProposer:
         if slot is not None:
             self.cache.free(slot)
         self._fed.pop(seq_id, None)
+        self._prompt.pop(seq_id, None)
         self._proposal_start.pop(seq_id, None)
         self._heads.pop(seq_id, None)
 
