@@ -90,7 +90,8 @@ def main() -> None:
         c, d = (statistics.median(totals[(label, n)]) for n in ("no prefix cache", "prefix cache"))
         print(f"| {label} | {a:.2f} | {b:.2f} | {c:.2f} | {d:.2f} |")
     cache = engines["prefix cache"].cache
-    print(f"\nlast round: {cache.prefix_hits - hits} of {cache.prefix_queries - queries} looked-up prompt tokens reused")
+    print(f"\nlast round: {cache.prefix_hits - hits} of {cache.prefix_queries - queries} "
+          "looked-up prompt tokens reused")
 
 
 if __name__ == "__main__":

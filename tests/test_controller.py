@@ -134,6 +134,26 @@ def test_a_catch_up_is_made_only_when_it_pays_back():
     assert c.choose(backlog=200, remaining=1000) > 0
 
 
+def test_a_probe_needing_a_catch_up_comes_within_the_exploration_share():
+    """Figures measured at a bad moment said speculation does not pay; every new prompt then
+    starts with a backlog the draft must catch up on. A probe still comes -- once its catch-up is
+    at most explore_share of the time decoded plainly since the last draft -- so speculation can
+    turn back on, and exploring never costs more than that share."""
+    c = DraftLengthController(ControllerConfig(max_k=4, probe_every=4, explore_share=0.05))
+    for rows in range(1, 6):
+        c.observe_forward(rows, 0.1 + 0.01 * (rows - 1))  # a plain step 0.1 s; drafts would pay ...
+    c.observe_draft(1, 0.01)
+    for _ in range(50):
+        c.observe_acceptance(2, 0)  # ... but were measured never accepted
+    c.observe_catch_up(100, 1.0)  # 0.01 s a token: a 100-token prompt costs 1 s = 10 plain steps
+    assert not c.would_speculate(1, backlog=100)
+    ks = [c.choose(backlog=100, remaining=1000) for _ in range(250)]
+    probes = [i for i, k in enumerate(ks) if k > 0]
+    assert probes and probes[0] >= 199  # 1 s of catch-up once 20 s (200 steps of 0.1 s) went plainly
+    assert all(k == c.cfg.probe_k for i, k in enumerate(ks) if i in probes)
+    assert len(probes) * 1.0 <= 0.05 * 0.1 * len(ks) + 1.0  # catch-ups within the share (plus one)
+
+
 def test_draft_cost_is_learned_per_batch_size():
     c = DraftLengthController(ControllerConfig(max_k=4))
     assert c.predict_draft(4) == 0.0  # nothing measured: optimistic

@@ -138,7 +138,8 @@ def test_server_reports_cached_prompt_tokens_and_prefix_metrics():
     config = ServerConfig(model_name="tiny", scheduler=SchedulerConfig(log_interval=0))
     with LiveServer(create_app(eng, config)) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        first, second = (c.chat.completions.create(model="tiny", messages=m, max_tokens=6, temperature=0) for m in chats)
+        first, second = (c.chat.completions.create(model="tiny", messages=m, max_tokens=6, temperature=0)
+                         for m in chats)
         metrics = httpx.get(s.url + "/metrics").text
     assert first.usage.prompt_tokens_details is None
     assert second.usage.prompt_tokens_details.cached_tokens == shared // WINDOW * WINDOW

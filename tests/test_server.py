@@ -169,7 +169,8 @@ def _one_request(url: str, i: int, prompt: list[int], max_tokens: int, seeded: b
         stream = c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, stream=True,
                                       **_sampling(i, seeded))
         return "".join(ch.choices[0].text for ch in stream if ch.choices)
-    return c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, **_sampling(i, seeded)).choices[0].text
+    out = c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, **_sampling(i, seeded))
+    return out.choices[0].text
 
 
 @pytest.mark.parametrize("seeded", [False, True])

@@ -22,7 +22,8 @@ the tokens the batch may still generate exceeds it.
 When no k beats plain decoding, the step decodes plainly; every ``probe_every`` plain steps it
 drafts once with a small k, so a change in the text (a copy-heavy passage) is noticed -- unless
 even full acceptance could not pay at this batch size, or the draft would first have to catch up
-on more than two plain steps' worth of time.
+on more than two plain steps' worth of time and more than ``explore_share`` of the time decoded
+plainly since the last draft (so figures measured at a bad moment cannot lock speculation out).
 While drafting, every ``probe_every`` steps it tries one step with k - 1 or k + 1 (alternately),
 so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 """
@@ -46,6 +47,11 @@ class ControllerConfig:
     prior_weight: float = 0.5  # observations' worth of prior_acceptance in each b_i
     probe_every: int = 16
     probe_k: int = 2
+    # a probe whose draft must first catch up on more than two plain steps' worth of tokens (a new
+    # prompt, after speculation was judged not to pay) is made once that catch-up is at most this
+    # fraction of the time decoded plainly since the last draft: acceptance and costs measured at a
+    # bad moment cannot switch speculation off for good, and exploring costs at most this share
+    explore_share: float = 0.05
     # with several sequences, draft only when predicted at least this much faster than plain: the
     # per-step model leaves out costs that grow with load (the draft prefilling newcomers and
     # catching up after plain stretches, noisier cost figures); following predictions of ~1.1x
@@ -72,6 +78,7 @@ class DraftLengthController:
         self.catch_up_cost: float | None = None  # seconds per token the draft feeds outside drafting
         self._catch_up_obs: deque[float] = deque(maxlen=config.cost_window)
         self._plain_streak = 0
+        self._plain_seconds = 0.0  # predicted time decoded plainly since the last step that drafted
         self._spec_streak, self._side = 0, 1
 
     @property
@@ -109,15 +116,21 @@ class DraftLengthController:
             best_k = 0
         if best_k == 0:
             self._plain_streak += 1
+            self._plain_seconds += batch / plain
             probe_k = min(self.cfg.probe_k, self.cfg.max_k)
             # a probe is cheap information unless the draft must first catch up on more than a
-            # couple of plain steps' worth of tokens (e.g. prompts whose draft prefill was skipped)
-            if (self._plain_streak >= self.cfg.probe_every and self._catch_up_seconds(backlog) <= 2 * batch / plain
+            # couple of plain steps' worth of tokens (e.g. prompts whose draft prefill was skipped):
+            # then only within the exploration share of the time decoded plainly meanwhile
+            catch_up = self._catch_up_seconds(backlog)
+            affordable = catch_up <= max(2 * batch / plain, self.cfg.explore_share * self._plain_seconds)
+            if (self._plain_streak >= self.cfg.probe_every and affordable
                     and self._could_pay(probe_k, batch, plain * self._margin(batch))):
                 self._plain_streak = 0
+                self._plain_seconds = 0.0
                 return probe_k
         else:
             self._plain_streak = 0
+            self._plain_seconds = 0.0
             self._spec_streak += 1
             if self._spec_streak >= self.cfg.probe_every:  # re-measure a neighbouring length now and
                 self._spec_streak = 0  # then, so an early, noisy cost figure cannot lock k in place

@@ -81,9 +81,9 @@ class Engine:
         seq.slot = self.cache.allocate()
         if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
             # every window before the one holding the last prompt token, whose logits are needed
-            reusable = (len(seq.prompt) - 1) // self.prefill_chunk
-            seq.cached_tokens = self.cache.attach_prefix(seq.slot, prefix_keys(seq.prompt, self.prefill_chunk, reusable),
-                                                         self.prefill_chunk)
+            c = self.prefill_chunk
+            keys = prefix_keys(seq.prompt, c, (len(seq.prompt) - 1) // c)
+            seq.cached_tokens = self.cache.attach_prefix(seq.slot, keys, c)
         self._attached.add(seq.seq_id)
         if self.proposer is not None:
             self.proposer.begin(seq.seq_id, seq.prompt)
