@@ -152,6 +152,7 @@ def test_a_probe_needing_a_catch_up_comes_within_the_exploration_share():
     assert probes and probes[0] >= 199  # 1 s of catch-up once 20 s (200 steps of 0.1 s) went plainly
     assert all(k == c.cfg.probe_k for i, k in enumerate(ks) if i in probes)
     assert len(probes) * 1.0 <= 0.05 * 0.1 * len(ks) + 1.0  # catch-ups within the share (plus one)
+    assert all(c.choose(batch=2, backlog=100, remaining=1000) == 0 for _ in range(300))  # not when batched
 
 
 def test_draft_cost_is_learned_per_batch_size():

@@ -22,8 +22,9 @@ the tokens the batch may still generate exceeds it.
 When no k beats plain decoding, the step decodes plainly; every ``probe_every`` plain steps it
 drafts once with a small k, so a change in the text (a copy-heavy passage) is noticed -- unless
 even full acceptance could not pay at this batch size, or the draft would first have to catch up
-on more than two plain steps' worth of time and more than ``explore_share`` of the time decoded
-plainly since the last draft (so figures measured at a bad moment cannot lock speculation out).
+on more than two plain steps' worth of time and (for one sequence) more than ``explore_share`` of
+the time decoded plainly since the last draft (so figures measured at a bad moment cannot lock
+speculation out).
 While drafting, every ``probe_every`` steps it tries one step with k - 1 or k + 1 (alternately),
 so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 """
@@ -47,10 +48,11 @@ class ControllerConfig:
     prior_weight: float = 0.5  # observations' worth of prior_acceptance in each b_i
     probe_every: int = 16
     probe_k: int = 2
-    # a probe whose draft must first catch up on more than two plain steps' worth of tokens (a new
-    # prompt, after speculation was judged not to pay) is made once that catch-up is at most this
-    # fraction of the time decoded plainly since the last draft: acceptance and costs measured at a
-    # bad moment cannot switch speculation off for good, and exploring costs at most this share
+    # for one sequence, a probe whose draft must first catch up on more than two plain steps' worth
+    # of tokens (a new prompt, after speculation was judged not to pay) is made once that catch-up
+    # is at most this fraction of the time decoded plainly since the last draft: acceptance and
+    # costs measured at a bad moment cannot switch speculation off for good; exploring costs at
+    # most this share
     explore_share: float = 0.05
     # with several sequences, draft only when predicted at least this much faster than plain: the
     # per-step model leaves out costs that grow with load (the draft prefilling newcomers and
@@ -122,7 +124,9 @@ class DraftLengthController:
             # couple of plain steps' worth of tokens (e.g. prompts whose draft prefill was skipped):
             # then only within the exploration share of the time decoded plainly meanwhile
             catch_up = self._catch_up_seconds(backlog)
-            affordable = catch_up <= max(2 * batch / plain, self.cfg.explore_share * self._plain_seconds)
+            # (one sequence only: batched speculation rarely pays here, a loaded server keeps its floor)
+            explore = self.cfg.explore_share * self._plain_seconds if batch == 1 else 0.0
+            affordable = catch_up <= max(2 * batch / plain, explore)
             if (self._plain_streak >= self.cfg.probe_every and affordable
                     and self._could_pay(probe_k, batch, plain * self._margin(batch))):
                 self._plain_streak = 0
