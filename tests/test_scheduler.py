@@ -186,3 +186,7 @@ def test_metrics_export_and_log_line():
     assert "generation: 50.0 tok/s" in line and "prompt: 20.0 tok/s" in line
     assert "acceptance rate 50.0%" in line and "mean acceptance length 2.50" in line
     assert "[0.80 0.50 0.20]" in line
+    assert "prefix cache" not in line  # nothing looked up
+    cached = ServeSnapshot(10.0, 3, 1, 4, 10, 200, 500, 2, {}, 100, 300, 150, (80, 50, 20),
+                           prefix_cache_queries=512, prefix_cache_hits=256)
+    assert "prefix cache hit rate 50.0%" in log_line(prev, cached)
