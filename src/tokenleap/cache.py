@@ -80,11 +80,11 @@ class KVCache:
         """Record that positions 0 .. length-1 of ``slot`` now hold valid entries."""
         self.lengths[slot] = length
 
-    def attach_prefix(self, slot: int, keys: list[bytes], window: int) -> int:
+    def attach_prompt(self, slot: int, prompt: list[int], window: int) -> int:
         """Prefix caching is the paged cache's (see ``PagedKVCache``): nothing is cached here."""
         return 0
 
-    def register_prefix(self, slot: int, index: int, key: bytes, window: int) -> None:
+    def register_window(self, slot: int, prompt: list[int], start: int, end: int, window: int) -> None:
         pass
 
     @property

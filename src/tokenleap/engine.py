@@ -24,7 +24,6 @@ from .errors import PromptTooLongError
 from .logprobs import token_logprobs
 from .metrics import SpecStats
 from .models.transformer import Segment, Transformer
-from .paged_cache import prefix_keys
 from .penalties import apply_penalties
 from .proposers.base import Draft, DraftRequest, Proposer
 from .sampling import logits_to_probs, request_randomness
@@ -80,10 +79,7 @@ class Engine:
         cache keeps them -- and start its proposer state (``prefill_step`` fills the rest)."""
         seq.slot = self.cache.allocate()
         if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
-            # every window before the one holding the last prompt token, whose logits are needed
-            c = self.prefill_chunk
-            keys = prefix_keys(seq.prompt, c, (len(seq.prompt) - 1) // c)
-            seq.cached_tokens = self.cache.attach_prefix(seq.slot, keys, c)
+            seq.cached_tokens = self.cache.attach_prompt(seq.slot, seq.prompt, self.prefill_chunk)
         self._attached.add(seq.seq_id)
         if self.proposer is not None:
             self.proposer.begin(seq.seq_id, seq.prompt)
@@ -158,10 +154,7 @@ class Engine:
             if done < first <= end:
                 seq.prompt_logprobs += token_logprobs(out.logits[first - done - 1:last - done - 1],
                                                       seq.tokens[first:last], seq.params.prompt_logprobs)
-        if not exact and end - done == self.prefill_chunk:  # a whole prompt window: others may reuse it
-            w = done // self.prefill_chunk
-            self.cache.register_prefix(seq.slot, w, prefix_keys(seq.prompt, self.prefill_chunk, w + 1)[w],
-                                       self.prefill_chunk)
+        self.cache.register_window(seq.slot, seq.prompt, done, end, self.prefill_chunk)  # others may reuse it
         if self.proposer is not None and draft_alongside:
             self._prefill_proposer(seq, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:
@@ -190,7 +183,8 @@ class Engine:
         if self.proposer is None:
             return 0
         backlog = sum(self.proposer.backlog(s.seq_id, s.tokens) for s in seqs)
-        remaining = sum(self.expected_remaining(s) if backlog else s.params.max_tokens - s.num_generated for s in seqs)
+        # (the tokens still to generate only weigh against a catch-up)
+        remaining = sum(self.expected_remaining(s) for s in seqs) if backlog else float("inf")
         return self.controller.choose(max(batch or 0, len(seqs)), backlog, remaining)
 
     def prefill_window(self, seq: Sequence) -> tuple[int, int, bool]:

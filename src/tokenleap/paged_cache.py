@@ -186,6 +186,18 @@ class PagedKVCache:
         self.prefix_hits += n * window
         return n * window
 
+    def attach_prompt(self, slot: int, prompt: list[int], window: int) -> int:
+        """``attach_prefix`` for the windows of ``prompt`` before the one holding its last token (that
+        one is always computed: its last row's logits are wanted); returns the tokens attached."""
+        return self.attach_prefix(slot, prefix_keys(prompt, window, (len(prompt) - 1) // window), window)
+
+    def register_window(self, slot: int, prompt: list[int], start: int, end: int, window: int) -> None:
+        """``slot`` has computed positions ``start .. end - 1``: if that is a whole window of
+        ``prompt``, cache it (``register_prefix``)."""
+        if start % window == 0 and end - start == window and end <= len(prompt):
+            w = start // window
+            self.register_prefix(slot, w, prefix_keys(prompt, window, w + 1)[w], window)
+
     def clear_prefix_cache(self) -> None:
         """Forget every cached window (blocks a sequence holds stay its own until released)."""
         for blocks in self._windows.values():

@@ -16,7 +16,6 @@ from ..cache import CacheFullError, KVCache
 from ..config import SamplingParams
 from ..errors import TokenleapError
 from ..models.transformer import Segment, Transformer
-from ..paged_cache import prefix_keys
 from ..sampling import greedy, logits_to_probs, sample
 from ..seeded import SeededNoise
 from .base import Draft, DraftRequest
@@ -68,11 +67,9 @@ class DraftModelProposer:
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         slot = self._slot[seq_id] = self.cache.allocate()
-        # a paged cache may hold the prompt's first windows already (prefix caching): fed without work
-        window = self.catch_up_chunk
         self._prompt[seq_id] = prompt
-        self._fed[seq_id] = self.cache.attach_prefix(slot, prefix_keys(prompt, window, (len(prompt) - 1) // window),
-                                                     window)
+        # a paged cache may hold the prompt's first windows already (prefix caching): fed without work
+        self._fed[seq_id] = self.cache.attach_prompt(slot, prompt, self.catch_up_chunk)
         if self.head is not None:
             self._heads[seq_id] = self.head.for_prompt(prompt)
 
@@ -171,10 +168,7 @@ class DraftModelProposer:
             self.cache.truncate(slot, pos)
             return
         self._fed[seq_id] = pos + len(tokens)
-        window, prompt = self.catch_up_chunk, self._prompt[seq_id]
-        if pos % window == 0 and len(tokens) == window and pos + window <= len(prompt):  # a whole prompt window
-            w = pos // window
-            self.cache.register_prefix(slot, w, prefix_keys(prompt, window, w + 1)[w], window)
+        self.cache.register_window(slot, self._prompt[seq_id], pos, pos + len(tokens), self.catch_up_chunk)
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         valid = self._proposal_start[seq_id] + num_accepted  # tokens both agree on
