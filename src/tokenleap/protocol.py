@@ -80,10 +80,44 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatRequest(_Sampling):
@@ -92,6 +126,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse_body(raw: bytes, model: type[_Strict]) -> Any:
@@ -161,7 +198,9 @@ def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
         raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it: an assistant turn's tool calls with their
+    arguments parsed (templates write them as JSON objects), a tool turn's ``tool_call_id``."""
     if not req.messages:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
@@ -170,8 +209,24 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "".join(p.text for p in m.content)
-        out.append({"role": m.role, "content": content or ""})
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
+            message["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except ValueError:
+        raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                          "messages") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
@@ -210,13 +265,15 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_delta(index: int, delta: dict[str, str], finish_reason: str | None,
+def chat_delta(index: int, delta: dict[str, Any], finish_reason: str | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 

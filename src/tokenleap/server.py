@@ -31,6 +31,7 @@ from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, Sc
                        sampling_params, usage)
 from .scheduler import Output, QueueFullError, Request, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
+from .tools import ToolPlan, ToolStream, call_deltas, parse_tool_calls, plan_tools
 
 log = logging.getLogger("tokenleap.serve")
 _POLL_SECONDS = 0.5  # how often a non-streaming request checks that its client is still there
@@ -123,6 +124,7 @@ class _Format:
     chat: bool
     include_usage: bool = False
     tokens: TokenText | None = None  # set when the request asked for logprobs
+    tools: ToolPlan = ToolPlan()  # a chat request's tool calling
 
     def obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
@@ -135,6 +137,9 @@ class _Format:
             lp = chat_logprobs(scored, self.tokens) if self.tokens else None
             if delta:
                 return chat_delta(i, {"content": text} if text else {}, reason, lp)
+            if self.tools.parse:
+                content, calls = parse_tool_calls(self.tools.prefix + text, self.tools.names)
+                return chat_choice(i, content, "tool_calls" if calls else reason, lp, calls)
             return chat_choice(i, text, reason, lp)
         return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
                                  if self.tokens else None)
@@ -200,11 +205,13 @@ class OpenAIServer:
         self._check(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        prompt = self._encode_chat(chat_messages(req))
+        tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
+        prompt = self._encode_chat(chat_messages(req), tools)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = check_max_tokens(requested, len(prompt), self.engine.max_len, None)
         fmt = _Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
-                      include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)))
+                      include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)),
+                      tools=tools)
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
@@ -257,6 +264,8 @@ class OpenAIServer:
         chunk_fmt = _Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
                             fmt.chat, fmt.include_usage, fmt.tokens)
         offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
+        # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
+        calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
         try:
             if fmt.chat:
                 first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
@@ -266,8 +275,20 @@ class OpenAIServer:
                     yield _sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
                     break
                 text, scored = job.piece(i, out)
-                if text or out.finish_reason or (scored and fmt.tokens):
-                    choice = chunk_fmt.choice(i, text, out.finish_reason, scored, offsets[i], delta=True)
+                reason, calls = out.finish_reason, []
+                if calling is not None:
+                    text = calling[i].feed(text)
+                    if reason is not None:
+                        rest, calls = calling[i].finish()
+                        text, reason = text + rest, "tool_calls" if calls else reason
+                if calls:  # the content first, then the calls with the finish reason
+                    if text or (scored and fmt.tokens):
+                        choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
+                        yield _sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                    delta = chat_delta(i, {"tool_calls": call_deltas(calls)}, reason)
+                    yield _sse(chunk_fmt.obj([delta], **fmt.with_usage()))
+                elif text or reason or (scored and fmt.tokens):
+                    choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
                     yield _sse(chunk_fmt.obj([choice], **fmt.with_usage()))
                     if fmt.tokens:
                         offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
@@ -327,12 +348,16 @@ class OpenAIServer:
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
 
-    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: ToolPlan) -> list[int]:
+        """The rendered conversation's ids, ending with the start of the reply (and the opening of
+        a tool call when ``tool_choice`` forces one)."""
+        extra = {"tools": tools.tools} if tools.tools is not None else {}
         try:
             encode_chat = getattr(self.tokenizer, "encode_chat", None)
             if encode_chat is not None:
-                return encode_chat(messages)
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+                return encode_chat(messages, reply_prefix=tools.prefix, **extra)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+            return self.tokenizer.encode(text + tools.prefix)
         except ConfigError as e:
             raise bad_request(str(e), "messages") from None
         except (ValueError, TypeError, UnicodeError) as e:

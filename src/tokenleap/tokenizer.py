@@ -346,10 +346,11 @@ class Tokenizer:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
-        """Token ids of a rendered conversation; BOS is added only if the model wants one and
-        the template did not already write it."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+                    reply_prefix: str = "", **kwargs: Any) -> list[int]:
+        """Token ids of a rendered conversation (followed by ``reply_prefix``, text the reply is
+        made to start with); BOS is added only if the model wants one and the template did not
+        already write it."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs) + reply_prefix
         ids = self.encode(text, add_special_tokens=False)
         if self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)

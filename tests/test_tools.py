@@ -1,0 +1,263 @@
+"""Tool calling on the chat endpoint: parsing hermes-style <tool_call> blocks (and bare JSON calls),
+streaming that holds a call back, the request plan (tool_choice), the messages a template gets,
+and a real server whose scripted model writes tool calls, exercised with the openai client."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+
+from tokenleap.config import ModelConfig
+from tokenleap.engine import Engine
+from tokenleap.models.build import build_transformer
+from tokenleap.paged_cache import PagedKVCache
+from tokenleap.proposers.ngram import NgramProposer
+from tokenleap.protocol import APIError, ChatRequest, chat_messages
+from tokenleap.scheduler import SchedulerConfig
+from tokenleap.server import ServerConfig, create_app
+from tokenleap.tools import ToolStream, parse_tool_calls, plan_tools
+
+from serving_helpers import LiveServer
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TWO = ('Sure.\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+       '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>')
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def names(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_parse_hermes_blocks():
+    content, calls = parse_tool_calls(CALL)
+    assert content is None and names(calls) == [("get_weather", {"city": "Paris"})]
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    content, calls = parse_tool_calls(TWO)
+    assert content == "Sure." and names(calls) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    assert len({c["id"] for c in calls}) == 2
+    # the reply ended inside the last block (EOS before the closing tag)
+    assert names(parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')[1]) == [("f", {})]
+    # arguments given as a string stay that string
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[1][0][
+        "function"]["arguments"] == '{"x": 1}'
+
+
+def test_text_that_is_not_a_call_stays_content():
+    for text in ("plain answer", "<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                 CALL + '<tool_call>{"name": "f", "arguments": </tool_call>'):  # one bad block: no calls
+        assert parse_tool_calls(text) == (text, [])
+
+
+def test_bare_json_calls_need_a_known_name():
+    fenced = '```json\n{"name": "add", "arguments": {"a": 1}}\n```'
+    assert names(parse_tool_calls(fenced, ("add",))[1]) == [("add", {"a": 1})]
+    assert parse_tool_calls(fenced, ("add",))[0] is None
+    assert names(parse_tool_calls(' [{"name": "add", "arguments": {}}, {"name": "add", "arguments": {"a": 2}}]',
+                                  ("add",))[1]) == [("add", {}), ("add", {"a": 2})]
+    assert parse_tool_calls(fenced, ("other",)) == (fenced, [])  # not an offered function
+    assert parse_tool_calls('{"name": "add"}', ("add",)) == ('{"name": "add"}', [])  # no arguments
+    assert parse_tool_calls(fenced) == (fenced, [])  # no functions offered
+
+
+def stream(pieces, prefix="", offered=("add", "get_weather")):
+    s = ToolStream(prefix, offered)
+    sent = [s.feed(p) for p in pieces]
+    rest, calls = s.finish()
+    return sent, rest, calls
+
+
+def test_stream_holds_back_from_the_tag_on():
+    sent, rest, calls = stream(["Sure.\n<to", "ol_call>{\"name\": \"add\", ", "\"arguments\": {}}</tool_call>"])
+    assert sent == ["Sure.\n", "", ""] and rest == "" and names(calls) == [("add", {})]
+    # a possible start of a tag is held back until it turns out to be something else
+    sent, rest, calls = stream(["a <tool", "box> b"])
+    assert sent == ["a ", "<toolbox> b"] and rest == "" and calls == []
+    # a reply that ends inside a held-back tag start sends it at the end
+    sent, rest, calls = stream(["x <tool_"])
+    assert sent == ["x "] and rest == "<tool_" and calls == []
+    # a malformed call: everything from the tag on comes at the end, as content
+    sent, rest, calls = stream(["ok <tool_call>{oops", "</tool_call>"])
+    assert "".join(sent) + rest == "ok <tool_call>{oops</tool_call>" and calls == []
+
+
+def test_stream_of_a_bare_json_call_and_of_code():
+    sent, rest, calls = stream(["```", "json\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}", "\n```"])
+    assert sent == ["", "", ""] and rest == "" and names(calls) == [("add", {"a": 1})]
+    sent, rest, calls = stream(["```", "python\nprint(1)", "\n```"])  # code is streamed once it differs
+    assert sent[0] == "" and "".join(sent) + rest == "```python\nprint(1)\n```" and calls == []
+
+
+def test_a_forced_opening_is_part_of_the_reply():
+    sent, rest, calls = stream(['add", "arguments": {"a": 5}}'], prefix='<tool_call>\n{"name": "')
+    assert sent == [""] and names(calls) == [("add", {"a": 5})]
+    sent, rest, calls = stream(["junk"], prefix='<tool_call>\n{"name": "')
+    assert rest == '<tool_call>\n{"name": "junk' and calls == []
+
+
+def chat_req(**kw) -> ChatRequest:
+    return ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def test_plan_follows_tool_choice():
+    template = "{{ tools }} {{ messages }}"
+    assert plan_tools(chat_req(), template).tools is None
+    plan = plan_tools(chat_req(tools=TOOLS), template)
+    assert plan.parse and plan.prefix == "" and [t["function"]["name"] for t in plan.tools] == ["get_weather", "add"]
+    assert plan.names == ("get_weather", "add")
+    assert plan_tools(chat_req(tools=TOOLS, tool_choice="none"), template).tools is None
+    assert plan_tools(chat_req(tools=TOOLS, tool_choice="required"), template).prefix == '<tool_call>\n{"name": "'
+    named = plan_tools(chat_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}), template)
+    assert named.prefix == '<tool_call>\n{"name": "add", "arguments": {'
+    with pytest.raises(APIError, match="not among the tools"):
+        plan_tools(chat_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}), template)
+    with pytest.raises(APIError, match="needs tools"):
+        plan_tools(chat_req(tool_choice="required"), template)
+    with pytest.raises(APIError, match="does not take tools"):
+        plan_tools(chat_req(tools=TOOLS), "{{ messages }}")
+
+
+def test_messages_carry_tool_calls_and_results():
+    req = ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'}]})
+    msgs = chat_messages(req)
+    assert msgs[1]["tool_calls"] == [{"id": "call_1", "type": "function",
+                                      "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    assert msgs[1]["content"] == "" and msgs[2] == {"role": "tool", "content": '{"temp": 3}', "tool_call_id": "call_1"}
+    bad = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}
+    with pytest.raises(APIError, match="not valid JSON"):
+        chat_messages(ChatRequest.model_validate({"messages": [{"role": "assistant", "tool_calls": [bad]}]}))
+    with pytest.raises(APIError, match="only assistant"):
+        chat_messages(ChatRequest.model_validate({"messages": [{"role": "user", "content": "x", "tool_calls": [bad]}]}))
+
+
+# -- a server whose model writes a script ---------------------------------------------------------
+VOCAB = 320
+EOS, FILLER = 2, VOCAB - 1
+STARTS = {"§": (3, CALL), "¶": (100, TWO)}  # a prompt ending with this character -> the model writes that
+
+
+class ScriptTokenizer:
+    """A character per token: each script's characters have ids of their own, following its start."""
+
+    eos_token_ids = (EOS,)
+    vocab_size = VOCAB
+    chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}"  # takes tools
+
+    def __init__(self) -> None:
+        self.pieces = {EOS: "", FILLER: "?"}
+        for mark, (start, script) in STARTS.items():
+            self.pieces[start] = mark
+            for j, ch in enumerate(script, start + 1):
+                self.pieces[j] = ch
+        self.seen_tools: list = []
+
+    def piece(self, i: int) -> str:
+        return self.pieces.get(i, "?")
+
+    def encode(self, text: str) -> list[int]:
+        return [STARTS[c][0] if c in STARTS else FILLER for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.piece(i) for i in ids)
+
+    def detokenizer(self):
+        from conftest import ToyDetokenizer
+        return ToyDetokenizer(self)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+        self.seen_tools.append(tools)
+        return "".join(m["content"] for m in messages)
+
+
+def script_model():
+    """Token t is followed by the next token of its script (the last by EOS): one-hot embeddings,
+    layers that add nothing (zero output projections), a head that maps each token to its successor."""
+    cfg = ModelConfig(architecture="qwen2", vocab_size=VOCAB, hidden_size=VOCAB, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=VOCAB // 4,
+                      max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=True, bos_token_id=1, eos_token_ids=(EOS,))
+    from conftest import random_weights
+    w = {k: torch.zeros_like(v) if ("o_proj" in k or "down_proj" in k) else v for k, v in random_weights(cfg).items()}
+    w["model.embed_tokens.weight"] = torch.eye(VOCAB)
+    w["model.norm.weight"] = torch.ones(VOCAB)
+    head = torch.zeros(VOCAB, VOCAB)
+    for start, script in STARTS.values():
+        for t in range(start, start + len(script)):
+            head[t + 1, t] = 1.0  # logit of t + 1 when the current token is t
+        head[EOS, start + len(script)] = 1.0
+    w["lm_head.weight"] = head
+    assert 3 + len(CALL) < 100 and 100 + len(TWO) < FILLER
+    return build_transformer(cfg, w, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    tok = ScriptTokenizer()
+    model = script_model()
+    cache = PagedKVCache(model.config, 64, 256, torch.float32, block_size=16, num_slots=4)
+    eng = Engine(model, tok, max_len=256, prefill_chunk=8, cache=cache, proposer=NgramProposer(3, 1))
+    with LiveServer(create_app(eng, ServerConfig("m", scheduler=SchedulerConfig(log_interval=0)))) as s:
+        yield s, tok
+
+
+def ask(server, mark: str, **kw):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return c.chat.completions.create(model="m", messages=[{"role": "user", "content": "weather? " + mark}],
+                                     max_tokens=200, temperature=0, **kw)
+
+
+def test_server_returns_tool_calls(scripted):
+    server, tok = scripted
+    r = ask(server, "§", tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert tok.seen_tools[-1] == TOOLS  # the template got the tools
+    r = ask(server, "¶", tools=TOOLS)
+    assert r.choices[0].message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
+        ("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    # without tools (or with tool_choice "none") the same reply is plain content
+    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        r = ask(server, "§", **kw)
+        assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
+        assert r.choices[0].finish_reason == "stop" and tok.seen_tools[-1] is None
+
+
+def test_server_streams_tool_calls(scripted):
+    server, _ = scripted
+    for mark, content, expected in (("§", "", [("get_weather", {"city": "Paris"})]),
+                                    ("¶", "Sure.\n", [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})])):
+        text, calls, reasons = "", {}, []
+        for chunk in ask(server, mark, tools=TOOLS, stream=True):
+            delta = chunk.choices[0].delta
+            text += delta.content or ""
+            for call in delta.tool_calls or []:
+                assert call.id.startswith("call_") and call.type == "function"
+                calls[call.index] = (call.function.name, json.loads(call.function.arguments))
+            reasons.append(chunk.choices[0].finish_reason)
+        assert text == content and [calls[i] for i in sorted(calls)] == expected
+        assert [r for r in reasons if r] == ["tool_calls"] and reasons[-1] == "tool_calls"
+
+
+def test_server_rejects_tools_it_cannot_honour(scripted):
+    server, _ = scripted
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        ask(server, "§", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        ask(server, "§", tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes")
+    with pytest.raises(openai.BadRequestError, match="not valid JSON"):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0).chat.completions.create(
+            model="m", max_tokens=5, messages=[
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                      "function": {"name": "f", "arguments": "{"}}]},
+                {"role": "user", "content": "§"}])
