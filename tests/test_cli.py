@@ -137,6 +137,33 @@ def test_ngram_speculation_equals_plain_on_real_model(capsys, smollm2_gguf):
     assert all(e["logprob"] <= 0 and e["top"][0] == [e["token_id"], e["logprob"]] for e in lp_plain)
 
 
+def test_structured_output_on_real_model(capsys, smollm2_gguf):
+    """--regex / --choice / --json-schema replies follow their grammar, with and without speculation."""
+    import re
+    row = cli_json(capsys, "--prompt", "What year did the Apollo 11 mission land?", "--chat",
+                   "--regex", "[0-9]{4}")[0]
+    assert re.fullmatch("[0-9]{4}", row["text"])
+    schema = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+    for extra in ((), ("--spec", "ngram")):
+        row = cli_json(capsys, "--prompt", "Name the capital of France as JSON.", "--chat", "--max-tokens", "40",
+                       "--json-schema", schema, *extra)[0]
+        assert isinstance(json.loads(row["text"])["city"], str)
+    row = cli_json(capsys, "--prompt", "Is the sky blue?", "--chat", "--choice", "yes", "--choice", "no")[0]
+    assert row["text"] in ("yes", "no")
+
+
+def test_bad_structured_output_fails_before_loading(capsys, tmp_path):
+    # the model name is unknown too: the grammar is checked first
+    assert_error(capsys, ["generate", "--model", "no-such-model", "--prompt", "x", "--regex", "("],
+                 "invalid regex", "unclosed group")
+    assert_error(capsys, ["generate", "--model", "no-such-model", "--prompt", "x", "--json-schema", "{nope"],
+                 "--json-schema is not valid JSON")
+    assert_error(capsys, ["generate", "--model", "no-such-model", "--prompt", "x", "--json-schema",
+                          str(tmp_path / "missing.json")], "cannot read")
+    with pytest.raises(SystemExit):  # argparse: one constraint at a time
+        main(["generate", "--model", "x", "--prompt", "x", "--regex", "a", "--json-object"])
+
+
 def test_models_lists_the_catalog(capsys):
     code, out, _ = run_cli(capsys, "models")
     assert code == 0

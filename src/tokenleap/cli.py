@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, SamplingParams, SpecConfig
+from .config import ConfigError, SamplingParams, SpecConfig, StructuredOutput
 from .errors import TokenleapError
 
 
@@ -82,6 +82,35 @@ def read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
+def structured_args(args: argparse.Namespace) -> StructuredOutput | None:
+    """--json-schema (JSON text or a file) / --json-object / --regex / --choice / --grammar (a Lark file)."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            text = _read_text(text, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise UsageError(f"--json-schema is not valid JSON: {e}") from None
+        return StructuredOutput(json=schema)
+    if args.json_object:
+        return StructuredOutput(json_object=True)
+    if args.regex is not None:
+        return StructuredOutput(regex=args.regex)
+    if args.choice:
+        return StructuredOutput(choice=tuple(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput(grammar=_read_text(args.grammar, "--grammar"))
+    return None
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot read {path}: {e.strerror}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
@@ -90,7 +119,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
                             ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                            logprobs=args.logprobs)
+                            logprobs=args.logprobs, structured=structured_args(args))
+    if params.structured is not None:  # an invalid schema, regex or grammar fails before loading
+        from .structured import grammar_of
+        grammar_of(params.structured)
     spec = spec_config(args)
     from .api import LLM
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
@@ -166,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each generated token's logprob and its N most likely alternatives")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of streamed text")
+    so = g.add_mutually_exclusive_group()  # structured output: the reply follows a grammar
+    so.add_argument("--json-schema", metavar="SCHEMA", help="reply is JSON matching this schema (JSON text or a file)")
+    so.add_argument("--json-object", action="store_true", help="reply is a JSON object")
+    so.add_argument("--regex", help="reply matches this regular expression")
+    so.add_argument("--choice", action="append", help="reply is one of these strings (repeatable)")
+    so.add_argument("--grammar", metavar="FILE", help="reply follows this Lark grammar")
     g.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     g.set_defaults(func=cmd_generate)
 

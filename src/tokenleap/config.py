@@ -5,6 +5,7 @@ reports the same clear message for the same bad value.
 """
 from __future__ import annotations
 
+import json as _json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -88,6 +89,37 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A reply constrained to a grammar (``structured.py``): exactly one of a JSON schema (JSON text
+    or a dict), any JSON object, a regular expression, a choice among strings, or a Lark grammar."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", _json.dumps(self.json))  # key order kept: it orders the reply's keys
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) == 1, "structured output needs exactly one of json, json_object, regex, choice, grammar; "
+                                f"got {', '.join(given) or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value.strip() != ""), f"{name} must be a non-empty string")
+        _check(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
+               "choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, n))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings. ``temperature == 0`` means exact greedy (argmax)."""
 
@@ -105,6 +137,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtract per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # HF / vLLM's: shrink the logits of tokens seen in prompt or output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
+    structured: StructuredOutput | None = None  # constrain the reply to a grammar (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +171,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b) and -100 <= b <= 100
                    for t, b in self.logit_bias),
                "logit_bias must map token ids >= 0 to biases in [-100, 100]")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
+               "structured must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

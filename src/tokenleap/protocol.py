@@ -13,9 +13,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .config import ConfigError, SamplingParams
+from .config import ConfigError, SamplingParams, StructuredOutput
 from .logprobs import TokenLogprob
 
 MAX_N = 16  # choices per request
@@ -49,6 +49,18 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Strict):
     model: str | None = None
     temperature: float | None = None
@@ -66,6 +78,12 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output: OpenAI's response_format, or vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -177,11 +195,36 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias))
+            logit_bias=_logit_bias(req.logit_bias), structured=structured_output(req))
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]
         raise bad_request(message, param if param.isidentifier() else None) from None
+
+
+def structured_output(req: _Sampling) -> StructuredOutput | None:
+    """The grammar a request's reply must follow, if any (one of response_format and guided_*)."""
+    fmt = req.response_format
+    asked = {"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
+             "grammar": req.guided_grammar}
+    if fmt is not None and fmt.type == "json_object":
+        asked["json_object"] = True
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+        asked["json"] = fmt.json_schema.schema_
+    asked = {k: v for k, v in asked.items() if v is not None}
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise bad_request(f"give one structured output constraint, not {' and '.join(asked)}", "response_format")
+    (kind, value), = asked.items()
+    if kind == "json" and isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError:
+            raise bad_request("guided_json is not valid JSON", "guided_json") from None
+    return StructuredOutput(**{kind: value})
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

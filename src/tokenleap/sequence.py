@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import torch
 
 from .config import SamplingParams
@@ -28,6 +30,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # per prompt token
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed) at the last attach
+    constraint: Any = None  # structured.Constraint: the grammar state of a structured-output request
 
     def __post_init__(self) -> None:
         if not self.tokens:

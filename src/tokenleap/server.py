@@ -253,6 +253,8 @@ class OpenAIServer:
                     seqs.append(self.engine.create(prompt, params))
                 except PromptTooLongError as e:
                     raise bad_request(str(e), "prompt", "context_length_exceeded") from None
+                except ConfigError as e:  # a schema, regex or grammar that does not compile
+                    raise bad_request(str(e), "response_format") from None
         job = _Job(self.scheduler, seqs, sum(len(p) for p in prompts), echo)
         try:
             self.scheduler.submit(job.requests)

@@ -1,0 +1,273 @@
+"""Structured output: replies constrained to a grammar (JSON schema, JSON object, regex, choice,
+Lark), masks per verification row, speculative output equal to plain output under a constraint,
+sampling exactly from the masked target distribution, and the server's response_format."""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import openai
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import tokenleap.engine as engine_mod
+from tokenleap.cache import KVCache
+from tokenleap.config import ConfigError, SamplingParams, StructuredOutput
+from tokenleap.controller import ControllerConfig
+from tokenleap.engine import Engine
+from tokenleap.models.build import build_transformer
+from tokenleap.models.transformer import Segment
+from tokenleap.paged_cache import PagedKVCache
+from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.proposers.ngram import NgramProposer
+from tokenleap.sampling import logits_to_probs, make_generator
+from tokenleap.scheduler import SchedulerConfig
+from tokenleap.server import ServerConfig, create_app
+from tokenleap.structured import Constraints
+
+from conftest import ToyDetokenizer, random_weights, tiny_config, tiny_model
+from serving_helpers import LiveServer
+
+VOCAB = 100  # 0 pad, 1 BOS, 2 EOS, 3.. printable ASCII
+
+
+class CharTokenizer:
+    """One token per printable ASCII character."""
+
+    eos_token_ids = (2,)
+    bos_token_id = 1
+    vocab_size = VOCAB
+
+    def piece(self, i: int) -> str:
+        return chr(i + 29) if 3 <= i < 98 else ""
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.piece(i).encode()
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 29 for c in text if 32 <= ord(c) <= 126]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.piece(i) for i in ids)
+
+    def detokenizer(self) -> ToyDetokenizer:
+        return ToyDetokenizer(self)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+
+TOK = CharTokenizer()
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}  # a random model would pad with spaces forever
+GRAMMARS = {"choice": StructuredOutput(choice=["alpha", "beta", "gamma"]),
+            "regex": StructuredOutput(regex="[a-e]{2,5}-[0-9]{1,3}"),
+            "json": StructuredOutput(json=SCHEMA),
+            "lark": StructuredOutput(grammar='start: "x" ("+" "x")* "=" /[0-9]/')}
+
+
+def follows(kind: str, text: str) -> bool:
+    if kind == "choice":
+        return text in ("alpha", "beta", "gamma")
+    if kind == "regex":
+        return re.fullmatch("[a-e]{2,5}-[0-9]{1,3}", text) is not None
+    if kind == "lark":
+        return re.fullmatch(r"x(\+x)*=[0-9]", text) is not None
+    obj = json.loads(text)
+    return set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and obj["n"] in (1, 2, 3)
+
+
+def engine(proposer=None, k="auto") -> Engine:
+    return Engine(tiny_model("qwen2", seed=3, vocab=VOCAB), TOK, max_len=256, proposer=proposer,
+                  controller=ControllerConfig(max_k=4, fixed_k=None if k == "auto" else k))
+
+
+def run(eng: Engine, prompt: str, params: SamplingParams):
+    *_, (seq, _) = eng.generate(TOK.encode(prompt), params)
+    return seq
+
+
+def test_masks_follow_each_rows_state():
+    c = Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(choice=["abc", "abd"]))
+    a, b, cc, d, x = TOK.encode("abcdx")
+    masked = c.mask(torch.zeros(4, VOCAB), [a, b, x])  # draft a, b, x: x is forbidden at row 2
+
+    def allowed(row):
+        return set(torch.isfinite(masked[row]).nonzero().flatten().tolist())
+    assert allowed(0) == {a} and allowed(1) == {b} and allowed(2) == {cc, d}
+    assert allowed(3) == set(range(VOCAB))  # after a forbidden draft token: unused, left alone
+    assert c.mask(torch.zeros(1, VOCAB), [])[0].isfinite().sum() == 1  # the matcher was left as it was
+    c.advance([a, b, d])
+    assert set(torch.isfinite(c.mask(torch.zeros(1, VOCAB), [])[0]).nonzero().flatten().tolist()) == {2}  # EOS
+    c.advance([2])  # EOS after a complete reply
+
+
+@pytest.mark.parametrize("kind", sorted(GRAMMARS))
+def test_replies_follow_the_grammar(kind):
+    eng = engine()
+    for prompt in ("hello there", "{}", "12345"):
+        seq = run(eng, prompt, SamplingParams(max_tokens=60, structured=GRAMMARS[kind]))
+        assert seq.finish_reason == "stop" and follows(kind, seq.text), (prompt, seq.text)
+        for seed in range(3):
+            seq = run(eng, prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=seed, structured=GRAMMARS[kind]))
+            assert seq.finish_reason == "stop" and follows(kind, seq.text), (prompt, seed, seq.text)
+
+
+@pytest.mark.parametrize("kind", sorted(GRAMMARS))
+@pytest.mark.parametrize("proposer", ["ngram", "self", "random"])
+def test_speculative_output_equals_plain_under_a_constraint(kind, proposer):
+    plain = engine()
+    draft = {"ngram": lambda: NgramProposer(3, 1),
+             "self": lambda: DraftModelProposer(tiny_model("qwen2", seed=3, vocab=VOCAB), VOCAB, 256),
+             "random": lambda: DraftModelProposer(tiny_model("qwen2", seed=9, vocab=VOCAB), VOCAB, 256)}[proposer]
+    for k in (2, "auto"):
+        spec = engine(draft(), k)
+        for prompt, temperature, seed, ignore_eos in (("hello there", 0.0, None, False), ("{}", 0.0, None, False),
+                                                      ("abc", 0.8, 4, False), ("xyz", 1.0, 11, False),
+                                                      ("hello there", 0.0, None, True)):  # EOS drafted past the end
+            params = SamplingParams(max_tokens=40, temperature=temperature, seed=seed, ignore_eos=ignore_eos,
+                                    structured=GRAMMARS[kind])
+            want, got = run(plain, prompt, params), run(spec, prompt, params)
+            assert got.generated == want.generated, (prompt, k)
+    assert spec.totals.draft_tokens > 0  # speculation did run
+
+
+def test_invalid_grammars_are_clear_errors():
+    eng = engine()
+    for bad, message in ((StructuredOutput(regex="(unclosed"), "invalid regex"),
+                         (StructuredOutput(json={"type": "object", "properties": 3}), "invalid json"),
+                         (StructuredOutput(grammar="start: ???"), "invalid grammar")):
+        with pytest.raises(ConfigError, match=message):
+            eng.create(TOK.encode("hi"), SamplingParams(structured=bad))
+    with pytest.raises(ConfigError, match="exactly one"):
+        StructuredOutput(regex="a", choice=["b"])
+    with pytest.raises(ConfigError, match="non-empty"):
+        StructuredOutput(choice=[])
+
+
+# -- sampling exactly from the masked distribution ----------------------------------------------
+V, N_SAMPLES = 4, 1500  # tokens a, b, c and EOS
+GRAMMAR = StructuredOutput(regex="(a[bc]|b[ab]|c[abc])[abc]")  # the allowed second token depends on the first
+PARAMS = dict(temperature=1.0)
+
+
+class AbcTokenizer(CharTokenizer):
+    eos_token_ids = (3,)
+    bos_token_id = None
+    vocab_size = V
+
+    def piece(self, i: int) -> str:
+        return "abc"[i] if i < 3 else ""
+
+    def encode(self, text: str) -> list[int]:
+        return ["abc".index(c) for c in text]
+
+
+def abc_model(seed: int, scale: float):
+    cfg = tiny_config("llama", vocab=V, hidden=32, intermediate=64, heads=2, kv_heads=1)
+    return build_transformer(cfg, random_weights(cfg, seed, scale=scale), torch.float32)
+
+
+def exact(target, token_level: bool = True) -> dict[tuple[int, ...], float]:
+    """Each reply's probability: each token from its row's softmax masked to the grammar. With
+    ``token_level=False``: the unmasked distribution renormalized over whole valid replies, what
+    a sampler that only discarded invalid replies would give -- a different distribution."""
+    prompt = [0, 1, 2]
+    out = {}
+    for cont in itertools.product(range(3), repeat=3):
+        text = "".join("abc"[t] for t in cont)
+        if not re.fullmatch("(a[bc]|b[ab]|c[abc])[abc]", text):
+            continue
+        ids = prompt + list(cont)
+        cache = KVCache(target.config, 1, 32, torch.float32)
+        logits = target(torch.tensor(ids), [Segment(cache.allocate(), 0, len(ids))], cache).logits[len(prompt) - 1:-1]
+        p = 1.0
+        for j, t in enumerate(cont):
+            row = logits[j].clone()
+            row[3] = float("-inf")  # EOS is not allowed before the reply is complete
+            if token_level and j == 1:
+                ok = {"a": "bc", "b": "ab", "c": "abc"}["abc"[cont[0]]]
+                row[[i for i in range(3) if "abc"[i] not in ok]] = float("-inf")
+            p *= float(logits_to_probs(row[None], **PARAMS)[0, t])
+        out[cont] = p
+    total = sum(out.values())
+    return {k: v / total for k, v in out.items()} if not token_level else out
+
+
+def test_speculative_sampling_matches_the_masked_distribution(monkeypatch):
+    target, draft = abc_model(13, 0.4), abc_model(12, 2.0)  # a far draft: many rejections
+    eng = Engine(target, AbcTokenizer(), max_len=32, proposer=DraftModelProposer(draft, V, 32),
+                 controller=ControllerConfig(max_k=3, fixed_k=3))
+    gen = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(engine_mod, "request_randomness",
+                        lambda _: make_generator(int(torch.randint(0, 2**31, (1,), generator=gen))))
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(N_SAMPLES):
+        *_, (seq, _) = eng.generate([0, 1, 2], SamplingParams(max_tokens=8, structured=GRAMMAR, **PARAMS))
+        assert seq.finish_reason == "stop" and len(seq.generated) == 4  # three tokens, then EOS (forced)
+        key = tuple(seq.generated[:3])
+        counts[key] = counts.get(key, 0) + 1
+    want = exact(target)
+    assert abs(sum(want.values()) - 1) < 1e-5 and sum(counts.values()) == N_SAMPLES
+    assert set(counts) <= set(want)  # nothing outside the grammar
+    assert p_value(counts, want) > 1e-3
+    wrong = exact(target, token_level=False)  # the same check tells a different distribution apart
+    assert sum(abs(want[k] - wrong[k]) for k in want) / 2 > 0.05 and p_value(counts, wrong) < 1e-6
+
+
+def p_value(counts: dict, probs: dict) -> float:
+    """Chi-square goodness of fit, cells expected fewer than 5 times pooled."""
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for k, p in probs.items():
+        if p * N_SAMPLES >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(p * N_SAMPLES)
+        else:
+            rest_o, rest_e = rest_o + counts.get(k, 0), rest_e + p * N_SAMPLES
+    obs.append(rest_o)
+    exp.append(rest_e)
+    return float(chisquare(obs, [e * N_SAMPLES / sum(exp) for e in exp]).pvalue)
+
+
+# -- the server -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    model = tiny_model("qwen2", seed=3, vocab=VOCAB)
+    cache = PagedKVCache(model.config, 64, 256, torch.float32, block_size=16, num_slots=4)
+    eng = Engine(model, TOK, max_len=256, prefill_chunk=8, cache=cache, proposer=NgramProposer(3, 1))
+    with LiveServer(create_app(eng, ServerConfig("m", scheduler=SchedulerConfig(log_interval=0)))) as s:
+        yield s
+
+
+def test_server_response_format_and_guided_fields(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "data?"}], max_tokens=80,
+                                  temperature=0, response_format={"type": "json_schema",
+                                                                  "json_schema": {"name": "x", "schema": SCHEMA}})
+    assert r.choices[0].finish_reason == "stop" and follows("json", r.choices[0].message.content)
+    r = c.completions.create(model="m", prompt="data:", max_tokens=80, n=3, temperature=1.0, seed=2,
+                             extra_body={"guided_regex": "[a-e]{2,5}-[0-9]{1,3}"})
+    assert all(follows("regex", ch.text) for ch in r.choices)
+    chunks = c.completions.create(model="m", prompt="pick:", max_tokens=20, temperature=0, stream=True,
+                                  extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
+    assert follows("choice", "".join(ch.choices[0].text for ch in chunks if ch.choices))
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "obj?"}], max_tokens=120,
+                                  temperature=0, response_format={"type": "json_object"})
+    text = r.choices[0].message.content  # a random model may not close the object within max_tokens
+    assert text.lstrip().startswith("{") and (r.choices[0].finish_reason != "stop" or isinstance(json.loads(text), dict))
+
+
+def test_server_rejects_bad_constraints(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    for body, message in (({"guided_regex": "(unclosed"}, "invalid regex"),
+                          ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured output"),
+                          ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+                          ({"response_format": {"type": "xml"}}, "response_format"),
+                          ({"guided_json": "{not json"}, "not valid JSON")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+            c.completions.create(model="m", prompt="x", max_tokens=5, extra_body=body)
+    r = c.completions.create(model="m", prompt="x", max_tokens=5, temperature=0, extra_body={"guided_choice": ["ok"]})
+    assert r.choices[0].text == "ok"  # still serving
