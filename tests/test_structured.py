@@ -135,6 +135,22 @@ def test_speculative_output_equals_plain_under_a_constraint(kind, proposer):
     assert spec.totals.draft_tokens > 0  # speculation did run
 
 
+def test_a_draft_model_drafts_inside_the_grammar():
+    """The target drafting for itself under a grammar: its masked proposals are exactly what the
+    masked target chooses, so every drafted token is accepted but those drafted past the end of
+    the reply (unmasked, the grammar rejected nearly all: 7 of 555 accepted on these)."""
+    for kind in ("json", "regex", "lark", "choice"):
+        spec = engine(DraftModelProposer(tiny_model("qwen2", seed=3, vocab=VOCAB), VOCAB, 256), 3)
+        for prompt in ("hello", "{}", "12345", "zz"):
+            seq = run(spec, prompt, SamplingParams(max_tokens=40, structured=GRAMMARS[kind]))
+            assert (seq.finish_reason == "length" or follows(kind, seq.text)) and seq.stats.draft_tokens > 0
+            assert seq.stats.draft_tokens - seq.stats.accepted_tokens <= 3, (kind, prompt)  # the last step's
+    c = Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(choice=["xy"]))
+    only_a = torch.full((1, VOCAB), float("-inf"))
+    only_a[0, TOK.encode("a")[0]] = 0.0  # a draft head whose subset lacks every allowed token
+    assert torch.isfinite(c.draft(only_a)[0]).nonzero().flatten().tolist() == TOK.encode("x")
+
+
 def test_invalid_grammars_are_clear_errors():
     eng = engine()
     for bad, message in ((StructuredOutput(regex="(unclosed"), "invalid regex"),

@@ -234,7 +234,7 @@ class Engine:
         if not asked:
             return [None] * len(seqs), 0.0, 0.0
         t0 = time.perf_counter()
-        requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator) for s, n in asked]
+        requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint) for s, n in asked]
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)  # an empty draft may have caught up

@@ -66,6 +66,24 @@ class Constraint:
             if not self._ends(t) and not self.matcher.consume_token(t):
                 raise RuntimeError(f"structured output: the grammar refused a chosen token: {self.matcher.get_error()}")
 
+    def draft(self, logits: torch.Tensor) -> torch.Tensor:
+        """A draft's ``logits`` [1, vocab] masked for the state after what it drafted so far (a
+        draft head over a vocabulary subset may allow none of the grammar's tokens: then uniform
+        over them, still a distribution the verification can use)."""
+        ok = self.allowed()
+        out = logits.float().masked_fill(~ok, float("-inf"))
+        if not torch.isfinite(out).any():
+            out = torch.zeros_like(out).masked_fill_(~ok, float("-inf"))
+        return out
+
+    def push(self, token: int) -> int:
+        """Follow a drafted token (undone with ``rollback``); returns how many tokens that consumed."""
+        return 0 if self._ends(token) else self.matcher.try_consume_tokens([token])
+
+    def rollback(self, consumed: int) -> None:
+        if consumed:
+            self.matcher.rollback(consumed)
+
     def _ends(self, token: int) -> bool:
         """EOS where the reply may end is not consumed: the grammar is over (the sequence ends
         there, unless it ignores EOS -- then the state stays and so does what it allows)."""

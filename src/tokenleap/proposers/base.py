@@ -16,7 +16,7 @@ Lifecycle per sequence (llama.cpp's begin / draft / accept):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +43,7 @@ class DraftRequest:
     k: int
     params: SamplingParams
     generator: torch.Generator | SeededNoise | None = None
+    constraint: Any = None  # structured.Constraint: a draft model drafts inside the grammar too
 
 
 class Proposer(Protocol):

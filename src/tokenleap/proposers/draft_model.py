@@ -40,6 +40,7 @@ class _Lane:
     catch_up: float = 0.0
     catch_up_tokens: int = 0
     failed: bool = False
+    pushed: int = 0  # drafted tokens the request's grammar followed (undone after drafting)
 
 
 class DraftModelProposer:
@@ -101,6 +102,8 @@ class DraftModelProposer:
                     self.cache.truncate(l.slot, valid)
                 active = []
         for l in lanes:
+            if l.req.constraint is not None:
+                l.req.constraint.rollback(l.pushed)
             if not l.failed:
                 self._fed[l.req.seq_id] = l.pos  # the last drafted token is not fed yet
                 probs = torch.cat(l.probs) if l.probs else None
@@ -129,7 +132,12 @@ class DraftModelProposer:
             l.catch_up_tokens += len(l.pending)
         for j, l in enumerate(lanes):
             l.pos += len(l.pending)
-            token, probs = self._choose(logits[j : j + 1], l.req.params, l.req.generator, l.pos)
+            row = logits[j : j + 1]
+            if l.req.constraint is not None:  # structured output: draft only what the grammar allows
+                row = l.req.constraint.draft(row)  # (q is then this masked distribution: still exact)
+            token, probs = self._choose(row, l.req.params, l.req.generator, l.pos)
+            if l.req.constraint is not None:
+                l.pushed += l.req.constraint.push(token)
             l.drafted.append(token)
             if probs is not None:
                 l.probs.append(probs)
