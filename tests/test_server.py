@@ -268,6 +268,23 @@ def test_a_non_streaming_client_that_leaves_is_cancelled():
         assert s.scheduler.stats.finished == {"abort": 1} and eng.cache.num_used_blocks == 0
 
 
+def test_tokenize_and_detokenize(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tok = ChatToyTokenizer(VOCAB)
+    r = httpx.post(server.url + "/tokenize", json={"model": NAME, "prompt": "hello"}, headers=auth).json()
+    assert r["tokens"] == tok.encode("hello") and r["count"] == 5 and r["max_model_len"] > 0
+    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth).json()
+    assert r["tokens"] == tok.encode(chat_prompt("hi"))
+    r = httpx.post(server.url + "/detokenize", json={"tokens": tok.encode("hello")}, headers=auth).json()
+    assert r["prompt"] == tok.decode(tok.encode("hello"))
+    for path, body, status in (("/tokenize", {"prompt": "x", "messages": []}, 400), ("/tokenize", {}, 400),
+                               ("/detokenize", {"tokens": [VOCAB]}, 400), ("/detokenize", {"tokens": "ab"}, 400),
+                               ("/tokenize", {"model": "other", "prompt": "x"}, 404)):
+        r = httpx.post(server.url + path, json=body, headers=auth)
+        assert r.status_code == status and "error" in r.json(), (path, body)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 def test_logprobs_completions_and_chat(server):
     c = client(server)
     ref = expected("score me", 10, temperature=0, logprobs=2)

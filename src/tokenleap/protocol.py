@@ -149,6 +149,17 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     """JSON bytes -> a validated request model, or a 400 that says what is wrong."""
     if len(raw) > MAX_BODY_BYTES:

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+and vLLM's /tokenize and /detokenize.
 
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
 background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
@@ -8,14 +9,12 @@ connection noticed while waiting) has its sequences cancelled, which frees their
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -25,16 +24,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ConfigError
 from .errors import PromptTooLongError
-from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, Scored, TokenText, bad_request,
-                       chat_choice, chat_delta, chat_logprobs, chat_messages, check_common, check_logit_bias,
-                       check_max_tokens, completion_choice, completion_logprobs, new_id, now, parse_body,
-                       sampling_params, usage)
-from .scheduler import Output, QueueFullError, Request, Scheduler, SchedulerConfig
+from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Scored,
+                       TokenizeRequest, TokenText, bad_request, chat_choice, chat_delta, chat_logprobs,
+                       chat_messages, check_common, check_logit_bias, check_max_tokens, completion_choice,
+                       completion_logprobs, new_id, now, parse_body, sampling_params)
+from .scheduler import QueueFullError, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
+from .server_jobs import ClientGone, Job
 from .tools import ToolPlan, ToolStream, call_deltas, parse_tool_calls, plan_tools
 
 log = logging.getLogger("tokenleap.serve")
-_POLL_SECONDS = 0.5  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass(frozen=True)
@@ -43,74 +42,6 @@ class ServerConfig:
     model_aliases: tuple[str, ...] = ()  # other names accepted in a request's "model" (catalog name, path)
     api_key: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class _Job:
-    """One HTTP request's choices and the queue their outputs arrive on."""
-
-    def __init__(self, scheduler: Scheduler, seqs: list, prompt_tokens: int, echo: list[str] | None = None) -> None:
-        loop = asyncio.get_running_loop()
-        self.scheduler, self.prompt_tokens = scheduler, prompt_tokens
-        self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
-        self.requests = [Request(s, partial(self._deliver, loop, i)) for i, s in enumerate(seqs)]
-        self.pending = set(range(len(seqs)))
-        self.generated = [0] * len(seqs)
-        self.echo = echo  # per choice, the prompt text that starts it (completions' echo)
-        self.started = [False] * len(seqs)
-
-    def piece(self, i: int, out: Output) -> tuple[str, list[Scored]]:
-        """Choice ``i``'s new text and scored tokens in ``out`` (the echoed prompt before the first)."""
-        text, scored = out.text, [(lp.token_id, lp) for lp in out.logprobs]
-        if not self.started[i]:
-            self.started[i] = True
-            if self.echo is not None:
-                text = self.echo[i] + text
-                if out.prompt_logprobs is not None:
-                    scored = list(zip(self.requests[i].seq.prompt, out.prompt_logprobs)) + scored
-        return text, scored
-
-    def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, out: Output) -> None:
-        loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))  # runs on the scheduler thread
-
-    def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, sum(self.generated), max(r.seq.cached_tokens for r in self.requests))
-
-    async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
-        while self.pending:
-            i, out = await self.queue.get()
-            yield self._record(i, out)
-
-    def _record(self, i: int, out: Output) -> tuple[int, Output]:
-        self.generated[i] = out.num_generated
-        if out.finish_reason is not None:
-            self.pending.discard(i)
-        return i, out
-
-    async def collect(self, http: HTTPRequest) -> tuple[list[str], list[str | None], list[list[Scored]]]:
-        n = len(self.requests)
-        texts, reasons, scored = [""] * n, [None] * n, [[] for _ in range(n)]
-        while self.pending:
-            try:
-                i, out = self._record(*await asyncio.wait_for(self.queue.get(), _POLL_SECONDS))
-            except TimeoutError:
-                if await http.is_disconnected():
-                    raise _ClientGone() from None
-                continue
-            if out.error:
-                raise APIError(500, f"the request failed: {out.error}", "server_error")
-            text, tokens = self.piece(i, out)
-            texts[i] += text
-            scored[i] += tokens
-            reasons[i] = out.finish_reason
-        return texts, reasons, scored
-
-    def cancel(self) -> None:
-        for i in self.pending:
-            self.scheduler.cancel(self.requests[i])
 
 
 @dataclass(frozen=True)
@@ -175,6 +106,8 @@ class OpenAIServer:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_exception_handler(APIError, _api_error)
@@ -214,6 +147,25 @@ class OpenAIServer:
                       tools=tools)
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
 
+    async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
+        """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize."""
+        self._auth(request)
+        req = parse_body(await request.body(), TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages")
+        ids = self._encode(req.prompt) if req.prompt is not None else self._encode_chat(chat_messages(req), ToolPlan())
+        return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids}
+
+    async def detokenize(self, request: HTTPRequest) -> dict[str, Any]:
+        self._auth(request)
+        req = parse_body(await request.body(), DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = self.engine.model.config.vocab_size
+        if not all(0 <= t < vocab for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         self._auth(request)
         card = {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "tokenleap",
@@ -236,7 +188,7 @@ class OpenAIServer:
             return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")
         try:
             texts, reasons, scored = await job.collect(http)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         finally:
             job.cancel()
@@ -244,7 +196,7 @@ class OpenAIServer:
         return JSONResponse(fmt.obj(choices, usage=job.usage()))
 
     def _submit(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
-                prompt_logprobs: int | None, echo: list[str] | None) -> _Job:
+                prompt_logprobs: int | None, echo: list[str] | None) -> Job:
         seqs = []
         for prompt, budget in zip(prompts, budgets):
             for choice in range(req.n):
@@ -255,14 +207,14 @@ class OpenAIServer:
                     raise bad_request(str(e), "prompt", "context_length_exceeded") from None
                 except ConfigError as e:  # a schema, regex or grammar that does not compile
                     raise bad_request(str(e), "response_format") from None
-        job = _Job(self.scheduler, seqs, sum(len(p) for p in prompts), echo)
+        job = Job(self.scheduler, seqs, sum(len(p) for p in prompts), echo)
         try:
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
             raise APIError(503, f"the server is busy: {e}", "server_busy", None, "queue_full") from None
         return job
 
-    async def _stream(self, job: _Job, fmt: _Format) -> AsyncIterator[str]:
+    async def _stream(self, job: Job, fmt: _Format) -> AsyncIterator[str]:
         chunk_fmt = _Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
                             fmt.chat, fmt.include_usage, fmt.tokens)
         offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
@@ -312,12 +264,14 @@ class OpenAIServer:
                            "authentication_error", None, "invalid_api_key")
 
     def _check(self, req) -> None:
-        names = (self.cfg.model_name, *self.cfg.model_aliases)
-        if req.model is not None and req.model not in names:
-            raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
-                                f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
+        self._check_model(req.model)
         check_common(req)
         check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.cfg.model_name, *self.cfg.model_aliases):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
 
     def _token_text(self, wanted: bool) -> TokenText | None:
         if not wanted:
