@@ -1,5 +1,5 @@
 """tokenleap: lossless speculative decoding for LLMs in PyTorch."""
-from .config import ModelConfig, SamplingParams, SpecConfig
+from .config import ModelConfig, SamplingParams, SpecConfig, StructuredOutput
 
 
 def __getattr__(name):  # the API pulls in torch and the loaders: import it on first use
@@ -10,4 +10,4 @@ def __getattr__(name):  # the API pulls in torch and the loaders: import it on f
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "ModelConfig", "SamplingParams", "SpecConfig", "__version__"]
+__all__ = ["LLM", "ModelConfig", "SamplingParams", "SpecConfig", "StructuredOutput", "__version__"]
