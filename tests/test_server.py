@@ -268,6 +268,21 @@ def test_a_non_streaming_client_that_leaves_is_cancelled():
         assert s.scheduler.stats.finished == {"abort": 1} and eng.cache.num_used_blocks == 0
 
 
+def test_chat_template_options(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tok = ChatToyTokenizer(VOCAB)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth, json={
+        "messages": msgs, "max_tokens": 5, "temperature": 0, "add_generation_prompt": False}).json()
+    assert r["choices"][0]["message"]["content"] == alone(tok.encode("<user>hi"), SamplingParams(max_tokens=5)).text
+    for body, needle in (({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
+                         ({"continue_final_message": True}, "final assistant message"),
+                         ({"continue_final_message": True, "add_generation_prompt": True}, "cannot both be true"),
+                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
+        r = httpx.post(server.url + "/v1/chat/completions", headers=auth, json={"messages": msgs, **body})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], body
+
+
 def test_tokenize_and_detokenize(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     tok = ChatToyTokenizer(VOCAB)

@@ -112,6 +112,18 @@ def test_chat_template_features_and_errors():
         tok.apply_chat_template([])
 
 
+def test_continue_final_message_and_template_variables():
+    templ = CHATML.replace("{% endfor %}", "{% endfor %}{% if flag %}FLAG{% endif %}")
+    tok = Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.chat_template": templ}))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, here"}]
+    text = tok.decode(tok.encode_chat(msgs, continue_final_message=True), skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\nSure, here")  # no end of turn, no new turn
+    assert tok.decode(tok.encode_chat(msgs[:1], flag=True), skip_special_tokens=False).endswith(
+        "FLAG<|im_start|>assistant\n")
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        tok.encode_chat(msgs[:1] + [{"role": "assistant", "content": ""}], continue_final_message=True)
+
+
 def test_from_dir_errors(tmp_path):
     with pytest.raises(ModelNotFoundError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)

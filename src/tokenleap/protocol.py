@@ -147,6 +147,11 @@ class ChatRequest(_Sampling):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extras: variables for the template (e.g. enable_thinking), and continuing the
+    # final assistant message instead of starting a new one
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False
 
 
 class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages
@@ -272,6 +277,27 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
+
+
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "continue_final_message", "reply_prefix")
+
+
+def chat_options(req: ChatRequest) -> dict[str, Any]:
+    """How the chat template renders ``req``: its chat_template_kwargs, whether the reply starts a
+    new assistant turn (add_generation_prompt) or continues the final assistant message."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = [k for k in kwargs if k in _TEMPLATE_RESERVED]
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        if req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs a final assistant message to continue",
+                              "continue_final_message")
+        return {**kwargs, "add_generation_prompt": False, "continue_final_message": True}
+    return {**kwargs, "add_generation_prompt": req.add_generation_prompt is not False}
 
 
 def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:

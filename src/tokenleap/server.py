@@ -26,7 +26,7 @@ from .config import ConfigError
 from .errors import PromptTooLongError
 from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Scored,
                        TokenizeRequest, TokenText, bad_request, chat_choice, chat_delta, chat_logprobs,
-                       chat_messages, check_common, check_logit_bias, check_max_tokens, completion_choice,
+                       chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens, completion_choice,
                        completion_logprobs, new_id, now, parse_body, sampling_params)
 from .scheduler import QueueFullError, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
@@ -139,7 +139,7 @@ class OpenAIServer:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
-        prompt = self._encode_chat(chat_messages(req), tools)
+        prompt = self._encode_chat(chat_messages(req), tools, chat_options(req))
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = check_max_tokens(requested, len(prompt), self.engine.max_len, None)
         fmt = _Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
@@ -304,15 +304,19 @@ class OpenAIServer:
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
 
-    def _encode_chat(self, messages: list[dict[str, Any]], tools: ToolPlan) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: ToolPlan,
+                     options: dict[str, Any] | None = None) -> list[int]:
         """The rendered conversation's ids, ending with the start of the reply (and the opening of
-        a tool call when ``tool_choice`` forces one)."""
-        extra = {"tools": tools.tools} if tools.tools is not None else {}
+        a tool call when ``tool_choice`` forces one); ``options``: ``chat_options``."""
+        extra = {**(options or {}), **({"tools": tools.tools} if tools.tools is not None else {})}
         try:
             encode_chat = getattr(self.tokenizer, "encode_chat", None)
             if encode_chat is not None:
                 return encode_chat(messages, reply_prefix=tools.prefix, **extra)
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+            if extra.pop("continue_final_message", False):
+                raise bad_request("this tokenizer cannot continue a final message", "continue_final_message")
+            extra.setdefault("add_generation_prompt", True)
+            text = self.tokenizer.apply_chat_template(messages, **extra)
             return self.tokenizer.encode(text + tools.prefix)
         except ConfigError as e:
             raise bad_request(str(e), "messages") from None

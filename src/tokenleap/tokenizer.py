@@ -346,11 +346,21 @@ class Tokenizer:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    reply_prefix: str = "", **kwargs: Any) -> list[int]:
+                    reply_prefix: str = "", continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Token ids of a rendered conversation (followed by ``reply_prefix``, text the reply is
-        made to start with); BOS is added only if the model wants one and the template did not
-        already write it."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs) + reply_prefix
+        made to start with; with ``continue_final_message`` the rendering stops right after the
+        final message's content, so the reply continues it); BOS is added only if the model wants
+        one and the template did not already write it."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                        **kwargs)
+        if continue_final_message:
+            final = messages[-1].get("content") or ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ChatTemplateError("continue_final_message: the final message's content (non-empty) "
+                                        "is not in the rendered conversation")
+            text = text[:at + len(final)]
+        text += reply_prefix
         ids = self.encode(text, add_special_tokens=False)
         if self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
