@@ -249,6 +249,19 @@ def test_server_streams_tool_calls(scripted):
         assert [r for r in reasons if r] == ["tool_calls"] and reasons[-1] == "tool_calls"
 
 
+def test_server_streams_calls_of_several_choices(scripted):
+    server, _ = scripted
+    calls: dict[int, dict] = {0: {}, 1: {}}
+    reasons: dict[int, str] = {}
+    for chunk in ask(server, "¶", tools=TOOLS, stream=True, n=2):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                calls[choice.index][call.index] = call.function.name
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert calls == {0: {0: "add", 1: "add"}, 1: {0: "add", 1: "add"}} and reasons == {0: "tool_calls", 1: "tool_calls"}
+
+
 def test_server_rejects_tools_it_cannot_honour(scripted):
     server, _ = scripted
     with pytest.raises(openai.BadRequestError, match="not among the tools"):

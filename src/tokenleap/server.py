@@ -9,6 +9,7 @@ connection noticed while waiting) has its sequences cancelled, which frees their
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -27,7 +28,7 @@ from .errors import PromptTooLongError
 from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Scored,
                        TokenizeRequest, TokenText, bad_request, chat_choice, chat_delta, chat_logprobs,
                        chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens, completion_choice,
-                       completion_logprobs, new_id, now, parse_body, sampling_params)
+                       completion_logprobs, new_id, now, parse_body, sampling_params, structured_output)
 from .scheduler import QueueFullError, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
 from .server_jobs import ClientGone, Job
@@ -183,6 +184,12 @@ class OpenAIServer:
     async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: _Format,
                    logprobs: int | None = None, prompt_logprobs: int | None = None,
                    echo: list[str] | None = None) -> Response:
+        spec = structured_output(req)
+        if spec is not None:  # the first structured request builds the grammar tokenizer (~1 s): off the loop
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.engine.constraints.prepare, spec)
+            except ConfigError as e:
+                raise bad_request(str(e), "response_format") from None
         job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo)
         if req.stream:
             return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")

@@ -123,6 +123,11 @@ class Constraints:
         self.tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, tuple(eos_ids)
         self._lltok: Any = None
 
+    def prepare(self, spec: StructuredOutput) -> None:
+        """Build what ``make`` needs for ``spec`` ahead (a server does it off its event loop)."""
+        grammar_of(spec)
+        self._tokenizer()
+
     def make(self, spec: StructuredOutput) -> Constraint:
         """A fresh constraint for ``spec``; an invalid schema, regex or grammar is a ConfigError."""
         matcher = _llguidance().LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0)
