@@ -52,6 +52,7 @@ def test_unsupported_architecture(capsys, tmp_path):
     ("--max-tokens", "0", "max_tokens must be an integer >= 1"),
     ("--logprobs", "30", "logprobs must be an integer in [0, 20]"),
     ("--presence-penalty", "5", "presence_penalty must be in [-2, 2]"),
+    ("--min-tokens", "500", "min_tokens must be an integer in [0, max_tokens]"),
 ])
 def test_invalid_sampling_values(capsys, flag, value, needle):
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", flag, value], needle)

@@ -78,6 +78,32 @@ def test_eos_and_max_tokens_inside_a_draft(target):
             assert seq.generated == base[:max_tokens], (name, max_tokens)
 
 
+def test_stop_token_ids_and_min_tokens(target):
+    """vLLM's stop_token_ids end the reply (the token kept in its ids); min_tokens holds EOS, stop
+    tokens and stop strings back until that many tokens -- part of the target distribution, so
+    speculation reproduces it exactly."""
+    base = plain(target, PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True)).generated
+    stop_tok = base[5]
+    first = base.index(stop_tok)
+    eos = 2
+    for name, make in [("plain", lambda: None), *proposers(target)]:
+        seq = run(engine(target, make(), 4), PROMPTS[1],
+                  SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(stop_tok,)))
+        assert seq.generated == base[:first + 1] and seq.finish_reason == "stop", name
+        # EOS made overwhelmingly likely: without min_tokens the reply is EOS at once, with it
+        # exactly min_tokens other tokens come first, then EOS
+        params = SamplingParams(max_tokens=30, logit_bias={eos: 60.0})
+        assert run(engine(target, make(), 4), PROMPTS[1], params).generated == [eos], name
+        seq = run(engine(target, make(), 4), PROMPTS[1], replace(params, min_tokens=6))
+        assert len(seq.generated) == 7 and seq.generated[-1] == eos and eos not in seq.generated[:6], name
+        assert seq.generated == run(engine(target), PROMPTS[1], replace(params, min_tokens=6)).generated, name
+        # a stop string inside the first min_tokens tokens does not end the reply
+        text = plain(target, PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True)).text
+        seq = run(engine(target, make(), 4), PROMPTS[2],
+                  SamplingParams(max_tokens=30, ignore_eos=True, stop=(text[2:4],), min_tokens=10))
+        assert len(seq.generated) >= 10, name
+
+
 def test_stop_string_spanning_tokens(target):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = plain(target, PROMPTS[2], params)

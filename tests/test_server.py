@@ -283,6 +283,21 @@ def test_chat_template_options(server):
         assert r.status_code == 400 and needle in r.json()["error"]["message"], body
 
 
+def test_vllm_stop_token_ids_and_min_tokens(server):
+    c = client(server)
+    ref = expected("hello world", 12, ignore_eos=True)
+    stop = ref.generated[4]
+    r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                             extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ref.generated.index(stop) + 1
+    r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                             logit_bias={"2": 60}, extra_body={"min_tokens": 5})
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"  # 5 tokens, then EOS
+    for body, needle in (({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens")):
+        with pytest.raises(openai.BadRequestError, match=needle):
+            c.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body=body)
+
+
 def test_tokenize_and_detokenize(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     tok = ChatToyTokenizer(VOCAB)

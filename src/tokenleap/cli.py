@@ -119,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
                             ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                            logprobs=args.logprobs, structured=structured_args(args))
+                            logprobs=args.logprobs, structured=structured_args(args), min_tokens=args.min_tokens)
     if params.structured is not None:  # an invalid schema, regex or grammar fails before loading
         from .structured import grammar_of
         grammar_of(params.structured)
@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample reproducibly: the same tokens with or without speculation")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables it")

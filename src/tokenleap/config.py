@@ -138,12 +138,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF / vLLM's: shrink the logits of tokens seen in prompt or output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
     structured: StructuredOutput | None = None  # constrain the reply to a grammar (JSON schema, regex, ...)
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: tokens that end the reply (kept in its token ids)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -171,6 +175,11 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b) and -100 <= b <= 100
                    for t, b in self.logit_bias),
                "logit_bias must map token ids >= 0 to biases in [-100, 100]")
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+               and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be token ids >= 0")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
 

@@ -24,7 +24,7 @@ from .errors import PromptTooLongError
 from .logprobs import token_logprobs
 from .metrics import SpecStats
 from .models.transformer import Segment, Transformer
-from .penalties import apply_penalties
+from .penalties import apply_penalties, suppress_early_stops
 from .proposers.base import Draft, DraftRequest, Proposer
 from .sampling import logits_to_probs, request_randomness
 from .seeded import SeededNoise
@@ -286,6 +286,8 @@ class Engine:
             logits = apply_penalties(logits, p, seq.prompt, seq.generated, draft.tokens if draft else [])
         if seq.constraint is not None:  # structured output: each row masked for its own grammar state
             logits = seq.constraint.mask(logits, draft.tokens if draft else [])
+        if p.min_tokens > seq.num_generated:
+            logits = suppress_early_stops(logits, p, seq.num_generated, seq.eos_ids)
         if p.greedy:
             return verify_greedy(drafted, logits)
         probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [k+1, vocab]

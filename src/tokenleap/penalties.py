@@ -57,4 +57,21 @@ def _penalize(out: torch.Tensor, params: SamplingParams, prompt: list[int], gene
     return out
 
 
-__all__ = ["apply_penalties"]
+def suppress_early_stops(logits: torch.Tensor, params: SamplingParams, generated: int,
+                         eos_ids: frozenset[int]) -> torch.Tensor:
+    """vLLM's ``min_tokens``: row i (generated token ``generated + i``) may not end the reply -- EOS
+    and ``stop_token_ids`` at -inf -- while fewer than ``min_tokens`` tokens precede it; a row
+    where nothing else is allowed (a grammar that is complete) keeps them."""
+    if generated >= params.min_tokens:
+        return logits
+    out = logits.clone()  # [k+1, vocab]
+    stops = [t for t in {*eos_ids, *params.stop_token_ids} if t < out.shape[1]]
+    for i in range(min(out.shape[0], params.min_tokens - generated)):
+        row = out[i].clone()
+        row[stops] = float("-inf")
+        if torch.isfinite(row).any():
+            out[i] = row
+    return out
+
+
+__all__ = ["apply_penalties", "suppress_early_stops"]

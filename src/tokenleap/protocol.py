@@ -73,6 +73,8 @@ class _Sampling(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
+    min_tokens: int | None = None  # vLLM's
+    stop_token_ids: list[int] | None = None  # vLLM's
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -211,7 +213,8 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias), structured=structured_output(req))
+            logit_bias=_logit_bias(req.logit_bias), structured=structured_output(req),
+            min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()))
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]
@@ -255,6 +258,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
     if bias and any(int(k) >= vocab for k in bias if k.strip().isdigit()):
         raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
+
+
+def check_token_ids(req: _Sampling, vocab: int) -> None:
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise bad_request(f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
+    if req.stop_token_ids and not all(0 <= t < vocab for t in req.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:

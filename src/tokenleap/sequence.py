@@ -55,7 +55,7 @@ class Sequence:
                 break
             self.tokens.append(tok)
             kept += 1
-            if tok in self.eos_ids and not self.params.ignore_eos:
+            if (tok in self.eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
                 self.finish_reason = "stop"
                 self.text += self.detokenizer.flush()
                 break
@@ -68,7 +68,7 @@ class Sequence:
         return kept
 
     def _match_stop(self) -> bool:
-        if not self.params.stop:
+        if not self.params.stop or self.num_generated < self.params.min_tokens:
             return False
         longest = max(len(s) for s in self.params.stop)
         window_start = max(0, self.streamed - longest)

@@ -27,8 +27,9 @@ from .config import ConfigError
 from .errors import PromptTooLongError
 from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Scored,
                        TokenizeRequest, TokenText, bad_request, chat_choice, chat_delta, chat_logprobs,
-                       chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens, completion_choice,
-                       completion_logprobs, new_id, now, parse_body, sampling_params, structured_output)
+                       chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
+                       check_token_ids, completion_choice, completion_logprobs, new_id, now, parse_body,
+                       sampling_params, structured_output)
 from .scheduler import QueueFullError, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
 from .server_jobs import ClientGone, Job
@@ -274,6 +275,7 @@ class OpenAIServer:
         self._check_model(req.model)
         check_common(req)
         check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
+        check_token_ids(req, self.engine.model.config.vocab_size)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.cfg.model_name, *self.cfg.model_aliases):
