@@ -42,6 +42,9 @@ def test_parse_hermes_blocks():
     assert len({c["id"] for c in calls}) == 2
     # the reply ended inside the last block (EOS before the closing tag)
     assert names(parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')[1]) == [("f", {})]
+    # the doubled braces of Qwen's template example, copied by the model
+    assert names(parse_tool_calls('<tool_call>\n{{"name": "f", "arguments": {"x": 1}}}\n</tool_call>')[1]) == [
+        ("f", {"x": 1})]
     # arguments given as a string stay that string
     assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[1][0][
         "function"]["arguments"] == '{"x": 1}'

@@ -85,9 +85,8 @@ def _bare_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dic
     body = text.strip()
     if body.startswith(FENCE) and body.endswith("```"):
         body = body[len(FENCE):-3]
-    try:
-        obj = json.loads(body)
-    except ValueError:
+    obj = _loads(body)
+    if obj is None:
         return text, []
     objs = obj if isinstance(obj, list) else [obj]
     if not objs or not all(isinstance(o, dict) and o.get("name") in names and "arguments" in o for o in objs):
@@ -95,11 +94,21 @@ def _bare_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dic
     return None, [_call_from(o) for o in objs]
 
 
+def _loads(body: str) -> Any:
+    """JSON text, or None; Qwen's template shows the call format with doubled braces
+    (``{{"name": ...}}``), which models sometimes copy: one doubled layer is accepted."""
+    body = body.strip()
+    for text in (body, body[1:-1] if body.startswith("{{") and body.endswith("}}") else None):
+        if text is not None:
+            try:
+                return json.loads(text)
+            except ValueError:
+                pass
+    return None
+
+
 def _call(body: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+    obj = _loads(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     return _call_from(obj)
