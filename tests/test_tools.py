@@ -113,15 +113,44 @@ def test_plan_follows_tool_choice():
     assert plan.parse and plan.prefix == "" and [t["function"]["name"] for t in plan.tools] == ["get_weather", "add"]
     assert plan.names == ("get_weather", "add")
     assert plan_tools(chat_req(tools=TOOLS, tool_choice="none"), template).tools is None
-    assert plan_tools(chat_req(tools=TOOLS, tool_choice="required"), template).prefix == '<tool_call>\n{"name": "'
+    required = plan_tools(chat_req(tools=TOOLS, tool_choice="required"), template)
+    assert required.prefix == "<tool_call>\n" and required.grammar is not None
+    schema = json.loads(required.grammar.json)  # one call of either function, arguments by its schema
+    assert [c["properties"]["name"]["const"] for c in schema["anyOf"]] == ["get_weather", "add"]
+    assert schema["anyOf"][0]["properties"]["arguments"] == TOOLS[0]["function"]["parameters"]
     named = plan_tools(chat_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}), template)
-    assert named.prefix == '<tool_call>\n{"name": "add", "arguments": {'
+    assert named.prefix == "<tool_call>\n" and json.loads(named.grammar.json)["properties"]["name"] == {"const": "add"}
+    # parameters the grammar compiler cannot take: a forced opening instead of a grammar
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]
+    fallback = plan_tools(chat_req(tools=odd, tool_choice="required"), template)
+    assert fallback.grammar is None and fallback.prefix == '<tool_call>\n{"name": "f", "arguments": {'
     with pytest.raises(APIError, match="not among the tools"):
         plan_tools(chat_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}), template)
     with pytest.raises(APIError, match="needs tools"):
         plan_tools(chat_req(tool_choice="required"), template)
     with pytest.raises(APIError, match="does not take tools"):
         plan_tools(chat_req(tools=TOOLS), "{{ messages }}")
+
+
+def test_a_forced_call_follows_the_functions_schema():
+    """tool_choice required on a random model: the grammar makes its reply one call of an offered
+    function with arguments by that function's schema."""
+    from test_structured import TOK, engine, run
+    from tokenleap.config import SamplingParams
+    pick = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+            "required": ["color"], "additionalProperties": False}
+    offered = [{"type": "function", "function": {"name": "pick", "parameters": pick}},
+               {"type": "function", "function": {"name": "halt", "parameters": {"type": "object", "properties": {},
+                                                                                 "additionalProperties": False}}}]
+    plan = plan_tools(chat_req(tools=offered, tool_choice="required"), "{{ tools }}")
+    eng = engine()
+    for prompt in ("hello", "abc", "{}", "tool"):
+        seq = run(eng, prompt, SamplingParams(max_tokens=60, structured=plan.grammar))
+        content, calls = parse_tool_calls(plan.prefix + seq.text, plan.names)
+        assert seq.finish_reason == "stop" and content is None and len(calls) == 1, seq.text
+        name, args = names(calls)[0]
+        assert (name == "pick" and args["color"] in ("red", "green") and set(args) <= {"color", "n"}) or \
+            (name == "halt" and args == {})
 
 
 def test_messages_carry_tool_calls_and_results():
@@ -271,6 +300,8 @@ def test_server_rejects_tools_it_cannot_honour(scripted):
         ask(server, "§", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         ask(server, "§", tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes")
+    with pytest.raises(openai.BadRequestError, match="cannot take response_format"):
+        ask(server, "§", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="not valid JSON"):
         openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0).chat.completions.create(
             model="m", max_tokens=5, messages=[

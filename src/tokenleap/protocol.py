@@ -201,8 +201,9 @@ def check_common(req: _Sampling) -> None:
 
 
 def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """``SamplingParams`` for choice ``choice`` of ``req`` (seeded choices get seed + choice)."""
+                    prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> SamplingParams:
+    """``SamplingParams`` for choice ``choice`` of ``req`` (seeded choices get seed + choice);
+    ``structured``: a grammar the server imposes (a forced tool call) instead of the request's."""
     top_k = req.top_k if req.top_k is not None else 0
     try:
         return SamplingParams(
@@ -213,7 +214,7 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias), structured=structured_output(req),
+            logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
             min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()))
     except ConfigError as e:
         message = str(e)

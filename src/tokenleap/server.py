@@ -141,6 +141,9 @@ class OpenAIServer:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
+        if tools.grammar is not None and structured_output(req) is not None:
+            raise bad_request("a forced tool call (tool_choice required or named) cannot take response_format "
+                              "or guided_* as well", "tool_choice")
         prompt = self._encode_chat(chat_messages(req), tools, chat_options(req))
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = check_max_tokens(requested, len(prompt), self.engine.max_len, None)
@@ -185,13 +188,13 @@ class OpenAIServer:
     async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: _Format,
                    logprobs: int | None = None, prompt_logprobs: int | None = None,
                    echo: list[str] | None = None) -> Response:
-        spec = structured_output(req)
+        spec = fmt.tools.grammar or structured_output(req)
         if spec is not None:  # the first structured request builds the grammar tokenizer (~1 s): off the loop
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.engine.constraints.prepare, spec)
             except ConfigError as e:
                 raise bad_request(str(e), "response_format") from None
-        job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo)
+        job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo, fmt.tools.grammar)
         if req.stream:
             return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")
         try:
@@ -204,11 +207,11 @@ class OpenAIServer:
         return JSONResponse(fmt.obj(choices, usage=job.usage()))
 
     def _submit(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
-                prompt_logprobs: int | None, echo: list[str] | None) -> Job:
+                prompt_logprobs: int | None, echo: list[str] | None, structured=None) -> Job:
         seqs = []
         for prompt, budget in zip(prompts, budgets):
             for choice in range(req.n):
-                params = sampling_params(req, budget, choice, logprobs, prompt_logprobs)
+                params = sampling_params(req, budget, choice, logprobs, prompt_logprobs, structured)
                 try:
                     seqs.append(self.engine.create(prompt, params))
                 except PromptTooLongError as e:

@@ -5,7 +5,8 @@ Qwen2.5's template (and other hermes-style ones) asks for ``<tool_call>{"name": 
 {...}}</tool_call>`` blocks, and the blocks a reply contains come back as OpenAI ``tool_calls``
 with ``finish_reason: "tool_calls"``. ``tool_choice``: "auto" (the default when tools are given)
 parses whatever the model writes; "required" and a named function make the reply start with the
-opening of a call (with the function's name for a named choice), so the model completes a call;
+opening of a call and constrain it to a call of an offered (the named) function whose arguments
+follow that function's parameters schema (``structured.py``), as vLLM guides them;
 "none" leaves the tools out. A model whose template takes no tools gets a clear 400.
 
 Parsing is a pure function of the reply's text (``parse_tool_calls``); ``ToolStream`` does the
@@ -19,7 +20,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .config import ConfigError, StructuredOutput
 from .protocol import ChatRequest, NamedToolChoice, bad_request
+from .structured import grammar_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```json"
@@ -34,6 +37,7 @@ class ToolPlan:
     prefix: str = ""
     parse: bool = False
     names: tuple[str, ...] = ()  # the functions offered
+    grammar: StructuredOutput | None = None  # what a forced call must look like (required / named)
 
 
 def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
@@ -47,15 +51,31 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
     if not chat_template or "tools" not in chat_template:
         raise bad_request("this model's chat template does not take tools, so it cannot call them", "tools")
     names = [t.function.name for t in req.tools]
-    prefix = ""
-    if choice == "required":
-        prefix = OPEN + '\n{"name": "'
-    elif isinstance(choice, NamedToolChoice):
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+        return ToolPlan(tools, "", True, tuple(names))
+    forced = req.tools
+    if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among "
                               f"the tools ({', '.join(names)})", "tool_choice")
-        prefix = OPEN + '\n{"name": ' + json.dumps(choice.function.name, ensure_ascii=False) + ', "arguments": {'
-    return ToolPlan([t.model_dump(exclude_none=True) for t in req.tools], prefix, True, tuple(names))
+        forced = [t for t in req.tools if t.function.name == choice.function.name][:1]
+    # the reply is one call of a forced function whose arguments follow its parameters' schema,
+    # as vLLM guides it; a schema the grammar compiler cannot take falls back to a forced opening
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "arguments": t.function.parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in forced]
+    # written as the template shows calls: one line, ", " and ": " (no run of whitespace to loop in)
+    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    grammar = StructuredOutput(json={**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": style})
+    try:
+        grammar_of(grammar)
+    except ConfigError:
+        one = len(forced) == 1
+        prefix = OPEN + '\n{"name": ' + (json.dumps(forced[0].function.name, ensure_ascii=False) + ', "arguments": {'
+                                         if one else '"')
+        return ToolPlan(tools, prefix, True, tuple(names))
+    return ToolPlan(tools, OPEN + "\n", True, tuple(names), grammar)
 
 
 def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[dict[str, Any]]]:
