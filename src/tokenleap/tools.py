@@ -52,7 +52,7 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
         raise bad_request("this model's chat template does not take tools, so it cannot call them", "tools")
     names = [t.function.name for t in req.tools]
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    if choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+    if choice != "required" and not isinstance(choice, NamedToolChoice):
         return ToolPlan(tools, "", True, tuple(names))
     forced = req.tools
     if isinstance(choice, NamedToolChoice):
