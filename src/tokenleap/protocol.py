@@ -203,7 +203,7 @@ def check_common(req: _Sampling) -> None:
 def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> SamplingParams:
     """``SamplingParams`` for choice ``choice`` of ``req`` (seeded choices get seed + choice);
-    ``structured``: a grammar the server imposes (a forced tool call) instead of the request's."""
+    ``structured``: the reply's grammar when the caller has it (the request's, or a forced tool call's)."""
     top_k = req.top_k if req.top_k is not None else 0
     try:
         return SamplingParams(
@@ -261,10 +261,8 @@ def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
         raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
 
 
-def check_token_ids(req: _Sampling, vocab: int) -> None:
-    if req.min_tokens is not None and req.min_tokens < 0:
-        raise bad_request(f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
-    if req.stop_token_ids and not all(0 <= t < vocab for t in req.stop_token_ids):
+def check_stop_token_ids(ids: list[int] | None, vocab: int) -> None:
+    if ids and not all(0 <= t < vocab for t in ids):
         raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
 
 

@@ -28,7 +28,7 @@ from .errors import PromptTooLongError
 from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Scored,
                        TokenizeRequest, TokenText, bad_request, chat_choice, chat_delta, chat_logprobs,
                        chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
-                       check_token_ids, completion_choice, completion_logprobs, new_id, now, parse_body,
+                       check_stop_token_ids, completion_choice, completion_logprobs, new_id, now, parse_body,
                        sampling_params, structured_output)
 from .scheduler import QueueFullError, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
@@ -194,7 +194,7 @@ class OpenAIServer:
                 await asyncio.get_running_loop().run_in_executor(None, self.engine.constraints.prepare, spec)
             except ConfigError as e:
                 raise bad_request(str(e), "response_format") from None
-        job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo, fmt.tools.grammar)
+        job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo, spec)
         if req.stream:
             return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")
         try:
@@ -278,7 +278,7 @@ class OpenAIServer:
         self._check_model(req.model)
         check_common(req)
         check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
-        check_token_ids(req, self.engine.model.config.vocab_size)
+        check_stop_token_ids(req.stop_token_ids, self.engine.model.config.vocab_size)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.cfg.model_name, *self.cfg.model_aliases):
