@@ -366,3 +366,25 @@ def test_engine_reports_step_overhead_to_the_controller(target):
     run(eng, PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
     table = eng.controller.step_overhead  # (speculative?, batch) -> seconds beyond the forwards
     assert table and set(k[1] for k in table) == {1} and all(v >= 0 for v in table.values())
+
+
+def test_packed_bf16_weights_replace_the_float_copy():
+    """What --dtype bfloat16 loads on CPUs without native bf16: each weight matrix kept once, in the
+    kernel's packed layout (the LM head, tied to the embedding, is kept); nothing computed changes."""
+    from tokenleap import kernels
+    from tokenleap.models.build import float32_activations_, pack_bf16_weights_
+    from tokenleap.models.quant import weight_bytes
+    if not kernels.available():
+        pytest.skip("tokenleap's kernels are not available here")
+    target = float32_activations_(tiny_model("qwen2", seed=4, vocab=VOCAB, dtype=torch.bfloat16, hidden=128,
+                                             intermediate=256))
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = plain(target, PROMPTS[0], params).generated
+    before = weight_bytes(target)
+    released = pack_bf16_weights_(target)
+    layers = target.config.num_hidden_layers
+    assert released == 7 * layers  # q, k, v, o, gate, up, down of every layer
+    assert all(m.weight.numel() == 0 for m in target.model.layers.modules() if hasattr(m, "_packed"))
+    assert target.lm_head.weight.numel() > 0 and weight_bytes(target) == before
+    assert plain(target, PROMPTS[0], params).generated == want
+    assert run(engine(target, DraftModelProposer(target, VOCAB, 128), 4), PROMPTS[0], params).generated == want

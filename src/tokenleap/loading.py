@@ -9,9 +9,8 @@ import torch
 
 from . import kernels
 from .config import ConfigError
-from .models.build import build_transformer, float32_activations_
+from .models.build import build_transformer, float32_activations_, pack_bf16_weights_
 from .models.hugepages import move_weights_
-from .models.linear import Linear
 from .models.loader import as_dtype, load_checkpoint
 from .models.transformer import Transformer
 from .tokenizer import Tokenizer
@@ -83,9 +82,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     if quant != "none":
         _own_memory(model)
     if bf16_kernel:
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m._bf16_kernel()  # pack now, so the packed copy can go on huge pages
+        pack_bf16_weights_(model)  # one copy of each weight matrix, in the kernel's layout
     move_weights_(model)  # the buffers every decode step streams, on transparent huge pages
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
     return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)

@@ -5,6 +5,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelFormatError
+from .linear import Linear
 from .transformer import Transformer
 
 
@@ -45,3 +46,16 @@ def float32_activations_(model: Transformer) -> Transformer:
         if p.dtype == torch.bfloat16 and (p.dim() == 1 or name.endswith("bias")):
             p.data = p.data.float()
     return model
+
+
+def pack_bf16_weights_(model: Transformer) -> int:
+    """Pack every bf16 ``Linear`` into the kernel's layout now (so the packed copies can go on huge
+    pages) and drop each float weight the packed copy replaces -- all but the LM head and weights
+    shared with another module (a tied head is the embedding). Returns the layers released."""
+    shared = {model.model.embed_tokens.weight.data_ptr()}
+    released = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight.dtype == torch.bfloat16 and m._bf16_kernel():
+            if m is not model.lm_head and m.weight.data_ptr() not in shared:
+                released += m.release_float_weight()
+    return released

@@ -68,6 +68,16 @@ class Linear(nn.Module):
             self.__dict__["_packed"] = packed
         return packed is not False
 
+    def release_float_weight(self) -> bool:
+        """Drop the bf16 weight once the kernel's packed copy holds it (every product then reads
+        the packed copy), halving the layer's memory; True if released. A weight shared with
+        another module (a tied LM head) is kept."""
+        packed = self.__dict__.get("_packed")
+        if not isinstance(packed, torch.Tensor) or self.weight.numel() == 0:
+            return False
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        return True
+
     def _bf16_forward(self, x: torch.Tensor, row_exact: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()  # [rows, in]
         y = kernels.weight_product(x2, self.__dict__["_packed"], None, row_exact)  # [rows, out]

@@ -44,6 +44,9 @@ def weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         tensors = list(m._parameters.values())
         tensors += [b for name, b in m._buffers.items() if name not in m._non_persistent_buffers_set]
+        packed = m.__dict__.get("_packed")  # a bf16 Linear's packed copy, once its float weight is released
+        if isinstance(packed, torch.Tensor) and getattr(m, "weight", None) is not None and m.weight.numel() == 0:
+            tensors.append(packed)
         for t in tensors:
             if t is None:
                 continue
