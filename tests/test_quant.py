@@ -245,3 +245,33 @@ def test_quantize_from_gguf_matches_dequantized_model(tie):
     caches = [KVCache(cfg, 1, 64, torch.float32) for _ in range(2)]
     want, got = (run(m, c, c.allocate(), ids, 0) for m, c in zip((ref, model), caches))
     assert rel_err(got, want) < 0.02  # only the Q8_0 layer is re-quantized (int8); the 4-bit ones are exact
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_bfloat16_without_native_bf16_computes_in_float32(smollm2_gguf, tmp_path, monkeypatch, quant):
+    """--dtype bfloat16 on a CPU without native bf16 math: the weights stay bf16 (or quantized), the
+    activations (norms, KV cache) are float32 -- tokenleap's products take float32 either way -- and
+    a bf16 weight matrix is kept once, packed for the kernel. Greedy decoding is unchanged by it."""
+    from tokenleap import kernels, loading
+    from tokenleap.config import SamplingParams
+    from tokenleap.engine import Engine
+    if not kernels.available():
+        pytest.skip("tokenleap's kernels are not available here")
+    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: False)
+    loaded = loading.load_model(smollm2_gguf, dtype="bfloat16", quant=quant, cache_dir=tmp_path)
+    model = loaded.model
+    assert loaded.dtype == torch.bfloat16 and model.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    proj = model.model.layers[0].mlp.down_proj
+    if quant == "none":
+        assert isinstance(proj, Linear) and proj.weight.numel() == 0  # only the packed copy is left
+    else:
+        assert isinstance(proj, Int4Linear)
+    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: True)  # the plain bf16 model, for reference
+    ref = loading.load_model(smollm2_gguf, dtype="bfloat16", quant=quant, cache_dir=tmp_path).model
+    assert ref.dtype == torch.bfloat16
+    ids = loaded.tokenizer.encode("def fibonacci(n):")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = [s.generated for s, _ in Engine(model, loaded.tokenizer, max_len=64).generate(ids, params)][-1]
+    want = [s.generated for s, _ in Engine(ref, loaded.tokenizer, max_len=64).generate(ids, params)][-1]
+    assert len(got) == 12 and got[:6] == want[:6]  # float32 activations round differently late, if at all
