@@ -65,3 +65,27 @@ def test_smollm2_through_the_cli(smollm2_gguf):
     llm = LLM("smollm2-135m-instruct", max_model_len=512)
     want = [o.text for o in llm.generate(questions, SamplingParams(max_tokens=10), chat=True)]
     assert answers == want and "Paris" in answers[0]
+
+
+def test_bfloat16_serving_engine_on_a_cpu_without_native_bf16(smollm2_gguf, monkeypatch):
+    """--dtype bfloat16 where bf16 math is emulated: the model computes in float32, so the paged KV
+    caches (target's and draft's) must be float32 too -- they were bf16, and every prefill failed."""
+    import torch
+
+    from tokenleap import kernels, loading
+    from tokenleap.config import SamplingParams, SpecConfig
+    from tokenleap.serve_cli import build_engine
+    if not kernels.available():
+        pytest.skip("tokenleap's kernels are not available here")
+    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: False)
+    spec = SpecConfig(method="draft", draft_model="smollm2-135m-instruct", draft_quant="int4")
+    outputs = []
+    for s in (None, spec):
+        engine = build_engine("smollm2-135m-instruct", spec=s, dtype="bfloat16", max_model_len=256, max_num_seqs=2)
+        assert engine.cache.k[0].dtype == engine.model.dtype == torch.float32
+        if s is not None:
+            assert engine.proposer.cache.k[0].dtype == torch.float32
+        ids = engine.tokenizer.encode("def fibonacci(n):")
+        *_, (seq, _) = engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))
+        outputs.append(seq.generated)
+    assert len(outputs[0]) == 16 and outputs[1] == outputs[0]

@@ -51,12 +51,12 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     cfg = target.model.config
     max_len = min(max_model_len or 4096, cfg.max_position_embeddings)
     per_seq = -(-(max_len + 1) // block_size)
-    budget = num_blocks_for_budget(cfg, target.dtype, block_size, int(kv_cache_gb * 2**30))
+    budget = num_blocks_for_budget(cfg, target.model.dtype, block_size, int(kv_cache_gb * 2**30))
     blocks = num_kv_blocks or max(min(max_num_seqs * per_seq, budget), per_seq)
     if prefix_caching and prefill_chunk % block_size:
         raise UsageError(f"prefix caching reuses whole prefill chunks: --prefill-chunk ({prefill_chunk}) must be "
                          f"a multiple of --block-size ({block_size}), or pass --no-prefix-caching")
-    cache = PagedKVCache(cfg, blocks, max_len, target.dtype, block_size, num_slots=max_num_seqs,
+    cache = PagedKVCache(cfg, blocks, max_len, target.model.dtype, block_size, num_slots=max_num_seqs,
                          prefix_caching=prefix_caching)
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
     ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed)
@@ -71,7 +71,7 @@ def _proposer(spec: SpecConfig, target, max_len: int, blocks: int, block_size: i
     from .paged_cache import PagedKVCache
 
     def paged(draft):  # as many blocks as the target: a draft never holds more tokens of a sequence
-        return PagedKVCache(draft.model.config, blocks, max_len, draft.dtype, block_size, num_slots=slots,
+        return PagedKVCache(draft.model.config, blocks, max_len, draft.model.dtype, block_size, num_slots=slots,
                             prefix_caching=prefix_caching)
 
     return build_proposer(spec, target, max_len, slots, cache_dir, draft_cache=paged)
