@@ -29,7 +29,7 @@ def build(args, variant: str):
     if variant != "plain":
         k = int(variant.split(":")[1]) if ":" in variant else "auto"
         spec = SpecConfig(method="draft", draft_model=args.draft_model, draft_quant=args.draft_quant, num_tokens=k)
-    return build_engine(args.model, spec=spec, quant=args.quant, max_model_len=1024)
+    return build_engine(args.model, spec=spec, dtype=args.dtype, quant=args.quant, max_model_len=1024)
 
 
 def timed(log: list, obj, name: str, key) -> None:
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--quant", default="int4")
+    ap.add_argument("--dtype", default="auto", help="e.g. bfloat16 (with --quant none)")
     ap.add_argument("--draft-quant", default="int4")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--variants", nargs="+", default=["plain", "draft"])
