@@ -70,8 +70,8 @@ class Linear(nn.Module):
 
     def release_float_weight(self) -> bool:
         """Drop the bf16 weight once the kernel's packed copy holds it (every product then reads
-        the packed copy), halving the layer's memory; True if released. A weight shared with
-        another module (a tied LM head) is kept."""
+        the packed copy), halving the layer's memory; True if released. The caller keeps weights
+        other modules read (a tied LM head's is the embedding: ``build.pack_bf16_weights_``)."""
         packed = self.__dict__.get("_packed")
         if not isinstance(packed, torch.Tensor) or self.weight.numel() == 0:
             return False
