@@ -261,9 +261,10 @@ def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
         raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
 
 
-def check_stop_token_ids(ids: list[int] | None, vocab: int) -> None:
+def check_token_ids(ids: list[int] | None, vocab: int, param: str) -> None:
+    """Every id in ``ids`` (the request field ``param``) names a token of the vocabulary."""
     if ids and not all(0 <= t < vocab for t in ids):
-        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+        raise bad_request(f"{param} must be token ids in [0, {vocab})", param)
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:

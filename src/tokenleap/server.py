@@ -28,7 +28,7 @@ from .errors import PromptTooLongError
 from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Scored,
                        TokenizeRequest, TokenText, bad_request, chat_choice, chat_delta, chat_logprobs,
                        chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
-                       check_stop_token_ids, completion_choice, completion_logprobs, new_id, now, parse_body,
+                       check_token_ids, completion_choice, completion_logprobs, new_id, now, parse_body,
                        sampling_params, structured_output)
 from .scheduler import QueueFullError, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
@@ -166,9 +166,7 @@ class OpenAIServer:
         self._auth(request)
         req = parse_body(await request.body(), DetokenizeRequest)
         self._check_model(req.model)
-        vocab = self.engine.model.config.vocab_size
-        if not all(0 <= t < vocab for t in req.tokens):
-            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        check_token_ids(req.tokens, self.engine.model.config.vocab_size, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
@@ -278,7 +276,7 @@ class OpenAIServer:
         self._check_model(req.model)
         check_common(req)
         check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
-        check_stop_token_ids(req.stop_token_ids, self.engine.model.config.vocab_size)
+        check_token_ids(req.stop_token_ids, self.engine.model.config.vocab_size, "stop_token_ids")
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.cfg.model_name, *self.cfg.model_aliases):
