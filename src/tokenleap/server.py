@@ -25,11 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ConfigError
 from .errors import PromptTooLongError
-from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Scored,
-                       TokenizeRequest, TokenText, bad_request, chat_choice, chat_delta, chat_logprobs,
-                       chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
-                       check_token_ids, completion_choice, completion_logprobs, new_id, now, parse_body,
-                       sampling_params, structured_output)
+from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       bad_request, chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
+                       check_token_ids, parse_body, sampling_params, structured_output)
+from .responses import (Scored, TokenText, chat_choice, chat_delta, chat_logprobs, completion_choice,
+                        completion_logprobs, new_id, now)
 from .scheduler import QueueFullError, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
 from .server_jobs import ClientGone, Job

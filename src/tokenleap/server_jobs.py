@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
-from .protocol import APIError, Scored, usage
+from .protocol import APIError
+from .responses import Scored, usage
 from .scheduler import Output, Request, Scheduler
 
 _POLL_SECONDS = 0.5  # how often a non-streaming request checks that its client is still there
