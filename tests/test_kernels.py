@@ -46,12 +46,18 @@ def test_int8_linear_matches_fp64_reference(n, k):
 
 
 @needs_kernel
-def test_int8_linear_rows_bitwise_independent_of_row_count():
+@pytest.mark.parametrize("k", [520, 2600])
+def test_int8_linear_rows_bitwise_independent_of_row_count(k):
+    """K = 2600: two whole 1024-k spans and a partial one, whose accumulators are stored and reloaded
+    between spans; 1-13 rows take 3-row, 2-row and 1-row tiles."""
     g = torch.Generator().manual_seed(3)
-    q = kernels.pack_int8(torch.randint(-127, 128, (48, 520), dtype=torch.int8, generator=g))
+    q = torch.randint(-127, 128, (48, k), dtype=torch.int8, generator=g)
     scale = torch.rand(48, generator=g)
-    x = torch.randn(23, 520, generator=g)  # every tile shape (6, 5, 4, 3, 2, 1 rows) is used
-    assert_rows_independent(lambda rows: kernels.int8_linear(rows, q, scale), x)
+    x = torch.randn(13, k, generator=g)
+    y = kernels.int8_linear(x, kernels.pack_int8(q), scale)
+    ref = (x.double() @ q.double().T) * scale.double()
+    assert ((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ q.double().abs().T) * scale.double()).all()
+    assert_rows_independent(lambda rows: kernels.int8_linear(rows, kernels.pack_int8(q), scale), x)
 
 
 def assert_rows_independent(product, x: torch.Tensor) -> None:

@@ -45,56 +45,36 @@ inline __m256 load_w(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (exact: a 
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// Rows [0, MB) x block columns [j0, j0 + NB) of one 8-column block.
+// Rows [0, MB) x columns [j0, j0 + NB) of one 8-column block over k in [k0, k1), continuing the
+// accumulators (8 lanes each, rows of 8 columns: accm + (m * 8 + j) * 8) kept in memory between
+// spans -- stored and reloaded exactly, so splitting k changes no value. int8: lane t of an
+// output's accumulator takes the product at k = t of every 8 k in turn; bf16: per 16 k, the product
+// at 2t, then at 2t + 1 (x split evens first). One fixed chain per output whatever the tile shape
+// or span, so row-invariant.
 template <int MB, int NB, typename W>
-inline void tile(const float* x, int64_t K, const W* blk, int j0, const float* scale, float* y,
-                 int64_t ldy) {
-  __m256 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
-  const W* p = blk + j0 * 8;
-  for (int64_t k = 0; k < K; k += 8, p += 64) {
-    for (int line = 0; line < static_cast<int>(sizeof(W)); ++line)  // every line of this k-step's 64 weights
-      _mm_prefetch(reinterpret_cast<const char*>(p) + PF_AHEAD + 64 * line, _MM_HINT_T0);
-    __m256 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = load_w(p + j * 8);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(w[j], xv, acc[m][j]);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) y[m * ldy + j0 + j] = hsum8(acc[m][j]) * scale[j0 + j];
-}
-
-template <int MB, int NB, typename W>
-inline void block_rows(const float* x, int64_t K, const W* blk, const float* scale, float* y, int64_t ldy) {
-  for (int j = 0; j < 8; j += NB) tile<MB, NB, W>(x, K, blk, j, scale, y, ldy);
-}
-
-// bf16: rows [0, MB) x columns [j0, j0 + NB) of one 8-column block over k in [k0, k1), continuing
-// the accumulators acc[m][j] (8 lanes each, rows of 8 columns: acc + (m * 8 + j) * 8) kept in memory
-// between spans -- stored and reloaded exactly, so splitting k changes no value. Lane t of an
-// output's accumulator takes, per 16 k, the product at k0 + 2t, then at k0 + 2t + 1: one fixed chain
-// whatever the tile shape or span, so row-invariant like the int8 tiles.
-template <int MB, int NB>
-inline void span_bf16(const float* xs, int64_t K, const uint16_t* blk, int j0, int64_t k0, int64_t k1,
-                      float* accm) {
+inline void span(const float* xs, int64_t K, const W* blk, int j0, int64_t k0, int64_t k1, float* accm) {
+  constexpr bool kBf16 = std::is_same<W, uint16_t>::value;
+  constexpr int KS = kBf16 ? 16 : 8;  // k a step; a step's weights, 8 columns x KS, are 256 / 64 bytes
   const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_loadu_ps(accm + (m * 8 + j0 + j) * 8);
-  const uint16_t* p = blk + (k0 / 16) * 128 + j0 * 16;
-  for (int64_t k = k0; k < k1; k += 16, p += 128) {
-    for (int line = 0; line < 4; ++line)  // the step's 256 bytes, PF_AHEAD on
-      _mm_prefetch(reinterpret_cast<const char*>(p - j0 * 16) + PF_AHEAD + 64 * line, _MM_HINT_T0);
+  const W* p = blk + (k0 / KS) * 8 * KS + j0 * KS;
+  for (int64_t k = k0; k < k1; k += KS, p += 8 * KS) {
+    for (int line = 0; line < KS * 8 * static_cast<int>(sizeof(W)) / 64; ++line)  // the step's lines, PF_AHEAD on
+      _mm_prefetch(reinterpret_cast<const char*>(p - j0 * KS) + PF_AHEAD + 64 * line, _MM_HINT_T0);
     for (int j = 0; j < NB; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 16));
-      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
-      for (int m = 0; m < MB; ++m) {
-        acc[m][j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xs + m * K + k), acc[m][j]);
-        acc[m][j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + m * K + k + 8), acc[m][j]);
+      if constexpr (kBf16) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 16));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+        for (int m = 0; m < MB; ++m) {
+          acc[m][j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xs + m * K + k), acc[m][j]);
+          acc[m][j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + m * K + k + 8), acc[m][j]);
+        }
+      } else {
+        const __m256 w = load_w(p + j * 8);
+        for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs + m * K + k), acc[m][j]);
       }
     }
   }
@@ -102,30 +82,33 @@ inline void span_bf16(const float* xs, int64_t K, const uint16_t* blk, int j0, i
     for (int j = 0; j < NB; ++j) _mm256_storeu_ps(accm + (m * 8 + j0 + j) * 8, acc[m][j]);
 }
 
-template <int MB, int NB>
-inline void span_rows_bf16(const float* xs, int64_t K, const uint16_t* blk, int64_t k0, int64_t k1, float* accm) {
-  for (int j = 0; j < 8; j += NB) span_bf16<MB, NB>(xs, K, blk, j, k0, k1, accm);
+template <int MB, int NB, typename W>
+inline void span_rows(const float* xs, int64_t K, const W* blk, int64_t k0, int64_t k1, float* accm) {
+  for (int j = 0; j < 8; j += NB) span<MB, NB, W>(xs, K, blk, j, k0, k1, accm);
 }
 
-// All M rows of one 8-column block: k in spans of kBf16Span, within a span every row tile in turn,
-// so the span's weights (8 KB) are read from memory once and stay in L1 for the other tiles, and
-// each tile's rows of x (3 x 2 KB) come from L1 too. Tiles of three rows x four columns (12
-// accumulators), two-row tiles for the rest (a lone row would pass over all 8 columns once more).
-// Before (whole-K tiles, rows of x from L2, 2-column tiles rereading x four times) 2 / 6 rows of a
-// 1536 x 8960 layer took 1.5x / 2.5x one row; now ~0.95x / 1.5x.
-constexpr int64_t kBf16Span = 512;
+// All M rows of one 8-column block: k in spans of 8 KB of weights (512 k of bf16, 1024 of int8),
+// within a span every row tile in turn, so the span's weights are read from memory once and stay
+// in L1 for the other tiles, and each tile's rows of x come from L1 too. Tiles of three rows x
+// four columns (12 accumulators), two-row tiles for the rest (4 = 2 + 2; a lone row would pass over
+// all 8 columns once more). Before (bf16: whole-K tiles, rows of x from L2, 2-column tiles
+// rereading them) 2 / 6 rows of a 1536 x 8960 layer took 1.5x / 2.5x one row; now ~0.95x / 1.5x.
+constexpr int64_t kSpanBytes = 8192;
 
-void block_bf16(const float* xs, int64_t M, int64_t K, const uint16_t* blk, float* accm, float* y, int64_t ldy) {
+template <typename W>
+void block(const float* xs, int64_t M, int64_t K, const W* blk, const float* scale, float* accm, float* y,
+           int64_t ldy) {
+  constexpr int64_t kSpan = kSpanBytes / (8 * sizeof(W));
   std::fill(accm, accm + M * 64, 0.0f);
-  for (int64_t k0 = 0; k0 < K; k0 += kBf16Span) {
-    const int64_t k1 = std::min(K, k0 + kBf16Span);
+  for (int64_t k0 = 0; k0 < K; k0 += kSpan) {
+    const int64_t k1 = std::min(K, k0 + kSpan);
     int64_t m = 0;
-    for (; M - m >= 3 && M - m != 4; m += 3) span_rows_bf16<3, 4>(xs + m * K, K, blk, k0, k1, accm + m * 64);
-    for (; M - m >= 2; m += 2) span_rows_bf16<2, 4>(xs + m * K, K, blk, k0, k1, accm + m * 64);  // 4 = 2 + 2
-    if (M - m == 1) span_rows_bf16<1, 8>(xs + m * K, K, blk, k0, k1, accm + m * 64);
+    for (; M - m >= 3 && M - m != 4; m += 3) span_rows<3, 4, W>(xs + m * K, K, blk, k0, k1, accm + m * 64);
+    for (; M - m >= 2; m += 2) span_rows<2, 4, W>(xs + m * K, K, blk, k0, k1, accm + m * 64);
+    if (M - m == 1) span_rows<1, 8, W>(xs + m * K, K, blk, k0, k1, accm + m * 64);
   }
   for (int64_t m = 0; m < M; ++m)
-    for (int j = 0; j < 8; ++j) y[m * ldy + j] = hsum8(_mm256_loadu_ps(accm + (m * 8 + j) * 8));
+    for (int j = 0; j < 8; ++j) y[m * ldy + j] = hsum8(_mm256_loadu_ps(accm + (m * 8 + j) * 8)) * scale[j];
 }
 
 // x float32 [M, K] -> the same values with each 16 reordered evens first: k0, k0+2, .., k0+14, k0+1, ..
@@ -173,52 +156,20 @@ ProductArgs<W> product_args(const char* name, const at::Tensor& x, const at::Ten
   return a;
 }
 
-// Runs tiles.rows<MB, NB>(b, m) for every 8-column block b (a thread streams its blocks in order)
-// and the row tiles of M rows: 6-row tiles, then one tile for what is left. Which tile a row lands
-// in never changes its result.
-template <typename Tiles>
-void for_each_tile(int64_t M, int64_t NB8, const Tiles& tiles) {
-  at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t m = 0;
-      for (; m + 6 <= M; m += 6) tiles.template rows<6, 2>(b, m);
-      switch (M - m) {
-        case 5: tiles.template rows<5, 2>(b, m); break;
-        case 4: tiles.template rows<4, 2>(b, m); break;
-        case 3: tiles.template rows<3, 2>(b, m); break;
-        case 2: tiles.template rows<2, 4>(b, m); break;
-        case 1: tiles.template rows<1, 8>(b, m); break;
-        default: break;
-      }
-    }
-  });
-}
-
-template <typename W>
-struct ScaledTiles {  // int8 weights times their per-column scale
-  const ProductArgs<W>& a;
-  template <int MB, int NB>
-  void rows(int64_t b, int64_t m) const {
-    block_rows<MB, NB, W>(a.x + m * a.K, a.K, a.q + b * 8 * a.K, a.scale + b * 8, a.out + m * a.N + b * 8, a.N);
-  }
-};
-
-at::Tensor bf16_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
-  const ProductArgs<uint16_t> a = product_args<uint16_t>("bf16_linear", x, packed, scale, 8);
-  TORCH_CHECK(a.K % 16 == 0, "bf16_linear: K must be a multiple of 16");
-  const at::Tensor xs = split16(a.xc);
-  const float* xp = xs.data_ptr<float>();
-  at::parallel_for(0, a.N / 8, 8, [&](int64_t b0, int64_t b1) {  // a thread streams its blocks in order
-    std::vector<float> accm(a.M * 64);
-    for (int64_t b = b0; b < b1; ++b) block_bf16(xp, a.M, a.K, a.q + b * 8 * a.K, accm.data(), a.out + b * 8, a.N);
-  });
-  return a.y;
-}
-
+// Every 8-column block (a thread streams its blocks in memory order) times all M rows; bf16's x
+// split evens first per 16 inputs.
 template <typename W>
 at::Tensor linear_impl(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  constexpr bool kBf16 = std::is_same<W, uint16_t>::value;
   const ProductArgs<W> a = product_args<W>(name, x, packed, scale, 8);
-  for_each_tile(a.M, a.N / 8, ScaledTiles<W>{a});
+  TORCH_CHECK(!kBf16 || a.K % 16 == 0, name, ": K must be a multiple of 16");
+  const at::Tensor xs = kBf16 ? split16(a.xc) : a.xc;
+  const float* xp = xs.data_ptr<float>();
+  at::parallel_for(0, a.N / 8, 8, [&](int64_t b0, int64_t b1) {
+    std::vector<float> accm(a.M * 64);
+    for (int64_t b = b0; b < b1; ++b)
+      block<W>(xp, a.M, a.K, a.q + b * 8 * a.K, a.scale + b * 8, accm.data(), a.out + b * 8, a.N);
+  });
   return a.y;
 }
 
@@ -309,7 +260,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& p, const at::Tensor&
   return gemm_impl<int8_t>("int8_gemm", x, p, s);
 }
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s) {
-  return bf16_linear_impl(x, p, s);
+  return linear_impl<uint16_t>("bf16_linear", x, p, s);
 }
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 16 == 0, "bf16_gemm: K must be a multiple of 16");
