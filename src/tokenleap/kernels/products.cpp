@@ -55,7 +55,6 @@ template <int MB, int NB, typename W>
 inline void span(const float* xs, int64_t K, const W* blk, int j0, int64_t k0, int64_t k1, float* accm) {
   constexpr bool kBf16 = std::is_same<W, uint16_t>::value;
   constexpr int KS = kBf16 ? 16 : 8;  // k a step; a step's weights, 8 columns x KS, are 256 / 64 bytes
-  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_loadu_ps(accm + (m * 8 + j0 + j) * 8);
@@ -67,7 +66,7 @@ inline void span(const float* xs, int64_t K, const W* blk, int j0, int64_t k0, i
       if constexpr (kBf16) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 16));
         const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
         for (int m = 0; m < MB; ++m) {
           acc[m][j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xs + m * K + k), acc[m][j]);
           acc[m][j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + m * K + k + 8), acc[m][j]);
