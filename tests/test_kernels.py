@@ -33,7 +33,7 @@ def test_pack_unpack_round_trip():
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(8, 8), (64, 200), (136, 1024)])
+@pytest.mark.parametrize("n,k", [(8, 8), (64, 200), (136, 1024), (48, 2600)])  # 2600: several 1024-k spans
 def test_int8_linear_matches_fp64_reference(n, k):
     g = torch.Generator().manual_seed(n + k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
@@ -49,15 +49,13 @@ def test_int8_linear_matches_fp64_reference(n, k):
 @pytest.mark.parametrize("k", [520, 2600])
 def test_int8_linear_rows_bitwise_independent_of_row_count(k):
     """K = 2600: two whole 1024-k spans and a partial one, whose accumulators are stored and reloaded
-    between spans; 1-13 rows take 3-row, 2-row and 1-row tiles."""
+    between spans (their values: test_int8_linear_matches_fp64_reference); 1-13 rows take 3-row,
+    2-row and 1-row tiles."""
     g = torch.Generator().manual_seed(3)
-    q = torch.randint(-127, 128, (48, k), dtype=torch.int8, generator=g)
+    q = kernels.pack_int8(torch.randint(-127, 128, (48, k), dtype=torch.int8, generator=g))
     scale = torch.rand(48, generator=g)
     x = torch.randn(13, k, generator=g)
-    y = kernels.int8_linear(x, kernels.pack_int8(q), scale)
-    ref = (x.double() @ q.double().T) * scale.double()
-    assert ((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ q.double().abs().T) * scale.double()).all()
-    assert_rows_independent(lambda rows: kernels.int8_linear(rows, kernels.pack_int8(q), scale), x)
+    assert_rows_independent(lambda rows: kernels.int8_linear(rows, q, scale), x)
 
 
 def assert_rows_independent(product, x: torch.Tensor) -> None:
