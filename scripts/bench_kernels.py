@@ -1,5 +1,6 @@
 """Microbenchmark of tokenleap's weight-product kernels: int4 (W4A8), int6 (W6A8, Q6_K), int8 and bf16, one layer shape,
-1..8 rows, weights streamed from memory (a rotation of copies larger than the L3 cache).
+1..8 rows, weights streamed from memory (a rotation of copies larger than the L3 cache); bf16 on AMX
+tiles too where the CPU has them.
 
     python scripts/bench_kernels.py [--n 1536 --k 8960]
 """
@@ -24,39 +25,44 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit(f"kernels unavailable: {kernels.unavailable_reason()}")
     n, k = args.n, args.k
-    copies = max(2, int(128e6 // (n * k)))  # > 64 MB of int8 weights: every call reads from memory
     g = torch.Generator().manual_seed(0)
-    int4, int6, int8, bf16 = [], [], [], []
-    for _ in range(copies):
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-        scale = torch.rand(n, k // 32, generator=g) * 0.02
-        int4.append(kernels.pack_int4(q, scale, -8 * scale))
-        int8.append((kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)),
-                     torch.rand(n, generator=g)))
-        if k % 16 == 0:
-            bf16.append((kernels.pack_bf16(torch.randn(n, k, generator=g).to(torch.bfloat16)),))
-        if k % 256 == 0:  # Q6_K's super-blocks
-            sc = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
-            int6.append(kernels.pack_int6(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g), sc,
-                                          torch.rand(n, k // 256, generator=g) * 0.01))
+    kinds: dict[str, tuple[object, tuple[torch.Tensor, ...]]] = {}
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    kinds["int4"] = (kernels.int4_linear, kernels.pack_int4(q, scale, -8 * scale))
+    if k % 256 == 0:  # Q6_K's super-blocks
+        sc = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
+        kinds["int6"] = (kernels.int6_linear, kernels.pack_int6(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g),
+                                                                sc, torch.rand(n, k // 256, generator=g) * 0.01))
+    kinds["int8"] = (kernels.int8_linear, (kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)),
+                                           torch.rand(n, generator=g)))
+    w16 = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    if k % 16 == 0:
+        kinds["bf16"] = (kernels.bf16_linear, (kernels.pack_bf16(w16),))
+    if k % 32 == 0 and n % 16 == 0 and kernels.amx_available():  # bf16 on AMX tiles
+        kinds["bf16-amx"] = (lambda x, p: torch.ops.tokenleap.bf16_amx_linear(x, p), (kernels.pack_bf16_amx(w16),))
+    # copies of each kind's weights, together larger than the biggest L3 caches (320 MB on some
+    # Xeons): every call reads its weights from memory
+    weights: dict[str, list[tuple[torch.Tensor, ...]]] = {}
+    for name, (_, w) in kinds.items():
+        nbytes = sum(t.numel() * t.element_size() for t in w)
+        copies = max(2, -(-640_000_000 // nbytes))
+        weights[name] = [tuple(t.clone() for t in w) for _ in range(copies)]
     if args.huge_pages:
         from tokenleap.models.hugepages import on_huge_pages
-        int4, int6, int8, bf16 = ([tuple(on_huge_pages(t) for t in w) for w in ws] for ws in (int4, int6, int8, bf16))
-    print(f"{n}x{k} layer, {torch.get_num_threads()} threads, {copies} weight copies"
+        weights = {name: [tuple(on_huge_pages(t) for t in w) for w in ws] for name, ws in weights.items()}
+    print(f"{n}x{k} layer, {torch.get_num_threads()} threads, > 640 MB of weight copies a kind"
           f"{' on huge pages' if args.huge_pages else ''}; median ms per call")
     for rows in args.rows:
         x = torch.randn(rows, k, generator=g)
         line = [f"rows {rows}:"]
-        for name, fn, weights in (("int4", kernels.int4_linear, int4), ("int6", kernels.int6_linear, int6),
-                                  ("int8", kernels.int8_linear, int8), ("bf16", kernels.bf16_linear, bf16)):
-            if not weights:
-                continue
+        for name, (fn, _) in kinds.items():
             times = []
             for _ in range(7):
                 t = time.perf_counter()
-                for w in weights:
+                for w in weights[name]:
                     fn(x, *w)
-                times.append((time.perf_counter() - t) / len(weights))
+                times.append((time.perf_counter() - t) / len(weights[name]))
             line.append(f"{name} {statistics.median(times) * 1e3:.2f}")
         print("  ".join(line))
 

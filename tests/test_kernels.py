@@ -182,6 +182,44 @@ def test_bf16_products_exact_to_fp32_and_row_invariant(n, k):
     assert_rows_independent(lambda rows: kernels.bf16_linear(rows, packed), x)
 
 
+needs_amx = pytest.mark.skipif(not (HAS_AVX2 and kernels.amx_available()), reason="the CPU has no AMX-BF16")
+
+
+def test_pack_bf16_amx_places_each_weight_where_the_tiles_read_it():
+    w = torch.randn(32, 64).bfloat16()
+    p = kernels.pack_bf16_amx(w)  # [N/16, K/32, 16 input pairs, 16 outputs, 2]
+    assert p.shape == (2, 2, 16, 16, 2)
+    for nb, kb, r, n, e in [(0, 0, 0, 0, 1), (1, 0, 3, 5, 0), (1, 1, 15, 15, 1), (0, 1, 7, 2, 0)]:
+        assert p[nb, kb, r, n, e] == w[nb * 16 + n, kb * 32 + 2 * r + e]
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(48, 96), (272, 1536)])
+def test_bf16_amx_product_matches_reference_and_is_row_invariant(n, k):
+    """Activations rounded to bf16, products summed in float32; 1-40 rows take one or two 16-row
+    tile groups and pairs of 16-column blocks plus a last single one (n = 48, 272)."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(40, k, generator=g)
+    packed = kernels.pack_bf16_amx(w)
+    y = kernels.weight_product(x, packed, None, row_exact=True)  # [40, n]
+    xr = x.bfloat16().double()
+    ref = xr @ w.double().T
+    tol = 1e-5 * (xr.abs() @ w.double().abs().T)
+    assert ((y.double() - ref).abs() <= tol).all()
+    assert_rows_independent(lambda rows: kernels.weight_product(rows, packed, None, row_exact=True), x)
+    assert torch.equal(kernels.weight_product(x, packed, None, row_exact=False), y)  # prefill: the same values
+
+
+@needs_amx
+def test_bf16_amx_product_rejects_mismatched_operands():
+    packed = kernels.pack_bf16_amx(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="inputs"):
+        torch.ops.tokenleap.bf16_amx_linear(torch.randn(2, 96), packed)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.tokenleap.bf16_amx_linear(torch.randn(2, 64).bfloat16(), packed)
+
+
 @needs_kernel
 def test_bf16_linear_layer_uses_the_kernel():
     from tokenleap.models.linear import Linear

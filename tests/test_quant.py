@@ -248,16 +248,16 @@ def test_quantize_from_gguf_matches_dequantized_model(tie):
 
 
 @pytest.mark.parametrize("quant", ["none", "int4"])
-def test_bfloat16_without_native_bf16_computes_in_float32(smollm2_gguf, tmp_path, monkeypatch, quant):
-    """--dtype bfloat16 on a CPU without native bf16 math: the weights stay bf16 (or quantized), the
-    activations (norms, KV cache) are float32 -- tokenleap's products take float32 either way -- and
-    a bf16 weight matrix is kept once, packed for the kernel. Greedy decoding is unchanged by it."""
+def test_bfloat16_computes_in_float32_activations(smollm2_gguf, tmp_path, monkeypatch, quant):
+    """--dtype bfloat16 with tokenleap's kernels (any CPU: they take float32 activations, and round
+    them to bf16 themselves on AMX tiles): the weights stay bf16 (or quantized), the activations
+    (norms, KV cache) are float32, and a bf16 weight matrix is kept once, packed for the kernel --
+    for AMX tiles where the CPU has them. Greedy decoding is unchanged by it."""
     from tokenleap import kernels, loading
     from tokenleap.config import SamplingParams
     from tokenleap.engine import Engine
     if not kernels.available():
         pytest.skip("tokenleap's kernels are not available here")
-    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: False)
     loaded = loading.load_model(smollm2_gguf, dtype="bfloat16", quant=quant, cache_dir=tmp_path)
     model = loaded.model
     assert loaded.dtype == torch.bfloat16 and model.dtype == torch.float32
@@ -265,10 +265,12 @@ def test_bfloat16_without_native_bf16_computes_in_float32(smollm2_gguf, tmp_path
     proj = model.model.layers[0].mlp.down_proj
     if quant == "none":
         assert isinstance(proj, Linear) and proj.weight.numel() == 0  # only the packed copy is left
+        assert proj.__dict__["_packed"].dim() == (5 if kernels.amx_available() else 4)
     else:
         assert isinstance(proj, Int4Linear)
-    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: True)  # the plain bf16 model, for reference
+    monkeypatch.setattr(kernels, "available", lambda: False)  # the plain bf16 model, for reference
     ref = loading.load_model(smollm2_gguf, dtype="bfloat16", quant=quant, cache_dir=tmp_path).model
+    monkeypatch.undo()
     assert ref.dtype == torch.bfloat16
     ids = loaded.tokenizer.encode("def fibonacci(n):")
     params = SamplingParams(max_tokens=12, ignore_eos=True)

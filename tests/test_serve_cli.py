@@ -67,17 +67,17 @@ def test_smollm2_through_the_cli(smollm2_gguf):
     assert answers == want and "Paris" in answers[0]
 
 
-def test_bfloat16_serving_engine_on_a_cpu_without_native_bf16(smollm2_gguf, monkeypatch):
-    """--dtype bfloat16 where bf16 math is emulated: the model computes in float32, so the paged KV
-    caches (target's and draft's) must be float32 too -- they were bf16, and every prefill failed."""
+def test_bfloat16_serving_engine_with_float32_activations(smollm2_gguf):
+    """--dtype bfloat16 with tokenleap's kernels: the model computes in float32 (on any CPU), so the
+    paged KV caches (target's and draft's) must be float32 too -- they were bf16, and every prefill
+    failed."""
     import torch
 
-    from tokenleap import kernels, loading
+    from tokenleap import kernels
     from tokenleap.config import SamplingParams, SpecConfig
     from tokenleap.serve_cli import build_engine
     if not kernels.available():
         pytest.skip("tokenleap's kernels are not available here")
-    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: False)
     spec = SpecConfig(method="draft", draft_model="smollm2-135m-instruct", draft_quant="int4")
     outputs = []
     for s in (None, spec):

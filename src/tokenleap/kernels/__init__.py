@@ -27,7 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp"]
+_SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp",
+            _DIR / "amx.cpp"]
 _HEADERS = [_DIR / "simd.h", _DIR / "ops.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
@@ -85,6 +86,30 @@ def unavailable_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
+def amx_available() -> bool:
+    """True where bf16 products can run on AMX tiles: the kernels are loaded, the CPU has AMX-BF16
+    and Linux granted this process the tile state. ``TOKENLEAP_AMX=0`` turns them off."""
+    if "amx" not in _state:
+        ok = os.environ.get("TOKENLEAP_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+        ok = ok and available() and "amx_bf16" in _cpu_flags() and bool(torch.ops.tokenleap.amx_init())
+        _state["amx"] = ok
+    return bool(_state["amx"])
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return set()
+
+
+def pack_bf16_amx(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 [N, K] (N a multiple of 16, K of 32) -> the AMX product's layout [N/16, K/32, 16, 16, 2]:
+    per 16 outputs and 32 inputs, input pair r of output n at [.., r, n, :]."""
+    n, k = w.shape
+    return w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """bfloat16 [N, K] (N a multiple of 8, K of 16) -> the bf16 products' layout [N/8, K/16, 8, 16]."""
     n, k = w.shape
@@ -121,6 +146,8 @@ def weight_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | 
     """x float32 [M, K] times int8 (with ``scale``; ``pack_int8``) or bfloat16 (``scale`` None;
     ``pack_bf16``) weights -> float32 [M, N]: the row-invariant product, or for prefill windows
     (not ``row_exact``, ``GEMM_MIN_ROWS``+ rows, N a multiple of 16) the blocked GEMM."""
+    if packed.dim() == 5:  # packed for AMX tiles: row-exact and fast at every size
+        return torch.ops.tokenleap.bf16_amx_linear(x, packed)
     gemm = not row_exact and x.shape[0] >= GEMM_MIN_ROWS and packed.shape[0] % 2 == 0
     if scale is None:
         return bf16_gemm(x, packed) if gemm else bf16_linear(x, packed)
@@ -267,5 +294,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "amx_available", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

@@ -10,6 +10,9 @@ at::Tensor int4_product(const at::Tensor& x, const at::Tensor& packed, const at:
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
 at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale);
 
+// amx.cpp: bf16 weights packed [N/16, K/32, 16, 16, 2]
+at::Tensor bf16_amx_product(const at::Tensor& x, const at::Tensor& packed);
+
 // int6.cpp
 at::Tensor int6_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                         const c10::optional<at::Tensor>& bias);

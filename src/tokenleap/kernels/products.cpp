@@ -273,6 +273,7 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& packed, const at:
   return int8_linear(x, packed, scale);
 }
 at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  if (packed.dim() == 5) return bf16_amx_product(x, packed);  // packed for AMX tiles (amx.cpp)
   return bf16_linear(x, packed, scale);
 }
 }  // namespace tokenleap_ops

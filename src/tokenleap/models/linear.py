@@ -60,11 +60,15 @@ class Linear(nn.Module):
 
     def _bf16_kernel(self) -> bool:
         """tokenleap's bf16 kernel applies (AVX2 machine, sizes multiples of 16); packs the weight
-        once into the kernel's layout (a second copy: the float weight may be shared, e.g. tied)."""
+        once into the kernel's layout -- for AMX tiles where the CPU has them (inputs a multiple of 32) (a second copy: the float weight may be shared, e.g. tied)."""
         packed = self.__dict__.get("_packed")
         if packed is None:
             ok = self.out_features % 16 == 0 and self.in_features % 16 == 0 and kernels.available()
-            packed = kernels.pack_bf16(self.weight.detach()) if ok else False  # [out/8, in/16, 8, 16]
+            w = self.weight.detach()
+            if ok and self.in_features % 32 == 0 and kernels.amx_available():
+                packed = kernels.pack_bf16_amx(w)  # [out/16, in/32, 16, 16, 2]
+            else:
+                packed = kernels.pack_bf16(w) if ok else False  # [out/8, in/16, 8, 16]
             self.__dict__["_packed"] = packed
         return packed is not False
 
