@@ -134,6 +134,33 @@ def test_a_catch_up_is_made_only_when_it_pays_back():
     assert c.choose(backlog=200, remaining=1000) > 0
 
 
+def test_a_batch_catch_up_is_paid_only_from_the_gain_beyond_the_margin():
+    """Several sequences: the catch-up must be repaid by what speculation is predicted to save
+    beyond ``batch_margin`` -- the part of the prediction the choice itself trusts."""
+    def controller(margin: float) -> DraftLengthController:
+        c = DraftLengthController(ControllerConfig(max_k=1, batch_margin=margin))
+        for rows in (1, 2, 4, 8):
+            c.observe_forward(rows, 1.0)  # verification rows cost nothing extra (AMX tiles)
+        c.observe_draft(4, 0.0, batch=4)
+        for _ in range(200):
+            c.observe_acceptance(1, 1)  # every draft accepted: k = 1 about doubles the rate
+        c.observe_catch_up(100, 1.0)  # 0.01 s a token
+        return c
+
+    c = controller(0.15)
+    plain, spec = c.rate(0, batch=4), c.rate(1, batch=4)
+    assert spec == pytest.approx(2 * plain, rel=0.03)
+    remaining = 100.0
+    full = remaining * (1 / plain - 1 / spec)  # saved at the predicted rate
+    beyond = remaining * (1 / plain - 1.15 / spec)  # saved beyond the 15% margin
+    between = int((full + beyond) / 2 / 0.01)  # a backlog whose catch-up costs between the two
+    assert not c.would_speculate(4, backlog=between, remaining=remaining)
+    assert c.choose(batch=4, backlog=between, remaining=remaining) == 0
+    assert c.would_speculate(4, backlog=int(beyond / 0.01) - 2, remaining=remaining)
+    assert controller(0.0).would_speculate(4, backlog=between, remaining=remaining)  # no margin: pays
+    assert c.would_speculate(1, backlog=between, remaining=remaining)  # one sequence, no margin: it pays
+
+
 def test_a_probe_needing_a_catch_up_comes_within_the_exploration_share():
     """Figures measured at a bad moment said speculation does not pay; every new prompt then
     starts with a backlog the draft must catch up on. A probe still comes -- once its catch-up is

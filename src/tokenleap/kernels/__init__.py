@@ -9,7 +9,10 @@ Q6_K weights exactly (W6A8). ``decoder.cpp``: ``attend_rows``
 (causal attention for decode / verification rows), ``rope_store_attend`` (rotate, store into
 the cache, attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on
 its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / verification
-step in one call (the same kernels in the same order: bitwise the Python layer). They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
+step in one call (the same kernels in the same order: bitwise the Python layer). ``amx.cpp``:
+``bf16_amx_linear``, bf16 products on AMX tiles where the CPU has them (``amx_available``; weights
+packed by ``pack_bf16_amx``): activations rounded to bf16, any number of rows at about one row's
+cost, row-invariant. They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
 use compiles them (~30 s) into ``<tokenleap cache>/kernels/<key>``. Where any of that is
 missing, ``available()`` is False, the reason is logged once, and the layers use torch's own
 kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.
