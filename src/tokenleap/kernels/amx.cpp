@@ -52,8 +52,9 @@ TL_AMX void configure(int ma, int mb) {
   _tile_loadconfig(&c);
 }
 
-// Software prefetch distance in 1 KB weight tiles: one row 1.5-1.65 -> 1.2-1.25 ms for a 1536x8960
-// layer (hardware prefetch alone); 8 and 16 tiles ahead were no better (bench_kernels.py, A/B).
+// Software prefetch distance in 1 KB weight tiles. A/B of a one-row 1536x8960 call over the AVX2
+// kernel's in the same run (bench_kernels.py, two rounds): none 1.11 / 0.77, 4 tiles 0.84 / 0.81,
+// 8 tiles 0.93 / 0.89, 16 tiles 0.85 / 0.89 -- within the noise of the machine measured.
 constexpr int64_t kPrefetchTiles = 4;
 
 // Rows [m0, m0 + 16 + mb) (mb > 0: two row groups) or [m0, m0 + ma) times NB (1 or 2) column
