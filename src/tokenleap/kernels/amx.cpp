@@ -106,9 +106,8 @@ TL_AMX void tile_pass(const uint16_t* xb, int64_t K, const uint16_t* w, int64_t 
 
 // Column blocks [j0, j1) (pairs, then a last single block) for every row, 32 rows at a time: a
 // pair of weight blocks is read from memory once and from L2 for the later row groups.
-// The thread's tile configuration is saved first and restored last: another library on the same
-// threads (oneDNN, llama.cpp's ggml) may keep its own loaded between calls -- ggml then runs tile
-// instructions without loading one again, which fault on a released configuration.
+// The thread's tile configuration is saved first and restored last, so other AMX code on the same
+// threads (oneDNN, say) that keeps its configuration loaded between its calls finds it as it was.
 TL_AMX void column_blocks(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, int64_t j0,
                           int64_t j1, float* y, int64_t N) {
   TileConfig saved;
