@@ -148,7 +148,8 @@ GEMM_MIN_ROWS = 48  # from here on (and only without row exactness) the blocked 
 def weight_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, row_exact: bool) -> torch.Tensor:
     """x float32 [M, K] times int8 (with ``scale``; ``pack_int8``) or bfloat16 (``scale`` None;
     ``pack_bf16``) weights -> float32 [M, N]: the row-invariant product, or for prefill windows
-    (not ``row_exact``, ``GEMM_MIN_ROWS``+ rows, N a multiple of 16) the blocked GEMM."""
+    (not ``row_exact``, ``GEMM_MIN_ROWS``+ rows, N a multiple of 16) the blocked GEMM. bf16 weights
+    packed for AMX tiles (``pack_bf16_amx``, 5 dims) always take the tiles' product."""
     if packed.dim() == 5:  # packed for AMX tiles: row-exact and fast at every size
         return torch.ops.tokenleap.bf16_amx_linear(x, packed)
     gemm = not row_exact and x.shape[0] >= GEMM_MIN_ROWS and packed.shape[0] % 2 == 0
