@@ -31,10 +31,7 @@ class LoadedModel:
 @functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """AMX or AVX-512 BF16: bf16 matrix work runs in hardware, so it is the faster default."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        return False
+    flags = kernels.cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

@@ -19,6 +19,7 @@ kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -94,16 +95,18 @@ def amx_available() -> bool:
     and Linux granted this process the tile state. ``TOKENLEAP_AMX=0`` turns them off."""
     if "amx" not in _state:
         ok = os.environ.get("TOKENLEAP_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
-        ok = ok and available() and "amx_bf16" in _cpu_flags() and bool(torch.ops.tokenleap.amx_init())
+        ok = ok and available() and "amx_bf16" in cpu_flags() and bool(torch.ops.tokenleap.amx_init())
         _state["amx"] = ok
     return bool(_state["amx"])
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
-        return set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
     except (OSError, IndexError):
-        return set()
+        return frozenset()
 
 
 def pack_bf16_amx(w: torch.Tensor) -> torch.Tensor:
@@ -298,5 +301,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "amx_available", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "amx_available", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

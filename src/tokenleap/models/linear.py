@@ -60,7 +60,8 @@ class Linear(nn.Module):
 
     def _bf16_kernel(self) -> bool:
         """tokenleap's bf16 kernel applies (AVX2 machine, sizes multiples of 16); packs the weight
-        once into the kernel's layout -- for AMX tiles where the CPU has them (inputs a multiple of 32) (a second copy: the float weight may be shared, e.g. tied)."""
+        once into the kernel's layout, for AMX tiles where the CPU has them and the inputs are a
+        multiple of 32 (a second copy: the float weight may be shared, e.g. tied)."""
         packed = self.__dict__.get("_packed")
         if packed is None:
             ok = self.out_features % 16 == 0 and self.in_features % 16 == 0 and kernels.available()
