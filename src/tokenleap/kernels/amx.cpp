@@ -131,8 +131,6 @@ TL_AMX void column_blocks(const uint16_t* xb, int64_t M, int64_t K, const uint16
     _tile_release();
 }
 
-bool amx_init() { return amx_permitted(); }
-
 }  // namespace
 
 namespace tokenleap_ops {
@@ -169,7 +167,7 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed) {
 
 TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
   m.def("bf16_amx_linear(Tensor x, Tensor packed) -> Tensor");
-  m.def("amx_init() -> bool", &amx_init);
+  m.def("amx_init() -> bool", &amx_permitted);
 }
 TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
   m.impl("bf16_amx_linear", &bf16_amx_linear);
