@@ -291,6 +291,46 @@ def test_int4_linear_rows_bitwise_independent_of_row_count(n):
     assert_rows_independent(lambda rows: kernels.int4_linear(rows, packed, sm), x)
 
 
+needs_amx_int8 = pytest.mark.skipif(not (HAS_AVX2 and kernels.amx_available() and "amx_int8" in kernels.cpu_flags()),
+                                    reason="the CPU has no AMX-INT8")
+
+
+@pytest.fixture
+def int4_amx_rows():
+    """Set which int4 products take the AMX tiles within a test; the loaded setting comes back after."""
+    before = kernels.set_int4_amx_rows(0)
+    yield kernels.set_int4_amx_rows
+    kernels.set_int4_amx_rows(before)
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (272, 1536)])  # an odd / even number of 32-input groups
+def test_int4_on_amx_tiles_gives_the_avx2_kernels_bits(n, k, int4_amx_rows):
+    """TDPBSUD's exact group sums and int4.cpp's float chain: every row count (one row, a 16-row
+    pass, passes with a tail) gives bitwise the AVX2 kernel's values; n = 40 has an odd number of
+    8-column blocks, which the tiles (16 columns a pass) leave to the AVX2 kernel."""
+    q, scale, low = _int4_operands(n, k, n * k)
+    packed, sm = kernels.pack_int4(q, scale, low)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k))
+    x[3, 32:64] = 0
+    int4_amx_rows(0)
+    avx2 = kernels.int4_linear(x, packed, sm)  # [40, n]
+    int4_amx_rows(1)
+    for m in (1, 2, 5, 16, 17, 33, 40):
+        assert torch.equal(kernels.int4_linear(x[:m], packed, sm), avx2[:m]), m
+    assert_rows_independent(lambda rows: kernels.int4_linear(rows, packed, sm), x[:20])
+    ref = _w4a8_reference(x, q, scale, low)
+    mag = (x.double().abs() @ (q.double() * scale.double().repeat_interleave(32, 1)).T).clamp_min(1)
+    assert ((avx2.double() - ref).abs() <= 1e-5 * mag).all()
+
+
+@needs_amx_int8
+def test_int4_amx_rows_setting_round_trips(int4_amx_rows):
+    assert int4_amx_rows(7) == 0
+    assert int4_amx_rows(-3) == 7  # negative: off, like 0
+    assert int4_amx_rows(0) == 0
+
+
 @needs_kernel
 def test_int4_layer_on_kernel_and_float32_reference_on_torch():
     from tokenleap.models.quant import Int4Linear

@@ -12,7 +12,8 @@ its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / 
 step in one call (the same kernels in the same order: bitwise the Python layer). ``amx.cpp``:
 ``bf16_amx_linear``, bf16 products on AMX tiles where the CPU has them (``amx_available``; weights
 packed by ``pack_bf16_amx``): activations rounded to bf16, any number of rows at about one row's
-cost, row-invariant. They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
+cost, row-invariant; and ``int4_linear``'s products of ``INT4_AMX_MIN_ROWS``+ rows on AMX-INT8
+tiles (bitwise the AVX2 kernel's values, so a call takes either). They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
 use compiles them (~30 s) into ``<tokenleap cache>/kernels/<key>``. Where any of that is
 missing, ``available()`` is False, the reason is logged once, and the layers use torch's own
 kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.
@@ -74,6 +75,8 @@ def _load() -> None:
             reason = f"could not build {', '.join(p.name for p in _SOURCES)}: {type(e).__name__}: {str(e).strip()[-300:]}"
     if reason:
         log.warning("tokenleap CPU kernels unavailable (%s); using torch's kernels", reason)
+    elif _amx_allowed() and "amx_int8" in cpu_flags() and torch.ops.tokenleap.amx_init():
+        torch.ops.tokenleap.int4_amx_rows(INT4_AMX_MIN_ROWS)
     _state["reason"] = reason
 
 
@@ -90,14 +93,33 @@ def unavailable_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
+def _amx_allowed() -> bool:
+    return os.environ.get("TOKENLEAP_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def amx_available() -> bool:
     """True where bf16 products can run on AMX tiles: the kernels are loaded, the CPU has AMX-BF16
-    and Linux granted this process the tile state. ``TOKENLEAP_AMX=0`` turns them off."""
+    and Linux granted this process the tile state. ``TOKENLEAP_AMX=0`` turns them off (and the
+    int4 products' tiles, see ``set_int4_amx_rows``)."""
     if "amx" not in _state:
-        ok = os.environ.get("TOKENLEAP_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
-        ok = ok and available() and "amx_bf16" in cpu_flags() and bool(torch.ops.tokenleap.amx_init())
+        ok = _amx_allowed() and available() and "amx_bf16" in cpu_flags() and bool(torch.ops.tokenleap.amx_init())
         _state["amx"] = ok
     return bool(_state["amx"])
+
+
+# int4 products of at least this many rows run on AMX-INT8 tiles where the CPU has them (loading the
+# kernels sets it). A 1536x8960 layer streamed from memory on a 2-core Xeon (bench_kernels.py, ms):
+# AVX2 0.41 / 0.45-0.62 / 0.82-1.23 / 1.57-1.62 for 1 / 4 / 8 / 16 rows, tiles 0.58 / 0.51-0.61 /
+# 0.56-0.73 / 0.87-1.01 (two runs)
+INT4_AMX_MIN_ROWS = 5
+
+
+def set_int4_amx_rows(rows: int) -> int:
+    """int4 products of at least ``rows`` rows run on AMX-INT8 tiles (0: never); returns the previous
+    setting. Both kernels compute bitwise the same values, so this changes only speed. Raises
+    where the tiles are unavailable (``rows`` > 0)."""
+    available()
+    return int(torch.ops.tokenleap.int4_amx_rows(rows))
 
 
 @functools.lru_cache(maxsize=1)
@@ -301,5 +323,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "amx_available", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "amx_available", "set_int4_amx_rows", "INT4_AMX_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
