@@ -157,9 +157,6 @@ TL_AMX8 void configure_int4(int rows) {
   _tile_loadconfig(&c);
 }
 
-// Rows [0, MR) of xq (row stride K) times the 16 columns of AVX2 blocks w0 and w0 + K * 4 bytes.
-// In the AVX2 layout a group is 4 k-steps of [8 columns][4 bytes]; the low nibbles of k-step s
-// are inputs 8s..8s+3 and the high ones 8s+4..8s+7 -- VNNI rows 2s and 2s + 1 for 8 columns.
 // 8 float16 at a then 8 at b -> 16 floats
 TL_AMX8 inline __m512 halves(const uint16_t* a, const uint16_t* b) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(
@@ -200,53 +197,50 @@ TL_AMX8 inline void finish_group(const int32_t* ct, __m512 sc, __m512 mn, const 
 // Rows [0, MR) of xq (row stride K) times the 16 columns of AVX2 blocks w0 and w0 + K * 4 bytes.
 // In the AVX2 layout a group is 4 k-steps of [8 columns][4 bytes]; the low nibbles of k-step s
 // are inputs 8s..8s+3 and the high ones 8s+4..8s+7 -- VNNI rows 2s and 2s + 1 for 8 columns.
-// Two groups at a time on separate tiles and buffers (0-2 and 3-5), and the float chain of the
-// previous two while their tiles compute: one group at a time was latency-bound (~60% slower).
+// Software-pipelined over a ring of kRing groups: a group is unpacked kAhead groups before its
+// tiles load it, and its sums are read kAhead groups after the tiles stored them, so no load waits
+// on the stores just before it; consecutive groups alternate between tiles 0-2 and 3-5.
+constexpr int64_t kRing = 4, kAhead = 2;
+
+// One group's tile work on tile set 0-2 (odd: 3-5); the tile intrinsics take literal tile numbers.
+TL_AMX8 inline void group_tiles(bool odd, const int8_t* xq, int64_t K, int64_t g, const uint8_t* bt, int32_t* ct) {
+  if (odd) {
+    _tile_loadd(4, bt, 64);
+    _tile_loadd(3, xq + g * 32, K);
+    _tile_zero(5);
+    _tile_dpbsud(5, 3, 4);
+    _tile_stored(5, ct, 64);
+  } else {
+    _tile_loadd(1, bt, 64);
+    _tile_loadd(0, xq + g * 32, K);
+    _tile_zero(2);
+    _tile_dpbsud(2, 0, 1);
+    _tile_stored(2, ct, 64);
+  }
+}
+
 template <int MR>
 TL_AMX8 void int4_pass(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* w0,
                        const uint16_t* s0, float* y, int64_t ldy) {
   const int64_t G = K / 32;
   const uint8_t* w1 = w0 + K * 4;
   const uint16_t* s1 = s0 + G * 16;
-  alignas(64) uint8_t bt[2][512];
-  alignas(64) int32_t ct[2][2][16 * 16];  // [pair parity][group of the pair]
+  alignas(64) uint8_t bt[kRing][512];
+  alignas(64) int32_t ct[kRing][16 * 16];
+  __m512 sc[kRing], mn[kRing];
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  __m512 sc[2][2], mn[2][2];
-  int64_t g = 0;
-  for (int par = 0; g + 2 <= G; g += 2, par ^= 1) {
-    unpack_group(w0 + g * 128, w1 + g * 128, s0 + g * 16, s1 + g * 16, bt[0], sc[par][0], mn[par][0]);
-    _tile_loadd(1, bt[0], 64);
-    _tile_loadd(0, xq + g * 32, K);
-    _tile_zero(2);
-    _tile_dpbsud(2, 0, 1);
-    unpack_group(w0 + g * 128 + 128, w1 + g * 128 + 128, s0 + g * 16 + 16, s1 + g * 16 + 16, bt[1], sc[par][1],
-                 mn[par][1]);
-    _tile_loadd(4, bt[1], 64);
-    _tile_loadd(3, xq + g * 32 + 32, K);
-    _tile_zero(5);
-    _tile_dpbsud(5, 3, 4);
-    if (g >= 2) {  // the previous pair's float chain while this pair's tiles compute
-      finish_group<MR>(ct[par ^ 1][0], sc[par ^ 1][0], mn[par ^ 1][0], a, as, G, g - 2, acc);
-      finish_group<MR>(ct[par ^ 1][1], sc[par ^ 1][1], mn[par ^ 1][1], a, as, G, g - 1, acc);
-    }
-    _tile_stored(2, ct[par][0], 64);
-    _tile_stored(5, ct[par][1], 64);
+  for (int64_t u = 0; u < std::min(kAhead, G); ++u)
+    unpack_group(w0 + u * 128, w1 + u * 128, s0 + u * 16, s1 + u * 16, bt[u], sc[u], mn[u]);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t f = g - kAhead, u = g + kAhead;
+    if (f >= 0) finish_group<MR>(ct[f % kRing], sc[f % kRing], mn[f % kRing], a, as, G, f, acc);
+    if (u < G)  // into the ring slot group f just left
+      unpack_group(w0 + u * 128, w1 + u * 128, s0 + u * 16, s1 + u * 16, bt[u % kRing], sc[u % kRing], mn[u % kRing]);
+    group_tiles(g & 1, xq, K, g, bt[g % kRing], ct[g % kRing]);
   }
-  if (g >= 2) {
-    const int par = static_cast<int>((g / 2 - 1) & 1);
-    finish_group<MR>(ct[par][0], sc[par][0], mn[par][0], a, as, G, g - 2, acc);
-    finish_group<MR>(ct[par][1], sc[par][1], mn[par][1], a, as, G, g - 1, acc);
-  }
-  if (g < G) {
-    unpack_group(w0 + g * 128, w1 + g * 128, s0 + g * 16, s1 + g * 16, bt[0], sc[0][0], mn[0][0]);
-    _tile_loadd(1, bt[0], 64);
-    _tile_loadd(0, xq + g * 32, K);
-    _tile_zero(2);
-    _tile_dpbsud(2, 0, 1);
-    _tile_stored(2, ct[0][0], 64);
-    finish_group<MR>(ct[0][0], sc[0][0], mn[0][0], a, as, G, g, acc);
-  }
+  for (int64_t f = std::max<int64_t>(0, G - kAhead); f < G; ++f)
+    finish_group<MR>(ct[f % kRing], sc[f % kRing], mn[f % kRing], a, as, G, f, acc);
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, acc[m]);
 }
 
