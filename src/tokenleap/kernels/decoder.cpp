@@ -158,13 +158,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* r = xp + m * D;
-    double ss = 0.0;
-    for (int64_t d = 0; d < D; ++d) ss += double(r[d]) * double(r[d]);
-    const float inv = float(1.0 / std::sqrt(ss / double(D) + eps));
-    for (int64_t d = 0; d < D; ++d) yp[m * D + d] = wp[d] * (r[d] * inv);
-  }
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {  // rows on their own: any split, the same values
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* r = xp + m * D;
+      double ss = 0.0;
+      for (int64_t d = 0; d < D; ++d) ss += double(r[d]) * double(r[d]);
+      const float inv = float(1.0 / std::sqrt(ss / double(D) + eps));
+      for (int64_t d = 0; d < D; ++d) yp[m * D + d] = wp[d] * (r[d] * inv);
+    }
+  });
   return y;
 }
 
@@ -181,15 +183,17 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   const float* upp = up.data_ptr<float>();
   float* o = y.data_ptr<float>();
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < I; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gp + m * gs + i), u = _mm256_loadu_ps(upp + m * us + i);
-      const __m256 e = exp_neg(_mm256_or_ps(g, sign));  // e^-|g|
-      const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-      // g >= 0: g / (1 + e^-g);  g < 0: g e^g / (1 + e^g)
-      const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
-      _mm256_storeu_ps(o + m * I + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), u));
-    }
+  at::parallel_for(0, M, 2, [&](int64_t m0, int64_t m1) {  // rows on their own: any split, the same values
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t i = 0; i < I; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gp + m * gs + i), u = _mm256_loadu_ps(upp + m * us + i);
+        const __m256 e = exp_neg(_mm256_or_ps(g, sign));  // e^-|g|
+        const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+        // g >= 0: g / (1 + e^-g);  g < 0: g e^g / (1 + e^g)
+        const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
+        _mm256_storeu_ps(o + m * I + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), u));
+      }
+  });
   return y;
 }
 
