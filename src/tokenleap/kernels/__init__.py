@@ -108,10 +108,11 @@ def amx_available() -> bool:
 
 
 # int4 products of at least this many rows run on AMX-INT8 tiles where the CPU has them (loading the
-# kernels sets it). A 1536x8960 layer streamed from memory on a 2-core Xeon (bench_kernels.py, ms):
-# AVX2 0.41 / 0.45-0.62 / 0.82-1.23 / 1.57-1.62 for 1 / 4 / 8 / 16 rows, tiles 0.58 / 0.51-0.61 /
-# 0.56-0.73 / 0.87-1.01 (two runs)
-INT4_AMX_MIN_ROWS = 5
+# kernels sets it). On a 2-core Xeon (ms, AVX2 kernel / tiles): a 1536x8960 layer streamed from
+# memory (bench_kernels.py) 0.31 / 0.29, 0.35 / 0.30, 0.42 / 0.34 for 1, 2, 4 rows; weights the L3
+# holds (a 0.5B draft's 9728x896 layer) 0.10 / 0.18, 0.14 / 0.18, 0.24 / 0.20 -- from 4 rows the
+# tiles win in both cases.
+INT4_AMX_MIN_ROWS = 4
 
 
 def set_int4_amx_rows(rows: int) -> int:
