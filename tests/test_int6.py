@@ -103,3 +103,23 @@ def test_q6k_layers_become_int6_when_keeping_precision():
         if other == "int8":  # exactly the file's values
             v = model.model.layers[0].self_attn.v_proj
             assert torch.equal(v.dequantized_weight(), weights["model.layers.0.self_attn.v_proj.weight"])
+
+
+@pytest.mark.skipif(not (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and kernels.amx_available()
+                         and "amx_int8" in kernels.cpu_flags()), reason="the CPU has no AMX-INT8")
+@pytest.mark.parametrize("n,k", [(40, 256), (48, 512), (272, 1536)])
+def test_int6_on_amx_tiles_gives_the_avx2_kernels_bits(n, k):
+    """Two TDPBSUD of 16 inputs a group and int6.cpp's float chain: every row count gives bitwise
+    the AVX2 kernel's values (n = 40: an odd number of 8-column blocks stays on the AVX2 kernel)."""
+    layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(n, k, seed=k), (n, k)))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(n))
+    before = kernels.set_amx_int8_rows(0)
+    try:
+        avx2 = kernels.int6_linear(x, layer.packed, layer.d)  # [40, n]
+        kernels.set_amx_int8_rows(1)
+        for m in (1, 2, 5, 16, 17, 33, 40):
+            assert torch.equal(kernels.int6_linear(x[:m], layer.packed, layer.d), avx2[:m]), m
+    finally:
+        kernels.set_amx_int8_rows(before)
+    want = w6a8_reference(x, layer.dequantized_weight())
+    assert (avx2.double() - want).abs().max() <= 1e-5 * want.abs().max()

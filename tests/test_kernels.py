@@ -296,16 +296,16 @@ needs_amx_int8 = pytest.mark.skipif(not (HAS_AVX2 and kernels.amx_available() an
 
 
 @pytest.fixture
-def int4_amx_rows():
+def amx_int8_rows():
     """Set which int4 products take the AMX tiles within a test; the loaded setting comes back after."""
-    before = kernels.set_int4_amx_rows(0)
-    yield kernels.set_int4_amx_rows
-    kernels.set_int4_amx_rows(before)
+    before = kernels.set_amx_int8_rows(0)
+    yield kernels.set_amx_int8_rows
+    kernels.set_amx_int8_rows(before)
 
 
 @needs_amx_int8
 @pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (272, 1536)])  # an odd / even number of 32-input groups
-def test_int4_on_amx_tiles_gives_the_avx2_kernels_bits(n, k, int4_amx_rows):
+def test_int4_on_amx_tiles_gives_the_avx2_kernels_bits(n, k, amx_int8_rows):
     """TDPBSUD's exact group sums and int4.cpp's float chain: every row count (one row, a 16-row
     pass, passes with a tail) gives bitwise the AVX2 kernel's values; n = 40 has an odd number of
     8-column blocks, which the tiles (16 columns a pass) leave to the AVX2 kernel."""
@@ -313,9 +313,9 @@ def test_int4_on_amx_tiles_gives_the_avx2_kernels_bits(n, k, int4_amx_rows):
     packed, sm = kernels.pack_int4(q, scale, low)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(k))
     x[3, 32:64] = 0
-    int4_amx_rows(0)
+    amx_int8_rows(0)
     avx2 = kernels.int4_linear(x, packed, sm)  # [40, n]
-    int4_amx_rows(1)
+    amx_int8_rows(1)
     for m in (1, 2, 5, 16, 17, 33, 40):
         assert torch.equal(kernels.int4_linear(x[:m], packed, sm), avx2[:m]), m
     assert_rows_independent(lambda rows: kernels.int4_linear(rows, packed, sm), x[:20])
@@ -325,10 +325,10 @@ def test_int4_on_amx_tiles_gives_the_avx2_kernels_bits(n, k, int4_amx_rows):
 
 
 @needs_amx_int8
-def test_int4_amx_rows_setting_round_trips(int4_amx_rows):
-    assert int4_amx_rows(7) == 0
-    assert int4_amx_rows(-3) == 7  # negative: off, like 0
-    assert int4_amx_rows(0) == 0
+def test_amx_int8_rows_setting_round_trips(amx_int8_rows):
+    assert amx_int8_rows(7) == 0
+    assert amx_int8_rows(-3) == 7  # negative: off, like 0
+    assert amx_int8_rows(0) == 0
 
 
 @needs_kernel

@@ -12,7 +12,7 @@ its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / 
 step in one call (the same kernels in the same order: bitwise the Python layer). ``amx.cpp``:
 ``bf16_amx_linear``, bf16 products on AMX tiles where the CPU has them (``amx_available``; weights
 packed by ``pack_bf16_amx``): activations rounded to bf16, any number of rows at about one row's
-cost, row-invariant; and ``int4_linear``'s products of ``INT4_AMX_MIN_ROWS``+ rows on AMX-INT8
+cost, row-invariant; and ``int4_linear``'s products of ``AMX_INT8_MIN_ROWS``+ rows on AMX-INT8
 tiles (bitwise the AVX2 kernel's values, so a call takes either). They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
 use compiles them (~30 s) into ``<tokenleap cache>/kernels/<key>``. Where any of that is
 missing, ``available()`` is False, the reason is logged once, and the layers use torch's own
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp",
-            _DIR / "amx.cpp"]
-_HEADERS = [_DIR / "simd.h", _DIR / "ops.h"]
+            _DIR / "amx.cpp", _DIR / "amx_int.cpp"]
+_HEADERS = [_DIR / "simd.h", _DIR / "ops.h", _DIR / "amx.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -76,7 +76,7 @@ def _load() -> None:
     if reason:
         log.warning("tokenleap CPU kernels unavailable (%s); using torch's kernels", reason)
     elif _amx_allowed() and "amx_int8" in cpu_flags() and torch.ops.tokenleap.amx_init():
-        torch.ops.tokenleap.int4_amx_rows(INT4_AMX_MIN_ROWS)
+        torch.ops.tokenleap.amx_int8_rows(AMX_INT8_MIN_ROWS)
     _state["reason"] = reason
 
 
@@ -100,7 +100,7 @@ def _amx_allowed() -> bool:
 def amx_available() -> bool:
     """True where bf16 products can run on AMX tiles: the kernels are loaded, the CPU has AMX-BF16
     and Linux granted this process the tile state. ``TOKENLEAP_AMX=0`` turns them off (and the
-    int4 products' tiles, see ``set_int4_amx_rows``)."""
+    int4 products' tiles, see ``set_amx_int8_rows``)."""
     if "amx" not in _state:
         ok = _amx_allowed() and available() and "amx_bf16" in cpu_flags() and bool(torch.ops.tokenleap.amx_init())
         _state["amx"] = ok
@@ -112,15 +112,15 @@ def amx_available() -> bool:
 # memory (bench_kernels.py) 0.31 / 0.29, 0.35 / 0.30, 0.42 / 0.34 for 1, 2, 4 rows; weights the L3
 # holds (a 0.5B draft's 9728x896 layer) 0.10 / 0.18, 0.14 / 0.18, 0.24 / 0.20 -- from 4 rows the
 # tiles win in both cases.
-INT4_AMX_MIN_ROWS = 4
+AMX_INT8_MIN_ROWS = 4
 
 
-def set_int4_amx_rows(rows: int) -> int:
+def set_amx_int8_rows(rows: int) -> int:
     """int4 products of at least ``rows`` rows run on AMX-INT8 tiles (0: never); returns the previous
     setting. Both kernels compute bitwise the same values, so this changes only speed. Raises
     where the tiles are unavailable (``rows`` > 0)."""
     available()
-    return int(torch.ops.tokenleap.int4_amx_rows(rows))
+    return int(torch.ops.tokenleap.amx_int8_rows(rows))
 
 
 @functools.lru_cache(maxsize=1)
@@ -324,5 +324,5 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "amx_available", "set_int4_amx_rows", "INT4_AMX_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "amx_available", "set_amx_int8_rows", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]

@@ -8,43 +8,24 @@
 // compute plain decoding's values. The weights are packed as the B operand wants them:
 // [N/16, K/32, 16, 16, 2] -- per 16 outputs and 32 inputs, 16 rows of (input pair) x 16 outputs.
 //
-// int4 (W4A8) products of several rows run here too, on AMX-INT8 tiles, bitwise as int4.cpp computes them.
-//
 // Compiled for AVX2 machines too (function target attributes); ``amx_init`` asks Linux for the
 // tile state and tells the caller whether these kernels may run.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdint>
-#include <utility>
 
+#include "amx.h"
 #include "ops.h"
 
 #define TL_AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
 
 namespace {
 
-constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: request a dynamically enabled feature
-constexpr long kXfeatureXtiledata = 18;
-
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using tokenleap_amx::TileConfig;
 
 // Tiles: 0, 1 accumulate rows [m0, m0 + ma) for column blocks j, j + 1; 2, 3 rows [m0 + 16, + mb);
 // 4, 5 hold those rows' activations, 6, 7 the two weight blocks.
@@ -54,7 +35,7 @@ TL_AMX void configure(int ma, int mb) {
   if (mb > 0)
     for (int t : {2, 3, 5}) c.rows[t] = mb, c.colsb[t] = 64;
   for (int t : {6, 7}) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  TL_LOAD_TILE_CONFIG(c);
 }
 
 // Software prefetch distance in 1 KB weight tiles. A/B of a one-row 1536x8960 call over the AVX2
@@ -137,150 +118,13 @@ TL_AMX void column_blocks(const uint16_t* xb, int64_t M, int64_t K, const uint16
 }
 
 
-// ---- int4 (W4A8) products on AMX-INT8 tiles -------------------------------------------------
-// The same operands as int4.cpp's AVX2 kernel (its packed layout, its int8 activations, scales and
-// group sums) and the same values: TDPBSUD forms each 32-input group's integer dot product exactly
-// (|sum| <= 32 * 127 * 15), and the float chain per group and output is int4.cpp's -- one multiply
-// and two FMAs in ascending group order -- so a row's outputs are bitwise those of the AVX2 kernel,
-// whichever kernel a call takes. Tiles (two sets, 0-2 and 3-5): up to 16 rows of activations (one
-// group: 32 bytes a row), the weights of 16 columns (two AVX2 column blocks) in VNNI order (8 rows
-// of 16 x 4 bytes), the int32 dot products [rows, 16].
-#define TL_AMX8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
-std::atomic<int64_t> g_int4_rows{0};  // int4 products of at least this many rows take the tiles (0: none)
-
-TL_AMX8 void configure_int4(int rows) {
-  TileConfig c;
-  for (int t : {0, 3}) c.rows[t] = rows, c.colsb[t] = 32;
-  for (int t : {1, 4}) c.rows[t] = 8, c.colsb[t] = 64;
-  for (int t : {2, 5}) c.rows[t] = rows, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-}
-
-// 8 float16 at a then 8 at b -> 16 floats
-TL_AMX8 inline __m512 halves(const uint16_t* a, const uint16_t* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
-
-// One group's weights of the column pair into VNNI rows at bt (8 x 64 bytes) and its scales and mins.
-TL_AMX8 inline void unpack_group(const uint8_t* p0, const uint8_t* p1, const uint16_t* s0, const uint16_t* s1,
-                                 uint8_t* bt, __m512& sc, __m512& mn) {
-  const __m512i mask = _mm512_set1_epi8(0x0f);
-  for (int l = 0; l < 128; l += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p0) + 2048 + l, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p1) + 2048 + l, _MM_HINT_T0);
-  }
-  for (int st = 0; st < 4; ++st) {
-    const __m512i v = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + st * 32))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + st * 32)), 1);
-    _mm512_store_si512(bt + 2 * st * 64, _mm512_and_si512(v, mask));
-    _mm512_store_si512(bt + (2 * st + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
-  }
-  sc = halves(s0, s1);
-  mn = halves(s0 + 8, s1 + 8);
-}
-
-// int4.cpp's float chain for one group: acc[m] += d * (sc * a[m]) then += mn * as[m].
-template <int MR>
-TL_AMX8 inline void finish_group(const int32_t* ct, __m512 sc, __m512 mn, const float* a, const float* as,
-                                 int64_t G, int64_t g, __m512* acc) {
-  for (int m = 0; m < MR; ++m) {
-    const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(ct + m * 16));
-    acc[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(sc, _mm512_set1_ps(a[m * G + g])), acc[m]);
-    acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(as[m * G + g]), acc[m]);
-  }
-}
-
-// Rows [0, MR) of xq (row stride K) times the 16 columns of AVX2 blocks w0 and w0 + K * 4 bytes.
-// In the AVX2 layout a group is 4 k-steps of [8 columns][4 bytes]; the low nibbles of k-step s
-// are inputs 8s..8s+3 and the high ones 8s+4..8s+7 -- VNNI rows 2s and 2s + 1 for 8 columns.
-// Software-pipelined over a ring of kRing groups: a group is unpacked kAhead groups before its
-// tiles load it, and its sums are read kAhead groups after the tiles stored them, so no load waits
-// on the stores just before it; consecutive groups alternate between tiles 0-2 and 3-5.
-constexpr int64_t kRing = 4, kAhead = 2;
-
-// One group's tile work on tile set 0-2 (odd: 3-5); the tile intrinsics take literal tile numbers.
-TL_AMX8 inline void group_tiles(bool odd, const int8_t* xq, int64_t K, int64_t g, const uint8_t* bt, int32_t* ct) {
-  if (odd) {
-    _tile_loadd(4, bt, 64);
-    _tile_loadd(3, xq + g * 32, K);
-    _tile_zero(5);
-    _tile_dpbsud(5, 3, 4);
-    _tile_stored(5, ct, 64);
-  } else {
-    _tile_loadd(1, bt, 64);
-    _tile_loadd(0, xq + g * 32, K);
-    _tile_zero(2);
-    _tile_dpbsud(2, 0, 1);
-    _tile_stored(2, ct, 64);
-  }
-}
-
-template <int MR>
-TL_AMX8 void int4_pass(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* w0,
-                       const uint16_t* s0, float* y, int64_t ldy) {
-  const int64_t G = K / 32;
-  const uint8_t* w1 = w0 + K * 4;
-  const uint16_t* s1 = s0 + G * 16;
-  alignas(64) uint8_t bt[kRing][512];
-  alignas(64) int32_t ct[kRing][16 * 16];
-  __m512 sc[kRing], mn[kRing];
-  __m512 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t u = 0; u < std::min(kAhead, G); ++u)
-    unpack_group(w0 + u * 128, w1 + u * 128, s0 + u * 16, s1 + u * 16, bt[u], sc[u], mn[u]);
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t f = g - kAhead, u = g + kAhead;
-    if (f >= 0) finish_group<MR>(ct[f % kRing], sc[f % kRing], mn[f % kRing], a, as, G, f, acc);
-    if (u < G)  // into the ring slot group f just left
-      unpack_group(w0 + u * 128, w1 + u * 128, s0 + u * 16, s1 + u * 16, bt[u % kRing], sc[u % kRing], mn[u % kRing]);
-    group_tiles(g & 1, xq, K, g, bt[g % kRing], ct[g % kRing]);
-  }
-  for (int64_t f = std::max<int64_t>(0, G - kAhead); f < G; ++f)
-    finish_group<MR>(ct[f % kRing], sc[f % kRing], mn[f % kRing], a, as, G, f, acc);
-  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, acc[m]);
-}
-
-using Int4Pass = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const uint16_t*,
-                          float*, int64_t);
-
-template <int... R>
-constexpr std::array<Int4Pass, sizeof...(R)> int4_passes(std::integer_sequence<int, R...>) {
-  return {&int4_pass<R + 1>...};
-}
-
-// Column pairs [j0, j1) for every row, 16 rows a pass (the thread's tile configuration kept, as above).
-TL_AMX8 void int4_pairs(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
-                        const uint8_t* w, const uint16_t* s, int64_t j0, int64_t j1, float* y, int64_t N) {
-  static constexpr auto passes = int4_passes(std::make_integer_sequence<int, 16>{});
-  const int64_t G = K / 32;
-  TileConfig saved;
-  _tile_storeconfig(&saved);
-  int cfg = -1;
-  for (int64_t j = j0; j < j1; ++j) {
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
-      if (mr != cfg) configure_int4(mr), cfg = mr;
-      passes[mr - 1](xq + m0 * K, a + m0 * G, as + m0 * G, K, w + 2 * j * K * 4, s + 2 * j * G * 16,
-                     y + m0 * N + j * 16, N);
-    }
-  }
-  if (saved.palette != 0)
-    _tile_loadconfig(&saved);
-  else
-    _tile_release();
-}
-
 }  // namespace
 
 namespace tokenleap_ops {
 
 // x float32 [M, K] @ W.T, W bfloat16 [N, K] packed [N/16, K/32, 16, 16, 2] -> float32 [M, N].
 at::Tensor bf16_amx_product(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(amx_permitted(), "bf16_amx_linear: AMX tiles are not available to this process");
+  TORCH_CHECK(tokenleap_amx::permitted(), "bf16_amx_linear: AMX tiles are not available to this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "bf16_amx_linear: x must be float32 [M, K]");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 16 && packed.size(4) == 2,
@@ -301,16 +145,6 @@ at::Tensor bf16_amx_product(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 
-bool int4_amx_takes(int64_t rows) {
-  const int64_t from = g_int4_rows.load(std::memory_order_relaxed);
-  return from > 0 && rows >= from;
-}
-
-void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
-                      const uint8_t* packed, const uint16_t* sm, float* y, int64_t N) {
-  at::parallel_for(0, N / 16, 4, [&](int64_t j0, int64_t j1) { int4_pairs(xq, a, as, M, K, packed, sm, j0, j1, y, N); });
-}
-
 }  // namespace tokenleap_ops
 
 namespace {
@@ -321,12 +155,7 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed) {
 
 TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
   m.def("bf16_amx_linear(Tensor x, Tensor packed) -> Tensor");
-  m.def("amx_init() -> bool", &amx_permitted);
-  // int4 products of at least ``rows`` rows take the tiles (0: none); returns the previous setting
-  m.def("int4_amx_rows(int rows) -> int", [](int64_t rows) -> int64_t {
-    TORCH_CHECK(rows <= 0 || amx_permitted(), "int4_amx_rows: AMX tiles are not available to this process");
-    return g_int4_rows.exchange(std::max<int64_t>(0, rows));
-  });
+  m.def("amx_init() -> bool", &tokenleap_amx::permitted);
 }
 TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
   m.impl("bf16_amx_linear", &bf16_amx_linear);

@@ -138,6 +138,11 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
   float* out = y.data_ptr<float>();
+  if (NB8 % 2 == 0 && M > 0 && tokenleap_ops::amx_int8_takes(M)) {  // bitwise the same values
+    tokenleap_ops::int6_amx_product(qp, ap, sp, M, K, w, dp, out, N);
+    if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
+    return y;
+  }
   at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {  // each thread streams its blocks in order
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = w + b * G * kGroupBytes;
