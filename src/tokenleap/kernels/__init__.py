@@ -12,8 +12,9 @@ its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / 
 step in one call (the same kernels in the same order: bitwise the Python layer). ``amx.cpp``:
 ``bf16_amx_linear``, bf16 products on AMX tiles where the CPU has them (``amx_available``; weights
 packed by ``pack_bf16_amx``): activations rounded to bf16, any number of rows at about one row's
-cost, row-invariant; and ``int4_linear``'s products of ``AMX_INT8_MIN_ROWS``+ rows on AMX-INT8
-tiles (bitwise the AVX2 kernel's values, so a call takes either). They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
+cost, row-invariant. ``amx_int.cpp``: ``int4_linear``'s and ``int6_linear``'s products of
+``AMX_INT8_MIN_ROWS``+ rows on AMX-INT8 tiles (bitwise the AVX2 kernels' values, so a call takes
+either). They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
 use compiles them (~30 s) into ``<tokenleap cache>/kernels/<key>``. Where any of that is
 missing, ``available()`` is False, the reason is logged once, and the layers use torch's own
 kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.
@@ -100,25 +101,25 @@ def _amx_allowed() -> bool:
 def amx_available() -> bool:
     """True where bf16 products can run on AMX tiles: the kernels are loaded, the CPU has AMX-BF16
     and Linux granted this process the tile state. ``TOKENLEAP_AMX=0`` turns them off (and the
-    int4 products' tiles, see ``set_amx_int8_rows``)."""
+    int4 / int6 products' tiles, see ``set_amx_int8_rows``)."""
     if "amx" not in _state:
         ok = _amx_allowed() and available() and "amx_bf16" in cpu_flags() and bool(torch.ops.tokenleap.amx_init())
         _state["amx"] = ok
     return bool(_state["amx"])
 
 
-# int4 products of at least this many rows run on AMX-INT8 tiles where the CPU has them (loading the
-# kernels sets it). On a 2-core Xeon (ms, AVX2 kernel / tiles): a 1536x8960 layer streamed from
-# memory (bench_kernels.py) 0.31 / 0.29, 0.35 / 0.30, 0.42 / 0.34 for 1, 2, 4 rows; weights the L3
-# holds (a 0.5B draft's 9728x896 layer) 0.10 / 0.18, 0.14 / 0.18, 0.24 / 0.20 -- from 4 rows the
-# tiles win in both cases.
+# int4 / int6 products of at least this many rows run on AMX-INT8 tiles where the CPU has them
+# (loading the kernels sets it). int4 on a 2-core Xeon (ms, AVX2 kernel / tiles): a 1536x8960
+# layer streamed from memory (bench_kernels.py) 0.31 / 0.29, 0.35 / 0.30, 0.42 / 0.34 for 1, 2, 4
+# rows; weights the L3 holds (a 0.5B draft's 9728x896 layer) 0.10 / 0.18, 0.14 / 0.18, 0.24 / 0.20
+# -- from 4 rows the tiles win in both cases (int6, streamed: 0.81 / 0.62 at 4 rows).
 AMX_INT8_MIN_ROWS = 4
 
 
 def set_amx_int8_rows(rows: int) -> int:
-    """int4 products of at least ``rows`` rows run on AMX-INT8 tiles (0: never); returns the previous
-    setting. Both kernels compute bitwise the same values, so this changes only speed. Raises
-    where the tiles are unavailable (``rows`` > 0)."""
+    """int4 / int6 products of at least ``rows`` rows run on AMX-INT8 tiles (0: never); returns the
+    previous setting. Both kernels compute bitwise the same values, so this changes only speed.
+    Raises where the tiles are unavailable (``rows`` > 0)."""
     available()
     return int(torch.ops.tokenleap.amx_int8_rows(rows))
 
