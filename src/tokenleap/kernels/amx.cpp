@@ -117,7 +117,6 @@ TL_AMX void column_blocks(const uint16_t* xb, int64_t M, int64_t K, const uint16
     _tile_release();
 }
 
-
 }  // namespace
 
 namespace tokenleap_ops {
@@ -143,7 +142,6 @@ at::Tensor bf16_amx_product(const at::Tensor& x, const at::Tensor& packed) {
   });
   return y;
 }
-
 
 }  // namespace tokenleap_ops
 

@@ -65,6 +65,12 @@ TL_AMX8 void configure_int4(int rows) {
   TL_LOAD_TILE_CONFIG(c);
 }
 
+// 32 bytes at a then 32 at b
+TL_AMX8 inline __m512i pair256(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
 // 8 float16 at a then 8 at b -> 16 floats
 TL_AMX8 inline __m512 halves(const uint16_t* a, const uint16_t* b) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(
@@ -81,9 +87,7 @@ TL_AMX8 inline void unpack_group(const uint8_t* p0, const uint8_t* p1, const uin
     _mm_prefetch(reinterpret_cast<const char*>(p1) + 2048 + l, _MM_HINT_T0);
   }
   for (int st = 0; st < 4; ++st) {
-    const __m512i v = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + st * 32))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + st * 32)), 1);
+    const __m512i v = pair256(p0 + st * 32, p1 + st * 32);
     _mm512_store_si512(bt + 2 * st * 64, _mm512_and_si512(v, mask));
     _mm512_store_si512(bt + (2 * st + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
   }
@@ -102,11 +106,6 @@ TL_AMX8 inline void finish_group(const int32_t* ct, __m512 sc, __m512 mn, const 
   }
 }
 
-// Rows [0, MR) of xq (row stride K) times the 16 columns of AVX2 blocks w0 and w0 + K * 4 bytes.
-// In the AVX2 layout a group is 4 k-steps of [8 columns][4 bytes]; the low nibbles of k-step s
-// are inputs 8s..8s+3 and the high ones 8s+4..8s+7 -- VNNI rows 2s and 2s + 1 for 8 columns.
-// Consecutive groups alternate between tiles 0-2 and 3-5.
-
 // One group's tile work on tile set 0-2 (odd: 3-5); the tile intrinsics take literal tile numbers.
 TL_AMX8 inline void group_tiles(bool odd, const int8_t* xq, int64_t K, int64_t g, const uint8_t* bt, int32_t* ct) {
   if (odd) {
@@ -124,6 +123,10 @@ TL_AMX8 inline void group_tiles(bool odd, const int8_t* xq, int64_t K, int64_t g
   }
 }
 
+// Rows [0, MR) of xq (row stride K) times the 16 columns of AVX2 blocks w0 and w0 + K * 4 bytes.
+// In the AVX2 layout a group is 4 k-steps of [8 columns][4 bytes]; the low nibbles of k-step s
+// are inputs 8s..8s+3 and the high ones 8s+4..8s+7 -- VNNI rows 2s and 2s + 1 for 8 columns.
+// Consecutive groups alternate between tiles 0-2 and 3-5.
 template <int MR>
 TL_AMX8 void int4_pass(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* w0,
                        const uint16_t* s0, float* y, int64_t ldy) {
@@ -157,8 +160,6 @@ constexpr std::array<Int4Pass, sizeof...(R)> int4_passes(std::integer_sequence<i
   return {&int4_pass<R + 1>...};
 }
 
-
-
 // ---- int6 (W6A8: a GGUF's Q6_K) ----------------------------------------------------------
 // Per 16 inputs h of group g: dot = sum q xq - 32 sum xq (exact), acc += float(dot) * (d sc_h * a[g])
 // as int6.cpp computes it. Each half of a group is one TDPBSUD of 16 inputs; halves 0 and 1 take
@@ -175,11 +176,6 @@ TL_AMX8 void configure_int6(int rows) {
 
 TL_AMX8 inline __m512 floats8x2(const float* a, const float* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
-}
-
-TL_AMX8 inline __m512i pair256(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
 
 // One group of the column pair (int6.cpp's layout at p0, p1) -> bt: half h's 4 VNNI rows at
