@@ -182,6 +182,32 @@ def test_a_probe_needing_a_catch_up_comes_within_the_exploration_share():
     assert all(c.choose(batch=2, backlog=100, remaining=1000) == 0 for _ in range(300))  # not when batched
 
 
+def test_a_rarely_measured_small_block_never_costs_more_than_a_larger_one():
+    """Plain steps of 3 sequences were timed once at a slow moment (3 rows: 0.97 s) and 4 rows many
+    times since (0.62 s): 3 rows are predicted at most 0.62 s, so the stale figure cannot make plain
+    decoding at batch 3 look slow and speculation look like a gain."""
+    c = DraftLengthController(ControllerConfig(max_k=4))
+    c.observe_forward(3, 0.97)
+    for _ in range(5):
+        c.observe_forward(4, 0.62)
+    c.observe_forward(8, 0.91)
+    assert c.predict_forward(3) == pytest.approx(0.62)
+    assert c.predict_forward(4) == pytest.approx(0.62) and c.predict_forward(8) == pytest.approx(0.91)
+    assert c.predict_forward(6) == pytest.approx(0.62 + 0.29 / 2)  # interpolated as before
+
+
+def test_a_batch_draft_never_predicted_cheaper_than_a_smaller_batch_forward():
+    """A batch-3 draft figure caught once as 0.4 ms a token (a forward that mostly fed another
+    sequence's backlog) is raised to what the batch-2 forward costs: 2 * 9.1 ms over 3 sequences."""
+    c = DraftLengthController(ControllerConfig(max_k=4))
+    c.observe_draft(1, 0.0149)
+    c.observe_draft(4, 0.0364, batch=2)  # 9.1 ms a token, two sequences
+    c.observe_draft(3, 0.0012, batch=3)
+    assert c.predict_draft(3) == pytest.approx(2 * 0.0091 / 3)
+    assert c.predict_draft(2) == pytest.approx(0.0091)  # measured and consistent: as measured
+    assert c.predict_draft(6) == pytest.approx(2 * 0.0091 / 6)  # unmeasured: floored the same way
+
+
 def test_draft_cost_is_learned_per_batch_size():
     c = DraftLengthController(ControllerConfig(max_k=4))
     assert c.predict_draft(4) == 0.0  # nothing measured: optimistic

@@ -220,6 +220,27 @@ def test_draft_prefill_skipped_while_speculation_does_not_pay_then_caught_up(tar
     eng.release(seq)
 
 
+def test_a_step_whose_draft_also_caught_up_records_no_draft_cost(target):
+    """A draft forward that feeds one sequence's backlog beside another's draft counts as catch-up
+    whole, so the step's drafting would look almost free: it records no draft-cost figure; the
+    next step, with nothing to catch up, does."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    draft = DraftModelProposer(target, VOCAB, 128, num_slots=2)
+    eng = Engine(target, ToyTokenizer(VOCAB, (2,)), max_len=128, num_slots=2, proposer=draft,
+                 controller=ControllerConfig(max_k=6))
+    fed = eng.add(PROMPTS[0], params)  # the draft prefills it alongside
+    eng.controller.draft_cost = 10.0  # then speculation is predicted not to pay: the draft skips a prompt
+    eng.controller.observe_forward(1, 0.01)
+    skipped = eng.add(PROMPTS[1], params)
+    assert draft.backlog(skipped.seq_id, skipped.tokens) > 0 and draft.backlog(fed.seq_id, fed.tokens) == 0
+    eng.step([fed, skipped], 2)
+    assert 2 not in eng.controller.draft_cost_at and eng.controller.catch_up_cost is not None
+    eng.step([fed, skipped], 2)
+    assert eng.controller.draft_cost_at[2] > 0
+    for s in (fed, skipped):
+        eng.release(s)
+
+
 def test_expected_remaining_follows_recently_finished_lengths(target):
     """What a catch-up is weighed against: max_tokens left until sequences have finished, then the
     median length of finished ones that ran longer, less what was generated (capped by max_tokens)."""

@@ -14,7 +14,9 @@ the largest, for one sequence as cheap as the largest measured while at most 16 
 longer draft gets tried: one step), for several along the slope of the two largest (at least
 flat) -- so a batch size never measured is judged by the row costs smaller batches measured
 instead of being tried blind, with every sequence's catch-up; beyond 16 rows, where every CPU is
-compute-bound, at least proportionally to rows.
+compute-bound, at least proportionally to rows. Costs are kept monotone in size: a block never
+costs more than a larger one measured, and a batch's draft forward never less than a smaller
+batch's (one figure caught at a slow or fast moment cannot tip the choice).
 Turning speculation on for sequences the draft has not followed (a prompt whose draft prefill was
 skipped, tokens decoded plainly meanwhile) first costs a catch-up: the draft feeding that backlog,
 measured in seconds per token. It is an investment, made only when the predicted time saved over
@@ -95,14 +97,17 @@ class DraftLengthController:
 
     def predict_draft(self, batch: int) -> float:
         """Seconds per drafted token at ``batch`` sequences: measured, else the nearest smaller
-        batch's figure (batching only makes a token cheaper), else optimistic zero."""
+        batch's figure (batching only makes a token cheaper), else optimistic zero -- and never so
+        low that a draft forward for ``batch`` sequences would cost less than one measured for fewer
+        (a figure caught at a fast moment, or a batch measured once, cannot make drafting look cheap)."""
         known = self.draft_cost_at
         if batch in known:
-            return known[batch]
-        smaller = [b for b in known if b < batch]
-        if smaller:
-            return known[max(smaller)]
-        return known[min(known)] if known else 0.0
+            per = known[batch]
+        elif smaller := [b for b in known if b < batch]:
+            per = known[max(smaller)]
+        else:
+            return known[min(known)] if known else 0.0
+        return max(per, max((known[b] * b for b in known if b < batch), default=0.0) / batch)
 
     # -- choosing ---------------------------------------------------------------------------
     def choose(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf")) -> int:
@@ -209,7 +214,14 @@ class DraftLengthController:
     def predict_forward(self, rows: int, explore: bool = False) -> float:
         """Seconds for a target forward over ``rows``. ``explore`` (one sequence): a block larger
         than any measured, up to 16 rows, is guessed as cheap as the largest measured, so each
-        longer draft gets tried -- one step, no catch-up; several sequences extrapolate instead."""
+        longer draft gets tried -- one step, no catch-up; several sequences extrapolate instead.
+        Never more than a larger block measured: a row count measured rarely (at a slow moment)
+        cannot make plain decoding, which computes the fewest rows, look slow."""
+        larger = [c for r, c in self.forward_cost.items() if r > rows]
+        guess = self._raw_forward(rows, explore)
+        return min(guess, min(larger)) if larger else guess
+
+    def _raw_forward(self, rows: int, explore: bool) -> float:
         if rows in self.forward_cost:
             return self.forward_cost[rows]
         if not self.forward_cost:

@@ -249,8 +249,8 @@ class Engine:
             by_seq[s.seq_id] = d
             share = len(d.tokens) / drafted if d is not None else 0.0
             s.stats.draft_seconds += drafting * share if drafted else drafting / len(asked)
-        if drafted:
-            self.controller.observe_draft(drafted, drafting, batch=len(asked))
+        if drafted and not catch_up:  # a forward that also fed a backlog counts as catch-up whole,
+            self.controller.observe_draft(drafted, drafting, batch=len(asked))  # leaving its drafts ~free
         return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0, catch_up
 
     def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> None:
