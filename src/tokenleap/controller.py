@@ -11,8 +11,8 @@ few observations, so a single slow step cannot pin a figure), plus what a step s
 those forwards, measured separately for speculative and plain steps at each batch size. A row
 count never measured is predicted from the measured ones: linear through the nearest two; past
 the largest, for one sequence as cheap as the largest measured while at most 16 rows (so each
-longer draft gets tried: one step), for several along the slope of the two largest (at least
-flat) -- so a batch size never measured is judged by the row costs smaller batches measured
+longer draft gets tried: one step), for several along the slope of the two largest or, if
+steeper, the slope from the smallest (at least flat) -- so a batch size never measured is judged by the row costs smaller batches measured
 instead of being tried blind, with every sequence's catch-up; beyond 16 rows, where every CPU is
 compute-bound, at least proportionally to rows. Costs are kept monotone in size: a block never
 costs more than a larger one measured, and a batch's draft forward never less than a smaller
@@ -229,11 +229,14 @@ class DraftLengthController:
         known = sorted(self.forward_cost)
         lower = [r for r in known if r < rows]
         upper = [r for r in known if r > rows]
-        if not upper:  # a block larger than any measured: along the slope of the two largest
-            top = known[-1]
+        if not upper:  # a block larger than any measured: along the slope of the two largest, or
+            top = known[-1]  # the slope from the smallest, if steeper (one noisy figure flattens the first)
             if explore and rows <= _MEMORY_BOUND_ROWS:
                 return self.forward_cost[top]
-            guess = self._line(known[-2], top, rows) if len(known) > 1 else self.forward_cost[top]
+            guess = self.forward_cost[top]
+            if len(known) > 1:
+                slope = max(self._slope(known[-2], top), self._slope(known[0], top))
+                guess += slope * (rows - top)
             if rows > _MEMORY_BOUND_ROWS:  # large blocks are compute-bound: at least ~ rows
                 guess = max(guess, self.forward_cost[top] * rows / top)
             return guess
@@ -241,10 +244,11 @@ class DraftLengthController:
             return self.forward_cost[upper[0]]
         return self._line(lower[-1], upper[0], rows)
 
+    def _slope(self, r0: int, r1: int) -> float:
+        return max(0.0, (self.forward_cost[r1] - self.forward_cost[r0]) / (r1 - r0))
+
     def _line(self, r0: int, r1: int, rows: int) -> float:
-        c0, c1 = self.forward_cost[r0], self.forward_cost[r1]
-        slope = max(0.0, (c1 - c0) / (r1 - r0))
-        return c0 + slope * (rows - r0)
+        return self.forward_cost[r0] + self._slope(r0, r1) * (rows - r0)
 
     # -- learning ---------------------------------------------------------------------------
     def _observe(self, obs: dict, table: dict, key, value: float) -> None:
