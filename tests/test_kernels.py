@@ -297,7 +297,8 @@ needs_amx_int8 = pytest.mark.skipif(not (HAS_AVX2 and kernels.amx_available() an
 
 @pytest.fixture
 def amx_int8_rows():
-    """Set which int4 products take the AMX tiles within a test; the loaded setting comes back after."""
+    """Set which int4 / int6 products take the AMX tiles within a test; the loaded setting comes
+    back after."""
     before = kernels.set_amx_int8_rows(0)
     yield kernels.set_amx_int8_rows
     kernels.set_amx_int8_rows(before)

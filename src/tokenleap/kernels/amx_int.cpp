@@ -30,6 +30,16 @@ using tokenleap_amx::TileConfig;
 std::atomic<int64_t> g_rows{0};  // products of at least this many rows take the tiles (0: none)
 constexpr int64_t kRing = 4, kAhead = 2;
 
+// Two tile sets (0-2, 3-5) of: activations [rows, k_bytes], weights [k_bytes / 4 VNNI rows, 16 x 4
+// bytes], int32 sums [rows, 16].
+TL_AMX8 void configure_sets(int rows, int k_bytes) {
+  TileConfig c;
+  for (int t : {0, 3}) c.rows[t] = rows, c.colsb[t] = k_bytes;
+  for (int t : {1, 4}) c.rows[t] = k_bytes / 4, c.colsb[t] = 64;
+  for (int t : {2, 5}) c.rows[t] = rows, c.colsb[t] = 64;
+  TL_LOAD_TILE_CONFIG(c);
+}
+
 // Runs pass(j, m0, rows) for column pairs [j0, j1) and every 16 rows, configuring the tiles by
 // configure(rows) when the row count changes, inside a save / restore of the thread's configuration.
 template <typename Configure, typename Pass>
@@ -57,13 +67,7 @@ TL_AMX8 void column_pairs(int64_t M, int64_t j0, int64_t j1, Configure configure
 // whichever kernel a call takes. Tiles (two sets, 0-2 and 3-5): up to 16 rows of activations (one
 // group: 32 bytes a row), the weights of 16 columns (two AVX2 column blocks) in VNNI order (8 rows
 // of 16 x 4 bytes), the int32 dot products [rows, 16].
-TL_AMX8 void configure_int4(int rows) {
-  TileConfig c;
-  for (int t : {0, 3}) c.rows[t] = rows, c.colsb[t] = 32;
-  for (int t : {1, 4}) c.rows[t] = 8, c.colsb[t] = 64;
-  for (int t : {2, 5}) c.rows[t] = rows, c.colsb[t] = 64;
-  TL_LOAD_TILE_CONFIG(c);
-}
+TL_AMX8 void configure_int4(int rows) { configure_sets(rows, 32); }
 
 // 32 bytes at a then 32 at b
 TL_AMX8 inline __m512i pair256(const uint8_t* a, const uint8_t* b) {
@@ -166,13 +170,7 @@ constexpr std::array<Int4Pass, sizeof...(R)> int4_passes(std::integer_sequence<i
 // tile sets 0-2 and 3-5 (activations: 16 bytes a row; weights: 4 VNNI rows of 16 x 4 bytes).
 constexpr int64_t kInt6GroupBytes = 208;
 
-TL_AMX8 void configure_int6(int rows) {
-  TileConfig c;
-  for (int t : {0, 3}) c.rows[t] = rows, c.colsb[t] = 16;
-  for (int t : {1, 4}) c.rows[t] = 4, c.colsb[t] = 64;
-  for (int t : {2, 5}) c.rows[t] = rows, c.colsb[t] = 64;
-  TL_LOAD_TILE_CONFIG(c);
-}
+TL_AMX8 void configure_int6(int rows) { configure_sets(rows, 16); }
 
 TL_AMX8 inline __m512 floats8x2(const float* a, const float* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
