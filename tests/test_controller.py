@@ -93,8 +93,8 @@ def test_unmeasured_large_blocks_are_predicted_compute_bound():
 def test_unmeasured_larger_blocks_follow_the_slope_of_the_two_largest_measured():
     """A batch never measured is judged by the row costs smaller batches measured, not tried blind:
     past the largest measured block the cost grows along the last measured slope, or the slope
-    from the smallest block if that is steeper. One sequence
-    still explores a longer draft as if it cost no more than the largest measured block."""
+    from the smallest block if that is steeper. One sequence still explores a longer draft as if
+    it cost no more than the largest measured block."""
     c = DraftLengthController(ControllerConfig(max_k=4))
     c.observe_forward(1, 1.0)
     c.observe_forward(4, 1.6)  # 0.2 s a row from 1 to 4 rows

@@ -14,9 +14,10 @@ the largest, for one sequence as cheap as the largest measured while at most 16 
 longer draft gets tried: one step), for several along the slope of the two largest or, if
 steeper, the slope from the smallest (at least flat) -- so a batch size never measured is judged
 by the row costs smaller batches measured instead of being tried blind, with every sequence's
-catch-up; beyond 16 rows, where every CPU is compute-bound, at least proportionally to rows. Costs are kept monotone in size: a block never
-costs more than a larger one measured, and a batch's draft forward never less than a smaller
-batch's (one figure caught at a slow or fast moment cannot tip the choice).
+catch-up; beyond 16 rows, where every CPU is compute-bound, at least proportionally to rows.
+Costs are kept monotone in size: a block never costs more than a larger one measured, and a
+batch's draft forward never less than a smaller batch's (one figure caught at a slow or fast
+moment cannot tip the choice).
 Turning speculation on for sequences the draft has not followed (a prompt whose draft prefill was
 skipped, tokens decoded plainly meanwhile) first costs a catch-up: the draft feeding that backlog,
 measured in seconds per token. It is an investment, made only when the predicted time saved over

@@ -76,7 +76,7 @@ def _load() -> None:
             reason = f"could not build {', '.join(p.name for p in _SOURCES)}: {type(e).__name__}: {str(e).strip()[-300:]}"
     if reason:
         log.warning("tokenleap CPU kernels unavailable (%s); using torch's kernels", reason)
-    elif _amx_allowed() and "amx_int8" in cpu_flags() and torch.ops.tokenleap.amx_init():
+    elif _tiles_granted("amx_int8"):
         torch.ops.tokenleap.amx_int8_rows(AMX_INT8_MIN_ROWS)
     _state["reason"] = reason
 
@@ -94,8 +94,11 @@ def unavailable_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
-def _amx_allowed() -> bool:
-    return os.environ.get("TOKENLEAP_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+def _tiles_granted(flag: str) -> bool:
+    """AMX tiles of kind ``flag`` (amx_bf16, amx_int8) may run: not turned off by ``TOKENLEAP_AMX=0``,
+    the CPU has them, and Linux granted this process the tile state (the loaded kernels ask)."""
+    allowed = os.environ.get("TOKENLEAP_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+    return allowed and flag in cpu_flags() and bool(torch.ops.tokenleap.amx_init())
 
 
 def amx_available() -> bool:
@@ -103,8 +106,7 @@ def amx_available() -> bool:
     and Linux granted this process the tile state. ``TOKENLEAP_AMX=0`` turns them off (and the
     int4 / int6 products' tiles, see ``set_amx_int8_rows``)."""
     if "amx" not in _state:
-        ok = _amx_allowed() and available() and "amx_bf16" in cpu_flags() and bool(torch.ops.tokenleap.amx_init())
-        _state["amx"] = ok
+        _state["amx"] = available() and _tiles_granted("amx_bf16")
     return bool(_state["amx"])
 
 

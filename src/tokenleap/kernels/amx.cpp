@@ -92,12 +92,10 @@ TL_AMX void tile_pass(const uint16_t* xb, int64_t K, const uint16_t* w, int64_t 
 
 // Column blocks [j0, j1) (pairs, then a last single block) for every row, 32 rows at a time: a
 // pair of weight blocks is read from memory once and from L2 for the later row groups.
-// The thread's tile configuration is saved first and restored last, so other AMX code on the same
-// threads (oneDNN, say) that keeps its configuration loaded between its calls finds it as it was.
+// The thread's tile configuration is kept (SavedTileConfig).
 TL_AMX void column_blocks(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, int64_t j0,
                           int64_t j1, float* y, int64_t N) {
-  TileConfig saved;
-  _tile_storeconfig(&saved);
+  tokenleap_amx::SavedTileConfig keep;
   int cfg_a = -1, cfg_b = -1;
   for (int64_t j = j0; j < j1; j += 2) {
     const bool pair = j + 1 < j1;
@@ -111,10 +109,6 @@ TL_AMX void column_blocks(const uint16_t* xb, int64_t M, int64_t K, const uint16
         pair ? tile_pass<2, false>(xb, K, w, m0, j, y, N) : tile_pass<1, false>(xb, K, w, m0, j, y, N);
     }
   }
-  if (saved.palette != 0)
-    _tile_loadconfig(&saved);
-  else
-    _tile_release();
 }
 
 }  // namespace

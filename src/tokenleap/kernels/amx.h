@@ -1,5 +1,6 @@
 // What the AMX kernels share (amx.cpp: bf16 products; amx_int.cpp: int4 / int6 products on AMX-INT8).
 #pragma once
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -32,3 +33,30 @@ struct alignas(64) TileConfig {
     __asm__ __volatile__("" : : "r"(&(cfg)) : "memory");            \
     _tile_loadconfig(&(cfg));                                       \
   } while (0)
+
+namespace tokenleap_amx {
+
+// Keeps the thread's tile configuration across a kernel call: saved on construction, restored (or
+// the tiles released, where none was loaded) on destruction -- so other AMX code on the same
+// threads (oneDNN, say) that keeps its configuration loaded between its calls finds it as it was.
+class SavedTileConfig {
+ public:
+  __attribute__((target("amx-tile"))) SavedTileConfig() {
+    __asm__ __volatile__("" : : "r"(&saved_) : "memory");  // (STTILECFG, too, declares 8 bytes)
+    _tile_storeconfig(&saved_);
+    __asm__ __volatile__("" : : "r"(&saved_) : "memory");
+  }
+  __attribute__((target("amx-tile"))) ~SavedTileConfig() {
+    if (saved_.palette != 0)
+      TL_LOAD_TILE_CONFIG(saved_);
+    else
+      _tile_release();
+  }
+  SavedTileConfig(const SavedTileConfig&) = delete;
+  SavedTileConfig& operator=(const SavedTileConfig&) = delete;
+
+ private:
+  TileConfig saved_;
+};
+
+}  // namespace tokenleap_amx

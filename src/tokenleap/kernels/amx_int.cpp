@@ -41,11 +41,10 @@ TL_AMX8 void configure_sets(int rows, int k_bytes) {
 }
 
 // Runs pass(j, m0, rows) for column pairs [j0, j1) and every 16 rows, configuring the tiles by
-// configure(rows) when the row count changes, inside a save / restore of the thread's configuration.
+// configure(rows) when the row count changes; the thread's configuration is kept (SavedTileConfig).
 template <typename Configure, typename Pass>
 TL_AMX8 void column_pairs(int64_t M, int64_t j0, int64_t j1, Configure configure, Pass pass) {
-  TileConfig saved;
-  _tile_storeconfig(&saved);
+  tokenleap_amx::SavedTileConfig keep;
   int cfg = -1;
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
@@ -53,10 +52,6 @@ TL_AMX8 void column_pairs(int64_t M, int64_t j0, int64_t j1, Configure configure
       if (mr != cfg) configure(mr), cfg = mr;
       pass(j, m0, mr);
     }
-  if (saved.palette != 0)
-    _tile_loadconfig(&saved);
-  else
-    _tile_release();
 }
 
 // ---- int4 (W4A8) -------------------------------------------------------------------------
@@ -261,9 +256,9 @@ constexpr std::array<Int6Pass, sizeof...(R)> int6_passes(std::integer_sequence<i
 
 namespace tokenleap_ops {
 
-bool amx_int8_takes(int64_t rows) {
+bool amx_int8_takes(int64_t rows, int64_t cols) {
   const int64_t from = g_rows.load(std::memory_order_relaxed);
-  return from > 0 && rows >= from;
+  return from > 0 && rows >= from && cols % 16 == 0;  // a pass covers 16 columns
 }
 
 void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,

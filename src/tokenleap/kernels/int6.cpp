@@ -138,7 +138,7 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  if (NB8 % 2 == 0 && M > 0 && tokenleap_ops::amx_int8_takes(M)) {  // bitwise the same values
+  if (tokenleap_ops::amx_int8_takes(M, N)) {  // bitwise the same values
     tokenleap_ops::int6_amx_product(qp, ap, sp, M, K, w, dp, out, N);
     if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
     return y;

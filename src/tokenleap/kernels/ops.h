@@ -13,8 +13,8 @@ at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& packed, const at:
 // amx.cpp: bf16 weights packed [N/16, K/32, 16, 16, 2]
 at::Tensor bf16_amx_product(const at::Tensor& x, const at::Tensor& packed);
 // amx_int.cpp: int4.cpp's and int6.cpp's products on AMX-INT8 tiles (their operands, bitwise their
-// results), for calls of at least the rows set by the op amx_int8_rows
-bool amx_int8_takes(int64_t rows);
+// results), for calls of at least the rows set by the op amx_int8_rows and a multiple of 16 columns
+bool amx_int8_takes(int64_t rows, int64_t cols);
 void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
                       const uint8_t* packed, const uint16_t* sm, float* y, int64_t N);
 void int6_amx_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
