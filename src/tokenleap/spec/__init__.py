@@ -1,0 +1,1 @@
+"""The speculation core's tree step: proposal trees and their lossless verification."""
