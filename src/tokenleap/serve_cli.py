@@ -31,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (default: reuse prompt windows another request computed)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
+    from .replicas_cli import add_replica_args  # --replicas N: the same server on Ray Serve replicas
+    add_replica_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -87,21 +89,14 @@ def model_aliases(model: str) -> tuple[str, ...]:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .scheduler import SchedulerConfig
-    from .server import ServerConfig, create_app
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    if args.replicas > 1 or args.autoscale:
+        from .replicas_cli import serve_replicas
+        return serve_replicas(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = build_engine(args.model, spec=spec_config(args), dtype=args.dtype, quant=args.quant,
-                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                          kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir,
-                          prefix_caching=not args.no_prefix_caching)
+    app, engine = build_app(args)
     name = args.served_model_name or args.model
-    config = ServerConfig(model_name=name, model_aliases=model_aliases(args.model), api_key=args.api_key,
-                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                                                    log_interval=args.log_interval))
-    app = create_app(engine, config)
     if not _is_loopback(args.host) and not args.api_key:
         print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
     cache = engine.cache
@@ -111,6 +106,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"prefix caching: {'on' if cache.prefix_caching else 'off'}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def build_app(args: argparse.Namespace):
+    """The serving engine and its FastAPI app, from the parsed ``serve`` command line (also what each
+    ``--replicas`` replica runs)."""
+    from .scheduler import SchedulerConfig
+    from .server import ServerConfig, create_app
+    engine = build_engine(args.model, spec=spec_config(args), dtype=args.dtype, quant=args.quant,
+                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir,
+                          prefix_caching=not args.no_prefix_caching)
+    name = args.served_model_name or args.model
+    config = ServerConfig(model_name=name, model_aliases=model_aliases(args.model), api_key=args.api_key,
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                                                    log_interval=args.log_interval))
+    return create_app(engine, config), engine
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,0 +1,107 @@
+"""Which replica serves a request: the least loaded one, and among equally loaded ones the replica
+that last served the same prompt start (its prefix cache likely holds those windows).
+
+``LoadAffinityRouter`` is a Ray Serve request router (it runs inside the ingress, in the
+deployment handle that calls the replicas). A replica's load is its number of ongoing requests:
+Ray's live count for the handle (incremented as requests are sent, corrected by probing the
+replicas), or, where that count is missing or stale, what the replica last reported in its
+routing stats. The ingress passes each request's ``affinity`` key (``affinity_key``: a hash of
+the prompt's first window of text) as a keyword argument of the replica call.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+AFFINITY_KWARG = "affinity"
+
+
+def affinity_key(body: bytes, chars: int) -> str | None:
+    """A hash of the first ``chars`` characters of a completion's prompt or a chat's messages (as
+    text; for token-id prompts the first ``chars // 4`` ids), or None when the body has neither."""
+    try:
+        req = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(req, dict):
+        return None
+    prompt = req.get("prompt", req.get("messages"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and "prompt" in req:
+        prompt = prompt[0]  # a batch of prompts: its first one
+    if isinstance(prompt, str):
+        start = prompt[:chars]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        start = json.dumps(prompt[: max(1, chars // 4)])
+    elif isinstance(prompt, list) and prompt:  # chat messages: role and content, in order
+        text = "".join(f"<{m.get('role')}>{m.get('content')}" if isinstance(m, dict) else str(m) for m in prompt)
+        start = text[:chars]
+    else:
+        return None
+    return hashlib.blake2b(start.encode("utf-8", "replace"), digest_size=12).hexdigest()
+
+
+def rank_by_load(loads: dict[Hashable, int], preferred: Hashable | None) -> list[list[Hashable]]:
+    """Replica ids in ranks of equal load, least loaded first; ``preferred`` (the affinity
+    replica) alone ahead of its rank when that rank is the least loaded one."""
+    ranks: dict[int, list[Hashable]] = {}
+    for rid, load in loads.items():
+        ranks.setdefault(load, []).append(rid)
+    ordered = [ranks[load] for load in sorted(ranks)]
+    if ordered and preferred in ordered[0] and len(ordered[0]) > 1:
+        ordered[0] = [r for r in ordered[0] if r != preferred]
+        ordered.insert(0, [preferred])
+    return ordered
+
+
+class LoadAffinityRouter(FIFOMixin, RequestRouter):
+    """Least ongoing requests first; ties go to the replica that served the same prompt start."""
+
+    def initialize_state(self, max_keys: int = 4096, **_: Any) -> None:
+        self._last: OrderedDict[str, ReplicaID] = OrderedDict()  # affinity key -> replica that served it
+        self._max_keys = max_keys
+
+    def _load(self, replica: RunningReplica) -> int:
+        live = self.replica_queue_len_cache.get(replica.replica_id)
+        if live is not None:
+            return live
+        return int((replica.routing_stats or {}).get("requests", 0))
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        key = _key(pending_request)
+        preferred = self._last.get(key) if key is not None and hasattr(self, "_last") else None
+        ranks = rank_by_load({rid: self._load(r) for rid, r in by_id.items()}, preferred)
+        return [[by_id[rid] for rid in rank] for rank in ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        key = _key(pending_request)
+        if key is None or not hasattr(self, "_last"):
+            return
+        self._last[key] = replica_id
+        self._last.move_to_end(key)
+        while len(self._last) > self._max_keys:
+            self._last.popitem(last=False)
+
+
+def _key(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None:
+        return None
+    key = pending_request.kwargs.get(AFFINITY_KWARG)
+    return key if isinstance(key, str) else None
+
+
+def replica_share(counts: dict[str, int]) -> dict[str, float]:
+    """Each replica's fraction of the requests counted."""
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()} if total else {}
+
+
+__all__: Sequence[str] = ("AFFINITY_KWARG", "LoadAffinityRouter", "affinity_key", "rank_by_load", "replica_share")
