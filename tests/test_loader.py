@@ -133,8 +133,8 @@ def test_hf_directory_errors_name_the_missing_file(tmp_path):
     (d / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelFormatError, match="hidden_size"):
         load_checkpoint(d, torch.float32)
-    (d / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
-    with pytest.raises(ModelFormatError, match="gemma3"):
+    (d / "config.json").write_text(json.dumps({"model_type": "falcon"}))
+    with pytest.raises(ModelFormatError, match="falcon"):
         load_checkpoint(d, torch.float32)
 
 

@@ -73,10 +73,13 @@ def test_add_bos_token_is_honoured_once():
     assert tok2.encode_chat([{"role": "user", "content": "hi"}]).count(bos) == 1
 
 
-@pytest.mark.parametrize("model", ["llama", "bert", None])
+@pytest.mark.parametrize("model", ["bert", "rwkv", None])
 def test_unsupported_tokenizer_model(model):
     with pytest.raises(ModelFormatError, match=repr(model)):
         Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.ggml.model": model}))
+    # SentencePiece ('llama') vocabularies are built (tests/test_tokenizer_spm.py); T5's Unigram is refused
+    with pytest.raises(ModelFormatError, match="'t5'.*encoder-decoder"):
+        Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.ggml.model": "t5"}))
 
 
 def test_unsupported_pre_tokenizer_and_missing_fields():

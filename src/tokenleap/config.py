@@ -6,10 +6,12 @@ reports the same clear message for the same bad value.
 from __future__ import annotations
 
 import json as _json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # rope scaling as transformers defines it
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (vLLM's default limit)
 
 
@@ -19,9 +21,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama / Qwen2 decoder. Field names follow Hugging Face's config.json."""
+    """Shape of a decoder of one of ``SUPPORTED_ARCHITECTURES``. Field names follow Hugging Face's
+    config.json; ``from_hf_dict`` reads one (``models/hf_config.py``), ``to_hf_dict`` writes one back.
 
-    architecture: str  # "llama" | "qwen2"
+    Families differ only in flags derived here: Qwen3 and Gemma 3 normalise q and k per head
+    (``qk_norm``); Gemma 3 scales embeddings by sqrt(hidden), stores norm weights as offsets from 1,
+    and wraps attention and MLP in pre and post norms (``gemma_style``)."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,6 +43,16 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has a bias on q/k/v projections
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # rope scaling of the (global) layers: sorted (key, value) pairs of transformers' rope parameters,
+    # "rope_type" among them; () is plain RoPE
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    rope_freq_factors: tuple[float, ...] = ()  # a GGUF's rope_freqs tensor: inv_freq[i] /= factor[i]
+    sliding_window: int | None = None  # a sliding layer's query sees this many keys, itself included
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all alike
+    rope_local_base_freq: float | None = None  # RoPE base of sliding layers where it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (default head_dim)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -45,47 +62,63 @@ class ModelConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        for name in ("eos_token_ids", "rope_freq_factors", "layer_types"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        rope_type = self.rope_scaling_dict.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"rope scaling type {rope_type!r} is not supported by tokenleap (it implements "
+                              f"{', '.join(ROPE_TYPES)}); use a checkpoint without it")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ConfigError(f"rope_freq_factors needs head_dim / 2 = {self.head_dim // 2} values, "
+                              f"got {len(self.rope_freq_factors)}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"activation {self.hidden_act!r} is not supported; tokenleap runs "
+                              f"{', '.join(HIDDEN_ACTS)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types)
+                                 <= {"full_attention", "sliding_attention"}):
+            raise ConfigError("layer_types needs one of 'full_attention' / 'sliding_attention' per layer")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    @property
+    def qk_norm(self) -> bool:
+        """q and k are RMS-normalised per head before RoPE (q_norm / k_norm weights)."""
+        return self.architecture in ("qwen3", "gemma3")
+
+    @property
+    def gemma_style(self) -> bool:
+        """Embeddings scaled by sqrt(hidden), norms multiply by (1 + weight), pre/post norms."""
+        return self.architecture == "gemma3"
+
+    def is_sliding(self, layer: int) -> bool:
+        """Layer ``layer`` attends over the last ``sliding_window`` positions only."""
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dictionary."""
-        model_type = str(d.get("model_type", "")).lower()
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            archs = d.get("architectures") or [model_type or "unknown"]
-            raise ConfigError(
-                f"unsupported architecture {archs[0]!r} (model_type {model_type!r}); tokenleap "
-                f"supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        heads = int(d["num_attention_heads"])
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        return cls(
-            architecture=model_type,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        """Build from a Hugging Face config.json dictionary (see ``models/hf_config.py``)."""
+        from .models.hf_config import config_from_hf_dict  # lazy: models imports this module
+
+        return config_from_hf_dict(d)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json a Hugging Face loader accepts for this model."""
-        d = asdict(self)
-        d["model_type"] = d.pop("architecture")
-        d["architectures"] = ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"]
-        eos = list(d.pop("eos_token_ids"))
-        d["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
-        d["hidden_act"] = "silu"
-        return d
+        """The config.json a Hugging Face loader accepts for this model (``from_hf_dict`` reads it back)."""
+        from .models.hf_config import config_to_hf_dict
+
+        return config_to_hf_dict(self)
 
 
 @dataclass(frozen=True)

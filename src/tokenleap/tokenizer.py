@@ -22,6 +22,8 @@ from tokenizers import Tokenizer as _Backend
 from .config import ConfigError
 from .detokenizer import IncrementalDetokenizer
 from .errors import ModelFormatError, ModelNotFoundError, TokenleapError
+from .tokenizer_spm import (SENTENCEPIECE_MODELS, build_sentencepiece_backend, piece_bytes,
+                            sentencepiece_adds_bos, unsupported_model_error)
 
 # Pre-tokenizer split patterns, keyed by GGUF ``tokenizer.ggml.pre`` (llama.cpp's names)
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -104,18 +106,21 @@ def _pre_tokenizer_spec(pre: str | None) -> tuple[tuple[str, ...], bool]:
 
 
 def build_backend_tokenizer(metadata: dict[str, Any]) -> _Backend:
-    """A byte-level BPE ``tokenizers.Tokenizer`` from GGUF tokenizer metadata."""
+    """A ``tokenizers.Tokenizer`` from GGUF tokenizer metadata: byte-level BPE ('gpt2') or
+    SentencePiece ('llama', 'gemma4'; see ``tokenizer_spm``)."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelFormatError(
-            f"unsupported tokenizer model {kind!r} in GGUF metadata; tokenleap supports byte-level "
-            "BPE ('gpt2', used by Qwen2, SmolLM2 and Llama 3), not sentencepiece ('llama') or others")
+    if kind != "gpt2" and kind not in SENTENCEPIECE_MODELS:
+        raise unsupported_model_error(kind)
     tokens = [str(t) for t in _require(metadata, "tokenizer.ggml.tokens")]
-    merges = [str(m) for m in _require(metadata, "tokenizer.ggml.merges")]
     types = metadata.get("tokenizer.ggml.token_type")
     types = [int(k) for k in types] if types is not None else [_TOKEN_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ModelFormatError("GGUF tokenizer metadata: token_type and tokens differ in length")
+    if kind in SENTENCEPIECE_MODELS:
+        backend = build_sentencepiece_backend(metadata, tokens, types)
+        _set_post_processor(backend, metadata, tokens)
+        return backend
+    merges = [str(m) for m in _require(metadata, "tokenizer.ggml.merges")]
     splits, ignore_merges = _pre_tokenizer_spec(metadata.get("tokenizer.ggml.pre"))
 
     added = {_TOKEN_CONTROL, _TOKEN_USER_DEFINED}
@@ -148,9 +153,15 @@ def _special(metadata: dict[str, Any], tokens: list[str], name: str) -> str | No
     return tokens[int(idx)] if 0 <= int(idx) < len(tokens) else None
 
 
+def _adds_bos(metadata: dict[str, Any]) -> bool:
+    if metadata.get("tokenizer.ggml.model") in SENTENCEPIECE_MODELS:
+        return sentencepiece_adds_bos(metadata)
+    return bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+
+
 def _set_post_processor(backend: _Backend, metadata: dict[str, Any], tokens: list[str]) -> None:
     bos, eos = _special(metadata, tokens, "bos"), _special(metadata, tokens, "eos")
-    head = [bos] if bos and metadata.get("tokenizer.ggml.add_bos_token") else []
+    head = [bos] if bos and _adds_bos(metadata) else []
     tail = [eos] if eos and metadata.get("tokenizer.ggml.add_eos_token") else []
     if not head and not tail:
         return
@@ -167,7 +178,7 @@ def tokenizer_config_from_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
                               "clean_up_tokenization_spaces": False}
     for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
         config[f"{name}_token"] = _special(metadata, tokens, key)
-    config["add_bos_token"] = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    config["add_bos_token"] = _adds_bos(metadata)
     config["add_eos_token"] = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     if metadata.get("tokenizer.chat_template"):
         config["chat_template"] = metadata["tokenizer.chat_template"]
@@ -249,6 +260,10 @@ class Tokenizer:
         with_specials = backend.encode("a", add_special_tokens=True).ids
         self.add_bos_token = self.bos_token_id is not None and with_specials[:1] == [self.bos_token_id]
         self.eos_token_ids = self._stop_ids(generation_config or {})
+        # SentencePiece-style vocabulary (``▁`` for a space, ``<0xNN>`` byte pieces): token bytes
+        # come from the spelling, since a decoder may strip a piece's leading space
+        self._spm_pieces = isinstance(backend.model, models.BPE) and bool(backend.model.byte_fallback)
+        self._added_ids: frozenset[int] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -311,6 +326,12 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token stands for -- exact also for a token that holds part of a
         multi-byte character (byte-level BPE spelling, or SentencePiece's ``<0xNN>`` byte tokens)."""
+        if self._spm_pieces:
+            if self._added_ids is None:
+                self._added_ids = frozenset(self._backend.get_added_tokens_decoder())
+            spelled = self.id_to_token(token_id) if int(token_id) not in self._added_ids else None
+            if spelled:
+                return piece_bytes(spelled) or b""
         text = self.decode([token_id], skip_special_tokens=False)
         if "\ufffd" in text:
             spelled = self.id_to_token(token_id) or ""

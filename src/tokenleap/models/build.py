@@ -9,8 +9,40 @@ from .linear import Linear
 from .transformer import Transformer
 
 
+_WRAPPER_PREFIXES = ("model.language_model.", "language_model.model.")  # Gemma 3's multimodal checkpoints
+_WRAPPER_DROPPED = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def split_fused_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weights under the names ``Transformer`` uses: Phi-3's fused ``qkv_proj`` / ``gate_up_proj``
+    split into q/k/v and gate/up (row slices, values unchanged; ``fuse_projections_`` may join
+    them again for the kernels); Gemma 3's multimodal names reduced to the text model's."""
+    out: dict[str, torch.Tensor] = {}
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    for name, w in weights.items():
+        if name.startswith(_WRAPPER_DROPPED):
+            continue
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix):]
+        if name == "language_model.lm_head.weight":
+            name = "lm_head.weight"
+        if ".self_attn.qkv_proj." in name:
+            parts = w.split([q_rows, kv_rows, kv_rows])  # [q | k | v] rows
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                out[name.replace("qkv_proj", proj)] = part
+        elif ".mlp.gate_up_proj." in name:
+            gate, up = w.chunk(2)  # [gate | up] rows
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            out[name] = w
+    return out
+
+
 def build_transformer(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
     """Create the model without allocating random weights, then adopt ``weights`` (HF names)."""
+    weights = split_fused_weights(config, weights)
     with torch.device("meta"):
         model = Transformer(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -31,7 +63,7 @@ def build_transformer(config: ModelConfig, weights: dict[str, torch.Tensor], dty
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = type(model.rotary)(config.head_dim, config.rope_theta, config.max_position_embeddings)
+    model.init_rotary()
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()

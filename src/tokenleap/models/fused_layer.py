@@ -54,7 +54,11 @@ def _modules(block: nn.Module) -> list:
 
 
 def layer_plan(block: nn.Module) -> LayerPlan | None:
-    """The kernel's operands for ``block`` (a ``transformer.Block``), or None when it cannot run it."""
+    """The kernel's operands for ``block`` (a ``transformer.Block``), or None when it cannot run it:
+    the kernel computes the plain Llama layer only (``Block.plain``: no q/k norms, no pre/post norms,
+    SwiGLU, full causal attention at scale head_dim ** -0.5)."""
+    if not getattr(block, "plain", True):
+        return None
     mods = _modules(block)
     key = tuple(id(m) for m in mods[0] + mods[1:2] + mods[2] + mods[3:])
     cached = block.__dict__.get("_fused_plan")

@@ -8,7 +8,12 @@ type tables and the dequantization kernels (``gguf.quants.dequantize``).
 
 llama.cpp's converter permutes the rows of the q and k projections of *llama* models (it
 interleaves the two rotary halves of each head); ``GGUFFile`` undoes that so every tensor equals the
-Hugging Face original (up to quantization error). Qwen2 files are not permuted.
+Hugging Face original (up to quantization error). Qwen2 / Qwen3 / Phi-3 / Gemma 3 files are not
+permuted. Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate + up) are offered as the row ranges of
+q/k/v and gate/up; Gemma 3's norm weights, stored by the converter as ``1 + weight``, are read back
+as Hugging Face's ``weight``. RoPE scaling metadata and Llama 3's ``rope_freqs`` tensor become the
+config's ``rope_scaling`` / ``rope_freq_factors``; a scaling tokenleap does not implement
+(``longrope``'s factor tensors, unknown types) is refused.
 """
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
-from ..config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..errors import ModelFormatError, ModelNotFoundError
+from .gguf_arch import arch_fields, rope_freq_factors, rope_scaling_from_gguf
 
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -44,16 +50,31 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+_BLOCK_NAMES |= {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# fused GGUF tensors offered as row ranges: GGUF block name -> [(HF module, which part)]
+_SPLIT_NAMES = {
+    "phi3": {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "ffn_up": ("mlp.gate_proj", "mlp.up_proj")},
+}
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")  # llama also carries Mistral
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor name, or None for tensors tokenleap does not use."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """Hugging Face name of a GGUF tensor name, or None for tensors tokenleap does not use (or
+    that it splits: Phi-3's fused tensors, see ``GGUFFile``)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _SPLIT_NAMES.get(arch, {}):
+        return None
+    names = _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(arch, {})
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -202,21 +223,43 @@ class GGUFFile:
             raise ModelNotFoundError(f"GGUF file not found: {self.path}")
         self.metadata, self.infos = read_header(self.path)
         self.architecture = str(self.metadata.get("general.architecture", ""))
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in GGUF_ARCHITECTURES:
             raise ModelFormatError(
                 f"{self.path}: architecture {self.architecture or 'unknown'!r} is not supported; "
-                f"tokenleap runs {' and '.join(SUPPORTED_ARCHITECTURES)} models"
+                f"tokenleap runs GGUF files of {', '.join(GGUF_ARCHITECTURES)} models"
             )
-        self._check_rope_scaling()
-        self.hf_to_gguf = {hf: n for n in self.infos if (hf := gguf_to_hf_name(n)) is not None}
-        self.ignored = [n for n in self.infos if gguf_to_hf_name(n) is None]
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._rope_scaling = rope_scaling_from_gguf(self)  # refuses what tokenleap cannot compute exactly
+        self._views: dict[str, TensorInfo] = {}  # HF name -> its tensor, or its rows of a fused tensor
+        for n, info in self.infos.items():
+            if (hf := gguf_to_hf_name(n, self.architecture)) is not None:
+                self._views[hf] = info
+            else:
+                self._views |= self._split(info)
+        self.hf_to_gguf = {hf: info.name for hf, info in self._views.items()}
+        self.ignored = [n for n in self.infos if n not in set(self.hf_to_gguf.values())]
 
-    def _check_rope_scaling(self) -> None:
-        kind = self.metadata.get(f"{self.architecture}.rope.scaling.type", "none")
-        factor = float(self.metadata.get(f"{self.architecture}.rope.scaling.factor", 1.0) or 1.0)
-        if "rope_freqs.weight" in self.infos or (kind not in ("none", "") and factor != 1.0):
-            raise ModelFormatError(f"{self.path}: RoPE scaling ({kind}) is not supported by tokenleap")
+    def _split(self, info: TensorInfo) -> dict[str, TensorInfo]:
+        """Phi-3's fused tensors as row ranges (whole rows, so quantization blocks stay intact)."""
+        m = _BLOCK_RE.match(info.name)
+        parts = _SPLIT_NAMES.get(self.architecture, {}).get(m.group(2)) if m else None
+        if not parts:
+            return {}
+        if len(parts) == 3:
+            heads, kv = int(self._meta("attention.head_count")), int(self._meta("attention.head_count_kv", 0))
+            kv = kv or heads
+            hd = info.shape[0] // (heads + 2 * kv)
+            rows = [heads * hd, kv * hd, kv * hd]
+        else:
+            rows = [info.shape[0] // 2] * 2
+        row_bytes = info.byte_shape[-1]
+        out, start = {}, 0
+        for module, n in zip(parts, rows):
+            shape = (n, *info.shape[1:])
+            out[f"model.layers.{m.group(1)}.{module}.{m.group(3)}"] = TensorInfo(
+                info.name, info.qtype, shape, info.offset + start * row_bytes, n * row_bytes)
+            start += n
+        return out
 
     def _meta(self, key: str, default: Any = ...) -> Any:
         full = f"{self.architecture}.{key}"
@@ -236,16 +279,18 @@ class GGUFFile:
         if "token_embd.weight" not in self.infos:
             raise ModelFormatError(f"{self.path}: the file has no token_embd.weight tensor")
         eos = [self.metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        layers = int(self._meta("block_count"))
+        head_dim = int(self._meta("attention.key_length", hidden // heads))
         try:
             return ModelConfig(
-                architecture=self.architecture,
+                **arch_fields(self, layers, heads, hidden, head_dim),
                 vocab_size=self.infos["token_embd.weight"].shape[0],
                 hidden_size=hidden,
                 intermediate_size=int(self._meta("feed_forward_length")),
-                num_hidden_layers=int(self._meta("block_count")),
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(kv_heads),
-                head_dim=int(self._meta("attention.key_length", hidden // heads)),
+                head_dim=head_dim,
                 max_position_embeddings=int(self._meta("context_length", 4096)),
                 rope_theta=float(self._meta("rope.freq_base", 10000.0)),
                 rms_norm_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -253,6 +298,8 @@ class GGUFFile:
                 attention_bias=self.architecture == "qwen2",
                 bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+                rope_scaling=tuple(sorted(self._rope_scaling.items())),
+                rope_freq_factors=rope_freq_factors(self, head_dim),
             )
         except ConfigError as e:
             raise ModelFormatError(f"{self.path}: {e}") from None
@@ -262,9 +309,10 @@ class GGUFFile:
         return list(self.hf_to_gguf)
 
     def info(self, hf_name: str) -> TensorInfo:
-        if hf_name not in self.hf_to_gguf:
+        """The tensor (or, for a split fused tensor, its rows) holding ``hf_name``."""
+        if hf_name not in self._views:
             raise KeyError(f"{self.path} has no tensor {hf_name!r}")
-        return self.infos[self.hf_to_gguf[hf_name]]
+        return self._views[hf_name]
 
     def _heads_to_unpermute(self, hf_name: str) -> int | None:
         if self.architecture != "llama":
@@ -303,6 +351,8 @@ class GGUFFile:
         n_head = self._heads_to_unpermute(hf_name)
         if n_head is not None:
             out = _unpermute_rows(out, n_head).contiguous()
+        if self.architecture == "gemma3" and hf_name.endswith("norm.weight"):
+            out = out - 1.0  # llama.cpp stores Gemma's (1 + weight); Hugging Face stores weight
         return out.to(dtype)
 
     def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
@@ -339,4 +389,4 @@ class GGUFFile:
         self.close()
 
 
-__all__ = ["GGUFFile", "TensorInfo", "gguf_to_hf_name", "read_header", "GGUF_MAGIC"]
+__all__ = ["GGUFFile", "TensorInfo", "gguf_to_hf_name", "read_header", "GGUF_MAGIC", "GGUF_ARCHITECTURES"]

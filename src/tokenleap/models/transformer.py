@@ -1,4 +1,7 @@
-"""Llama / Qwen2 decoder in plain PyTorch (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+"""The one decoder of every supported family, in plain PyTorch: RMSNorm, RoPE, grouped-query
+attention, gated MLP (SwiGLU or GeGLU). Llama / Qwen2 / Mistral / Phi-3 are the plain layer;
+Qwen3 adds per-head q/k norms; Gemma 3 adds pre/post norms around attention and MLP, scaled
+embeddings, its own attention scale and local (sliding-window) layers with their own RoPE base.
 
 Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight`` ...), so weights
 load without renaming. ``forward`` takes a flat list of new rows that may belong to several
@@ -7,7 +10,10 @@ returns logits for the rows asked for, plus hidden states of any layers asked fo
 
 Batch invariance: with ``row_exact=True`` every row is computed exactly as if it were alone --
 linear layers are row-invariant (see ``linear.py``) and attention is evaluated one query row at a
-time over that row's own prefix of the cache, the same call a one-token step makes.
+time over that row's own prefix of the cache, the same call a one-token step makes. A sliding
+layer's row sees the last ``sliding_window`` positions of its prefix; the compiled fast paths
+(``rope_store_attend``, ``kernels.decoder_layer``) take only plain layers and plain attention, so
+other layers run the Python code below, which keeps the same one-row-at-a-time rule.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from ..cache import KVCache
 from ..config import ModelConfig
 from .fused_layer import LayerPlan, layer_plan
 from .linear import Linear
+from .norms import RMSNorm
+from .rope import Rotary, rotaries
 
 
 @dataclass(frozen=True)
@@ -35,41 +43,38 @@ class Segment:
     row_start: int = 0
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int, scale: float,
+                       window: int, row_exact: bool) -> torch.Tensor:
+    """Causal attention of rows at positions pos0 .. pos0+T-1 over the keys before them, each row
+    seeing only its last ``window`` positions (itself included) -- transformers' sliding-window mask.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [rows, dim]; normalise in fp32 like the reference implementations
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and kernels.available():
-            return kernels.rms_norm(x, self.weight, self.eps)  # one fused op (sum of squares in fp64)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    q: [T, heads, hd]; keys, values: [n_kv, pos0 + T, hd] -> [T, heads, hd]. With ``row_exact`` (or one
+    row) each row is its own call of the same shapes, so its values do not depend on the block."""
+    T, heads, hd = q.shape
+    n_kv = keys.shape[0]
+    group = heads // n_kv
 
+    def rows(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        qh = qs.reshape(qs.shape[0], n_kv, group, hd).permute(1, 2, 0, 3)  # [n_kv, group, t, hd]
+        scores = torch.matmul(qh, ks.unsqueeze(1).transpose(-1, -2)) * scale  # [n_kv, group, t, n]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(qs.dtype)
+        out = torch.matmul(probs, vs.unsqueeze(1))  # [n_kv, group, t, hd]
+        return out.permute(2, 0, 1, 3).reshape(qs.shape[0], heads, hd)
 
-class Rotary(nn.Module):
-    """Rotary position embedding, half-split layout (Hugging Face's ``rotate_half``)."""
-
-    def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # [max_pos, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, hd]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [rows, heads, hd]; positions: [rows]
-        if x.dtype == torch.float32 and kernels.available():
-            return kernels.rope_(x.contiguous(), self.cos, self.sin, positions)  # fused, in place
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [rows, 1, hd]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    if row_exact or T == 1:
+        outs = []
+        for t in range(T):
+            n = pos0 + t + 1
+            lo = max(0, n - window)
+            outs.append(rows(q[t : t + 1], keys[:, lo:n], values[:, lo:n], None))
+        return torch.cat(outs)
+    end = pos0 + T
+    qpos = torch.arange(pos0, end).unsqueeze(1)  # [T, 1]
+    kpos = torch.arange(end).unsqueeze(0)  # [1, end]
+    mask = (kpos <= qpos) & (kpos > qpos - window)
+    return rows(q, keys, values, mask)  # mask [T, end] broadcasts over [n_kv, group]
 
 
 class Attention(nn.Module):
@@ -84,6 +89,23 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, False)
         self.qkv: nn.Module | None = None
         self.qkv_sizes = (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
+        offset = 1.0 if cfg.gemma_style else 0.0
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, offset) if cfg.qk_norm else None  # per head
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale
+        self.default_scale = cfg.query_pre_attn_scalar is None  # softmax scale head_dim ** -0.5
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        self.sliding = cfg.is_sliding(layer)  # uses the local rotary where the model has one
+        self.plain = self.window is None  # the compiled attention applies
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [rows, heads*hd], k: [rows, n_kv*hd] -> the same shapes, each head RMS-normalised
+        if self.q_norm is None:
+            return q, k
+        rows = q.shape[0]
+        q = self.q_norm(q.reshape(rows * self.n_heads, self.hd)).view(rows, -1)
+        k = self.k_norm(k.reshape(rows * self.n_kv, self.hd)).view(rows, -1)
+        return q, k
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache,
                 segments: list[Segment], row_exact: bool) -> torch.Tensor:
@@ -92,16 +114,17 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x, row_exact).split(self.qkv_sizes, dim=-1)  # [rows, heads*hd], 2x [rows, n_kv*hd]
         else:
             q, k, v = self.q_proj(x, row_exact), self.k_proj(x, row_exact), self.v_proj(x, row_exact)
+        q, k = self._qk_norm(q, k)
         # decode / verification on a contiguous float32 cache: one op a sequence (rotate, store, attend)
-        if (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
+        if self.plain and (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
                 and cache.k[self.layer].dtype == torch.float32 and kernels.available():
-            q, k, v = (q.view(rows, -1, self.hd), k.view(rows, -1, self.hd), v.view(rows, -1, self.hd))
+            q, k, v = (q.reshape(rows, -1, self.hd), k.reshape(rows, -1, self.hd), v.reshape(rows, -1, self.hd))
             outs = []
             for seg in segments:
                 r = slice(seg.row_start, seg.row_start + seg.length)
                 ks, vs = cache.slot_stores(self.layer, seg.slot, seg.pos_start + seg.length)
                 outs.append(kernels.rope_store_attend(q[r], k[r], v[r], rotary.cos, rotary.sin, ks, vs,
-                                                      seg.pos_start, self.hd ** -0.5))  # [len, heads, hd]
+                                                      seg.pos_start, self.scale))  # [len, heads, hd]
             if len(outs) == 1:
                 return self.o_proj(outs[0].view(rows, self.n_heads * self.hd), row_exact)
             out = torch.empty(rows, self.n_heads, self.hd)
@@ -115,28 +138,39 @@ class Attention(nn.Module):
         for seg in segments:
             r = slice(seg.row_start, seg.row_start + seg.length)
             cache.write(self.layer, seg.slot, seg.pos_start, k[r].transpose(0, 1), v[r].transpose(0, 1))
-            out[r] = self._attend(q[r], cache, seg, row_exact)
+            if self.plain:
+                out[r] = self._attend(q[r], cache, seg, row_exact)
+            else:
+                keys, values = cache.read(self.layer, seg.slot, seg.pos_start + seg.length)  # [n_kv, end, hd]
+                out[r] = windowed_attention(q[r], keys, values, seg.pos_start, self.scale, self.window,
+                                            row_exact)
         return self.o_proj(out.view(rows, self.n_heads * self.hd), row_exact)
 
     def _attend(self, q: torch.Tensor, cache: KVCache, seg: Segment, row_exact: bool) -> torch.Tensor:
         # q: [T, heads, hd] -> [T, heads, hd]; query t sees cache positions 0 .. pos_start + t
+        keys, values = cache.read(self.layer, seg.slot, seg.pos_start + q.shape[0])  # [n_kv, end, hd]
+        return self._attend_keys(q, keys, values, seg.pos_start, row_exact)
+
+    def _attend_keys(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos_start: int,
+                     row_exact: bool) -> torch.Tensor:
+        # q: [T, heads, hd]; keys, values: [n_kv, pos_start + T, hd]; query t sees keys 0 .. pos_start + t
         T, group = q.shape[0], self.n_heads // self.n_kv
-        end = seg.pos_start + T
-        keys, values = cache.read(self.layer, seg.slot, end)  # [n_kv, end, hd]
+        end = pos_start + T
+        scale = None if self.default_scale else self.scale  # SDPA's own default is head_dim ** -0.5
         if (row_exact or T == 1) and q.dtype == torch.float32 and kernels.available():
-            return kernels.attend_rows(q, keys, values, seg.pos_start, self.hd ** -0.5)  # each row on its own
+            return kernels.attend_rows(q, keys, values, pos_start, self.scale)  # each row on its own
         if row_exact or T == 1:
             outs = []
             for t in range(T):  # each row exactly as a one-token step computes it
                 qt = q[t].view(1, self.n_kv, group, self.hd)  # [1, n_kv, group, hd]
-                n = seg.pos_start + t + 1
-                o = F.scaled_dot_product_attention(qt, keys[None, :, :n], values[None, :, :n])
+                n = pos_start + t + 1
+                o = F.scaled_dot_product_attention(qt, keys[None, :, :n], values[None, :, :n], scale=scale)
                 outs.append(o.reshape(-1, self.hd))  # [heads, hd]
             return torch.stack(outs)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, T, hd]
-        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(seg.pos_start)  # [T, end]
+        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(pos_start)  # [T, end]
         o = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-                                           enable_gqa=True)  # [1, heads, T, hd]
+                                           enable_gqa=True, scale=scale)  # [1, heads, T, hd]
         return o[0].transpose(0, 1)
 
 
@@ -147,12 +181,15 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.gate_up: nn.Module | None = None  # gate and up fused into one weight (see fuse_projections_)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma) instead of SwiGLU
 
     def forward(self, x: torch.Tensor, row_exact: bool) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x, row_exact).chunk(2, dim=-1)  # 2x [rows, intermediate] (views)
         else:
             gate, up = self.gate_proj(x, row_exact), self.up_proj(x, row_exact)
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up, row_exact)
         if gate.dtype == torch.float32 and gate.shape[-1] % 8 == 0 and kernels.available():
             return self.down_proj(kernels.silu_mul(gate, up), row_exact)  # one fused pass
         return self.down_proj(F.silu(gate) * up, row_exact)
@@ -161,12 +198,25 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        offset = 1.0 if cfg.gemma_style else 0.0
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.gemma_style  # Gemma: norms after attention and MLP too
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        # the compiled one-call layer (fused_layer) implements exactly the plain Llama layer
+        self.plain = not (self.sandwich or cfg.qk_norm or self.mlp.gelu or not self.self_attn.plain
+                          or not self.self_attn.default_scale)
 
     def forward(self, x, positions, rotary, cache, segments, row_exact):
+        if self.sandwich:
+            h = self.self_attn(self.input_layernorm(x), positions, rotary, cache, segments, row_exact)
+            x = x + self.post_attention_layernorm(h)
+            h = self.mlp(self.pre_feedforward_layernorm(x), row_exact)
+            return x + self.post_feedforward_layernorm(h)
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, segments, row_exact)
         return x + self.mlp(self.post_attention_layernorm(x), row_exact)
 
@@ -177,7 +227,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0 if cfg.gemma_style else 0.0)
 
 
 @dataclass
@@ -194,12 +244,28 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.init_rotary()
         self.use_fused_layers = True  # see _fused_plans; False forces the Python layers (tests compare)
+
+    def init_rotary(self) -> None:
+        """(Re)build the cos / sin tables (after construction on the meta device)."""
+        self.rotary, self.rotary_local = rotaries(self.config)
+
+    def rotary_of(self, block: nn.Module) -> Rotary:
+        """Gemma's sliding layers rotate with their own base frequency; every other layer with the global."""
+        return self.rotary_local if block.self_attn.sliding and self.rotary_local is not None else self.rotary
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[rows] ids -> [rows, hidden] in the model dtype; Gemma scales by sqrt(hidden) in the table's
+        dtype first, as transformers does."""
+        x = self.model.embed_tokens(tokens)  # [rows, hidden]
+        if self.config.gemma_style:
+            x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
+        return x.to(self.dtype)  # bf16 tables may feed float32 layers
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, segments: list[Segment], cache: KVCache,
@@ -214,7 +280,7 @@ class Transformer(nn.Module):
         head: replaces ``lm_head`` (e.g. a draft's reduced-vocabulary head); called as head(x, row_exact).
         """
         positions = torch.cat([torch.arange(s.pos_start, s.pos_start + s.length) for s in segments])
-        x = self.model.embed_tokens(tokens).to(self.dtype)  # [rows, hidden]; bf16 tables may feed float32 layers
+        x = self.embed(tokens)  # [rows, hidden]
         hidden: dict[int, torch.Tensor] = {}
         layers = self.model.layers[: num_layers or len(self.model.layers)]
         plans = self._fused_plans(layers, x, cache, row_exact)
@@ -227,7 +293,7 @@ class Transformer(nn.Module):
                 x = kernels.decoder_layer(x, p.weights, p.ints, self.rotary.cos, self.rotary.sin, cache.k[li],
                                           cache.v[li], seg_ints, tables, p.eps, p.scale)
             else:
-                x = block(x, positions, self.rotary, cache, segments, row_exact)
+                x = block(x, positions, self.rotary_of(block), cache, segments, row_exact)
             if i in hidden_layers:
                 hidden[i] = x
         for s in segments:
@@ -236,14 +302,20 @@ class Transformer(nn.Module):
         normed = self.model.norm(sel)
         hidden[-1] = normed
         logits = (head or self.lm_head)(normed, row_exact).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def _fused_plans(self, layers, x: torch.Tensor, cache, row_exact: bool) -> list[LayerPlan] | None:
         """Plans for running every layer on ``kernels.decoder_layer``, or None: only for the rows of a
         decode / verification step (row-exact or one row), float32, on a float32 cache (contiguous
-        or paged), with every product on tokenleap's int4 / int6 / int8 kernels."""
+        or paged), with every product on tokenleap's int4 / int6 / int8 kernels, and plain layers
+        (no q/k norms, pre/post norms, GeGLU, sliding window or other attention scale)."""
         if not (self.use_fused_layers and (row_exact or x.shape[0] == 1) and x.dtype == torch.float32
                 and hasattr(cache, "prepare_rows") and cache.k[0].dtype == torch.float32 and kernels.available()):
+            return None
+        if not all(b.plain for b in layers):
             return None
         plans = [layer_plan(b) for b in layers]
         return None if any(p is None for p in plans) else plans

@@ -1,0 +1,268 @@
+"""Every supported family against transformers: tiny random models built by transformers from a
+config (offline), saved as safetensors directories and loaded by tokenleap; logits, greedy output,
+the bitwise one-row-vs-block rule, lossless speculation, sliding windows in both caches, RoPE
+scaling. GGUF files of the same models are in test_architectures_gguf.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tokenleap.cache import KVCache
+from tokenleap.config import ConfigError, ModelConfig, SamplingParams
+from tokenleap.controller import ControllerConfig
+from tokenleap.engine import Engine
+from tokenleap.errors import ModelFormatError
+from tokenleap.models.build import build_transformer
+from tokenleap.models.loader import load_checkpoint
+from tokenleap.models.transformer import Segment
+from tokenleap.paged_cache import PagedKVCache
+from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.proposers.ngram import NgramProposer
+
+from conftest import ToyTokenizer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, WINDOW = 96, 8
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, tie_word_embeddings=False)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+SPECS = {  # name -> (config class name, overrides)
+    "llama": ("LlamaConfig", {}),
+    "llama3.1": ("LlamaConfig", {"rope_scaling": LLAMA3, "rope_theta": 500000.0}),
+    "llama-linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "llama-dynamic": ("LlamaConfig", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    "llama-yarn": ("LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32}}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": WINDOW}),
+    "phi3": ("Phi3Config", {}),
+    "gemma3": ("Gemma3TextConfig", {"num_hidden_layers": 3, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                    "tie_word_embeddings": True}),
+    "gemma3-softcap": ("Gemma3TextConfig", {"sliding_window": WINDOW, "final_logit_softcapping": 3.0,
+                                            "attn_logit_softcapping": 2.0, "tie_word_embeddings": True,
+                                            "layer_types": ["sliding_attention", "full_attention"]}),
+}
+PROMPT = [5, 9, 14, 3, 7, 9, 14, 3, 40, 41, 42, 5, 9, 14, 3, 7, 60, 61, 62, 63]  # 20 > WINDOW
+
+
+def hf_model(name: str, seed: int = 0):
+    """A seeded random transformers model (float32, eager attention) with weights large enough that
+    every part of the layer matters: norms away from their identity value, projections ~0.1."""
+    klass, over = SPECS[name]
+    cfg = getattr(transformers, klass)(**(BASE | over))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    gemma = klass.startswith("Gemma")
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if pname.endswith("norm.weight"):
+                p.copy_((0.0 if gemma else 1.0) + 0.2 * noise)
+            else:
+                p.copy_(0.12 * noise)
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (transformers model, tokenleap model loaded from its saved safetensors directory)."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            ref = hf_model(name)
+            d = tmp_path_factory.mktemp(name)
+            ref.save_pretrained(d)
+            ck = load_checkpoint(d, torch.float32)
+            cache[name] = (ref, build_transformer(ck.config, ck.weights, torch.float32), d)
+        return cache[name]
+
+    return get
+
+
+def run(model, cache, slot, tokens, start, row_exact=False):
+    seg = [Segment(slot=slot, pos_start=start, length=len(tokens))]
+    return model(torch.tensor(tokens), seg, cache, row_exact=row_exact).logits
+
+
+def make_cache(kind: str, cfg: ModelConfig, max_len: int = 64):
+    if kind == "paged":
+        return PagedKVCache(cfg, 40, max_len, torch.float32, block_size=4, num_slots=3)
+    return KVCache(cfg, 3, max_len, torch.float32)
+
+
+def engine(model, proposer=None, cache=None):
+    return Engine(model, ToyTokenizer(VOCAB, (2,)), max_len=64, proposer=proposer, cache=cache,
+                  controller=ControllerConfig(max_k=4, fixed_k=None if proposer is None else 3))
+
+
+def generate(eng, prompt, n):
+    *_, (seq, _) = eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    return seq.generated
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_logits_match_transformers(saved, name, cache_kind):
+    ref, ours, _ = saved(name)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]  # [20, vocab]
+    cache = make_cache(cache_kind, ours.config)
+    slot = cache.allocate()
+    got = run(ours, cache, slot, PROMPT[:12], 0)  # prefill: all rows at once
+    torch.testing.assert_close(got, want[:12], rtol=1e-4, atol=1e-4)
+    got = run(ours, cache, slot, PROMPT[12:15], 12, row_exact=True)  # a verification block
+    torch.testing.assert_close(got, want[12:15], rtol=1e-4, atol=1e-4)
+    for t in range(15, len(PROMPT)):  # decode, past the window
+        torch.testing.assert_close(run(ours, cache, slot, [PROMPT[t]], t)[0], want[t], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3", "mistral", "phi3", "gemma3"])
+def test_greedy_output_equals_transformers_generate(saved, name):
+    ref, ours, _ = saved(name)
+    n = 24  # prompt + output well past the sliding window
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+    want = out[0, len(PROMPT):].tolist()
+    assert generate(engine(ours), PROMPT, n) == want
+    cache = PagedKVCache(ours.config, 40, 64, torch.float32, block_size=4, num_slots=2)
+    assert generate(engine(ours, cache=cache), PROMPT, n) == want
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3", "mistral", "phi3", "gemma3", "gemma3-softcap"])
+def test_one_row_equals_row_of_block_bitwise(saved, name, cache_kind):
+    _, ours, _ = saved(name)
+    cache = make_cache(cache_kind, ours.config)
+    prompt, block = PROMPT[:13], [21, 22, 23, 24, 25]
+    a = cache.allocate()
+    run(ours, cache, a, prompt, 0)
+    block_logits = run(ours, cache, a, block, len(prompt), row_exact=True)
+    b = cache.allocate()
+    run(ours, cache, b, prompt, 0)
+    for i, tok in enumerate(block):
+        step = run(ours, cache, b, [tok], len(prompt) + i, row_exact=True)
+        assert torch.equal(step[0], block_logits[i]), f"row {i} differs"
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3", "mistral", "phi3", "gemma3"])
+def test_speculation_is_lossless(saved, name):
+    _, ours, _ = saved(name)
+    want = generate(engine(ours), PROMPT, 30)
+    assert generate(engine(ours, NgramProposer(3, 1)), PROMPT, 30) == want
+    assert generate(engine(ours, DraftModelProposer(ours, VOCAB, 64)), PROMPT, 30) == want
+    paged = PagedKVCache(ours.config, 40, 64, torch.float32, block_size=4, num_slots=2)
+    assert generate(engine(ours, NgramProposer(3, 1), cache=paged), PROMPT, 30) == want
+
+
+def test_sliding_window_changes_the_output(saved):
+    """The window test can fail: without the window the same weights give different logits."""
+    ref, ours, d = saved("mistral")
+    raw = json.loads((d / "config.json").read_text())
+    raw["sliding_window"] = None
+    wide = build_transformer(ModelConfig.from_hf_dict(raw), load_checkpoint(d, torch.float32).weights, torch.float32)
+    cache = KVCache(ours.config, 1, 64, torch.float32)
+    windowed = run(ours, cache, cache.allocate(), PROMPT, 0)
+    cache = KVCache(wide.config, 1, 64, torch.float32)
+    full = run(wide, cache, cache.allocate(), PROMPT, 0)
+    assert torch.equal(windowed[:WINDOW], full[:WINDOW])  # the window only matters past its length
+    assert (windowed[WINDOW:] - full[WINDOW:]).abs().max() > 1e-2
+
+
+def test_llama3_rope_scaling_is_applied(saved):
+    """The bug issue 21 leads with: a Llama 3.1 config's rope_scaling used to be ignored."""
+    _, ours, d = saved("llama3.1")
+    cfg = ours.config
+    assert cfg.rope_scaling_dict["rope_type"] == "llama3" and cfg.rope_scaling_dict["factor"] == 8.0
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("rope_scaling", None)
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    plain = build_transformer(ModelConfig.from_hf_dict(raw), load_checkpoint(d, torch.float32).weights,
+                              torch.float32)
+    assert not torch.equal(plain.rotary.cos, ours.rotary.cos)
+    got = [run(m, KVCache(cfg, 1, 64, torch.float32), 0, PROMPT, 0) for m in (ours, plain)]
+    assert (got[0] - got[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "llama-linear", "llama-yarn", "llama-dynamic", "gemma3"])
+def test_rope_tables_equal_transformers(saved, name):
+    ref, ours, _ = saved(name)
+    pos = torch.arange(100)[None]
+    x = torch.zeros(1, 100, 16)
+    rot = ref.model.rotary_emb
+    if name.startswith("gemma"):
+        cos, sin = rot(x, pos, layer_type="full_attention")
+        lcos, lsin = rot(x, pos, layer_type="sliding_attention")
+        torch.testing.assert_close(ours.rotary_local.cos[:100], lcos[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours.rotary_local.sin[:100], lsin[0], rtol=0, atol=1e-6)
+    else:
+        cos, sin = rot(x, pos)
+    torch.testing.assert_close(ours.rotary.cos[:100], cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.rotary.sin[:100], sin[0], rtol=0, atol=1e-6)
+
+
+def test_dynamic_rope_past_the_original_length_is_per_position():
+    """NTK scaling past max_position_embeddings: position p uses the base of a length-(p + 1) sequence,
+    what transformers computes decoding token by token; a row's table never depends on the block."""
+    cfg = ModelConfig.from_hf_dict(BASE | {"model_type": "llama", "max_position_embeddings": 32,
+                                           "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    ref_cfg = transformers.LlamaConfig(**(BASE | {"max_position_embeddings": 32,
+                                                  "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+    from tokenleap.models.rope import rotaries
+    rot = rotaries(cfg)[0]
+    assert rot.cos.shape[0] == 64
+    hf_rot = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(ref_cfg)
+    for p in (0, 31, 32, 45, 63):  # one-token steps, as transformers decodes
+        cos, sin = hf_rot(torch.zeros(1, 1, 16), torch.tensor([[p]]))
+        torch.testing.assert_close(rot.cos[p], cos[0, 0], rtol=0, atol=2e-6)
+        torch.testing.assert_close(rot.sin[p], sin[0, 0], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                      "original_max_position_embeddings": 32},
+                                     {"type": "mrope", "mrope_section": [2, 3, 3]}, {"rope_type": "su", "factor": 2}])
+def test_unsupported_rope_scaling_is_refused_from_hf(tmp_path, scaling):
+    raw = BASE | {"model_type": "llama", "rope_scaling": scaling}
+    with pytest.raises(ConfigError, match="not supported"):
+        ModelConfig.from_hf_dict(raw)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelFormatError, match="rope scaling .* not supported"):
+        load_checkpoint(tmp_path, torch.float32)
+
+
+def test_config_round_trips_through_hf_dict(saved):
+    for name in SPECS:
+        cfg = saved(name)[1].config
+        assert ModelConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict()))) == cfg, name
+    gemma = saved("gemma3")[1].config
+    assert (gemma.architecture, gemma.sliding_window, gemma.rope_local_base_freq) == ("gemma3", WINDOW, 10000.0)
+    assert [gemma.is_sliding(i) for i in range(3)] == [True, False, True] and gemma.rope_theta == 1e6
+    assert saved("mistral")[1].config.is_sliding(1) and not saved("qwen3")[1].config.is_sliding(0)
+
+
+def test_gemma3_multimodal_wrapper_config_reads_its_text_config():
+    text = transformers.Gemma3TextConfig(**(BASE | SPECS["gemma3"][1])).to_dict()
+    cfg = ModelConfig.from_hf_dict({"model_type": "gemma3", "text_config": text, "eos_token_id": [1, 106]})
+    assert cfg.architecture == "gemma3" and cfg.num_hidden_layers == 3 and cfg.query_pre_attn_scalar == 24
+
+
+def test_fast_paths_kept_for_plain_layers_declined_for_others(saved):
+    from tokenleap.models.fused_layer import layer_plan
+
+    for name, plain in (("llama3.1", True), ("phi3", True), ("qwen3", False), ("mistral", False),
+                        ("gemma3", False)):
+        blocks = saved(name)[1].model.layers
+        assert all(b.plain == plain for b in blocks), name
+        if not plain:
+            assert all(layer_plan(b) is None for b in blocks), name
