@@ -76,6 +76,19 @@ class KVCache:
         """Keys and values of positions 0 .. length-1, each ``# [kv_heads, length, head_dim]``."""
         return self.k[layer][slot, :, :length], self.v[layer][slot, :, :length]
 
+    def read_at(self, layer: int, slot: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given positions (``# [n]`` long), each ``# [kv_heads, n, head_dim]``."""
+        return self.k[layer][slot].index_select(1, positions), self.v[layer][slot].index_select(1, positions)
+
+    def compact(self, slot: int, start: int, sources: list[int]) -> None:
+        """Move the entries at ``start + sources[j]`` to ``start + 1 + j`` in every layer (a token
+        tree's accepted path into sequence order; ``sources`` ascending with ``sources[j] >= j + 1``,
+        so no entry is overwritten before it is read); ``truncate`` then drops what follows."""
+        for j, src in enumerate(sources):
+            if src != j + 1:
+                for store in self.k + self.v:
+                    store[slot, :, start + 1 + j] = store[slot, :, start + src]
+
     def commit(self, slot: int, length: int) -> None:
         """Record that positions 0 .. length-1 of ``slot`` now hold valid entries."""
         self.lengths[slot] = length

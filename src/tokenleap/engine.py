@@ -1,6 +1,10 @@
 """The decoding step: propose -> one target forward over every drafted position -> verify ->
 roll both caches back to what was accepted -> hand out the accepted tokens.
 
+A proposal is a chain of drafted tokens or a token tree (``Draft.tree``, see ``spec/tree.py``):
+a tree's nodes are rows of the same forward, each attending to its own prefix only; verification
+walks it (``spec/tree_verify.py``) and the cache keeps the accepted path, moved into place.
+
 Plain decoding is the same step with an empty draft. All rows of a step, over every running
 sequence, go through one target forward in ``row_exact`` mode, so a position's logits are bitwise
 the same whether it was computed alone, inside a draft block or next to other sequences -- which
@@ -29,6 +33,8 @@ from .proposers.base import Draft, DraftRequest, Proposer
 from .sampling import logits_to_probs, request_randomness
 from .seeded import SeededNoise
 from .sequence import Sequence
+from .spec.tree import TokenTree
+from .spec.tree_verify import TreeVerification, verify_tree_coupled, verify_tree_greedy, verify_tree_sampling
 from .structured import Constraints
 from .verify import Verification, verify_coupled, verify_greedy, verify_sampling
 
@@ -36,8 +42,9 @@ from .verify import Verification, verify_coupled, verify_greedy, verify_sampling
 class Engine:
     def __init__(self, model: Transformer, tokenizer, *, max_len: int | None = None, num_slots: int = 1,
                  proposer: Proposer | None = None, controller: ControllerConfig | None = None,
-                 prefill_chunk: int = 256, cache: KVCache | None = None) -> None:
+                 prefill_chunk: int = 256, cache: KVCache | None = None, tree_nodes: int = 0) -> None:
         self.model = model
+        self.tree_nodes = tree_nodes  # > 0: proposers may draft token trees of this many nodes
         self.tokenizer = tokenizer
         self.max_len = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
         if cache is not None:  # e.g. a PagedKVCache shared by a serving scheduler
@@ -211,8 +218,9 @@ class Engine:
         drafts, drafting, catch_up = self._draft_all(seqs, k)
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
-            block = [s.tokens[-1]] + (d.tokens if d else [])
-            segments.append(Segment(s.slot, len(s.tokens) - 1, len(block), row_start=row))
+            tree = d.tree if d is not None else None
+            block = tree.tokens.tolist() if tree is not None else [s.tokens[-1]] + (d.tokens if d else [])
+            segments.append(Segment(s.slot, len(s.tokens) - 1, len(block), row_start=row, tree=tree))
             tokens += block
             row += len(block)
         t0 = time.perf_counter()
@@ -234,7 +242,8 @@ class Engine:
         if not asked:
             return [None] * len(seqs), 0.0, 0.0
         t0 = time.perf_counter()
-        requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint) for s, n in asked]
+        requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint,
+                                 max_nodes=self._tree_budget(s)) for s, n in asked]
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)  # an empty draft may have caught up
@@ -242,6 +251,8 @@ class Engine:
         for (s, _), d in zip(asked, got):
             s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
         got = [d if d is not None and d.tokens else None for d in got]
+        for d, (s, _) in zip(got, asked):
+            assert d is None or d.tree is None or d.tree.tokens[0] == s.tokens[-1], "a tree's root is the last token"
         drafting = elapsed - catch_up  # shared by the sequences in proportion to their draft tokens
         drafted = sum(len(d.tokens) for d in got if d is not None)
         by_seq = {}
@@ -253,12 +264,23 @@ class Engine:
             self.controller.observe_draft(drafted, drafting, batch=len(asked))  # leaving its drafts ~free
         return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0, catch_up
 
+    def _tree_budget(self, seq: Sequence) -> int:
+        """Drafted nodes a tree for ``seq`` may hold: ``tree_nodes``, within the context window."""
+        return max(0, min(self.tree_nodes, self.max_len - len(seq.tokens) - 1))
+
     def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> None:
-        # logits: [1 + len(draft), vocab]
+        # logits: [1 + len(draft), vocab] (a tree: one row per node)
         n = len(seq.tokens)
-        result = self._verify(seq, draft, logits)
+        tree = draft.tree if draft is not None else None
+        if tree is None:
+            result = self._verify(seq, draft, logits)
+            proposed = len(draft.tokens) if draft else 0
+        else:
+            result = self._verify_tree(seq, tree, logits)
+            self.cache.compact(seq.slot, n - 1, result.path)  # the accepted path right after the root
+            logits = logits[[0] + result.path]  # [accepted + 1, vocab]: the rows the tokens were chosen from
+            proposed = int(tree.depth.max())  # the most a step could accept, as for a chain
         self.cache.truncate(seq.slot, n + result.num_accepted)  # last token + accepted drafts
-        proposed = len(draft.tokens) if draft else 0
         if draft is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted)
             self.controller.observe_acceptance(proposed, result.num_accepted)
@@ -268,7 +290,7 @@ class Engine:
         self.totals.record_step(proposed, accepted, kept)
 
     @staticmethod
-    def _emit(seq: Sequence, result: Verification, logits: torch.Tensor) -> int:
+    def _emit(seq: Sequence, result: Verification | TreeVerification, logits: torch.Tensor) -> int:
         """Append the verified tokens (stop rules apply) and their logprobs; returns how many were kept.
         Token i of ``result`` was chosen from row i of ``logits`` [>= len(result.tokens), vocab]."""
         kept = seq.append(result.tokens)
@@ -279,15 +301,49 @@ class Engine:
         return kept
 
     @staticmethod
-    def _verify(seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> Verification:
-        drafted = torch.tensor(draft.tokens if draft else [], dtype=torch.long)  # [k]
+    def _target_logits(seq: Sequence, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
+        """The target's logits given each row's history: row i follows ``drafted[:i]``
+        (penalties, logit bias, the grammar's mask, min_tokens). ``logits``: [len(drafted) + 1, vocab]."""
         p = seq.params
-        if p.adjusts_logits:  # the target's distribution given each row's history
-            logits = apply_penalties(logits, p, seq.prompt, seq.generated, draft.tokens if draft else [])
+        if p.adjusts_logits:
+            logits = apply_penalties(logits, p, seq.prompt, seq.generated, drafted)
         if seq.constraint is not None:  # structured output: each row masked for its own grammar state
-            logits = seq.constraint.mask(logits, draft.tokens if draft else [])
+            logits = seq.constraint.mask(logits, drafted)
         if p.min_tokens > seq.num_generated:
             logits = suppress_early_stops(logits, p, seq.num_generated, seq.eos_ids)
+        return logits
+
+    def _tree_target_logits(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`_target_logits` for every node of ``tree``, each on its own path (a leaf's path at a
+        time; a node shared by several paths has the same history on each). ``logits``: [n, vocab]."""
+        p = seq.params
+        if not (p.adjusts_logits or seq.constraint is not None or p.min_tokens > seq.num_generated):
+            return logits
+        out, done, tokens = logits.float().clone(), [False] * tree.size, tree.tokens.tolist()
+        for leaf in (i for i in range(tree.size) if not tree.children[i]):
+            path = tree.path(leaf)
+            rows = [0] + path
+            adjusted = self._target_logits(seq, logits[rows], [tokens[c] for c in path])  # [len(rows), vocab]
+            for r, node in enumerate(rows):
+                if not done[node]:
+                    out[node], done[node] = adjusted[r], True
+        return out
+
+    def _verify_tree(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> TreeVerification:
+        p = seq.params
+        logits = self._tree_target_logits(seq, tree, logits)  # [n, vocab]
+        if p.greedy:
+            return verify_tree_greedy(tree, logits)
+        probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [n, vocab]
+        if isinstance(seq.generator, SeededNoise):  # the root's row chooses the token at position len(tokens)
+            return verify_tree_coupled(tree, probs, seq.generator, len(seq.tokens))
+        return verify_tree_sampling(tree, probs, seq.generator)
+
+    @classmethod
+    def _verify(cls, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> Verification:
+        drafted = torch.tensor(draft.tokens if draft else [], dtype=torch.long)  # [k]
+        p = seq.params
+        logits = cls._target_logits(seq, logits, draft.tokens if draft else [])
         if p.greedy:
             return verify_greedy(drafted, logits)
         probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [k+1, vocab]

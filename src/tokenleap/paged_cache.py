@@ -246,6 +246,23 @@ class PagedKVCache:
         idx = torch.tensor(self.tables[slot][:nb], dtype=torch.long)  # [nb]
         return self._gather(self.k[layer], idx, length), self._gather(self.v[layer], idx, length)
 
+    def read_at(self, layer: int, slot: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given positions (``# [n]`` long), each ``# [kv_heads, n, head_dim]``."""
+        table = torch.tensor(self.tables[slot], dtype=torch.long)  # [blocks of the slot]
+        blocks, offsets = table[positions // self.block_size], positions % self.block_size  # [n], [n]
+        return self.k[layer][:, blocks, offsets], self.v[layer][:, blocks, offsets]
+
+    def compact(self, slot: int, start: int, sources: list[int]) -> None:
+        """Move the entries at ``start + sources[j]`` to ``start + 1 + j`` in every layer (a token
+        tree's accepted path into sequence order; see ``KVCache.compact``); ``truncate`` then drops
+        what follows and gives back the blocks past it."""
+        bs, table = self.block_size, self.tables[slot]
+        for j, src in enumerate(sources):
+            if src != j + 1:
+                (db, do), (sb, so) = divmod(start + 1 + j, bs), divmod(start + src, bs)
+                for store in self.k + self.v:
+                    store[:, table[db], do] = store[:, table[sb], so]
+
     def _gather(self, store: torch.Tensor, idx: torch.Tensor, length: int) -> torch.Tensor:
         # store: [kv_heads, num_blocks, bs, hd] -> [kv_heads, nb, bs, hd] -> [kv_heads, length, hd]
         heads, _, bs, hd = store.shape

@@ -18,6 +18,7 @@ other layers run the Python code below, which keeps the same one-row-at-a-time r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from .fused_layer import LayerPlan, layer_plan
 from .linear import Linear
 from .norms import RMSNorm
 from .rope import Rotary, rotaries
+from .tree_attention import tree_attention
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class Segment:
     pos_start: int
     length: int
     row_start: int = 0
+    # a token tree (spec/tree.py): row i is node i, stored at pos_start + i, at position
+    # pos_start + depth[i], seeing the committed cache and its ancestors only (tree_attention.py)
+    tree: Any = None
 
 
 def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int, scale: float,
@@ -116,7 +121,8 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x, row_exact), self.k_proj(x, row_exact), self.v_proj(x, row_exact)
         q, k = self._qk_norm(q, k)
         # decode / verification on a contiguous float32 cache: one op a sequence (rotate, store, attend)
-        if self.plain and (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
+        trees = any(s.tree is not None for s in segments)
+        if self.plain and not trees and (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
                 and cache.k[self.layer].dtype == torch.float32 and kernels.available():
             q, k, v = (q.reshape(rows, -1, self.hd), k.reshape(rows, -1, self.hd), v.reshape(rows, -1, self.hd))
             outs = []
@@ -138,13 +144,23 @@ class Attention(nn.Module):
         for seg in segments:
             r = slice(seg.row_start, seg.row_start + seg.length)
             cache.write(self.layer, seg.slot, seg.pos_start, k[r].transpose(0, 1), v[r].transpose(0, 1))
-            if self.plain:
+            if seg.tree is not None:
+                out[r] = tree_attention(q[r], cache, self.layer, seg.slot, seg.pos_start, seg.tree, self._attend_row)
+            elif self.plain:
                 out[r] = self._attend(q[r], cache, seg, row_exact)
             else:
                 keys, values = cache.read(self.layer, seg.slot, seg.pos_start + seg.length)  # [n_kv, end, hd]
                 out[r] = windowed_attention(q[r], keys, values, seg.pos_start, self.scale, self.window,
                                             row_exact)
         return self.o_proj(out.view(rows, self.n_heads * self.hd), row_exact)
+
+    def _attend_row(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One row that sees every key, computed as a one-token decoding step computes it.
+        q: [1, heads, hd]; keys, values: [n_kv, L, hd] -> [1, heads, hd]"""
+        last = keys.shape[1] - 1
+        if self.plain:
+            return self._attend_keys(q, keys, values, last, True)
+        return windowed_attention(q, keys, values, last, self.scale, self.window, True)
 
     def _attend(self, q: torch.Tensor, cache: KVCache, seg: Segment, row_exact: bool) -> torch.Tensor:
         # q: [T, heads, hd] -> [T, heads, hd]; query t sees cache positions 0 .. pos_start + t
@@ -279,11 +295,13 @@ class Transformer(nn.Module):
         num_layers: stop after this many layers (early exit for self-speculation).
         head: replaces ``lm_head`` (e.g. a draft's reduced-vocabulary head); called as head(x, row_exact).
         """
-        positions = torch.cat([torch.arange(s.pos_start, s.pos_start + s.length) for s in segments])
+        positions = torch.cat([s.tree.positions(s.pos_start) if s.tree is not None
+                               else torch.arange(s.pos_start, s.pos_start + s.length) for s in segments])
         x = self.embed(tokens)  # [rows, hidden]
         hidden: dict[int, torch.Tensor] = {}
         layers = self.model.layers[: num_layers or len(self.model.layers)]
-        plans = self._fused_plans(layers, x, cache, row_exact)
+        trees = any(s.tree is not None for s in segments)  # tree rows run the Python layers
+        plans = None if trees else self._fused_plans(layers, x, cache, row_exact)
         if plans:
             seg_ints = [v for s in segments for v in (s.slot, s.pos_start, s.length, s.row_start)]
             tables = cache.prepare_rows([(s.slot, s.pos_start + s.length) for s in segments])

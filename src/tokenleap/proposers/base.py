@@ -7,7 +7,9 @@ Lifecycle per sequence (llama.cpp's begin / draft / accept):
                                        propose catches up, a long backlog a chunk per call)
     propose(seq_id, tokens, k, ..)  -- up to k draft tokens to follow ``tokens`` (or None)
     propose_many(requests)          -- the same for several sequences of one step at once (a draft
-                                       model batches them into one forward per draft position)
+                                       model batches them into one forward per draft position);
+                                       a request with ``max_nodes`` may get a token tree instead
+                                       of a chain (``Draft.tree``)
     backlog(seq_id, tokens)         -- how many of ``tokens`` it would have to catch up on (feed beyond
                                        a step's usual one or two) before drafting; 0 for stateless drafters
     accept(seq_id, num_accepted)    -- how many of the last proposal the target kept
@@ -22,6 +24,7 @@ import torch
 
 from ..config import SamplingParams
 from ..seeded import SeededNoise
+from ..spec.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class Draft:
     # while speculation was off): prefill work, kept out of the measured cost per draft token
     catch_up_seconds: float = 0.0
     catch_up_tokens: int = 0  # how many tokens that catch-up fed
+    # a token tree (root: the sequence's last token) instead of a chain; ``tokens`` then lists its
+    # drafted nodes in node order and ``probs`` is unused (the tree holds its draft distributions)
+    tree: TokenTree | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class DraftRequest:
     params: SamplingParams
     generator: torch.Generator | SeededNoise | None = None
     constraint: Any = None  # structured.Constraint: a draft model drafts inside the grammar too
+    max_nodes: int = 0  # > 0: a tree of at most this many drafted nodes (k deep) may be proposed
 
 
 class Proposer(Protocol):
