@@ -66,7 +66,7 @@ def _random_texts(n: int, seed: int = 0) -> list[str]:
 @pytest.mark.parametrize("arch, model", [("llama", "llama"), ("mistral", "llama"), ("gemma3", "llama"),
                                          ("phi3", "llama"), ("gemma4", "gemma4")])
 def test_ids_and_text_match_transformers(tmp_path, arch, model):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", minversion="5.0")  # the conversion compared against
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     md = spm_metadata(arch, **{"tokenizer.ggml.model": model})
     write_gguf(md, tmp_path / "t.gguf")
@@ -115,7 +115,8 @@ def test_file_merges_are_used_when_present():
 
 def test_merges_from_vocab_match_transformers_ordering():
     """Ranks with ties, repeated lengths: the same merge list transformers derives."""
-    tub = pytest.importorskip("transformers.tokenization_utils_base")
+    pytest.importorskip("transformers", minversion="5.0")
+    from transformers import tokenization_utils_base as tub
     rng = random.Random(5)
     letters = "abcde"
     pieces = list(letters) + list(dict.fromkeys(
