@@ -52,10 +52,11 @@ SPECS = {  # name -> (config class name, overrides)
 PROMPT = [5, 9, 14, 3, 7, 9, 14, 3, 40, 41, 42, 5, 9, 14, 3, 7, 60, 61, 62, 63]  # 20 > WINDOW
 
 
-def hf_model(name: str, seed: int = 0):
+def hf_model(name: str, seed: int = 0, spec: tuple[str, dict] | None = None):
     """A seeded random transformers model (float32, eager attention) with weights large enough that
-    every part of the layer matters: norms away from their identity value, projections ~0.1."""
-    klass, over = SPECS[name]
+    every part of the layer matters: norms away from their identity value, projections ~0.1.
+    ``spec`` (config class name, overrides) replaces ``SPECS[name]``."""
+    klass, over = spec or SPECS[name]
     cfg = getattr(transformers, klass)(**(BASE | over))
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
