@@ -268,3 +268,45 @@ def test_fast_paths_kept_for_plain_layers_declined_for_others(saved):
         assert all(b.plain == plain for b in blocks), name
         if not plain:
             assert all(layer_plan(b) is None for b in blocks), name
+
+
+def _variant(d, mode: str):
+    """The saved model loaded as the CLI would for ``mode``: int8 / int4 weights, or bf16 weights with
+    float32 activations (``--dtype bfloat16`` on a CPU without native bf16 math)."""
+    from tokenleap.models.build import float32_activations_
+    from tokenleap.models.quant import fuse_projections_, quantize_
+
+    ck = load_checkpoint(d, torch.float32)
+    if mode == "bf16":
+        return float32_activations_(build_transformer(ck.config, ck.weights, torch.bfloat16))
+    model = build_transformer(ck.config, ck.weights, torch.float32)
+    quantize_(model, mode)
+    fuse_projections_(model)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3"])
+def test_quantized_and_bf16_models_keep_rows_exact(saved, name, mode):
+    model = _variant(saved(name)[2], mode)
+    for kind in ("contiguous", "paged"):
+        cache = make_cache(kind, model.config)
+        a, b = cache.allocate(), cache.allocate()
+        run(model, cache, a, PROMPT[:13], 0)
+        block = run(model, cache, a, [21, 22, 23, 24, 25], 13, row_exact=True)
+        run(model, cache, b, PROMPT[:13], 0)
+        for i, tok in enumerate([21, 22, 23, 24, 25]):
+            assert torch.equal(run(model, cache, b, [tok], 13 + i, row_exact=True)[0], block[i]), (kind, i)
+    want = generate(engine(model), PROMPT, 24)
+    assert generate(engine(model, NgramProposer(3, 1)), PROMPT, 24) == want
+
+
+def test_multimodal_gemma3_weight_names_are_reduced_to_the_text_model():
+    from tokenleap.models.build import split_fused_weights
+
+    cfg = ModelConfig.from_hf_dict(BASE | {"model_type": "gemma3_text"})
+    w = torch.zeros(2)
+    out = split_fused_weights(cfg, {"model.language_model.layers.0.input_layernorm.weight": w,
+                                    "language_model.model.norm.weight": w, "language_model.lm_head.weight": w,
+                                    "model.vision_tower.encoder.x.weight": w, "multi_modal_projector.y": w})
+    assert set(out) == {"model.layers.0.input_layernorm.weight", "model.norm.weight", "lm_head.weight"}
