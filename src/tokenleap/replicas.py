@@ -15,6 +15,7 @@
 
 import argparse
 import asyncio
+import json
 import logging
 import shlex
 from collections.abc import AsyncIterator, Callable
@@ -140,6 +141,8 @@ ingress_app = FastAPI(title="tokenleap (replicas)", docs_url=None, redoc_url=Non
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 
+# (Ray Serve pickles this class by value when it is decorated: its methods may use only names
+# defined above this point)
 @serve.ingress(ingress_app)
 class Ingress:
     """The HTTP entry: forwards each request to a replica and relays the answer (module docstring)."""
@@ -175,7 +178,10 @@ class Ingress:
     @ingress_app.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, path: str, request: Request) -> Response:
         body = await request.body()
-        call = HTTPCall(request.method, request.url.path, request.url.query.encode(),
+        path, root = request.scope["path"], request.scope.get("root_path", "")
+        if root and path.startswith(root):  # served under a route prefix: the replicas' routes start at /
+            path = path[len(root):] or "/"
+        call = HTTPCall(request.method, path, request.url.query.encode(),
                         forwarded_headers(request.headers.raw), body)
         key = affinity_key(body, self.settings.affinity_chars) if request.method == "POST" else None
         failure = "no replica answered"
@@ -208,14 +214,9 @@ class Ingress:
             self.cut_streams += 1
             log.warning("stream cut: %s: %s", type(e).__name__, e)
             err = APIError(500, "the replica serving this request failed; retry the request", "server_error")
-            yield f"data: {_json(err.body())}\n\ndata: [DONE]\n\n".encode()
+            yield f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
         finally:
             gen.cancel()  # the client left (or the stream ended): stop the replica's work
-
-
-def _json(obj: Any) -> str:
-    import json
-    return json.dumps(obj, ensure_ascii=False)
 
 
 def build_application(settings: ReplicaSettings):

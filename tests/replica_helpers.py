@@ -1,0 +1,28 @@
+"""What the replicas of tests/test_replicas.py run: the single-process server's app on a tiny model
+(imported by the Ray worker processes, which get tests/ on their PYTHONPATH)."""
+from __future__ import annotations
+
+import torch
+
+from tokenleap.scheduler import SchedulerConfig
+from tokenleap.server import ServerConfig, create_app
+
+from serving_helpers import paged_engine
+
+MODEL = "tiny"
+
+
+def tiny_app(kind: str | None = "draft"):
+    """A replica's app: the tiny target with a tiny draft (``kind``: serving_helpers' proposers)."""
+    torch.set_num_threads(1)
+    engine = paged_engine(kind, blocks=96, slots=16)
+    return create_app(engine, ServerConfig(model_name=MODEL, scheduler=SchedulerConfig(max_num_seqs=16,
+                                                                                    log_interval=0)))
+
+
+def tiny_draft_app():
+    return tiny_app("draft")
+
+
+def tiny_plain_app():
+    return tiny_app(None)

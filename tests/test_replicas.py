@@ -1,0 +1,242 @@
+"""``tokenleap serve --replicas``: the ASGI bridge, the router's ranking and the metrics merge on their
+own, then a local Ray cluster with 2 replicas of a tiny model (with a draft) behind the ingress:
+the openai client, 16 concurrent greedy streams equal to the same requests alone, prefix
+affinity, merged metrics, and a replica killed under load."""
+import asyncio
+import json
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'tokenleap[ray]'")
+
+from ray import serve  # noqa: E402
+
+from tokenleap.asgi_bridge import HTTPCall, ResponseStart, run_asgi  # noqa: E402
+from tokenleap.config import SamplingParams  # noqa: E402
+from tokenleap.replica_metrics import merge_exports  # noqa: E402
+from tokenleap.replica_router import affinity_key, rank_by_load  # noqa: E402
+from tokenleap.replicas import ReplicaSettings, build_application  # noqa: E402
+
+import replica_helpers  # noqa: E402
+from serving_helpers import VOCAB, ChatToyTokenizer, alone, wait_until, workload  # noqa: E402
+
+MODEL = replica_helpers.MODEL
+TOK = ChatToyTokenizer(VOCAB)
+
+
+# -- pieces on their own --------------------------------------------------------------------------
+def test_affinity_key_hashes_the_prompt_start():
+    long_a, long_b = "S" * 40 + "question one", "S" * 40 + "question two"
+    key = lambda body: affinity_key(json.dumps(body).encode(), 40)  # noqa: E731
+    assert key({"prompt": long_a}) == key({"prompt": long_b}) == key({"prompt": [long_a, "x"]})
+    assert key({"prompt": "T" * 40}) != key({"prompt": long_a})
+    chat = lambda text: {"messages": [{"role": "system", "content": "S" * 40}, {"role": "user", "content": text}]}  # noqa: E731
+    assert key(chat("a")) == key(chat("b")) != key({"messages": [{"role": "user", "content": "a"}]})
+    assert key({"prompt": [5, 6, 7]}) != key({"prompt": [5, 6, 8]})
+    assert affinity_key(b"not json", 40) is None and affinity_key(b'{"model": "m"}', 40) is None
+
+
+def test_rank_by_load_prefers_the_affinity_replica_only_on_a_tie():
+    assert rank_by_load({"a": 2, "b": 0, "c": 1}, None) == [["b"], ["c"], ["a"]]
+    assert rank_by_load({"a": 1, "b": 1, "c": 3}, "b") == [["b"], ["a"], ["c"]]
+    assert rank_by_load({"a": 1, "b": 2}, "b") == [["a"], ["b"]]  # load first: affinity does not jump ranks
+    assert rank_by_load({"a": 0}, "gone") == [["a"]]
+
+
+def test_merge_exports_labels_each_replica():
+    text = ('# HELP tokenleap:generation_tokens_total Generated tokens\n'
+            '# TYPE tokenleap:generation_tokens_total counter\ntokenleap:generation_tokens_total{model_name="m"} %d\n')
+    out = merge_exports({"r1": text % 3, "r2": text % 5}).decode()
+    assert 'tokenleap:generation_tokens_total{model_name="m",replica="r1"} 3.0' in out
+    assert 'tokenleap:generation_tokens_total{model_name="m",replica="r2"} 5.0' in out
+    assert out.count("# TYPE ") == 1 and "# TYPE tokenleap:generation_tokens_total counter" in out
+
+
+def test_run_asgi_streams_and_reports_a_disconnect():
+    app = replica_helpers.tiny_plain_app()
+    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}).encode()
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            items = [i async for i in run_asgi(app, HTTPCall("POST", "/v1/completions", body=body,
+                                                             headers=(("content-type", "application/json"),)))]
+            start, rest = items[0], items[1:]
+            assert isinstance(start, ResponseStart) and start.status == 200 and not start.streamed
+            text = json.loads(b"".join(rest))["choices"][0]["text"]
+            assert text == alone([5, 6, 7, 8], SamplingParams(max_tokens=6)).text
+            # a stream left after its first piece: the server cancels the sequence
+            long = json.dumps({"model": MODEL, "prompt": [9, 10], "max_tokens": 100, "temperature": 0,
+                               "stream": True, "ignore_eos": True}).encode()
+            gen = run_asgi(app, HTTPCall("POST", "/v1/completions", body=long))
+            start = await gen.__anext__()
+            assert start.streamed
+            await gen.__anext__()
+            await gen.aclose()
+            scheduler = app.state.server.scheduler
+            assert await asyncio.to_thread(wait_until, lambda: scheduler.idle, 30)
+            assert scheduler.stats.finished.get("length", 0) == 1  # only the first request ran to its end
+
+    asyncio.run(main())
+
+
+# -- a local Ray cluster: ingress + 2 replicas ---------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ingress():
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        settings = ReplicaSettings(args=None, replicas=2, app_factory=replica_helpers.tiny_draft_app,
+                                   served_name=MODEL, metrics_period_s=0.5, health_check_period_s=1.0,
+                                   max_ongoing_requests=64, affinity_chars=40)
+        serve.run(build_application(settings), name=settings.app_name, route_prefix="/", blocking=False)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=30).text
+
+
+def _routed(url: str) -> dict[str, float]:
+    """The ingress's requests per replica."""
+    out = {}
+    for line in _metrics(url).splitlines():
+        if line.startswith("tokenleap:ingress_requests_total{"):
+            out[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _counter(url: str, name: str) -> float:
+    lines = [ln for ln in _metrics(url).splitlines() if ln.startswith(name + " ")]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
+def _stream(url: str, prompt, max_tokens: int, **extra) -> tuple[str, list[dict], bool]:
+    """A streamed completion's text, its error events, and whether it ended with [DONE]."""
+    text, errors = "", []
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return text, errors, True
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                errors.append(obj)
+            else:
+                text += obj["choices"][0]["text"]
+    return text, errors, False
+
+
+def test_openai_client_against_the_ingress(ingress):
+    import openai
+    client = openai.OpenAI(base_url=ingress + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    c = client.completions.create(model=MODEL, prompt="hello world", max_tokens=8, temperature=0)
+    assert c.choices[0].text == alone(TOK.encode("hello world"), SamplingParams(max_tokens=8)).text
+    messages = [{"role": "user", "content": "hi there"}]
+    want = alone(TOK.encode(TOK.apply_chat_template(messages)), SamplingParams(max_tokens=8)).text
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == want
+    pieces = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
+    assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == want
+    tok = httpx.post(ingress + "/tokenize", json={"model": MODEL, "prompt": "abc"}, timeout=30).json()
+    assert tok["tokens"] == TOK.encode("abc")
+    assert httpx.get(ingress + "/health", timeout=30).status_code == 200
+    with pytest.raises(openai.NotFoundError):  # the replica's own checks answer through the ingress
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+
+
+def test_concurrent_greedy_streams_equal_alone_and_split_evenly(ingress):
+    jobs = workload(16, seed=3)
+    before = _routed(ingress)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda job: _stream(ingress, job[0], job[1]), jobs))
+    for (prompt, max_tokens), (text, errors, done) in zip(jobs, results):
+        assert done and not errors
+        assert text == alone(prompt, SamplingParams(max_tokens=max_tokens)).text, prompt
+    after = _routed(ingress)
+    share = {r: after[r] - before.get(r, 0) for r in after}
+    assert sum(share.values()) == 16 and len(share) == 2 and min(share.values()) >= 4, share
+
+
+def test_prefix_affinity_sends_a_shared_prompt_start_to_one_replica(ingress):
+    system = "You are a terse assistant. " * 2  # longer than the 40 characters hashed
+    before = _routed(ingress)
+    for question in ("one", "two", "three", "four"):
+        r = httpx.post(ingress + "/v1/completions", json={"model": MODEL, "prompt": system + question,
+                                                          "max_tokens": 2, "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+    after = _routed(ingress)
+    grew = {r: after[r] - before.get(r, 0) for r in after if after[r] != before.get(r, 0)}
+    assert list(grew.values()) == [4], grew  # idle replicas tie on load: affinity picks the same one
+
+
+def test_metrics_merge_both_replicas(ingress):
+    assert wait_until(lambda: len(set(_replica_labels(_metrics(ingress)))) == 2, 30)
+    text = _metrics(ingress)
+    assert "vllm:num_requests_running{" in text and "tokenleap:ingress_retries_total" in text
+
+
+def _replica_labels(text: str) -> list[str]:
+    return [ln.split('replica="')[1].split('"')[0] for ln in text.splitlines()
+            if ln.startswith("vllm:generation_tokens_total{")]
+
+
+def test_a_replica_killed_under_load(ingress):
+    """Streams of the killed replica end with an error event and [DONE]; non-streamed requests are
+    answered in full (resent to the other replica); Ray Serve starts a new replica; nothing hangs."""
+    jobs = [([3 + i, 4 + i, 5 + i, 6 + i], 90) for i in range(12)]
+    before_routed, before_retries = _routed(ingress), _counter(ingress, "tokenleap:ingress_retries_total")
+    before_cut = _counter(ingress, "tokenleap:ingress_cut_streams_total")
+
+    def plain(job):
+        body = {"model": MODEL, "prompt": job[0], "max_tokens": job[1], "temperature": 0, "ignore_eos": True}
+        r = httpx.post(ingress + "/v1/completions", json=body, timeout=120)
+        return r.status_code, r.json()
+
+    with ThreadPoolExecutor(12) as pool:
+        streams = [pool.submit(_stream, ingress, p, n, ignore_eos=True) for p, n in jobs[:6]]
+        plains = [pool.submit(plain, job) for job in jobs[6:]]
+        assert wait_until(lambda: sum(_routed(ingress).values()) - sum(before_routed.values()) >= 4, 60)
+        now = _routed(ingress)
+        victim = max(now, key=lambda r: now[r] - before_routed.get(r, 0))  # a replica with streams running
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::tokenleap#Replica#{victim}", namespace="serve"), no_restart=True)
+        stream_results = [f.result(timeout=180) for f in streams]
+        plain_results = [f.result(timeout=180) for f in plains]
+    want = [alone(p, SamplingParams(max_tokens=n, ignore_eos=True)).text for p, n in jobs]
+    for (text, errors, done), full in zip(stream_results, want):
+        assert done, "every stream ends with [DONE]"
+        assert (not errors and text == full) or (len(errors) == 1 and full.startswith(text)), (text, errors)
+    for (status, obj), full in zip(plain_results, want[6:]):
+        assert status == 200 and obj["choices"][0]["text"] == full, obj
+    hit = (_counter(ingress, "tokenleap:ingress_retries_total") - before_retries
+           + _counter(ingress, "tokenleap:ingress_cut_streams_total") - before_cut)
+    assert hit >= 1, "the kill should have cut a stream or resent a request"
+
+    def replaced() -> bool:
+        state = serve.status().applications["tokenleap"].deployments["Replica"]
+        return state.replica_states.get("RUNNING", 0) == 2
+    assert wait_until(replaced, 120), serve.status()
+    assert _stream(ingress, [7, 8, 9], 5)[2]
+    assert wait_until(lambda: victim not in _replica_labels(_metrics(ingress)), 30)
