@@ -1,4 +1,7 @@
-"""Command line: ``tokenleap generate | models | bench | serve``."""
+"""Command line: ``tokenleap generate | models | bench | serve | verify``.
+
+Every bad flag ends in one line on stderr and exit code 2, without a traceback; flags that can be
+checked without the model (names, paths, quantization, dtype) are checked before anything loads."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +16,13 @@ from .errors import TokenleapError
 
 class UsageError(TokenleapError):
     """Bad command-line input."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``tokenleap generate: error: ... (see --help)``), exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def positive_int(value: str, expected: str = "an integer >= 1") -> int:
@@ -30,6 +40,17 @@ def _num_spec_tokens(value: str) -> int | str:
     return value if value == "auto" else positive_int(value, "'auto' or an integer >= 1")
 
 
+def non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return n
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
@@ -39,27 +60,65 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
     p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
-    p.add_argument("--draft-vocab", type=int, default=32768,
+    p.add_argument("--draft-vocab", type=non_negative_int, default=32768,
                    help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
                    help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N")
-    p.add_argument("--max-spec-tokens", type=int, default=8, help="upper bound for the adaptive draft length")
-    p.add_argument("--ngram-max", type=int, default=4)
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: 4096 or the model's)")
+    p.add_argument("--max-spec-tokens", type=positive_int, default=8, help="upper bound for the adaptive draft length")
+    p.add_argument("--ngram-max", type=positive_int, default=4)
+    p.add_argument("--ngram-min", type=positive_int, default=1)
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context window (default: 4096 or the model's)")
     p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:
+    """The speculation flags as a SpecConfig, after checking every model flag that can be checked
+    without loading (so a bad draft flag fails before the target spends minutes loading)."""
     if args.spec == "draft" and not args.draft_model:
         raise UsageError("--spec draft needs --draft-model NAME_OR_PATH")
+    if args.spec == "ngram" and args.draft_model:
+        raise UsageError("--spec ngram proposes from the prompt and output, not a draft model: "
+                         "drop --draft-model, or use --spec draft")
     if args.spec != "draft" and args.draft_model and args.spec == "none":
         args.spec = "draft"  # --draft-model alone implies draft-model speculation
+    check_model_args(args)
     return SpecConfig(method=None if args.spec == "none" else args.spec, draft_model=args.draft_model,
                       draft_quant=args.draft_quant, draft_dtype=args.draft_dtype,
                       draft_vocab=args.draft_vocab or None,
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
                       ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Refuse bad --model / --draft-model names, --quant / --draft-quant and --dtype / --draft-dtype
+    values before any model loads."""
+    from .loading import QUANT_MODES
+    from .models.loader import as_dtype
+    for flag, value in (("--quant", args.quant), ("--draft-quant", args.draft_quant)):
+        if value not in QUANT_MODES:
+            raise UsageError(f"{flag} {value!r} is not a quantization; choose one of {', '.join(QUANT_MODES)}")
+    for flag, value in (("--dtype", args.dtype), ("--draft-dtype", args.draft_dtype)):
+        if value is not None and value != "auto":
+            try:
+                as_dtype(value)
+            except ConfigError:
+                raise UsageError(f"{flag} {value!r} is not a dtype; choose auto, float32 or bfloat16") from None
+    check_model_ref("--model", args.model, args.cache_dir)
+    if args.draft_model:
+        check_model_ref("--draft-model", args.draft_model, args.cache_dir)
+
+
+def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:
+    """A catalog name that is installed (or already assembled), or an existing file or directory."""
+    from .models.catalog import CATALOG, get_entry, joined_path, missing_packages
+    if name in CATALOG:
+        if missing_packages(get_entry(name)) and joined_path(name, Path(cache_dir) if cache_dir else None) is None:
+            raise UsageError(f"{flag} {name!r} is not installed; run: tokenleap models install {name}")
+        return
+    if not Path(name).expanduser().exists():
+        raise UsageError(f"{flag} {name!r} is neither a catalog model ({', '.join(CATALOG)}) nor an existing "
+                         f"GGUF file or model directory; see: tokenleap models")
 
 
 def read_prompts_file(path: str) -> list[str]:
@@ -156,26 +215,56 @@ def _stats_line(stats: dict[str, Any]) -> str:
 def cmd_models(args: argparse.Namespace) -> int:
     from .models.catalog import get_entry, list_models
     if args.action == "install":
+        if not args.name:
+            raise UsageError("name the model to install: tokenleap models install NAME (see: tokenleap models)")
         import shlex
         import subprocess
         entry = get_entry(args.name)
         cmd = [sys.executable, "-m"] + shlex.split(entry.install_command())
         print("running:", " ".join(cmd), file=sys.stderr)
         return subprocess.call(cmd)
-    rows = list_models(Path(args.cache_dir) if args.cache_dir else None)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    rows = list_models(cache_dir)
+    for r in rows:
+        size = get_entry(r["name"]).size
+        r["size_bytes"] = size
+        r["converted"] = _converted_dtypes(Path(r["path"]), cache_dir) if r.get("path") else []
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
     for r in rows:
+        size = f"{r['size_bytes'] / 2**30:.2f} GiB" if r["size_bytes"] else "?"
         state = "installed" if r.get("installed") else "not installed"
-        print(f"{r['name']:32s} {r.get('architecture', ''):7s} {str(r.get('params', '')):>6s}  {state}")
-        if not r.get("installed") and r.get("install"):
-            print(f"{'':32s} install: {r['install']}")
+        if r["converted"]:
+            state += ", converted (" + ", ".join(r["converted"]) + ")"
+        elif r.get("installed"):
+            state += ", not converted yet (the first use converts it)"
+        print(f"{r['name']:32s} {r.get('architecture', ''):7s} {str(r.get('params', '')):>6s} {size:>9s}  {state}")
+        if not r.get("installed"):
+            print(f"{'':32s} install: tokenleap models install {r['name']}")
     return 0
 
 
+def _converted_dtypes(gguf: Path, cache_dir: Path | None) -> list[str]:
+    """The dtypes this GGUF has been converted to in the cache (what loads in about a second)."""
+    from .models.catalog import default_cache_dir
+    from .models.loader import conversion_key
+    root = (cache_dir or default_cache_dir()) / "converted"
+    found = []
+    for name in ("float32", "bfloat16"):
+        try:
+            import torch
+            if (root / conversion_key(gguf, getattr(torch, name)) / "model.safetensors").is_file():
+                found.append(name)
+        except OSError:
+            pass
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenleap", description="Lossless speculative decoding for LLMs")
+    from . import __version__
+    parser = Parser(prog="tokenleap", description="Lossless speculative decoding for LLMs")
+    parser.add_argument("--version", action="version", version=f"tokenleap {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
@@ -215,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", default=None)
     m.set_defaults(func=cmd_models)
 
-    for name in ("bench", "serve"):
+    for name in ("bench", "serve", "verify"):
         try:
             module = __import__(f"tokenleap.{name}_cli", fromlist=["register"])
         except ImportError:

@@ -1,0 +1,146 @@
+"""``tokenleap verify`` (certify.py): passes on a tiny target / draft pair, and fails with a clear
+report when a deliberately broken verifier is patched into the engine -- one that accepts drafts
+too often when sampling (``min(1, p/q) ** 0.5``), one that keeps a wrong greedy draft.
+
+The tiny target is built so that a modest sample count has power: its residual stream is
+dominated by one direction that the LM head maps onto token 0, so each step puts about half its
+mass on token 0 and spreads the rest over the vocabulary -- a distribution whose shape moves
+clearly with the temperature (as a real model's long tail does), unlike a random tiny model's.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import tokenleap.engine as engine_mod
+from tokenleap.certify import (CertifyConfig, Certificate, certify, check_distribution, check_greedy,
+                               chi2_homogeneity)
+from tokenleap.controller import ControllerConfig
+from tokenleap.engine import Engine
+from tokenleap.models.build import build_transformer
+from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.sampling import inverse_cdf, rand_rows
+from tokenleap.verify import Verification
+
+from conftest import ToyTokenizer, random_weights, tiny_config
+
+V, SLOTS = 64, 16
+PROMPTS = [[5, 3, 1], [4, 5, 6, 4, 5, 6], [1, 1, 2, 2, 3]]
+CFG = CertifyConfig(samples=500, max_tokens=16, block=6)
+
+
+def peaked_model(seed: int, lead: float):
+    """One layer, small random weights; embeddings near one vector c, and the head's row 0 along c,
+    so token 0's logit is about ``lead`` above a noisy tail."""
+    cfg = tiny_config("llama", vocab=V, hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1)
+    w = random_weights(cfg, seed, scale=0.05)
+    gen = torch.Generator().manual_seed(seed + 100)
+    c = torch.randn(cfg.hidden_size, generator=gen)  # [hidden]
+    w["model.embed_tokens.weight"] = c + 0.3 * torch.randn(V, cfg.hidden_size, generator=gen)  # [V, hidden]
+    head = 0.3 * torch.randn(V, cfg.hidden_size, generator=gen) / math.sqrt(cfg.hidden_size)  # [V, hidden]
+    head[0] += lead * c / c.norm() / math.sqrt(cfg.hidden_size)  # the normed state is ~ c / |c| * sqrt(hidden)
+    w["lm_head.weight"] = head
+    return build_transformer(cfg, w, torch.float32)
+
+
+def engine_factory(target, draft):
+    def make(speculative: bool) -> Engine:
+        proposer = DraftModelProposer(draft, V, 32, num_slots=SLOTS) if speculative else None
+        return Engine(target, ToyTokenizer(V, eos=()), max_len=32, num_slots=SLOTS, proposer=proposer,
+                      controller=ControllerConfig(max_k=4, fixed_k=4))
+    return make
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_model(11, 5.0)
+
+
+@pytest.fixture(scope="module")
+def factory(target):
+    return engine_factory(target, peaked_model(12, 1.0))  # the draft: far flatter, another tail
+
+
+def test_certifies_a_correct_engine(factory):
+    cert = certify(factory, PROMPTS, CFG)
+    report = cert.report()
+    assert cert.passed, report
+    assert [c.name for c in cert.checks] == ["greedy", "seeded", "distribution", "power", "block-rule"]
+    assert all(line.startswith("PASS") for line in report.splitlines()[:-1]) and "lossless" in report
+    by_name = {c.name: c.figures for c in cert.checks}
+    assert by_name["greedy"]["accepted_tokens"] > 0 and by_name["distribution"]["accepted_tokens"] > 0
+    assert by_name["power"]["p_value"] < CFG.alpha <= by_name["distribution"]["p_value"]
+    assert by_name["block-rule"]["rows"] == 3 * CFG.block
+    json.dumps(cert.to_dict())  # the --json form
+
+
+def _sqrt_acceptance(draft_tokens, draft_probs, target_probs, generator=None):
+    """Rejection sampling that accepts with min(1, p/q) ** 0.5 (too often where p < q)."""
+    k = draft_tokens.shape[0]
+    u = rand_rows(1, k, generator)[0]  # [k]
+    for i in range(k):
+        x = int(draft_tokens[i])
+        p, q = float(target_probs[i, x]), float(draft_probs[i, x])
+        if not u[i] < min(1.0, p / q) ** 0.5:
+            residual = (target_probs[i] - draft_probs[i]).clamp_min(0).double()[None]  # [1, vocab]
+            return Verification(draft_tokens[:i].tolist() + [int(inverse_cdf(residual, rand_rows(1, 1, generator))[0])], i)
+    last = inverse_cdf(target_probs[k:].double(), rand_rows(1, 1, generator))  # [1]
+    return Verification(draft_tokens.tolist() + [int(last[0])], k)
+
+
+def test_fails_a_verifier_that_accepts_too_often(factory, monkeypatch):
+    monkeypatch.setattr(engine_mod, "verify_sampling", _sqrt_acceptance)
+    checks = check_distribution(factory, PROMPTS[0], CFG)
+    cert = Certificate(tuple(checks))
+    report = cert.report()
+    assert not cert.passed
+    line = report.splitlines()[0]
+    assert line.startswith("FAIL  distribution") and "do not follow the plain distribution" in line, report
+    assert report.splitlines()[1].startswith("PASS  power"), report  # the test could see it: a real failure
+    assert "NOT certified" in report
+
+
+def test_fails_a_greedy_verifier_that_keeps_one_wrong_token(target, monkeypatch):
+    real = engine_mod.verify_greedy
+
+    def keeps_first_draft(draft_tokens, target_logits):
+        v = real(draft_tokens, target_logits)
+        if v.num_accepted == 0 and draft_tokens.numel() > 0:  # bug: the first draft token is kept anyway
+            return Verification([int(draft_tokens[0])] + real(draft_tokens[:0], target_logits[1:2]).tokens, 1)
+        return v
+
+    monkeypatch.setattr(engine_mod, "verify_greedy", keeps_first_draft)
+    cfg = tiny_config("llama", vocab=V, hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1)
+    wrong = build_transformer(cfg, random_weights(cfg, 12, scale=1.0), torch.float32)  # drafts other tokens
+    result, _ = check_greedy(engine_factory(target, wrong), PROMPTS, CFG)
+    assert not result.passed
+    assert result.line().startswith("FAIL  greedy") and "differs at token" in result.line()
+    assert result.figures["mismatches"] and result.figures["identical"] < len(PROMPTS)
+
+
+def test_chi2_homogeneity_pools_rare_categories():
+    same = chi2_homogeneity({"a": 50, "b": 50, "c": 1}, {"a": 52, "b": 48, "d": 2})
+    assert same.categories == 2 and same.dof == 1 and same.p_value > 0.5  # c and d pooled into b
+    differ = chi2_homogeneity({"a": 90, "b": 10}, {"a": 50, "b": 50})
+    assert differ.p_value < 1e-8
+    # the statistic against a hand computation: a 2 x 2 table [[30, 20], [20, 30]], chi2 = 4.0, dof 1
+    hand = chi2_homogeneity({"a": 30, "b": 20}, {"a": 20, "b": 30})
+    assert hand.statistic == pytest.approx(4.0) and hand.p_value == pytest.approx(0.0455003, rel=1e-5)
+    assert chi2_homogeneity({"a": 10}, {"a": 7}).p_value == 1.0  # one category: nothing to tell apart
+
+
+def test_power_failure_fails_the_certificate(factory):
+    """Too few samples to see the temperature bias: the report says so and the run fails."""
+    power = check_distribution(factory, PROMPTS[0], CertifyConfig(samples=12, block=6))[1]
+    assert not power.passed and "too few to certify" in power.summary and "raise --samples" in power.summary
+
+
+def test_config_errors():
+    from tokenleap.config import ConfigError
+    with pytest.raises(ConfigError, match="positions must be >= 2"):
+        CertifyConfig(positions=1)
+    with pytest.raises(ConfigError, match="temperature > 0"):
+        CertifyConfig(temperature=0.0)
