@@ -105,6 +105,19 @@ def test_pieces_bytes_and_specials():
     assert [no_prefix.id_to_token(i) for i in no_prefix.encode("the the")] == ["t", "he", "▁the"]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_streamed_text_equals_full_decode(arch):
+    """The detokenizer decodes a sliding window: a decoder that strips the prefix space (llama,
+    phi3) must not eat the spaces between windows."""
+    tok = Tokenizer.from_gguf_metadata(spm_metadata(arch))
+    for text in TEXTS + _random_texts(40, seed=4):
+        ids = tok.encode(text)
+        for skip in (True, False):
+            detok = tok.detokenizer(skip_special_tokens=skip)
+            streamed = "".join(detok.add(i) for i in ids) + detok.flush()
+            assert streamed == tok.decode(ids, skip_special_tokens=skip), (arch, text)
+
+
 def test_file_merges_are_used_when_present():
     md = spm_metadata("llama", **{"tokenizer.ggml.merges": ["▁ t", "h e"]})  # no "▁t he": "▁the" unreachable
     tok = Tokenizer.from_gguf_metadata(md)

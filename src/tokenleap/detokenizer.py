@@ -32,13 +32,23 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self.ids[start:end], skip_special_tokens=self._skip)
 
+    def _context(self) -> str:
+        """The window's already-emitted text, the window widened back while it decodes to nothing
+        (skipped special tokens): a decoder that strips the text's first space (SentencePiece with a
+        space prefix) would otherwise strip the first new piece's."""
+        prefix_text = self._decode(self._prefix, self._read)
+        while not prefix_text and self._prefix > 0:
+            self._prefix -= 1
+            prefix_text = self._decode(self._prefix, self._read)
+        return prefix_text
+
     def add(self, ids: int | Iterable[int]) -> str:
         """Append token id(s); return the text they complete ("" while a character is partial)."""
         try:
             self.ids.append(operator.index(ids))
         except TypeError:
             self.ids.extend(operator.index(i) for i in ids)
-        prefix_text = self._decode(self._prefix, self._read)
+        prefix_text = self._context()
         text = self._decode(self._prefix)
         stable = len(text.rstrip("\ufffd"))
         if stable < len(text) and len(self.ids) - self._read > self.MAX_PENDING_TOKENS:
@@ -54,7 +64,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Return whatever is held back (an incomplete character decodes as U+FFFD) and reset."""
-        prefix_text = self._decode(self._prefix, self._read)
+        prefix_text = self._context()
         piece = self._decode(self._prefix)[len(prefix_text) + self._pending:]
         self._prefix = self._read = len(self.ids)
         self._pending = 0
