@@ -73,6 +73,20 @@ def test_tree_rows_are_bitwise_plain_decoding(weights, cache_kind):
 
 
 @pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+def test_a_tree_fed_in_parts_gives_the_same_rows(cache_kind):
+    model = _model("fp32")
+    cache = _cache(model, cache_kind)
+    a, b = cache.allocate(), cache.allocate()
+    for slot in (a, b):
+        model(torch.tensor(PROMPT), [Segment(slot, 0, len(PROMPT))], cache)
+    whole = model(TREE.tokens, [Segment(a, len(PROMPT), TREE.size, tree=TREE)], cache, row_exact=True).logits
+    parts = [model(TREE.tokens[lo:hi], [Segment(b, len(PROMPT), hi - lo, tree=TREE, tree_first=lo)], cache,
+                   row_exact=True).logits for lo, hi in ((0, 1), (1, 4), (4, 8))]
+    assert torch.equal(torch.cat(parts), whole)
+    assert cache.lengths[b] == len(PROMPT) + TREE.size
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
 def test_compacted_path_continues_as_plain_decoding(cache_kind):
     model = _model("fp32")
     cache = _cache(model, cache_kind)

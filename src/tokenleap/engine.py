@@ -281,7 +281,9 @@ class Engine:
             logits = logits[[0] + result.path]  # [accepted + 1, vocab]: the rows the tokens were chosen from
             proposed = int(tree.depth.max())  # the most a step could accept, as for a chain
         self.cache.truncate(seq.slot, n + result.num_accepted)  # last token + accepted drafts
-        if draft is not None:
+        if tree is not None:
+            self.proposer.accept(seq.seq_id, result.num_accepted, result.path)
+        elif draft is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted)
             self.controller.observe_acceptance(proposed, result.num_accepted)
         kept = self._emit(seq, result, logits)

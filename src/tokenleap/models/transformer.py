@@ -43,9 +43,16 @@ class Segment:
     pos_start: int
     length: int
     row_start: int = 0
-    # a token tree (spec/tree.py): row i is node i, stored at pos_start + i, at position
-    # pos_start + depth[i], seeing the committed cache and its ancestors only (tree_attention.py)
+    # a token tree (spec/tree.py) whose root sits at pos_start: row r is node tree_first + r, stored
+    # at pos_start + tree_first + r, at position pos_start + depth[node], seeing the committed cache
+    # and its ancestors only (tree_attention.py; ancestors before tree_first are in the cache already)
     tree: Any = None
+    tree_first: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the cache index of the segment's last row."""
+        return self.pos_start + self.tree_first + self.length
 
 
 def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int, scale: float,
@@ -143,9 +150,9 @@ class Attention(nn.Module):
         out = torch.empty_like(q)  # [rows, heads, hd]
         for seg in segments:
             r = slice(seg.row_start, seg.row_start + seg.length)
-            cache.write(self.layer, seg.slot, seg.pos_start, k[r].transpose(0, 1), v[r].transpose(0, 1))
+            cache.write(self.layer, seg.slot, seg.pos_start + seg.tree_first, k[r].transpose(0, 1), v[r].transpose(0, 1))
             if seg.tree is not None:
-                out[r] = tree_attention(q[r], cache, self.layer, seg.slot, seg.pos_start, seg.tree, self._attend_row)
+                out[r] = tree_attention(q[r], cache, self.layer, seg, self._attend_row)
             elif self.plain:
                 out[r] = self._attend(q[r], cache, seg, row_exact)
             else:
@@ -295,7 +302,7 @@ class Transformer(nn.Module):
         num_layers: stop after this many layers (early exit for self-speculation).
         head: replaces ``lm_head`` (e.g. a draft's reduced-vocabulary head); called as head(x, row_exact).
         """
-        positions = torch.cat([s.tree.positions(s.pos_start) if s.tree is not None
+        positions = torch.cat([s.tree.positions(s.pos_start)[s.tree_first:s.tree_first + s.length] if s.tree is not None
                                else torch.arange(s.pos_start, s.pos_start + s.length) for s in segments])
         x = self.embed(tokens)  # [rows, hidden]
         hidden: dict[int, torch.Tensor] = {}
@@ -315,7 +322,7 @@ class Transformer(nn.Module):
             if i in hidden_layers:
                 hidden[i] = x
         for s in segments:
-            cache.commit(s.slot, s.pos_start + s.length)
+            cache.commit(s.slot, s.end)
         sel = x if logit_rows is None else x[logit_rows]
         normed = self.model.norm(sel)
         hidden[-1] = normed

@@ -5,6 +5,9 @@ rotated for position ``pos + depth[i]``. It attends to the committed entries ``[
 to its ancestors and itself, in path order: exactly the keys plain decoding of the same prefix
 holds, in the same order. Each row is one call of the same one-row attention plain decoding
 makes, so a node's output -- and its logits -- are bitwise those of plain decoding.
+
+A forward may carry any contiguous range of nodes whose ancestors the cache already holds (a
+draft model grows its tree a level at a time this way).
 """
 from __future__ import annotations
 
@@ -14,24 +17,23 @@ import torch
 
 
 def tree_attention(
-    q: torch.Tensor,  # [n, heads, hd], rotated
+    q: torch.Tensor,  # [rows, heads, hd], rotated: nodes seg.tree_first .. + rows - 1
     cache,
     layer: int,
-    slot: int,
-    pos: int,  # the root's position (and cache index)
-    tree,
+    seg,  # a Segment with a tree; its root sits at seg.pos_start
     attend_row: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:  # [n, heads, hd]
+) -> torch.Tensor:  # [rows, heads, hd]
     """Each node's attention; ``attend_row(q # [1, heads, hd], keys, values # [n_kv, L, hd])`` is the
     layer's one-row attention over all ``L`` keys (``Attention._attend_row``)."""
-    prefix_k, prefix_v = cache.read(layer, slot, pos)  # [n_kv, pos, hd]
+    pos, tree = seg.pos_start, seg.tree
+    prefix_k, prefix_v = cache.read(layer, seg.slot, pos)  # [n_kv, pos, hd]
     visible = tree.visible()  # [n, n]
     out = torch.empty_like(q)
-    for i in range(tree.size):
-        idx = torch.nonzero(visible[i])[:, 0] + pos  # [depth_i + 1] cache indices, path order
-        anc_k, anc_v = cache.read_at(layer, slot, idx)  # [n_kv, depth_i + 1, hd]
+    for r in range(q.shape[0]):
+        idx = torch.nonzero(visible[seg.tree_first + r])[:, 0] + pos  # [depth + 1] cache indices, path order
+        anc_k, anc_v = cache.read_at(layer, seg.slot, idx)  # [n_kv, depth + 1, hd]
         keys, values = torch.cat([prefix_k, anc_k], dim=1), torch.cat([prefix_v, anc_v], dim=1)
-        out[i] = attend_row(q[i : i + 1], keys, values)[0]
+        out[r] = attend_row(q[r : r + 1], keys, values)[0]
     return out
 
 

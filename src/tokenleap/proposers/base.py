@@ -12,7 +12,9 @@ Lifecycle per sequence (llama.cpp's begin / draft / accept):
                                        of a chain (``Draft.tree``)
     backlog(seq_id, tokens)         -- how many of ``tokens`` it would have to catch up on (feed beyond
                                        a step's usual one or two) before drafting; 0 for stateless drafters
-    accept(seq_id, num_accepted)    -- how many of the last proposal the target kept
+    accept(seq_id, num_accepted[, path])
+                                    -- how many of the last proposal the target kept (a tree's
+                                       accepted nodes as ``path``)
     end(seq_id)                     -- the sequence is finished; free what it held
 """
 from __future__ import annotations
@@ -67,6 +69,6 @@ class Proposer(Protocol):
 
     def backlog(self, seq_id: int, tokens: list[int]) -> int: ...
 
-    def accept(self, seq_id: int, num_accepted: int) -> None: ...
+    def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None: ...
 
     def end(self, seq_id: int) -> None: ...

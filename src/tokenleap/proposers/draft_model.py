@@ -20,6 +20,7 @@ from ..sampling import greedy, logits_to_probs, sample
 from ..seeded import SeededNoise
 from .base import Draft, DraftRequest
 from .draft_head import BatchHead, ReducedVocabHead
+from .draft_tree import GrownTree, accept_path, grow
 
 
 # a proposal normally feeds the token drafted last plus the target's recovered or bonus token
@@ -65,6 +66,7 @@ class DraftModelProposer:
         self._fed: dict[int, int] = {}
         self._prompt: dict[int, list[int]] = {}
         self._proposal_start: dict[int, int] = {}
+        self._grown: dict[int, GrownTree] = {}  # the last proposal of a sequence, when it was a tree
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         slot = self._slot[seq_id] = self.cache.allocate()
@@ -81,12 +83,16 @@ class DraftModelProposer:
     def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]:
         """Draft for several sequences at once: draft position j of every sequence in one forward
         (a one-row forward reads the whole draft's weights, a few rows cost little more)."""
-        lanes = []
+        lanes, trees = [], []
         out: list[Draft | None] = [None] * len(requests)
         for i, r in enumerate(requests):
+            self._grown.pop(r.seq_id, None)
             if r.k <= 0 or len(r.tokens) + r.k > self.cache.max_len:
                 continue
             fed = min(self._fed[r.seq_id], len(r.tokens) - 1)
+            if r.max_nodes > 0 and r.constraint is None and len(r.tokens) - fed <= self.catch_up_chunk:
+                trees.append((i, r))  # a token tree (draft_tree.py); a grammar's drafts stay chains
+                continue
             if len(r.tokens) - fed > self.catch_up_chunk:  # a long backlog: one chunk now, drafts later
                 out[i] = self._catch_up_chunk(r.seq_id, r.tokens[fed:fed + self.catch_up_chunk], fed)
                 continue
@@ -101,6 +107,11 @@ class DraftModelProposer:
                     self._fed[l.req.seq_id] = valid
                     self.cache.truncate(l.slot, valid)
                 active = []
+        if trees:
+            drafts, grown = grow(self, trees)
+            self._grown.update(grown)
+            for i, d in drafts.items():
+                out[i] = d
         for l in lanes:
             if l.req.constraint is not None:
                 l.req.constraint.rollback(l.pushed)
@@ -178,7 +189,12 @@ class DraftModelProposer:
         self._fed[seq_id] = pos + len(tokens)
         self.cache.register_window(slot, self._prompt[seq_id], pos, pos + len(tokens), self.catch_up_chunk)
 
-    def accept(self, seq_id: int, num_accepted: int) -> None:
+    def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
+        """``path``: the accepted nodes of a tree proposal (a chain's are 1 .. num_accepted)."""
+        grown = self._grown.pop(seq_id, None)
+        if grown is not None:
+            accept_path(self, seq_id, grown, path if path is not None else list(range(1, num_accepted + 1)))
+            return
         valid = self._proposal_start[seq_id] + num_accepted  # tokens both agree on
         self._fed[seq_id] = min(self._fed[seq_id], valid)
         self.cache.truncate(self._slot[seq_id], self._fed[seq_id])
@@ -191,6 +207,7 @@ class DraftModelProposer:
         self._prompt.pop(seq_id, None)
         self._proposal_start.pop(seq_id, None)
         self._heads.pop(seq_id, None)
+        self._grown.pop(seq_id, None)
 
     def _forward(self, slot: int, tokens: list[int], pos: int, head=None) -> torch.Tensor:
         seg = [Segment(slot=slot, pos_start=pos, length=len(tokens))]

@@ -103,7 +103,7 @@ class NgramProposer:
         drafted = tree.tokens[1:].tolist()
         return Draft(tokens=drafted, probs=None, tree=None if tree.is_chain else tree)
 
-    def accept(self, seq_id: int, num_accepted: int) -> None:
+    def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
         pass
 
     def end(self, seq_id: int) -> None:
