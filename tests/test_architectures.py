@@ -310,3 +310,39 @@ def test_multimodal_gemma3_weight_names_are_reduced_to_the_text_model():
                                     "language_model.model.norm.weight": w, "language_model.lm_head.weight": w,
                                     "model.vision_tower.encoder.x.weight": w, "multi_modal_projector.y": w})
     assert set(out) == {"model.layers.0.input_layernorm.weight", "model.norm.weight", "lm_head.weight"}
+
+
+LEGACY = {  # config.json files as the hub ships them (transformers 4 format), shapes shrunk
+    "llama3.2": {"model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
+        "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 32,
+        "rope_type": "llama3"}, "tie_word_embeddings": True},
+    "gemma3-270m": {"model_type": "gemma3_text", "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                    "rope_local_base_freq": 10000.0, "rope_scaling": None, "rope_theta": 1000000.0,
+                    "sliding_window": 8, "_sliding_window_pattern": 6, "num_hidden_layers": 6,
+                    "use_bidirectional_attention": False, "layer_types": None},
+    "gemma3-4b-text": {"model_type": "gemma3_text", "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                       "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 8},
+    "phi3-mini-4k": {"model_type": "phi3", "rope_scaling": None, "sliding_window": 2047,
+                     "original_max_position_embeddings": 128},
+    "qwen3": {"model_type": "qwen3", "rope_scaling": None, "use_sliding_window": False, "sliding_window": None,
+              "max_window_layers": 28},
+}
+
+
+@pytest.mark.parametrize("name", list(LEGACY))
+def test_hub_style_configs_read_as_transformers_reads_them(name):
+    raw = BASE | {"max_position_embeddings": 128} | LEGACY[name]
+    cfg = ModelConfig.from_hf_dict(raw)
+    ref = transformers.AutoConfig.for_model(**raw)
+    glob = ref.rope_parameters.get("full_attention", ref.rope_parameters)
+    assert cfg.rope_theta == glob["rope_theta"]
+    assert cfg.rope_scaling_dict.get("rope_type", "default") == glob["rope_type"]
+    assert cfg.rope_scaling_dict.get("factor") == glob.get("factor")
+    assert cfg.sliding_window == getattr(ref, "sliding_window", None)
+    types = getattr(ref, "layer_types", None)
+    if cfg.sliding_window is not None and types:
+        assert [cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)] == [t == "sliding_attention" for t in types]
+    if name.startswith("gemma3"):
+        assert cfg.rope_local_base_freq == ref.rope_parameters["sliding_attention"]["rope_theta"]
+        assert cfg.query_pre_attn_scalar == ref.query_pre_attn_scalar

@@ -40,7 +40,8 @@ def llama3_rope_freqs(cfg) -> np.ndarray:
     """llama.cpp's converter's rope_freqs for a llama3 rope_scaling (per-frequency divisors)."""
     s = cfg.rope_parameters
     base, dim = s["rope_theta"], cfg.head_dim
-    factor, low, high, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
     out = []
     for i in range(0, dim, 2):
         wavelen = 2 * math.pi / (1.0 / base ** (i / dim))
