@@ -203,6 +203,26 @@ def test_mismatch_is_announced_on_the_console(tmp_path, capsys):
     assert results["summary"]["overall"]["draft"]["mismatches"] == 3
 
 
+def test_seeded_sampled_run_is_checked_against_plain(tmp_path, capsys):
+    """A sampled bench run is seeded per prompt: a tokenleap method that differs from plain is a
+    mismatch (and fails the command), a peer is left out of the comparison."""
+    class Off(Fake):
+        def generate(self, prompt_ids, params):
+            assert params.seed is not None and params.temperature == 0.7
+            g = super().generate(prompt_ids, params)
+            return Generation(g.token_ids[:-1] + [0], g.text, g.seconds, g.finish_reason)
+    results = run_bench(settings(tmp_path / "o", temperature=0.7), FAKE_PROMPTS, FAKE_IDS,
+                        [Fake("plain"), Off("draft"), Off("hf-plain", PEER)])
+    eq = results["equality"]
+    assert eq["checked"] and eq["mode"] == "seeded" and eq["not_compared"] == ["hf-plain"]
+    assert {m["method"] for m in eq["mismatches"]} == {"draft"}
+    err = capsys.readouterr().err
+    assert "MISMATCH: draft differs from plain on q0" in err and "hf-plain differs" not in err
+    report = (tmp_path / "o" / "report.md").read_text()
+    assert "MISMATCH: 3 request(s)" in report and "not compared: `hf-plain`" in report
+    assert "docs/METRICS.md" in report and "STYLE.md" not in report
+
+
 def test_tokenleap_method_errors_are_not_swallowed(tmp_path):
     with pytest.raises(RuntimeError, match="peer crashed"):
         run_bench(settings(tmp_path / "o"), FAKE_PROMPTS, FAKE_IDS, [Fake("plain"), Fake("ngram", fail_at=2)])
@@ -235,7 +255,11 @@ def test_equality_and_own_baselines():
     assert {(m["method"], m["first_difference"]) for m in eq["mismatches"]} == {
         ("hf-plain", 2), ("hf-assisted", 2), ("draft", 2)}
     assert eq["own_baseline"]["hf-assisted"] == {"compared": 1, "identical": 1, "reference": "hf-plain"}
-    assert not equality(records, greedy=False)["checked"]
+    sampled = equality(records, greedy=False)  # seeded: tokenleap's methods against plain, peers not compared
+    assert sampled["checked"] and sampled["mode"] == "seeded"
+    assert {(m["method"], m["first_difference"]) for m in sampled["mismatches"]} == {("draft", 2)}
+    assert sampled["by_method"]["ngram"] == {"compared": 1, "identical": 1}
+    assert sampled["not_compared"] == ["hf-assisted", "hf-plain"] and "hf-plain" not in sampled["by_method"]
     assert first_difference([1, 2], [1, 2]) is None and first_difference([1], [2]) == 0
 
 

@@ -13,7 +13,9 @@ from .cli import positive_int
 _EPILOG = f"""methods: {', '.join(FAMILIES)}
   options: draft:k=4 | draft:k=auto,kmax=8 | draft:vocab=0 (full draft head) | ngram:k=3,max=4,min=1 |
            hf-assisted:k=5 | hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
-  plain is always run (speedups and the equality check are relative to it).
+  plain is always run (speedups and the equality check are relative to it); sampled runs are seeded
+  per prompt (--seed + prompt index), so tokenleap's methods must equal plain then too (peers are not
+  compared). Figures: docs/METRICS.md.
 datasets: {', '.join(DATASETS)}, or a JSONL file with "prompt" (and optional "category", "id") per line.
 example:
   tokenleap bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
@@ -30,7 +32,7 @@ def register(subparsers) -> None:
     p.add_argument("--methods", default="plain,ngram", help="comma-separated method list (see below)")
     p.add_argument("--limit", type=positive_int, default=None, help="first N prompts of the dataset")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are checked for equality)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; outputs are checked for equality with plain (sampled: seeded, tokenleap methods)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and method; medians are reported")
     p.add_argument("--out", default="bench-results", help="output directory (refused if it exists, unless --resume)")

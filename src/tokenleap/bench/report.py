@@ -16,8 +16,8 @@ def _positions(fig: dict[str, Any]) -> str:
     return " ".join(f"{a:.2f}" for a in pos[:8]) + (" …" if len(pos) > 8 else "") if pos else "-"
 
 
-def _equal_cell(fig: dict[str, Any], checked: bool, method: str) -> str:
-    if not checked:
+def _equal_cell(fig: dict[str, Any], eq: dict[str, Any], method: str) -> str:
+    if not eq["checked"] or method not in eq["by_method"]:  # a peer in a sampled run is not compared
         return "-"
     if fig["mismatches"]:
         return f"**NO ({fig['mismatches']}/{fig['requests']})**"
@@ -25,7 +25,7 @@ def _equal_cell(fig: dict[str, Any], checked: bool, method: str) -> str:
 
 
 def method_table(table: dict[str, dict], results: dict[str, Any]) -> list[str]:
-    checked = results["equality"]["checked"]
+    eq = results["equality"]
     kinds = {m["name"]: m["kind"] for m in results["methods"]}
     show_pass = any(f.get("pass_at_1") is not None for f in table.values())
     head = ["method", "kind", "tok/s (median)", "speedup", "τ", "accept len", "draft accept",
@@ -36,7 +36,7 @@ def method_table(table: dict[str, dict], results: dict[str, Any]) -> list[str]:
         cells = [f"`{name}`", kinds.get(name, "?"), _num(f["tokens_per_second"]), _num(f["speedup"], ".2f", "×"),
                  _num(f.get("mean_accepted_tokens")), _num(f.get("acceptance_length")),
                  _num(f.get("draft_acceptance_rate"), ".1%"), _positions(f),
-                 _num(f.get("draft_time_share"), ".0%"), _equal_cell(f, checked, name), str(f["requests"])]
+                 _num(f.get("draft_time_share"), ".0%"), _equal_cell(f, eq, name), str(f["requests"])]
         cells += [_num(f.get("pass_at_1"), ".1%")] if show_pass else []
         rows.append("| " + " | ".join(cells) + " |")
     return rows
@@ -73,12 +73,17 @@ def _equality(results: dict[str, Any]) -> list[str]:
                   f"generated token {m['first_difference']} ({m['method_tokens']} vs {m['reference_tokens']} tokens)"
                   for m in mm[:_MAX_LISTED]]
         lines += [f"- … and {len(mm) - _MAX_LISTED} more (see results.json)"] if len(mm) > _MAX_LISTED else []
+    elif eq.get("mode") == "seeded":
+        lines.append("Sampled run, seeded per prompt: every tokenleap method's output is token-identical to "
+                     "`plain`'s seeded output for the same prompt.")
     else:
         lines.append("Every greedy output is token-identical to `plain`'s output for the same prompt.")
     for name, c in eq["by_method"].items():
         lines.append(f"- `{name}`: {c['identical']}/{c['compared']} identical to `plain`")
     for name, c in eq.get("own_baseline", {}).items():
         lines.append(f"- `{name}`: {c['identical']}/{c['compared']} identical to its own `{c['reference']}`")
+    if eq.get("not_compared"):
+        lines.append(f"- not compared: {', '.join(f'`{n}`' for n in eq['not_compared'])} ({eq['reason']})")
     lines.append("\nPeers run other kernels (transformers on the dequantized weights, llama.cpp on the GGUF's "
                  "quantized blocks), so their outputs can differ from tokenleap's where two tokens are nearly tied.")
     return lines
@@ -125,7 +130,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
               "over repeats. speedup: tok/s ÷ `plain`'s tok/s over the same prompts, same run. τ: new tokens / "
               "target forwards (plain = 1.00). accept len: 1 + accepted / steps with a draft. draft accept: "
               "accepted / proposed draft tokens. per-position a_i: share of drafting steps whose first i drafts "
-              "were all accepted. draft time: draft seconds / (draft + verify seconds). See METRICS.md.", ""]
+              "were all accepted. draft time: draft seconds / (draft + verify seconds). Formulas and how the "
+              "figures relate: docs/METRICS.md in the tokenleap repository.", ""]
     lines += [f"![{Path(p).stem}]({Path(p).name})" for p in results.get("plots", [])]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -133,7 +139,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
 def console_summary(results: dict[str, Any]) -> str:
     out = ["", f"{'method':28s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'= plain':>9s}"]
     for name, f in results["summary"]["overall"].items():
-        equal = "-" if not results["equality"]["checked"] else ("yes" if not f["mismatches"] else "NO")
+        eq = results["equality"]
+        equal = "-" if not eq["checked"] or name not in eq["by_method"] else ("yes" if not f["mismatches"] else "NO")
         out.append(f"{name:28s} {_num(f['tokens_per_second']):>8s} {_num(f['speedup'], '.2f', 'x'):>8s} "
                    f"{_num(f.get('mean_accepted_tokens')):>6s} {equal:>9s}")
     for m in results["methods"]:

@@ -1,6 +1,6 @@
 """The bench loop: warm-up, interleaved requests, an append-only log, resume, then the outputs.
 
-Protocol (STYLE.md practice 10, METRICS.md): one short warm-up generation per method is run and
+Protocol (figures defined in docs/METRICS.md): one short warm-up generation per method is run and
 discarded; for every prompt and repeat all methods run back to back, their order rotated from one
 prompt to the next, so drift of the machine touches every method alike; each finished request is
 appended to ``results.jsonl`` at once, so an interrupted run keeps what it measured and
@@ -183,9 +183,12 @@ class _Run:
         self._live_check(record)
 
     def _live_check(self, record: dict) -> None:
-        if not self.s.greedy:
+        """Warn at once when a request differs from plain's (greedy: any method; seeded sampling:
+        tokenleap's methods, whose seeded tokens equal plain's)."""
+        if not self.s.greedy and S.is_peer(record):
             return
-        same = [r for r in self.log.records if r["prompt_id"] == record["prompt_id"]]
+        same = [r for r in self.log.records if r["prompt_id"] == record["prompt_id"]
+                and (self.s.greedy or not S.is_peer(r))]
         ref = next((r for r in same if r["method"] == S.PLAIN), None)
         if ref is None:
             return

@@ -1,8 +1,11 @@
-"""From per-request records to the figures of METRICS.md, per category and overall; equality.
+"""From per-request records to the figures of docs/METRICS.md, per category and overall; equality.
 
 tokens/s: median over prompts of each prompt's median over repeats (prefill included).
 speedup: a method's tokens/s / plain's tokens/s, both over the prompts both completed.
 tau, acceptance length, rates, per-position acceptance: from the summed counters of all requests.
+equality: greedy runs compare every method with plain; sampled runs are seeded (seed + prompt
+index), and tokenleap's seeded sampling gives plain's tokens whatever the proposer, so its methods
+are compared with plain too -- peers, which draw from their own random streams, are not.
 """
 from __future__ import annotations
 
@@ -59,12 +62,24 @@ def _compare(records: list[dict], method_of, ref_name: str, refs: dict[str, list
     return dict(counts), mismatches
 
 
+def is_peer(record: dict) -> bool:
+    """A record of another engine (transformers, llama.cpp), by its kind or its method's name."""
+    name = record["method"]
+    return record.get("kind") == "peer" or any(name.startswith(prefix) for prefix in OWN_BASELINE)
+
+
 def equality(records: list[dict], greedy: bool) -> dict[str, Any]:
-    """Every record against plain's output for its prompt (plain's own repeats included); peers'
-    speculative modes also against their own plain decoding."""
+    """Greedy: every record against plain's output for its prompt (plain's own repeats included);
+    peers' speculative modes also against their own plain decoding. Sampled (seeded) runs: every
+    tokenleap record against plain's seeded output; peers are not compared."""
     if not greedy:
-        return {"checked": False, "reason": "sampling (temperature > 0): outputs are not expected to match",
-                "by_method": {}, "mismatches": [], "own_baseline": {}, "own_baseline_mismatches": []}
+        ours = [r for r in records if not is_peer(r)]
+        by_method, mismatches = _compare(ours, lambda r: PLAIN, PLAIN, _references(ours, PLAIN))
+        peers = sorted({r["method"] for r in records if is_peer(r)})
+        return {"checked": True, "mode": "seeded", "reference": PLAIN, "by_method": by_method,
+                "mismatches": mismatches, "own_baseline": {}, "own_baseline_mismatches": [],
+                "not_compared": peers,
+                "reason": "peers sample from their own random streams, so their sampled outputs differ"}
     plain_refs = _references(records, PLAIN)
     by_method, mismatches = _compare(records, lambda r: PLAIN, PLAIN, plain_refs)
     own, own_mismatches = {}, []
@@ -72,7 +87,7 @@ def equality(records: list[dict], greedy: bool) -> dict[str, Any]:
         counts, mm = _compare(records, lambda r: own_baseline(r["method"]), base, _references(records, base))
         own.update({m: {**c, "reference": base} for m, c in counts.items()})
         own_mismatches += mm
-    return {"checked": True, "reference": PLAIN, "by_method": by_method, "mismatches": mismatches,
+    return {"checked": True, "mode": "greedy", "reference": PLAIN, "by_method": by_method, "mismatches": mismatches,
             "own_baseline": own, "own_baseline_mismatches": own_mismatches}
 
 
