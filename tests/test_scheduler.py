@@ -190,3 +190,33 @@ def test_metrics_export_and_log_line():
     cached = ServeSnapshot(10.0, 3, 1, 4, 10, 200, 500, 2, {}, 100, 300, 150, (80, 50, 20),
                            prefix_cache_queries=512, prefix_cache_hits=256)
     assert "prefix cache hit rate 50.0%" in log_line(prev, cached)
+
+
+def test_one_admission_rule_counted_in_sequences():
+    """Waiting sequences never pass max_waiting beyond the batch's free places -- and none of those
+    while the KV pool holds sequences back (a free place then admits nobody): a request of n
+    choices counts n. Driven to preemption in a small pool, every accepted submit keeps the rule."""
+    from tokenleap.scheduler import QueueFullError
+    eng = paged_engine(None, blocks=10)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, max_waiting=3, log_interval=0))
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    batch = [Request(eng.create([5, 6, 7] * 12, params), Collector()) for _ in range(7)]  # 4 free places + 3
+    sched.submit(batch)
+    with pytest.raises(QueueFullError, match="adds 1"):
+        sched.submit([Request(eng.create([5], params), Collector())])
+    accepted = refused = 0
+    while not sched.idle:
+        sched.iterate()
+        for n in (1, 2, 3):
+            free = 0 if sched._short else max(0, 4 - len(sched.running))
+            try:
+                sched.submit([Request(eng.create([9, 8] * (n + 3), params), Collector()) for _ in range(n)])
+            except QueueFullError:
+                refused += 1
+                continue
+            accepted += 1
+            assert len(sched.waiting) + len(sched._inbox) <= 3 + free
+        if accepted > 12:
+            break
+    assert sched.stats.preemptions > 0
+    assert accepted > 0 and refused > 0

@@ -8,8 +8,10 @@ are in ``responses``.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -19,6 +21,10 @@ MAX_N = 16  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
 MAX_STOP = 16
 MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_TEMPERATURE = 100.0  # far past any useful value (the distribution is flat long before): refuse as absurd
+# every integer field is a signed 64-bit value, as the sampler's tensors hold it: a larger one is a 400
+# naming the field (pydantic's message, with the field's path), never an overflow deeper down
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -62,16 +68,16 @@ class _Sampling(_Strict):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    n: int | None = 1
+    n: Int64 | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
-    min_tokens: int | None = None  # vLLM's
-    stop_token_ids: list[int] | None = None  # vLLM's
+    min_tokens: Int64 | None = None  # vLLM's
+    stop_token_ids: list[Int64] | None = None  # vLLM's
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -86,9 +92,9 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None  # OpenAI's default is 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = None  # OpenAI's default is 16
+    logprobs: Int64 | None = None
     echo: bool | None = False
 
 
@@ -139,10 +145,10 @@ class ChatMessage(_Strict):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -161,7 +167,7 @@ class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 def parse_body(raw: bytes, model: type[_Strict]) -> Any:
@@ -169,7 +175,7 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -187,11 +193,22 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent; one past the float64 range (``1e999``) is refused,
+    as vLLM does, rather than becoming infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range (not a finite 64-bit float)")
+    return value
+
+
 def check_common(req: _Sampling) -> None:
     if req.n is None or not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
     if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:
         raise bad_request("seed must be a 64-bit signed integer", "seed")
+    if req.temperature is not None and not req.temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature!r}", "temperature")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP:
         raise bad_request(f"at most {MAX_STOP} stop strings", "stop")
@@ -244,17 +261,21 @@ def structured_output(req: _Sampling) -> StructuredOutput | None:
     return StructuredOutput(**{kind: value})
 
 
+_TOKEN_KEY = re.compile(r"\s*[0-9]{1,19}\s*")  # ASCII digits only ("²".isdigit() holds, int() refuses it)
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out = {}
     for key, value in (bias or {}).items():
-        if not key.strip().isdigit():
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not _TOKEN_KEY.fullmatch(key):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
         out[int(key)] = value
     return out
 
 
 def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
-    if bias and any(int(k) >= vocab for k in bias if k.strip().isdigit()):
+    """Keys are token ids of the vocabulary (a longer digit string than any id: out of range too)."""
+    if any(t >= vocab for t in _logit_bias(bias)):
         raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
 
 
@@ -280,6 +301,9 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
             if m.role != "assistant":
                 raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
             message["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
+                              "messages")
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)

@@ -1,12 +1,15 @@
-"""OpenAI response objects: ids, usage, completion and chat choices and stream deltas, and the
-completions and chat forms of ``logprobs``."""
+"""OpenAI response objects: ids, usage, completion and chat choices and stream deltas, the
+completions and chat forms of ``logprobs``, and ``Format``, one request's response envelope."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from .logprobs import TokenLogprob
+from .tools import ToolPlan, parse_tool_calls
 
 
 def new_id(prefix: str) -> str:
@@ -94,3 +97,43 @@ def chat_logprobs(scored: list[Scored], tt: TokenText) -> dict[str, Any]:
     content = [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
                for t, lp in scored if lp is not None]
     return {"content": content, "refusal": None}
+
+
+@dataclass(frozen=True)
+class Format:
+    """Response envelope shared by the chunks and the final object of one request."""
+
+    id: str
+    object: str
+    model: str
+    created: int
+    chat: bool
+    include_usage: bool = False
+    tokens: TokenText | None = None  # set when the request asked for logprobs
+    tools: ToolPlan = ToolPlan()  # a chat request's tool calling
+
+    def obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def choice(self, i: int, text: str, reason: str | None, scored: list[Scored], offset: int = 0,
+               delta: bool = False) -> dict[str, Any]:
+        """Choice ``i`` of a response (``delta``: of a streamed chat chunk); ``offset``: text before it."""
+        if self.chat:
+            lp = chat_logprobs(scored, self.tokens) if self.tokens else None
+            if delta:
+                return chat_delta(i, {"content": text} if text else {}, reason, lp)
+            if self.tools.parse:
+                content, calls = parse_tool_calls(self.tools.prefix + text, self.tools.names)
+                return chat_choice(i, content, "tool_calls" if calls else reason, lp, calls)
+            return chat_choice(i, text, reason, lp)
+        return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
+                                 if self.tokens else None)
+
+    def with_usage(self) -> dict[str, Any]:
+        return {"usage": None} if self.include_usage else {}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event carrying ``data`` (a JSON object, or text such as ``[DONE]``)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"

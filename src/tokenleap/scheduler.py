@@ -30,7 +30,7 @@ from .errors import TokenleapError
 from .logprobs import TokenLogprob
 from .paged_cache import PagedKVCache
 from .sequence import Sequence
-from .serve_metrics import ServeSnapshot, ServeStats, log_line
+from .serve_metrics import RequestTiming, ServeSnapshot, ServeStats, log_line
 
 log = logging.getLogger("tokenleap.serve")
 
@@ -42,7 +42,7 @@ class QueueFullError(TokenleapError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 16  # sequences in the running batch
-    max_waiting: int = 64  # sequences queued beyond the batch before requests are refused
+    max_waiting: int = 64  # sequences queued beyond the batch before requests are refused (see ``submit``)
     prefill_budget: int | None = None  # prompt tokens per iteration (default: the engine's chunk)
     log_interval: float = 10.0  # seconds between log lines while active; <= 0 disables
 
@@ -73,6 +73,10 @@ class Request:
     done: bool = False
     counted_prompt: bool = False
     error: str | None = field(default=None, repr=False)
+    # time.monotonic() at submit, first admission into the batch, first token (for the histograms)
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 class Scheduler:
@@ -96,15 +100,26 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._last_log: ServeSnapshot | None = None
+        self._short = False  # the KV pool held back a waiting sequence (or preempted one) last iteration
 
     # -- thread-safe API --------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> None:
+        """Queue ``requests`` (one per sequence: an HTTP request's n choices of each prompt), all or none.
+
+        One admission rule, counted in sequences: after the submit, the sequences waiting (queued,
+        just submitted, or preempted) may exceed ``max_waiting`` only by the places free in the running
+        batch -- and by none while the KV pool is what holds sequences back, since a free place
+        then admits nobody. ``QueueFullError`` otherwise."""
         with self._cond:
             queued = len(self.waiting) + len(self._inbox)
-            if queued + len(requests) > self.cfg.max_waiting + max(0, self.max_seqs - len(self.running)):
-                raise QueueFullError(f"{queued} requests are already waiting; retry later")
+            free = 0 if self._short else max(0, self.max_seqs - len(self.running))
+            if queued + len(requests) > self.cfg.max_waiting + free:
+                raise QueueFullError(f"{queued} sequences are waiting (at most {self.cfg.max_waiting} beyond "
+                                     f"{free} free places in the batch) and this request adds {len(requests)} "
+                                     f"(n times its prompts); retry later")
+            now = time.monotonic()
             for r in requests:
-                r.arrival = next(self._arrivals)
+                r.arrival, r.arrival_time = next(self._arrivals), now
             self._inbox.extend(requests)
             self._cond.notify()
 
@@ -114,6 +129,8 @@ class Scheduler:
             self._cond.notify()
 
     def start(self) -> None:
+        """Run the loop on a background thread (again after ``shutdown``: an app's lifespan restarts it)."""
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokenleap-scheduler", daemon=True)
         self._thread.start()
 
@@ -143,7 +160,7 @@ class Scheduler:
             preemptions=self.stats.preemptions, finished=dict(self.stats.finished), num_drafts=t.draft_steps,
             num_draft_tokens=t.draft_tokens, num_accepted_tokens=t.accepted_tokens,
             accepted_per_pos=tuple(t.position_accepted), prefix_cache_queries=self.cache.prefix_queries,
-            prefix_cache_hits=self.cache.prefix_hits)
+            prefix_cache_hits=self.cache.prefix_hits, histograms=self.stats.histograms.read())
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -184,11 +201,13 @@ class Scheduler:
 
     # -- admission and preemption -----------------------------------------------------------
     def _admit(self) -> None:
+        self._short = False
         while self.waiting and len(self.running) < self.max_seqs and self.cache.num_free_slots:
             req = self.waiting[0]
             need = self.cache.blocks_for(len(req.seq.tokens) + 1)
             spare = self.cache.num_free_blocks - self._promised() - len(self.running)  # 1 block each to grow
             if need > spare and self.running:
+                self._short = True
                 return
             self.waiting.pop(0)
             try:
@@ -196,6 +215,8 @@ class Scheduler:
             except Exception as e:
                 self._fail(req, f"could not start the request: {e}")
                 continue
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             bisect.insort(self.running, req, key=lambda q: q.arrival)
 
     def _promised(self) -> int:
@@ -218,6 +239,7 @@ class Scheduler:
         self.running.remove(req)
         bisect.insort(self.waiting, req, key=lambda q: q.arrival)
         self.stats.preemptions += 1
+        self._short = True
 
     # -- prefill and decode -----------------------------------------------------------------
     def _prefill(self) -> None:
@@ -320,12 +342,15 @@ class Scheduler:
         prompt_logprobs = list(seq.prompt_logprobs) if req.sent == 0 and seq.params.prompt_logprobs is not None \
             else None
         req.sent = seq.num_generated
+        if req.first_token_time is None and new_ids:
+            req.first_token_time = time.monotonic()
         finished = seq.finished
-        if text or new_ids or finished:
-            self._send(req, Output(text, new_ids, seq.num_generated, seq.finish_reason if finished else None,
-                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs))
-        if finished:
+        out = Output(text, new_ids, seq.num_generated, seq.finish_reason if finished else None,
+                     logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if finished:  # recorded (metrics, freed blocks) before the consumer can see the end
             self._finish(req, seq.finish_reason or "stop")
+        if text or new_ids or finished:
+            self._send(req, out)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.engine.release(req.seq)
@@ -335,6 +360,10 @@ class Scheduler:
             self.waiting.remove(req)
         req.done = True
         self.stats.record_finish(reason)
+        if reason in ("stop", "length") and req.first_token_time is not None:  # not aborted, not failed
+            self.stats.histograms.record(RequestTiming(
+                req.arrival_time, req.scheduled_time or req.arrival_time, req.first_token_time, time.monotonic(),
+                len(req.seq.prompt), req.seq.num_generated))
 
     def _fail(self, req: Request, message: str) -> None:
         if req.done:

@@ -31,6 +31,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (default: reuse prompt windows another request computed)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="put each request's prompt text in its log line (default: counts and times only)")
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins a browser may call the API from (CORS), e.g. https://app.example or '*' "
+                        "(default: none, no CORS headers)")
+    p.add_argument("--no-docs", action="store_true",
+                   help="do not serve /docs and /openapi.json (default: served, behind --api-key when set)")
     from .replicas_cli import add_replica_args  # --replicas N: the same server on Ray Serve replicas
     add_replica_args(p)
     p.set_defaults(func=cmd_serve)
@@ -95,6 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .replicas_cli import serve_replicas
         return serve_replicas(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.disable_log_requests:
+        logging.getLogger("tokenleap.serve.requests").setLevel(logging.WARNING)
     app, engine = build_app(args)
     name = args.served_model_name or args.model
     if not _is_loopback(args.host) and not args.api_key:
@@ -121,7 +131,9 @@ def build_app(args: argparse.Namespace):
     name = args.served_model_name or args.model
     config = ServerConfig(model_name=name, model_aliases=model_aliases(args.model), api_key=args.api_key,
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                                                    log_interval=args.log_interval))
+                                                    log_interval=args.log_interval),
+                          allowed_origins=tuple(args.allowed_origins), log_prompts=args.log_prompts,
+                          docs=not args.no_docs)
     return create_app(engine, config), engine
 
 

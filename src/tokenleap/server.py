@@ -4,8 +4,13 @@ and vLLM's /tokenize and /detokenize.
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
 background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
 request owns an ``asyncio.Queue``; the scheduler thread puts outputs on it with
-``loop.call_soon_threadsafe``. A client that disconnects (a cancelled stream, or a closed
-connection noticed while waiting) has its sequences cancelled, which frees their KV blocks at once.
+``loop.call_soon_threadsafe``. A client that disconnects (a cancelled stream, or the disconnect
+message a non-streaming request's watcher awaits) has its sequences cancelled at once: the scheduler
+drops them, freeing their KV blocks, before its next step.
+
+``create_app`` (or ``OpenAIServer(engine, config, scheduler).app()``) is the one place the FastAPI
+app is built: routes, API-key checks (the OpenAPI docs included), CORS, error bodies, and one log
+line per finished request (``tokenleap.serve.requests``).
 """
 from __future__ import annotations
 
@@ -19,23 +24,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .config import ConfigError
 from .errors import PromptTooLongError
 from .protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        bad_request, chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
                        check_token_ids, parse_body, sampling_params, structured_output)
-from .responses import (Scored, TokenText, chat_choice, chat_delta, chat_logprobs, completion_choice,
-                        completion_logprobs, new_id, now)
+from .responses import Format, TokenText, chat_delta, new_id, now, sse
 from .scheduler import QueueFullError, Scheduler, SchedulerConfig
 from .serve_metrics import make_registry
 from .server_jobs import ClientGone, Job
-from .tools import ToolPlan, ToolStream, call_deltas, parse_tool_calls, plan_tools
+from .tools import ToolPlan, ToolStream, call_deltas, plan_tools
 
 log = logging.getLogger("tokenleap.serve")
+request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
 
 @dataclass(frozen=True)
@@ -44,52 +52,20 @@ class ServerConfig:
     model_aliases: tuple[str, ...] = ()  # other names accepted in a request's "model" (catalog name, path)
     api_key: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-
-@dataclass(frozen=True)
-class _Format:
-    """Response envelope shared by the chunks and the final object of one request."""
-
-    id: str
-    object: str
-    model: str
-    created: int
-    chat: bool
-    include_usage: bool = False
-    tokens: TokenText | None = None  # set when the request asked for logprobs
-    tools: ToolPlan = ToolPlan()  # a chat request's tool calling
-
-    def obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
-
-    def choice(self, i: int, text: str, reason: str | None, scored: list[Scored], offset: int = 0,
-               delta: bool = False) -> dict[str, Any]:
-        """Choice ``i`` of a response (``delta``: of a streamed chat chunk); ``offset``: text before it."""
-        if self.chat:
-            lp = chat_logprobs(scored, self.tokens) if self.tokens else None
-            if delta:
-                return chat_delta(i, {"content": text} if text else {}, reason, lp)
-            if self.tools.parse:
-                content, calls = parse_tool_calls(self.tools.prefix + text, self.tools.names)
-                return chat_choice(i, content, "tool_calls" if calls else reason, lp, calls)
-            return chat_choice(i, text, reason, lp)
-        return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
-                                 if self.tokens else None)
-
-    def with_usage(self) -> dict[str, Any]:
-        return {"usage": None} if self.include_usage else {}
-
-
-def _sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins a browser may call from ("*": any); () sends no CORS headers
+    log_prompts: bool = False  # put each request's prompt text in its log line
+    docs: bool = True  # serve /docs and /openapi.json (behind the API key when one is set)
 
 
 class OpenAIServer:
-    def __init__(self, engine, config: ServerConfig) -> None:
+    """The request handlers around one engine and its scheduler (``scheduler``: one built elsewhere,
+    e.g. by a replica that also drives it; by default one from ``config.scheduler``)."""
+
+    def __init__(self, engine, config: ServerConfig, scheduler: Scheduler | None = None) -> None:
         self.engine, self.cfg = engine, config
         self.tokenizer = engine.tokenizer
-        self.scheduler = Scheduler(engine, config.scheduler)
+        self.scheduler = scheduler if scheduler is not None else Scheduler(engine, config.scheduler)
+        self.proposer_name = engine.proposer.name if engine.proposer is not None else "none"
         self.registry = make_registry(self.scheduler.snapshot, config.model_name)
         self.created = now()
         self._tokens: TokenText | None = None  # token texts for logprobs, cached across requests
@@ -104,7 +80,13 @@ class OpenAIServer:
             finally:
                 self.scheduler.shutdown()
 
-        app = FastAPI(title="tokenleap", lifespan=lifespan)
+        app = FastAPI(title="tokenleap", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        if self.cfg.docs:  # FastAPI's own routes would skip the API key
+            app.add_api_route("/openapi.json", self.openapi, methods=["GET"], include_in_schema=False)
+            app.add_api_route("/docs", self.docs, methods=["GET"], include_in_schema=False)
+        if self.cfg.allowed_origins:
+            app.add_middleware(CORSMiddleware, allow_origins=list(self.cfg.allowed_origins), allow_methods=["*"],
+                               allow_headers=["*"], allow_credentials="*" not in self.cfg.allowed_origins)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -114,6 +96,7 @@ class OpenAIServer:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_exception_handler(APIError, _api_error)
         app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(ClientDisconnect, _client_disconnect)
         app.add_exception_handler(Exception, _internal_error)
         app.state.server = self
         return app
@@ -125,7 +108,7 @@ class OpenAIServer:
         self._check(req)
         prompts = self._prompts(req.prompt)
         budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
-        fmt = _Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
+        fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
                       include_usage=self._include_usage(req), tokens=self._token_text(req.logprobs is not None))
         echo = None
         if req.echo:  # the prompt as given (token ids: decoded) starts each choice
@@ -147,7 +130,7 @@ class OpenAIServer:
         prompt = self._encode_chat(chat_messages(req), tools, chat_options(req))
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = check_max_tokens(requested, len(prompt), self.engine.max_len, None)
-        fmt = _Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
+        fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
                       include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)),
                       tools=tools)
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
@@ -175,6 +158,14 @@ class OpenAIServer:
                 "max_model_len": self.engine.max_len}
         return {"object": "list", "data": [card]}
 
+    async def openapi(self, request: HTTPRequest) -> JSONResponse:
+        self._auth(request)
+        return JSONResponse(request.app.openapi())
+
+    async def docs(self, request: HTTPRequest) -> Response:
+        self._auth(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="tokenleap API")
+
     async def health(self) -> Response:
         ok = self.scheduler.alive
         return JSONResponse({"status": "ok" if ok else "scheduler stopped"}, status_code=200 if ok else 503)
@@ -183,7 +174,7 @@ class OpenAIServer:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- running a request ------------------------------------------------------------------
-    async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: _Format,
+    async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: Format,
                    logprobs: int | None = None, prompt_logprobs: int | None = None,
                    echo: list[str] | None = None) -> Response:
         spec = fmt.tools.grammar or structured_output(req)
@@ -193,6 +184,10 @@ class OpenAIServer:
             except ConfigError as e:
                 raise bad_request(str(e), "response_format") from None
         job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo, spec)
+        if self.cfg.log_prompts:  # as the client sent it: a completion's prompt, or the chat messages
+            job.prompt_text = req.prompt if isinstance(getattr(req, "prompt", None), str) else json.dumps(
+                req.prompt if hasattr(req, "prompt") else [m.model_dump(exclude_none=True) for m in req.messages],
+                ensure_ascii=False)
         if req.stream:
             return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")
         try:
@@ -201,6 +196,7 @@ class OpenAIServer:
             return Response(status_code=499)
         finally:
             job.cancel()
+            self._log(job, fmt)
         choices = [fmt.choice(i, t, r, s) for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
         return JSONResponse(fmt.obj(choices, usage=job.usage()))
 
@@ -223,8 +219,8 @@ class OpenAIServer:
             raise APIError(503, f"the server is busy: {e}", "server_busy", None, "queue_full") from None
         return job
 
-    async def _stream(self, job: Job, fmt: _Format) -> AsyncIterator[str]:
-        chunk_fmt = _Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
+    async def _stream(self, job: Job, fmt: Format) -> AsyncIterator[str]:
+        chunk_fmt = Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
                             fmt.chat, fmt.include_usage, fmt.tokens)
         offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
         # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
@@ -232,10 +228,10 @@ class OpenAIServer:
         try:
             if fmt.chat:
                 first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
-                yield _sse(chunk_fmt.obj(first, **fmt.with_usage()))
+                yield sse(chunk_fmt.obj(first, **fmt.with_usage()))
             async for i, out in job.outputs():
                 if out.error:
-                    yield _sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
+                    yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
                     break
                 text, scored = job.piece(i, out)
                 reason, calls = out.finish_reason, []
@@ -247,20 +243,24 @@ class OpenAIServer:
                 if calls:  # the content first, then the calls with the finish reason
                     if text or (scored and fmt.tokens):
                         choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
-                        yield _sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                        yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
                     delta = chat_delta(i, {"tool_calls": call_deltas(calls)}, reason)
-                    yield _sse(chunk_fmt.obj([delta], **fmt.with_usage()))
+                    yield sse(chunk_fmt.obj([delta], **fmt.with_usage()))
                 elif text or reason or (scored and fmt.tokens):
                     choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
-                    yield _sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                    yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
                     if fmt.tokens:
                         offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
             else:
                 if fmt.include_usage:
-                    yield _sse(chunk_fmt.obj([], usage=job.usage()))
-            yield _sse("[DONE]")
+                    yield sse(chunk_fmt.obj([], usage=job.usage()))
+            yield sse("[DONE]")
         finally:  # normal end, error, or the client went away (the task is cancelled)
             job.cancel()
+            self._log(job, fmt)
+
+    def _log(self, job: Job, fmt: Format) -> None:
+        request_log.info(job.log_line(fmt.id, self.proposer_name))
 
     # -- checks and prompts -----------------------------------------------------------------
     def _auth(self, request: HTTPRequest) -> None:
@@ -344,11 +344,18 @@ async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONRespon
     return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
 
 
+async def _client_disconnect(request: HTTPRequest, _: ClientDisconnect) -> Response:
+    log.info("client disconnected before sending its whole request (%s %s)", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 async def _internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return JSONResponse(APIError(500, "internal server error", "server_error").body(), status_code=500)
 
 
-def create_app(engine, config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an ``Engine`` built on a ``PagedKVCache``)."""
-    return OpenAIServer(engine, config).app()
+def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``Engine`` built on a ``PagedKVCache``); the app's
+    lifespan starts and stops the scheduler (``scheduler``: one given, or one of ``config.scheduler``).
+    The handlers are ``app.state.server`` (an ``OpenAIServer``)."""
+    return OpenAIServer(engine, config, scheduler).app()

@@ -1,0 +1,196 @@
+"""Hostile input, disconnects and operator features of the HTTP server: int64 overflow and non-finite
+numbers are 400s naming the field, a client that leaves (streamed or not) stops its generation, the
+OpenAPI docs sit behind the API key, CORS only when asked, latency histograms under vLLM's names and
+one log line per request. Most run in-process over httpx's ASGI transport (no socket)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+import httpx
+import pytest
+
+from tokenleap.scheduler import SchedulerConfig
+from tokenleap.server import ServerConfig, create_app
+
+from serving_helpers import LiveServer, paged_engine, wait_until
+
+KEY = "k"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def make_app(engine=None, **config):
+    cfg = ServerConfig("m", api_key=config.pop("api_key", KEY), scheduler=SchedulerConfig(log_interval=0), **config)
+    return create_app(engine if engine is not None else paged_engine(), cfg)
+
+
+def call(app, requests):
+    """Run ``requests`` (method, path, kwargs) against ``app`` in-process; the responses, in order."""
+    async def go():
+        sched = app.state.server.scheduler
+        sched.start()
+        try:
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+                return [await c.request(method, path, **kw) for method, path, kw in requests]
+        finally:
+            sched.shutdown()
+    return asyncio.run(go())
+
+
+def post(path, body=None, content=None):
+    kw = {"headers": AUTH, **({"json": body} if content is None else {"content": content})}
+    return "POST", path, kw
+
+
+@pytest.fixture(scope="module")
+def app():
+    return make_app()
+
+
+OVERFLOW = (10**30, 2**63, -2**63 - 1)
+
+
+def test_integers_past_int64_are_400_naming_the_field_streamed_or_not(app):
+    cases = []
+    for value in OVERFLOW:
+        for stream in (False, True):
+            for field in ("top_k", "seed", "n", "max_tokens", "min_tokens", "logprobs"):
+                cases.append(("/v1/completions", {"prompt": "ab", field: value, "stream": stream}, field))
+            cases.append(("/v1/completions", {"prompt": "ab", "stop_token_ids": [3, value], "stream": stream},
+                          "stop_token_ids"))
+            cases.append(("/v1/completions", {"prompt": [3, value], "stream": stream}, "prompt"))
+            for field in ("max_completion_tokens", "max_tokens", "top_k", "top_logprobs"):
+                cases.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                       "logprobs": True, field: value, "stream": stream}, field))
+        cases.append(("/detokenize", {"tokens": [1, value]}, "tokens"))
+    cases.append(("/v1/completions", {"prompt": "ab", "logit_bias": {"9" * 30: 1}}, "logit_bias"))
+    cases.append(("/v1/completions", {"prompt": "ab", "logit_bias": {"\u00b2": 1}}, "logit_bias"))  # "²".isdigit()
+    responses = call(app, [post(path, body) for path, body, _ in cases])
+    for (path, body, field), r in zip(cases, responses):
+        assert r.status_code == 400, (path, body, r.status_code, r.text)
+        assert r.json()["error"]["param"] == field, (body, r.text)
+    # the edge of the range is a valid top_k (it keeps every token), not an overflow deeper down
+    ok = call(app, [post("/v1/completions", {"prompt": "ab", "max_tokens": 3, "top_k": 2**63 - 1,
+                                             "temperature": 0.7, "seed": -2**63})])[0]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_non_finite_and_absurd_values_are_refused(app):
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    cases = [
+        (b'{"prompt": "a", "temperature": 1e999}', None), (b'{"prompt": "a", "top_p": -1e999}', None),
+        (b'{"prompt": "a", "temperature": NaN}', None), (b'{"prompt": "a", "temperature": Infinity}', None),
+        (b'{"prompt": "a", "temperature": 1e30}', "temperature"), (b'{"prompt": "a", "temperature": 101}', "temperature"),
+        (b'{"prompt": "a", "top_p": 0}', "top_p"), (b'{"prompt": "a", "top_p": 1.5}', "top_p"),
+        (b'{"prompt": "a", "presence_penalty": 1e300}', "presence_penalty"),
+        (b'{"prompt": "a", "logit_bias": {"3": 1e300}}', "logit_bias"),
+    ]
+    responses = call(app, [post("/v1/completions", content=body) for body, _ in cases] + [
+        post("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x"},
+                                                           {"role": "tool", "content": "42"}]})])
+    for (body, param), r in zip(cases, responses):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    tool = responses[-1]
+    assert tool.status_code == 400 and "tool_call_id" in tool.json()["error"]["message"]
+
+
+def test_docs_behind_the_api_key_or_off():
+    requests = [("GET", "/openapi.json", {}), ("GET", "/docs", {}), ("GET", "/openapi.json", {"headers": AUTH}),
+                ("GET", "/docs", {"headers": AUTH})]
+    locked = call(make_app(), requests)
+    assert [r.status_code for r in locked] == [401, 401, 200, 200]
+    assert "/v1/completions" in locked[2].json()["paths"] and "swagger" in locked[3].text.lower()
+    assert [r.status_code for r in call(make_app(api_key=None), requests[:2])] == [200, 200]
+    off = call(make_app(docs=False), requests)
+    assert [r.status_code for r in off] == [404] * 4 and all("error" in r.json() for r in off)
+
+
+def test_cors_only_for_allowed_origins():
+    preflight = ("OPTIONS", "/v1/completions", {"headers": {"Origin": "https://app.example",
+                                                              "Access-Control-Request-Method": "POST"}})
+    models = ("GET", "/v1/models", {"headers": {**AUTH, "Origin": "https://app.example"}})
+    plain = call(make_app(), [preflight, models])
+    assert all("access-control-allow-origin" not in r.headers for r in plain)
+    allowed = call(make_app(allowed_origins=("https://app.example",)), [preflight, models])
+    assert [r.headers.get("access-control-allow-origin") for r in allowed] == ["https://app.example"] * 2
+    other = call(make_app(allowed_origins=("https://other.example",)), [models])[0]
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+
+
+def _metric(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(name))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_latency_histograms_under_vllm_names_and_one_log_line_per_request(caplog):
+    body = {"prompt": "secret prompt", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with caplog.at_level(logging.INFO, logger="tokenleap.serve.requests"):
+        r = call(make_app(paged_engine("ngram")), [post("/v1/completions", body), post("/v1/completions",
+                 {**body, "stream": True, "n": 2}), ("GET", "/metrics", {})])
+    assert [x.status_code for x in r] == [200, 200, 200]
+    metrics = r[2].text
+    for prefix in ("vllm", "tokenleap"):  # vLLM's names, and tokenleap's, for every family
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                     "time_per_output_token_seconds"):
+            assert _metric(metrics, f"{prefix}:{name}_count") == 3, name
+        assert _metric(metrics, f"{prefix}:request_generation_tokens_sum") == 18
+        assert _metric(metrics, f"{prefix}:request_prompt_tokens_sum") == 3 * len("secret prompt")
+        assert _metric(metrics, f"{prefix}:generation_tokens_total") == 18
+    assert _metric(metrics, 'vllm:request_generation_tokens_bucket{le="5.0"') == 0
+    assert _metric(metrics, 'vllm:request_generation_tokens_bucket{le="10.0"') == 3
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "tokenleap.serve.requests"]
+    assert len(lines) == 2 and all(line.startswith("request id=") for line in lines)
+    fields = dict(part.split("=", 1) for part in lines[1].split()[1:])
+    assert fields["prompt_tokens"] == "13" and fields["generated_tokens"] == "12" and fields["n"] == "2"
+    assert fields["proposer"] == '"ngram"' and fields["finish"] == '"length,length"'
+    assert int(fields["accepted_tokens"]) <= int(fields["drafted_tokens"]) and float(fields["seconds"]) > 0
+    assert not any("secret" in line for line in lines)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tokenleap.serve.requests"):
+        call(make_app(log_prompts=True), [post("/v1/completions", body)])
+    assert 'prompt="secret prompt"' in caplog.records[-1].getMessage()
+
+
+def slowed(engine, seconds: float):
+    """``engine`` whose every step takes at least ``seconds``: a request generates steadily and long."""
+    step = engine.step
+
+    def slow_step(*a, **kw):
+        time.sleep(seconds)
+        return step(*a, **kw)
+    engine.step = slow_step
+    return engine
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_stops_its_generation(stream):
+    """Outputs keep arriving (no pause for a poll to notice): the disconnect itself cancels the request."""
+    eng = slowed(paged_engine("ngram", k=2), 0.05)  # at most 3 tokens a step: 110 tokens take 1.8 s or more
+    with LiveServer(make_app(eng, api_key=None)) as s:
+        body = {"prompt": "leave me", "max_tokens": 110, "ignore_eos": True, "temperature": 0, "stream": stream}
+        with httpx.Client(timeout=0.6) as c:
+            if stream:
+                with c.stream("POST", s.url + "/v1/completions", json=body) as r:
+                    next(r.iter_bytes())  # the first chunk; leaving the block closes the connection
+                    time.sleep(0.3)
+            else:
+                with pytest.raises(httpx.TimeoutException):
+                    c.post(s.url + "/v1/completions", json=body)
+        left = time.monotonic()
+        assert wait_until(lambda: s.scheduler.idle, 30)
+        assert time.monotonic() - left < 5 and s.scheduler.stats.finished == {"abort": 1}
+        assert eng.totals.new_tokens < 100 and eng.cache.num_used_blocks == 0
+
+
+def test_a_client_closing_mid_body_logs_one_line(caplog):
+    with caplog.at_level(logging.INFO, logger="tokenleap.serve"), LiveServer(make_app(api_key=None)) as s:
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+            time.sleep(0.2)
+        assert wait_until(lambda: any("disconnected" in r.getMessage() for r in caplog.records), 10)
+        assert httpx.get(s.url + "/health").status_code == 200
+    assert not any(r.exc_info or "unhandled" in r.getMessage() for r in caplog.records)
