@@ -24,7 +24,7 @@ from tokenleap.cli import build_parser  # noqa: E402
 from tokenleap.config import SamplingParams  # noqa: E402
 from tokenleap.replica_metrics import merge_exports  # noqa: E402
 from tokenleap.replica_router import affinity_key, rank_by_load  # noqa: E402
-from tokenleap.replicas import ReplicaSettings, build_application, settings_from_args  # noqa: E402
+from tokenleap.replicas import ReplicaSettings, build_application, replica_options, settings_from_args  # noqa: E402
 
 import replica_helpers  # noqa: E402
 from serving_helpers import VOCAB, ChatToyTokenizer, alone, wait_until, workload  # noqa: E402
@@ -89,6 +89,19 @@ def test_run_asgi_streams_and_reports_a_disconnect():
             assert scheduler.stats.finished.get("length", 0) == 1  # only the first request ran to its end
 
     asyncio.run(main())
+
+
+def test_replica_settings_from_the_command_line():
+    argv = ["serve", "--model", "m", "--replicas", "3", "--threads-per-replica", "2", "--max-num-seqs", "8",
+            "--max-waiting", "24", "--prefill-chunk", "128"]
+    settings = settings_from_args(build_parser().parse_args(argv))
+    assert (settings.replicas, settings.threads, settings.max_ongoing_requests, settings.affinity_chars) == (3, 2, 32, 512)
+    opts = replica_options(settings)
+    assert opts["num_replicas"] == 3 and opts["ray_actor_options"] == {"num_cpus": 2}
+    scaled = replica_options(settings_from_args(build_parser().parse_args([*argv, "--autoscale", "1:4"])))
+    assert "num_replicas" not in scaled
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 3,
+                                            "target_ongoing_requests": 8}
 
 
 # -- a local Ray cluster: ingress + 2 replicas ---------------------------------------------------
@@ -237,6 +250,20 @@ def test_metrics_merge_both_replicas(ingress):
 def _replica_labels(text: str) -> list[str]:
     return [ln.split('replica="')[1].split('"')[0] for ln in text.splitlines()
             if ln.startswith("vllm:generation_tokens_total{")]
+
+
+def _aborted(url: str) -> float:
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in _metrics(url).splitlines()
+               if ln.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in ln)
+
+
+def test_a_client_leaving_a_stream_stops_its_sequence(ingress):
+    before = _aborted(ingress)
+    body = {"model": MODEL, "prompt": [4, 5, 6], "max_tokens": 120, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", ingress + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the first chunk, then the client goes away
+    assert wait_until(lambda: _aborted(ingress) == before + 1, 30), "the replica's sequence was not cancelled"
 
 
 def test_a_replica_killed_under_load(ingress):

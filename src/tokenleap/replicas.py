@@ -219,8 +219,8 @@ class Ingress:
             gen.cancel()  # the client left (or the stream ended): stop the replica's work
 
 
-def build_application(settings: ReplicaSettings):
-    """The Ray Serve application: the ingress bound to the replica deployment."""
+def replica_options(settings: ReplicaSettings) -> dict[str, Any]:
+    """The replica deployment's Ray Serve options: a fixed count, or autoscaling on ongoing requests."""
     scaling: dict[str, Any]
     if settings.autoscale is not None:
         lo, hi = settings.autoscale
@@ -229,14 +229,18 @@ def build_application(settings: ReplicaSettings):
             "target_ongoing_requests": settings.target_ongoing_requests}}
     else:
         scaling = {"num_replicas": settings.replicas}
+    return dict(**scaling, max_ongoing_requests=settings.max_ongoing_requests,
+                ray_actor_options={"num_cpus": settings.threads},
+                health_check_period_s=settings.health_check_period_s, health_check_timeout_s=30.0,
+                graceful_shutdown_timeout_s=5.0,
+                request_router_config=RequestRouterConfig(request_router_class=LoadAffinityRouter,
+                                                          request_routing_stats_period_s=1.0))
+
+
+def build_application(settings: ReplicaSettings):
+    """The Ray Serve application: the ingress bound to the replica deployment."""
     most = settings.autoscale[1] if settings.autoscale else settings.replicas
-    replica = serve.deployment(Replica, name="Replica").options(
-        **scaling, max_ongoing_requests=settings.max_ongoing_requests,
-        ray_actor_options={"num_cpus": settings.threads},
-        health_check_period_s=settings.health_check_period_s, health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0,
-        request_router_config=RequestRouterConfig(request_router_class=LoadAffinityRouter,
-                                                  request_routing_stats_period_s=1.0))
+    replica = serve.deployment(Replica, name="Replica").options(**replica_options(settings))
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max(256, 2 * most * settings.max_ongoing_requests))
