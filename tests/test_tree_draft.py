@@ -66,6 +66,7 @@ def test_self_draft_tree_accepts_whole_paths(target):
     seq = _run(_engine(target, target, 16), PROMPTS[0], params)
     # the draft's own greedy path is in the tree (a flat random model grows wide, shallow trees)
     assert seq.stats.draft_tokens > 0 and seq.stats.accepted_tokens >= 0.9 * seq.stats.draft_tokens
+    assert seq.stats.rank_accepted[0] == seq.stats.accepted_tokens  # always the draft's first choice
 
 
 def _with_trees(monkeypatch, nodes: int = 8):

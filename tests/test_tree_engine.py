@@ -11,6 +11,7 @@ from tokenleap.cache import KVCache
 from tokenleap.config import SamplingParams
 from tokenleap.controller import ControllerConfig
 from tokenleap.engine import Engine
+from tokenleap.metrics import SpecStats
 from tokenleap.models.quant import quantize_
 from tokenleap.models.transformer import Segment
 from tokenleap.paged_cache import PagedKVCache
@@ -128,13 +129,18 @@ def test_ngram_tree_speculation_equals_plain(params, paged, monkeypatch):
     verify_tree = Engine._verify_tree
     monkeypatch.setattr(Engine, "_verify_tree", lambda self, seq, tree, logits: (
         trees.append(tree.size), verify_tree(self, seq, tree, logits))[1])
+    total = SpecStats()
     for prompt in REPEATS:
         want = _generate(_engine(model, 0), prompt, params).generated
         cache = PagedKVCache(model.config, 40, 64, torch.float32, block_size=4, num_slots=1) if paged else None
         eng = _engine(model, 8, NgramProposer(3, 1), cache)
         seq = _generate(eng, prompt, params)
         assert seq.generated == want, prompt
+        total.merge(eng.totals)
     assert trees  # branching trees were verified
+    stats = total.to_dict()
+    assert stats["tree_steps"] == len(trees) and stats["mean_tree_nodes"] > 1
+    assert sum(stats["accepted_by_sibling_rank"]) <= stats["accepted_tokens"]
 
 
 def test_ngram_proposes_branching_trees():

@@ -288,8 +288,11 @@ class Engine:
             self.controller.observe_acceptance(proposed, result.num_accepted)
         kept = self._emit(seq, result, logits)
         accepted = min(result.num_accepted, kept)
-        seq.stats.record_step(proposed, accepted, kept)
-        self.totals.record_step(proposed, accepted, kept)
+        for stats in (seq.stats, self.totals):
+            stats.record_step(proposed, accepted, kept)
+            if tree is not None:
+                stats.record_tree(tree.size - 1, [tree.children[int(tree.parents[c])].index(c)
+                                                  for c in result.path[:accepted]])
 
     @staticmethod
     def _emit(seq: Sequence, result: Verification | TreeVerification, logits: torch.Tensor) -> int:

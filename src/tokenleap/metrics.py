@@ -2,6 +2,10 @@
 
 Definitions follow ``METRICS.md``: tau counts every target forward (the prefill that yields the
 first token included), so plain decoding has tau == 1.00.
+
+A token tree's step counts as a chain as deep as the tree (``draft_tokens`` and the per-position
+figures are by depth: position i is depth i + 1); ``tree_nodes`` counts its drafted nodes and
+``rank_accepted[r]`` the accepted nodes that were their parent's (r+1)-th child.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ class SpecStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target forwards of decode steps (plain steps included)
     total_seconds: float = 0.0
+    tree_steps: int = 0  # steps that verified a token tree
+    tree_nodes: int = 0  # drafted nodes of those trees
+    rank_accepted: list[int] = field(default_factory=list)  # [r] accepted nodes that were sibling rank r
 
     def record_step(self, proposed: int, accepted: int, emitted: int) -> None:
         self.target_forwards += 1
@@ -38,12 +45,22 @@ class SpecStats:
             if i < accepted:
                 self.position_accepted[i] += 1
 
+    def record_tree(self, nodes: int, ranks: list[int]) -> None:
+        """A tree step's drafted nodes and the sibling ranks of its accepted path (after ``record_step``)."""
+        self.tree_steps += 1
+        self.tree_nodes += nodes
+        _grow(self.rank_accepted, max(ranks, default=-1) + 1)
+        for r in ranks:
+            self.rank_accepted[r] += 1
+
     def merge(self, other: "SpecStats") -> None:
         for name in ("new_tokens", "target_forwards", "draft_steps", "draft_tokens", "accepted_tokens",
-                     "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds"):
+                     "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds", "tree_steps",
+                     "tree_nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.position_proposed, other.position_proposed),
-                             (self.position_accepted, other.position_accepted)):
+                             (self.position_accepted, other.position_accepted),
+                             (self.rank_accepted, other.rank_accepted)):
             _grow(mine, len(theirs))
             for i, v in enumerate(theirs):
                 mine[i] += v
@@ -87,6 +104,9 @@ class SpecStats:
             "draft_time_share": round(self.draft_seconds / spent, 4) if spent else 0.0,
             "total_seconds": round(self.total_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "tree_steps": self.tree_steps,
+            "mean_tree_nodes": round(self.tree_nodes / self.tree_steps, 4) if self.tree_steps else 0.0,
+            "accepted_by_sibling_rank": list(self.rank_accepted),
         }
 
     def summary_line(self) -> str:
