@@ -45,6 +45,9 @@ SPECS = {  # name -> (config class name, overrides)
     "gemma3": ("Gemma3TextConfig", {"num_hidden_layers": 3, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
                                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                                     "tie_word_embeddings": True}),
+    "gemma3-linear": ("Gemma3TextConfig", {"sliding_window": WINDOW, "tie_word_embeddings": True,
+                                           "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                           "layer_types": ["sliding_attention", "full_attention"]}),
     "gemma3-softcap": ("Gemma3TextConfig", {"sliding_window": WINDOW, "final_logit_softcapping": 3.0,
                                             "attn_logit_softcapping": 2.0, "tie_word_embeddings": True,
                                             "layer_types": ["sliding_attention", "full_attention"]}),
@@ -95,10 +98,10 @@ def run(model, cache, slot, tokens, start, row_exact=False):
     return model(torch.tensor(tokens), seg, cache, row_exact=row_exact).logits
 
 
-def make_cache(kind: str, cfg: ModelConfig, max_len: int = 64):
+def make_cache(kind: str, cfg: ModelConfig, max_len: int = 64, dtype: torch.dtype = torch.float32):
     if kind == "paged":
-        return PagedKVCache(cfg, 40, max_len, torch.float32, block_size=4, num_slots=3)
-    return KVCache(cfg, 3, max_len, torch.float32)
+        return PagedKVCache(cfg, 40, max_len, dtype, block_size=4, num_slots=3)
+    return KVCache(cfg, 3, max_len, dtype)
 
 
 def engine(model, proposer=None, cache=None):
@@ -197,7 +200,7 @@ def test_llama3_rope_scaling_is_applied(saved):
     assert (got[0] - got[1]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["llama3.1", "llama-linear", "llama-yarn", "llama-dynamic", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3.1", "llama-linear", "llama-yarn", "llama-dynamic", "gemma3", "gemma3-linear"])
 def test_rope_tables_equal_transformers(saved, name):
     ref, ours, _ = saved(name)
     pos = torch.arange(100)[None]
@@ -279,18 +282,20 @@ def _variant(d, mode: str):
     ck = load_checkpoint(d, torch.float32)
     if mode == "bf16":
         return float32_activations_(build_transformer(ck.config, ck.weights, torch.bfloat16))
+    if mode == "bf16-native":  # bf16 activations too (CPUs with native bf16 math)
+        return build_transformer(ck.config, ck.weights, torch.bfloat16)
     model = build_transformer(ck.config, ck.weights, torch.float32)
     quantize_(model, mode)
     fuse_projections_(model)
     return model
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16", "bf16-native"])
 @pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3"])
 def test_quantized_and_bf16_models_keep_rows_exact(saved, name, mode):
     model = _variant(saved(name)[2], mode)
     for kind in ("contiguous", "paged"):
-        cache = make_cache(kind, model.config)
+        cache = make_cache(kind, model.config, dtype=model.dtype)
         a, b = cache.allocate(), cache.allocate()
         run(model, cache, a, PROMPT[:13], 0)
         block = run(model, cache, a, [21, 22, 23, 24, 25], 13, row_exact=True)
