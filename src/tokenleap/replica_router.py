@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -62,6 +62,7 @@ class LoadAffinityRouter(FIFOMixin, RequestRouter):
     """Least ongoing requests first; ties go to the replica that served the same prompt start."""
 
     def initialize_state(self, max_keys: int = 4096, **_: Any) -> None:
+        """Called by Ray Serve right after construction (with the deployment's router kwargs)."""
         self._last: OrderedDict[str, ReplicaID] = OrderedDict()  # affinity key -> replica that served it
         self._max_keys = max_keys
 
@@ -77,13 +78,13 @@ class LoadAffinityRouter(FIFOMixin, RequestRouter):
             return []
         by_id = {r.replica_id: r for r in candidate_replicas}
         key = _key(pending_request)
-        preferred = self._last.get(key) if key is not None and hasattr(self, "_last") else None
+        preferred = self._last.get(key) if key is not None else None
         ranks = rank_by_load({rid: self._load(r) for rid, r in by_id.items()}, preferred)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         key = _key(pending_request)
-        if key is None or not hasattr(self, "_last"):
+        if key is None:
             return
         self._last[key] = replica_id
         self._last.move_to_end(key)
@@ -96,12 +97,3 @@ def _key(pending_request: PendingRequest | None) -> str | None:
         return None
     key = pending_request.kwargs.get(AFFINITY_KWARG)
     return key if isinstance(key, str) else None
-
-
-def replica_share(counts: dict[str, int]) -> dict[str, float]:
-    """Each replica's fraction of the requests counted."""
-    total = sum(counts.values())
-    return {k: v / total for k, v in counts.items()} if total else {}
-
-
-__all__: Sequence[str] = ("AFFINITY_KWARG", "LoadAffinityRouter", "affinity_key", "rank_by_load", "replica_share")

@@ -76,6 +76,9 @@ class Replica:
     async def __init__(self, settings: ReplicaSettings) -> None:
         import torch
         torch.set_num_threads(settings.threads)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if getattr(settings.args, "disable_log_requests", False):
+            logging.getLogger("tokenleap.serve.requests").setLevel(logging.WARNING)
         self.settings = settings
         if settings.app_factory is not None:
             self.app = settings.app_factory()
@@ -232,7 +235,7 @@ def replica_options(settings: ReplicaSettings) -> dict[str, Any]:
     return dict(**scaling, max_ongoing_requests=settings.max_ongoing_requests,
                 ray_actor_options={"num_cpus": settings.threads},
                 health_check_period_s=settings.health_check_period_s, health_check_timeout_s=30.0,
-                graceful_shutdown_timeout_s=5.0,
+                graceful_shutdown_timeout_s=5.0, logging_config={"enable_access_log": False},
                 request_router_config=RequestRouterConfig(request_router_class=LoadAffinityRouter,
                                                           request_routing_stats_period_s=1.0))
 
@@ -242,7 +245,7 @@ def build_application(settings: ReplicaSettings):
     most = settings.autoscale[1] if settings.autoscale else settings.replicas
     replica = serve.deployment(Replica, name="Replica").options(**replica_options(settings))
     ingress = serve.deployment(Ingress, name="Ingress").options(
-        num_replicas=1, ray_actor_options={"num_cpus": 0},
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False},
         max_ongoing_requests=max(256, 2 * most * settings.max_ongoing_requests))
     return ingress.bind(replica.bind(settings), settings)
 

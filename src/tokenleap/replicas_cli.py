@@ -56,14 +56,16 @@ def serve_replicas(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError(RAY_MISSING) from None
     from .replicas import build_application, settings_from_args
+    from .serve_cli import _is_loopback
 
     settings = settings_from_args(args)
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
     if args.ray_address:
-        ray.init(address=args.ray_address, log_to_driver=False)
+        ray.init(address=args.ray_address)
     else:  # a local instance with a CPU for each replica's threads (Ray's CPUs are a scheduling count)
         most = args.autoscale[1] if args.autoscale else args.replicas
-        ray.init(num_cpus=max(os.cpu_count() or 1, most * settings.threads), include_dashboard=False,
-                 log_to_driver=False)
+        ray.init(num_cpus=max(os.cpu_count() or 1, most * settings.threads), include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_application(settings), name=settings.app_name, route_prefix="/", blocking=False)
     shape = (f"autoscaling {args.autoscale[0]}..{args.autoscale[1]}" if args.autoscale else

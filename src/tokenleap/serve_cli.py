@@ -99,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
-    if args.replicas > 1 or args.autoscale:
+    if args.replicas > 1 or args.autoscale or args.ray_address:  # Ray Serve (replicas_cli)
         from .replicas_cli import serve_replicas
         return serve_replicas(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
