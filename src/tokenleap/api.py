@@ -1,4 +1,9 @@
-"""The Python API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.stream(...)``."""
+"""The Python API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.stream(...)``.
+
+``generate`` of several prompts runs them together through the continuous-batching scheduler (with
+speculation) on a paged cache, so one target forward serves the whole batch; every row is computed
+as if alone, so each output is token-identical to generating that prompt by itself (greedy, and
+seeded sampling)."""
 from __future__ import annotations
 
 import time
@@ -15,6 +20,7 @@ from .engine import Engine
 from .loading import LoadedModel, load_model
 from .logprobs import TokenLogprob
 from .proposers.base import Proposer
+from .sequence import Sequence
 
 
 @dataclass
@@ -65,16 +71,46 @@ class LLM:
 
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto", quant: str = "none",
                  speculative: SpecConfig | None = None, max_model_len: int | None = None,
-                 cache_dir: str | Path | None = None, num_slots: int = 1) -> None:
-        self.target: LoadedModel = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
-        self.tokenizer = self.target.tokenizer
-        self.spec = speculative or SpecConfig()
-        max_len = min(max_model_len or 4096, self.target.model.config.max_position_embeddings)
-        self.proposer = build_proposer(self.spec, self.target, max_len, num_slots, cache_dir)
+                 cache_dir: str | Path | None = None, num_slots: int = 1, max_num_seqs: int = 16) -> None:
+        target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
+        spec = speculative or SpecConfig()
+        draft = load_draft(spec, target, cache_dir) if spec.method == "draft" else None
+        self._setup(target, spec, draft, max_model_len, num_slots, max_num_seqs)
+
+    @classmethod
+    def from_loaded(cls, target: LoadedModel, speculative: SpecConfig | None = None, draft: LoadedModel | None = None,
+                    *, max_model_len: int | None = None, num_slots: int = 1, max_num_seqs: int = 16) -> "LLM":
+        """An LLM around models already loaded (``draft``: the draft model of a "draft" ``speculative``)."""
+        llm = cls.__new__(cls)
+        llm._setup(target, speculative or SpecConfig(), draft, max_model_len, num_slots, max_num_seqs)
+        return llm
+
+    def _setup(self, target: LoadedModel, spec: SpecConfig, draft: LoadedModel | None, max_model_len: int | None,
+               num_slots: int, max_num_seqs: int) -> None:
+        if spec.method == "draft" and draft is None:
+            raise ConfigError("speculative method 'draft' needs the draft model loaded")
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.target, self.tokenizer, self.spec, self.draft = target, target.tokenizer, spec, draft
+        self.max_num_seqs = max_num_seqs  # prompts decoded together by generate()
+        max_len = min(max_model_len or 4096, target.model.config.max_position_embeddings)
+        self.proposer = self._proposer(max_len, num_slots)
+        self.engine = Engine(target.model, self.tokenizer, max_len=max_len, num_slots=num_slots,
+                             proposer=self.proposer, controller=self._controller())
+
+    def _controller(self) -> ControllerConfig:
         fixed = None if self.spec.num_tokens == "auto" else int(self.spec.num_tokens)
-        ctl = ControllerConfig(max_k=max(self.spec.max_num_tokens, fixed or 1), fixed_k=fixed)
-        self.engine = Engine(self.target.model, self.tokenizer, max_len=max_len, num_slots=num_slots,
-                             proposer=self.proposer, controller=ctl)
+        return ControllerConfig(max_k=max(self.spec.max_num_tokens, fixed or 1), fixed_k=fixed)
+
+    def _proposer(self, max_len: int, num_slots: int, cache=None) -> Proposer | None:
+        """A fresh proposer for an engine (``cache``: the draft model's KV cache, by default contiguous)."""
+        if self.spec.method == "ngram":
+            from .proposers.ngram import NgramProposer
+            return NgramProposer(self.spec.ngram_max, self.spec.ngram_min)
+        if self.spec.method == "draft":
+            return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
+                                  self.spec.draft_vocab, cache)
+        return None
 
     def describe(self) -> str:
         """One line: what was loaded and the memory it holds."""
@@ -107,25 +143,43 @@ class LLM:
             else:
                 last_piece = piece
         assert seq is not None
-        seconds = time.perf_counter() - t0
-        out = RequestOutput(prompt=prompt, text=seq.text, token_ids=seq.generated, prompt_tokens=len(ids),
-                            finish_reason=seq.finish_reason, seconds=seconds, stats=seq.stats.to_dict(),
-                            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-                            prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None
-                            else None)
-        yield StreamChunk(last_piece, seq.generated, True, out)
+        yield StreamChunk(last_piece, seq.generated, True, request_output(prompt, seq, time.perf_counter() - t0))
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | None = None, chat: bool = False) -> list[RequestOutput]:
+                 params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. ``params``: one for all, or a list with one per prompt (as
+        vLLM takes them). Several prompts are decoded together, up to ``max_num_seqs`` at a time."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if not prompts:
             raise ConfigError("no prompts given")
-        outputs = []
-        for p in prompts:  # type: ignore[union-attr]
-            *_, last = self.stream(p, params, chat)
-            outputs.append(last.output)
-        return outputs
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, "
+                                  f"or one per prompt")
+            per_prompt = list(params)
+        else:
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        if len(prompts) == 1:
+            *_, last = self.stream(prompts[0], per_prompt[0], chat)
+            return [last.output]
+        from .batch import generate_batch
+        return generate_batch(self, list(prompts), per_prompt, chat)
+
+
+def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> RequestOutput:
+    """A finished sequence's ``RequestOutput`` (``prompt``: as the caller gave it)."""
+    params = seq.params
+    return RequestOutput(prompt=prompt, text=seq.text, token_ids=seq.generated, prompt_tokens=len(seq.prompt),
+                         finish_reason=seq.finish_reason, seconds=seconds, stats=seq.stats.to_dict(),
+                         logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                         prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None)
+
+
+def load_draft(spec: SpecConfig, target: LoadedModel, cache_dir: str | Path | None) -> LoadedModel:
+    """``spec``'s draft model, in the target's dtype unless ``spec.draft_dtype`` says otherwise."""
+    return load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
+                      cache_dir=cache_dir, gguf_other="int4")
 
 
 def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slots: int,
@@ -137,8 +191,7 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
     if spec.method == "ngram":
         from .proposers.ngram import NgramProposer
         return NgramProposer(spec.ngram_max, spec.ngram_min)
-    draft = load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
-                       cache_dir=cache_dir, gguf_other="int4")
+    draft = load_draft(spec, target, cache_dir)
     cache = draft_cache(draft) if draft_cache is not None else None
     return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache)
 

@@ -1,0 +1,71 @@
+"""``LLM.generate`` of several prompts: decoded together by the continuous-batching scheduler (with
+speculation), each output token-identical to the same prompt generated alone, in the prompts' order."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap.api import LLM
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig
+from tokenleap.engine import Engine
+from tokenleap.loading import LoadedModel
+
+from serving_helpers import VOCAB, ChatToyTokenizer, model, workload
+
+SPECS = {None: SpecConfig(), "ngram": SpecConfig(method="ngram"),
+         "draft": SpecConfig(method="draft", draft_model="tiny-draft", num_tokens=3)}
+
+
+def make_llm(kind: str | None, max_num_seqs: int = 16) -> LLM:
+    def loaded(m):
+        return LoadedModel(m, ChatToyTokenizer(VOCAB), torch.float32, "none", "tiny", None)
+    draft = loaded(model(77)) if kind == "draft" else None
+    return LLM.from_loaded(loaded(model(1)), SPECS[kind], draft, max_model_len=128, max_num_seqs=max_num_seqs)
+
+
+@pytest.fixture
+def batch_sizes(monkeypatch):
+    """The number of sequences in every engine step."""
+    sizes = []
+    step = Engine.step
+
+    def counting(self, seqs, k=None):
+        sizes.append(len(seqs))
+        return step(self, seqs, k)
+    monkeypatch.setattr(Engine, "step", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("kind,seeded", [("ngram", False), ("draft", False), ("draft", True), (None, True)])
+def test_batched_generate_equals_one_at_a_time(kind, seeded, batch_sizes):
+    llm = make_llm(kind, max_num_seqs=4)  # 7 prompts, 4 at a time: later ones join as others finish
+    jobs = workload(7, seed=5)
+    prompts = [p for p, _ in jobs]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **(dict(temperature=0.9, top_p=0.95, seed=40 + i)
+                                                                if seeded else {}))
+              for i, (_, m) in enumerate(jobs)]
+    outs = llm.generate(prompts, params)
+    assert max(batch_sizes) > 1  # decoded together
+    batch_sizes.clear()
+    alone = [llm.generate(p, sp)[0] for p, sp in zip(prompts, params)]
+    assert set(batch_sizes) == {1}
+    for prompt, out, ref in zip(prompts, outs, alone):
+        assert out.prompt == prompt and out.prompt_tokens == len(prompt)
+        assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+        assert out.stats["new_tokens"] == len(out.token_ids) and out.seconds > 0
+    if kind is not None:
+        assert sum(o.stats["draft_tokens"] for o in outs) > 0
+    if kind is not None and not seeded:  # (sampled from a random tiny model, drafts are rarely accepted)
+        assert sum(o.stats["accepted_tokens"] for o in outs) > 0
+
+
+def test_one_params_for_all_text_prompts_and_bad_lists():
+    llm = make_llm("ngram")
+    prompts = ["hello there", "abcabcabc", "x", "hello there"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=7))
+    assert [o.prompt for o in outs] == prompts and outs[0].token_ids == outs[3].token_ids
+    assert [o.text for o in outs] == [llm.generate(p, SamplingParams(max_tokens=7))[0].text for p in prompts]
+    with pytest.raises(ConfigError, match="2 SamplingParams for 4 prompts"):
+        llm.generate(prompts, [SamplingParams(), SamplingParams()])
+    with pytest.raises(ConfigError, match="no prompts"):
+        llm.generate([])
