@@ -152,3 +152,27 @@ def test_ngram_proposes_branching_trees():
     assert tree.size - 1 <= 8 and int(tree.depth.max()) <= 4
     # both continuations of "1 2 3" are in the tree: 4 (twice, first) and 5
     assert [int(tree.tokens[c]) for c in tree.children[1]] == [4, 5]
+
+
+def test_bench_tree_methods_build_tree_engines():
+    from types import SimpleNamespace
+
+    from tokenleap.bench.methods import build_tokenleap, parse_methods
+
+    model = _model("fp32")
+    pool = SimpleNamespace(target=lambda: SimpleNamespace(model=model, tokenizer=ToyTokenizer(VOCAB, (2,))),
+                           opts=SimpleNamespace(max_len=64))
+    specs = parse_methods("ngram-tree:k=3,nodes=8,ngram", add_plain=False)
+    engines = [build_tokenleap(s, pool).engine for s in specs]
+    assert [e.tree_nodes for e in engines] == [8, 0]
+    assert all(isinstance(e.proposer, NgramProposer) for e in engines)
+
+
+def test_spec_config_tree_settings():
+    from tokenleap.config import ConfigError, SpecConfig
+
+    assert SpecConfig(method="ngram", tree="on", max_tree_nodes=12).tree_nodes == 12
+    assert SpecConfig(method="ngram").tree_nodes == 0 and SpecConfig(tree="on").tree_nodes == 0
+    for bad in (dict(tree="auto"), dict(max_tree_nodes=0), dict(max_tree_nodes=True)):
+        with pytest.raises(ConfigError):
+            SpecConfig(method="ngram", **bad)

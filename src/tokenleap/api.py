@@ -96,7 +96,7 @@ class LLM:
         max_len = min(max_model_len or 4096, target.model.config.max_position_embeddings)
         self.proposer = self._proposer(max_len, num_slots)
         self.engine = Engine(target.model, self.tokenizer, max_len=max_len, num_slots=num_slots,
-                             proposer=self.proposer, controller=self._controller())
+                             proposer=self.proposer, controller=self._controller(), tree_nodes=spec.tree_nodes)
 
     def _controller(self) -> ControllerConfig:
         fixed = None if self.spec.num_tokens == "auto" else int(self.spec.num_tokens)

@@ -13,13 +13,16 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "plain": (),
     "draft": ("k", "kmax", "vocab"),
     "ngram": ("k", "kmax", "max", "min"),
+    "draft-tree": ("k", "kmax", "vocab", "nodes"),  # token trees of at most `nodes` drafted nodes, k deep
+    "ngram-tree": ("k", "kmax", "max", "min", "nodes"),
     "hf-plain": (),
     "hf-assisted": ("k",),
     "hf-prompt-lookup": ("k", "max"),
     "llamacpp-plain": (),
     "llamacpp-prompt-lookup": ("k", "max"),
 }
-AUTO_K_FAMILIES = {"draft", "ngram"}
+AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree"}
+TREE_NODES = 16  # a tree method's default node budget
 
 
 class BenchError(TokenleapError):

@@ -14,7 +14,8 @@ from ..config import SamplingParams, SpecConfig
 from ..controller import ControllerConfig
 from ..engine import Engine
 from ..loading import LoadedModel, load_model, resolve_dtype
-from .common import AUTO_K_FAMILIES, FAMILIES, PEER, TOKENLEAP, BenchError, BenchMethod, Generation, MethodInfo
+from .common import (AUTO_K_FAMILIES, FAMILIES, PEER, TOKENLEAP, TREE_NODES, BenchError, BenchMethod, Generation,
+                     MethodInfo)
 from .machine import memory_status
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class MethodSpec:
 
     @property
     def kind(self) -> str:
-        return TOKENLEAP if self.family in ("plain", "draft", "ngram") else PEER
+        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree") else PEER
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
@@ -155,15 +156,17 @@ def _controller(spec: MethodSpec) -> ControllerConfig:
 def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     target, max_len = pool.target(), pool.opts.max_len
     proposer = None
-    if spec.family == "ngram":
+    family = spec.family.removesuffix("-tree")  # a tree method drafts like its chain family
+    if family == "ngram":
         from ..proposers.ngram import NgramProposer
         proposer = NgramProposer(int(spec.get("max", 4)), int(spec.get("min", 1)))
-    elif spec.family == "draft":
+    elif family == "draft":
         from ..api import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
         proposer = draft_proposer(pool.draft(spec.name), target.model.config.vocab_size, max_len, draft_vocab=vocab)
+    nodes = int(spec.get("nodes", TREE_NODES)) if spec.family.endswith("-tree") else 0
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
-                    controller=_controller(spec))
+                    controller=_controller(spec), tree_nodes=nodes)
     return TokenleapMethod(spec.name, engine)
 
 
