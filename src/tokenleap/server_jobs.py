@@ -92,7 +92,7 @@ class Job:
     async def _watch(self, http: HTTPRequest) -> None:
         """Wait for the client to go away (the body is read: the next ASGI message is the disconnect)."""
         while (await http.receive())["type"] != "http.disconnect":
-            pass
+            await asyncio.sleep(0.05)  # (a server that answered with more body: never spin)
         self.queue.put_nowait((_GONE, None))
 
     def cancel(self) -> None:
