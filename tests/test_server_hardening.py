@@ -72,6 +72,10 @@ def test_integers_past_int64_are_400_naming_the_field_streamed_or_not(app):
     for (path, body, field), r in zip(cases, responses):
         assert r.status_code == 400, (path, body, r.status_code, r.text)
         assert r.json()["error"]["param"] == field, (body, r.text)
+        if isinstance(body.get(field), int):  # the field itself, and what is wrong with it
+            assert r.json()["error"]["message"].startswith(f"invalid value for {field}: Input should be "), r.text
+    prompt = responses[[body for _, body, _ in cases].index({"prompt": [3, 10**30], "stream": False})]
+    assert prompt.json()["error"]["message"].startswith("invalid value for prompt.1: Input should be less than")
     # the edge of the range is a valid top_k (it keeps every token), not an overflow deeper down
     ok = call(app, [post("/v1/completions", {"prompt": "ab", "max_tokens": 3, "top_k": 2**63 - 1,
                                              "temperature": 0.7, "seed": -2**63})])[0]

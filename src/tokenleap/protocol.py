@@ -183,8 +183,10 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(p) for p in err["loc"]]
+        # a value of the right type but out of range says more than the union members' type mismatches
+        errors = e.errors()
+        err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
+        loc = [str(p) for p in err["loc"] if isinstance(p, int) or str(p).isidentifier()]  # no union member names
         param = loc[0] if loc else None
         raise bad_request(f"invalid value for {'.'.join(loc) or 'the body'}: {err['msg']}", param) from None
 
