@@ -198,3 +198,30 @@ def test_a_client_closing_mid_body_logs_one_line(caplog):
         assert wait_until(lambda: any("disconnected" in r.getMessage() for r in caplog.records), 10)
         assert httpx.get(s.url + "/health").status_code == 200
     assert not any(r.exc_info or "unhandled" in r.getMessage() for r in caplog.records)
+
+
+def test_admission_counts_a_requests_choices():
+    """max_num_seqs 2 + max_waiting 4: a request of n=6 fills the batch and the queue; while it runs,
+    one more sequence is a 503 saying what it adds; once it is done, requests are taken again."""
+    eng = slowed(paged_engine(), 0.02)
+    cfg = ServerConfig("m", scheduler=SchedulerConfig(max_num_seqs=2, max_waiting=4, log_interval=0))
+    app = create_app(eng, cfg)
+    sched = app.state.server.scheduler
+
+    async def go():
+        sched.start()
+        try:
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+                big = asyncio.ensure_future(c.post("/v1/completions", json={
+                    "prompt": "many", "n": 6, "max_tokens": 12, "ignore_eos": True}))
+                while sched.idle:
+                    await asyncio.sleep(0.01)
+                extra = await c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+                return await big, extra, await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        finally:
+            sched.shutdown()
+    big, extra, after = asyncio.run(go())
+    assert big.status_code == 200 and len(big.json()["choices"]) == 6
+    assert extra.status_code == 503 and "adds 1" in extra.json()["error"]["message"], extra.text
+    assert after.status_code == 200
