@@ -59,7 +59,7 @@ class ServerConfig:
 
 class OpenAIServer:
     """The request handlers around one engine and its scheduler (``scheduler``: one built elsewhere,
-    e.g. by a replica that also drives it; by default one from ``config.scheduler``)."""
+    by default one from ``config.scheduler``; either way the app's lifespan starts and stops it)."""
 
     def __init__(self, engine, config: ServerConfig, scheduler: Scheduler | None = None) -> None:
         self.engine, self.cfg = engine, config
