@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client.core import CounterMetricFamily
 from ray import serve
 from ray.exceptions import RayActorError
@@ -197,8 +198,13 @@ class Ingress:
                 start = await gen.__anext__()
                 if start.streamed:
                     self.routed[start.replica] = self.routed.get(start.replica, 0) + 1
-                    return StreamingResponse(self._relay(gen), start.status, headers=dict(start.headers))
+                    # the background task also runs when the client left before the body started
+                    return StreamingResponse(self._relay(gen), start.status, headers=dict(start.headers),
+                                             background=BackgroundTask(gen.cancel))
                 content = b"".join([piece async for piece in gen])
+            except asyncio.CancelledError:  # the client went away: so does the replica's work
+                gen.cancel()
+                raise
             except REPLICA_GONE as e:
                 failure = f"{type(e).__name__}: {e}"
                 log.warning("replica lost before answering (attempt %d): %s", attempt + 1, failure)
