@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp",
-            _DIR / "amx.cpp", _DIR / "amx_int.cpp"]
+            _DIR / "tree.cpp", _DIR / "amx.cpp", _DIR / "amx_int.cpp"]
 _HEADERS = [_DIR / "simd.h", _DIR / "ops.h", _DIR / "amx.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
@@ -329,3 +329,19 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 __all__ = ["available", "unavailable_reason", "amx_available", "set_amx_int8_rows", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+
+def rope_store_attend_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           k_store: torch.Tensor, v_store: torch.Tensor, pos0: int, tree: list[int],
+                           scale: float) -> torch.Tensor:
+    """``rope_store_attend`` for the rows of a token tree whose root sits at ``pos0``: ``tree`` is
+    [first, parents of nodes 0 .. n-1], the rows are nodes first .. first+T-1 (see tree.cpp)."""
+    return torch.ops.tokenleap.rope_store_attend_tree(q, k, v, cos, sin, k_store, v_store, pos0, tree, scale)
+
+
+def decoder_layer_trees(x: torch.Tensor, weights: list[torch.Tensor | None], ints: list[int], cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[int],
+                        tables: list[int], trees: list[int], eps: float, scale: float) -> torch.Tensor:
+    """``decoder_layer`` whose segments may be token trees: ``trees`` holds, per segment, m and then
+    m ints (0 for a chain, else rope_store_attend_tree's [first, parents...])."""
+    return torch.ops.tokenleap.decoder_layer_trees(x, weights, ints, cos, sin, k_cache, v_cache, segments, tables,
+                                                   trees, eps, scale)

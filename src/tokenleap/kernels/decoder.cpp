@@ -49,25 +49,32 @@ inline void weigh_values(const float* w, int64_t n, const float* vb, const int64
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + c + 8 * r, _mm256_mul_ps(acc[r], iv));
 }
 
-// Rows q [T, H, hd] at positions pos0 .. pos0+T-1; key / value j of kv head g at kp + g * ks0 +
-// koff[j] (vp + g * vs0 + voff[j]): a contiguous cache (offsets j * stride) or a paged one.
-at::Tensor attend_impl(const at::Tensor& q, const float* kp, const float* vp, int64_t ks0, int64_t vs0,
-                       const std::vector<int64_t>& koff, const std::vector<int64_t>& voff, int64_t nkv,
-                       int64_t pos0, double scale) {
+}  // namespace
+
+namespace tokenleap_ops {
+
+// Rows q [T, H, hd]; row t attends to keys[t].n keys, the j-th of kv head g at kp + g * ks0 +
+// keys[t].ko[j] (values at vp + g * vs0 + keys[t].vo[j]): a contiguous cache, a paged one, or a
+// token tree's path. A (row, head) depends only on its own keys, in their order.
+at::Tensor attend_keys(const at::Tensor& q, const float* kp, const float* vp, int64_t ks0, int64_t vs0,
+                       const std::vector<RowKeys>& keys, int64_t nkv, double scale) {
   const at::Tensor qc = q.contiguous();
-  const int64_t T = qc.size(0), H = qc.size(1), hd = qc.size(2), L = static_cast<int64_t>(koff.size());
+  const int64_t T = qc.size(0), H = qc.size(1), hd = qc.size(2);
   TORCH_CHECK(hd % 8 == 0 && H % nkv == 0, "attend_rows: head_dim % 8, shapes");
-  TORCH_CHECK(pos0 >= 0 && pos0 + T <= L, "attend_rows: rows reach past the keys");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == T, "attend_rows: one key list per row");
+  int64_t L = 0;
+  for (const auto& k : keys) L = std::max(L, k.n);
   at::Tensor out = at::empty_like(qc);
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = H / nkv;
   const float sc = float(scale);
-  const int64_t* ko = koff.data();
   at::parallel_for(0, T * H, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> w(L + 8);
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t t = u / H, h = u % H, n = pos0 + t + 1;
+      const int64_t t = u / H, h = u % H, n = keys[t].n;
+      const int64_t* ko = keys[t].ko;
+      const int64_t* vo = keys[t].vo;
       const float* qv = qp + (t * H + h) * hd;
       const float* kb = kp + (h / group) * ks0;
       const float* vb = vp + (h / group) * vs0;
@@ -110,19 +117,38 @@ at::Tensor attend_impl(const at::Tensor& q, const float* kp, const float* vp, in
       float* o = op + (t * H + h) * hd;
       for (int64_t c = 0; c < hd; c += 64) {
         switch (std::min<int64_t>(8, (hd - c) / 8)) {
-          case 8: weigh_values<8>(w.data(), n, vb, voff.data(), c, inv, o); break;
-          case 7: weigh_values<7>(w.data(), n, vb, voff.data(), c, inv, o); break;
-          case 6: weigh_values<6>(w.data(), n, vb, voff.data(), c, inv, o); break;
-          case 5: weigh_values<5>(w.data(), n, vb, voff.data(), c, inv, o); break;
-          case 4: weigh_values<4>(w.data(), n, vb, voff.data(), c, inv, o); break;
-          case 3: weigh_values<3>(w.data(), n, vb, voff.data(), c, inv, o); break;
-          case 2: weigh_values<2>(w.data(), n, vb, voff.data(), c, inv, o); break;
-          default: weigh_values<1>(w.data(), n, vb, voff.data(), c, inv, o); break;
+          case 8: weigh_values<8>(w.data(), n, vb, vo, c, inv, o); break;
+          case 7: weigh_values<7>(w.data(), n, vb, vo, c, inv, o); break;
+          case 6: weigh_values<6>(w.data(), n, vb, vo, c, inv, o); break;
+          case 5: weigh_values<5>(w.data(), n, vb, vo, c, inv, o); break;
+          case 4: weigh_values<4>(w.data(), n, vb, vo, c, inv, o); break;
+          case 3: weigh_values<3>(w.data(), n, vb, vo, c, inv, o); break;
+          case 2: weigh_values<2>(w.data(), n, vb, vo, c, inv, o); break;
+          default: weigh_values<1>(w.data(), n, vb, vo, c, inv, o); break;
         }
       }
     }
   });
   return out;
+}
+
+}  // namespace tokenleap_ops
+
+namespace {
+
+using tokenleap_ops::RowKeys;
+
+// Rows q [T, H, hd] at positions pos0 .. pos0+T-1; key / value j of kv head g at kp + g * ks0 +
+// koff[j] (vp + g * vs0 + voff[j]): a contiguous cache (offsets j * stride) or a paged one.
+// Row t attends to positions 0 .. pos0 + t.
+at::Tensor attend_impl(const at::Tensor& q, const float* kp, const float* vp, int64_t ks0, int64_t vs0,
+                       const std::vector<int64_t>& koff, const std::vector<int64_t>& voff, int64_t nkv,
+                       int64_t pos0, double scale) {
+  const int64_t T = q.size(0), L = static_cast<int64_t>(koff.size());
+  TORCH_CHECK(pos0 >= 0 && pos0 + T <= L && voff.size() == koff.size(), "attend_rows: rows reach past the keys");
+  std::vector<RowKeys> keys(T);
+  for (int64_t t = 0; t < T; ++t) keys[t] = {koff.data(), voff.data(), pos0 + t + 1};
+  return tokenleap_ops::attend_keys(q, kp, vp, ks0, vs0, keys, nkv, scale);
 }
 
 std::vector<int64_t> strided_offsets(int64_t L, int64_t stride) {
@@ -197,14 +223,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return y;
 }
 
-// One head's rotation, in place: v[i], v[i + half] by the angle whose cos / sin rows are c, s.
-inline void rope_vec(float* v, const float* c, const float* s, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = v[i], b = v[i + half];
-    v[i] = a * c[i] - b * s[i];
-    v[i + half] = b * c[i + half] + a * s[i + half];
-  }
-}
+using tokenleap_ops::rope_vec;
 
 // In place: rotary embedding (half-split layout) of x float32 [M, H, hd] at positions [M],
 // with cos / sin tables float32 [max_pos, hd].

@@ -50,11 +50,13 @@ at::Tensor side_by_side(const std::vector<Product>& ps, const at::Tensor& x) {
 // stores, either contiguous [slots, n_kv, max_len, head_dim] or paged [n_kv, blocks, block_size,
 // head_dim]; segments: (slot, pos0, length, row_start) per sequence; tables (paged only): each
 // segment's block table covering positions 0 .. pos0+length-1, one after another; scale: the
-// attention's softmax scale.
-at::Tensor decoder_layer(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights,
-                         at::IntArrayRef ints, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                         at::Tensor& v_cache, at::IntArrayRef segments, at::IntArrayRef tables, double eps,
-                         double scale) {
+// attention's softmax scale. trees (decoder_layer_trees): per segment m, then m ints -- m == 0 for
+// a chain, else tree.cpp's [first, parents...] (its rows are tree nodes; its table covers cache
+// indices 0 .. pos0+first+length-1).
+at::Tensor layer_impl(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights,
+                      at::IntArrayRef ints, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, at::IntArrayRef segments, at::IntArrayRef tables, at::IntArrayRef trees,
+                      double eps, double scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decoder_layer: x must be float32 [M, hidden]");
   TORCH_CHECK(ints.size() >= 5, "decoder_layer: ints");
   const int64_t H = ints[0], nkv = ints[1], hd = ints[2], n_attn = ints[3], n_mlp = ints[4];
@@ -89,22 +91,35 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<c10::optional<at
   at::Tensor attn;  // [M, H, hd]
   const int64_t n_seg = static_cast<int64_t>(segments.size()) / 4;
   const bool paged = !tables.empty();  // contiguous caches pass no block tables
-  int64_t table_at = 0;
+  int64_t table_at = 0, tree_at = 0;
   for (int64_t s = 0; s < n_seg; ++s) {
     const int64_t slot = segments[4 * s], pos0 = segments[4 * s + 1], len = segments[4 * s + 2],
                   row0 = segments[4 * s + 3];
     TORCH_CHECK(row0 >= 0 && len >= 1 && row0 + len <= M, "decoder_layer: segment rows");
+    at::IntArrayRef tree;  // empty: a chain
+    if (!trees.empty()) {
+      TORCH_CHECK(tree_at < static_cast<int64_t>(trees.size()), "decoder_layer: a tree entry per segment");
+      const int64_t m = trees[tree_at];
+      TORCH_CHECK(m >= 0 && tree_at + 1 + m <= static_cast<int64_t>(trees.size()), "decoder_layer: tree entries");
+      tree = trees.slice(tree_at + 1, m);
+      tree_at += 1 + m;
+    }
+    const int64_t end = pos0 + (tree.empty() ? 0 : tree[0]) + len;  // one past the last cache index written
     const at::Tensor qs = q.narrow(0, row0, len), ks = k.narrow(0, row0, len), vs = v.narrow(0, row0, len);
     at::Tensor o;
     if (paged) {
-      const int64_t bs = k_cache.size(2), nb = (pos0 + len + bs - 1) / bs;
+      const int64_t bs = k_cache.size(2), nb = (end + bs - 1) / bs;
       TORCH_CHECK(table_at + nb <= static_cast<int64_t>(tables.size()), "decoder_layer: block tables too short");
-      o = tokenleap_ops::rope_store_attend_paged_rows(qs, ks, vs, cos, sin, k_cache, v_cache,
-                                                      tables.slice(table_at, nb), pos0, scale);
+      const at::IntArrayRef table = tables.slice(table_at, nb);
+      o = tree.empty() ? tokenleap_ops::rope_store_attend_paged_rows(qs, ks, vs, cos, sin, k_cache, v_cache, table,
+                                                                     pos0, scale)
+                       : tokenleap_ops::rope_store_attend_tree_paged(qs, ks, vs, cos, sin, k_cache, v_cache, table,
+                                                                     pos0, tree, scale);
       table_at += nb;
     } else {
       at::Tensor kst = k_cache.select(0, slot), vst = v_cache.select(0, slot);
-      o = tokenleap_ops::rope_store_attend_rows(qs, ks, vs, cos, sin, kst, vst, pos0, scale);
+      o = tree.empty() ? tokenleap_ops::rope_store_attend_rows(qs, ks, vs, cos, sin, kst, vst, pos0, scale)
+                       : tokenleap_ops::rope_store_attend_tree(qs, ks, vs, cos, sin, kst, vst, pos0, tree, scale);
     }
     if (n_seg == 1) {
       TORCH_CHECK(len == M, "decoder_layer: one segment must hold every row");
@@ -122,10 +137,29 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<c10::optional<at
   return h + down(tokenleap_ops::silu_mul_rows(gu.narrow(1, 0, I), gu.narrow(1, I, I)));
 }
 
+at::Tensor decoder_layer(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights,
+                         at::IntArrayRef ints, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, at::IntArrayRef segments, at::IntArrayRef tables, double eps,
+                         double scale) {
+  return layer_impl(x, weights, ints, cos, sin, k_cache, v_cache, segments, tables, {}, eps, scale);
+}
+
+at::Tensor decoder_layer_trees(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights,
+                               at::IntArrayRef ints, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                               at::Tensor& v_cache, at::IntArrayRef segments, at::IntArrayRef tables,
+                               at::IntArrayRef trees, double eps, double scale) {
+  return layer_impl(x, weights, ints, cos, sin, k_cache, v_cache, segments, tables, trees, eps, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
   m.def("decoder_layer(Tensor x, Tensor?[] weights, int[] ints, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, int[] segments, int[] tables, float eps, float scale) -> Tensor");
+  m.def("decoder_layer_trees(Tensor x, Tensor?[] weights, int[] ints, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, int[] segments, int[] tables, int[] trees, float eps, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(tokenleap, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_IMPL(tokenleap, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layer_trees", &decoder_layer_trees);
+}

@@ -2,6 +2,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace tokenleap_ops {
 
 // products.cpp
@@ -25,6 +27,21 @@ at::Tensor int6_product(const at::Tensor& x, const at::Tensor& packed, const at:
                         const c10::optional<at::Tensor>& bias);
 
 // decoder.cpp
+struct RowKeys {  // one attention row's keys: n offsets of keys (ko) and of values (vo), in order
+  const int64_t* ko;
+  const int64_t* vo;
+  int64_t n;
+};
+at::Tensor attend_keys(const at::Tensor& q, const float* kp, const float* vp, int64_t ks0, int64_t vs0,
+                       const std::vector<RowKeys>& keys, int64_t nkv, double scale);
+// One head's rotation, in place: v[i], v[i + half] by the angle whose cos / sin rows are c, s.
+inline void rope_vec(float* v, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * c[i] - b * s[i];
+    v[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul_rows(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rope_store_attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -33,5 +50,15 @@ at::Tensor rope_store_attend_rows(const at::Tensor& q, const at::Tensor& k, cons
 at::Tensor rope_store_attend_paged_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
                                         at::Tensor& v_pool, at::IntArrayRef table, int64_t pos0, double scale);
+
+
+// tree.cpp: tree = [first, parents of nodes 0 .. n-1]; rows are nodes first .. first+T-1
+at::Tensor rope_store_attend_tree(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                  const at::Tensor& sin, at::Tensor& k_store, at::Tensor& v_store, int64_t pos0,
+                                  at::IntArrayRef tree, double scale);
+at::Tensor rope_store_attend_tree_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
+                                        at::Tensor& v_pool, at::IntArrayRef table, int64_t pos0, at::IntArrayRef tree,
+                                        double scale);
 
 }  // namespace tokenleap_ops

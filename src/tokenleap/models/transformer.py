@@ -54,6 +54,11 @@ class Segment:
         """One past the cache index of the segment's last row."""
         return self.pos_start + self.tree_first + self.length
 
+    @property
+    def tree_ints(self) -> list[int]:
+        """The compiled kernels' form of the tree: [first, parents of every node] (empty: a chain)."""
+        return [self.tree_first, *self.tree.parent_list] if self.tree is not None else []
+
 
 def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos0: int, scale: float,
                        window: int, row_exact: bool) -> torch.Tensor:
@@ -128,16 +133,19 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x, row_exact), self.k_proj(x, row_exact), self.v_proj(x, row_exact)
         q, k = self._qk_norm(q, k)
         # decode / verification on a contiguous float32 cache: one op a sequence (rotate, store, attend)
-        trees = any(s.tree is not None for s in segments)
-        if self.plain and not trees and (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
+        if self.plain and (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
                 and cache.k[self.layer].dtype == torch.float32 and kernels.available():
             q, k, v = (q.reshape(rows, -1, self.hd), k.reshape(rows, -1, self.hd), v.reshape(rows, -1, self.hd))
             outs = []
             for seg in segments:
                 r = slice(seg.row_start, seg.row_start + seg.length)
-                ks, vs = cache.slot_stores(self.layer, seg.slot, seg.pos_start + seg.length)
-                outs.append(kernels.rope_store_attend(q[r], k[r], v[r], rotary.cos, rotary.sin, ks, vs,
-                                                      seg.pos_start, self.scale))  # [len, heads, hd]
+                ks, vs = cache.slot_stores(self.layer, seg.slot, seg.end)
+                if seg.tree is not None:
+                    outs.append(kernels.rope_store_attend_tree(q[r], k[r], v[r], rotary.cos, rotary.sin, ks, vs,
+                                                               seg.pos_start, seg.tree_ints, self.scale))
+                else:
+                    outs.append(kernels.rope_store_attend(q[r], k[r], v[r], rotary.cos, rotary.sin, ks, vs,
+                                                          seg.pos_start, self.scale))  # [len, heads, hd]
             if len(outs) == 1:
                 return self.o_proj(outs[0].view(rows, self.n_heads * self.hd), row_exact)
             out = torch.empty(rows, self.n_heads, self.hd)
@@ -307,16 +315,22 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # [rows, hidden]
         hidden: dict[int, torch.Tensor] = {}
         layers = self.model.layers[: num_layers or len(self.model.layers)]
-        trees = any(s.tree is not None for s in segments)  # tree rows run the Python layers
-        plans = None if trees else self._fused_plans(layers, x, cache, row_exact)
+        plans = self._fused_plans(layers, x, cache, row_exact)
         if plans:
             seg_ints = [v for s in segments for v in (s.slot, s.pos_start, s.length, s.row_start)]
-            tables = cache.prepare_rows([(s.slot, s.pos_start + s.length) for s in segments])
+            tables = cache.prepare_rows([(s.slot, s.end) for s in segments])
+            trees = [v for s in segments for v in (len(s.tree_ints), *s.tree_ints)]
+            if not any(s.tree is not None for s in segments):
+                trees = []  # chains only: the plain layer call
         for i, block in enumerate(layers):
             if plans:  # the whole layer in one compiled call, bitwise the same as block(...)
                 p, li = plans[i], block.self_attn.layer
-                x = kernels.decoder_layer(x, p.weights, p.ints, self.rotary.cos, self.rotary.sin, cache.k[li],
-                                          cache.v[li], seg_ints, tables, p.eps, p.scale)
+                if trees:
+                    x = kernels.decoder_layer_trees(x, p.weights, p.ints, self.rotary.cos, self.rotary.sin,
+                                                    cache.k[li], cache.v[li], seg_ints, tables, trees, p.eps, p.scale)
+                else:
+                    x = kernels.decoder_layer(x, p.weights, p.ints, self.rotary.cos, self.rotary.sin, cache.k[li],
+                                              cache.v[li], seg_ints, tables, p.eps, p.scale)
             else:
                 x = block(x, positions, self.rotary_of(block), cache, segments, row_exact)
             if i in hidden_layers:

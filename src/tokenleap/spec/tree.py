@@ -93,6 +93,10 @@ class TokenTree:
         return torch.tensor(depth, dtype=torch.long)
 
     @cached_property
+    def parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @cached_property
     def children(self) -> list[list[int]]:
         """Each node's children in node order (the order verification tries them in)."""
         kids: list[list[int]] = [[] for _ in range(self.size)]
