@@ -285,6 +285,7 @@ class Engine:
             self.proposer.accept(seq.seq_id, result.num_accepted, result.path)
         elif draft is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted)
+        if draft is not None:  # a tree counts by depth: the draft length is its depth
             self.controller.observe_acceptance(proposed, result.num_accepted)
         kept = self._emit(seq, result, logits)
         accepted = min(result.num_accepted, kept)
