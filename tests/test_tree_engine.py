@@ -176,3 +176,34 @@ def test_spec_config_tree_settings():
     for bad in (dict(tree="auto"), dict(max_tree_nodes=0), dict(max_tree_nodes=True)):
         with pytest.raises(ConfigError):
             SpecConfig(method="ngram", **bad)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft", "self-draft"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_scheduler_with_trees_equals_requests_alone(kind, sampled, monkeypatch):
+    """Continuous batching with every sequence's tree in one forward, on paged caches (target and
+    draft), outputs equal to each request run alone; every block given back."""
+    from serving_helpers import alone, paged_engine, workload
+    from tokenleap.scheduler import Request, Scheduler, SchedulerConfig
+
+    eng = paged_engine(kind, blocks=96, k=3)
+    eng.tree_nodes = 8
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=6, log_interval=0))
+    outs, jobs = [], []
+    for i, (prompt, m) in enumerate(workload(8, seed=2)):
+        extra = dict(temperature=0.8, seed=50 + i) if sampled else {}
+        params = SamplingParams(max_tokens=m, ignore_eos=True, **extra)
+        tokens: list[int] = []
+        sched.submit([Request(eng.create(prompt, params), lambda o, t=tokens: t.extend(o.token_ids))])
+        jobs.append((prompt, params, tokens))
+    trees = []
+    verify_tree = Engine._verify_tree
+    monkeypatch.setattr(Engine, "_verify_tree", lambda self, seq, tree, logits: (
+        trees.append(tree.size), verify_tree(self, seq, tree, logits))[1])
+    sched.run_until_idle()
+    for prompt, params, tokens in jobs:
+        assert tokens == alone(prompt, params).generated, prompt
+    assert trees  # trees were verified inside batches
+    assert eng.cache.num_used_blocks == 0
+    if kind != "ngram":
+        assert eng.proposer.cache.num_used_blocks == 0

@@ -33,7 +33,8 @@ def batch_engine(llm: "LLM", lengths: list[int]) -> Engine:
     max_len, slots = base.max_len, min(len(lengths), llm.max_num_seqs)
     per_seq = -(-(max_len + 1) // BLOCK_SIZE)
     longest = sorted((min(n, max_len + 1) for n in lengths), reverse=True)[:slots]
-    blocks = max(sum(-(-n // BLOCK_SIZE) + 1 for n in longest), per_seq)
+    scratch = -(-llm.spec.tree_nodes // BLOCK_SIZE)  # a token tree's nodes past the sequence's end
+    blocks = max(sum(-(-n // BLOCK_SIZE) + 1 + scratch for n in longest), per_seq)
     model = llm.target.model
     cache = PagedKVCache(model.config, blocks, max_len, model.dtype, BLOCK_SIZE, num_slots=slots)
     draft_cache = None
@@ -41,7 +42,8 @@ def batch_engine(llm: "LLM", lengths: list[int]) -> Engine:
         draft = llm.draft.model
         draft_cache = PagedKVCache(draft.config, blocks, max_len, draft.dtype, BLOCK_SIZE, num_slots=slots)
     return Engine(model, llm.tokenizer, max_len=max_len, proposer=llm._proposer(max_len, slots, draft_cache),
-                  controller=llm._controller(), prefill_chunk=base.prefill_chunk, cache=cache)
+                  controller=llm._controller(), prefill_chunk=base.prefill_chunk, cache=cache,
+                  tree_nodes=llm.spec.tree_nodes)
 
 
 def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams], chat: bool) -> list["RequestOutput"]:

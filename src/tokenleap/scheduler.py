@@ -301,7 +301,10 @@ class Scheduler:
         return batch, k
 
     def _step_len(self, req: Request, k: int) -> int:
-        return min(len(req.seq.tokens) + k, self.engine.max_len)
+        """Cache entries a step may write: the last token and k drafts -- a token tree's nodes when
+        the engine drafts trees."""
+        rows = max(k, self.engine._tree_budget(req.seq)) if k > 0 and self.engine.tree_nodes else k
+        return min(len(req.seq.tokens) + rows, self.engine.max_len)
 
     def _step_alone(self, batch: list[Request], k: int) -> None:
         for r in batch:

@@ -72,7 +72,7 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed)
     proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir, prefix_caching)
     return Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer, controller=ctl,
-                  prefill_chunk=prefill_chunk, cache=cache)
+                  prefill_chunk=prefill_chunk, cache=cache, tree_nodes=spec.tree_nodes)
 
 
 def _proposer(spec: SpecConfig, target, max_len: int, blocks: int, block_size: int, slots: int,
