@@ -204,6 +204,13 @@ def test_scheduler_with_trees_equals_requests_alone(kind, sampled, monkeypatch):
     for prompt, params, tokens in jobs:
         assert tokens == alone(prompt, params).generated, prompt
     assert trees  # trees were verified inside batches
+    from prometheus_client import generate_latest
+
+    from tokenleap.serve_metrics import make_registry
+    text = generate_latest(make_registry(sched.snapshot, "m")).decode()
+    assert f'tokenleap:spec_decode_num_tree_steps_total{{model_name="m"}} {float(len(trees))}' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_sibling_rank_total{model_name="m",rank="0"}' in text \
+        or sum(eng.totals.rank_accepted) == 0
     assert eng.cache.num_used_blocks == 0
     if kind != "ngram":
         assert eng.proposer.cache.num_used_blocks == 0

@@ -160,7 +160,8 @@ class Scheduler:
             preemptions=self.stats.preemptions, finished=dict(self.stats.finished), num_drafts=t.draft_steps,
             num_draft_tokens=t.draft_tokens, num_accepted_tokens=t.accepted_tokens,
             accepted_per_pos=tuple(t.position_accepted), prefix_cache_queries=self.cache.prefix_queries,
-            prefix_cache_hits=self.cache.prefix_hits, histograms=self.stats.histograms.read())
+            prefix_cache_hits=self.cache.prefix_hits, tree_steps=t.tree_steps, tree_nodes=t.tree_nodes,
+            accepted_per_rank=tuple(t.rank_accepted), histograms=self.stats.histograms.read())
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:

@@ -130,6 +130,9 @@ class ServeSnapshot:
     accepted_per_pos: tuple[int, ...]  # [i] drafts whose first i+1 tokens were accepted
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens reused instead of computed
+    tree_steps: int = 0  # steps that verified a token tree (their positions above are depths)
+    tree_nodes: int = 0  # drafted nodes of those trees
+    accepted_per_rank: tuple[int, ...] = ()  # [r] accepted tree nodes that were their parent's (r+1)-th child
     histograms: dict[str, HistogramData] = field(default_factory=dict)
 
     @property
@@ -169,6 +172,8 @@ class ServeCollector(Collector):
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", s.prefix_cache_hits),
+            ("spec_decode_num_tree_steps", "Speculative steps that verified a token tree", s.tree_steps),
+            ("spec_decode_num_tree_nodes", "Drafted nodes of the verified token trees", s.tree_nodes),
         ):
             c = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
             c.add_metric(model, value)
@@ -179,6 +184,12 @@ class ServeCollector(Collector):
         for pos, n in enumerate(s.accepted_per_pos):
             per_pos.add_metric(model + [str(pos)], n)
         yield per_pos
+        per_rank = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_sibling_rank",
+                                       "Accepted token-tree nodes by their rank among siblings (0: first)",
+                                       labels=labels + ["rank"])
+        for rank, n in enumerate(s.accepted_per_rank):
+            per_rank.add_metric(model + [str(rank)], n)
+        yield per_rank
         finished = CounterMetricFamily(f"{prefix}:request_success", "Finished requests by finish reason",
                                        labels=labels + ["finished_reason"])
         for reason, n in sorted(s.finished.items()):
