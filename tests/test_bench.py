@@ -286,7 +286,7 @@ def test_user_jsonl_fields(tmp_path):
 def test_unknown_dataset_and_methods_list_the_valid_ones(capsys):
     with pytest.raises(BenchError, match="humaneval, codeedit, chat"):
         load_dataset("mtbench")
-    with pytest.raises(BenchError, match="valid methods: plain, draft, ngram, hf-plain"):
+    with pytest.raises(BenchError, match="valid methods: plain, draft, ngram, .*hf-plain"):
         parse_methods("plain,medusa")
     with pytest.raises(BenchError, match="unknown option 'q=3'; valid options: k, kmax"):
         parse_methods("draft:q=3")
@@ -339,3 +339,16 @@ def test_pass_at_1_runs_the_tests():
     ok, why = passk.run_program(passk.check_program(problem, "    return True\n", chat=False))
     assert not ok and why.startswith("failed")
     assert passk.run_program("while True: pass\n", timeout=0.5) == (False, "timed out")
+
+
+def test_plots_without_matplotlib_say_which_extra(monkeypatch, tmp_path, capsys):
+    """matplotlib comes with the bench extra only: without it the bench refuses before any model
+    loads, and drawing plots names the extra to install."""
+    import sys
+    from tokenleap.bench.plots import write_plots
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(BenchError, match=r"pip install 'tokenleap\[bench\]'"):
+        write_plots({}, tmp_path)
+    rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tokenleap[bench]" in err and len(err.strip().splitlines()) == 1

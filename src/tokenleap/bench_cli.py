@@ -8,7 +8,7 @@ import sys
 from .bench.datasets import DATASETS
 from .bench.common import FAMILIES
 
-from .cli import positive_int
+from .cli import check_model_ref, check_quant_dtype, positive_int
 
 _EPILOG = f"""methods: {', '.join(FAMILIES)}
   options: draft:k=4 | draft:k=auto,kmax=8 | draft:vocab=0 (full draft head) | ngram:k=3,max=4,min=1 |
@@ -62,6 +62,12 @@ def command_line(args: argparse.Namespace) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench
+
+    # what can be checked without a model is checked before the target loads
+    check_quant_dtype({"--quant": args.quant, "--draft-quant": args.draft_quant}, {"--dtype": args.dtype})
+    check_model_ref("--target", args.target, args.cache_dir)
+    if args.draft:
+        check_model_ref("--draft", args.draft, args.cache_dir)
 
     results = bench(args.target, draft=args.draft, dataset=args.dataset, methods=args.methods, limit=args.limit,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,

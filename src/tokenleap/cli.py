@@ -93,20 +93,26 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
 def check_model_args(args: argparse.Namespace) -> None:
     """Refuse bad --model / --draft-model names, --quant / --draft-quant and --dtype / --draft-dtype
     values before any model loads."""
+    check_quant_dtype({"--quant": args.quant, "--draft-quant": args.draft_quant},
+                      {"--dtype": args.dtype, "--draft-dtype": args.draft_dtype})
+    check_model_ref("--model", args.model, args.cache_dir)
+    if args.draft_model:
+        check_model_ref("--draft-model", args.draft_model, args.cache_dir)
+
+
+def check_quant_dtype(quants: dict[str, str], dtypes: dict[str, str | None]) -> None:
+    """Each flag's quantization is one tokenleap has, each dtype (None: unset) one it computes in."""
     from .loading import QUANT_MODES
     from .models.loader import as_dtype
-    for flag, value in (("--quant", args.quant), ("--draft-quant", args.draft_quant)):
+    for flag, value in quants.items():
         if value not in QUANT_MODES:
             raise UsageError(f"{flag} {value!r} is not a quantization; choose one of {', '.join(QUANT_MODES)}")
-    for flag, value in (("--dtype", args.dtype), ("--draft-dtype", args.draft_dtype)):
+    for flag, value in dtypes.items():
         if value is not None and value != "auto":
             try:
                 as_dtype(value)
             except ConfigError:
                 raise UsageError(f"{flag} {value!r} is not a dtype; choose auto, float32 or bfloat16") from None
-    check_model_ref("--model", args.model, args.cache_dir)
-    if args.draft_model:
-        check_model_ref("--draft-model", args.draft_model, args.cache_dir)
 
 
 def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:

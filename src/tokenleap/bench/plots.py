@@ -6,7 +6,19 @@ from pathlib import Path
 from typing import Any
 
 
+def require_matplotlib() -> None:
+    """Plots need matplotlib, which only the ``bench`` extra installs: say so (bench checks this
+    before any model loads)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from .common import BenchError
+        raise BenchError("tokenleap bench draws its plots with matplotlib, which is not installed: "
+                         "pip install 'tokenleap[bench]'") from None
+
+
 def _pyplot():
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,6 +113,7 @@ def draft_length_plot(results: dict[str, Any], path: Path) -> str | None:
 
 
 def write_plots(results: dict[str, Any], out: Path) -> list[str]:
+    require_matplotlib()
     made = [speedup_plot(results, out / "speedup.png"), acceptance_plot(results, out / "acceptance.png"),
             draft_length_plot(results, out / "tokens_per_s_vs_k.png")]
     return [p for p in made if p]

@@ -34,6 +34,10 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     """Run a benchmark and write results.json, results.jsonl, report.md and PNGs into ``out``."""
     import torch
 
+    from .plots import require_matplotlib
+    require_matplotlib()  # a run's plots are drawn at its end: refuse before hours of measuring
+    if temperature < 0:
+        raise BenchError(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
     specs = parse_methods(methods) if isinstance(methods, str) else list(methods)
     missing_draft = [s.name for s in specs if s.family in _NEEDS_DRAFT]
     if missing_draft and not draft:

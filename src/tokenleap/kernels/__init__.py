@@ -17,7 +17,10 @@ cost, row-invariant. ``amx_int.cpp``: ``int4_linear``'s and ``int6_linear``'s pr
 either). They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
 use compiles them (~30 s) into ``<tokenleap cache>/kernels/<key>``. Where any of that is
 missing, ``available()`` is False, the reason is logged once, and the layers use torch's own
-kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off.
+kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off. A compiler that cannot build the
+AMX files (an older GCC) still gets the AVX2 kernels: the build is retried with ``amx_stub.cpp`` in
+their place, which reports that no tile may run. A build prints one line to stderr when it starts
+and one with the time it took.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -33,8 +38,10 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
+_AMX_SOURCES = [_DIR / "amx.cpp", _DIR / "amx_int.cpp"]
 _SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp",
-            _DIR / "tree.cpp", _DIR / "amx.cpp", _DIR / "amx_int.cpp"]
+            _DIR / "tree.cpp", *_AMX_SOURCES]
+_AVX2_ONLY = [p for p in _SOURCES if p not in _AMX_SOURCES] + [_DIR / "amx_stub.cpp"]
 _HEADERS = [_DIR / "simd.h", _DIR / "ops.h", _DIR / "amx.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
@@ -50,25 +57,50 @@ def _reason_unavailable() -> str | None:
     return None
 
 
-def _build_dir() -> Path:
+def _build_dir(sources: list[Path]) -> Path:
     from ..models.catalog import default_cache_dir
 
-    code = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    code = b"".join(p.read_bytes() for p in sources + _HEADERS)
     key = hashlib.sha256(code + " ".join(_FLAGS).encode() + torch.__version__.encode())
     d = default_cache_dir() / "kernels" / key.hexdigest()[:16]
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
+def _compile(sources: list[Path], name: str) -> None:
+    """Build (or load the cached build of) ``sources`` as the ``tokenleap`` ops; a build that has
+    to compile says so on stderr, then how long it took."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = _build_dir(sources)
+    fresh = not any(build_dir.glob("*.so"))
+    if fresh:
+        print(f"tokenleap: compiling the CPU kernels ({', '.join(p.name for p in sources)}) into {build_dir}, "
+              "once per machine (about 30 s)...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    load(name=name, sources=[str(p) for p in sources], extra_cflags=_FLAGS, extra_include_paths=[str(_DIR)],
+         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(build_dir))
+    if fresh:
+        print(f"tokenleap: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def _build() -> None:
+    """The full build; where the AMX files do not compile, the AVX2 kernels without them."""
+    try:
+        _compile(_SOURCES, "tokenleap_kernels")
+    except Exception as e:  # e.g. a compiler without AMX intrinsics: keep the AVX2 kernels
+        log.warning("tokenleap CPU kernels: the full build failed (%s); building them without the AMX files",
+                    f"{type(e).__name__}: {str(e).strip()[-200:]}")
+        print("tokenleap: the kernel build failed; retrying without the AMX files (AVX2 kernels only)",
+              file=sys.stderr, flush=True)
+        _compile(_AVX2_ONLY, "tokenleap_kernels_avx2")
+
+
 def _load() -> None:
     reason = _reason_unavailable()
     if reason is None:
         try:
-            from torch.utils.cpp_extension import load
-
-            load(name="tokenleap_kernels", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-                 extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"], is_python_module=False,
-                 build_directory=str(_build_dir()))
+            _build()
             torch.ops.tokenleap.int8_linear  # noqa: B018 -- raises if the ops did not register
             torch.ops.tokenleap.attend_rows  # noqa: B018
             torch.ops.tokenleap.decoder_layer  # noqa: B018
@@ -329,6 +361,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 __all__ = ["available", "unavailable_reason", "amx_available", "set_amx_int8_rows", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
+
 
 def rope_store_attend_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            k_store: torch.Tensor, v_store: torch.Tensor, pos0: int, tree: list[int],

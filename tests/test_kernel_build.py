@@ -1,0 +1,46 @@
+"""The kernel build: one line on stderr when it compiles and one with the time it took; a compiler
+that cannot build the AMX files still gets the AVX2 kernels (the build retried without them).
+The compiler is replaced by a stand-in, so nothing is compiled here."""
+from __future__ import annotations
+
+import pytest
+import torch.utils.cpp_extension
+
+import tokenleap.kernels as kernels
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    calls: list[list[str]] = []
+
+    def load(name, sources, build_directory, **kwargs):
+        calls.append([s.rsplit("/", 1)[-1] for s in sources])
+        if any(s.endswith("amx.cpp") for s in sources):
+            raise RuntimeError("error: '__builtin_ia32_tileloadd64' was not declared (old compiler)")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    monkeypatch.setattr(kernels, "_build_dir", lambda sources: tmp_path / str(len(sources)))
+    for sources in (kernels._SOURCES, kernels._AVX2_ONLY):
+        (tmp_path / str(len(sources))).mkdir(exist_ok=True)
+    return calls
+
+
+def test_amx_compile_failure_falls_back_to_avx2_kernels(fake_build, capsys):
+    kernels._build()
+    full, avx2 = fake_build
+    assert "amx.cpp" in full and "amx_int.cpp" in full
+    assert "amx.cpp" not in avx2 and "amx_int.cpp" not in avx2 and "amx_stub.cpp" in avx2
+    assert {"products.cpp", "int4.cpp", "int6.cpp", "decoder.cpp", "layer.cpp"} <= set(avx2)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("tokenleap: compiling the CPU kernels") and "amx.cpp" in err[0]
+    assert "retrying without the AMX files" in err[1]
+    assert err[2].startswith("tokenleap: compiling the CPU kernels") and "amx.cpp" not in err[2]
+    assert err[3].startswith("tokenleap: CPU kernels built in ") and err[3].endswith(" s")
+    assert len(err) == 4
+
+
+def test_a_cached_build_prints_nothing(fake_build, capsys, tmp_path):
+    (tmp_path / str(len(kernels._AVX2_ONLY)) / "tokenleap_kernels_avx2.so").write_bytes(b"")
+    (tmp_path / str(len(kernels._SOURCES)) / "tokenleap_kernels.so").write_bytes(b"")
+    kernels._compile(kernels._AVX2_ONLY, "tokenleap_kernels_avx2")
+    assert capsys.readouterr().err == ""
