@@ -1,6 +1,6 @@
 """Adaptive draft length: choose k each step to maximise expected tokens per second.
 
-Model (METRICS.md): with conditional acceptance b_i = P(draft i accepted | drafts 1..i-1 accepted),
+Model (docs/METRICS.md): with conditional acceptance b_i = P(draft i accepted | drafts 1..i-1 accepted),
 a step that drafts k tokens yields E(k) = 1 + sum_{i<=k} prod_{j<=i} b_j tokens per sequence.
 Its cost is the draft's time for k tokens plus one target forward over ``batch * (k + 1)`` rows.
 All three figures are measured while running: b_i as exponentially forgotten hit / trial counts

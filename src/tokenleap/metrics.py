@@ -1,6 +1,6 @@
 """Speculation counters, kept apart from how they are shown (JSON, log line, Prometheus).
 
-Definitions follow ``METRICS.md``: tau counts every target forward (the prefill that yields the
+Definitions follow ``docs/METRICS.md``: tau counts every target forward (the prefill that yields the
 first token included), so plain decoding has tau == 1.00.
 
 A token tree's step counts as a chain as deep as the tree (``draft_tokens`` and the per-position
