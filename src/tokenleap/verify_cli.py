@@ -47,12 +47,11 @@ def _positive_float(value: str) -> float:
 
 
 def _positions(value: str) -> int:
-    return positive_int(value) if value.strip() not in ("0", "1") else _too_few(value)
-
-
-def _too_few(value: str) -> int:
-    raise argparse.ArgumentTypeError(f"must be >= 2 (the first token comes from the prefill, which never "
-                                     f"drafts), got {value!r}")
+    n = positive_int(value)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (the first token comes from the prefill, which never "
+                                         f"drafts), got {value!r}")
+    return n
 
 
 def register(subparsers) -> None:
@@ -117,15 +116,13 @@ def engine_factory(args: argparse.Namespace, spec):
     from .api import LLM
     from .engine import Engine
 
-    class Lazy:  # the LLM loads on first use, so encode() and both engines share one target
-        llm = None
+    loaded: dict[str, LLM] = {}  # the LLM loads on first use; encode() and both engines share its target
 
     def llm() -> LLM:
-        if Lazy.llm is None:
-            Lazy.llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
-                           max_model_len=args.max_model_len, cache_dir=args.cache_dir,
-                           num_slots=args.batch)
-        return Lazy.llm
+        if "llm" not in loaded:
+            loaded["llm"] = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
+                                max_model_len=args.max_model_len, cache_dir=args.cache_dir, num_slots=args.batch)
+        return loaded["llm"]
 
     def encode(text: str) -> list[int]:
         return llm().encode(text, chat=args.chat)
