@@ -131,11 +131,15 @@ def test_ngram_speculation_equals_plain_on_real_model(capsys, smollm2_gguf):
     assert spec["stats"]["draft_tokens"] > 0 and spec["stats"]["mean_accepted_tokens"] >= 1.0
     auto = cli_json(capsys, "--prompt", prompt, "--chat", "--spec", "ngram")[0]
     assert auto["token_ids"] == plain["token_ids"]
+    tree = cli_json(capsys, "--prompt", prompt, "--chat", "--spec", "ngram", "--spec-tree", "on",
+                    "--max-tree-nodes", "8", "--logprobs", "2")[0]
+    assert tree["token_ids"] == plain["token_ids"] and tree["stats"]["draft_tokens"] > 0
     assert "logprobs" not in auto
     # logprobs on the real model: the same figures with and without speculation
     lp_plain = cli_json(capsys, "--prompt", prompt, "--chat", "--logprobs", "2")[0]["logprobs"]
     lp_spec = cli_json(capsys, "--prompt", prompt, "--chat", "--logprobs", "2", "--spec", "ngram")[0]["logprobs"]
     assert lp_spec == lp_plain and [e["token_id"] for e in lp_plain] == plain["token_ids"]
+    assert tree["logprobs"] == lp_plain  # a tree's accepted rows give the same figures
     assert all(e["logprob"] <= 0 and e["top"][0] == [e["token_id"], e["logprob"]] for e in lp_plain)
 
 
@@ -191,6 +195,9 @@ BAD_FLAGS = [
     ["generate", "--model", SMOL, "--prompt", "x", "--max-tokens", "abc"],
     ["generate", "--model", SMOL, "--prompt", "x", "--top-p", "2"],
     ["generate", "--model", SMOL, "--prompt", "x", "--no-such-flag"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--spec-tree", "on"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--spec", "ngram", "--spec-tree", "maybe"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--spec", "ngram", "--spec-tree", "on", "--max-tree-nodes", "0"],
     ["serve", "--model", "no-such-model"],
     ["serve", "--model", SMOL, "--port", "70000"],
     ["serve", "--model", SMOL, "--port", "http"],

@@ -67,6 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-spec-tokens", type=positive_int, default=8, help="upper bound for the adaptive draft length")
     p.add_argument("--ngram-max", type=positive_int, default=4)
     p.add_argument("--ngram-min", type=positive_int, default=1)
+    p.add_argument("--spec-tree", choices=["on", "off"], default="off",
+                   help="draft token trees (a draft model's dynamic trees, n-gram tries) instead of chains")
+    p.add_argument("--max-tree-nodes", type=positive_int, default=16, help="drafted nodes a token tree may hold")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window (default: 4096 or the model's)")
     p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")
@@ -82,12 +85,15 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                          "drop --draft-model, or use --spec draft")
     if args.spec != "draft" and args.draft_model and args.spec == "none":
         args.spec = "draft"  # --draft-model alone implies draft-model speculation
+    if args.spec_tree == "on" and args.spec == "none":
+        raise UsageError("--spec-tree on needs a proposer: --spec draft --draft-model M, or --spec ngram")
     check_model_args(args)
     return SpecConfig(method=None if args.spec == "none" else args.spec, draft_model=args.draft_model,
                       draft_quant=args.draft_quant, draft_dtype=args.draft_dtype,
                       draft_vocab=args.draft_vocab or None,
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
-                      ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+                      ngram_max=args.ngram_max, ngram_min=args.ngram_min, tree=args.spec_tree,
+                      max_tree_nodes=args.max_tree_nodes)
 
 
 def check_model_args(args: argparse.Namespace) -> None:
