@@ -14,7 +14,7 @@ from .machine import machine_info, rss_mb, versions
 from .methods import MethodSpec, ModelOptions, ModelPool, build_methods, describe_target, parse_methods
 from .runner import BenchSettings, check_out_dir, run_bench
 
-_NEEDS_DRAFT = ("draft", "hf-assisted")
+_NEEDS_DRAFT = ("draft", "draft-tree", "hf-assisted")
 
 
 def encode_prompts(tokenizer, prompts: list[BenchPrompt], chat: bool) -> list[list[int]]:
