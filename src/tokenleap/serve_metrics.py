@@ -178,18 +178,16 @@ class ServeCollector(Collector):
             c = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
             c.add_metric(model, value)
             yield c
-        per_pos = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted draft tokens at each draft position (0-based)",
-                                      labels=labels + ["position"])
-        for pos, n in enumerate(s.accepted_per_pos):
-            per_pos.add_metric(model + [str(pos)], n)
-        yield per_pos
-        per_rank = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_sibling_rank",
-                                       "Accepted token-tree nodes by their rank among siblings (0: first)",
-                                       labels=labels + ["rank"])
-        for rank, n in enumerate(s.accepted_per_rank):
-            per_rank.add_metric(model + [str(rank)], n)
-        yield per_rank
+        for name, doc, label, counts in (
+            ("per_pos", "Accepted draft tokens at each draft position (0-based)", "position", s.accepted_per_pos),
+            ("per_sibling_rank", "Accepted token-tree nodes by their rank among siblings (0: first)", "rank",
+             s.accepted_per_rank),
+        ):
+            family = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_{name}", doc,
+                                         labels=labels + [label])
+            for i, n in enumerate(counts):
+                family.add_metric(model + [str(i)], n)
+            yield family
         finished = CounterMetricFamily(f"{prefix}:request_success", "Finished requests by finish reason",
                                        labels=labels + ["finished_reason"])
         for reason, n in sorted(s.finished.items()):

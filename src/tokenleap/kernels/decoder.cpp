@@ -257,7 +257,7 @@ at::Tensor rope_store_attend_impl(const at::Tensor& q, const at::Tensor& k, cons
                   q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                   k.stride(2) == 1 && v.stride(2) == 1,
               "rope_store_attend: float32 q [T, H, hd], k / v [T, n_kv, hd] with unit last strides");
-  const int64_t T = q.size(0), nkv = k.size(1), hd = q.size(2), half = hd / 2;
+  const int64_t T = q.size(0), nkv = k.size(1), hd = q.size(2);
   TORCH_CHECK(k.size(2) == hd, "rope_store_attend: shapes");
   TORCH_CHECK(pos0 >= 0 && pos0 + T == static_cast<int64_t>(koff.size()) && koff.size() == voff.size() &&
                   pos0 + T <= cos.size(0),
@@ -270,16 +270,9 @@ at::Tensor rope_store_attend_impl(const at::Tensor& q, const at::Tensor& k, cons
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
-    const float* c = cp + (pos0 + t) * hd;
-    const float* s = sp + (pos0 + t) * hd;
-    for (int64_t h = 0; h < q.size(1); ++h) rope_vec(qp + (t * q.size(1) + h) * hd, c, s, half);
-    for (int64_t j = 0; j < nkv; ++j) {
-      float* kd = kbase + j * ks0 + koff[pos0 + t];
-      float* vd = vbase + j * vs0 + voff[pos0 + t];
-      std::memcpy(kd, kp + t * k.stride(0) + j * k.stride(1), hd * sizeof(float));
-      std::memcpy(vd, vp + t * v.stride(0) + j * v.stride(1), hd * sizeof(float));
-      rope_vec(kd, c, s, half);
-    }
+    tokenleap_ops::rotate_store_row(qp + t * q.size(1) * hd, q.size(1), kp + t * k.stride(0), k.stride(1),
+                                    vp + t * v.stride(0), v.stride(1), nkv, kbase + koff[pos0 + t],
+                                    vbase + voff[pos0 + t], ks0, vs0, cp + (pos0 + t) * hd, sp + (pos0 + t) * hd, hd);
   }
   return attend_impl(qr, kbase, vbase, ks0, vs0, koff, voff, nkv, pos0, scale);
 }

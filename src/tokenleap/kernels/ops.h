@@ -2,6 +2,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <vector>
 
 namespace tokenleap_ops {
@@ -40,6 +41,18 @@ inline void rope_vec(float* v, const float* c, const float* s, int64_t half) {
     const float a = v[i], b = v[i + half];
     v[i] = a * c[i] - b * s[i];
     v[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+// Row t of a step: rotate its H query heads (q_row, in place) by the angle (c, s), store its n_kv keys
+// (rotated) and values at kdst + j * ks0 / vdst + j * vs0. k_row / v_row: the row's heads, kst / vst apart.
+inline void rotate_store_row(float* q_row, int64_t H, const float* k_row, int64_t kst, const float* v_row, int64_t vst,
+                             int64_t nkv, float* kdst, float* vdst, int64_t ks0, int64_t vs0, const float* c,
+                             const float* s, int64_t hd) {
+  for (int64_t h = 0; h < H; ++h) rope_vec(q_row + h * hd, c, s, hd / 2);
+  for (int64_t j = 0; j < nkv; ++j) {
+    std::memcpy(kdst + j * ks0, k_row + j * kst, hd * sizeof(float));
+    std::memcpy(vdst + j * vs0, v_row + j * vst, hd * sizeof(float));
+    rope_vec(kdst + j * ks0, c, s, hd / 2);
   }
 }
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);

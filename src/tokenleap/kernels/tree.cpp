@@ -27,7 +27,7 @@ at::Tensor tree_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                   q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                   k.stride(2) == 1 && v.stride(2) == 1,
               "rope_store_attend_tree: float32 q [T, H, hd], k / v [T, n_kv, hd] with unit last strides");
-  const int64_t T = q.size(0), H = q.size(1), nkv = k.size(1), hd = q.size(2), half = hd / 2;
+  const int64_t T = q.size(0), H = q.size(1), nkv = k.size(1), hd = q.size(2);
   TORCH_CHECK(tree.size() >= 2 && T >= 1, "rope_store_attend_tree: tree = [first, parents...], rows");
   const int64_t first = tree[0], n = static_cast<int64_t>(tree.size()) - 1;
   const int64_t* parents = tree.data() + 1;
@@ -49,16 +49,9 @@ at::Tensor tree_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   for (int64_t t = 0; t < T; ++t) {  // rotate and store every row before any attends
     const int64_t node = first + t, p = pos0 + depth[node];
     TORCH_CHECK(p < cc.size(0), "rope_store_attend_tree: position past the tables");
-    const float* c = cp + p * hd;
-    const float* s = sp + p * hd;
-    for (int64_t h = 0; h < H; ++h) tokenleap_ops::rope_vec(qp + (t * H + h) * hd, c, s, half);
-    for (int64_t j = 0; j < nkv; ++j) {
-      float* kd = kbase + j * ks0 + koff[pos0 + node];
-      float* vd = vbase + j * vs0 + voff[pos0 + node];
-      std::memcpy(kd, kp + t * k.stride(0) + j * k.stride(1), hd * sizeof(float));
-      std::memcpy(vd, vp + t * v.stride(0) + j * v.stride(1), hd * sizeof(float));
-      tokenleap_ops::rope_vec(kd, c, s, half);
-    }
+    tokenleap_ops::rotate_store_row(qp + t * H * hd, H, kp + t * k.stride(0), k.stride(1), vp + t * v.stride(0),
+                                    v.stride(1), nkv, kbase + koff[pos0 + node], vbase + voff[pos0 + node], ks0, vs0,
+                                    cp + p * hd, sp + p * hd, hd);
   }
   // each row's keys: the committed prefix, then its path from the root
   std::vector<std::vector<int64_t>> ko(T), vo(T);
