@@ -8,10 +8,21 @@ import os
 import sys
 from pathlib import Path
 
-from .cli import UsageError, add_model_args, spec_config
+from .cli import UsageError, add_model_args, non_negative_int, positive_int, spec_config
 from .config import SpecConfig
 
 # heavy modules (torch, fastapi) are imported when serving, so other sub-commands start fast
+
+
+def _positive_float(value: str, allow_zero: bool = False) -> float:
+    """argparse type: a finite number > 0 (>= 0 with ``allow_zero``)."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not (0 <= x if allow_zero else 0 < x) or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number {'>=' if allow_zero else '>'} 0, got {value!r}")
+    return x
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,15 +33,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("TOKENLEAP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 requests (default: $TOKENLEAP_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--max-waiting", type=int, default=64, help="queued sequences before requests get 503")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: from --kv-cache-gb)")
-    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV-cache memory budget (target model)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk")
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoded together")
+    p.add_argument("--max-waiting", type=non_negative_int, default=64, help="queued sequences before requests get 503")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                   help="KV-cache blocks (default: from --kv-cache-gb)")
+    p.add_argument("--kv-cache-gb", type=_positive_float, default=4.0, help="KV-cache memory budget (target model)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256, help="prompt tokens per prefill chunk")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (default: reuse prompt windows another request computed)")
-    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
+    p.add_argument("--log-interval", type=lambda v: _positive_float(v, allow_zero=True), default=10.0,
+                   help="seconds between stats log lines (0: none)")
     p.add_argument("--log-prompts", action="store_true",
                    help="put each request's prompt text in its log line (default: counts and times only)")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
