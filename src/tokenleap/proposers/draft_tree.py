@@ -50,12 +50,6 @@ class _Growth:
     def tree(self) -> TokenTree:
         return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents))
 
-    def depth(self, node: int) -> int:
-        d = 0
-        while node > 0:
-            node, d = self.parents[node], d + 1
-        return d
-
 
 @dataclass(frozen=True)
 class GrownTree:

@@ -116,11 +116,15 @@ class TokenTree:
             node = int(self.parents[node])
         return out[::-1]
 
-    def visible(self) -> torch.Tensor:  # [n, n] bool
-        """``visible[i, j]``: node ``i`` attends to node ``j`` (``j`` is ``i`` or one of its ancestors)."""
-        n = self.size
-        mask = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+    def visible(self) -> torch.Tensor:  # [n, n] bool, shared: do not modify
+        """``visible[i, j]``: node ``i`` attends to node ``j`` (``j`` is ``i`` or one of its ancestors).
+        Built once per tree: every layer of a forward reads it."""
+        return self._visible
+
+    @cached_property
+    def _visible(self) -> torch.Tensor:  # [n, n] bool
+        mask = torch.eye(self.size, dtype=torch.bool)
+        for i, p in enumerate(self.parent_list[1:], start=1):
             mask[i] |= mask[p]
         return mask
 
