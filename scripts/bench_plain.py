@@ -72,8 +72,8 @@ class HF:
     def __init__(self, model: str, dtype: str, max_new: int) -> None:
         import transformers
         from tokenleap.models.catalog import resolve_gguf
-        from tokenleap.models.loader import convert_gguf
-        from tokenleap.tokenizer import Tokenizer
+        from tokenleap.models.checkpoint import convert_gguf
+        from tokenleap.text.tokenizer import Tokenizer
         self.name = f"transformers-{dtype}"
         d = convert_gguf(resolve_gguf(model), getattr(torch, dtype))
         self.model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype)).eval()

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from tokenleap.config import SamplingParams, SpecConfig
-from tokenleap.scheduler import Request, Scheduler, SchedulerConfig
-from tokenleap.serve_cli import build_engine
+from tokenleap.serve.scheduler import Request, Scheduler, SchedulerConfig
+from tokenleap.cli.serve import build_engine
 
 
 def ask(sched: Scheduler, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:

@@ -59,8 +59,8 @@ def deploy(args, port: int) -> list[tuple[str, str]]:
     import ray
     from ray import serve
 
-    from tokenleap.cli import build_parser
-    from tokenleap.replicas import build_application, settings_from_args
+    from tokenleap.cli.main import build_parser
+    from tokenleap.serve.replicas.deployment import build_application, settings_from_args
 
     ray.init(num_cpus=sum(r * t for r, t in LAYOUTS.values()) * 2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})

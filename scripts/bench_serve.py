@@ -159,7 +159,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 1800) -> Non
 def launch(args, extra: list[str], stack: contextlib.ExitStack) -> str:
     """Start ``tokenleap serve`` (stopped when ``stack`` closes); returns its URL once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenleap.cli", "serve", "--model", args.model, "--port", str(port),
+    cmd = [sys.executable, "-m", "tokenleap.cli.main", "serve", "--model", args.model, "--port", str(port),
            "--max-num-seqs", str(max(args.concurrency)), *shlex.split(args.server_args), *extra]
     if args.api_key:
         cmd += ["--api-key", args.api_key]

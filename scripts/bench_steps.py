@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from tokenleap.cache import KVCache
-from tokenleap.loading import load_model
+from tokenleap.cache.contiguous import KVCache
+from tokenleap.models.pretrained import load_model
 from tokenleap.models.transformer import Segment
 
 

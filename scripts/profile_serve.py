@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from tokenleap.config import SamplingParams, SpecConfig
-from tokenleap.scheduler import Request, Scheduler, SchedulerConfig
-from tokenleap.serve_cli import build_engine
+from tokenleap.serve.scheduler import Request, Scheduler, SchedulerConfig
+from tokenleap.cli.serve import build_engine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serve import PROMPTS  # noqa: E402

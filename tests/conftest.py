@@ -70,7 +70,7 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def assert_block_rows_equal_steps(model, dtype: torch.dtype) -> None:
     """A one-token step's logits equal, bitwise, the matching row of a k-token row-exact block."""
-    from tokenleap.cache import KVCache
+    from tokenleap.cache.contiguous import KVCache
     from tokenleap.models.transformer import Segment
 
     def run(cache, slot, tokens, start, row_exact=False):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenleap.scheduler import SchedulerConfig
-from tokenleap.server import ServerConfig, create_app
+from tokenleap.serve.scheduler import SchedulerConfig
+from tokenleap.serve.app import ServerConfig, create_app
 
 from serving_helpers import paged_engine
 

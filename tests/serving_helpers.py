@@ -9,11 +9,11 @@ import torch
 import uvicorn
 
 from tokenleap.config import SamplingParams
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
-from tokenleap.paged_cache import PagedKVCache
-from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.proposers.ngram import NgramProposer
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
 
 from conftest import ToyTokenizer, tiny_model
 

@@ -9,17 +9,17 @@ import json
 import pytest
 import torch
 
-from tokenleap.cache import KVCache
+from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError, ModelConfig, SamplingParams
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
 from tokenleap.errors import ModelFormatError
 from tokenleap.models.build import build_transformer
-from tokenleap.models.loader import load_checkpoint
+from tokenleap.models.checkpoint import load_checkpoint
 from tokenleap.models.transformer import Segment
-from tokenleap.paged_cache import PagedKVCache
-from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.proposers.ngram import NgramProposer
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
 
 from conftest import ToyTokenizer
 

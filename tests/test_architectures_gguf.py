@@ -12,12 +12,12 @@ import pytest
 import torch
 from gguf import GGUFWriter
 
-import tokenleap.tokenizer
-from tokenleap.cache import KVCache
+import tokenleap.text.tokenizer
+from tokenleap.cache.contiguous import KVCache
 from tokenleap.errors import ModelFormatError
 from tokenleap.models.build import build_transformer
 from tokenleap.models.gguf import GGUFFile
-from tokenleap.models.loader import load_checkpoint
+from tokenleap.models.checkpoint import load_checkpoint
 from tokenleap.models.transformer import Segment
 
 from test_architectures import LLAMA3, PROMPT, SPECS, WINDOW, hf_model
@@ -165,7 +165,7 @@ def tokenizer_stub(monkeypatch):
         (Path(out_dir) / "tokenizer.json").write_text("{}")
         (Path(out_dir) / "tokenizer_config.json").write_text("{}")
 
-    monkeypatch.setattr(tokenleap.tokenizer, "write_tokenizer_files", write)
+    monkeypatch.setattr(tokenleap.text.tokenizer, "write_tokenizer_files", write)
 
 
 @pytest.mark.parametrize("name", ["llama3.1", "phi3", "qwen3", "gemma3"])

@@ -17,7 +17,7 @@ from tokenleap.bench import passk, peers
 from tokenleap.bench.common import PEER, TOKENLEAP
 from tokenleap.bench.runner import RESULTS_LOG, schedule
 from tokenleap.bench.summary import equality, first_difference
-from tokenleap.cli import main
+from tokenleap.cli.main import main
 
 SMOL = "smollm2-135m-instruct"
 # short, repetitive prompts: quick prefill, and the n-gram proposer finds matches

@@ -15,15 +15,15 @@ import math
 import pytest
 import torch
 
-import tokenleap.engine as engine_mod
-from tokenleap.certify import (CertifyConfig, Certificate, certify, check_distribution, check_greedy,
+import tokenleap.spec.engine as engine_mod
+from tokenleap.spec.certify import (CertifyConfig, Certificate, certify, check_distribution, check_greedy,
                                chi2_homogeneity)
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
 from tokenleap.models.build import build_transformer
-from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.sampling import inverse_cdf, rand_rows
-from tokenleap.verify import Verification
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.sampling import inverse_cdf, rand_rows
+from tokenleap.spec.verify import Verification
 
 from conftest import ToyTokenizer, random_weights, tiny_config
 
@@ -149,8 +149,8 @@ def test_config_errors():
 def test_verify_command_reports_each_check_and_exits_1_on_failure(factory, monkeypatch, tmp_path, capsys):
     """The CLI on the tiny pair (the engine factory patched in): one line per check, the verdict,
     exit 1 when a check fails (here: 12 samples cannot show power), and the same as JSON."""
-    import tokenleap.verify_cli as verify_cli
-    from tokenleap.cli import main
+    import tokenleap.cli.verify as verify_cli
+    from tokenleap.cli.main import main
 
     monkeypatch.setattr(verify_cli, "engine_factory",
                         lambda args, spec: (factory, lambda text: ToyTokenizer(V).encode(text)[:6]))

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tokenleap.cli import main
+from tokenleap.cli.main import main
 
 from test_gguf import tiny_state, write_tiny_gguf
 
@@ -93,7 +93,7 @@ PROMPTS = ["def fibonacci(n):", "The three primary colors are", "import numpy as
 @pytest.fixture(scope="module")
 def hf_smollm2(smollm2_gguf):
     transformers = pytest.importorskip("transformers")
-    from tokenleap.models.loader import convert_gguf
+    from tokenleap.models.checkpoint import convert_gguf
     d = convert_gguf(smollm2_gguf, torch.float32)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
     return model
@@ -111,8 +111,8 @@ def test_greedy_generate_equals_transformers(capsys, tmp_path, hf_smollm2):
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     rows = cli_json(capsys, "--prompts-file", str(f))
     assert len(rows) == len(PROMPTS)
-    from tokenleap.tokenizer import Tokenizer
-    from tokenleap.models.loader import load_checkpoint
+    from tokenleap.text.tokenizer import Tokenizer
+    from tokenleap.models.checkpoint import load_checkpoint
     tok = Tokenizer.from_dir(load_checkpoint("smollm2-135m-instruct", torch.float32).tokenizer_dir)
     for prompt, row in zip(PROMPTS, rows):
         ids = torch.tensor([tok.encode(prompt)])
@@ -239,11 +239,11 @@ BAD_FLAGS = [
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any attempt to load a model fails the test loudly (a traceback, which the test then sees)."""
-    import tokenleap.loading
+    import tokenleap.models.pretrained
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded for a command line that should have been refused")
-    monkeypatch.setattr(tokenleap.loading, "load_model", refuse)
+    monkeypatch.setattr(tokenleap.models.pretrained, "load_model", refuse)
     monkeypatch.setattr("tokenleap.api.load_model", refuse)
 
 
@@ -283,7 +283,7 @@ def test_models_shows_size_state_and_the_install_command(capsys, monkeypatch, tm
 
 
 def test_models_shows_converted_state(capsys, smollm2_gguf, tmp_path):
-    from tokenleap.models.loader import convert_gguf
+    from tokenleap.models.checkpoint import convert_gguf
     code, out, _ = run_cli(capsys, "models", "--cache-dir", str(tmp_path))
     assert "smollm2-135m-instruct" in out and "not converted yet" in out.split("smollm2-135m-instruct")[1]
     convert_gguf(smollm2_gguf, torch.float32, tmp_path)

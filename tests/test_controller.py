@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenleap.controller import ControllerConfig, DraftLengthController
+from tokenleap.spec.controller import ControllerConfig, DraftLengthController
 from tokenleap.errors import TokenleapError
-from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
 
 from conftest import tiny_model
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tokenleap.cli import UsageError, build_parser
-from tokenleap.replicas_cli import parse_autoscale, serve_replicas
+from tokenleap.cli.main import UsageError, build_parser
+from tokenleap.cli.replicas import parse_autoscale, serve_replicas
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -23,7 +23,7 @@ def test_rayservice_manifest_names_only_cli_options():
     assert len(docs) == 1 and docs[0]["kind"] == "RayService"
     spec = docs[0]["spec"]
     apps = yaml.safe_load(spec["serveConfigV2"])["applications"]
-    assert [a["import_path"] for a in apps] == ["tokenleap.replicas:app_builder"]
+    assert [a["import_path"] for a in apps] == ["tokenleap.serve.replicas.deployment:app_builder"]
     argv = apps[0]["args"]["argv"]
     known = {s for a in _serve_parser()._actions for s in a.option_strings}
     flags = [a for a in argv if a.startswith("--")]

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tokenleap.config import SamplingParams
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
 from tokenleap.errors import PromptTooLongError
-from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.proposers.ngram import NgramProposer
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
 
 from conftest import ToyTokenizer, tiny_model
 
@@ -180,7 +180,7 @@ def test_bf16_greedy_speculative_equals_plain(float32_activations):
 
 
 def test_reduced_vocabulary_draft_head_stays_lossless(target):
-    from tokenleap.proposers.draft_head import ReducedVocabHead
+    from tokenleap.spec.proposers.draft_head import ReducedVocabHead
     draft = tiny_model("qwen2", seed=77, vocab=VOCAB)
     head = ReducedVocabHead(draft.lm_head, static_size=40, special_ids=[2])
     params = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -332,8 +332,8 @@ def test_draft_prefilled_alongside_when_speculation_is_expected(target):
 def test_batched_drafting_equals_one_sequence_at_a_time(target, reduced_head):
     """propose_many drafts every sequence's position j in one forward; the drafts equal those of
     separate proposals, and sequences stepped together still decode exactly as plain greedy."""
-    from tokenleap.proposers.base import DraftRequest
-    from tokenleap.proposers.draft_head import ReducedVocabHead
+    from tokenleap.spec.proposers.base import DraftRequest
+    from tokenleap.spec.proposers.draft_head import ReducedVocabHead
 
     draft_model = tiny_model("qwen2", seed=78, vocab=VOCAB)
     head = ReducedVocabHead(draft_model.lm_head, static_size=40, special_ids=[2]) if reduced_head else None
@@ -371,7 +371,7 @@ def test_batched_drafting_equals_one_sequence_at_a_time(target, reduced_head):
 def test_draft_out_of_cache_blocks_mid_proposal_forgets_its_drafted_tokens():
     """A paged draft cache running out of blocks at draft position 2 yields no draft, and the
     draft tokens already fed are not kept as if they were the sequence's."""
-    from tokenleap.paged_cache import PagedKVCache
+    from tokenleap.cache.paged import PagedKVCache
 
     draft_model = tiny_model("qwen2", seed=78, vocab=VOCAB)
     cache = PagedKVCache(draft_model.config, 2, 64, torch.float32, block_size=4, num_slots=1)  # 8 tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenleap.cache import CacheFullError, KVCache
+from tokenleap.cache.contiguous import CacheFullError, KVCache
 from tokenleap.models.build import float32_activations_
 from tokenleap.models.fused_layer import layer_plan
 from tokenleap.models.hugepages import move_weights_, on_huge_pages
@@ -115,7 +115,7 @@ def test_fused_step_past_the_cache_raises_cache_full():
 def test_fused_layers_on_a_paged_cache_equal_the_contiguous_cache(block_size):
     """The paged path (keys / values addressed through block tables) gives bitwise the logits of
     the contiguous cache, with several sequences, including across block boundaries."""
-    from tokenleap.paged_cache import PagedKVCache
+    from tokenleap.cache.paged import PagedKVCache
 
     model = _model("qwen2", "mixed", True)
     ref, _ = _steps(model, fused=False)

@@ -125,7 +125,7 @@ def test_int8_layer_uses_gemm_only_for_prefill_windows(monkeypatch):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_fused_projections_are_bitwise_the_same_model(mode):
     """Joining q/k/v and gate/up into one int8 (int4) layer each changes no bit of the logits."""
-    from tokenleap.cache import KVCache
+    from tokenleap.cache.contiguous import KVCache
     from tokenleap.models.quant import fuse_projections_, quantize_
     from tokenleap.models.transformer import Segment
 

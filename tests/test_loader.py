@@ -11,11 +11,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
 
-import tokenleap.tokenizer
+import tokenleap.text.tokenizer
 from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
-from tokenleap.models import catalog, loader
-from tokenleap.models.loader import Checkpoint, load_checkpoint
+from tokenleap.models import catalog
+from tokenleap.models import checkpoint as loader
+from tokenleap.models.checkpoint import Checkpoint, load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_gguf import tiny_state, write_tiny_gguf  # noqa: E402
@@ -31,7 +32,7 @@ def tokenizer_stub(monkeypatch):
         (Path(out_dir) / "tokenizer.json").write_text(json.dumps({"n": len(metadata["tokenizer.ggml.tokens"])}))
         (Path(out_dir) / "tokenizer_config.json").write_text(json.dumps({"chat_template": "x"}))
 
-    monkeypatch.setattr(tokenleap.tokenizer, "write_tokenizer_files", write)
+    monkeypatch.setattr(tokenleap.text.tokenizer, "write_tokenizer_files", write)
     return calls
 
 

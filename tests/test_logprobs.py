@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenleap.cache import KVCache
+from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError, SamplingParams
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
-from tokenleap.logprobs import token_logprobs
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.logprobs import token_logprobs
 from tokenleap.models.transformer import Segment
-from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.proposers.ngram import NgramProposer
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
 
 from conftest import ToyTokenizer, tiny_model
 

@@ -7,8 +7,8 @@ import torch
 
 from tokenleap.api import LLM
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig
-from tokenleap.engine import Engine
-from tokenleap.loading import LoadedModel
+from tokenleap.spec.engine import Engine
+from tokenleap.models.pretrained import LoadedModel
 
 from serving_helpers import VOCAB, ChatToyTokenizer, model, workload
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenleap.cache import CacheFullError, KVCache
+from tokenleap.cache.contiguous import CacheFullError, KVCache
 from tokenleap.config import SamplingParams
 from tokenleap.models.transformer import Segment
-from tokenleap.paged_cache import PagedKVCache
-from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
 
 from conftest import tiny_model
 from serving_helpers import CHUNK, MAX_LEN, VOCAB, alone, model, paged_engine

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tokenleap.config import ConfigError, SamplingParams
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
-from tokenleap.penalties import apply_penalties
-from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.proposers.ngram import NgramProposer
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.penalties import apply_penalties
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
 
 from conftest import ToyTokenizer, tiny_model
 

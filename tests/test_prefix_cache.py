@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tokenleap.config import SamplingParams
-from tokenleap.paged_cache import PagedKVCache
-from tokenleap.scheduler import Scheduler, SchedulerConfig
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.serve.scheduler import Scheduler, SchedulerConfig
 
 from serving_helpers import alone, model, paged_engine
 from test_scheduler import submit
@@ -125,7 +125,7 @@ def test_server_reports_cached_prompt_tokens_and_prefix_metrics():
     import httpx
     import openai
 
-    from tokenleap.server import ServerConfig, create_app
+    from tokenleap.serve.app import ServerConfig, create_app
     from serving_helpers import ChatToyTokenizer, LiveServer
 
     eng = paged_engine("ngram", blocks=64, chunk=WINDOW, block_size=BLOCK)

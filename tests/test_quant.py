@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenleap.cache import KVCache
+from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError
 from tokenleap.models.build import build_transformer
 from tokenleap.models.linear import Linear
@@ -253,9 +253,10 @@ def test_bfloat16_computes_in_float32_activations(smollm2_gguf, tmp_path, monkey
     them to bf16 themselves on AMX tiles): the weights stay bf16 (or quantized), the activations
     (norms, KV cache) are float32, and a bf16 weight matrix is kept once, packed for the kernel --
     for AMX tiles where the CPU has them. Greedy decoding is unchanged by it."""
-    from tokenleap import kernels, loading
+    from tokenleap import kernels
+    from tokenleap.models import pretrained as loading
     from tokenleap.config import SamplingParams
-    from tokenleap.engine import Engine
+    from tokenleap.spec.engine import Engine
     if not kernels.available():
         pytest.skip("tokenleap's kernels are not available here")
     loaded = loading.load_model(smollm2_gguf, dtype="bfloat16", quant=quant, cache_dir=tmp_path)

@@ -19,12 +19,12 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install
 
 from ray import serve  # noqa: E402
 
-from tokenleap.asgi_bridge import HTTPCall, ResponseStart, run_asgi  # noqa: E402
-from tokenleap.cli import build_parser  # noqa: E402
+from tokenleap.serve.replicas.bridge import HTTPCall, ResponseStart, run_asgi  # noqa: E402
+from tokenleap.cli.main import build_parser  # noqa: E402
 from tokenleap.config import SamplingParams  # noqa: E402
-from tokenleap.replica_metrics import merge_exports  # noqa: E402
-from tokenleap.replica_router import affinity_key, rank_by_load  # noqa: E402
-from tokenleap.replicas import ReplicaSettings, build_application, replica_options, settings_from_args  # noqa: E402
+from tokenleap.serve.replicas.metrics import merge_exports  # noqa: E402
+from tokenleap.serve.replicas.router import affinity_key, rank_by_load  # noqa: E402
+from tokenleap.serve.replicas.deployment import ReplicaSettings, build_application, replica_options, settings_from_args  # noqa: E402
 
 import replica_helpers  # noqa: E402
 from serving_helpers import VOCAB, ChatToyTokenizer, alone, wait_until, workload  # noqa: E402

@@ -8,8 +8,8 @@ import torch
 
 from tokenleap.config import SamplingParams
 from conftest import chi2_pvalue
-from tokenleap.seeded import BLOCK, SeededNoise, mix, splitmix64
-from tokenleap.sampling import (SamplingFilters, greedy, inverse_cdf, logits_to_probs,
+from tokenleap.spec.seeded import BLOCK, SeededNoise, mix, splitmix64
+from tokenleap.spec.sampling import (SamplingFilters, greedy, inverse_cdf, logits_to_probs,
                                 make_generator, sample)
 
 # probabilities that are exact in binary, in a shuffled order: token 1 > token 3 > tokens 0 = 2

@@ -5,8 +5,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from tokenleap.config import ConfigError, SamplingParams
-from tokenleap.scheduler import Request, Scheduler, SchedulerConfig
-from tokenleap.serve_metrics import ServeSnapshot, log_line, make_registry
+from tokenleap.serve.scheduler import Request, Scheduler, SchedulerConfig
+from tokenleap.serve.metrics import ServeSnapshot, log_line, make_registry
 
 from serving_helpers import FailingProposer, alone, paged_engine, workload
 
@@ -196,7 +196,7 @@ def test_one_admission_rule_counted_in_sequences():
     """Waiting sequences never pass max_waiting beyond the batch's free places -- and none of those
     while the KV pool holds sequences back (a free place then admits nobody): a request of n
     choices counts n. Driven to preemption in a small pool, every accepted submit keeps the rule."""
-    from tokenleap.scheduler import QueueFullError
+    from tokenleap.serve.scheduler import QueueFullError
     eng = paged_engine(None, blocks=10)
     sched = Scheduler(eng, SchedulerConfig(max_num_seqs=4, max_waiting=3, log_interval=0))
     params = SamplingParams(max_tokens=60, ignore_eos=True)

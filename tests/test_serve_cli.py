@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tokenleap.cli import build_parser
-from tokenleap.serve_cli import model_aliases
+from tokenleap.cli.main import build_parser
+from tokenleap.cli.serve import model_aliases
 
 from serving_helpers import wait_until
 
@@ -38,7 +38,7 @@ def _healthy(url: str) -> bool:
 
 def test_smollm2_through_the_cli(smollm2_gguf):
     port = _free_port()
-    cmd = [sys.executable, "-m", "tokenleap.cli", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
+    cmd = [sys.executable, "-m", "tokenleap.cli.main", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
            "--max-model-len", "512", "--api-key", "k", "--spec", "ngram", "--max-num-seqs", "4", "--log-interval", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -75,7 +75,7 @@ def test_bfloat16_serving_engine_with_float32_activations(smollm2_gguf):
 
     from tokenleap import kernels
     from tokenleap.config import SamplingParams, SpecConfig
-    from tokenleap.serve_cli import build_engine
+    from tokenleap.cli.serve import build_engine
     if not kernels.available():
         pytest.skip("tokenleap's kernels are not available here")
     spec = SpecConfig(method="draft", draft_model="smollm2-135m-instruct", draft_quant="int4")

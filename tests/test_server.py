@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from tokenleap.config import SamplingParams
-from tokenleap.scheduler import SchedulerConfig
-from tokenleap.server import ServerConfig, create_app
+from tokenleap.serve.scheduler import SchedulerConfig
+from tokenleap.serve.app import ServerConfig, create_app
 
 from serving_helpers import (VOCAB, ChatToyTokenizer, FailingProposer, LiveServer, alone, paged_engine, wait_until,
                              workload)

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from tokenleap.scheduler import SchedulerConfig
-from tokenleap.server import ServerConfig, create_app
+from tokenleap.serve.scheduler import SchedulerConfig
+from tokenleap.serve.app import ServerConfig, create_app
 
 from serving_helpers import LiveServer, paged_engine, wait_until
 

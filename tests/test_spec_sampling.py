@@ -16,17 +16,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import tokenleap.engine as engine_mod
-from tokenleap.cache import KVCache
+import tokenleap.spec.engine as engine_mod
+from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import SamplingParams
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
 from tokenleap.models.build import build_transformer
 from tokenleap.models.transformer import Segment
-from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.sampling import logits_to_probs, make_generator, sample
-from tokenleap.seeded import SeededNoise
-from tokenleap.verify import Verification
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.sampling import logits_to_probs, make_generator, sample
+from tokenleap.spec.seeded import SeededNoise
+from tokenleap.spec.verify import Verification
 
 from conftest import ToyTokenizer, random_weights, tiny_config
 

@@ -12,20 +12,20 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import tokenleap.engine as engine_mod
-from tokenleap.cache import KVCache
+import tokenleap.spec.engine as engine_mod
+from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError, SamplingParams, StructuredOutput
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
 from tokenleap.models.build import build_transformer
 from tokenleap.models.transformer import Segment
-from tokenleap.paged_cache import PagedKVCache
-from tokenleap.proposers.draft_model import DraftModelProposer
-from tokenleap.proposers.ngram import NgramProposer
-from tokenleap.sampling import logits_to_probs, make_generator
-from tokenleap.scheduler import SchedulerConfig
-from tokenleap.server import ServerConfig, create_app
-from tokenleap.structured import Constraints
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
+from tokenleap.spec.sampling import logits_to_probs, make_generator
+from tokenleap.serve.scheduler import SchedulerConfig
+from tokenleap.serve.app import ServerConfig, create_app
+from tokenleap.spec.structured import Constraints
 
 from conftest import ToyDetokenizer, random_weights, tiny_config, tiny_model
 from serving_helpers import LiveServer

@@ -10,7 +10,7 @@ import pytest
 
 from tokenleap.config import ConfigError
 from tokenleap.errors import ModelFormatError, ModelNotFoundError, TokenleapError
-from tokenleap.tokenizer import (
+from tokenleap.text.tokenizer import (
     ChatTemplateError,
     IncrementalDetokenizer,
     Tokenizer,

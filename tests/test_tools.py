@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from tokenleap.config import ModelConfig
-from tokenleap.engine import Engine
+from tokenleap.spec.engine import Engine
 from tokenleap.models.build import build_transformer
-from tokenleap.paged_cache import PagedKVCache
-from tokenleap.proposers.ngram import NgramProposer
-from tokenleap.protocol import APIError, ChatRequest, chat_messages
-from tokenleap.scheduler import SchedulerConfig
-from tokenleap.server import ServerConfig, create_app
-from tokenleap.tools import ToolStream, parse_tool_calls, plan_tools
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.spec.proposers.ngram import NgramProposer
+from tokenleap.serve.protocol import APIError, ChatRequest, chat_messages
+from tokenleap.serve.scheduler import SchedulerConfig
+from tokenleap.serve.app import ServerConfig, create_app
+from tokenleap.serve.tools import ToolStream, parse_tool_calls, plan_tools
 
 from serving_helpers import LiveServer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenleap.cache import KVCache
+from tokenleap.cache.contiguous import KVCache
 from tokenleap.models.build import build_transformer
 from tokenleap.models.transformer import Segment
 

@@ -9,9 +9,9 @@ import torch
 import tokenleap.spec.tree_verify as tv
 import test_spec_sampling as sampling_check
 from tokenleap.config import SamplingParams
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
-from tokenleap.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
 
 from conftest import ToyTokenizer, tiny_model
 from test_tree_verify import _no_q_update

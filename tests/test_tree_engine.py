@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenleap.cache import KVCache
+from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import SamplingParams
-from tokenleap.controller import ControllerConfig
-from tokenleap.engine import Engine
-from tokenleap.metrics import SpecStats
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.stats import SpecStats
 from tokenleap.models.quant import quantize_
 from tokenleap.models.transformer import Segment
-from tokenleap.paged_cache import PagedKVCache
-from tokenleap.proposers.ngram import NgramProposer
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.tree import TokenTree
 
 from conftest import ToyTokenizer, tiny_model
@@ -184,7 +184,7 @@ def test_scheduler_with_trees_equals_requests_alone(kind, sampled, monkeypatch):
     """Continuous batching with every sequence's tree in one forward, on paged caches (target and
     draft), outputs equal to each request run alone; every block given back."""
     from serving_helpers import alone, paged_engine, workload
-    from tokenleap.scheduler import Request, Scheduler, SchedulerConfig
+    from tokenleap.serve.scheduler import Request, Scheduler, SchedulerConfig
 
     eng = paged_engine(kind, blocks=96, k=3)
     eng.tree_nodes = 8
@@ -206,7 +206,7 @@ def test_scheduler_with_trees_equals_requests_alone(kind, sampled, monkeypatch):
     assert trees  # trees were verified inside batches
     from prometheus_client import generate_latest
 
-    from tokenleap.serve_metrics import make_registry
+    from tokenleap.serve.metrics import make_registry
     text = generate_latest(make_registry(sched.snapshot, "m")).decode()
     assert f'tokenleap:spec_decode_num_tree_steps_total{{model_name="m"}} {float(len(trees))}' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_sibling_rank_total{model_name="m",rank="0"}' in text \

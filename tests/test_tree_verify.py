@@ -12,11 +12,11 @@ import torch
 from scipy.stats import chi2
 
 import tokenleap.spec.tree_verify as tv
-from tokenleap.sampling import logits_to_probs
-from tokenleap.seeded import SeededNoise
+from tokenleap.spec.sampling import logits_to_probs
+from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.tree import TokenTree
 from tokenleap.spec.tree_verify import verify_tree_coupled, verify_tree_greedy, verify_tree_sampling
-from tokenleap.verify import verify_coupled, verify_greedy, verify_sampling
+from tokenleap.spec.verify import verify_coupled, verify_greedy, verify_sampling
 
 
 def _tree(tokens, parents, q=None):

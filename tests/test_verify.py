@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tokenleap.sampling import logits_to_probs, make_generator, sample
-from tokenleap.seeded import SeededNoise
+from tokenleap.spec.sampling import logits_to_probs, make_generator, sample
+from tokenleap.spec.seeded import SeededNoise
 
 from conftest import chi2_pvalue
-from tokenleap.verify import (Verification, verify_coupled, verify_greedy, verify_greedy_batch, verify_sampling,
+from tokenleap.spec.verify import (Verification, verify_coupled, verify_greedy, verify_greedy_batch, verify_sampling,
                               verify_sampling_batch)
 
 V = 6  # vocabulary size of the statistical tests

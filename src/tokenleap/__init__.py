@@ -1,10 +1,10 @@
 """tokenleap: lossless speculative decoding for LLMs in PyTorch."""
-from .config import ModelConfig, SamplingParams, SpecConfig, StructuredOutput
+from tokenleap.config import ModelConfig, SamplingParams, SpecConfig, StructuredOutput
 
 
 def __getattr__(name):  # the API pulls in torch and the loaders: import it on first use
     if name in ("LLM", "RequestOutput", "StreamChunk"):
-        from . import api
+        from tokenleap import api
         return getattr(api, name)
     raise AttributeError(name)
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, SamplingParams, SpecConfig
-from .controller import ControllerConfig
-from .engine import Engine
-from .loading import LoadedModel, load_model
-from .logprobs import TokenLogprob
-from .proposers.base import Proposer
-from .sequence import Sequence
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.models.pretrained import LoadedModel, load_model
+from tokenleap.spec.logprobs import TokenLogprob
+from tokenleap.spec.proposers.base import Proposer
+from tokenleap.spec.sequence import Sequence
 
 
 @dataclass
@@ -105,7 +105,7 @@ class LLM:
     def _proposer(self, max_len: int, num_slots: int, cache=None) -> Proposer | None:
         """A fresh proposer for an engine (``cache``: the draft model's KV cache, by default contiguous)."""
         if self.spec.method == "ngram":
-            from .proposers.ngram import NgramProposer
+            from tokenleap.spec.proposers.ngram import NgramProposer
             return NgramProposer(self.spec.ngram_max, self.spec.ngram_min)
         if self.spec.method == "draft":
             return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
@@ -114,7 +114,7 @@ class LLM:
 
     def describe(self) -> str:
         """One line: what was loaded and the memory it holds."""
-        from .models.quant import weight_bytes
+        from tokenleap.models.quant import weight_bytes
         t = self.target
         line = (f"{t.source} ({t.dtype}, quant {t.quant}): weights {weight_bytes(t.model) / 2**30:.2f} GiB, "
                 f"KV cache {self.engine.cache.nbytes / 2**20:.0f} MiB for {self.engine.max_len} tokens")
@@ -163,7 +163,7 @@ class LLM:
         if len(prompts) == 1:
             *_, last = self.stream(prompts[0], per_prompt[0], chat)
             return [last.output]
-        from .batch import generate_batch
+        from tokenleap.serve.batch import generate_batch
         return generate_batch(self, list(prompts), per_prompt, chat)
 
 
@@ -189,7 +189,7 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
     if spec.method is None:
         return None
     if spec.method == "ngram":
-        from .proposers.ngram import NgramProposer
+        from tokenleap.spec.proposers.ngram import NgramProposer
         return NgramProposer(spec.ngram_max, spec.ngram_min)
     draft = load_draft(spec, target, cache_dir)
     cache = draft_cache(draft) if draft_cache is not None else None
@@ -200,11 +200,11 @@ def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num
                    draft_vocab: int | None = SpecConfig.draft_vocab, cache=None) -> Proposer:
     """A draft-model proposer for a loaded draft; with ``draft_vocab`` (and a vocabulary over twice
     that) the draft scores only a reduced vocabulary (see ``proposers.draft_head``)."""
-    from .proposers.draft_model import DraftModelProposer
+    from tokenleap.spec.proposers.draft_model import DraftModelProposer
 
     head = None
     if draft_vocab and draft.model.config.vocab_size > 2 * draft_vocab:
-        from .proposers.draft_head import ReducedVocabHead
+        from tokenleap.spec.proposers.draft_head import ReducedVocabHead
         specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
         head = ReducedVocabHead(draft.model.lm_head, draft_vocab, specials)
     return DraftModelProposer(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head)

@@ -110,13 +110,13 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config.json dictionary (see ``models/hf_config.py``)."""
-        from .models.hf_config import config_from_hf_dict  # lazy: models imports this module
+        from tokenleap.models.hf_config import config_from_hf_dict  # lazy: models imports this module
 
         return config_from_hf_dict(d)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json a Hugging Face loader accepts for this model (``from_hf_dict`` reads it back)."""
-        from .models.hf_config import config_to_hf_dict
+        from tokenleap.models.hf_config import config_to_hf_dict
 
         return config_to_hf_dict(self)
 

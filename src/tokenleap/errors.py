@@ -1,7 +1,7 @@
 """Errors with messages meant for the user; the CLI prints them without a traceback."""
 from __future__ import annotations
 
-from .config import ConfigError
+from tokenleap.config import ConfigError
 
 
 class TokenleapError(Exception):

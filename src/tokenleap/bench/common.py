@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..config import SamplingParams
-from ..errors import TokenleapError
+from tokenleap.config import SamplingParams
+from tokenleap.errors import TokenleapError
 
 TOKENLEAP, PEER = "tokenleap", "peer"  # method kinds
 # family -> allowed options; "k" accepts "auto" for tokenleap's adaptive draft length

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .common import BenchError
+from tokenleap.bench.common import BenchError
 
 DATASETS = ("humaneval", "codeedit", "chat")
 _DATA_DIR = Path(__file__).parent / "data"
@@ -91,7 +91,7 @@ def humaneval() -> list[BenchPrompt]:
 
 
 def codeedit() -> list[BenchPrompt]:
-    from .codeedit import build_codeedit
+    from tokenleap.bench.codeedit import build_codeedit
 
     return [BenchPrompt(id=d["id"], category=d["category"], text=d["prompt"]) for d in build_codeedit()]
 

@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SamplingParams, SpecConfig
-from ..controller import ControllerConfig
-from ..engine import Engine
-from ..loading import LoadedModel, load_model, resolve_dtype
-from .common import (AUTO_K_FAMILIES, FAMILIES, PEER, TOKENLEAP, TREE_NODES, BenchError, BenchMethod, Generation,
+from tokenleap.config import SamplingParams, SpecConfig
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.models.pretrained import LoadedModel, load_model, resolve_dtype
+from tokenleap.bench.common import (AUTO_K_FAMILIES, FAMILIES, PEER, TOKENLEAP, TREE_NODES, BenchError, BenchMethod, Generation,
                      MethodInfo)
-from .machine import memory_status
+from tokenleap.bench.machine import memory_status
 
 @dataclass(frozen=True)
 class MethodSpec:
@@ -158,10 +158,10 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     proposer = None
     family = spec.family.removesuffix("-tree")  # a tree method drafts like its chain family
     if family == "ngram":
-        from ..proposers.ngram import NgramProposer
+        from tokenleap.spec.proposers.ngram import NgramProposer
         proposer = NgramProposer(int(spec.get("max", 4)), int(spec.get("min", 1)))
     elif family == "draft":
-        from ..api import draft_proposer
+        from tokenleap.api import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
         proposer = draft_proposer(pool.draft(spec.name), target.model.config.vocab_size, max_len, draft_vocab=vocab)
     nodes = int(spec.get("nodes", TREE_NODES)) if spec.family.endswith("-tree") else 0
@@ -172,7 +172,7 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
 
 def build_methods(specs: list[MethodSpec], pool: ModelPool) -> tuple[list[BenchMethod], list[MethodInfo]]:
     """Build every spec; a peer that is not installed or fails to load is recorded, not raised."""
-    from . import peers
+    from tokenleap.bench import peers
 
     methods: list[BenchMethod] = []
     infos: list[MethodInfo] = []

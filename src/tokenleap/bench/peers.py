@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import SamplingParams
-from .common import PEER, Generation, MethodInfo
-from .methods import MethodSpec, ModelPool
+from tokenleap.config import SamplingParams
+from tokenleap.bench.common import PEER, Generation, MethodInfo
+from tokenleap.bench.methods import MethodSpec, ModelPool
 
 HF_PROMPT_LOOKUP_K = 10  # the value transformers' documentation uses
 LLAMACPP_LOOKUP_K, LLAMACPP_LOOKUP_NGRAM = 10, 2  # LlamaPromptLookupDecoding's defaults
@@ -45,7 +45,7 @@ def build_peer(spec: MethodSpec, pool: ModelPool, info: MethodInfo) -> Any | Non
 def hf_model_dir(loaded, dtype, cache_dir: str | None) -> Path:
     """A directory transformers can load: the converted GGUF (cached), or the HF directory itself."""
     if loaded.gguf_path is not None:
-        from ..models.loader import convert_gguf
+        from tokenleap.models.checkpoint import convert_gguf
         return convert_gguf(Path(loaded.gguf_path), dtype, Path(cache_dir) if cache_dir else None)
     return Path(loaded.source.removeprefix("hf:"))
 

@@ -12,7 +12,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from .common import BenchError
+        from tokenleap.bench.common import BenchError
         raise BenchError("tokenleap bench draws its plots with matplotlib, which is not installed: "
                          "pip install 'tokenleap[bench]'") from None
 

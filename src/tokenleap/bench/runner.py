@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import SamplingParams
-from . import summary as S
-from .common import PEER, BenchError, BenchMethod, MethodInfo
-from .datasets import BenchPrompt
-from .machine import memory_status, peak_rss_mb
+from tokenleap.config import SamplingParams
+from tokenleap.bench import summary as S
+from tokenleap.bench.common import PEER, BenchError, BenchMethod, MethodInfo
+from tokenleap.bench.datasets import BenchPrompt
+from tokenleap.bench.machine import memory_status, peak_rss_mb
 
 RESULTS_LOG, RUN_FILE, RESULTS_FILE = "results.jsonl", "run.json", "results.json"
 SCHEMA = "tokenleap-bench/1"
@@ -249,7 +249,7 @@ def finish(settings: BenchSettings, prompts: list[BenchPrompt], log: ResultsLog,
     names = [i.name for i in infos]
     records = [r for r in log.records if r["prompt_id"] in ids and r["method"] in names]
     if settings.pass_at_1:
-        from .passk import score
+        from tokenleap.bench.passk import score
         score(records, {p.id: p for p in prompts}, settings.chat)
     eq = S.equality(records, settings.greedy)
     results = {
@@ -267,8 +267,8 @@ def finish(settings: BenchSettings, prompts: list[BenchPrompt], log: ResultsLog,
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> None:
-    from .plots import write_plots
-    from .report import console_summary, write_report
+    from tokenleap.bench.plots import write_plots
+    from tokenleap.bench.report import console_summary, write_report
 
     results["plots"] = write_plots(results, out)
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .common import BenchError, BenchMethod
-from .datasets import BenchPrompt, load_dataset
-from .machine import machine_info, rss_mb, versions
-from .methods import MethodSpec, ModelOptions, ModelPool, build_methods, describe_target, parse_methods
-from .runner import BenchSettings, check_out_dir, run_bench
+from tokenleap.bench.common import BenchError, BenchMethod
+from tokenleap.bench.datasets import BenchPrompt, load_dataset
+from tokenleap.bench.machine import machine_info, rss_mb, versions
+from tokenleap.bench.methods import MethodSpec, ModelOptions, ModelPool, build_methods, describe_target, parse_methods
+from tokenleap.bench.runner import BenchSettings, check_out_dir, run_bench
 
 _NEEDS_DRAFT = ("draft", "draft-tree", "hf-assisted")
 
@@ -34,7 +34,7 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     """Run a benchmark and write results.json, results.jsonl, report.md and PNGs into ``out``."""
     import torch
 
-    from .plots import require_matplotlib
+    from tokenleap.bench.plots import require_matplotlib
     require_matplotlib()  # a run's plots are drawn at its end: refuse before hours of measuring
     if temperature < 0:
         raise BenchError(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
@@ -71,5 +71,5 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
 
 
 def _info(method: BenchMethod):
-    from .common import MethodInfo
+    from tokenleap.bench.common import MethodInfo
     return MethodInfo(method.name, method.name.partition(":")[0], method.kind)

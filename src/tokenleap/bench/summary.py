@@ -13,7 +13,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from ..metrics import SpecStats
+from tokenleap.spec.stats import SpecStats
 
 PLAIN = "plain"
 OWN_BASELINE = {"hf-": "hf-plain", "llamacpp-": "llamacpp-plain"}

@@ -58,7 +58,7 @@ def _reason_unavailable() -> str | None:
 
 
 def _build_dir(sources: list[Path]) -> Path:
-    from ..models.catalog import default_cache_dir
+    from tokenleap.models.catalog import default_cache_dir
 
     code = b"".join(p.read_bytes() for p in sources + _HEADERS)
     key = hashlib.sha256(code + " ".join(_FLAGS).encode() + torch.__version__.encode())

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import ModelFormatError
-from .linear import Linear
-from .transformer import Transformer
+from tokenleap.config import ModelConfig
+from tokenleap.errors import ModelFormatError
+from tokenleap.models.linear import Linear
+from tokenleap.models.transformer import Transformer
 
 
 _WRAPPER_PREFIXES = ("model.language_model.", "language_model.model.")  # Gemma 3's multimodal checkpoints

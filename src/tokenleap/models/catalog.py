@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ModelFormatError, ModelNotFoundError
+from tokenleap.errors import ModelFormatError, ModelNotFoundError
 
 _CHUNK = 8 << 20  # bytes per read while joining / hashing
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import kernels
-from .int6 import Int6Linear
-from .linear import Linear
-from .qlinear import Int4Linear, Int8Linear
+from tokenleap import kernels
+from tokenleap.models.int6 import Int6Linear
+from tokenleap.models.linear import Linear
+from tokenleap.models.qlinear import Int4Linear, Int8Linear
 
 _INT4, _INT6, _INT8, _BF16 = 4, 6, 8, 16
 

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
-from ..config import ConfigError, ModelConfig
-from ..errors import ModelFormatError, ModelNotFoundError
-from .gguf_arch import arch_fields, rope_freq_factors, rope_scaling_from_gguf
+from tokenleap.config import ConfigError, ModelConfig
+from tokenleap.errors import ModelFormatError, ModelNotFoundError
+from tokenleap.models.gguf_arch import arch_fields, rope_freq_factors, rope_scaling_from_gguf
 
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ModelFormatError
+from tokenleap.errors import ModelFormatError
 
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, ModelConfig
-from ..errors import ModelFormatError
+from tokenleap.config import ConfigError, ModelConfig
+from tokenleap.errors import ModelFormatError
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

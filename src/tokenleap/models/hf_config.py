@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ROPE_TYPES, ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
+from tokenleap.config import ROPE_TYPES, ConfigError, ModelConfig, SUPPORTED_ARCHITECTURES
 
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # HF model_type -> tokenleap architecture
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # and back

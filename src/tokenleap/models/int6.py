@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import kernels
+from tokenleap import kernels
 
 SUPER_BLOCK = 256
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
+from tokenleap import kernels
 
 # dtypes whose F.linear rows were measured bitwise-equal for any number of rows on torch's CPU kernels
 ROW_INVARIANT_DTYPES = (torch.bfloat16,)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import kernels
+from tokenleap import kernels
 
 
 class RMSNorm(nn.Module):

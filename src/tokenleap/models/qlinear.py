@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
-from ..config import ConfigError
+from tokenleap import kernels
+from tokenleap.config import ConfigError
 GEMM_MIN_ROWS = kernels.GEMM_MIN_ROWS
 
 QUANT_MODES = ("none", "int8", "int4")

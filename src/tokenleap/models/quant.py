@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from .linear import Linear
-from .qlinear import (GEMM_MIN_ROWS, INT4_GROUP_SIZES, QUANT_MODES, Int4Linear, Int8Linear, QuantLinear,
+from tokenleap.config import ConfigError
+from tokenleap.models.linear import Linear
+from tokenleap.models.qlinear import (GEMM_MIN_ROWS, INT4_GROUP_SIZES, QUANT_MODES, Int4Linear, Int8Linear, QuantLinear,
                       _check_compute_dtype, int4_from_gguf_q4, int4_unsupported_reason)
-from .int6 import Int6Linear, int6_unsupported_reason
+from tokenleap.models.int6 import Int6Linear, int6_unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def quantize_from_gguf_(model: nn.Module, gguf: Any, other: str = "int8", skip_l
     _check_mode(other, "mode for non-4-bit tensors")
     _check_compute_dtype(compute_dtype)
     if isinstance(gguf, (str, os.PathLike)):
-        from .gguf import GGUFFile
+        from tokenleap.models.gguf import GGUFFile
         gguf = GGUFFile(gguf)
     f = gguf
     before = weight_bytes(model)

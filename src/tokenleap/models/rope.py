@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import kernels
-from ..config import ModelConfig
+from tokenleap import kernels
+from tokenleap.config import ModelConfig
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:

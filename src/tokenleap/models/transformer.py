@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
-from ..cache import KVCache
-from ..config import ModelConfig
-from .fused_layer import LayerPlan, layer_plan
-from .linear import Linear
-from .norms import RMSNorm
-from .rope import Rotary, rotaries
-from .tree_attention import tree_attention
+from tokenleap import kernels
+from tokenleap.cache.contiguous import KVCache
+from tokenleap.config import ModelConfig
+from tokenleap.models.fused_layer import LayerPlan, layer_plan
+from tokenleap.models.linear import Linear
+from tokenleap.models.norms import RMSNorm
+from tokenleap.models.rope import Rotary, rotaries
+from tokenleap.models.tree_attention import tree_attention
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,1 @@
-"""The speculation core's tree step: proposal trees and their lossless verification."""
+"""The speculation core: proposal and tree types, verification, sampling, the controller, proposers and the engine step."""

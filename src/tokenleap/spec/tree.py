@@ -55,7 +55,7 @@ class TokenTree:
     @classmethod
     def chain(cls, root: int, drafts: list[int], draft_probs: torch.Tensor | None = None) -> "TokenTree":
         """A chain: ``root`` followed by ``drafts`` (``draft_probs # [k, vocab]``: the distribution
-        ``drafts[i]`` was drawn from, as :class:`~tokenleap.proposers.base.Draft` holds it)."""
+        ``drafts[i]`` was drawn from, as :class:`~tokenleap.spec.proposers.base.Draft` holds it)."""
         k = len(drafts)
         tokens = torch.tensor([root, *drafts], dtype=torch.long)  # [k+1]
         parents = torch.arange(-1, k, dtype=torch.long)  # [k+1]

@@ -7,7 +7,7 @@ result is the **accepted path** (node indices) and one more token chosen at the 
 stopped -- the **recovered** token when children were rejected there, the **bonus** token at a leaf.
 
 * Greedy: the child whose token is the row's argmax, if there is one; the argmax at the end.
-* Seeded (drafter-invariant, :mod:`tokenleap.seeded`): the target's choice at a node of depth ``d``
+* Seeded (drafter-invariant, :mod:`tokenleap.spec.seeded`): the target's choice at a node of depth ``d``
   is the race winner at sequence position ``pos + d``, fixed by (seed, position, token); follow the
   child holding it. The tokens are those of plain seeded sampling, whatever the tree holds.
 * Unseeded: recursive rejection sampling over siblings drawn without replacement (SpecInfer's
@@ -20,7 +20,7 @@ stopped -- the **recovered** token when children were rejected there, the **bonu
   Deterministic children (``draft_probs`` None) are one-hot ``q``: child ``j`` is accepted with
   probability ``p_j(x_j)``, the residual is ``p_j`` without ``x_j``.
 
-For a chain every rule reduces to :mod:`tokenleap.verify`'s, with the same use of the generator
+For a chain every rule reduces to :mod:`tokenleap.spec.verify`'s, with the same use of the generator
 (one uniform per drafted node, drawn up front, then one for the last token), so a chain verified
 here gives bitwise the tokens the chain verifier gives.
 """
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import greedy, inverse_cdf, rand_rows
-from ..seeded import SeededNoise
-from .tree import TokenTree
+from tokenleap.spec.sampling import greedy, inverse_cdf, rand_rows
+from tokenleap.spec.seeded import SeededNoise
+from tokenleap.spec.tree import TokenTree
 
 
 @dataclass(frozen=True)

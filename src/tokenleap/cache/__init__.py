@@ -1,0 +1,1 @@
+"""KV caches: contiguous per-slot and paged."""

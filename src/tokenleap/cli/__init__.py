@@ -1,0 +1,1 @@
+"""The ``tokenleap`` command line."""

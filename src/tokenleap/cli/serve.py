@@ -1,0 +1,157 @@
+"""``tokenleap serve``: load a model (and a proposer), build the paged engine, run the HTTP server."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+
+from tokenleap.cli.main import UsageError, add_model_args, non_negative_int, positive_int, spec_config
+from tokenleap.config import SpecConfig
+
+# heavy modules (torch, fastapi) are imported when serving, so other sub-commands start fast
+
+
+def _positive_float(value: str, allow_zero: bool = False) -> float:
+    """argparse type: a finite number > 0 (>= 0 with ``allow_zero``)."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not (0 <= x if allow_zero else 0 < x) or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number {'>=' if allow_zero else '>'} 0, got {value!r}")
+    return x
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TOKENLEAP_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: $TOKENLEAP_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoded together")
+    p.add_argument("--max-waiting", type=non_negative_int, default=64, help="queued sequences before requests get 503")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                   help="KV-cache blocks (default: from --kv-cache-gb)")
+    p.add_argument("--kv-cache-gb", type=_positive_float, default=4.0, help="KV-cache memory budget (target model)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256, help="prompt tokens per prefill chunk")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (default: reuse prompt windows another request computed)")
+    p.add_argument("--log-interval", type=lambda v: _positive_float(v, allow_zero=True), default=10.0,
+                   help="seconds between stats log lines (0: none)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="put each request's prompt text in its log line (default: counts and times only)")
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins a browser may call the API from (CORS), e.g. https://app.example or '*' "
+                        "(default: none, no CORS headers)")
+    p.add_argument("--no-docs", action="store_true",
+                   help="do not serve /docs and /openapi.json (default: served, behind --api-key when set)")
+    from tokenleap.cli.replicas import add_replica_args  # --replicas N: the same server on Ray Serve replicas
+    add_replica_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "auto", quant: str = "none",
+                 max_model_len: int | None = None, max_num_seqs: int = 16, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_gb: float = 4.0, prefill_chunk: int = 256,
+                 cache_dir: str | None = None, prefix_caching: bool = True):
+    """A serving ``Engine``: the target on a PagedKVCache, and a proposer (a draft's cache paged too).
+
+    Default pool: room for ``max_num_seqs`` full-length sequences, capped at ``kv_cache_gb``, and
+    never below one full-length sequence (memory is only touched as blocks are written)."""
+    from tokenleap.spec.controller import ControllerConfig
+    from tokenleap.spec.engine import Engine
+    from tokenleap.models.pretrained import load_model
+    from tokenleap.cache.paged import PagedKVCache, num_blocks_for_budget
+    spec = spec or SpecConfig()
+    target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
+    cfg = target.model.config
+    max_len = min(max_model_len or 4096, cfg.max_position_embeddings)
+    per_seq = -(-(max_len + 1) // block_size)
+    budget = num_blocks_for_budget(cfg, target.model.dtype, block_size, int(kv_cache_gb * 2**30))
+    blocks = num_kv_blocks or max(min(max_num_seqs * per_seq, budget), per_seq)
+    if prefix_caching and prefill_chunk % block_size:
+        raise UsageError(f"prefix caching reuses whole prefill chunks: --prefill-chunk ({prefill_chunk}) must be "
+                         f"a multiple of --block-size ({block_size}), or pass --no-prefix-caching")
+    cache = PagedKVCache(cfg, blocks, max_len, target.model.dtype, block_size, num_slots=max_num_seqs,
+                         prefix_caching=prefix_caching)
+    fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
+    ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed)
+    proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir, prefix_caching)
+    return Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer, controller=ctl,
+                  prefill_chunk=prefill_chunk, cache=cache, tree_nodes=spec.tree_nodes)
+
+
+def _proposer(spec: SpecConfig, target, max_len: int, blocks: int, block_size: int, slots: int,
+              cache_dir: str | None, prefix_caching: bool):
+    from tokenleap.api import build_proposer
+    from tokenleap.cache.paged import PagedKVCache
+
+    def paged(draft):  # as many blocks as the target: a draft never holds more tokens of a sequence
+        return PagedKVCache(draft.model.config, blocks, max_len, draft.model.dtype, block_size, num_slots=slots,
+                            prefix_caching=prefix_caching)
+
+    return build_proposer(spec, target, max_len, slots, cache_dir, draft_cache=paged)
+
+
+def model_aliases(model: str) -> tuple[str, ...]:
+    """Names a request may use for the served model besides its served name: the --model string,
+    and for a path its file or directory name with and without the extension."""
+    path = Path(model)
+    return tuple(dict.fromkeys([model, path.name, path.stem, str(path.expanduser().resolve())]))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    if args.replicas > 1 or args.autoscale or args.ray_address:  # Ray Serve (cli/replicas.py)
+        from tokenleap.cli.replicas import serve_replicas
+        return serve_replicas(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.disable_log_requests:
+        logging.getLogger("tokenleap.serve.requests").setLevel(logging.WARNING)
+    app, engine = build_app(args)
+    name = args.served_model_name or args.model
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    cache = engine.cache
+    print(f"tokenleap: serving {name} on http://{args.host}:{args.port}/v1 -- {cache.num_blocks} KV blocks of "
+          f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
+          f"speculation: {engine.proposer.name if engine.proposer else 'off'}, "
+          f"prefix caching: {'on' if cache.prefix_caching else 'off'}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def build_app(args: argparse.Namespace):
+    """The serving engine and its FastAPI app, from the parsed ``serve`` command line (also what each
+    ``--replicas`` replica runs)."""
+    from tokenleap.serve.scheduler import SchedulerConfig
+    from tokenleap.serve.app import ServerConfig, create_app
+    engine = build_engine(args.model, spec=spec_config(args), dtype=args.dtype, quant=args.quant,
+                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir,
+                          prefix_caching=not args.no_prefix_caching)
+    name = args.served_model_name or args.model
+    config = ServerConfig(model_name=name, model_aliases=model_aliases(args.model), api_key=args.api_key,
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                                                    log_interval=args.log_interval),
+                          allowed_origins=tuple(args.allowed_origins), log_prompts=args.log_prompts,
+                          docs=not args.no_docs)
+    return create_app(engine, config), engine
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

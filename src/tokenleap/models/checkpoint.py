@@ -1,0 +1,190 @@
+"""The single entry point for model weights: ``load_checkpoint(name_or_path, dtype, cache_dir)``.
+
+Resolution: a catalog short name -> its verified GGUF; an existing ``.gguf`` file; an existing
+Hugging Face directory (config.json + *.safetensors). A GGUF is dequantized once into
+``<cache_dir>/converted/<key>/`` (model.safetensors in the compute dtype, config.json, tokenizer
+files); later loads memory-map that directory and take about a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tokenleap.config import ConfigError, ModelConfig
+from tokenleap.errors import ModelFormatError, ModelNotFoundError
+from tokenleap.models import hf
+from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
+from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
+
+CONVERTER_VERSION = 1  # bump when the converted layout or numerics change: old caches are then ignored
+_HEADER_BYTES = 1 << 20  # how much of the GGUF the cache key hashes
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class Checkpoint:
+    """Everything needed to build a model and its tokenizer."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor] = field(repr=False)  # HF names, in the requested dtype
+    tokenizer_dir: Path  # holds tokenizer.json + tokenizer_config.json
+    source: str  # e.g. "catalog:qwen2.5-coder-1.5b-instruct", "gguf:/path/x.gguf", "hf:/path/dir"
+    gguf_path: Path | None = None  # the GGUF the weights came from (raw quantized blocks live there)
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A supported compute dtype from a torch dtype or its name."""
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPE_NAMES:
+            raise ConfigError(f"unsupported dtype {dtype!r}; choose float32, bfloat16 or float16")
+        return _DTYPE_NAMES[dtype.lower()]
+    if dtype not in _ST_DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype}; choose torch.float32, torch.bfloat16 or torch.float16")
+    return dtype
+
+
+def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype | str,
+                    cache_dir: Path | None = None) -> Checkpoint:
+    """Load a catalog model, a GGUF file or a Hugging Face directory, with weights in ``dtype``."""
+    dtype = as_dtype(dtype)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    key = str(name_or_path)
+    if key in CATALOG:
+        return _load_gguf(resolve_gguf(key, cache_dir), dtype, cache_dir, source=f"catalog:{key}")
+    path = Path(key).expanduser()
+    if path.is_file():
+        if not _looks_like_gguf(path):
+            raise ModelFormatError(f"{path} is neither a GGUF file nor a model directory")
+        return _load_gguf(path, dtype, cache_dir, source=f"gguf:{path.resolve()}")
+    if path.is_dir():
+        if not (path / hf.CONFIG_FILE).is_file():
+            raise ModelFormatError(
+                f"{path} has no config.json; a model directory needs config.json and *.safetensors")
+        config, weights = hf.load_hf_dir(path, dtype)
+        return Checkpoint(config, weights, path, source=f"hf:{path.resolve()}")
+    raise ModelNotFoundError(
+        f"unknown model {key!r}: not a catalog name ({', '.join(CATALOG)}), GGUF file or model directory")
+
+
+def _looks_like_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path, source: str) -> Checkpoint:
+    out = convert_gguf(path, dtype, cache_dir)
+    config, weights = hf.load_hf_dir(out, dtype)
+    return Checkpoint(config, weights, out, source=source, gguf_path=path)
+
+
+def conversion_key(gguf_path: Path, dtype: torch.dtype) -> str:
+    """Cache key: file stem, dtype, and a digest of size, mtime and the first MiB of the file."""
+    st = gguf_path.stat()
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{st.st_size}:{st.st_mtime_ns}:".encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(_HEADER_BYTES))
+    return f"{gguf_path.stem}-{str(dtype).removeprefix('torch.')}-{digest.hexdigest()[:16]}"
+
+
+def _is_complete(out: Path) -> bool:
+    return all((out / n).is_file() for n in ("model.safetensors", hf.CONFIG_FILE, hf.TOKENIZER_FILE))
+
+
+def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = None) -> Path:
+    """Directory with the GGUF dequantized to ``dtype`` as a HF checkpoint; converts on first use."""
+    gguf_path = Path(gguf_path)
+    dtype = as_dtype(dtype)
+    root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "converted"
+    out = root / conversion_key(gguf_path, dtype)
+    if _is_complete(out):
+        return out
+    gg = GGUFFile(gguf_path)  # validates header and tensor ranges before the long work
+    try:
+        _check_disk_space(gg, dtype, root)
+        tmp = root / f".tmp-{out.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            _write_converted(gg, dtype, tmp)
+            if not _is_complete(out):  # else a concurrent conversion finished first: keep its result
+                shutil.rmtree(out, ignore_errors=True)  # an incomplete leftover, if any
+                try:
+                    os.rename(tmp, out)
+                except OSError:
+                    if not _is_complete(out):
+                        raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        gg.close()
+    return out
+
+
+def _converted_nbytes(gg: GGUFFile, dtype: torch.dtype) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return sum(math.prod(gg.info(name).shape) * itemsize for name in gg.hf_names())
+
+
+def _check_disk_space(gg: GGUFFile, dtype: torch.dtype, root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    need, free = _converted_nbytes(gg, dtype), shutil.disk_usage(root).free
+    if need > free:
+        raise ModelFormatError(
+            f"converting {gg.path.name} to {dtype} needs {need / 2**30:.1f} GiB in {root}, "
+            f"but only {free / 2**30:.1f} GiB is free; free space or set TOKENLEAP_CACHE elsewhere")
+
+
+def _write_converted(gg: GGUFFile, dtype: torch.dtype, out: Path) -> None:
+    """model.safetensors (streamed, one tensor in memory at a time), config.json, tokenizer files."""
+    _write_safetensors(gg, dtype, out / "model.safetensors")
+    config = gg.config.to_hf_dict()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    from tokenleap.text.tokenizer import write_tokenizer_files  # lazy: only conversions need it
+
+    write_tokenizer_files(gg.tokenizer_metadata(), out)
+    st = gg.path.stat()
+    source = {"gguf": str(gg.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+              "dtype": str(dtype), "converter_version": CONVERTER_VERSION}
+    (out / "source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_safetensors(gg: GGUFFile, dtype: torch.dtype, path: Path) -> None:
+    """Write a safetensors file tensor by tensor: header from the GGUF shapes, then the data."""
+    from tqdm import tqdm
+
+    names = gg.hf_names()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "source": gg.path.name}}
+    offset = 0
+    for name in names:
+        shape = list(gg.info(name).shape)
+        nbytes = itemsize * math.prod(shape)
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in tqdm(names, desc=f"converting {gg.path.name} to {dtype}", unit="tensor",
+                         disable=None, leave=False):
+            tensor = gg.tensor(name, dtype).contiguous()  # HF shape, e.g. [out, in]
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    if path.stat().st_size != 8 + len(blob) + offset:
+        raise ModelFormatError(f"writing {path} produced a file of the wrong size; is the disk full?")
+
+
+__all__ = ["Checkpoint", "load_checkpoint", "convert_gguf", "conversion_key", "as_dtype"]

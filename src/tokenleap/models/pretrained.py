@@ -1,0 +1,90 @@
+"""Model + tokenizer from a name or path, in the chosen dtype and weight quantization."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenleap import kernels
+from tokenleap.config import ConfigError
+from tokenleap.models.build import build_transformer, float32_activations_, pack_bf16_weights_
+from tokenleap.models.hugepages import move_weights_
+from tokenleap.models.checkpoint import as_dtype, load_checkpoint
+from tokenleap.models.transformer import Transformer
+from tokenleap.text.tokenizer import Tokenizer
+
+QUANT_MODES = ("none", "int8", "int4")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    quant: str
+    source: str
+    gguf_path: Path | None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX-512 BF16: bf16 matrix work runs in hardware, so it is the faster default."""
+    flags = kernels.cpu_flags()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return as_dtype(dtype)
+
+
+def _own_memory(model: Transformer) -> None:
+    """Copy the float tensors left after quantization (embeddings, norms, biases) out of the
+    memory-mapped checkpoint, so the mapping of the whole float file can be released."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            t.data = t.data.clone()
+
+
+def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quant: str = "none",
+               cache_dir: str | Path | None = None, gguf_other: str = "int8") -> LoadedModel:
+    """Load a catalog name, GGUF file or HF directory, quantized with ``quant``.
+
+    With ``quant="int4"`` a GGUF's own 4-bit blocks are re-packed exactly and its other tensors
+    (Q5/Q6/Q8, e.g. the LM head llama.cpp's Q4_K_M keeps at 6 bits) are quantized with
+    ``gguf_other``: int8 by default, keeping their precision; drafts pass "int4", since a
+    draft's precision moves only acceptance, never the output.
+    """
+    if quant not in QUANT_MODES:
+        raise ConfigError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
+    dt = resolve_dtype(dtype)
+    ckpt = load_checkpoint(str(name_or_path), dt, Path(cache_dir) if cache_dir else None)
+    model = build_transformer(ckpt.config, ckpt.weights, dt)
+    if quant == "int4" and ckpt.gguf_path is not None:
+        # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other
+        from tokenleap.models.quant import quantize_from_gguf_
+        quantize_from_gguf_(model, ckpt.gguf_path, other=gguf_other)
+    elif quant != "none":
+        from tokenleap.models.quant import quantize_
+        quantize_(model, quant)
+    # tokenleap's products take float32 activations whatever the weights (bf16 -- on AMX tiles
+    # where the CPU has them, rounded to bf16 there -- or int4 / int6 / int8 after quantization),
+    # so bf16 activations would only add casts and rule out the compiled layers (an int4 0.5B step:
+    # 44 ms with bf16 activations, 24 with float32; the 1.5B on an AMX Xeon: 75 vs 62 ms)
+    f32_activations = dt == torch.bfloat16 and kernels.available()
+    if f32_activations:
+        float32_activations_(model)  # bf16 weight matrices (or quantized ones), float32 everything else
+    bf16_kernel = quant == "none" and f32_activations
+    if quant != "none" or bf16_kernel:
+        from tokenleap.models.quant import fuse_projections_
+        fuse_projections_(model)  # q/k/v and gate/up in one call each
+    if quant != "none":
+        _own_memory(model)
+    if f32_activations:
+        pack_bf16_weights_(model)  # one copy of each bf16 weight matrix, in the kernel's layout
+    move_weights_(model)  # the buffers every decode step streams, on transparent huge pages
+    tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
+    return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible HTTP server, its scheduler and jobs, replicas."""

@@ -1,0 +1,361 @@
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+and vLLM's /tokenize and /detokenize.
+
+The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
+background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
+request owns an ``asyncio.Queue``; the scheduler thread puts outputs on it with
+``loop.call_soon_threadsafe``. A client that disconnects (a cancelled stream, or the disconnect
+message a non-streaming request's watcher awaits) has its sequences cancelled at once: the scheduler
+drops them, freeing their KV blocks, before its next step.
+
+``create_app`` (or ``OpenAIServer(engine, config, scheduler).app()``) is the one place the FastAPI
+app is built: routes, API-key checks (the OpenAPI docs included), CORS, error bodies, and one log
+line per finished request (``tokenleap.serve.requests``).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from tokenleap.config import ConfigError
+from tokenleap.errors import PromptTooLongError
+from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       bad_request, chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
+                       check_token_ids, parse_body, sampling_params, structured_output)
+from tokenleap.serve.responses import Format, TokenText, chat_delta, new_id, now, sse
+from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from tokenleap.serve.metrics import make_registry
+from tokenleap.serve.jobs import ClientGone, Job
+from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
+
+log = logging.getLogger("tokenleap.serve")
+request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    model_aliases: tuple[str, ...] = ()  # other names accepted in a request's "model" (catalog name, path)
+    api_key: str | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins a browser may call from ("*": any); () sends no CORS headers
+    log_prompts: bool = False  # put each request's prompt text in its log line
+    docs: bool = True  # serve /docs and /openapi.json (behind the API key when one is set)
+
+
+class OpenAIServer:
+    """The request handlers around one engine and its scheduler (``scheduler``: one built elsewhere,
+    by default one from ``config.scheduler``; either way the app's lifespan starts and stops it)."""
+
+    def __init__(self, engine, config: ServerConfig, scheduler: Scheduler | None = None) -> None:
+        self.engine, self.cfg = engine, config
+        self.tokenizer = engine.tokenizer
+        self.scheduler = scheduler if scheduler is not None else Scheduler(engine, config.scheduler)
+        self.proposer_name = engine.proposer.name if engine.proposer is not None else "none"
+        self.registry = make_registry(self.scheduler.snapshot, config.model_name)
+        self.created = now()
+        self._tokens: TokenText | None = None  # token texts for logprobs, cached across requests
+
+    # -- app --------------------------------------------------------------------------------
+    def app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_: FastAPI):
+            self.scheduler.start()
+            try:
+                yield
+            finally:
+                self.scheduler.shutdown()
+
+        app = FastAPI(title="tokenleap", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        if self.cfg.docs:  # FastAPI's own routes would skip the API key
+            app.add_api_route("/openapi.json", self.openapi, methods=["GET"], include_in_schema=False)
+            app.add_api_route("/docs", self.docs, methods=["GET"], include_in_schema=False)
+        if self.cfg.allowed_origins:
+            app.add_middleware(CORSMiddleware, allow_origins=list(self.cfg.allowed_origins), allow_methods=["*"],
+                               allow_headers=["*"], allow_credentials="*" not in self.cfg.allowed_origins)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_exception_handler(APIError, _api_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(ClientDisconnect, _client_disconnect)
+        app.add_exception_handler(Exception, _internal_error)
+        app.state.server = self
+        return app
+
+    # -- endpoints --------------------------------------------------------------------------
+    async def completions(self, request: HTTPRequest) -> Response:
+        self._auth(request)
+        req = parse_body(await request.body(), CompletionRequest)
+        self._check(req)
+        prompts = self._prompts(req.prompt)
+        budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
+        fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
+                      include_usage=self._include_usage(req), tokens=self._token_text(req.logprobs is not None))
+        echo = None
+        if req.echo:  # the prompt as given (token ids: decoded) starts each choice
+            texts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+            echo = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts for _ in range(req.n)]
+        return await self._run(request, req, prompts, budgets, fmt, req.logprobs,
+                               req.logprobs if req.echo else None, echo)
+
+    async def chat(self, request: HTTPRequest) -> Response:
+        self._auth(request)
+        req = parse_body(await request.body(), ChatRequest)
+        self._check(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
+        if tools.grammar is not None and structured_output(req) is not None:
+            raise bad_request("a forced tool call (tool_choice required or named) cannot take response_format "
+                              "or guided_* as well", "tool_choice")
+        prompt = self._encode_chat(chat_messages(req), tools, chat_options(req))
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        budget = check_max_tokens(requested, len(prompt), self.engine.max_len, None)
+        fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
+                      include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)),
+                      tools=tools)
+        return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
+
+    async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
+        """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize."""
+        self._auth(request)
+        req = parse_body(await request.body(), TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages")
+        ids = self._encode(req.prompt) if req.prompt is not None else self._encode_chat(chat_messages(req), ToolPlan())
+        return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids}
+
+    async def detokenize(self, request: HTTPRequest) -> dict[str, Any]:
+        self._auth(request)
+        req = parse_body(await request.body(), DetokenizeRequest)
+        self._check_model(req.model)
+        check_token_ids(req.tokens, self.engine.model.config.vocab_size, "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    async def models(self, request: HTTPRequest) -> dict[str, Any]:
+        self._auth(request)
+        card = {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "tokenleap",
+                "max_model_len": self.engine.max_len}
+        return {"object": "list", "data": [card]}
+
+    async def openapi(self, request: HTTPRequest) -> JSONResponse:
+        self._auth(request)
+        return JSONResponse(request.app.openapi())
+
+    async def docs(self, request: HTTPRequest) -> Response:
+        self._auth(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="tokenleap API")
+
+    async def health(self) -> Response:
+        ok = self.scheduler.alive
+        return JSONResponse({"status": "ok" if ok else "scheduler stopped"}, status_code=200 if ok else 503)
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- running a request ------------------------------------------------------------------
+    async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: Format,
+                   logprobs: int | None = None, prompt_logprobs: int | None = None,
+                   echo: list[str] | None = None) -> Response:
+        spec = fmt.tools.grammar or structured_output(req)
+        if spec is not None:  # the first structured request builds the grammar tokenizer (~1 s): off the loop
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.engine.constraints.prepare, spec)
+            except ConfigError as e:
+                raise bad_request(str(e), "response_format") from None
+        job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo, spec)
+        if self.cfg.log_prompts:  # as the client sent it: a completion's prompt, or the chat messages
+            job.prompt_text = req.prompt if isinstance(getattr(req, "prompt", None), str) else json.dumps(
+                req.prompt if hasattr(req, "prompt") else [m.model_dump(exclude_none=True) for m in req.messages],
+                ensure_ascii=False)
+        if req.stream:
+            return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")
+        try:
+            texts, reasons, scored = await job.collect(http)
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            job.cancel()
+            self._log(job, fmt)
+        choices = [fmt.choice(i, t, r, s) for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
+        return JSONResponse(fmt.obj(choices, usage=job.usage()))
+
+    def _submit(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
+                prompt_logprobs: int | None, echo: list[str] | None, structured=None) -> Job:
+        seqs = []
+        for prompt, budget in zip(prompts, budgets):
+            for choice in range(req.n):
+                params = sampling_params(req, budget, choice, logprobs, prompt_logprobs, structured)
+                try:
+                    seqs.append(self.engine.create(prompt, params))
+                except PromptTooLongError as e:
+                    raise bad_request(str(e), "prompt", "context_length_exceeded") from None
+                except ConfigError as e:  # a schema, regex or grammar that does not compile
+                    raise bad_request(str(e), "response_format") from None
+        job = Job(self.scheduler, seqs, sum(len(p) for p in prompts), echo)
+        try:
+            self.scheduler.submit(job.requests)
+        except QueueFullError as e:
+            raise APIError(503, f"the server is busy: {e}", "server_busy", None, "queue_full") from None
+        return job
+
+    async def _stream(self, job: Job, fmt: Format) -> AsyncIterator[str]:
+        chunk_fmt = Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
+                            fmt.chat, fmt.include_usage, fmt.tokens)
+        offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
+        # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
+        calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
+        try:
+            if fmt.chat:
+                first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
+                yield sse(chunk_fmt.obj(first, **fmt.with_usage()))
+            async for i, out in job.outputs():
+                if out.error:
+                    yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
+                    break
+                text, scored = job.piece(i, out)
+                reason, calls = out.finish_reason, []
+                if calling is not None:
+                    text = calling[i].feed(text)
+                    if reason is not None:
+                        rest, calls = calling[i].finish()
+                        text, reason = text + rest, "tool_calls" if calls else reason
+                if calls:  # the content first, then the calls with the finish reason
+                    if text or (scored and fmt.tokens):
+                        choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
+                        yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                    delta = chat_delta(i, {"tool_calls": call_deltas(calls)}, reason)
+                    yield sse(chunk_fmt.obj([delta], **fmt.with_usage()))
+                elif text or reason or (scored and fmt.tokens):
+                    choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
+                    yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                    if fmt.tokens:
+                        offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
+            else:
+                if fmt.include_usage:
+                    yield sse(chunk_fmt.obj([], usage=job.usage()))
+            yield sse("[DONE]")
+        finally:  # normal end, error, or the client went away (the task is cancelled)
+            job.cancel()
+            self._log(job, fmt)
+
+    def _log(self, job: Job, fmt: Format) -> None:
+        request_log.info(job.log_line(fmt.id, self.proposer_name))
+
+    # -- checks and prompts -----------------------------------------------------------------
+    def _auth(self, request: HTTPRequest) -> None:
+        key = self.cfg.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                           "authentication_error", None, "invalid_api_key")
+
+    def _check(self, req) -> None:
+        self._check_model(req.model)
+        check_common(req)
+        check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
+        check_token_ids(req.stop_token_ids, self.engine.model.config.vocab_size, "stop_token_ids")
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.cfg.model_name, *self.cfg.model_aliases):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
+
+    def _token_text(self, wanted: bool) -> TokenText | None:
+        if not wanted:
+            return None
+        if self._tokens is None:
+            self._tokens = TokenText(self.tokenizer)
+        return self._tokens
+
+    @staticmethod
+    def _include_usage(req) -> bool:
+        return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        return [self._encode(p) for p in prompt]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            vocab = self.engine.model.config.vocab_size
+            if not prompt or not all(0 <= t < vocab for t in prompt):
+                raise bad_request(f"token ids must be non-empty lists of ids in [0, {vocab})", "prompt")
+            return prompt
+        try:
+            return self.tokenizer.encode(prompt)
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
+
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: ToolPlan,
+                     options: dict[str, Any] | None = None) -> list[int]:
+        """The rendered conversation's ids, ending with the start of the reply (and the opening of
+        a tool call when ``tool_choice`` forces one); ``options``: ``chat_options``."""
+        extra = {**(options or {}), **({"tools": tools.tools} if tools.tools is not None else {})}
+        try:
+            encode_chat = getattr(self.tokenizer, "encode_chat", None)
+            if encode_chat is not None:
+                return encode_chat(messages, reply_prefix=tools.prefix, **extra)
+            if extra.pop("continue_final_message", False):
+                raise bad_request("this tokenizer cannot continue a final message", "continue_final_message")
+            extra.setdefault("add_generation_prompt", True)
+            text = self.tokenizer.apply_chat_template(messages, **extra)
+            return self.tokenizer.encode(text + tools.prefix)
+        except ConfigError as e:
+            raise bad_request(str(e), "messages") from None
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise bad_request(f"the messages could not be tokenized: {e}", "messages") from None
+
+
+async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+
+async def _client_disconnect(request: HTTPRequest, _: ClientDisconnect) -> Response:
+    log.info("client disconnected before sending its whole request (%s %s)", request.method, request.url.path)
+    return Response(status_code=499)
+
+
+async def _internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse(APIError(500, "internal server error", "server_error").body(), status_code=500)
+
+
+def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``Engine`` built on a ``PagedKVCache``); the app's
+    lifespan starts and stops the scheduler (``scheduler``: one given, or one of ``config.scheduler``).
+    The handlers are ``app.state.server`` (an ``OpenAIServer``)."""
+    return OpenAIServer(engine, config, scheduler).app()

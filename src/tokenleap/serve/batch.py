@@ -1,0 +1,78 @@
+"""Offline batching for ``LLM.generate``: every prompt becomes a scheduler request on a paged engine
+built for the call (sharing the LLM's weights), and the scheduler is driven on the calling thread
+until all are done -- continuous batching with speculation, as the server runs it.
+
+Each verified row is computed as if alone (``row_exact``), and a seeded request's noise depends on
+its seed and positions only, so every output is token-identical to generating its prompt by itself.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from tokenleap.config import SamplingParams
+from tokenleap.spec.engine import Engine
+from tokenleap.errors import TokenleapError
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.serve.scheduler import Output, Request, Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from tokenleap.api import LLM, RequestOutput
+
+BLOCK_SIZE = 16
+
+
+class BatchRequestError(TokenleapError):
+    """One prompt of an offline batch failed (the message names it and says why)."""
+
+
+def batch_engine(llm: "LLM", lengths: list[int]) -> Engine:
+    """A paged engine for prompts that may reach ``lengths`` tokens each: cache slots for the batch
+    and blocks for its longest sequences (a shortfall only preempts, which is exact)."""
+    base = llm.engine
+    max_len, slots = base.max_len, min(len(lengths), llm.max_num_seqs)
+    per_seq = -(-(max_len + 1) // BLOCK_SIZE)
+    longest = sorted((min(n, max_len + 1) for n in lengths), reverse=True)[:slots]
+    scratch = -(-llm.spec.tree_nodes // BLOCK_SIZE)  # a token tree's nodes past the sequence's end
+    blocks = max(sum(-(-n // BLOCK_SIZE) + 1 + scratch for n in longest), per_seq)
+    model = llm.target.model
+    cache = PagedKVCache(model.config, blocks, max_len, model.dtype, BLOCK_SIZE, num_slots=slots)
+    draft_cache = None
+    if llm.spec.method == "draft":
+        draft = llm.draft.model
+        draft_cache = PagedKVCache(draft.config, blocks, max_len, draft.dtype, BLOCK_SIZE, num_slots=slots)
+    return Engine(model, llm.tokenizer, max_len=max_len, proposer=llm._proposer(max_len, slots, draft_cache),
+                  controller=llm._controller(), prefill_chunk=base.prefill_chunk, cache=cache,
+                  tree_nodes=llm.spec.tree_nodes)
+
+
+def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams], chat: bool) -> list["RequestOutput"]:
+    """``prompts`` (text or token ids) decoded together; outputs in the prompts' order."""
+    from tokenleap.api import request_output
+    ids = [llm.encode(p, chat) for p in prompts]
+    engine = batch_engine(llm, [len(p) + sp.max_tokens + llm.spec.max_num_tokens + 1 for p, sp in zip(ids, params)])
+    seqs = [engine.create(p, sp) for p, sp in zip(ids, params)]  # validates every prompt before any work
+    sched = Scheduler(engine, SchedulerConfig(max_num_seqs=engine.cache.num_slots, max_waiting=len(seqs),
+                                              log_interval=0))
+    done: dict[int, float] = {}
+    errors: dict[int, str] = {}
+
+    def sink(i: int):
+        def on_output(out: Output) -> None:
+            if out.finish_reason is not None:
+                done[i] = time.perf_counter()
+            if out.error:
+                errors[i] = out.error
+        return on_output
+
+    t0 = time.perf_counter()
+    sched.submit([Request(seq, sink(i)) for i, seq in enumerate(seqs)])
+    sched.run_until_idle()
+    if errors:
+        i, message = min(errors.items())
+        raise BatchRequestError(f"prompt {i} of the batch failed: {message}")
+    outputs = []
+    for prompt, seq, i in zip(prompts, seqs, range(len(seqs))):
+        seq.stats.total_seconds = done[i] - t0
+        outputs.append(request_output(prompt, seq, done[i] - t0))
+    return outputs

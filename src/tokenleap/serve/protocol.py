@@ -1,0 +1,355 @@
+"""OpenAI-compatible request bodies (pydantic, strict types) and their translation to
+``SamplingParams``; errors are ``APIError`` carrying the OpenAI error object.
+
+Value checks are ``SamplingParams``'s own (one message per bad value for every entry point); this
+module only adds what is HTTP-specific: types, ``n``, the context length. The response objects
+are in ``responses``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenleap.config import ConfigError, SamplingParams, StructuredOutput
+
+MAX_N = 16  # choices per request
+MAX_PROMPTS = 16  # prompts in one completions request
+MAX_STOP = 16
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_TEMPERATURE = 100.0  # far past any useful value (the distribution is flat long before): refuse as absurd
+# every integer field is a signed 64-bit value, as the sampler's tensors hold it: a larger one is a 400
+# naming the field (pydantic's message, with the field's path), never an overflow deeper down
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    n: Int64 | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    min_tokens: Int64 | None = None  # vLLM's
+    stop_token_ids: list[Int64] | None = None  # vLLM's
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # structured output: OpenAI's response_format, or vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = None  # OpenAI's default is 16
+    logprobs: Int64 | None = None
+    echo: bool | None = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool | None = False
+    top_logprobs: Int64 | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat extras: variables for the template (e.g. enable_thinking), and continuing the
+    # final assistant message instead of starting a new one
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False
+
+
+class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Int64]
+
+
+def parse_body(raw: bytes, model: type[_Strict]) -> Any:
+    """JSON bytes -> a validated request model, or a 400 that says what is wrong."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        # a value of the right type but out of range says more than the union members' type mismatches
+        errors = e.errors()
+        err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
+        loc = [str(p) for p in err["loc"] if isinstance(p, int) or str(p).isidentifier()]  # no union member names
+        param = loc[0] if loc else None
+        raise bad_request(f"invalid value for {'.'.join(loc) or 'the body'}: {err['msg']}", param) from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent; one past the float64 range (``1e999``) is refused,
+    as vLLM does, rather than becoming infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range (not a finite 64-bit float)")
+    return value
+
+
+def check_common(req: _Sampling) -> None:
+    if req.n is None or not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:
+        raise bad_request("seed must be a 64-bit signed integer", "seed")
+    if req.temperature is not None and not req.temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature!r}", "temperature")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"at most {MAX_STOP} stop strings", "stop")
+
+
+def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> SamplingParams:
+    """``SamplingParams`` for choice ``choice`` of ``req`` (seeded choices get seed + choice);
+    ``structured``: the reply's grammar when the caller has it (the request's, or a forced tool call's)."""
+    top_k = req.top_k if req.top_k is not None else 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=0 if top_k == -1 else top_k, top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p or 0.0, seed=None if req.seed is None else req.seed + choice,
+            stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
+            ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
+            min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()))
+    except ConfigError as e:
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        raise bad_request(message, param if param.isidentifier() else None) from None
+
+
+def structured_output(req: _Sampling) -> StructuredOutput | None:
+    """The grammar a request's reply must follow, if any (one of response_format and guided_*)."""
+    fmt = req.response_format
+    asked = {"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
+             "grammar": req.guided_grammar}
+    if fmt is not None and fmt.type == "json_object":
+        asked["json_object"] = True
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+        asked["json"] = fmt.json_schema.schema_
+    asked = {k: v for k, v in asked.items() if v is not None}
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise bad_request(f"give one structured output constraint, not {' and '.join(asked)}", "response_format")
+    (kind, value), = asked.items()
+    if kind == "json" and isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError:
+            raise bad_request("guided_json is not valid JSON", "guided_json") from None
+    return StructuredOutput(**{kind: value})
+
+
+_TOKEN_KEY = re.compile(r"\s*[0-9]{1,19}\s*")  # ASCII digits only ("²".isdigit() holds, int() refuses it)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
+    """Keys are token ids of the vocabulary (a longer digit string than any id: out of range too)."""
+    if any(t >= vocab for t in _logit_bias(bias)):
+        raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
+
+
+def check_token_ids(ids: list[int] | None, vocab: int, param: str) -> None:
+    """Every id in ``ids`` (the request field ``param``) names a token of the vocabulary."""
+    if ids and not all(0 <= t < vocab for t in ids):
+        raise bad_request(f"{param} must be token ids in [0, {vocab})", param)
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it: an assistant turn's tool calls with their
+    arguments parsed (templates write them as JSON objects), a tool turn's ``tool_call_id``."""
+    if not req.messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "".join(p.text for p in m.content)
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
+            message["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
+                              "messages")
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "continue_final_message", "reply_prefix")
+
+
+def chat_options(req: ChatRequest) -> dict[str, Any]:
+    """How the chat template renders ``req``: its chat_template_kwargs, whether the reply starts a
+    new assistant turn (add_generation_prompt) or continues the final assistant message."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = [k for k in kwargs if k in _TEMPLATE_RESERVED]
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        if req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs a final assistant message to continue",
+                              "continue_final_message")
+        return {**kwargs, "add_generation_prompt": False, "continue_final_message": True}
+    return {**kwargs, "add_generation_prompt": req.add_generation_prompt is not False}
+
+
+def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except ValueError:
+        raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                          "messages") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
+    """The completion budget: an explicit value must fit the context; a default is cut to fit."""
+    room = max_model_len - prompt_len
+    if requested is None:
+        return max(1, min(default or room, room))
+    if isinstance(requested, int) and requested >= 1 and prompt_len + requested > max_model_len:
+        raise bad_request(f"this model's maximum context length is {max_model_len} tokens; you requested "
+                          f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the "
+                          f"completion): lower max_tokens or shorten the prompt", "max_tokens",
+                          "context_length_exceeded")
+    return requested

@@ -1,0 +1,1 @@
+"""Replicas of the server on Ray Serve."""

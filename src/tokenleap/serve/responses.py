@@ -1,0 +1,139 @@
+"""OpenAI response objects: ids, usage, completion and chat choices and stream deltas, the
+completions and chat forms of ``logprobs``, and ``Format``, one request's response envelope."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tokenleap.spec.logprobs import TokenLogprob
+from tokenleap.serve.tools import ToolPlan, parse_tool_calls
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` when the prefix cache served any."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str | None, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_delta(index: int, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+class TokenText:
+    """Each token's own text (special tokens spelled out) and its UTF-8 bytes, cached. A token that
+    holds part of a multi-byte character shows U+FFFD in its text; its bytes are exact where the
+    tokenizer can say (``token_bytes``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        if token_id not in self._text:
+            try:
+                self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            except TypeError:  # a tokenizer without the option
+                self._text[token_id] = self.tokenizer.decode([token_id])
+        return self._text[token_id]
+
+    def bytes(self, token_id: int) -> list[int]:
+        if token_id not in self._bytes:
+            exact = getattr(self.tokenizer, "token_bytes", None)
+            raw = exact(token_id) if exact is not None else self.text(token_id).encode("utf-8")
+            self._bytes[token_id] = list(raw)
+        return self._bytes[token_id]
+
+
+Scored = tuple[int, TokenLogprob | None]  # a token id and its logprob (None: the prompt's first token)
+
+
+def completion_logprobs(scored: list[Scored], tt: TokenText, offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset``: characters of text before these tokens."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, lp in scored:
+        text = tt.text(token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        out["top_logprobs"].append(None if lp is None else {tt.text(t): v for t, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(scored: list[Scored], tt: TokenText) -> dict[str, Any]:
+    """The chat completions ``logprobs`` object (``content``: one entry per generated token)."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": tt.text(token_id), "logprob": logprob, "bytes": tt.bytes(token_id)}
+    content = [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
+               for t, lp in scored if lp is not None]
+    return {"content": content, "refusal": None}
+
+
+@dataclass(frozen=True)
+class Format:
+    """Response envelope shared by the chunks and the final object of one request."""
+
+    id: str
+    object: str
+    model: str
+    created: int
+    chat: bool
+    include_usage: bool = False
+    tokens: TokenText | None = None  # set when the request asked for logprobs
+    tools: ToolPlan = ToolPlan()  # a chat request's tool calling
+
+    def obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def choice(self, i: int, text: str, reason: str | None, scored: list[Scored], offset: int = 0,
+               delta: bool = False) -> dict[str, Any]:
+        """Choice ``i`` of a response (``delta``: of a streamed chat chunk); ``offset``: text before it."""
+        if self.chat:
+            lp = chat_logprobs(scored, self.tokens) if self.tokens else None
+            if delta:
+                return chat_delta(i, {"content": text} if text else {}, reason, lp)
+            if self.tools.parse:
+                content, calls = parse_tool_calls(self.tools.prefix + text, self.tools.names)
+                return chat_choice(i, content, "tool_calls" if calls else reason, lp, calls)
+            return chat_choice(i, text, reason, lp)
+        return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
+                                 if self.tokens else None)
+
+    def with_usage(self) -> dict[str, Any]:
+        return {"usage": None} if self.include_usage else {}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event carrying ``data`` (a JSON object, or text such as ``[DONE]``)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,401 @@
+"""Continuous batching over a paged KV cache: one engine step per iteration for every running
+sequence, with new requests admitted between steps.
+
+An iteration: take new and cancelled requests -> admit waiting ones while slots and free blocks
+allow -> prefill at most ``prefill_budget`` tokens in fixed-size chunks, each sequence on its own
+(so a long prompt is spread over many iterations and never stalls decoding; a draft model is not
+fed alongside: it catches up, a chunk a step, once the controller drafts for the batch the
+sequence actually joined, and only if that pays back) -> reserve blocks for
+the decode step (speculation is dropped first, then the newest running sequence is preempted:
+its blocks are freed and it is recomputed later) -> ONE ``engine.step`` over every prefilled
+sequence with the draft length the controller picks for the batch size about to run (ready,
+prefilling, waiting and just-submitted sequences) -> hand out new text.
+
+A request that fails (an exception in its prefill, its draft or its verification) is finished with
+an error; the others go on. The batch step that raised is retried one sequence at a time, which
+is exact: every row of a step is computed as if alone.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenleap.config import ConfigError
+from tokenleap.errors import TokenleapError
+from tokenleap.spec.logprobs import TokenLogprob
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.spec.sequence import Sequence
+from tokenleap.serve.metrics import RequestTiming, ServeSnapshot, ServeStats, log_line
+
+log = logging.getLogger("tokenleap.serve")
+
+
+class QueueFullError(TokenleapError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16  # sequences in the running batch
+    max_waiting: int = 64  # sequences queued beyond the batch before requests are refused (see ``submit``)
+    prefill_budget: int | None = None  # prompt tokens per iteration (default: the engine's chunk)
+    log_interval: float = 10.0  # seconds between log lines while active; <= 0 disables
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_waiting < 0:
+            raise ConfigError("max_num_seqs must be >= 1 and max_waiting >= 0")
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a request's consumer receives after an iteration that changed it."""
+
+    text: str  # new text
+    token_ids: list[int]  # new token ids
+    num_generated: int
+    finish_reason: str | None = None  # "stop" | "length" | "error" on the last output
+    error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the new tokens, if the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, if the request asked
+
+
+@dataclass(eq=False)
+class Request:
+    seq: Sequence
+    on_output: Callable[[Output], None]  # called on the scheduler thread; must not block
+    arrival: int = -1  # set by the scheduler: lower is older
+    sent: int = 0  # generated tokens already handed out
+    done: bool = False
+    counted_prompt: bool = False
+    error: str | None = field(default=None, repr=False)
+    # time.monotonic() at submit, first admission into the batch, first token (for the histograms)
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+class Scheduler:
+    def __init__(self, engine, config: SchedulerConfig = SchedulerConfig()) -> None:
+        cache = engine.cache
+        if not isinstance(cache, PagedKVCache):
+            raise ConfigError("the scheduler needs an engine built on a PagedKVCache")
+        if cache.num_blocks < cache.blocks_for(engine.max_len + 1):
+            raise ConfigError(f"{cache.num_blocks} KV blocks of {cache.block_size} tokens cannot hold one "
+                              f"sequence of {engine.max_len} tokens; add blocks or lower --max-model-len")
+        self.engine, self.cfg, self.cache = engine, config, cache
+        self.budget = config.prefill_budget or engine.prefill_chunk
+        self.max_seqs = min(config.max_num_seqs, cache.num_slots)
+        self.stats = ServeStats()
+        self.running: list[Request] = []  # sorted by arrival
+        self.waiting: list[Request] = []  # sorted by arrival
+        self._inbox: list[Request] = []
+        self._cancelled: list[Request] = []
+        self._cond = threading.Condition()
+        self._arrivals = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._last_log: ServeSnapshot | None = None
+        self._short = False  # the KV pool held back a waiting sequence (or preempted one) last iteration
+
+    # -- thread-safe API --------------------------------------------------------------------
+    def submit(self, requests: list[Request]) -> None:
+        """Queue ``requests`` (one per sequence: an HTTP request's n choices of each prompt), all or none.
+
+        One admission rule, counted in sequences: after the submit, the sequences waiting (queued,
+        just submitted, or preempted) may exceed ``max_waiting`` only by the places free in the running
+        batch -- and by none while the KV pool is what holds sequences back, since a free place
+        then admits nobody. ``QueueFullError`` otherwise."""
+        with self._cond:
+            queued = len(self.waiting) + len(self._inbox)
+            free = 0 if self._short else max(0, self.max_seqs - len(self.running))
+            if queued + len(requests) > self.cfg.max_waiting + free:
+                raise QueueFullError(f"{queued} sequences are waiting (at most {self.cfg.max_waiting} beyond "
+                                     f"{free} free places in the batch) and this request adds {len(requests)} "
+                                     f"(n times its prompts); retry later")
+            now = time.monotonic()
+            for r in requests:
+                r.arrival, r.arrival_time = next(self._arrivals), now
+            self._inbox.extend(requests)
+            self._cond.notify()
+
+    def cancel(self, request: Request) -> None:
+        with self._cond:
+            self._cancelled.append(request)
+            self._cond.notify()
+
+    def start(self) -> None:
+        """Run the loop on a background thread (again after ``shutdown``: an app's lifespan restarts it)."""
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tokenleap-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for r in self.running + self.waiting + self._inbox:
+            self._fail(r, "the server is shutting down")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.waiting or self._inbox or self._cancelled)
+
+    def snapshot(self) -> ServeSnapshot:
+        t = self.engine.totals
+        return ServeSnapshot(
+            time=time.monotonic(), running=len(self.running), waiting=len(self.waiting) + len(self._inbox),
+            blocks_used=self.cache.num_used_blocks, blocks_total=self.cache.num_blocks,
+            prompt_tokens=self.stats.prompt_tokens, generation_tokens=t.new_tokens,
+            preemptions=self.stats.preemptions, finished=dict(self.stats.finished), num_drafts=t.draft_steps,
+            num_draft_tokens=t.draft_tokens, num_accepted_tokens=t.accepted_tokens,
+            accepted_per_pos=tuple(t.position_accepted), prefix_cache_queries=self.cache.prefix_queries,
+            prefix_cache_hits=self.cache.prefix_hits, tree_steps=t.tree_steps, tree_nodes=t.tree_nodes,
+            accepted_per_rank=tuple(t.rank_accepted), histograms=self.stats.histograms.read())
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and self.idle:
+                    self._cond.wait(timeout=max(self.cfg.log_interval, 0.5))
+                    self._maybe_log()
+                if self._stopping:
+                    return
+            try:
+                self.iterate()
+            except Exception:  # a bug outside any one request: fail the batch, keep serving
+                log.exception("scheduler iteration failed")
+                for r in list(self.running):
+                    self._fail(r, "internal error in the scheduler")
+
+    def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
+        """Drive the loop on the calling thread (tests, offline use)."""
+        for _ in range(max_iterations):
+            if self.idle:
+                return
+            self.iterate()
+        raise RuntimeError("the scheduler did not become idle")
+
+    def iterate(self) -> None:
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+            cancelled, self._cancelled = self._cancelled, []
+        for r in inbox:
+            bisect.insort(self.waiting, r, key=lambda q: q.arrival)
+        for r in cancelled:
+            self._drop(r)
+        self._admit()
+        self._prefill()
+        self._decode()
+        self._maybe_log()
+
+    # -- admission and preemption -----------------------------------------------------------
+    def _admit(self) -> None:
+        self._short = False
+        while self.waiting and len(self.running) < self.max_seqs and self.cache.num_free_slots:
+            req = self.waiting[0]
+            need = self.cache.blocks_for(len(req.seq.tokens) + 1)
+            spare = self.cache.num_free_blocks - self._promised() - len(self.running)  # 1 block each to grow
+            if need > spare and self.running:
+                self._short = True
+                return
+            self.waiting.pop(0)
+            try:
+                self.engine.attach(req.seq)
+            except Exception as e:
+                self._fail(req, f"could not start the request: {e}")
+                continue
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
+            bisect.insort(self.running, req, key=lambda q: q.arrival)
+
+    def _promised(self) -> int:
+        """Blocks the sequences still prefilling will take."""
+        return sum(max(0, self.cache.blocks_needed(r.seq.slot, len(r.seq.tokens)))
+                   for r in self.running if not self.engine.ready(r.seq))
+
+    def _make_room(self, req: Request, length: int) -> bool:
+        """Reserve blocks for ``req`` to hold ``length`` tokens, preempting newer sequences."""
+        while not self.cache.can_reserve(req.seq.slot, length):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        self.cache.reserve(req.seq.slot, length)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.engine.detach(req.seq)
+        self.running.remove(req)
+        bisect.insort(self.waiting, req, key=lambda q: q.arrival)
+        self.stats.preemptions += 1
+        self._short = True
+
+    # -- prefill and decode -----------------------------------------------------------------
+    def _prefill(self) -> None:
+        budget = self.budget
+        for req in [r for r in self.running if not self.engine.ready(r.seq)]:
+            while budget > 0 and req in self.running and not self.engine.ready(req.seq):
+                _, end, _ = self.engine.prefill_window(req.seq)
+                if not self._make_room(req, end):
+                    break
+                try:
+                    rows = self.engine.prefill_step(req.seq, draft_alongside=False)
+                except Exception as e:
+                    log.exception("prefill failed for sequence %d", req.seq.seq_id)
+                    self._fail(req, f"prefill failed: {e}")
+                    break
+                budget -= rows
+                if rows == 0:
+                    break
+            if req in self.running and req.seq.num_generated > 0:
+                self._count_prompt(req)
+                self._emit(req)
+            if budget <= 0:
+                return
+
+    def _decode(self) -> None:
+        batch = [r for r in self.running if self.engine.ready(r.seq) and not r.seq.finished]
+        if not batch:
+            return
+        # judged at the batch about to run: sequences still prefilling or waiting (or just submitted) join
+        # within a few steps, so drafting (and a draft's catch-up) for the few ready now would not pay
+        coming = len(self.running) + len(self.waiting) + len(self._inbox)  # len() of a list: no lock needed
+        k = self.engine.choose_k([r.seq for r in batch], min(self.max_seqs, coming))
+        batch, k = self._reserve_decode(batch, k)
+        if not batch:
+            return
+        try:
+            self.engine.step([r.seq for r in batch], k)
+        except Exception:
+            log.exception("a batched step failed; retrying its sequences one by one")
+            self._step_alone(batch, k)
+        for r in batch:
+            if not r.done:
+                self._emit(r)
+
+    def _reserve_decode(self, batch: list[Request], k: int) -> tuple[list[Request], int]:
+        """Blocks for every sequence's step; when short, first drop the draft, then preempt."""
+        while True:
+            need = sum(self.cache.blocks_needed(r.seq.slot, self._step_len(r, k)) for r in batch)
+            if need <= self.cache.num_free_blocks:
+                break
+            if k > 0:
+                k = 0
+                continue
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch = [r for r in batch if r is not victim]
+        for r in batch:
+            self.cache.reserve(r.seq.slot, self._step_len(r, k))
+        return batch, k
+
+    def _step_len(self, req: Request, k: int) -> int:
+        """Cache entries a step may write: the last token and k drafts -- a token tree's nodes when
+        the engine drafts trees."""
+        rows = max(k, self.engine._tree_budget(req.seq)) if k > 0 and self.engine.tree_nodes else k
+        return min(len(req.seq.tokens) + rows, self.engine.max_len)
+
+    def _step_alone(self, batch: list[Request], k: int) -> None:
+        for r in batch:
+            self._repair(r)
+        for r in batch:
+            if r.seq.finished or r not in self.running:
+                continue
+            alone, k1 = self._reserve_decode([r], k)
+            if not alone:
+                continue
+            try:
+                self.engine.step([r.seq], k1)
+            except Exception as e:
+                log.exception("step failed for sequence %d", r.seq.seq_id)
+                self._repair(r)
+                self._fail(r, f"decoding failed: {e}")
+
+    def _repair(self, req: Request) -> None:
+        """Undo a failed step's partial effects: cache entries past the tokens, proposer state."""
+        seq, eng = req.seq, self.engine
+        if seq.slot < 0 or seq.finished:
+            return
+        self.cache.truncate(seq.slot, min(self.cache.lengths[seq.slot], len(seq.tokens) - 1))
+        if eng.proposer is not None:
+            eng.proposer.end(seq.seq_id)
+            eng.proposer.begin(seq.seq_id, seq.prompt)
+
+    # -- handing out results ----------------------------------------------------------------
+    def _count_prompt(self, req: Request) -> None:
+        if not req.counted_prompt:
+            req.counted_prompt = True
+            self.stats.prompt_tokens += len(req.seq.prompt)
+
+    def _emit(self, req: Request) -> None:
+        seq = req.seq
+        text, new_ids = seq.take_text(), seq.generated[req.sent:]
+        logprobs = seq.logprobs[req.sent:] if seq.params.logprobs is not None else []
+        prompt_logprobs = list(seq.prompt_logprobs) if req.sent == 0 and seq.params.prompt_logprobs is not None \
+            else None
+        req.sent = seq.num_generated
+        if req.first_token_time is None and new_ids:
+            req.first_token_time = time.monotonic()
+        finished = seq.finished
+        out = Output(text, new_ids, seq.num_generated, seq.finish_reason if finished else None,
+                     logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if finished:  # recorded (metrics, freed blocks) before the consumer can see the end
+            self._finish(req, seq.finish_reason or "stop")
+        if text or new_ids or finished:
+            self._send(req, out)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.engine.release(req.seq)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.done = True
+        self.stats.record_finish(reason)
+        if reason in ("stop", "length") and req.first_token_time is not None:  # not aborted, not failed
+            self.stats.histograms.record(RequestTiming(
+                req.arrival_time, req.scheduled_time or req.arrival_time, req.first_token_time, time.monotonic(),
+                len(req.seq.prompt), req.seq.num_generated))
+
+    def _fail(self, req: Request, message: str) -> None:
+        if req.done:
+            return
+        req.error = message
+        self._finish(req, "error")
+        self._send(req, Output("", [], req.seq.num_generated, "error", message))
+
+    def _drop(self, req: Request) -> None:
+        """A cancelled request (client gone): free its slot and blocks now, send nothing."""
+        if not req.done:
+            self._finish(req, "abort")
+
+    @staticmethod
+    def _send(req: Request, out: Output) -> None:
+        try:
+            req.on_output(out)
+        except Exception:  # a consumer that went away must not stop the loop
+            log.debug("could not deliver an output", exc_info=True)
+
+    def _maybe_log(self) -> None:
+        if self.cfg.log_interval <= 0:
+            return
+        now = self.snapshot()
+        prev = self._last_log
+        if prev is None:
+            self._last_log = now
+        elif now.time - prev.time >= self.cfg.log_interval:
+            if now.running or now.waiting or now.generation_tokens != prev.generation_tokens:
+                log.info(log_line(prev, now))
+            self._last_log = now

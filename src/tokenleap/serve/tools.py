@@ -1,0 +1,193 @@
+"""Tool calling on the chat endpoint, as vLLM serves it with ``--tool-call-parser hermes``.
+
+The request's ``tools`` go to the model's chat template, which tells the model how to call them;
+Qwen2.5's template (and other hermes-style ones) asks for ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` blocks, and the blocks a reply contains come back as OpenAI ``tool_calls``
+with ``finish_reason: "tool_calls"``. ``tool_choice``: "auto" (the default when tools are given)
+parses whatever the model writes; "required" and a named function make the reply start with the
+opening of a call and constrain it to a call of an offered (the named) function whose arguments
+follow that function's parameters schema (``structured.py``), as vLLM guides them;
+"none" leaves the tools out. A model whose template takes no tools gets a clear 400.
+
+Parsing is a pure function of the reply's text (``parse_tool_calls``); ``ToolStream`` does the
+streaming side: text is passed on until a ``<tool_call>`` begins, and held back from there (and
+any end of the text that could be the start of one) until the reply is complete.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tokenleap.config import ConfigError, StructuredOutput
+from tokenleap.serve.protocol import ChatRequest, NamedToolChoice, bad_request
+from tokenleap.spec.structured import grammar_of
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FENCE = "```json"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request does with tools: ``tools`` for the chat template (None: none),
+    ``prefix`` the text the reply is made to start with, ``parse`` whether calls are parsed."""
+
+    tools: list[dict[str, Any]] | None = None
+    prefix: str = ""
+    parse: bool = False
+    names: tuple[str, ...] = ()  # the functions offered
+    grammar: StructuredOutput | None = None  # what a forced call must look like (required / named)
+
+
+def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice 'required' or a named function needs tools", "tool_choice")
+        return ToolPlan()
+    if choice == "none":
+        return ToolPlan()
+    if not chat_template or "tools" not in chat_template:
+        raise bad_request("this model's chat template does not take tools, so it cannot call them", "tools")
+    names = [t.function.name for t in req.tools]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if choice != "required" and not isinstance(choice, NamedToolChoice):
+        return ToolPlan(tools, "", True, tuple(names))
+    forced = req.tools
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among "
+                              f"the tools ({', '.join(names)})", "tool_choice")
+        forced = [t for t in req.tools if t.function.name == choice.function.name][:1]
+    # the reply is one call of a forced function whose arguments follow its parameters' schema,
+    # as vLLM guides it; a schema the grammar compiler cannot take falls back to a forced opening
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "arguments": t.function.parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in forced]
+    # written as the template shows calls: one line, ", " and ": " (no run of whitespace to loop in)
+    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    grammar = StructuredOutput(json={**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": style})
+    try:
+        grammar_of(grammar)
+    except ConfigError:
+        one = len(forced) == 1
+        prefix = OPEN + '\n{"name": ' + (json.dumps(forced[0].function.name, ensure_ascii=False) + ', "arguments": {'
+                                         if one else '"')
+        return ToolPlan(tools, prefix, True, tuple(names))
+    return ToolPlan(tools, OPEN + "\n", True, tuple(names), grammar)
+
+
+def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, calls) of a reply's text. Each ``<tool_call>`` block (the last may lack its
+    closing tag: the reply ended inside it) must hold a JSON object with a string "name"; the
+    content is the text before the first block (None when only whitespace). A block that does
+    not parse means no calls: the whole text is the content, unchanged. Without blocks, a reply
+    that is nothing but a JSON object (or a list of them), bare or in a ```json fence, naming one
+    of ``names`` with "arguments", is a call too: coder models often answer so."""
+    start = text.find(OPEN)
+    if start < 0:
+        return _bare_calls(text, names)
+    calls, pos = [], start
+    while pos >= 0:
+        end = text.find(CLOSE, pos)
+        call = _call(text[pos + len(OPEN):end if end >= 0 else len(text)])
+        if call is None:
+            return text, []
+        calls.append(call)
+        if end < 0:
+            break
+        pos = text.find(OPEN, end)
+    return text[:start].strip() or None, calls
+
+
+def _bare_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dict[str, Any]]]:
+    body = text.strip()
+    if body.startswith(FENCE) and body.endswith("```"):
+        body = body[len(FENCE):-3]
+    obj = _loads(body)
+    if obj is None:
+        return text, []
+    objs = obj if isinstance(obj, list) else [obj]
+    if not objs or not all(isinstance(o, dict) and o.get("name") in names and "arguments" in o for o in objs):
+        return text, []
+    return None, [_call_from(o) for o in objs]
+
+
+def _loads(body: str) -> Any:
+    """JSON text, or None; Qwen's template shows the call format with doubled braces
+    (``{{"name": ...}}``), which models sometimes copy: one doubled layer is accepted."""
+    body = body.strip()
+    for text in (body, body[1:-1] if body.startswith("{{") and body.endswith("}}") else None):
+        if text is not None:
+            try:
+                return json.loads(text)
+            except ValueError:
+                pass
+    return None
+
+
+def _call(body: str) -> dict[str, Any] | None:
+    obj = _loads(body)
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return _call_from(obj)
+
+
+def _call_from(obj: dict[str, Any]) -> dict[str, Any]:
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+
+
+def call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed form of ``calls``: each whole, with its index."""
+    return [{"index": j, **call} for j, call in enumerate(calls)]
+
+
+class ToolStream:
+    """One streamed choice of a request that may call tools."""
+
+    def __init__(self, prefix: str = "", names: tuple[str, ...] = ()) -> None:
+        self.text, self.sent = prefix, 0  # the reply so far (forced prefix included); characters passed on
+        self.names = names
+        self.calling = OPEN in prefix
+
+    def feed(self, piece: str) -> str:
+        """The part of the reply that can be sent now as content, after ``piece`` arrived."""
+        self.text += piece
+        if self.calling:
+            return ""
+        if self.sent == 0 and self.names and _may_be_bare_call(self.text):
+            return ""  # wait: the whole reply may be a bare JSON call
+        at = self.text.find(OPEN, max(0, self.sent - len(OPEN)))
+        if at >= 0:
+            self.calling = True
+            upto = at
+        else:
+            upto = len(self.text) - _partial_open(self.text)
+        out = self.text[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content still to send, calls) once the reply is complete."""
+        _, calls = parse_tool_calls(self.text, self.names)
+        if calls:
+            return "", calls
+        rest, self.sent = self.text[self.sent:], len(self.text)
+        return rest, []
+
+
+def _may_be_bare_call(text: str) -> bool:
+    head = text.lstrip()
+    return head.startswith(("{", "[", FENCE)) or FENCE.startswith(head)
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``<tool_call>``."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0

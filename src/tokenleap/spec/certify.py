@@ -1,0 +1,344 @@
+"""``tokenleap verify``: evidence that speculation is lossless for one configuration.
+
+Speculative decoding claims that it changes nothing but speed. The project's tests show that on
+tiny models; this module checks it on the user's own target, proposer and settings, with four
+checks that each compare a plain engine against a speculative one built by the same factory:
+
+* **greedy** -- speculative greedy output is token-identical to plain greedy output;
+* **seeded** -- seeded sampling gives the same tokens with and without speculation;
+* **distribution** -- unseeded sampling (rejection sampling): the joint distribution of the first
+  ``positions`` generated tokens of plain vs speculative samples, compared by a chi-square test of
+  homogeneity; its **power** is shown on a known small bias (plain sampling at temperature T vs
+  T * 0.9, the same number of samples): if the test cannot see that bias, it could not have seen
+  a broken verifier either, and the sample count is too small to certify anything;
+* **block rule** -- the logits of a one-token step equal, bit for bit, the matching row of a
+  k-token verification block (what makes greedy speculation exact in the first place).
+
+A check whose speculative engine drafted nothing fails too: it would certify plain decoding
+against itself. The functions are pure apart from the engines: they take an
+``EngineFactory`` (``factory(speculative) -> Engine``) and token-id prompts, so the tests run them
+on tiny models and the CLI on real ones.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from tokenleap.cache.contiguous import KVCache
+from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.stats import SpecStats
+from tokenleap.models.transformer import Segment
+from tokenleap.spec.sampling import make_generator
+from tokenleap.spec.sequence import Sequence
+
+EngineFactory = Callable[[bool], Engine]  # speculative? -> an engine (the same target either way)
+
+DEFAULT_PROMPTS = (  # the distribution check samples continuations of the first one
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The three most important things to know about the French Revolution are",
+    "Repeat after me: red, green, blue, red, green, blue, red, green,",
+    "import numpy as np\n\ndef normalize(x):\n",
+)
+
+
+@dataclass(frozen=True)
+class CertifyConfig:
+    """What the checks run: token counts, the sampling temperature, sample size and test level."""
+
+    max_tokens: int = 32  # tokens generated per prompt by the greedy and seeded checks
+    temperature: float = 1.0  # of the sampled checks
+    samples: int = 300  # samples per arm of the distribution check (plain, speculative, biased)
+    positions: int = 2  # the distribution check compares the joint of the first N generated tokens
+    alpha: float = 0.01  # test level: plain vs speculative must not reject, the bias must
+    bias: float = 0.9  # the power check's temperature factor
+    block: int = 8  # rows of the block in the one-row-vs-block check
+    seed: int = 0  # seeds of the seeded check and of every random stream
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "samples", "positions", "block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.positions < 2:
+            raise ConfigError("positions must be >= 2: the first token comes from the prompt's prefill, "
+                              "which never drafts")
+        if not self.temperature > 0:
+            raise ConfigError(f"the sampled checks need a temperature > 0, got {self.temperature!r}")
+        if not 0 < self.alpha < 0.5:
+            raise ConfigError(f"alpha must be in (0, 0.5), got {self.alpha!r}")
+        if not 0 < self.bias < 1:
+            raise ConfigError(f"bias must be in (0, 1), got {self.bias!r}")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check's verdict, a one-line summary of its figures, and the figures themselves."""
+
+    name: str
+    passed: bool
+    summary: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}  {self.name:<12s} {self.summary}"
+
+
+@dataclass(frozen=True)
+class Certificate:
+    checks: tuple[CheckResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def report(self) -> str:
+        verdict = "lossless on these checks" if self.passed else "NOT certified"
+        return "\n".join([c.line() for c in self.checks] + [f"verdict: {verdict}"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "checks": [asdict(c) for c in self.checks]}
+
+
+# -- running requests -----------------------------------------------------------------------
+def run_request(engine: Engine, prompt: list[int], params: SamplingParams,
+                generator: torch.Generator | None = None) -> Sequence:
+    """Decode one request to the end; ``generator`` replaces an unseeded request's own randomness
+    (so a certificate is reproducible)."""
+    seq = engine.create(prompt, params)
+    if generator is not None:
+        seq.generator = generator
+    engine.attach(seq)
+    try:
+        while engine.prefill_step(seq):
+            pass
+        while not seq.finished:
+            engine.step([seq])
+    finally:
+        engine.release(seq)
+    return seq
+
+
+def _drafted(stats: SpecStats) -> str:
+    return (f"{stats.draft_tokens} drafted, {stats.accepted_tokens} accepted "
+            f"(tau {stats.tau:.2f})")
+
+
+def _compare_outputs(name: str, make: EngineFactory, prompts: list[list[int]],
+                     params_of: Callable[[int], SamplingParams]) -> tuple[CheckResult, list[list[int]]]:
+    """Plain vs speculative outputs of every prompt, token for token; also returns plain's."""
+    plain, spec = make(False), make(True)
+    stats, outputs, diffs = SpecStats(), [], []
+    for i, prompt in enumerate(prompts):
+        params = params_of(i)
+        want = run_request(plain, prompt, params).generated
+        seq = run_request(spec, prompt, params)
+        stats.merge(seq.stats)
+        outputs.append(want)
+        got = seq.generated
+        if got != want:
+            at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            diffs.append({"prompt": i, "token": at, "plain": want[at:at + 4], "speculative": got[at:at + 4]})
+    same = len(prompts) - len(diffs)
+    figures = {"prompts": len(prompts), "identical": same, "tokens": sum(map(len, outputs)),
+               "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
+               "tau": round(stats.tau, 4), "mismatches": diffs}
+    summary = f"{same}/{len(prompts)} prompts token-identical, {figures['tokens']} tokens; {_drafted(stats)}"
+    if diffs:
+        d = diffs[0]
+        summary += (f"; prompt {d['prompt']} differs at token {d['token']}: plain {d['plain']} "
+                    f"vs speculative {d['speculative']}")
+    elif stats.draft_tokens == 0:
+        summary += "; nothing was drafted, so speculation was not exercised (try other prompts)"
+    return CheckResult(name, not diffs and stats.draft_tokens > 0, summary, figures), outputs
+
+
+def check_greedy(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConfig
+                 ) -> tuple[CheckResult, list[list[int]]]:
+    """Greedy speculative output == plain greedy output on every prompt."""
+    params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
+    return _compare_outputs("greedy", make, prompts, lambda i: params)
+
+
+def check_seeded(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConfig) -> CheckResult:
+    """Seeded sampling (seed ``cfg.seed + i`` for prompt i): the same tokens with and without speculation."""
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed + i,
+                              ignore_eos=True)
+    return _compare_outputs("seeded", make, prompts, params)[0]
+
+
+# -- the distribution check -----------------------------------------------------------------
+def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int, positions: int,
+                  seed: int, batch: int | None = None) -> tuple[dict[tuple[int, ...], int], SpecStats]:
+    """Counts of the first ``positions`` generated tokens over ``n`` unseeded samples (rejection
+    sampling), each request with its own generator drawn from a stream seeded by ``seed``.
+
+    ``positions + 1`` tokens are generated so that every counted position after the first (which
+    the prefill samples) goes through verification of a draft. Requests run ``batch`` at a time
+    (default: the engine's cache slots) through batched steps -- each sequence's tokens are those
+    it would get alone, since every row is computed row-exact."""
+    params = SamplingParams(max_tokens=positions + 1, temperature=temperature, ignore_eos=True)
+    stream = torch.Generator().manual_seed(seed)
+    batch = max(1, min(batch or engine.cache.num_slots, n))
+    counts: dict[tuple[int, ...], int] = {}
+    stats = SpecStats()
+    for start in range(0, n, batch):
+        seqs = []
+        try:
+            for _ in range(min(batch, n - start)):
+                seq = engine.create(prompt, params)
+                seq.generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=stream)))
+                engine.attach(seq)
+                seqs.append(seq)
+                while engine.prefill_step(seq):
+                    pass
+            while any(not s.finished for s in seqs):
+                engine.step(seqs)
+        finally:
+            for seq in seqs:
+                engine.release(seq)
+        for seq in seqs:
+            stats.merge(seq.stats)
+            key = tuple(seq.generated[:positions])
+            counts[key] = counts.get(key, 0) + 1
+    return counts, stats
+
+
+@dataclass(frozen=True)
+class Homogeneity:
+    """A chi-square test that two samples come from one distribution."""
+
+    statistic: float
+    dof: int
+    p_value: float
+    categories: int  # after merging rare ones
+
+    def rejects(self, alpha: float) -> bool:
+        return self.p_value < alpha
+
+
+def chi2_homogeneity(a: dict[Any, int], b: dict[Any, int], min_expected: float = 5.0) -> Homogeneity:
+    """Pearson's chi-square test of homogeneity on the 2 x C table of two samples' category counts.
+
+    Categories whose expected count in either sample is below ``min_expected`` are pooled into one
+    (and that pool into the rarest kept category if it is still too small), so the chi-square
+    approximation holds. The p-value is the regularized upper incomplete gamma Q(dof/2, stat/2)."""
+    na, nb = sum(a.values()), sum(b.values())
+    if na == 0 or nb == 0:
+        raise ConfigError("the homogeneity test needs two non-empty samples")
+    keys = sorted(set(a) | set(b), key=lambda k: (-(a.get(k, 0) + b.get(k, 0)), repr(k)))
+    total = torch.tensor([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]], dtype=torch.float64)  # [2, C]
+    need = min_expected * (na + nb) / min(na, nb)  # a column total that gives every cell that expectation
+    kept = total[:, total.sum(0) >= need]  # [2, C'] (sorted: the frequent columns)
+    pool = total[:, total.sum(0) < need].sum(1, keepdim=True)  # [2, 1]
+    if pool.sum() > 0:
+        if pool.sum() >= need or kept.shape[1] == 0:
+            kept = torch.cat([kept, pool], 1)
+        else:
+            kept[:, -1:] += pool
+    c = kept.shape[1]
+    if c < 2:  # every sample in one category: nothing tells the two apart
+        return Homogeneity(0.0, 0, 1.0, c)
+    rows, cols = kept.sum(1, keepdim=True), kept.sum(0, keepdim=True)  # [2, 1], [1, C']
+    expected = rows * cols / kept.sum()  # [2, C']
+    stat = float(((kept - expected) ** 2 / expected).sum())
+    dof = c - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    return Homogeneity(stat, dof, p, c)
+
+
+def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfig) -> list[CheckResult]:
+    """Unseeded sampling, plain vs speculative, and the same test's power on a known bias."""
+    plain, spec = make(False), make(True)
+    t, n = cfg.temperature, cfg.samples
+    base, _ = sample_counts(plain, prompt, t, n, cfg.positions, cfg.seed + 1)
+    spec_counts, stats = sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 2)
+    biased, _ = sample_counts(plain, prompt, t * cfg.bias, n, cfg.positions, cfg.seed + 3)
+    same = chi2_homogeneity(base, spec_counts)
+    power = chi2_homogeneity(base, biased)
+    head = f"first {cfg.positions} tokens at T={t:g}, {n} samples each"
+    figures = {"samples": n, "positions": cfg.positions, "temperature": t, "alpha": cfg.alpha,
+               "chi2": round(same.statistic, 4), "dof": same.dof, "p_value": same.p_value,
+               "categories": same.categories, "draft_tokens": stats.draft_tokens,
+               "accepted_tokens": stats.accepted_tokens}
+    ok = not same.rejects(cfg.alpha) and stats.draft_tokens > 0
+    summary = (f"{head}: chi2 {same.statistic:.1f}, dof {same.dof}, p {same.p_value:.3g} "
+               f"({'>=' if not same.rejects(cfg.alpha) else '<'} {cfg.alpha:g}); {_drafted(stats)}")
+    if same.rejects(cfg.alpha):
+        summary += "; speculative samples do not follow the plain distribution"
+    elif stats.draft_tokens == 0:
+        summary += "; nothing was drafted, so speculation was not exercised"
+    result = CheckResult("distribution", ok, summary, figures)
+    detected = power.rejects(cfg.alpha)
+    summary = (f"T={t:g} vs T={t * cfg.bias:g} (plain, {n} samples each): chi2 {power.statistic:.1f}, "
+               f"dof {power.dof}, p {power.p_value:.3g}; ")
+    summary += ("the bias is detected" if detected else
+                f"the bias is NOT detected: {n} samples are too few to certify; raise --samples")
+    power_figures = {"samples": n, "temperature": t, "biased_temperature": t * cfg.bias,
+                     "chi2": round(power.statistic, 4), "dof": power.dof, "p_value": power.p_value,
+                     "categories": power.categories}
+    return [result, CheckResult("power", detected, summary, power_figures)]
+
+
+# -- the one-row-vs-block rule --------------------------------------------------------------
+def check_block_rule(engine: Engine, prompts: list[list[int]], continuations: list[list[int]],
+                     cfg: CertifyConfig) -> CheckResult:
+    """For each prompt, a ``cfg.block``-token verification block (its greedy continuation) against
+    the same tokens fed one step at a time: every row's logits must be bitwise equal."""
+    model = engine.model
+    rows = bad = 0
+    worst, first_bad = 0.0, None
+    for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
+        block = (cont or prompt)[:cfg.block]
+        if len(prompt) + len(block) > engine.max_len:
+            continue
+        cache = KVCache(model.config, 2, len(prompt) + len(block), model.dtype)
+        a, b = cache.allocate(), cache.allocate()
+        for slot in (a, b):
+            model(torch.tensor(prompt), [Segment(slot, 0, len(prompt))], cache, logit_rows=torch.tensor([0]))
+        together = model(torch.tensor(block), [Segment(a, len(prompt), len(block))], cache,
+                         row_exact=True).logits  # [block, vocab]
+        for j, tok in enumerate(block):
+            alone = model(torch.tensor([tok]), [Segment(b, len(prompt) + j, 1)], cache,
+                          row_exact=True).logits  # [1, vocab]
+            rows += 1
+            if not torch.equal(alone[0], together[j]):
+                bad += 1
+                worst = max(worst, float((alone[0].float() - together[j].float()).abs().max()))
+                first_bad = first_bad or (i, j)
+    figures = {"rows": rows, "differing_rows": bad, "max_abs_diff": worst}
+    summary = f"{rows - bad}/{rows} rows bitwise equal over {len(prompts)} prompts (blocks of {cfg.block})"
+    if bad:
+        summary += f"; first difference: prompt {first_bad[0]} row {first_bad[1]}, max |diff| {worst:.3g}"
+    elif rows == 0:
+        summary += "; no prompt fits the context window with its block"
+    return CheckResult("block-rule", rows > 0 and bad == 0, summary, figures)
+
+
+def certify(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConfig | None = None,
+            progress: Callable[[str], None] | None = None) -> Certificate:
+    """Run every check; ``progress(name)`` is called before each (the CLI prints it)."""
+    cfg = cfg or CertifyConfig()
+    if not prompts or any(not p for p in prompts):
+        raise ConfigError("verify needs at least one prompt, and no prompt may be empty")
+    say = progress or (lambda _: None)
+    say("greedy")
+    greedy, continuations = check_greedy(make, prompts, cfg)
+    say("seeded")
+    seeded = check_seeded(make, prompts, cfg)
+    say("distribution")
+    distribution = check_distribution(make, prompts[0], cfg)
+    say("block-rule")
+    block = check_block_rule(make(False), prompts, continuations, cfg)
+    return Certificate((greedy, seeded, *distribution, block))
+
+
+__all__ = ["DEFAULT_PROMPTS", "CertifyConfig", "CheckResult", "Certificate", "EngineFactory", "certify",
+           "check_greedy", "check_seeded", "check_distribution", "check_block_rule", "chi2_homogeneity",
+           "sample_counts", "run_request"]

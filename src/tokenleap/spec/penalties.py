@@ -1,0 +1,77 @@
+"""Repetition penalties and logit bias as a pure function of a sequence's tokens -- applied to the
+target's logits before greedy choice or sampling, so they are part of the target distribution that
+speculation reproduces exactly.
+
+* ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtract ``presence`` once from every token
+  that occurs in the generated text and ``frequency`` once per occurrence.
+* ``repetition_penalty`` (Hugging Face / vLLM): a token seen in the prompt or the generated text has
+  its logit divided by the penalty when positive and multiplied by it when negative.
+* ``logit_bias`` (OpenAI): a fixed amount added to the logits of given tokens.
+
+In a verification step, row ``i`` of the logits is the distribution after the generated tokens and
+the first ``i`` drafted tokens, so each row is penalized for its own history.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenleap.config import SamplingParams
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [k+1, vocab]
+    params: SamplingParams,
+    prompt: list[int],
+    generated: list[int],
+    draft: list[int],  # k drafted tokens; row i follows draft[:i]
+) -> torch.Tensor:  # [k+1, vocab] float32, a new tensor
+    rows, vocab = logits.shape
+    assert len(draft) == rows - 1, f"{rows} logit rows need {rows - 1} drafted tokens, got {len(draft)}"
+    out = logits.float().clone()
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
+        out = _penalize(out, params, prompt, generated, draft)
+    for tok, bias in params.logit_bias:
+        if tok < vocab:
+            out[:, tok] += bias
+    return out
+
+
+def _penalize(out: torch.Tensor, params: SamplingParams, prompt: list[int], generated: list[int],
+              draft: list[int]) -> torch.Tensor:  # out: [k+1, vocab] float32
+    rows, vocab = out.shape
+    counts = torch.zeros(rows, vocab)  # [k+1, vocab]: occurrences in the generated text before each row
+    if generated:
+        counts += torch.bincount(torch.tensor(generated), minlength=vocab)[:vocab].float()
+    for i, tok in enumerate(draft):
+        counts[i + 1:, tok] += 1
+    if params.repetition_penalty != 1:
+        seen = counts > 0  # [k+1, vocab]
+        if prompt:
+            seen[:, torch.tensor(prompt)] = True
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if params.frequency_penalty:
+        out -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        out -= params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def suppress_early_stops(logits: torch.Tensor, params: SamplingParams, generated: int,
+                         eos_ids: frozenset[int]) -> torch.Tensor:
+    """vLLM's ``min_tokens``: row i (generated token ``generated + i``) may not end the reply -- EOS
+    and ``stop_token_ids`` at -inf -- while fewer than ``min_tokens`` tokens precede it; a row
+    where nothing else is allowed (a grammar that is complete) keeps them."""
+    if generated >= params.min_tokens:
+        return logits
+    out = logits.clone()  # [k+1, vocab]
+    stops = [t for t in {*eos_ids, *params.stop_token_ids} if t < out.shape[1]]
+    for i in range(min(out.shape[0], params.min_tokens - generated)):
+        row = out[i].clone()
+        row[stops] = float("-inf")
+        if torch.isfinite(row).any():
+            out[i] = row
+    return out
+
+
+__all__ = ["apply_penalties", "suppress_early_stops"]

@@ -1,0 +1,227 @@
+"""Drafting with a smaller model of the same tokenizer.
+
+The draft keeps its own KV cache. ``fed[seq]`` counts the sequence's leading tokens whose keys and
+values the draft cache holds; after a rejection it is cut back to the accepted prefix (O(1)), and
+the next proposal first feeds whatever the draft has not seen (the recovered or bonus token, or
+the whole prompt when the engine skipped the draft's prefill because speculation was off).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenleap.cache.contiguous import CacheFullError, KVCache
+from tokenleap.config import SamplingParams
+from tokenleap.errors import TokenleapError
+from tokenleap.models.transformer import Segment, Transformer
+from tokenleap.spec.sampling import greedy, logits_to_probs, sample
+from tokenleap.spec.seeded import SeededNoise
+from tokenleap.spec.proposers.base import Draft, DraftRequest
+from tokenleap.spec.proposers.draft_head import BatchHead, ReducedVocabHead
+from tokenleap.spec.proposers.draft_tree import GrownTree, accept_path, grow
+
+
+# a proposal normally feeds the token drafted last plus the target's recovered or bonus token
+_STEP_TOKENS = 2
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One sequence's drafting within ``propose_many``."""
+
+    index: int  # position in the request list
+    req: DraftRequest
+    slot: int
+    pending: list[int]  # tokens to feed before the next draft token
+    pos: int  # cache position of pending[0]
+    drafted: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # each [1, vocab]
+    catch_up: float = 0.0
+    catch_up_tokens: int = 0
+    failed: bool = False
+    pushed: int = 0  # drafted tokens the request's grammar followed (undone after drafting)
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, model: Transformer, target_vocab_size: int, max_len: int, num_slots: int = 1,
+                 cache: KVCache | None = None, head: ReducedVocabHead | None = None,
+                 catch_up_chunk: int = 256) -> None:
+        if model.config.vocab_size != target_vocab_size:
+            raise TokenleapError(
+                f"draft model vocabulary ({model.config.vocab_size} tokens) differs from the target's "
+                f"({target_vocab_size}); a draft model must share the target's tokenizer")
+        self.model = model
+        self.head = head  # None: the model's own full-vocabulary head
+        # a longer backlog is fed this many tokens a call (no draft for that sequence meanwhile),
+        # so one sequence's catch-up never stalls the others of its batch for long
+        self.catch_up_chunk = catch_up_chunk
+        self._heads: dict[int, object] = {}
+        # any cache with KVCache's interface, e.g. a PagedKVCache when serving many sequences
+        self.cache = cache if cache is not None else KVCache(model.config, num_slots, max_len, model.dtype)
+        self._slot: dict[int, int] = {}
+        self._fed: dict[int, int] = {}
+        self._prompt: dict[int, list[int]] = {}
+        self._proposal_start: dict[int, int] = {}
+        self._grown: dict[int, GrownTree] = {}  # the last proposal of a sequence, when it was a tree
+
+    def begin(self, seq_id: int, prompt: list[int]) -> None:
+        slot = self._slot[seq_id] = self.cache.allocate()
+        self._prompt[seq_id] = prompt
+        # a paged cache may hold the prompt's first windows already (prefix caching): fed without work
+        self._fed[seq_id] = self.cache.attach_prompt(slot, prompt, self.catch_up_chunk)
+        if self.head is not None:
+            self._heads[seq_id] = self.head.for_prompt(prompt)
+
+    def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft | None:
+        return self.propose_many([DraftRequest(seq_id, tokens, k, params, generator)])[0]
+
+    def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        """Draft for several sequences at once: draft position j of every sequence in one forward
+        (a one-row forward reads the whole draft's weights, a few rows cost little more)."""
+        lanes, trees = [], []
+        out: list[Draft | None] = [None] * len(requests)
+        for i, r in enumerate(requests):
+            self._grown.pop(r.seq_id, None)
+            if r.k <= 0 or len(r.tokens) + r.k > self.cache.max_len:
+                continue
+            fed = min(self._fed[r.seq_id], len(r.tokens) - 1)
+            if r.max_nodes > 0 and r.constraint is None and len(r.tokens) - fed <= self.catch_up_chunk:
+                trees.append((i, r))  # a token tree (draft_tree.py); a grammar's drafts stay chains
+                continue
+            if len(r.tokens) - fed > self.catch_up_chunk:  # a long backlog: one chunk now, drafts later
+                out[i] = self._catch_up_chunk(r.seq_id, r.tokens[fed:fed + self.catch_up_chunk], fed)
+                continue
+            self._proposal_start[r.seq_id] = len(r.tokens)
+            lanes.append(_Lane(i, r, self._slot[r.seq_id], r.tokens[fed:], fed))  # pending: at least the last token
+        active = lanes
+        while active := [l for l in active if len(l.drafted) < l.req.k]:
+            if not self._draft_position(active):  # a paged cache out of blocks: no draft for these
+                for l in active:
+                    l.failed = True
+                    valid = min(l.pos, len(l.req.tokens))  # drafted tokens fed so far are not the sequence's
+                    self._fed[l.req.seq_id] = valid
+                    self.cache.truncate(l.slot, valid)
+                active = []
+        if trees:
+            drafts, grown = grow(self, trees)
+            self._grown.update(grown)
+            for i, d in drafts.items():
+                out[i] = d
+        for l in lanes:
+            if l.req.constraint is not None:
+                l.req.constraint.rollback(l.pushed)
+            if not l.failed:
+                self._fed[l.req.seq_id] = l.pos  # the last drafted token is not fed yet
+                probs = torch.cat(l.probs) if l.probs else None
+                out[l.index] = Draft(tokens=l.drafted, probs=probs, catch_up_seconds=l.catch_up,
+                                     catch_up_tokens=l.catch_up_tokens)
+        return out
+
+    def _draft_position(self, lanes: list["_Lane"]) -> bool:
+        """Feed every lane's pending tokens in one forward and draft each lane's next token."""
+        tokens, segments, last = [], [], []
+        for l in lanes:
+            segments.append(Segment(l.slot, l.pos, len(l.pending), row_start=len(tokens)))
+            tokens += l.pending
+            last.append(len(tokens) - 1)
+        t0 = time.perf_counter()
+        # a few rows a lane: the decode path (row-exact kernels, one compiled call a layer); a backlog: prefill
+        few = all(len(l.pending) <= _STEP_TOKENS for l in lanes)
+        try:
+            logits = self.model(torch.tensor(tokens), segments, self.cache, logit_rows=torch.tensor(last),
+                                row_exact=few, head=self._head_for([l.req.seq_id for l in lanes])).logits  # [lanes, vocab]
+        except CacheFullError:
+            return False
+        backlog = [l for l in lanes if len(l.pending) > _STEP_TOKENS]  # feeding a backlog: prefill work
+        for l in backlog:
+            l.catch_up += (time.perf_counter() - t0) / len(backlog)
+            l.catch_up_tokens += len(l.pending)
+        for j, l in enumerate(lanes):
+            l.pos += len(l.pending)
+            row = logits[j : j + 1]
+            if l.req.constraint is not None:  # structured output: draft only what the grammar allows
+                row = l.req.constraint.draft(row)  # (q is then this masked distribution: still exact)
+            token, probs = self._choose(row, l.req.params, l.req.generator, l.pos)
+            if l.req.constraint is not None:
+                l.pushed += l.req.constraint.push(token)
+            l.drafted.append(token)
+            if probs is not None:
+                l.probs.append(probs)
+            l.pending = [token]
+        return True
+
+    def _catch_up_chunk(self, seq_id: int, tokens: list[int], pos: int) -> Draft:
+        """Feed one chunk of a long backlog (``tokens`` from position ``pos``); an empty draft
+        reports the time it took."""
+        t0 = time.perf_counter()
+        self._feed(seq_id, tokens, pos)
+        return Draft(tokens=[], probs=None, catch_up_seconds=time.perf_counter() - t0, catch_up_tokens=len(tokens))
+
+    def _head_for(self, seq_ids: list[int]):
+        if self.head is None:
+            return None
+        heads = [self._heads[s] for s in seq_ids]
+        return heads[0] if len(heads) == 1 else BatchHead(heads)
+
+    def backlog(self, seq_id: int, tokens: list[int]) -> int:
+        return max(0, len(tokens) - self._fed[seq_id] - _STEP_TOKENS)
+
+    def prefill(self, seq_id: int, tokens: list[int]) -> None:
+        """Feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the first
+        proposal does not stall on a long prompt (nor count the prompt as drafting time)."""
+        fed = self._fed[seq_id]
+        if fed < len(tokens):
+            self._feed(seq_id, tokens[fed:], fed)
+
+    def _feed(self, seq_id: int, tokens: list[int], pos: int) -> None:
+        """Put ``tokens`` (from position ``pos``, the first not fed) into the draft cache."""
+        slot = self._slot[seq_id]
+        try:
+            self._forward(slot, tokens, pos)
+        except CacheFullError:
+            self.cache.truncate(slot, pos)
+            return
+        self._fed[seq_id] = pos + len(tokens)
+        self.cache.register_window(slot, self._prompt[seq_id], pos, pos + len(tokens), self.catch_up_chunk)
+
+    def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
+        """``path``: the accepted nodes of a tree proposal (a chain's are 1 .. num_accepted)."""
+        grown = self._grown.pop(seq_id, None)
+        if grown is not None:
+            accept_path(self, seq_id, grown, path if path is not None else list(range(1, num_accepted + 1)))
+            return
+        valid = self._proposal_start[seq_id] + num_accepted  # tokens both agree on
+        self._fed[seq_id] = min(self._fed[seq_id], valid)
+        self.cache.truncate(self._slot[seq_id], self._fed[seq_id])
+
+    def end(self, seq_id: int) -> None:
+        slot = self._slot.pop(seq_id, None)
+        if slot is not None:
+            self.cache.free(slot)
+        self._fed.pop(seq_id, None)
+        self._prompt.pop(seq_id, None)
+        self._proposal_start.pop(seq_id, None)
+        self._heads.pop(seq_id, None)
+        self._grown.pop(seq_id, None)
+
+    def _forward(self, slot: int, tokens: list[int], pos: int, head=None) -> torch.Tensor:
+        seg = [Segment(slot=slot, pos_start=pos, length=len(tokens))]
+        last = torch.tensor([len(tokens) - 1])
+        return self.model(torch.tensor(tokens), seg, self.cache, logit_rows=last, head=head).logits
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | SeededNoise | None,
+                pos: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token for sequence position ``pos`` from ``logits`` [1, vocab]; with a seeded
+        request's noise, the choice the target makes if its distribution is the draft's."""
+        if params.greedy:
+            return int(greedy(logits)[0]), None
+        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+        if isinstance(generator, SeededNoise):
+            return int(generator.choose(probs, pos)[0]), probs
+        return int(sample(probs, generator)[0]), probs  # probs: [1, vocab]

@@ -1,0 +1,194 @@
+"""Logits -> probabilities, exact greedy, and seeded sampling. Pure functions.
+
+Filtering order (the same as Hugging Face and vLLM):
+
+1. temperature: ``logits / T``; ``T == 0`` means greedy and yields a one-hot row at the argmax;
+2. top-k: keep the ``k`` highest logits (``k == 0`` disables);
+3. top-p (nucleus): keep the smallest set of most probable tokens whose cumulative probability
+   reaches ``top_p`` (``top_p == 1`` disables);
+4. min-p: drop tokens with ``p < min_p * p_max`` (``min_p == 0`` disables);
+5. renormalize with a softmax over the kept logits.
+
+The most probable token is always kept. Ties are broken by token id, lower id first (a stable
+descending sort), so "first max" is the rule everywhere, ``greedy`` included.
+
+Row independence: every operation works within a row (elementwise ops, and softmax / sort /
+cumsum along the vocabulary), so row ``i``'s result does not depend on the other rows. Parameters
+may be Python scalars (same for every row) or tensors ``# [n]`` (one value per row), so a batch
+can mix requests. The target and the draft model must be filtered by this same function with the
+same parameters; rejection sampling in :mod:`tokenleap.spec.verify` relies on it.
+
+Two sources of randomness:
+
+* an unseeded request draws float64 uniforms from its own ``torch.Generator`` (inverse CDF, one
+  uniform per row; speculation verifies by rejection sampling, :mod:`tokenleap.spec.verify`);
+* a seeded request uses :class:`tokenleap.spec.seeded.SeededNoise`: the token at sequence position
+  ``t`` is ``argmin_x E(t, x) / p_t(x)`` with ``E ~ Exp(1)`` keyed by (seed, t, x) alone (the
+  Gumbel-max trick), an exact sample from ``p_t``, the same whatever proposed it.
+
+Neither ever chooses a zero-probability token.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenleap.config import SamplingParams
+from tokenleap.spec.seeded import SeededNoise
+
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+Param = float | int | torch.Tensor
+
+# Cumulative mass within this of top_p counts as reaching it, so an exact boundary
+# (e.g. 0.5 + 0.25 with top_p = 0.75) is not decided by float32 rounding of a running sum.
+_TOP_P_EPS = 1e-6
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [n, vocab], any float dtype
+    temperature: Param = 1.0,
+    top_k: Param = 0,
+    top_p: Param = 1.0,
+    min_p: Param = 0.0,
+) -> torch.Tensor:  # [n, vocab] float32
+    """Filtered, renormalized float32 probabilities; see the module docstring for the order.
+
+    Each parameter is a Python scalar or a tensor ``# [n]`` with one value per row.
+    """
+    assert logits.dim() == 2, f"logits must be [n, vocab], got shape {tuple(logits.shape)}"
+    n = logits.shape[0]
+    t = _column(temperature, n, torch.float32)  # [n, 1]
+    is_greedy = t == 0  # [n, 1]
+    x = logits.float() / torch.where(is_greedy, 1.0, t)  # [n, vocab]
+    keep = _keep_mask(x, is_greedy, top_k, top_p, min_p)  # [n, vocab] bool, or None
+    if keep is not None:
+        x = x.masked_fill(~keep, float("-inf"))
+    return torch.softmax(x, dim=-1)  # [n, vocab]
+
+
+def _keep_mask(
+    x: torch.Tensor,  # [n, vocab] float32, temperature applied
+    is_greedy: torch.Tensor,  # [n, 1] bool
+    top_k: Param,
+    top_p: Param,
+    min_p: Param,
+) -> torch.Tensor | None:  # [n, vocab] bool in vocabulary order; None when nothing is filtered
+    n, vocab = x.shape
+    k = _column(top_k, n, torch.long)  # [n, 1]
+    k = torch.where((k <= 0) | (k > vocab), vocab, k)
+    k = torch.where(is_greedy, 1, k)
+    p = _column(top_p, n, torch.float32)  # [n, 1]
+    m = _column(min_p, n, torch.float32)  # [n, 1]
+    if not bool((k < vocab).any() or (p < 1).any() or (m > 0).any()):
+        return None
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [n, vocab] each
+    keep = torch.arange(vocab) < k  # [n, vocab], in sorted order from here on
+    probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)  # [n, vocab]
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, vocab]
+    keep &= (mass_before < p - _TOP_P_EPS) | (p >= 1)
+    keep &= probs >= m * probs[:, :1]  # p / p_max does not depend on normalization
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter(-1, order, keep)  # [n, vocab]
+
+
+def _column(value: Param, n: int, dtype: torch.dtype) -> torch.Tensor:  # [n, 1]
+    """A per-row parameter as a column: a scalar is repeated, a ``# [n]`` tensor is reshaped."""
+    if isinstance(value, torch.Tensor):
+        assert value.numel() in (1, n), f"a per-row parameter needs 1 or {n} values, got {value.numel()}"
+        return value.to(dtype).reshape(-1, 1).expand(n, 1)
+    return torch.full((n, 1), value, dtype=dtype)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:  # [...] long
+    """Exact argmax over the last dimension (``logits # [..., vocab]``); first max on ties."""
+    return torch.argmax(logits, dim=-1)
+
+
+def sample(
+    probs: torch.Tensor,  # [n, vocab], non-negative, each row with positive mass
+    generator: Generators = None,
+) -> torch.Tensor:  # [n] long
+    """One token per row, drawn with probability proportional to ``probs`` (need not sum to 1).
+
+    ``generator`` is one ``torch.Generator`` for all rows, or a sequence with one per row (a
+    batch of requests, each with its own seed). One float64 uniform is drawn per row, so the
+    result of row ``i`` with its own generator does not depend on the rest of the batch.
+    """
+    assert probs.dim() == 2, f"probs must be [n, vocab], got shape {tuple(probs.shape)}"
+    u = rand_rows(probs.shape[0], 1, generator)  # [n, 1] float64 in [0, 1)
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(
+    weights: torch.Tensor,  # [n, vocab], non-negative
+    u: torch.Tensor,  # [n, 1] float64 uniforms in [0, 1)
+) -> torch.Tensor:  # [n] long
+    """The token whose cumulative interval contains ``u * total``; never a zero-weight token.
+
+    A token with zero weight has an empty interval and is never found. If rounding puts
+    ``u * total`` at or past the end, the last token with positive weight is returned.
+    """
+    cum = torch.cumsum(weights.double(), dim=-1)  # [n, vocab]
+    total = cum[:, -1:].contiguous()  # [n, 1]
+    hit = torch.searchsorted(cum, u * total, right=True)  # [n, 1]
+    last = torch.searchsorted(cum, total, right=False)  # [n, 1] last positive token
+    return torch.minimum(hit, last).squeeze(-1)  # [n]
+
+
+def rand_rows(n: int, size: int, generator: Generators) -> torch.Tensor:  # [n, size] float64
+    """Uniforms in [0, 1): from one generator for all rows, or one generator per row."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(n, size, generator=generator, dtype=torch.float64)
+    assert len(generator) == n, f"need one generator per row: {n} rows, {len(generator)} generators"
+    if n == 0:
+        return torch.empty(0, size, dtype=torch.float64)
+    return torch.stack([torch.rand(size, generator=g, dtype=torch.float64) for g in generator])
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator: seeded when ``seed`` is given, else non-deterministic."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def request_randomness(seed: int | None) -> "torch.Generator | SeededNoise":
+    """What a sampled request draws from: ``SeededNoise`` when seeded, else its own generator."""
+    return make_generator(None) if seed is None else SeededNoise(seed)
+
+
+@dataclass(frozen=True, eq=False)
+class SamplingFilters:
+    """Per-row filter parameters for a batch that mixes requests (see :func:`logits_to_probs`)."""
+
+    temperature: torch.Tensor  # [n] float32
+    top_k: torch.Tensor  # [n] long
+    top_p: torch.Tensor  # [n] float32
+    min_p: torch.Tensor  # [n] float32
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], rows: Sequence[int] | None = None
+    ) -> "SamplingFilters":
+        """One row per request, or ``rows[i]`` rows for request ``i`` (e.g. ``k_i + 1`` to verify)."""
+        repeats = torch.tensor(list(rows) if rows is not None else [1] * len(params))  # [requests]
+        assert repeats.numel() == len(params), "rows needs one count per request"
+
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:  # [n]
+            values = torch.tensor([getattr(sp, name) for sp in params], dtype=dtype)  # [requests]
+            return values.repeat_interleave(repeats)
+
+        return cls(column("temperature", torch.float32), column("top_k", torch.long),
+                   column("top_p", torch.float32), column("min_p", torch.float32))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # logits [n, vocab] -> [n, vocab]
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+
+
+__all__ = ["logits_to_probs", "greedy", "sample", "inverse_cdf", "rand_rows", "make_generator",
+           "request_randomness", "SamplingFilters"]

@@ -1,0 +1,89 @@
+"""One request's decoding state: tokens, text, stop rules, generator, statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenleap.config import SamplingParams
+from tokenleap.spec.seeded import SeededNoise
+from tokenleap.spec.logprobs import TokenLogprob
+from tokenleap.spec.stats import SpecStats
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    detokenizer: object  # detokenizer.IncrementalDetokenizer: .add(ids) -> str, .flush() -> str
+    generator: torch.Generator | SeededNoise | None = None
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    text: str = ""  # generated text (stop string removed once matched)
+    streamed: int = 0  # characters of ``text`` already handed out
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # per prompt token
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed) at the last attach
+    constraint: Any = None  # structured.Constraint: the grammar state of a structured-output request
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, new_tokens: list[int]) -> int:
+        """Add verified tokens one by one until a stop rule fires; returns how many were kept."""
+        kept = 0
+        for tok in new_tokens:
+            if self.finished:
+                break
+            self.tokens.append(tok)
+            kept += 1
+            if (tok in self.eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
+                self.finish_reason = "stop"
+                self.text += self.detokenizer.flush()
+                break
+            self.text += self.detokenizer.add([tok])
+            if self._match_stop():
+                break
+            if self.num_generated >= self.params.max_tokens:
+                self.finish_reason = "length"
+                self.text += self.detokenizer.flush()
+        return kept
+
+    def _match_stop(self) -> bool:
+        if not self.params.stop or self.num_generated < self.params.min_tokens:
+            return False
+        longest = max(len(s) for s in self.params.stop)
+        window_start = max(0, self.streamed - longest)
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(i for i, _ in hits)]
+        self.finish_reason = "stop"
+        return True
+
+    def take_text(self) -> str:
+        """New text safe to show: held back while it could still be the start of a stop string."""
+        end = len(self.text)
+        if not self.finished and self.params.stop:
+            end = max(self.streamed, end - max(len(s) for s in self.params.stop) + 1)
+        piece = self.text[self.streamed:end]
+        self.streamed = end
+        return piece

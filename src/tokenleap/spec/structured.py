@@ -1,0 +1,162 @@
+"""Structured output: a reply constrained to a grammar -- a JSON schema, any JSON object, a regular
+expression, a choice among strings or a Lark grammar -- with llguidance saying, token by token,
+which tokens keep the text inside the grammar.
+
+A constraint masks the target's logits before the greedy choice or sampling, so the masked
+distribution *is* the target distribution speculation reproduces exactly. In a verification step
+row i is masked for the grammar's state after the first i drafted tokens: a drafted token the
+grammar forbids has probability zero there and is rejected, whatever the draft thought, and the
+rows after it are never used. The matcher then advances by the tokens the sequence kept. Once the
+grammar is complete only EOS remains allowed.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import torch
+
+from tokenleap.config import ConfigError, StructuredOutput
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # a dependency of the package; a broken install says what to do
+        raise ConfigError("structured output needs the llguidance package: pip install llguidance") from e
+    return llguidance
+
+
+class Constraint:
+    """One sequence's grammar state (an ``llguidance.LLMatcher``)."""
+
+    def __init__(self, matcher: Any, vocab: int, eos_ids: tuple[int, ...]) -> None:
+        self.matcher, self.vocab, self.eos_ids = matcher, vocab, eos_ids
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def allowed(self) -> torch.Tensor:  # [vocab] bool: the tokens the grammar takes next
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(vocab / 32)]
+        ok = ((words.unsqueeze(-1) >> self._bits) & 1).flatten()[:self.vocab].bool()
+        if not ok.any():  # a grammar that takes nothing more (an error state): only the end
+            ok[list(self.eos_ids)] = True
+        return ok
+
+    def mask(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        """``logits`` [k+1, vocab] with forbidden tokens at -inf: row i for the state after
+        ``draft[:i]``. The matcher is left as it was."""
+        out = logits.float().clone()
+        consumed = 0
+        for i in range(out.shape[0]):
+            out[i].masked_fill_(~self.allowed(), float("-inf"))
+            if i == len(draft):
+                break
+            if self._ends(draft[i]):
+                continue  # as in ``advance``: the state stays
+            if self.matcher.try_consume_tokens([draft[i]]) != 1:
+                break  # draft[i] is forbidden at row i: it is rejected there, later rows go unused
+            consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+        return out
+
+    def advance(self, tokens: list[int]) -> None:
+        """The sequence kept ``tokens`` (each allowed by its masked row)."""
+        for t in tokens:
+            if not self._ends(t) and not self.matcher.consume_token(t):
+                raise RuntimeError(f"structured output: the grammar refused a chosen token: {self.matcher.get_error()}")
+
+    def draft(self, logits: torch.Tensor) -> torch.Tensor:
+        """A draft's ``logits`` [1, vocab] masked for the state after what it drafted so far (a
+        draft head over a vocabulary subset may allow none of the grammar's tokens: then uniform
+        over them, still a distribution the verification can use)."""
+        ok = self.allowed()
+        out = logits.float().masked_fill(~ok, float("-inf"))
+        if not torch.isfinite(out).any():
+            out = torch.zeros_like(out).masked_fill_(~ok, float("-inf"))
+        return out
+
+    def push(self, token: int) -> int:
+        """Follow a drafted token (undone with ``rollback``); returns how many tokens that consumed."""
+        return 0 if self._ends(token) else self.matcher.try_consume_tokens([token])
+
+    def rollback(self, consumed: int) -> None:
+        if consumed:
+            self.matcher.rollback(consumed)
+
+    def _ends(self, token: int) -> bool:
+        """EOS where the reply may end is not consumed: the grammar is over (the sequence ends
+        there, unless it ignores EOS -- then the state stays and so does what it allows)."""
+        return token in self.eos_ids and (self.matcher.is_stopped() or self.matcher.is_accepting())
+
+
+@functools.lru_cache(maxsize=64)
+def grammar_of(spec: StructuredOutput) -> str:
+    """``spec`` as an llguidance grammar, checked (no tokenizer needed: callers check early);
+    an invalid schema, regex or grammar is a ConfigError that says what is wrong."""
+    llg = _llguidance()
+    try:
+        if spec.json_object:
+            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+        elif spec.json is not None:
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.loads(spec.json))
+        elif spec.regex is not None:
+            grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
+        elif spec.choice is not None:
+            grammar = llg.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+        else:
+            grammar = llg.LLMatcher.grammar_from_lark(spec.grammar)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"invalid {spec.kind} for structured output: {e}") from None
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise ConfigError(f"invalid {spec.kind} for structured output: {error.strip()}")
+    return grammar
+
+
+class Constraints:
+    """Builds ``Constraint``s for one tokenizer: the llguidance tokenizer (token bytes for every id
+    of the model's vocabulary) is made once, at the first structured request."""
+
+    def __init__(self, tokenizer: Any, vocab: int, eos_ids: tuple[int, ...]) -> None:
+        self.tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, tuple(eos_ids)
+        self._lltok: Any = None
+
+    def prepare(self, spec: StructuredOutput) -> None:
+        """Build what ``make`` needs for ``spec`` ahead (a server does it off its event loop)."""
+        grammar_of(spec)
+        self._tokenizer()
+
+    def make(self, spec: StructuredOutput) -> Constraint:
+        """A fresh constraint for ``spec``; an invalid schema, regex or grammar is a ConfigError."""
+        matcher = _llguidance().LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0)
+        if matcher.is_error():
+            raise ConfigError(f"invalid {spec.kind} for structured output: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab, self.eos_ids)
+
+    def _tokenizer(self) -> Any:
+        if self._lltok is None:
+            llg = _llguidance()
+            self._lltok = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab, self.eos_ids)),
+                                          n_vocab=self.vocab, eos_token=list(self.eos_ids))
+        return self._lltok
+
+
+class _Vocabulary:
+    """What llguidance needs of a tokenizer: every id's bytes, EOS / BOS, and encoding."""
+
+    def __init__(self, tokenizer: Any, vocab: int, eos_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        as_bytes = getattr(tokenizer, "token_bytes", None)
+        self.tokens = [as_bytes(i) if as_bytes else tokenizer.decode([i]).encode("utf-8") for i in range(vocab)]
+        self.eos_token_id = eos_ids[0]
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self.special_token_ids = [i for i in eos_ids if i != self.bos_token_id]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        except TypeError:  # a tokenizer without the option
+            return self.tokenizer.encode(text)

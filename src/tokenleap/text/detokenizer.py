@@ -1,0 +1,72 @@
+"""Streaming detokenization: token ids in, text pieces out, never splitting a UTF-8 character."""
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenleap.text.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces, never splitting a UTF-8 character.
+
+    Only a small window is decoded per call: ``_prefix`` marks where the window starts (a clean
+    character boundary, kept one chunk back as context), ``_read`` where already-emitted text ends,
+    ``_pending`` how many characters past ``_read`` were emitted while a multi-byte character at
+    the end was still incomplete. Concatenating every ``add`` result and ``flush`` equals
+    ``tokenizer.decode(all_ids)``.
+    """
+
+    # Past this many tokens without a complete character the bytes are garbage, not a split char.
+    MAX_PENDING_TOKENS = 16
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = self._pending = 0
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self.ids[start:end], skip_special_tokens=self._skip)
+
+    def _context(self) -> str:
+        """The window's already-emitted text, the window widened back while it decodes to nothing
+        (skipped special tokens): a decoder that strips the text's first space (SentencePiece with a
+        space prefix) would otherwise strip the first new piece's."""
+        prefix_text = self._decode(self._prefix, self._read)
+        while not prefix_text and self._prefix > 0:
+            self._prefix -= 1
+            prefix_text = self._decode(self._prefix, self._read)
+        return prefix_text
+
+    def add(self, ids: int | Iterable[int]) -> str:
+        """Append token id(s); return the text they complete ("" while a character is partial)."""
+        try:
+            self.ids.append(operator.index(ids))
+        except TypeError:
+            self.ids.extend(operator.index(i) for i in ids)
+        prefix_text = self._context()
+        text = self._decode(self._prefix)
+        stable = len(text.rstrip("\ufffd"))
+        if stable < len(text) and len(self.ids) - self._read > self.MAX_PENDING_TOKENS:
+            stable = len(text)
+        start = len(prefix_text) + self._pending
+        piece = text[start:stable] if stable > start else ""
+        if stable == len(text):
+            self._prefix, self._read, self._pending = self._read, len(self.ids), 0
+        else:
+            self._pending += len(piece)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """Return whatever is held back (an incomplete character decodes as U+FFFD) and reset."""
+        prefix_text = self._context()
+        piece = self._decode(self._prefix)[len(prefix_text) + self._pending:]
+        self._prefix = self._read = len(self.ids)
+        self._pending = 0
+        self.text += piece
+        return piece

@@ -1,0 +1,398 @@
+"""Tokenizer: GGUF tokenizer metadata -> Hugging Face ``tokenizers`` files, chat templates, streaming decode.
+
+A GGUF file carries its tokenizer as metadata (vocabulary, merges, token types, special ids, chat
+template). ``write_tokenizer_files`` turns that into ``tokenizer.json`` + ``tokenizer_config.json``,
+the same pair a Hugging Face model directory has, so ``Tokenizer.from_dir`` serves both sources.
+"""
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from tokenleap.config import ConfigError
+from tokenleap.text.detokenizer import IncrementalDetokenizer
+from tokenleap.errors import ModelFormatError, ModelNotFoundError, TokenleapError
+from tokenleap.text.sentencepiece import (SENTENCEPIECE_MODELS, build_sentencepiece_backend, piece_bytes,
+                            sentencepiece_adds_bos, unsupported_model_error)
+
+# Pre-tokenizer split patterns, keyed by GGUF ``tokenizer.ggml.pre`` (llama.cpp's names)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_DIGIT_SPLIT = r"\p{N}"
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+# pre type -> (split patterns applied in order, BPE ignore_merges)
+_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    **{name: ((_GPT2_SPLIT,), False) for name in ("gpt2", "gpt-2", "mpt", "olmo")},
+    **{name: ((_DIGIT_SPLIT, _GPT2_SPLIT), False)
+       for name in ("smollm", "starcoder", "refact", "codeshell", "command-r")},
+    **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "stablelm2")},
+    **{name: ((_LLAMA3_SPLIT,), True) for name in ("llama-bpe", "llama3", "llama-v3", "falcon3")},
+}
+
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+# Tokens that end a chat turn (stop ids when the template uses them) and ones that end a document.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+_DOC_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
+
+
+class ChatTemplateError(TokenleapError, ConfigError):
+    """No chat template, bad messages, or a template that failed to render."""
+
+
+def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
+    """The ``tokenizer.*`` (and ``general.architecture``) metadata of a GGUF file, keys as in GGUF."""
+    from tokenleap.models.gguf import read_header  # the one GGUF header parser, with its corruption checks
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"GGUF file not found: {path}")
+    metadata, _ = read_header(path)
+    return {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
+
+
+# GGUF metadata -> tokenizers.Tokenizer
+@lru_cache(maxsize=1)
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+@lru_cache(maxsize=1)
+def _char_to_byte() -> dict[str, int]:
+    return {c: b for b, c in _byte_to_char().items()}
+
+
+def _byte_level_spelling(token: str) -> str:
+    """A token spelled in the byte alphabet (unchanged if it already is)."""
+    table = _byte_to_char()
+    if set(token) <= set(table.values()):
+        return token
+    return "".join(table[b] for b in token.encode("utf-8"))
+
+
+def _require(metadata: dict[str, Any], key: str) -> Any:
+    if key not in metadata or metadata[key] is None:
+        raise ModelFormatError(f"GGUF tokenizer metadata lacks {key!r}; the file is incomplete")
+    return metadata[key]
+
+
+def _pre_tokenizer_spec(pre: str | None) -> tuple[tuple[str, ...], bool]:
+    if pre is None or pre == "default":  # older byte-level conversions: plain GPT-2 splitting
+        return _PRE_TOKENIZERS["gpt2"]
+    if pre not in _PRE_TOKENIZERS:
+        raise ModelFormatError(
+            f"unsupported GGUF pre-tokenizer {pre!r}; tokenleap supports "
+            f"{', '.join(sorted(_PRE_TOKENIZERS))}")
+    return _PRE_TOKENIZERS[pre]
+
+
+def build_backend_tokenizer(metadata: dict[str, Any]) -> _Backend:
+    """A ``tokenizers.Tokenizer`` from GGUF tokenizer metadata: byte-level BPE ('gpt2') or
+    SentencePiece ('llama', 'gemma4'; see ``tokenizer_spm``)."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2" and kind not in SENTENCEPIECE_MODELS:
+        raise unsupported_model_error(kind)
+    tokens = [str(t) for t in _require(metadata, "tokenizer.ggml.tokens")]
+    types = metadata.get("tokenizer.ggml.token_type")
+    types = [int(k) for k in types] if types is not None else [_TOKEN_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelFormatError("GGUF tokenizer metadata: token_type and tokens differ in length")
+    if kind in SENTENCEPIECE_MODELS:
+        backend = build_sentencepiece_backend(metadata, tokens, types)
+        _set_post_processor(backend, metadata, tokens)
+        return backend
+    merges = [str(m) for m in _require(metadata, "tokenizer.ggml.merges")]
+    splits, ignore_merges = _pre_tokenizer_spec(metadata.get("tokenizer.ggml.pre"))
+
+    added = {_TOKEN_CONTROL, _TOKEN_USER_DEFINED}
+    vocab: dict[str, int] = {}
+    for i, (tok, kind_) in enumerate(zip(tokens, types)):
+        vocab.setdefault(tok if kind_ in added else _byte_level_spelling(tok), i)
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise ModelFormatError("GGUF tokenizer metadata: a merge is not two space-separated tokens")
+    try:
+        backend = _Backend(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    except Exception as e:  # tokenizers raises plain Exceptions for merges naming unknown tokens
+        raise ModelFormatError(f"GGUF tokenizer metadata is inconsistent: {e}") from e
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == _TOKEN_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == _TOKEN_USER_DEFINED])
+    _set_post_processor(backend, metadata, tokens)
+    return backend
+
+
+def _special(metadata: dict[str, Any], tokens: list[str], name: str) -> str | None:
+    idx = metadata.get(f"tokenizer.ggml.{name}_token_id")
+    if idx is None or isinstance(idx, bool) or not float(idx).is_integer():
+        return None
+    return tokens[int(idx)] if 0 <= int(idx) < len(tokens) else None
+
+
+def _adds_bos(metadata: dict[str, Any]) -> bool:
+    if metadata.get("tokenizer.ggml.model") in SENTENCEPIECE_MODELS:
+        return sentencepiece_adds_bos(metadata)
+    return bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+
+
+def _set_post_processor(backend: _Backend, metadata: dict[str, Any], tokens: list[str]) -> None:
+    bos, eos = _special(metadata, tokens, "bos"), _special(metadata, tokens, "eos")
+    head = [bos] if bos and _adds_bos(metadata) else []
+    tail = [eos] if eos and metadata.get("tokenizer.ggml.add_eos_token") else []
+    if not head and not tail:
+        return
+    single = " ".join([*head, "$A", *tail])
+    pair = " ".join([*head, "$A", *tail, *head, "$B:1", *tail])
+    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(head + tail)]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def tokenizer_config_from_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` content Hugging Face uses, from GGUF metadata."""
+    tokens = [str(t) for t in metadata.get("tokenizer.ggml.tokens", [])]
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                              "clean_up_tokenization_spaces": False}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+        config[f"{name}_token"] = _special(metadata, tokens, key)
+    config["add_bos_token"] = _adds_bos(metadata)
+    config["add_eos_token"] = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    if metadata.get("tokenizer.chat_template"):
+        config["chat_template"] = metadata["tokenizer.chat_template"]
+    return config
+
+
+def write_tokenizer_files(metadata: dict[str, Any], out_dir: Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` for GGUF tokenizer metadata."""
+    out_dir = Path(out_dir)
+    backend = build_backend_tokenizer(metadata)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    backend.save(str(out_dir / "tokenizer.json"))
+    config = json.dumps(tokenizer_config_from_metadata(metadata), indent=2, ensure_ascii=False)
+    (out_dir / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
+
+
+# Chat templates (rendered like Hugging Face transformers does)
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the model's chat template rejected the conversation: {message}")
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"message {i} must be a dict with a string 'role', got {m!r}")
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(value: Any) -> str | None:
+    """A template string, or the 'default' one of a list of named templates."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
+
+
+# Tokenizer
+class Tokenizer:
+    """Text <-> token ids, chat templates, stop ids. Wraps a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, backend: _Backend, config: dict[str, Any] | None = None,
+                 generation_config: dict[str, Any] | None = None) -> None:
+        self._backend = backend
+        config = dict(config or {})
+        self.chat_template: str | None = _pick_template(config.get("chat_template"))
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.pad_token = _token_content(config.get("pad_token"))
+        self.unk_token = _token_content(config.get("unk_token"))
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        self.eos_token_id = self.token_to_id(self.eos_token)
+        with_specials = backend.encode("a", add_special_tokens=True).ids
+        self.add_bos_token = self.bos_token_id is not None and with_specials[:1] == [self.bos_token_id]
+        self.eos_token_ids = self._stop_ids(generation_config or {})
+        # SentencePiece-style vocabulary (``▁`` for a space, ``<0xNN>`` byte pieces): token bytes
+        # come from the spelling, since a decoder may strip a piece's leading space
+        self._spm_pieces = isinstance(backend.model, models.BPE) and bool(backend.model.byte_fallback)
+        self._added_ids: frozenset[int] | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load ``tokenizer.json`` (required) and, when present, ``tokenizer_config.json``,
+        ``chat_template.jinja`` and ``generation_config.json`` from a directory."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ModelNotFoundError(f"no tokenizer.json in {path}; the model directory is incomplete")
+        try:
+            backend = _Backend.from_file(str(path / "tokenizer.json"))
+        except Exception as e:
+            raise ModelFormatError(f"{path / 'tokenizer.json'} could not be read: {e}") from e
+        config = _read_json(path / "tokenizer_config.json")
+        if not _pick_template(config.get("chat_template")) and (path / "chat_template.jinja").is_file():
+            config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(backend, config, _read_json(path / "generation_config.json"))
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        """Build in memory from GGUF tokenizer metadata (no files written)."""
+        return cls(build_backend_tokenizer(metadata), tokenizer_config_from_metadata(metadata))
+
+    # -- vocabulary ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (may be below the model's embedding rows)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> _Backend:
+        """The wrapped ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
+
+    def _stop_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
+        ids: list[int | None] = [self.eos_token_id]
+        gen_eos = generation_config.get("eos_token_id")
+        ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        template = self.chat_template or ""
+        ids += [self.token_to_id(t) for t in _TURN_END_TOKENS if t in template]
+        specials = {t.content for t in self._backend.get_added_tokens_decoder().values() if t.special}
+        ids += [self.token_to_id(t) for t in _DOC_END_TOKENS if t in specials]
+        return tuple(dict.fromkeys(int(i) for i in ids if isinstance(i, int)))
+
+    # -- encode / decode ----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS where the model's config says so."""
+        if not isinstance(text, str):
+            raise ConfigError(f"text to encode must be a string, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for -- exact also for a token that holds part of a
+        multi-byte character (byte-level BPE spelling, or SentencePiece's ``<0xNN>`` byte tokens)."""
+        if self._spm_pieces:
+            if self._added_ids is None:
+                self._added_ids = frozenset(self._backend.get_added_tokens_decoder())
+            spelled = self.id_to_token(token_id) if int(token_id) not in self._added_ids else None
+            if spelled:
+                return piece_bytes(spelled) or b""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            spelled = self.id_to_token(token_id) or ""
+            byte_of = _char_to_byte()
+            if spelled and all(c in byte_of for c in spelled):
+                return bytes(byte_of[c] for c in spelled)
+            hex_byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", spelled)
+            if hex_byte:
+                return bytes([int(hex_byte.group(1), 16)])
+        return text.encode("utf-8")
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+    # -- chat -----------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Render a conversation with the model's chat template, as transformers does."""
+        if not self.chat_template:
+            raise ChatTemplateError(
+                "this model has no chat template, so it cannot format chat messages; use --chat "
+                "(or chat messages) only with instruct/chat models, or pass a plain text prompt")
+        _check_messages(messages)
+        template = _compile_template(self.chat_template)
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                     "pad_token": self.pad_token, "unk_token": self.unk_token, **kwargs}
+        try:
+            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                   tools=tools, **variables)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # jinja2 errors, or a template indexing a field a message lacks
+            raise ChatTemplateError(f"the model's chat template failed on these messages: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    reply_prefix: str = "", continue_final_message: bool = False, **kwargs: Any) -> list[int]:
+        """Token ids of a rendered conversation (followed by ``reply_prefix``, text the reply is
+        made to start with; with ``continue_final_message`` the rendering stops right after the
+        final message's content, so the reply continues it); BOS is added only if the model wants
+        one and the template did not already write it."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                        **kwargs)
+        if continue_final_message:
+            final = messages[-1].get("content") or ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ChatTemplateError("continue_final_message: the final message's content (non-empty) "
+                                        "is not in the rendered conversation")
+            text = text[:at + len(final)]
+        text += reply_prefix
+        ids = self.encode(text, add_special_tokens=False)
+        if self.add_bos_token and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{path} is not valid JSON: {e}") from e
+    return data if isinstance(data, dict) else {}
