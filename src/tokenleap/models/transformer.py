@@ -302,19 +302,21 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, segments: list[Segment], cache: KVCache,
                 logit_rows: torch.Tensor | None = None, row_exact: bool = False,
                 hidden_layers: tuple[int, ...] = (), num_layers: int | None = None,
-                head=None) -> ForwardOutput:
+                head=None, skip: frozenset[int] = frozenset()) -> ForwardOutput:
         """Run new rows through the model and update ``cache``.
 
         tokens: [rows] token ids; segments place consecutive row ranges in cache slots.
         logit_rows: [n] indices of rows whose logits are wanted (None: all rows).
         num_layers: stop after this many layers (early exit for self-speculation).
         head: replaces ``lm_head`` (e.g. a draft's reduced-vocabulary head); called as head(x, row_exact).
+        skip: layer indices not run (layer-skip self-speculation: a skipped layer passes the hidden
+        state through and writes nothing into ``cache``).
         """
         positions = torch.cat([s.tree.positions(s.pos_start)[s.tree_first:s.tree_first + s.length] if s.tree is not None
                                else torch.arange(s.pos_start, s.pos_start + s.length) for s in segments])
         x = self.embed(tokens)  # [rows, hidden]
         hidden: dict[int, torch.Tensor] = {}
-        layers = self.model.layers[: num_layers or len(self.model.layers)]
+        layers = [b for i, b in enumerate(self.model.layers[: num_layers or len(self.model.layers)]) if i not in skip]
         plans = self._fused_plans(layers, x, cache, row_exact)
         if plans:
             seg_ints = [v for s in segments for v in (s.slot, s.pos_start, s.length, s.row_start)]
@@ -333,8 +335,8 @@ class Transformer(nn.Module):
                                               cache.v[li], seg_ints, tables, p.eps, p.scale)
             else:
                 x = block(x, positions, self.rotary_of(block), cache, segments, row_exact)
-            if i in hidden_layers:
-                hidden[i] = x
+            if block.self_attn.layer in hidden_layers:
+                hidden[block.self_attn.layer] = x
         for s in segments:
             cache.commit(s.slot, s.end)
         sel = x if logit_rows is None else x[logit_rows]

@@ -52,6 +52,8 @@ class Engine:
         self.cache = cache if cache is not None else KVCache(model.config, num_slots, self.max_len, model.dtype)
         self.totals = SpecStats()  # every sequence's steps, for server metrics
         self.proposer = proposer
+        if hasattr(proposer, "bind_cache"):  # a self-drafting proposer (layer skip) drafts in the target's cache
+            proposer.bind_cache(self.cache)
         self.controller = DraftLengthController(controller or ControllerConfig())
         self._attached: set[int] = set()  # sequences holding a cache slot: the batch a newcomer joins
         self.prefill_chunk = prefill_chunk
@@ -243,7 +245,7 @@ class Engine:
             return [None] * len(seqs), 0.0, 0.0
         t0 = time.perf_counter()
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint,
-                                 max_nodes=self._tree_budget(s)) for s, n in asked]
+                                 max_nodes=self._tree_budget(s), slot=s.slot) for s, n in asked]
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)  # an empty draft may have caught up

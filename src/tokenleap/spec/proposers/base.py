@@ -53,6 +53,7 @@ class DraftRequest:
     generator: torch.Generator | SeededNoise | None = None
     constraint: Any = None  # structured.Constraint: a draft model drafts inside the grammar too
     max_nodes: int = 0  # > 0: a tree of at most this many drafted nodes (k deep) may be proposed
+    slot: int = -1  # the sequence's slot in the target's cache (a self-drafting proposer writes there)
 
 
 class Proposer(Protocol):

@@ -1,0 +1,197 @@
+"""Layer-skip self-speculation (Draft & Verify, SWIFT): the draft is the target model itself with
+a subset of its decoder layers skipped -- no second model, no extra weights.
+
+A drafted row runs only the kept layers (a skipped layer passes the hidden state through), then
+the target's own final norm and LM head. It reads the target's KV cache for the layers it runs:
+the committed entries there are the target's own values. Its own rows' keys and values go into
+the target's cache at the drafted positions (kept layers only), which cannot corrupt the target:
+
+* the step's verification forward writes every layer at every drafted position (the sequence's
+  last token and the drafts) before any row reads it, so no draft entry survives into a
+  verified row; a rejected tail is then truncated as always;
+* after drafting the slot's length is set back to the committed length with ``commit`` (not
+  ``truncate``), so a paged cache keeps the blocks the scheduler reserved for this step (the
+  drafts write at most the positions the verification writes: inside that reservation);
+* skipped layers are never written nor read by a draft row.
+
+Drafting is batched like a draft model's: draft position j of every sequence in one forward of
+one row each, row-exact (the compiled decode path). In sampling mode each drafted token is drawn
+from the skipped-layer distribution q, which the verification's rejection sampling uses (seeded
+requests: the drafter-invariant choice), so every mode stays exact. Chains only: a request with a
+tree budget gets a chain.
+
+``skip="auto"`` picks the skipped set at the first proposal by a short calibration on that
+request's own tokens (``layerskip_search.py``), unless one is given up front (cached on disk by
+``api.build_proposer``).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenleap.cache.contiguous import CacheFullError
+from tokenleap.config import ConfigError
+from tokenleap.models.transformer import Segment, Transformer
+from tokenleap.spec.proposers.base import Draft, DraftRequest
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+
+
+def parse_skip_layers(text: str, num_layers: int | None = None) -> frozenset[int] | str:
+    """``"auto"`` or a list like ``4,5,6,10-14`` (``+`` also separates, for bench options) -> layer
+    indices; ConfigError names the bad part. With ``num_layers`` every index must exist."""
+    text = text.strip()
+    if text == "auto":
+        return "auto"
+    out: set[int] = set()
+    for part in (p.strip() for p in text.replace("+", ",").split(",")):
+        lo, dash, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise ConfigError(f"skip layers: {part!r} is not a layer index or range (use e.g. 4,5,6,10-14 "
+                              f"or auto)") from None
+        if a < 0 or b < a:
+            raise ConfigError(f"skip layers: {part!r} is not a layer index or ascending range")
+        out.update(range(a, b + 1))
+    if num_layers is not None:
+        check_skip(frozenset(out), num_layers)
+    return frozenset(out)
+
+
+def check_skip(skip: frozenset[int], num_layers: int) -> None:
+    bad = sorted(i for i in skip if not 0 <= i < num_layers)
+    if bad:
+        raise ConfigError(f"skip layers {bad} do not exist: the model has layers 0-{num_layers - 1}")
+    if len(skip) >= num_layers:
+        raise ConfigError(f"skip layers: skipping all {num_layers} layers leaves no draft; keep at least one")
+
+
+def format_skip(skip: frozenset[int]) -> str:
+    """Layer indices as ranges: {4, 5, 6, 10} -> "4-6,10" (parse_skip_layers reads it back)."""
+    parts, run = [], []
+    for i in sorted(skip):
+        if run and i != run[-1] + 1:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts) or "none"
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One sequence's drafting within ``propose_many``."""
+
+    index: int  # position in the request list
+    req: DraftRequest
+    committed: int  # the slot's cache length before drafting (len(tokens) - 1)
+    pos: int  # cache position of the next row to feed
+    pending: int  # the token to feed next
+    drafted: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # each [1, vocab]
+    pushed: int = 0  # drafted tokens the request's grammar followed (undone after drafting)
+
+
+# calibrate(model, tokens) -> the skipped set for this model, chosen on one request's tokens
+Calibrate = Callable[[Transformer, list[int]], frozenset[int]]
+
+
+class LayerSkipProposer:
+    name = "layerskip"
+
+    def __init__(self, model: Transformer, skip: frozenset[int] | None, calibrate: Calibrate | None = None) -> None:
+        """``skip``: the layers drafted rows skip; None: chosen by ``calibrate`` at the first proposal."""
+        if skip is None and calibrate is None:
+            raise ConfigError("layer skip needs a skipped set or a calibration to choose one")
+        if skip is not None:
+            check_skip(frozenset(skip), model.config.num_hidden_layers)
+        self.model = model
+        self.skip = frozenset(skip) if skip is not None else None
+        self._calibrate = calibrate
+        self.cache = None  # the target's cache, from the engine (bind_cache)
+
+    def bind_cache(self, cache) -> None:
+        """The engine hands over its cache: drafts read the committed entries and write their rows there."""
+        self.cache = cache
+
+    # -- lifecycle: the target's cache holds everything the draft needs --------------------------
+    def begin(self, seq_id: int, prompt: list[int]) -> None:
+        pass
+
+    def prefill(self, seq_id: int, tokens: list[int]) -> None:
+        pass
+
+    def backlog(self, seq_id: int, tokens: list[int]) -> int:
+        return 0
+
+    def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
+        pass  # the engine truncated (or compacted) the target's cache; nothing of the draft's is left
+
+    def end(self, seq_id: int) -> None:
+        pass
+
+    # -- drafting ------------------------------------------------------------------------------
+    def propose(self, seq_id: int, tokens: list[int], k: int, params, generator) -> Draft | None:
+        raise ConfigError("the layer-skip proposer drafts in the target's cache: call propose_many with the "
+                          "sequence's slot (DraftRequest.slot), as the engine does")
+
+    def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        if self.cache is None:
+            raise ConfigError("the layer-skip proposer is not bound to an engine's cache (Engine does this)")
+        out: list[Draft | None] = [None] * len(requests)
+        catch_up = 0.0
+        if self.skip is None and requests:  # skip=auto: calibrate once, on this request's own tokens
+            t0 = time.perf_counter()
+            self.skip = frozenset(self._calibrate(self.model, list(requests[0].tokens)))
+            catch_up = time.perf_counter() - t0  # one-off set-up work, not the draft's cost per token
+        lanes = []
+        for i, r in enumerate(requests):
+            committed = len(r.tokens) - 1
+            if (r.k <= 0 or r.slot < 0 or len(r.tokens) + r.k > self.cache.max_len
+                    or self.cache.lengths[r.slot] != committed):
+                continue
+            lanes.append(_Lane(i, r, committed, committed, r.tokens[-1]))
+        active = lanes
+        while active := [l for l in active if len(l.drafted) < l.req.k]:
+            if not self._draft_position(active):  # a paged cache out of blocks: no draft for these
+                for l in active:
+                    l.drafted, l.probs = [], []
+                active = []
+        for l in lanes:
+            self.cache.commit(l.req.slot, l.committed)  # drafts' entries lie past it (blocks kept)
+            if l.req.constraint is not None:
+                l.req.constraint.rollback(l.pushed)
+            if l.drafted:
+                out[l.index] = Draft(tokens=l.drafted, probs=torch.cat(l.probs) if l.probs else None)
+        if catch_up:
+            first = next((i for i, d in enumerate(out) if d is not None), None)
+            d = out[first] if first is not None else Draft(tokens=[], probs=None)
+            out[first or 0] = Draft(tokens=d.tokens, probs=d.probs, catch_up_seconds=catch_up)
+        return out
+
+    def _draft_position(self, lanes: list[_Lane]) -> bool:
+        """Feed every lane's pending token through the kept layers in one forward and draft each
+        lane's next token (the row's logits: [lanes, vocab])."""
+        segments = [Segment(l.req.slot, l.pos, 1, row_start=j) for j, l in enumerate(lanes)]
+        tokens = torch.tensor([l.pending for l in lanes])
+        try:
+            logits = self.model(tokens, segments, self.cache, row_exact=True, skip=self.skip).logits
+        except CacheFullError:
+            return False
+        for j, l in enumerate(lanes):
+            l.pos += 1
+            row = logits[j : j + 1]  # [1, vocab]
+            if l.req.constraint is not None:  # structured output: draft only what the grammar allows
+                row = l.req.constraint.draft(row)
+            token, probs = DraftModelProposer._choose(row, l.req.params, l.req.generator, l.pos)
+            if l.req.constraint is not None:
+                l.pushed += l.req.constraint.push(token)
+            l.drafted.append(token)
+            if probs is not None:
+                l.probs.append(probs)
+            l.pending = token
+        return True

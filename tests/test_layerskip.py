@@ -1,0 +1,137 @@
+"""Layer-skip self-speculation: the target drafts for itself with some layers skipped, in its own
+cache. Greedy and seeded output equal plain decoding (contiguous and paged caches, float32 and
+int8 weights -- the compiled layer path --, several sequences in one step); skipping nothing
+accepts every drafted token; a skipped layer is neither run nor written; the skip-list syntax."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap.cache.contiguous import KVCache
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.models.quant import quantize_
+from tokenleap.models.transformer import Segment
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.proposers.layerskip import LayerSkipProposer, format_skip, parse_skip_layers
+
+from conftest import ToyTokenizer, tiny_model
+
+VOCAB = 96
+PROMPTS = [[5, 9, 14, 3, 7, 9, 14, 3, 7, 9], list(range(3, 22)), [11, 12, 11, 13]]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_k=30, seed=5)
+SEEDED_PENALTIES = SamplingParams(max_tokens=24, temperature=0.8, seed=9, repetition_penalty=1.2,
+                                  presence_penalty=0.3, min_tokens=6)
+
+
+def _model(weights: str = "fp32"):
+    m = tiny_model("qwen2", seed=4, vocab=VOCAB, hidden=64, intermediate=128, layers=4)
+    if weights == "int8":
+        quantize_(m, "int8")  # every product on tokenleap's kernels: the compiled decoder_layer path
+    return m
+
+
+def _cache(model, paged: bool, slots: int = 3):
+    if paged:
+        return PagedKVCache(model.config, 64, 64, model.dtype, block_size=4, num_slots=slots)
+    return KVCache(model.config, slots, 64, model.dtype)
+
+
+def _engine(model, skip, paged=False, k: int | None = 3, slots: int = 3):
+    ctl = ControllerConfig(max_k=4, fixed_k=k)
+    proposer = LayerSkipProposer(model, skip) if skip is not None else None
+    return Engine(model, ToyTokenizer(VOCAB, (2,)), max_len=64, proposer=proposer, controller=ctl,
+                  cache=_cache(model, paged, slots))
+
+
+def _generate(eng, prompt, params):
+    *_, (seq, _) = eng.generate(prompt, params)
+    return seq
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, SEEDED_PENALTIES], ids=["greedy", "seeded", "seeded-penalties"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_layerskip_output_equals_plain(params, paged, weights):
+    model = _model(weights)
+    for prompt in PROMPTS:
+        want = _generate(_engine(model, None, paged), prompt, params).generated
+        seq = _generate(_engine(model, frozenset({1, 2}), paged), prompt, params)
+        assert seq.generated == want, prompt
+        assert seq.stats.draft_tokens > 0  # it did speculate
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_layerskip_adaptive_k_equals_plain(paged):
+    model = _model("int8")
+    for prompt in PROMPTS:
+        want = _generate(_engine(model, None, paged), prompt, GREEDY).generated
+        assert _generate(_engine(model, frozenset({2}), paged, k=None), prompt, GREEDY).generated == want
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_batched_layerskip_steps_equal_each_alone(paged, params):
+    """Several sequences drafted in one forward per position and verified in one step."""
+    model = _model("int8")
+    want = [_generate(_engine(model, None, paged), p, params).generated for p in PROMPTS]
+    eng = _engine(model, frozenset({0, 3}), paged)
+    seqs = [eng.add(p, params) for p in PROMPTS]
+    while not all(s.finished for s in seqs):
+        eng.step(seqs)
+    assert [s.generated for s in seqs] == want
+    for s in seqs:
+        eng.release(s)
+    if paged:
+        assert eng.cache.num_free_blocks == eng.cache.num_blocks  # every block given back
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_skipping_nothing_accepts_every_draft(weights):
+    """The draft is then the target itself, row for row: every step accepts all k drafts (tau = k + 1)."""
+    model = _model(weights)
+    k = 3
+    seq = _generate(_engine(model, frozenset(), k=k), PROMPTS[1], SamplingParams(max_tokens=1 + 4 * (k + 1),
+                                                                                ignore_eos=True))
+    st = seq.stats
+    assert st.draft_steps == 4 and st.draft_tokens == 4 * k
+    assert st.accepted_tokens == st.draft_tokens
+    assert seq.generated == _generate(_engine(model, None), PROMPTS[1], seq.params).generated
+
+
+def test_skipped_layers_are_not_written_and_rows_match_the_python_path():
+    model = _model("int8")
+    skip = frozenset({1, 3})
+    out = {}
+    for fused in (True, False):
+        model.use_fused_layers = fused
+        cache = KVCache(model.config, 1, 64, model.dtype)
+        slot = cache.allocate()
+        model(torch.tensor(PROMPTS[1]), [Segment(slot, 0, len(PROMPTS[1]))], cache)
+        before = [t.clone() for t in cache.k]
+        n = len(PROMPTS[1])
+        out[fused] = model(torch.tensor([40]), [Segment(slot, n, 1)], cache, row_exact=True, skip=skip).logits
+        for layer in range(4):
+            changed = not torch.equal(cache.k[layer][slot, :, n], before[layer][slot, :, n])
+            assert changed == (layer not in skip), layer
+    model.use_fused_layers = True
+    assert torch.equal(out[True], out[False])
+    full = model(torch.tensor([40]), [Segment(slot, n, 1)], cache, row_exact=True).logits
+    assert not torch.equal(full, out[True])  # skipping changes the row
+
+
+def test_skip_list_syntax():
+    assert parse_skip_layers("4,5,6,10-14") == frozenset({4, 5, 6, 10, 11, 12, 13, 14})
+    assert parse_skip_layers("auto") == "auto"
+    assert parse_skip_layers("3+7-8") == frozenset({3, 7, 8})
+    assert parse_skip_layers(format_skip(frozenset({0, 1, 2, 5, 9, 10}))) == frozenset({0, 1, 2, 5, 9, 10})
+    assert format_skip(frozenset()) == "none"
+    for bad in ("x", "5-3", "-1", "4,,5"):
+        with pytest.raises(ConfigError):
+            parse_skip_layers(bad)
+    with pytest.raises(ConfigError, match="do not exist"):
+        parse_skip_layers("2,30", num_layers=28)
+    with pytest.raises(ConfigError, match="no draft"):
+        LayerSkipProposer(_model(), frozenset(range(4)))
