@@ -109,7 +109,7 @@ class LLM:
             return NgramProposer(self.spec.ngram_max, self.spec.ngram_min)
         if self.spec.method == "draft":
             return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
-                                  self.spec.draft_vocab, cache)
+                                  self.spec.draft_vocab, cache, self.spec.draft_spec, self.tokenizer)
         return None
 
     def describe(self) -> str:
@@ -193,13 +193,20 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
         return NgramProposer(spec.ngram_max, spec.ngram_min)
     draft = load_draft(spec, target, cache_dir)
     cache = draft_cache(draft) if draft_cache is not None else None
-    return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache)
+    return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache,
+                          spec.draft_spec, target.tokenizer)
 
 
 def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num_slots: int = 1,
-                   draft_vocab: int | None = SpecConfig.draft_vocab, cache=None) -> Proposer:
+                   draft_vocab: int | None = SpecConfig.draft_vocab, cache=None, draft_spec: str | None = None,
+                   target_tokenizer=None) -> Proposer:
     """A draft-model proposer for a loaded draft; with ``draft_vocab`` (and a vocabulary over twice
-    that) the draft scores only a reduced vocabulary (see ``proposers.draft_head``)."""
+    that) the draft scores only a reduced vocabulary (see ``proposers.draft_head``); with
+    ``draft_spec="ngram"`` n-gram lookup speculates the draft's own steps (``proposers.cascade``).
+    Given the target's tokenizer, a draft of another tokenizer drafts through text
+    (``proposers.cross_tokenizer``); without it, a vocabulary mismatch is refused."""
+    from tokenleap.spec.proposers.cascade import CascadeDraftProposer
+    from tokenleap.spec.proposers.cross_tokenizer import CrossTokenizerProposer, same_tokenizer
     from tokenleap.spec.proposers.draft_model import DraftModelProposer
 
     head = None
@@ -207,4 +214,8 @@ def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num
         from tokenleap.spec.proposers.draft_head import ReducedVocabHead
         specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
         head = ReducedVocabHead(draft.model.lm_head, draft_vocab, specials)
-    return DraftModelProposer(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head)
+    kind = CascadeDraftProposer if draft_spec == "ngram" else DraftModelProposer
+    if target_tokenizer is not None and not same_tokenizer(target_tokenizer, draft.tokenizer):
+        inner = kind(draft.model, draft.model.config.vocab_size, max_len, num_slots, cache=cache, head=head)
+        return CrossTokenizerProposer(inner, target_tokenizer, draft.tokenizer)
+    return kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head)

@@ -235,6 +235,7 @@ class SpecConfig:
     draft_model: str | None = None
     draft_quant: str = "none"
     draft_dtype: str | None = None
+    draft_spec: str | None = None  # None | "ngram": n-gram lookup speculates the draft model's own steps (cascade)
     num_tokens: int | str = "auto"  # "auto" or a fixed draft length >= 1
     max_num_tokens: int = 8  # upper bound for the adaptive controller
     draft_vocab: int | None = 32768  # draft head over the first N ids + specials + prompt; None = full
@@ -249,6 +250,10 @@ class SpecConfig:
                f"unknown speculative method {self.method!r}; choose draft or ngram")
         _check(self.method != "draft" or bool(self.draft_model),
                "speculative method 'draft' needs a draft model (--draft-model NAME_OR_PATH)")
+        _check(self.draft_spec in (None, "ngram"),
+               f"unknown draft speculation {self.draft_spec!r}; choose ngram (or none)")
+        _check(self.draft_spec is None or self.method == "draft",
+               "--draft-spec ngram speculates a draft model's steps: it needs --spec draft --draft-model M")
         _check(self.num_tokens == "auto" or (isinstance(self.num_tokens, int) and self.num_tokens >= 1),
                f"num_tokens must be 'auto' or an integer >= 1, got {self.num_tokens!r}")
         _check(isinstance(self.max_num_tokens, int) and self.max_num_tokens >= 1,

@@ -15,13 +15,14 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "ngram": ("k", "kmax", "max", "min"),
     "draft-tree": ("k", "kmax", "vocab", "nodes"),  # token trees of at most `nodes` drafted nodes, k deep
     "ngram-tree": ("k", "kmax", "max", "min", "nodes"),
+    "cascade": ("k", "kmax", "vocab"),  # draft, its own steps speculated by n-gram lookup (--draft-spec ngram)
     "hf-plain": (),
     "hf-assisted": ("k",),
     "hf-prompt-lookup": ("k", "max"),
     "llamacpp-plain": (),
     "llamacpp-prompt-lookup": ("k", "max"),
 }
-AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree"}
+AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree", "cascade"}
 TREE_NODES = 16  # a tree method's default node budget
 
 

@@ -31,7 +31,7 @@ class MethodSpec:
 
     @property
     def kind(self) -> str:
-        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree") else PEER
+        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree", "cascade") else PEER
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
@@ -160,10 +160,12 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     if family == "ngram":
         from tokenleap.spec.proposers.ngram import NgramProposer
         proposer = NgramProposer(int(spec.get("max", 4)), int(spec.get("min", 1)))
-    elif family == "draft":
+    elif family in ("draft", "cascade"):  # a draft of another tokenizer drafts through text (cross_tokenizer.py)
         from tokenleap.api import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
-        proposer = draft_proposer(pool.draft(spec.name), target.model.config.vocab_size, max_len, draft_vocab=vocab)
+        proposer = draft_proposer(pool.draft(spec.name), target.model.config.vocab_size, max_len, draft_vocab=vocab,
+                                  draft_spec="ngram" if family == "cascade" else None,
+                                  target_tokenizer=target.tokenizer)
     nodes = int(spec.get("nodes", TREE_NODES)) if spec.family.endswith("-tree") else 0
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec), tree_nodes=nodes)

@@ -14,7 +14,7 @@ from tokenleap.bench.machine import machine_info, rss_mb, versions
 from tokenleap.bench.methods import MethodSpec, ModelOptions, ModelPool, build_methods, describe_target, parse_methods
 from tokenleap.bench.runner import BenchSettings, check_out_dir, run_bench
 
-_NEEDS_DRAFT = ("draft", "draft-tree", "hf-assisted")
+_NEEDS_DRAFT = ("draft", "draft-tree", "cascade", "hf-assisted")
 
 
 def encode_prompts(tokenizer, prompts: list[BenchPrompt], chat: bool) -> list[list[int]]:

@@ -13,6 +13,7 @@ from tokenleap.cli.main import check_model_ref, check_quant_dtype, positive_int
 _EPILOG = f"""methods: {', '.join(FAMILIES)}
   options: draft:k=4 | draft:k=auto,kmax=8 | draft:vocab=0 (full draft head) | ngram:k=3,max=4,min=1 |
            draft-tree:k=auto,nodes=16 | ngram-tree:k=4,nodes=8 (token trees of at most `nodes` drafted nodes) |
+           cascade:k=auto (draft, its own steps speculated by n-gram lookup: --draft-spec ngram) |
            hf-assisted:k=5 | hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
   plain is always run (speedups and the equality check are relative to it); sampled runs are seeded
   per prompt (--seed + prompt index), so tokenleap's methods must equal plain then too (peers are not
@@ -28,7 +29,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark methods and peers side by side (Spec-Bench style)",
                               epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model: catalog name, GGUF file or HF directory")
-    p.add_argument("--draft", help="draft model for draft and hf-assisted")
+    p.add_argument("--draft", help="draft model for draft, cascade and hf-assisted (another tokenizer's: "
+                                   "tokenleap drafts through text)")
     p.add_argument("--dataset", default="humaneval", help=f"{', '.join(DATASETS)} or a JSONL file")
     p.add_argument("--methods", default="plain,ngram", help="comma-separated method list (see below)")
     p.add_argument("--limit", type=positive_int, default=None, help="first N prompts of the dataset")

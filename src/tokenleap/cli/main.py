@@ -60,6 +60,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
     p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
+    p.add_argument("--draft-spec", choices=["none", "ngram"], default="none",
+                   help="--spec draft: speculate the draft model's own steps by n-gram lookup (a cascade)")
     p.add_argument("--draft-vocab", type=non_negative_int, default=32768,
                    help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
@@ -85,11 +87,15 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                          "drop --draft-model, or use --spec draft")
     if args.spec != "draft" and args.draft_model and args.spec == "none":
         args.spec = "draft"  # --draft-model alone implies draft-model speculation
+    if args.draft_spec != "none" and args.spec != "draft":
+        raise UsageError("--draft-spec ngram speculates a draft model's own steps: use it with "
+                         "--spec draft --draft-model M")
     if args.spec_tree == "on" and args.spec == "none":
         raise UsageError("--spec-tree on needs a proposer: --spec draft --draft-model M, or --spec ngram")
     check_model_args(args)
     return SpecConfig(method=None if args.spec == "none" else args.spec, draft_model=args.draft_model,
                       draft_quant=args.draft_quant, draft_dtype=args.draft_dtype,
+                      draft_spec=None if args.draft_spec == "none" else args.draft_spec,
                       draft_vocab=args.draft_vocab or None,
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
                       ngram_max=args.ngram_max, ngram_min=args.ngram_min, tree=args.spec_tree,

@@ -199,6 +199,17 @@ class DraftModelProposer:
         self._fed[seq_id] = min(self._fed[seq_id], valid)
         self.cache.truncate(self._slot[seq_id], self._fed[seq_id])
 
+    def fed(self, seq_id: int) -> int:
+        """How many of the sequence's leading tokens the draft cache holds."""
+        return self._fed[seq_id]
+
+    def rewind(self, seq_id: int, length: int) -> None:
+        """Keep only the first ``length`` fed tokens (a caller whose token ids changed past them:
+        a draft of another tokenizer re-tokenizing the accepted text)."""
+        if length < self._fed[seq_id]:
+            self._fed[seq_id] = length
+            self.cache.truncate(self._slot[seq_id], length)
+
     def end(self, seq_id: int) -> None:
         slot = self._slot.pop(seq_id, None)
         if slot is not None:
