@@ -172,8 +172,9 @@ def test_spec_config_tree_settings():
     from tokenleap.config import ConfigError, SpecConfig
 
     assert SpecConfig(method="ngram", tree="on", max_tree_nodes=12).tree_nodes == 12
-    assert SpecConfig(method="ngram").tree_nodes == 0 and SpecConfig(tree="on").tree_nodes == 0
-    for bad in (dict(tree="auto"), dict(max_tree_nodes=0), dict(max_tree_nodes=True)):
+    assert SpecConfig(method="ngram", tree="off").tree_nodes == 0 and SpecConfig(tree="on").tree_nodes == 0
+    assert SpecConfig(method="ngram").tree_nodes == 16  # auto (the default): the budget the controller may use
+    for bad in (dict(tree="maybe"), dict(max_tree_nodes=0), dict(max_tree_nodes=True)):
         with pytest.raises(ConfigError):
             SpecConfig(method="ngram", **bad)
 

@@ -100,7 +100,7 @@ class LLM:
 
     def _controller(self) -> ControllerConfig:
         fixed = None if self.spec.num_tokens == "auto" else int(self.spec.num_tokens)
-        return ControllerConfig(max_k=max(self.spec.max_num_tokens, fixed or 1), fixed_k=fixed)
+        return ControllerConfig(max_k=max(self.spec.max_num_tokens, fixed or 1), fixed_k=fixed, tree=self.spec.tree)
 
     def _proposer(self, max_len: int, num_slots: int, cache=None) -> Proposer | None:
         """A fresh proposer for an engine (``cache``: the draft model's KV cache, by default contiguous)."""

@@ -241,7 +241,9 @@ class SpecConfig:
     draft_vocab: int | None = 32768  # draft head over the first N ids + specials + prompt; None = full
     ngram_max: int = 4
     ngram_min: int = 1
-    tree: str = "off"  # "on": propose token trees (draft model: dynamic trees; n-gram: tries) | "off": chains
+    # token trees (draft model: dynamic trees; n-gram: tries): "auto" the controller chooses plain, a chain or
+    # a tree (budget <= max_tree_nodes, depth) per step from measured costs | "on": always trees | "off": chains
+    tree: str = "auto"
     max_tree_nodes: int = 16  # drafted nodes a tree may hold (its depth is the draft length)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -260,7 +262,7 @@ class SpecConfig:
                f"max_num_tokens must be an integer >= 1, got {self.max_num_tokens!r}")
         _check(1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
-        _check(self.tree in ("on", "off"), f"tree must be 'on' or 'off', got {self.tree!r}")
+        _check(self.tree in ("auto", "on", "off"), f"tree must be 'auto', 'on' or 'off', got {self.tree!r}")
         _check(isinstance(self.max_tree_nodes, int) and not isinstance(self.max_tree_nodes, bool)
                and 1 <= self.max_tree_nodes <= 256,
                f"max_tree_nodes must be an integer in 1 .. 256, got {self.max_tree_nodes!r}")
@@ -268,7 +270,7 @@ class SpecConfig:
     @property
     def tree_nodes(self) -> int:
         """Drafted nodes an engine's trees may hold; 0 when trees are off."""
-        return self.max_tree_nodes if self.tree == "on" and self.method is not None else 0
+        return self.max_tree_nodes if self.tree != "off" and self.method is not None else 0
 
 
 def _is_number(x: Any) -> bool:

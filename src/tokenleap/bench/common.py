@@ -11,8 +11,8 @@ TOKENLEAP, PEER = "tokenleap", "peer"  # method kinds
 # family -> allowed options; "k" accepts "auto" for tokenleap's adaptive draft length
 FAMILIES: dict[str, tuple[str, ...]] = {
     "plain": (),
-    "draft": ("k", "kmax", "vocab"),
-    "ngram": ("k", "kmax", "max", "min"),
+    "draft": ("k", "kmax", "vocab", "tree", "nodes"),  # tree=auto|on|off (default off: chains), nodes: its budget
+    "ngram": ("k", "kmax", "max", "min", "tree", "nodes"),
     "draft-tree": ("k", "kmax", "vocab", "nodes"),  # token trees of at most `nodes` drafted nodes, k deep
     "ngram-tree": ("k", "kmax", "max", "min", "nodes"),
     "cascade": ("k", "kmax", "vocab"),  # draft, its own steps speculated by n-gram lookup (--draft-spec ngram)
@@ -24,6 +24,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 }
 AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree", "cascade"}
 TREE_NODES = 16  # a tree method's default node budget
+TREE_MODES = ("auto", "on", "off")  # draft:tree=auto -- the controller chooses plain / chain / tree per step
 
 
 class BenchError(TokenleapError):

@@ -14,8 +14,8 @@ from tokenleap.config import SamplingParams, SpecConfig
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.models.pretrained import LoadedModel, load_model, resolve_dtype
-from tokenleap.bench.common import (AUTO_K_FAMILIES, FAMILIES, PEER, TOKENLEAP, TREE_NODES, BenchError, BenchMethod, Generation,
-                     MethodInfo)
+from tokenleap.bench.common import (AUTO_K_FAMILIES, FAMILIES, PEER, TOKENLEAP, TREE_MODES, TREE_NODES, BenchError,
+                                    BenchMethod, Generation, MethodInfo)
 from tokenleap.bench.machine import memory_status
 
 @dataclass(frozen=True)
@@ -78,6 +78,10 @@ def _parse_option(family: str, text: str) -> tuple[str, int | str]:
         valid = ", ".join(allowed) or "none"
         raise BenchError(f"method {family!r}: unknown option {text.strip()!r}; valid options: {valid}")
     if value == "auto" and key == "k" and family in AUTO_K_FAMILIES:
+        return key, value
+    if key == "tree":
+        if value not in TREE_MODES:
+            raise BenchError(f"method {family!r}: option tree must be one of {', '.join(TREE_MODES)}, got {value!r}")
         return key, value
     if not value.isdigit() or int(value) < 1:
         hint = "an integer >= 1" + (" or auto" if key == "k" and family in AUTO_K_FAMILIES else "")
@@ -146,11 +150,16 @@ class TokenleapMethod:
         return Generation(list(seq.generated), seq.text, seconds, seq.finish_reason, stats)
 
 
+def _tree_mode(spec: MethodSpec) -> str:
+    """A ``-tree`` family always drafts trees; ``draft`` / ``ngram`` take ``tree=auto|on|off`` (default off)."""
+    return "on" if spec.family.endswith("-tree") else str(spec.get("tree", "off"))
+
+
 def _controller(spec: MethodSpec) -> ControllerConfig:
     k = spec.get("k", "auto")
     kmax = int(spec.get("kmax", 8))
     fixed = None if k == "auto" else int(k)
-    return ControllerConfig(max_k=max(kmax, fixed or 1), fixed_k=fixed)
+    return ControllerConfig(max_k=max(kmax, fixed or 1), fixed_k=fixed, tree=_tree_mode(spec))
 
 
 def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
@@ -166,7 +175,7 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
         proposer = draft_proposer(pool.draft(spec.name), target.model.config.vocab_size, max_len, draft_vocab=vocab,
                                   draft_spec="ngram" if family == "cascade" else None,
                                   target_tokenizer=target.tokenizer)
-    nodes = int(spec.get("nodes", TREE_NODES)) if spec.family.endswith("-tree") else 0
+    nodes = int(spec.get("nodes", TREE_NODES)) if _tree_mode(spec) != "off" else 0
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec), tree_nodes=nodes)
     return TokenleapMethod(spec.name, engine)

@@ -13,6 +13,8 @@ from tokenleap.cli.main import check_model_ref, check_quant_dtype, positive_int
 _EPILOG = f"""methods: {', '.join(FAMILIES)}
   options: draft:k=4 | draft:k=auto,kmax=8 | draft:vocab=0 (full draft head) | ngram:k=3,max=4,min=1 |
            draft-tree:k=auto,nodes=16 | ngram-tree:k=4,nodes=8 (token trees of at most `nodes` drafted nodes) |
+           ngram:tree=auto | draft:tree=auto,nodes=16 (plain, chain or tree chosen per step from measured costs;
+           tree=on is the -tree family, tree=off -- the default -- chains) |
            cascade:k=auto (draft, its own steps speculated by n-gram lookup: --draft-spec ngram) |
            hf-assisted:k=5 | hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
   plain is always run (speedups and the equality check are relative to it); sampled runs are seeded

@@ -69,9 +69,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-spec-tokens", type=positive_int, default=8, help="upper bound for the adaptive draft length")
     p.add_argument("--ngram-max", type=positive_int, default=4)
     p.add_argument("--ngram-min", type=positive_int, default=1)
-    p.add_argument("--spec-tree", choices=["on", "off"], default="off",
-                   help="draft token trees (a draft model's dynamic trees, n-gram tries) instead of chains")
-    p.add_argument("--max-tree-nodes", type=positive_int, default=16, help="drafted nodes a token tree may hold")
+    p.add_argument("--spec-tree", choices=["auto", "on", "off"], default="auto",
+                   help="token trees (a draft model's dynamic trees, n-gram tries): auto (default) a tree where "
+                        "the measured costs say it pays, a chain or plain decoding where not; on: always trees; "
+                        "off: chains only")
+    p.add_argument("--max-tree-nodes", type=positive_int, default=16,
+                   help="drafted nodes a token tree may hold (auto: the most the controller may choose)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window (default: 4096 or the model's)")
     p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")

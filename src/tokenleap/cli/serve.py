@@ -82,7 +82,7 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     cache = PagedKVCache(cfg, blocks, max_len, target.model.dtype, block_size, num_slots=max_num_seqs,
                          prefix_caching=prefix_caching)
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
-    ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed)
+    ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed, tree=spec.tree)
     proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir, prefix_caching)
     return Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer, controller=ctl,
                   prefill_chunk=prefill_chunk, cache=cache, tree_nodes=spec.tree_nodes)

@@ -30,12 +30,32 @@ the time decoded plainly since the last draft (so figures measured at a bad mome
 speculation out).
 While drafting, every ``probe_every`` steps it tries one step with k - 1 or k + 1 (alternately),
 so the neighbours' costs stay measured and an early noisy figure cannot pin k.
+
+**Token trees** (``choose_step``, with a tree budget and ``tree="auto"``): a step is plain, a chain
+of k or a tree of at most N drafted nodes, k levels deep -- whichever is predicted the most tokens
+per second. A tree's yield and draft cost come from ``tree_budget.TreeModel`` (acceptance by depth
+and sibling rank, measured on tree steps only, with priors that let trees be tried); its forward
+is predicted by the same rows -> seconds figures as a chain's (a forward's cost follows its rows:
+flat where the machine is memory-bound, trees nearly free there; steep on an AVX2 CPU, chains
+win), and what a tree step spends beyond its forwards (walking and compacting the tree) is
+measured apart from a chain step's. Every ``tree_probe_every`` drafting steps the best option of
+the kind not chosen is tried once, so both stay measured. ``tree="on"``: always a tree of the
+whole budget, k chosen as for a chain (its acceptance counted by depth); ``"off"``: chains.
+
+How a proposer feeds it (the engine does this): the proposer says it can draft trees with a
+``drafts_trees = True`` attribute (else its steps are chains); its drafting time is timed around
+``propose_many`` and given as ``observe_draft`` (chains: seconds per drafted token) or
+``observe_tree_draft`` (trees: seconds per level) -- a proposer that drafts for free measures as
+free; verified steps come back as ``observe_acceptance`` (chains) or ``observe_tree`` (the tree's
+parents and accepted path).
 """
 from __future__ import annotations
 
 import statistics
 from collections import deque
 from dataclasses import dataclass
+
+from tokenleap.spec.tree_budget import TreeModel
 
 _MEMORY_BOUND_ROWS = 16  # beyond this many rows an unmeasured forward is guessed at least proportional to rows
 
@@ -62,6 +82,25 @@ class ControllerConfig:
     # catching up after plain stretches, noisier cost figures); following predictions of ~1.1x
     # measured 0.8x in the serving benchmark
     batch_margin: float = 0.15
+    # with a tree budget: "on" always trees of the whole budget, "auto" plain / chain / tree by
+    # predicted tokens per second, "off" chains only
+    tree: str = "on"
+    tree_probe_every: int = 32  # drafting steps between tries of the kind (chain / tree) not chosen
+    # a tree replaces the best chain only when predicted this much faster: its figures are noisier
+    # (more rows, a shape the proposer decides), and a near tie is not worth a tree's risk
+    tree_margin: float = 0.05
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's shape: ``k`` drafted tokens (a tree: levels; 0: plain decoding) and ``nodes`` > 0
+    for a token tree of at most that many drafted nodes (0: a chain)."""
+
+    k: int
+    nodes: int = 0
+
+
+_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # tree budgets weighed (and the maximum)
 
 
 class DraftLengthController:
@@ -85,6 +124,8 @@ class DraftLengthController:
         self._plain_streak = 0
         self._plain_seconds = 0.0  # predicted time decoded plainly since the last step that drafted
         self._spec_streak, self._side = 0, 1
+        self.trees = TreeModel(config.max_k)  # token trees' acceptance, shape and draft cost
+        self._tree_streak = 0
 
     @property
     def draft_cost(self) -> float | None:
@@ -112,17 +153,28 @@ class DraftLengthController:
 
     # -- choosing ---------------------------------------------------------------------------
     def choose(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf")) -> int:
-        """The draft length for a step of ``batch`` sequences; ``backlog``: tokens the draft must
-        catch up on before drafting for them, ``remaining``: tokens they may still generate."""
+        """The draft length for a step of ``batch`` sequences drafting chains (``choose_step``)."""
+        return self.choose_step(batch, backlog, remaining).k
+
+    def choose_step(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf"),
+                    max_nodes: int = 0, mode: str | None = None) -> StepPlan:
+        """The next step's plan for ``batch`` sequences; ``backlog``: tokens the draft must catch up
+        on before drafting for them, ``remaining``: tokens they may still generate, ``max_nodes``:
+        the tree budget the engine allows (0: chains only), ``mode``: overrides ``cfg.tree``."""
+        mode = (mode or self.cfg.tree) if max_nodes > 0 else "off"
+        on = max_nodes if mode == "on" else 0  # "on": every drafting step a tree of the whole budget
+        trees = max_nodes if mode == "auto" else 0
         if self.cfg.fixed_k is not None:
-            return self.cfg.fixed_k
-        if not self.forward_cost:  # nothing measured yet: a middling first draft
-            return min(self.cfg.initial_k, self.cfg.max_k)
+            if trees and self.forward_cost:
+                return self._fixed_depth_plan(batch, trees)
+            return StepPlan(self.cfg.fixed_k, on)
+        if not self.forward_cost:  # nothing measured yet: a middling first chain
+            return StepPlan(min(self.cfg.initial_k, self.cfg.max_k), on)
         plain = self.rate(0, batch)
-        best_k, best_rate = self._best(batch)
-        if best_k and not self._pays_back(plain, best_rate, backlog, remaining, batch):
-            best_k = 0
-        if best_k == 0:
+        best, best_rate = self._best_plan(batch, trees)
+        if best.k and not self._pays_back(plain, best_rate, backlog, remaining, batch):
+            best = StepPlan(0)
+        if best.k == 0:
             self._plain_streak += 1
             self._plain_seconds += batch / plain
             probe_k = min(self.cfg.probe_k, self.cfg.max_k)
@@ -137,34 +189,98 @@ class DraftLengthController:
                     and self._could_pay(probe_k, batch, plain * self._margin(batch))):
                 self._plain_streak = 0
                 self._plain_seconds = 0.0
-                return probe_k
-        else:
-            self._plain_streak = 0
-            self._plain_seconds = 0.0
-            self._spec_streak += 1
-            if self._spec_streak >= self.cfg.probe_every:  # re-measure a neighbouring length now and
-                self._spec_streak = 0  # then, so an early, noisy cost figure cannot lock k in place
-                self._side = -self._side
-                if 1 <= best_k + self._side <= self.cfg.max_k:
-                    return best_k + self._side
-        return best_k
+                return StepPlan(probe_k, on)
+            return best
+        self._plain_streak = 0
+        self._plain_seconds = 0.0
+        self._spec_streak += 1
+        self._tree_streak += 1
+        if trees and self._tree_streak >= self.cfg.tree_probe_every:  # the other kind, now and then
+            self._tree_streak = 0
+            other = self._best_tree(batch, trees)[0] if best.nodes == 0 else StepPlan(max(1, self._best(batch, 0.0)[0]))
+            if other is not None:
+                return other
+        if self._spec_streak >= self.cfg.probe_every:  # re-measure a neighbouring length now and
+            self._spec_streak = 0  # then, so an early, noisy cost figure cannot lock k in place
+            self._side = -self._side
+            if 1 <= best.k + self._side <= self.cfg.max_k:
+                return StepPlan(best.k + self._side, best.nodes or on)
+        return StepPlan(best.k, best.nodes or on)
 
-    def would_speculate(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf")) -> bool:
-        """Whether some k > 0 is currently predicted to beat plain decoding, after paying for a
-        ``backlog`` the draft must feed first (no probing, no state change)."""
+    def would_speculate(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf"),
+                        max_nodes: int = 0) -> bool:
+        """Whether some chain (or, with a tree budget in "auto" mode, some tree) is currently
+        predicted to beat plain decoding after paying for a ``backlog`` the draft must feed first
+        (no probing, no state change)."""
         if self.cfg.fixed_k is not None:
             return self.cfg.fixed_k > 0
-        best_k, best_rate = self._best(batch)
-        return best_k > 0 and self._pays_back(self.rate(0, batch), best_rate, backlog, remaining, batch)
+        best, best_rate = self._best_plan(batch, max_nodes if self.cfg.tree == "auto" else 0)
+        return best.k > 0 and self._pays_back(self.rate(0, batch), best_rate, backlog, remaining, batch)
 
-    def _best(self, batch: int) -> tuple[int, float]:
-        """The k > 0 with the highest predicted rate if it beats plain by the batch margin, else (0, _)."""
-        best_k, best_rate = 0, self.rate(0, batch) * self._margin(batch)
+    def _best(self, batch: int, floor: float | None = None) -> tuple[int, float]:
+        """The k > 0 with the highest predicted rate if it beats ``floor`` (default: plain by the
+        batch margin), else (0, floor)."""
+        best_k, best_rate = 0, self.rate(0, batch) * self._margin(batch) if floor is None else floor
         for k in range(1, self.cfg.max_k + 1):
             r = self.rate(k, batch)
             if r > best_rate * 1.0001:
                 best_k, best_rate = k, r
         return best_k, best_rate
+
+    def _best_plan(self, batch: int, max_nodes: int) -> tuple[StepPlan, float]:
+        """The best of plain (by the batch margin), every chain and, with ``max_nodes``, every tree."""
+        k, rate = self._best(batch)
+        tree, tree_rate = self._best_tree(batch, max_nodes) if max_nodes else (None, 0.0)
+        if tree is not None and tree_rate > rate * (1.0 + self.cfg.tree_margin):
+            return tree, tree_rate
+        return StepPlan(k), rate
+
+    def _fixed_depth_plan(self, batch: int, max_nodes: int) -> StepPlan:
+        """A fixed draft length with a tree budget: the chain or the tree of that depth predicted
+        faster, the other tried every ``tree_probe_every`` steps."""
+        k = self.cfg.fixed_k
+        tree, tree_rate = self._best_tree(batch, max_nodes, depths=(k,))
+        best = tree if tree is not None and tree_rate > self.rate(k, batch) * (1.0 + self.cfg.tree_margin) else StepPlan(k)
+        self._tree_streak += 1
+        if self._tree_streak >= self.cfg.tree_probe_every and tree is not None:
+            self._tree_streak = 0
+            return StepPlan(k) if best.nodes else tree
+        return best
+
+    def _best_tree(self, batch: int, max_nodes: int, depths=None) -> tuple[StepPlan | None, float]:
+        """The tree (budget N <= ``max_nodes``, depth k) with the highest predicted rate, and that rate."""
+        budgets = [n for n in _BUDGETS if n < max_nodes] + [max_nodes]
+        c = self.trees.acceptance(self._chain_acceptance())
+        costs = {n: self._tree_forward(n, batch) for n in budgets}
+        level = batch * self.trees.predict_draft(batch, self.predict_draft(batch))
+        best, best_rate = None, 0.0
+        for k in depths or range(1, self.cfg.max_k + 1):
+            tokens = self.trees.expected_tokens(c, budgets, k)
+            for n in budgets:
+                if n <= k:  # no more nodes than levels: a chain's shape at best -- that is the chain's option
+                    continue
+                cost = k * level + costs[n]
+                r = batch * tokens[n] / cost if cost > 0 else float("inf")
+                if r > best_rate * 1.0001:
+                    best, best_rate = StepPlan(k, n), r
+        return best, best_rate
+
+    def _tree_forward(self, nodes: int, batch: int) -> float:
+        """Seconds of a tree step's target forward and overhead at budget ``nodes`` (rows: the
+        root and the nodes the proposer is measured to fill)."""
+        rows = batch * (1 + max(1, round(self.trees.fill(nodes) * nodes)))
+        overhead = self.step_overhead.get(("tree", batch), self.step_overhead.get((True, batch), 0.0))
+        return self.predict_forward(rows, batch == 1) + overhead
+
+    def _chain_acceptance(self) -> list[float]:
+        """The chain's conditional acceptance by depth; a position never drafted is guessed like the
+        deepest one measured (acceptance changes slowly along a draft), so high acceptance invites
+        trying longer drafts."""
+        out, last = [], self.cfg.prior_acceptance
+        for i in range(self.cfg.max_k):
+            last = self.accept[i] if self._trials[i] > 0 else last
+            out.append(last)
+        return out
 
     def _catch_up_seconds(self, backlog: int) -> float:
         return backlog * (self.catch_up_cost or 0.0)
@@ -191,12 +307,8 @@ class DraftLengthController:
         return batch * (k + 1) / self.step_cost(k, batch) > plain_rate
 
     def expected_tokens(self, k: int) -> float:
-        total, run, last = 1.0, 1.0, self.cfg.prior_acceptance
-        for i in range(k):
-            # a position never drafted is guessed like the deepest one measured (acceptance
-            # changes slowly along a draft), so high acceptance invites trying longer drafts
-            b = self.accept[i] if self._trials[i] > 0 else last
-            last = b
+        total, run = 1.0, 1.0
+        for b in self._chain_acceptance()[:k]:
             run *= b
             total += run
         return total
@@ -262,9 +374,19 @@ class DraftLengthController:
     def observe_forward(self, rows: int, seconds: float) -> None:
         self._observe(self._forward_obs, self.forward_cost, rows, seconds)
 
-    def observe_step(self, speculative: bool, batch: int, overhead: float) -> None:
-        """A whole step's seconds beyond its timed draft and target forwards."""
-        self._observe(self._overhead_obs, self.step_overhead, (speculative, batch), max(0.0, overhead))  # type: ignore[arg-type]
+    def observe_step(self, speculative: bool, batch: int, overhead: float, tree: bool = False) -> None:
+        """A whole step's seconds beyond its timed draft and target forwards (``tree``: a tree step's)."""
+        key = ("tree", batch) if tree else (speculative, batch)
+        self._observe(self._overhead_obs, self.step_overhead, key, max(0.0, overhead))  # type: ignore[arg-type]
+
+    def observe_tree(self, parents: list[int], path: list[int], budget: int, depth: int) -> None:
+        """One sequence's tree step: the drafted tree's ``parents`` (a chain answered for a tree:
+        ``[-1, 0, 1, ...]``), its accepted nodes ``path``, the ``budget`` and ``depth`` asked for."""
+        self.trees.observe(parents, path, budget, depth, self._chain_acceptance())
+
+    def observe_tree_draft(self, levels: int, seconds: float, batch: int = 1) -> None:
+        """Trees ``levels`` deep grown for ``batch`` sequences together in ``seconds``."""
+        self.trees.observe_draft(levels, seconds, batch)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """The draft fed ``tokens`` outside drafting (a prompt, a backlog) in ``seconds``."""

@@ -23,7 +23,7 @@ import torch
 
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import SamplingParams
-from tokenleap.spec.controller import ControllerConfig, DraftLengthController
+from tokenleap.spec.controller import ControllerConfig, DraftLengthController, StepPlan
 from tokenleap.errors import PromptTooLongError
 from tokenleap.spec.logprobs import token_logprobs
 from tokenleap.spec.stats import SpecStats
@@ -55,6 +55,7 @@ class Engine:
         if hasattr(proposer, "bind_cache"):  # a self-drafting proposer (layer skip) drafts in the target's cache
             proposer.bind_cache(self.cache)
         self.controller = DraftLengthController(controller or ControllerConfig())
+        self._plan: StepPlan | None = None  # choose_k's plan, for the step it was chosen for
         self._attached: set[int] = set()  # sequences holding a cache slot: the batch a newcomer joins
         self.prefill_chunk = prefill_chunk
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or model.config.eos_token_ids)
@@ -184,7 +185,8 @@ class Engine:
         not predicted to pay, with that prefill counted, at the batch this sequence joins (every
         sequence holding a slot, newcomers included); a later proposal catches up if load drops."""
         backlog = self.proposer.backlog(seq.seq_id, tokens)
-        if not self.controller.would_speculate(max(1, len(self._attached)), backlog, self.expected_remaining(seq)):
+        nodes = self.tree_nodes if self._tree_mode() == "auto" else 0
+        if not self.controller.would_speculate(max(1, len(self._attached)), backlog, self.expected_remaining(seq), nodes):
             return
         t0 = time.perf_counter()
         self.proposer.prefill(seq.seq_id, tokens)
@@ -198,7 +200,15 @@ class Engine:
         backlog = sum(self.proposer.backlog(s.seq_id, s.tokens) for s in seqs)
         # (the tokens still to generate only weigh against a catch-up)
         remaining = sum(self.expected_remaining(s) for s in seqs) if backlog else float("inf")
-        return self.controller.choose(max(batch or 0, len(seqs)), backlog, remaining)
+        self._plan = self.controller.choose_step(max(batch or 0, len(seqs)), backlog, remaining, self.tree_nodes,
+                                                 self._tree_mode())
+        return self._plan.k
+
+    def _tree_mode(self) -> str:
+        """How this engine's tree budget is used: the controller's setting ("auto": chosen per step,
+        "on", "off") for a proposer that declares ``drafts_trees``; any other proposer is asked
+        with the whole budget (it may answer with a tree or a chain)."""
+        return self.controller.cfg.tree if getattr(self.proposer, "drafts_trees", False) else "on"
 
     def prefill_window(self, seq: Sequence) -> tuple[int, int, bool]:
         """(start, end, row_exact) of the next ``prefill_step``; start == end when nothing is missing."""
@@ -217,7 +227,11 @@ class Engine:
         start = time.perf_counter()
         if k is None or self.proposer is None:
             k = self.choose_k(seqs)
-        drafts, drafting, catch_up = self._draft_all(seqs, k)
+        plan, self._plan = self._plan, None
+        if plan is None or plan.k != k:  # a k of the caller's own (e.g. 0 when short of cache blocks)
+            plan = StepPlan(k, self.tree_nodes if k and self._tree_mode() == "on" else 0)
+        auto_tree = plan.nodes > 0 and self._tree_mode() == "auto"  # measured apart from chain steps
+        drafts, drafting, catch_up = self._draft_all(seqs, plan, auto_tree)
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
             tree = d.tree if d is not None else None
@@ -231,21 +245,24 @@ class Engine:
         self.controller.observe_forward(row, elapsed)
         for s, d, seg in zip(seqs, drafts, segments):
             s.stats.verify_seconds += elapsed * seg.length / row
-            self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length])
+            self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length], plan if auto_tree else None)
         if self.proposer is not None:  # what the step cost beyond the timed forwards and any catch-up
             spec = any(d is not None for d in drafts)
-            self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - drafting - catch_up)
+            self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - drafting - catch_up,
+                                         tree=spec and auto_tree)
 
-    def _draft_all(self, seqs: list[Sequence], k: int) -> tuple[list[Draft | None], float, float]:
+    def _draft_all(self, seqs: list[Sequence], plan: StepPlan, auto_tree: bool = False
+                   ) -> tuple[list[Draft | None], float, float]:
         """Every sequence's draft for this step, from one ``propose_many`` call, the seconds spent
         drafting and the seconds the draft spent catching up on unseen tokens (not drafting)."""
+        k = plan.k
         ks = [min(k, s.params.max_tokens - s.num_generated - 1, self.max_len - len(s.tokens) - 1) for s in seqs]
         asked = [(s, n) for s, n in zip(seqs, ks) if n > 0]
         if not asked:
             return [None] * len(seqs), 0.0, 0.0
         t0 = time.perf_counter()
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint,
-                                 max_nodes=self._tree_budget(s), slot=s.slot) for s, n in asked]
+                                 max_nodes=self._tree_budget(s, plan.nodes), slot=s.slot) for s, n in asked]
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)  # an empty draft may have caught up
@@ -262,15 +279,21 @@ class Engine:
             by_seq[s.seq_id] = d
             share = len(d.tokens) / drafted if d is not None else 0.0
             s.stats.draft_seconds += drafting * share if drafted else drafting / len(asked)
-        if drafted and not catch_up:  # a forward that also fed a backlog counts as catch-up whole,
+        if drafted and not catch_up and auto_tree:  # a tree's cost: seconds per level
+            self.controller.observe_tree_draft(max(n for _, n in asked), drafting, batch=len(asked))
+        elif drafted and not catch_up:  # a forward that also fed a backlog counts as catch-up whole,
             self.controller.observe_draft(drafted, drafting, batch=len(asked))  # leaving its drafts ~free
         return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0, catch_up
 
-    def _tree_budget(self, seq: Sequence) -> int:
-        """Drafted nodes a tree for ``seq`` may hold: ``tree_nodes``, within the context window."""
-        return max(0, min(self.tree_nodes, self.max_len - len(seq.tokens) - 1))
+    def _tree_budget(self, seq: Sequence, nodes: int | None = None) -> int:
+        """Drafted nodes a tree for ``seq`` may hold: ``nodes`` (default ``tree_nodes``), within the
+        context window."""
+        return max(0, min(self.tree_nodes if nodes is None else nodes, self.max_len - len(seq.tokens) - 1))
 
-    def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> None:
+    def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor, tree_plan: StepPlan | None = None
+                ) -> None:
+        """Verify ``seq``'s rows, keep the accepted path, emit; ``tree_plan``: the tree the controller
+        chose (its figures are kept apart from chains'), None for a chain or an "on" mode tree."""
         # logits: [1 + len(draft), vocab] (a tree: one row per node)
         n = len(seq.tokens)
         tree = draft.tree if draft is not None else None
@@ -287,7 +310,11 @@ class Engine:
             self.proposer.accept(seq.seq_id, result.num_accepted, result.path)
         elif draft is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted)
-        if draft is not None:  # a tree counts by depth: the draft length is its depth
+        if draft is not None and tree_plan is not None:  # (a tree request answered by a chain counts too)
+            parents = tree.parents.tolist() if tree is not None else list(range(-1, len(draft.tokens)))
+            path = result.path if tree is not None else list(range(1, result.num_accepted + 1))
+            self.controller.observe_tree(parents, path, tree_plan.nodes, tree_plan.k)
+        elif draft is not None:  # a tree counts by depth: the draft length is its depth
             self.controller.observe_acceptance(proposed, result.num_accepted)
         kept = self._emit(seq, result, logits)
         accepted = min(result.num_accepted, kept)

@@ -107,6 +107,8 @@ class SpecStats:
             "tree_steps": self.tree_steps,
             "mean_tree_nodes": round(self.tree_nodes / self.tree_steps, 4) if self.tree_steps else 0.0,
             "accepted_by_sibling_rank": list(self.rank_accepted),
+            # of the steps that drafted, the share that verified a token tree (--spec-tree auto's choice)
+            "tree_step_share": round(self.tree_steps / self.draft_steps, 4) if self.draft_steps else 0.0,
         }
 
     def summary_line(self) -> str:

@@ -16,6 +16,11 @@ Lifecycle per sequence (llama.cpp's begin / draft / accept):
                                     -- how many of the last proposal the target kept (a tree's
                                        accepted nodes as ``path``)
     end(seq_id)                     -- the sequence is finished; free what it held
+
+A proposer that honours ``max_nodes`` declares ``drafts_trees = True``: with ``SpecConfig(tree="auto")``
+the controller then chooses per step between plain decoding, a chain and a tree (budget and depth),
+from measured costs (``spec/controller.py``); the engine asks any other proposer with the whole
+budget, as with ``tree="on"``.
 """
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ class _Lane:
 
 class DraftModelProposer:
     name = "draft"
+    drafts_trees = True  # a request with max_nodes gets a dynamic tree (draft_tree.py)
 
     def __init__(self, model: Transformer, target_vocab_size: int, max_len: int, num_slots: int = 1,
                  cache: KVCache | None = None, head: ReducedVocabHead | None = None,

@@ -47,6 +47,7 @@ class _Index:
 
 class NgramProposer:
     name = "ngram"
+    drafts_trees = True  # a request with max_nodes gets a trie (the controller may choose it)
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min

@@ -1,0 +1,153 @@
+"""The token-tree side of the step controller: what a tree of N drafted nodes, k levels deep, is
+predicted to yield and to cost -- from figures measured on tree steps only, kept apart from the
+chain's (``controller.py`` weighs both against each other and against plain decoding).
+
+**Acceptance by depth and sibling rank.** c(d, r) = P(a node at depth d that is its parent's
+(r+1)-th child is accepted | its parent was accepted), as exponentially forgotten hit / trial
+counts over every node whose parent lay on the accepted path (the root included). Greedy
+verification accepts at most one child of a node, so these are Sequoia's positional acceptances,
+per depth. Priors (a fraction of one observation, so trees get tried and a few steps decide):
+rank 0 takes the chain's measured acceptance at that depth, rank r >= 1 a shrinking share of what
+rank 0 leaves; a depth never measured is guessed like the one above it.
+
+**Expected tokens.** Under those figures the best tree of N nodes at most k deep is grown best
+first (a node is worth the product of c along its path; its first child and its next sibling
+become candidates once it is taken), and E = 1 + the sum of the N best values -- one growth per
+depth gives every N at once. A proposer does not grow that tree (a draft model ranks by its own
+probabilities, an n-gram trie by counts, and either may draft fewer nodes than it may), so two
+measured ratios per budget correct it: ``shape``, the value of the tree actually verified over
+the best tree's value at that budget and depth (both computed from the same figures, so free of
+outcome noise), and ``fill``, drafted nodes over the budget (what the forward's rows follow).
+
+**Draft cost.** Seconds per tree level per sequence at each batch size, measured on tree steps: a
+draft model grows a tree with one batched forward per level over its frontier, an n-gram trie
+costs nothing. Unmeasured, the caller's figure for a chain's drafted token stands in (optimistic:
+a level is never cheaper than a chain token, so trees get tried, then measured).
+"""
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections import deque
+
+
+def depths_and_ranks(parents: list[int]) -> list[tuple[int, int]]:
+    """Each node's (depth, sibling rank) in a tree given by ``parents`` (``parents[0] == -1``,
+    children listed in the order they rank); the root is (0, 0)."""
+    out, seen = [(0, 0)], [0] * len(parents)
+    for p in parents[1:]:
+        out.append((out[p][0] + 1, seen[p]))
+        seen[p] += 1
+    return out
+
+
+class TreeModel:
+    """Measured acceptance, shape and draft cost of token trees (see the module docstring)."""
+
+    def __init__(self, max_depth: int, max_rank: int = 4, ema: float = 0.15, prior_weight: float = 0.5,
+                 sibling_prior: float = 0.35, window: int = 5) -> None:
+        self.max_depth, self.max_rank = max_depth, max_rank
+        self.ema, self.prior_weight, self.sibling_prior, self.window = ema, prior_weight, sibling_prior, window
+        self._hits = [[0.0] * max_rank for _ in range(max_depth)]  # [depth - 1][rank]
+        self._trials = [[0.0] * max_rank for _ in range(max_depth)]
+        self._shape: dict[int, deque[float]] = {}  # budget -> recent actual / best tree values
+        self._fill: dict[int, deque[float]] = {}  # budget -> recent drafted nodes / budget
+        self.draft_cost_at: dict[int, float] = {}  # batch -> seconds per level per sequence
+        self._draft_obs: dict[int, deque[float]] = {}
+
+    # -- figures ----------------------------------------------------------------------------
+    def acceptance(self, chain: list[float]) -> list[list[float]]:
+        """c[d - 1][r] for d in 1..max_depth; ``chain[i]``: the chain's conditional acceptance at
+        depth i + 1 (rank 0's prior)."""
+        table, w = [], self.prior_weight
+        for d in range(self.max_depth):
+            row = []
+            for r in range(self.max_rank):
+                if r == 0:
+                    prior = chain[d] if d < len(chain) else (chain[-1] if chain else 0.5)
+                else:  # a shrinking share of what the better-ranked siblings leave
+                    prior = max(0.0, 1.0 - sum(row)) * self.sibling_prior
+                if self._trials[d][r] > 0:
+                    row.append((self._hits[d][r] + w * prior) / (self._trials[d][r] + w))
+                elif d > 0 and self._trials[d - 1][r] > 0:  # unmeasured: like the depth above
+                    row.append(table[d - 1][r])
+                else:
+                    row.append(prior)
+            table.append(row)
+        return table
+
+    def best_values(self, c: list[list[float]], nodes: int, depth: int) -> list[float]:
+        """Prefix sums: [n] = the value of the best tree of n nodes at most ``depth`` deep (n <= nodes)."""
+        heap = [(-c[0][0], 1, 0, 1.0)]  # (-value, depth, rank, parent's value)
+        sums = [0.0]
+        while heap and len(sums) <= nodes:
+            neg, d, r, parent = heapq.heappop(heap)
+            sums.append(sums[-1] - neg)
+            if d < depth:
+                heapq.heappush(heap, (neg * c[d][0], d + 1, 0, -neg))
+            if r + 1 < self.max_rank:
+                heapq.heappush(heap, (-parent * c[d - 1][r + 1], d, r + 1, parent))
+        sums += [sums[-1]] * (nodes + 1 - len(sums))  # deeper trees are cut: more nodes add nothing
+        return sums
+
+    def tree_value(self, c: list[list[float]], parents: list[int]) -> float:
+        """Expected accepted drafted nodes of a given tree under ``c`` (ranks past max_rank: none)."""
+        value = [1.0] * len(parents)
+        for i, (d, r) in enumerate(depths_and_ranks(parents)):
+            if i:
+                ok = d <= self.max_depth and r < self.max_rank
+                value[i] = value[parents[i]] * c[d - 1][r] if ok else 0.0
+        return sum(value[1:])
+
+    def shape(self, budget: int) -> float:
+        return self._ratio(self._shape, budget)
+
+    def fill(self, budget: int) -> float:
+        return self._ratio(self._fill, budget)
+
+    def _ratio(self, table: dict[int, deque[float]], budget: int) -> float:
+        """The median measured at ``budget``, else at the nearest budget measured, else 1."""
+        if not table:
+            return 1.0
+        key = budget if budget in table else min(table, key=lambda b: (abs(b - budget), b))
+        return statistics.median(table[key])
+
+    def expected_tokens(self, c: list[list[float]], budgets: list[int], depth: int) -> dict[int, float]:
+        """Tokens a step is predicted to emit for each budget in ``budgets`` at ``depth``."""
+        sums = self.best_values(c, max(budgets), depth)
+        return {n: 1.0 + self.shape(n) * sums[n] for n in budgets}
+
+    def predict_draft(self, batch: int, chain_cost: float) -> float:
+        """Seconds per level per sequence at ``batch``: measured, else the nearest smaller batch's,
+        else ``chain_cost`` (the chain's seconds per drafted token)."""
+        known = self.draft_cost_at
+        if batch in known:
+            return known[batch]
+        smaller = [b for b in known if b < batch]
+        return known[max(smaller)] if smaller else max(chain_cost, known[min(known)] if known else 0.0)
+
+    # -- learning ---------------------------------------------------------------------------
+    def observe(self, parents: list[int], path: list[int], budget: int, depth: int, chain: list[float]) -> None:
+        """A verified tree step: ``parents`` of the drafted tree (a chain answered for a tree:
+        ``[-1, 0, 1, ...]``), its accepted nodes ``path``, the ``budget`` and ``depth`` it was asked for."""
+        c = self.acceptance(chain)
+        best = self.best_values(c, budget, min(depth, self.max_depth))[budget]
+        if best > 0:
+            self._push(self._shape, budget, min(1.0, self.tree_value(c, parents) / best))
+        self._push(self._fill, budget, min(1.0, (len(parents) - 1) / budget))
+        on_path = {0, *path}
+        keep = 1.0 - self.ema
+        for i, (d, r) in enumerate(depths_and_ranks(parents)):
+            if i == 0 or parents[i] not in on_path or d > self.max_depth or r >= self.max_rank:
+                continue
+            self._hits[d - 1][r] = self._hits[d - 1][r] * keep + (1.0 if i in on_path else 0.0)
+            self._trials[d - 1][r] = self._trials[d - 1][r] * keep + 1.0
+
+    def observe_draft(self, levels: int, seconds: float, batch: int) -> None:
+        """A tree of ``levels`` grown for each of ``batch`` sequences together in ``seconds``."""
+        if levels > 0:
+            self._push(self._draft_obs, batch, seconds / (levels * batch))
+            self.draft_cost_at[batch] = statistics.median(self._draft_obs[batch])
+
+    def _push(self, table: dict[int, deque[float]], key: int, value: float) -> None:
+        table.setdefault(key, deque(maxlen=self.window)).append(value)
