@@ -107,6 +107,8 @@ class LLM:
         if self.spec.method == "ngram":
             from tokenleap.spec.proposers.ngram import NgramProposer
             return NgramProposer(self.spec.ngram_max, self.spec.ngram_min)
+        if self.spec.method == "lookahead":
+            return lookahead_proposer(self.spec)
         if self.spec.method == "draft":
             return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
                                   self.spec.draft_vocab, cache, self.spec.draft_spec, self.tokenizer)
@@ -191,10 +193,19 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
     if spec.method == "ngram":
         from tokenleap.spec.proposers.ngram import NgramProposer
         return NgramProposer(spec.ngram_max, spec.ngram_min)
+    if spec.method == "lookahead":
+        return lookahead_proposer(spec)
     draft = load_draft(spec, target, cache_dir)
     cache = draft_cache(draft) if draft_cache is not None else None
     return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache,
                           spec.draft_spec, target.tokenizer)
+
+
+def lookahead_proposer(spec: SpecConfig) -> Proposer:
+    """Lookahead decoding's proposer (its guesses' trie budget is ``spec.tree_nodes``)."""
+    from tokenleap.spec.proposers.lookahead import LookaheadProposer
+    return LookaheadProposer(spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_guesses,
+                             lookup_max=spec.ngram_max)
 
 
 def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num_slots: int = 1,

@@ -231,7 +231,7 @@ class SamplingParams:
 class SpecConfig:
     """How to speculate. ``method=None`` means plain decoding."""
 
-    method: str | None = None  # None | "draft" | "ngram"
+    method: str | None = None  # None | "draft" | "ngram" | "lookahead"
     draft_model: str | None = None
     draft_quant: str = "none"
     draft_dtype: str | None = None
@@ -245,11 +245,15 @@ class SpecConfig:
     # a tree (budget <= max_tree_nodes, depth) per step from measured costs | "on": always trees | "off": chains
     tree: str = "auto"
     max_tree_nodes: int = 16  # drafted nodes a tree may hold (its depth is the draft length)
+    # lookahead decoding: a Jacobi window of W positions x (N - 1) levels beside up to G n-gram guesses
+    lookahead_window: int = 3
+    lookahead_ngram: int = 3
+    lookahead_guesses: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(self.method in (None, "draft", "ngram"),
-               f"unknown speculative method {self.method!r}; choose draft or ngram")
+        _check(self.method in (None, "draft", "ngram", "lookahead"),
+               f"unknown speculative method {self.method!r}; choose draft, ngram or lookahead")
         _check(self.method != "draft" or bool(self.draft_model),
                "speculative method 'draft' needs a draft model (--draft-model NAME_OR_PATH)")
         _check(self.draft_spec in (None, "ngram"),
@@ -266,10 +270,18 @@ class SpecConfig:
         _check(isinstance(self.max_tree_nodes, int) and not isinstance(self.max_tree_nodes, bool)
                and 1 <= self.max_tree_nodes <= 256,
                f"max_tree_nodes must be an integer in 1 .. 256, got {self.max_tree_nodes!r}")
+        for name, low, high in (("lookahead_window", 1, 32), ("lookahead_ngram", 2, 8), ("lookahead_guesses", 1, 32)):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
+                   f"{name} must be an integer in {low} .. {high}, got {value!r}")
 
     @property
     def tree_nodes(self) -> int:
-        """Drafted nodes an engine's trees may hold; 0 when trees are off."""
+        """Drafted nodes an engine's trees may hold; 0 when trees are off. Lookahead's guesses always
+        form a trie: the longest draft (the text's own continuation) and G - 1 pool n-grams."""
+        if self.method == "lookahead":
+            longest = max(self.max_num_tokens, self.num_tokens if isinstance(self.num_tokens, int) else 1)
+            return longest + (self.lookahead_guesses - 1) * (self.lookahead_ngram - 1)
         return self.max_tree_nodes if self.tree != "off" and self.method is not None else 0
 
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenleap.config import SamplingParams, SpecConfig
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.models.pretrained import LoadedModel, load_model, resolve_dtype
@@ -31,7 +31,7 @@ class MethodSpec:
 
     @property
     def kind(self) -> str:
-        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree", "cascade") else PEER
+        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead") else PEER
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
@@ -68,6 +68,12 @@ def _parse_one(item: str) -> MethodSpec:
     spec = MethodSpec(family, tuple(options))
     if int(spec.get("min", 1)) > int(spec.get("max", 10**9)):
         raise BenchError(f"method {spec.name!r}: min must not exceed max")
+    if family == "lookahead":  # its sizes checked now, before any model loads
+        try:
+            SpecConfig(method="lookahead", lookahead_window=int(spec.get("window", 3)),
+                       lookahead_ngram=int(spec.get("ngram", 3)), lookahead_guesses=int(spec.get("guesses", 3)))
+        except ConfigError as e:
+            raise BenchError(f"method {spec.name!r}: {e}") from None
     return spec
 
 
@@ -176,6 +182,15 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
                                   draft_spec="ngram" if family == "cascade" else None,
                                   target_tokenizer=target.tokenizer)
     nodes = int(spec.get("nodes", TREE_NODES)) if _tree_mode(spec) != "off" else 0
+    if family == "lookahead":
+        from tokenleap.api import lookahead_proposer
+        k = spec.get("k", "auto")
+        la = SpecConfig(method="lookahead", num_tokens=k, max_num_tokens=int(spec.get("kmax", 8)),
+                        ngram_max=int(spec.get("max", 4)),
+                        lookahead_window=int(spec.get("window", SpecConfig.lookahead_window)),
+                        lookahead_ngram=int(spec.get("ngram", SpecConfig.lookahead_ngram)),
+                        lookahead_guesses=int(spec.get("guesses", SpecConfig.lookahead_guesses)))
+        proposer, nodes = lookahead_proposer(la), la.tree_nodes
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec), tree_nodes=nodes)
     return TokenleapMethod(spec.name, engine)

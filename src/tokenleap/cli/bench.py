@@ -16,6 +16,7 @@ _EPILOG = f"""methods: {', '.join(FAMILIES)}
            ngram:tree=auto | draft:tree=auto,nodes=16 (plain, chain or tree chosen per step from measured costs;
            tree=on is the -tree family, tree=off -- the default -- chains) |
            cascade:k=auto (draft, its own steps speculated by n-gram lookup: --draft-spec ngram) |
+           lookahead:window=3,ngram=3,guesses=3 (Jacobi window W x N-1 levels, G n-gram guesses) |
            hf-assisted:k=5 | hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
   plain is always run (speedups and the equality check are relative to it); sampled runs are seeded
   per prompt (--seed + prompt index), so tokenleap's methods must equal plain then too (peers are not

@@ -56,7 +56,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16")
     p.add_argument("--quant", default="none", help="weight-only quantization: none, int8, int4")
-    p.add_argument("--spec", choices=["none", "draft", "ngram"], default="none", help="speculative method")
+    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead"], default="none", help="speculative method")
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
     p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
@@ -75,6 +75,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "off: chains only")
     p.add_argument("--max-tree-nodes", type=positive_int, default=16,
                    help="drafted nodes a token tree may hold (auto: the most the controller may choose)")
+    p.add_argument("--lookahead-window", type=positive_int, default=SpecConfig.lookahead_window,
+                   help="--spec lookahead: future positions W of the Jacobi window")
+    p.add_argument("--lookahead-ngram", type=positive_int, default=SpecConfig.lookahead_ngram,
+                   help="--spec lookahead: n-gram size N (the window has N - 1 levels)")
+    p.add_argument("--lookahead-guesses", type=positive_int, default=SpecConfig.lookahead_guesses,
+                   help="--spec lookahead: n-gram guesses G verified per step")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window (default: 4096 or the model's)")
     p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")
@@ -87,6 +93,9 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
         raise UsageError("--spec draft needs --draft-model NAME_OR_PATH")
     if args.spec == "ngram" and args.draft_model:
         raise UsageError("--spec ngram proposes from the prompt and output, not a draft model: "
+                         "drop --draft-model, or use --spec draft")
+    if args.spec == "lookahead" and args.draft_model:
+        raise UsageError("--spec lookahead needs no draft model (the target drafts its own n-grams): "
                          "drop --draft-model, or use --spec draft")
     if args.spec != "draft" and args.draft_model and args.spec == "none":
         args.spec = "draft"  # --draft-model alone implies draft-model speculation
@@ -102,7 +111,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       draft_vocab=args.draft_vocab or None,
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
                       ngram_max=args.ngram_max, ngram_min=args.ngram_min, tree=args.spec_tree,
-                      max_tree_nodes=args.max_tree_nodes)
+                      max_tree_nodes=args.max_tree_nodes, lookahead_window=args.lookahead_window,
+                      lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses)
 
 
 def check_model_args(args: argparse.Namespace) -> None:

@@ -33,7 +33,8 @@ def batch_engine(llm: "LLM", lengths: list[int]) -> Engine:
     max_len, slots = base.max_len, min(len(lengths), llm.max_num_seqs)
     per_seq = -(-(max_len + 1) // BLOCK_SIZE)
     longest = sorted((min(n, max_len + 1) for n in lengths), reverse=True)[:slots]
-    scratch = -(-llm.spec.tree_nodes // BLOCK_SIZE)  # a token tree's nodes past the sequence's end
+    # a token tree's nodes (and a proposer's auxiliary rows) past the sequence's end
+    scratch = -(-(llm.spec.tree_nodes + getattr(llm.proposer, "aux_rows", 0)) // BLOCK_SIZE)
     blocks = max(sum(-(-n // BLOCK_SIZE) + 1 + scratch for n in longest), per_seq)
     model = llm.target.model
     cache = PagedKVCache(model.config, blocks, max_len, model.dtype, BLOCK_SIZE, num_slots=slots)

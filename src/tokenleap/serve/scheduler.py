@@ -303,8 +303,9 @@ class Scheduler:
 
     def _step_len(self, req: Request, k: int) -> int:
         """Cache entries a step may write: the last token and k drafts -- a token tree's nodes when
-        the engine drafts trees."""
+        the engine drafts trees -- and the proposer's auxiliary rows (lookahead's window)."""
         rows = max(k, self.engine._tree_budget(req.seq)) if k > 0 and self.engine.tree_nodes else k
+        rows += self.engine.aux_budget(req.seq, rows) if k > 0 else 0
         return min(len(req.seq.tokens) + rows, self.engine.max_len)
 
     def _step_alone(self, batch: list[Request], k: int) -> None:

@@ -234,7 +234,7 @@ class Engine:
         drafts, drafting, catch_up = self._draft_all(seqs, plan, auto_tree)
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
-            tree = d.tree if d is not None else None
+            tree = _layout(s, d)
             block = tree.tokens.tolist() if tree is not None else [s.tokens[-1]] + (d.tokens if d else [])
             segments.append(Segment(s.slot, len(s.tokens) - 1, len(block), row_start=row, tree=tree))
             tokens += block
@@ -262,14 +262,15 @@ class Engine:
             return [None] * len(seqs), 0.0, 0.0
         t0 = time.perf_counter()
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint,
-                                 max_nodes=self._tree_budget(s, plan.nodes), slot=s.slot) for s, n in asked]
+                                 max_nodes=self._tree_budget(s, plan.nodes), slot=s.slot,
+                                 max_aux=self.aux_budget(s, max(k, self._tree_budget(s)))) for s, n in asked]  # as reserved
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)  # an empty draft may have caught up
         self.controller.observe_catch_up(sum(d.catch_up_tokens for d in got if d is not None), catch_up)
         for (s, _), d in zip(asked, got):
             s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
-        got = [d if d is not None and d.tokens else None for d in got]
+        got = [d if d is not None and (d.tokens or d.aux is not None) else None for d in got]
         for d, (s, _) in zip(got, asked):
             assert d is None or d.tree is None or d.tree.tokens[0] == s.tokens[-1], "a tree's root is the last token"
         drafting = elapsed - catch_up  # shared by the sequences in proportion to their draft tokens
@@ -277,13 +278,19 @@ class Engine:
         by_seq = {}
         for (s, _), d in zip(asked, got):
             by_seq[s.seq_id] = d
-            share = len(d.tokens) / drafted if d is not None else 0.0
+            share = len(d.tokens) / drafted if d is not None and drafted else 0.0
             s.stats.draft_seconds += drafting * share if drafted else drafting / len(asked)
         if drafted and not catch_up and auto_tree:  # a tree's cost: seconds per level
             self.controller.observe_tree_draft(max(n for _, n in asked), drafting, batch=len(asked))
         elif drafted and not catch_up:  # a forward that also fed a backlog counts as catch-up whole,
             self.controller.observe_draft(drafted, drafting, batch=len(asked))  # leaving its drafts ~free
         return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0, catch_up
+
+    def aux_budget(self, seq: Sequence, nodes: int) -> int:
+        """Auxiliary rows (``Draft.aux``) a step of ``seq`` drafting up to ``nodes`` nodes may add:
+        the proposer's ``aux_rows``, if they all fit in the context window beside those nodes."""
+        want = getattr(self.proposer, "aux_rows", 0)
+        return want if want and nodes + want <= self.max_len - len(seq.tokens) - 1 else 0
 
     def _tree_budget(self, seq: Sequence, nodes: int | None = None) -> int:
         """Drafted nodes a tree for ``seq`` may hold: ``nodes`` (default ``tree_nodes``), within the
@@ -294,8 +301,12 @@ class Engine:
                 ) -> None:
         """Verify ``seq``'s rows, keep the accepted path, emit; ``tree_plan``: the tree the controller
         chose (its figures are kept apart from chains'), None for a chain or an "on" mode tree."""
-        # logits: [1 + len(draft), vocab] (a tree: one row per node)
+        # logits: [1 + len(draft), vocab] (a tree: one row per node), then any aux rows
         n = len(seq.tokens)
+        if draft is not None and draft.aux is not None and draft.aux.tokens:  # the proposer's own rows: read, dropped
+            rows = len(draft.aux.tokens)
+            draft.aux.observe(logits[-rows:])  # [rows, vocab]
+            logits = logits[:-rows]
         tree = draft.tree if draft is not None else None
         if tree is None:
             result = self._verify(seq, draft, logits)
@@ -385,3 +396,13 @@ class Engine:
         if isinstance(seq.generator, SeededNoise):  # row 0 chooses the token at position len(tokens)
             return verify_coupled(drafted, probs, seq.generator, len(seq.tokens))
         return verify_sampling(drafted, draft.probs if draft else None, probs, seq.generator)
+
+
+def _layout(seq: Sequence, draft: Draft | None) -> TokenTree | None:
+    """The tree a step's forward computes for ``seq``: the draft's tree (None: a plain chain), with
+    the draft's auxiliary rows appended after its nodes (their cache entries lie past the nodes', so
+    the truncation after verification drops them)."""
+    if draft is None or draft.aux is None:
+        return draft.tree if draft is not None else None
+    base = draft.tree if draft.tree is not None else TokenTree.chain(seq.tokens[-1], draft.tokens)
+    return base.with_rows(draft.aux.tokens, draft.aux.parents)

@@ -33,6 +33,8 @@ class TokenTree:
     parents: torch.Tensor  # [n] long; parents[0] == -1, 0 <= parents[i] < i
     draft_probs: torch.Tensor | None = None  # [n, vocab] float: q at each node (its children's), or None
     hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, d] per-node states for heads, optional
+    # a forward layout (:meth:`with_rows`), not a proposal: siblings may repeat a token; never verified
+    layout: bool = False
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -47,7 +49,7 @@ class TokenTree:
             raise ValueError("every node's parent must be an earlier node (0 <= parents[i] < i)")
         if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
             raise ValueError(f"draft_probs must be [n, vocab] with n = {n}, got {tuple(self.draft_probs.shape)}")
-        for kids in self.children:
+        for kids in ([] if self.layout else self.children):
             tokens = [int(self.tokens[c]) for c in kids]
             if len(set(tokens)) != len(tokens):
                 raise ValueError(f"siblings must be distinct tokens, got {tokens}")
@@ -80,6 +82,17 @@ class TokenTree:
                     parents.append(at)
                 at = index[key]
         return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def with_rows(self, tokens: list[int], parents: list[int]) -> "TokenTree":
+        """A forward layout: this tree's nodes, then extra rows (``parents[j]`` indexes the whole
+        list, nodes first, and is below ``size + j``). The extra rows are computed in the same forward
+        as the nodes, each seeing the committed cache plus its own ancestors, but are no candidates:
+        a proposer reads their logits (``proposers.base.AuxRows``), verification never sees them."""
+        n, m = self.size, len(tokens)
+        assert len(parents) == m and all(0 <= p < n + j for j, p in enumerate(parents)), (
+            f"each extra row's parent must be an earlier row, got {parents} after {n} nodes")
+        return TokenTree(torch.cat([self.tokens, torch.tensor(tokens, dtype=torch.long)]),
+                         torch.cat([self.parents, torch.tensor(parents, dtype=torch.long)]), layout=True)
 
     @property
     def size(self) -> int:

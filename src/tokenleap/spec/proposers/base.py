@@ -21,9 +21,15 @@ A proposer that honours ``max_nodes`` declares ``drafts_trees = True``: with ``S
 the controller then chooses per step between plain decoding, a chain and a tree (budget and depth),
 from measured costs (``spec/controller.py``); the engine asks any other proposer with the whole
 budget, as with ``tree="on"``.
+
+A proposer may also attach **auxiliary rows** to its proposal (``Draft.aux``, see :class:`AuxRows`):
+rows of the same target forward that are no verification candidates -- lookahead decoding's Jacobi
+window. It then declares ``aux_rows`` (the most it attaches a step) so a scheduler can reserve the
+cache entries they occupy during the forward; the engine never keeps them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +38,21 @@ import torch
 from tokenleap.config import SamplingParams
 from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class AuxRows:
+    """Rows a proposal adds to the step's forward that are *not* candidates: computed beside the
+    drafted nodes (each sees the committed cache plus its own ancestors, as a tree node does), their
+    logits handed to ``observe`` before the proposer's ``accept``, then dropped -- never verified,
+    emitted or kept in the cache. Verification, and so the output, cannot depend on them.
+
+    ``parents[j]`` indexes the step's layout: the proposal's nodes (0: the root, then the drafted
+    tokens in node order), followed by these rows; it is below ``1 + len(Draft.tokens) + j``."""
+
+    tokens: list[int]
+    parents: list[int]
+    observe: Callable[[torch.Tensor], None]  # called with the rows' logits [len(tokens), vocab]
 
 
 @dataclass(frozen=True)
@@ -45,6 +66,9 @@ class Draft:
     # a token tree (root: the sequence's last token) instead of a chain; ``tokens`` then lists its
     # drafted nodes in node order and ``probs`` is unused (the tree holds its draft distributions)
     tree: TokenTree | None = None
+    # rows computed in the same forward for the proposer's own use (lookahead's Jacobi window); a
+    # draft with aux rows but no tokens still runs them
+    aux: AuxRows | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,7 @@ class DraftRequest:
     generator: torch.Generator | SeededNoise | None = None
     constraint: Any = None  # structured.Constraint: a draft model drafts inside the grammar too
     max_nodes: int = 0  # > 0: a tree of at most this many drafted nodes (k deep) may be proposed
+    max_aux: int = 0  # auxiliary rows (Draft.aux) the step has room for beside max(k, max_nodes) nodes
     slot: int = -1  # the sequence's slot in the target's cache (a self-drafting proposer writes there)
 
 
