@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +73,10 @@ class LLM:
                  speculative: SpecConfig | None = None, max_model_len: int | None = None,
                  cache_dir: str | Path | None = None, num_slots: int = 1, max_num_seqs: int = 16) -> None:
         target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
-        spec = speculative or SpecConfig()
-        draft = load_draft(spec, target, cache_dir) if spec.method == "draft" else None
+        spec, note = resolve_auto_draft(speculative or SpecConfig(), str(model), cache_dir)
+        draft = load_draft(spec, target, cache_dir) if uses_draft(spec) else None
         self._setup(target, spec, draft, max_model_len, num_slots, max_num_seqs)
+        self.spec_note = note
 
     @classmethod
     def from_loaded(cls, target: LoadedModel, speculative: SpecConfig | None = None, draft: LoadedModel | None = None,
@@ -92,6 +93,7 @@ class LLM:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.target, self.tokenizer, self.spec, self.draft = target, target.tokenizer, spec, draft
+        self.spec_note: str | None = None  # how --spec auto chose its draft model, for --stats
         self.max_num_seqs = max_num_seqs  # prompts decoded together by generate()
         max_len = min(max_model_len or 4096, target.model.config.max_position_embeddings)
         self.proposer = self._proposer(max_len, num_slots)
@@ -112,6 +114,9 @@ class LLM:
         if self.spec.method == "draft":
             return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
                                   self.spec.draft_vocab, cache, self.spec.draft_spec, self.tokenizer)
+        if self.spec.method == "auto":
+            return auto_proposer(self.spec, self.target, self.draft, max_len, num_slots, None,
+                                 (lambda _: cache) if cache is not None else None)
         return None
 
     def describe(self) -> str:
@@ -122,6 +127,11 @@ class LLM:
                 f"KV cache {self.engine.cache.nbytes / 2**20:.0f} MiB for {self.engine.max_len} tokens")
         if self.proposer is not None:
             line += f"; speculation: {self.spec.method}, draft length {self.spec.num_tokens}"
+            arms = getattr(self.proposer, "arms", None)
+            if arms is not None:
+                line += f" (proposers: {', '.join(arms)})"
+        if self.spec_note:
+            line += f"; {self.spec_note}"
         return line
 
     # -- prompts ----------------------------------------------------------------------------
@@ -195,6 +205,14 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
         return NgramProposer(spec.ngram_max, spec.ngram_min)
     if spec.method == "lookahead":
         return lookahead_proposer(spec)
+    if spec.method == "auto":
+        spec, note = resolve_auto_draft(spec, target.source, cache_dir)
+        draft = load_draft(spec, target, cache_dir) if spec.draft_model else None
+        proposer = auto_proposer(spec, target, draft, max_len, num_slots, cache_dir, draft_cache)
+        proposer.note = note  # what was picked and why, for the server's startup line
+        return proposer
+    if spec.method != "draft":
+        raise ConfigError(f"no proposer is built for speculative method {spec.method!r}")
     draft = load_draft(spec, target, cache_dir)
     cache = draft_cache(draft) if draft_cache is not None else None
     return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache,
@@ -230,3 +248,50 @@ def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num
         inner = kind(draft.model, draft.model.config.vocab_size, max_len, num_slots, cache=cache, head=head)
         return CrossTokenizerProposer(inner, target_tokenizer, draft.tokenizer)
     return kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head)
+
+
+def uses_draft(spec: SpecConfig) -> bool:
+    """Whether ``spec`` needs a draft model loaded (auto: when one is named or was picked)."""
+    return spec.method == "draft" or (spec.method == "auto" and bool(spec.draft_model))
+
+
+def resolve_auto_draft(spec: SpecConfig, model: str, cache_dir: str | Path | None) -> tuple[SpecConfig, str | None]:
+    """``spec`` with ``draft_model="auto"`` replaced by the draft ``models.pairing`` picks (or none),
+    and a sentence saying what was picked and why; other specs unchanged (no sentence)."""
+    if spec.method != "auto" or spec.draft_model != "auto":
+        return spec, None
+    from tokenleap.models.pairing import pick_draft
+    pick = pick_draft(model.removeprefix("catalog:"), cache_dir, quant=None if spec.draft_quant == "none" else spec.draft_quant)
+    return replace(spec, draft_model=pick.name, draft_quant=pick.quant if pick.name else spec.draft_quant), pick.reason
+
+
+# --spec auto's candidate proposers, in order (ties go to the first). Other methods join by name as
+# soon as SpecConfig accepts them and build_proposer builds them (no change to spec/proposers/auto.py).
+AUTO_ARMS = ("draft", "layerskip", "lookahead", "ngram")
+
+
+def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, num_slots: int,
+                  cache_dir: str | Path | None, draft_cache=None) -> Proposer:
+    """``--spec auto``: every proposer this configuration has -- n-gram always, the draft model when
+    one is loaded, the other methods when this build has them -- behind one that picks per sequence."""
+    from tokenleap.errors import TokenleapError
+    from tokenleap.spec.bandit import BanditConfig
+    from tokenleap.spec.proposers.auto import AutoProposer
+    from tokenleap.spec.proposers.ngram import NgramProposer
+    arms: dict[str, Proposer] = {}
+    for name in AUTO_ARMS:
+        if name == "draft":
+            if draft is not None:
+                arms[name] = draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots,
+                                            spec.draft_vocab, draft_cache(draft) if draft_cache else None,
+                                            spec.draft_spec, target.tokenizer)
+        elif name == "ngram":
+            arms[name] = NgramProposer(spec.ngram_max, spec.ngram_min)
+        else:
+            try:
+                arms[name] = build_proposer(replace(spec, method=name, draft_model=None), target, max_len,
+                                            num_slots, cache_dir)
+            except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
+                continue
+    fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
+    return AutoProposer(arms, BanditConfig(max_k=max(spec.max_num_tokens, fixed or 1)), trees=spec.tree == "on")

@@ -232,7 +232,7 @@ class SpecConfig:
     """How to speculate. ``method=None`` means plain decoding."""
 
     method: str | None = None  # None | "draft" | "ngram" | "lookahead"
-    draft_model: str | None = None
+    draft_model: str | None = None  # "auto" (method "auto" only): an installed catalog draft, see models/pairing.py
     draft_quant: str = "none"
     draft_dtype: str | None = None
     draft_spec: str | None = None  # None | "ngram": n-gram lookup speculates the draft model's own steps (cascade)
@@ -252,8 +252,10 @@ class SpecConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(self.method in (None, "draft", "ngram", "lookahead"),
-               f"unknown speculative method {self.method!r}; choose draft, ngram or lookahead")
+        _check(self.method in (None, "draft", "ngram", "lookahead", "auto"),
+               f"unknown speculative method {self.method!r}; choose auto, draft, ngram or lookahead")
+        _check(self.draft_model != "auto" or self.method == "auto",
+               "draft_model 'auto' (pick an installed catalog draft) goes with method 'auto'")
         _check(self.method != "draft" or bool(self.draft_model),
                "speculative method 'draft' needs a draft model (--draft-model NAME_OR_PATH)")
         _check(self.draft_spec in (None, "ngram"),

@@ -31,7 +31,7 @@ class MethodSpec:
 
     @property
     def kind(self) -> str:
-        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead") else PEER
+        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto") else PEER
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
@@ -191,9 +191,24 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
                         lookahead_ngram=int(spec.get("ngram", SpecConfig.lookahead_ngram)),
                         lookahead_guesses=int(spec.get("guesses", SpecConfig.lookahead_guesses)))
         proposer, nodes = lookahead_proposer(la), la.tree_nodes
+    if family == "auto":
+        proposer = _auto(spec, pool)
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec), tree_nodes=nodes)
     return TokenleapMethod(spec.name, engine)
+
+
+def _auto(spec: MethodSpec, pool: ModelPool):
+    """``auto``: n-gram lookup, the --draft model when given, and the other methods this build has,
+    chosen per request and step (``spec/proposers/auto.py``)."""
+    from tokenleap.api import auto_proposer
+    o = pool.opts
+    k = spec.get("k", "auto")
+    cfg = SpecConfig(method="auto", draft_model=o.draft, num_tokens=k, max_num_tokens=int(spec.get("kmax", 8)),
+                     ngram_max=int(spec.get("max", 4)), ngram_min=int(spec.get("min", 1)),
+                     draft_vocab=int(spec.get("vocab", SpecConfig.draft_vocab)) or None)
+    draft = pool.draft(spec.name) if o.draft else None
+    return auto_proposer(cfg, pool.target(), draft, o.max_len, 1, o.cache_dir)
 
 
 def build_methods(specs: list[MethodSpec], pool: ModelPool) -> tuple[list[BenchMethod], list[MethodInfo]]:

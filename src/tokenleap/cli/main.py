@@ -56,7 +56,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16")
     p.add_argument("--quant", default="none", help="weight-only quantization: none, int8, int4")
-    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead"], default="none", help="speculative method")
+    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "auto"], default="none",
+                   help="speculative method; auto: per request and step, the proposer that pays (n-gram, the "
+                        "draft model -- without --draft-model an installed catalog draft of the target's "
+                        "tokenizer, if memory allows --, other methods), else plain decoding")
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
     p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
@@ -102,6 +105,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
     if args.draft_spec != "none" and args.spec != "draft":
         raise UsageError("--draft-spec ngram speculates a draft model's own steps: use it with "
                          "--spec draft --draft-model M")
+    if args.spec == "auto" and not args.draft_model:
+        args.draft_model = "auto"  # an installed catalog draft of the target's tokenizer, if memory allows
     if args.spec_tree == "on" and args.spec == "none":
         raise UsageError("--spec-tree on needs a proposer: --spec draft --draft-model M, or --spec ngram")
     check_model_args(args)
@@ -121,7 +126,9 @@ def check_model_args(args: argparse.Namespace) -> None:
     check_quant_dtype({"--quant": args.quant, "--draft-quant": args.draft_quant},
                       {"--dtype": args.dtype, "--draft-dtype": args.draft_dtype})
     check_model_ref("--model", args.model, args.cache_dir)
-    if args.draft_model:
+    if args.draft_model == "auto" and getattr(args, "spec", None) != "auto":
+        raise UsageError("--draft-model auto (an installed catalog draft) goes with --spec auto")
+    if args.draft_model and args.draft_model != "auto":
         check_model_ref("--draft-model", args.draft_model, args.cache_dir)
 
 
@@ -240,7 +247,16 @@ def _stats_line(stats: dict[str, Any]) -> str:
             f"tau {stats['mean_accepted_tokens']:.2f}, acceptance length {stats['acceptance_length']:.2f}, "
             f"draft acceptance {stats['draft_acceptance_rate']:.1%}, per position [{pos}], "
             f"draft {stats['draft_seconds']:.2f}s / verify {stats['verify_seconds']:.2f}s "
-            f"/ prefill {stats['prefill_seconds']:.2f}s")
+            f"/ prefill {stats['prefill_seconds']:.2f}s{_proposer_shares(stats)}")
+
+
+def _proposer_shares(stats: dict[str, Any]) -> str:
+    """``, tokens by proposer: ngram 61%, draft 24%, none 15%`` where several proposers drafted."""
+    shares = stats.get("proposers") or {}
+    if len([n for n in shares if n != "none"]) < 2:
+        return ""
+    ranked = sorted(shares.items(), key=lambda kv: -kv[1]["tokens"])
+    return ", tokens by proposer: " + ", ".join(f"{n} {v['share']:.0%}" for n, v in ranked)
 
 
 def cmd_models(args: argparse.Namespace) -> int:

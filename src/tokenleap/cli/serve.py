@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tokenleap.cli.main import UsageError, add_model_args, non_negative_int, positive_int, spec_config
@@ -54,7 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="do not serve /docs and /openapi.json (default: served, behind --api-key when set)")
     from tokenleap.cli.replicas import add_replica_args  # --replicas N: the same server on Ray Serve replicas
     add_replica_args(p)
-    p.set_defaults(func=cmd_serve)
+    # no --spec: auto when it has more than one proposer to choose from (a draft model found or named,
+    # or another method beside n-gram), else plain decoding (see serve_spec_config)
+    p.set_defaults(func=cmd_serve, spec=None)
 
 
 def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "auto", quant: str = "none",
@@ -84,6 +87,8 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
     ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed, tree=spec.tree)
     proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir, prefix_caching)
+    if spec.extra.get("serve_default") and len(getattr(proposer, "arms", ())) < 2:
+        proposer = None  # the default: auto only with a choice to make (n-gram alone: plain, as always)
     return Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer, controller=ctl,
                   prefill_chunk=prefill_chunk, cache=cache, tree_nodes=spec.tree_nodes)
 
@@ -125,10 +130,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cache = engine.cache
     print(f"tokenleap: serving {name} on http://{args.host}:{args.port}/v1 -- {cache.num_blocks} KV blocks of "
           f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
-          f"speculation: {engine.proposer.name if engine.proposer else 'off'}, "
+          f"speculation: {_speculation(engine.proposer)}, "
           f"prefix caching: {'on' if cache.prefix_caching else 'off'}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _speculation(proposer) -> str:
+    """The startup line's speculation: off, a method, or auto with its proposers and how its draft was chosen."""
+    if proposer is None:
+        return "off"
+    arms = getattr(proposer, "arms", None)
+    if arms is None:
+        return proposer.name
+    note = getattr(proposer, "note", None)
+    return f"{proposer.name} ({', '.join(arms)}{'; ' + note if note else ''})"
 
 
 def build_app(args: argparse.Namespace):
@@ -136,7 +152,7 @@ def build_app(args: argparse.Namespace):
     ``--replicas`` replica runs)."""
     from tokenleap.serve.scheduler import SchedulerConfig
     from tokenleap.serve.app import ServerConfig, create_app
-    engine = build_engine(args.model, spec=spec_config(args), dtype=args.dtype, quant=args.quant,
+    engine = build_engine(args.model, spec=serve_spec_config(args), dtype=args.dtype, quant=args.quant,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir,
@@ -148,6 +164,16 @@ def build_app(args: argparse.Namespace):
                           allowed_origins=tuple(args.allowed_origins), log_prompts=args.log_prompts,
                           docs=not args.no_docs)
     return create_app(engine, config), engine
+
+
+def serve_spec_config(args: argparse.Namespace) -> SpecConfig:
+    """``spec_config`` with the server's default: without --spec, auto (marked ``serve_default`` in
+    ``extra``: ``build_engine`` keeps it only when it has more than one proposer)."""
+    if args.spec is not None:
+        return spec_config(args)
+    args.spec = "auto"
+    spec = spec_config(args)
+    return replace(spec, extra={**spec.extra, "serve_default": True})
 
 
 def _is_loopback(host: str) -> bool:

@@ -39,7 +39,7 @@ def batch_engine(llm: "LLM", lengths: list[int]) -> Engine:
     model = llm.target.model
     cache = PagedKVCache(model.config, blocks, max_len, model.dtype, BLOCK_SIZE, num_slots=slots)
     draft_cache = None
-    if llm.spec.method == "draft":
+    if llm.draft is not None:  # --spec draft, or auto with a draft model
         draft = llm.draft.model
         draft_cache = PagedKVCache(draft.config, blocks, max_len, draft.dtype, BLOCK_SIZE, num_slots=slots)
     return Engine(model, llm.tokenizer, max_len=max_len, proposer=llm._proposer(max_len, slots, draft_cache),

@@ -133,6 +133,7 @@ class ServeSnapshot:
     tree_steps: int = 0  # steps that verified a token tree (their positions above are depths)
     tree_nodes: int = 0  # drafted nodes of those trees
     accepted_per_rank: tuple[int, ...] = ()  # [r] accepted tree nodes that were their parent's (r+1)-th child
+    accepted_by_proposer: tuple[tuple[str, int], ...] = ()  # (proposer, draft tokens it had accepted); auto: its arms
     histograms: dict[str, HistogramData] = field(default_factory=dict)
 
     @property
@@ -188,6 +189,12 @@ class ServeCollector(Collector):
             for i, n in enumerate(counts):
                 family.add_metric(model + [str(i)], n)
             yield family
+        by_proposer = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_by_proposer",
+                                          "Draft tokens accepted, by the proposer that drafted them (--spec auto: "
+                                          "each of its proposers)", labels=labels + ["proposer"])
+        for name, n in s.accepted_by_proposer:
+            by_proposer.add_metric(model + [name], n)
+        yield by_proposer
         finished = CounterMetricFamily(f"{prefix}:request_success", "Finished requests by finish reason",
                                        labels=labels + ["finished_reason"])
         for reason, n in sorted(s.finished.items()):

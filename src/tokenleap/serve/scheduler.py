@@ -161,7 +161,8 @@ class Scheduler:
             num_draft_tokens=t.draft_tokens, num_accepted_tokens=t.accepted_tokens,
             accepted_per_pos=tuple(t.position_accepted), prefix_cache_queries=self.cache.prefix_queries,
             prefix_cache_hits=self.cache.prefix_hits, tree_steps=t.tree_steps, tree_nodes=t.tree_nodes,
-            accepted_per_rank=tuple(t.rank_accepted), histograms=self.stats.histograms.read())
+            accepted_per_rank=tuple(t.rank_accepted), histograms=self.stats.histograms.read(),
+            accepted_by_proposer=tuple(sorted((n, a) for n, a in t.proposer_accepted.items() if n != "none")))
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:

@@ -175,8 +175,9 @@ class Engine:
             # the last row's logits as a one-row head computes them (a many-row head may round differently)
             logits = self.model.lm_head(out.hidden[-1][-1:], exact).float() if scored else out.logits  # [1, vocab]
             kept = self._emit(seq, self._verify(seq, None, logits), logits)
-            seq.stats.record_step(0, 0, kept)
-            self.totals.record_step(0, 0, kept)
+            for stats in (seq.stats, self.totals):
+                stats.record_step(0, 0, kept)
+                stats.record_proposer("none", 0, kept)
         seq.stats.prefill_seconds += time.perf_counter() - t0
         return len(chunk)
 
@@ -184,6 +185,9 @@ class Engine:
         """A draft model fills its cache alongside the target's prefill -- unless speculation is
         not predicted to pay, with that prefill counted, at the batch this sequence joins (every
         sequence holding a slot, newcomers included); a later proposal catches up if load drops."""
+        if hasattr(self.proposer, "plan"):  # a composite (--spec auto) judges each of its proposers itself
+            self.proposer.prefill(seq.seq_id, tokens)
+            return
         backlog = self.proposer.backlog(seq.seq_id, tokens)
         nodes = self.tree_nodes if self._tree_mode() == "auto" else 0
         if not self.controller.would_speculate(max(1, len(self._attached)), backlog, self.expected_remaining(seq), nodes):
@@ -197,6 +201,9 @@ class Engine:
         ``batch``: the batch size to judge at if more sequences are about to join (default: len(seqs))."""
         if self.proposer is None:
             return 0
+        if hasattr(self.proposer, "plan"):  # a composite (--spec auto) plans each sequence's proposer and k
+            return self.proposer.plan([(s.seq_id, s.tokens, self.expected_remaining(s)) for s in seqs],
+                                      max(batch or 0, len(seqs)), self.controller)
         backlog = sum(self.proposer.backlog(s.seq_id, s.tokens) for s in seqs)
         # (the tokens still to generate only weigh against a catch-up)
         remaining = sum(self.expected_remaining(s) for s in seqs) if backlog else float("inf")
@@ -331,6 +338,7 @@ class Engine:
         accepted = min(result.num_accepted, kept)
         for stats in (seq.stats, self.totals):
             stats.record_step(proposed, accepted, kept)
+            stats.record_proposer(_proposer_name(self.proposer, draft), accepted, kept)
             if tree is not None:
                 stats.record_tree(tree.size - 1, [tree.children[int(tree.parents[c])].index(c)
                                                   for c in result.path[:accepted]])
@@ -406,3 +414,11 @@ def _layout(seq: Sequence, draft: Draft | None) -> TokenTree | None:
         return draft.tree if draft is not None else None
     base = draft.tree if draft.tree is not None else TokenTree.chain(seq.tokens[-1], draft.tokens)
     return base.with_rows(draft.aux.tokens, draft.aux.parents)
+
+
+def _proposer_name(proposer: Proposer | None, draft: Draft | None) -> str:
+    """Who drafted a step: the draft's label (a composite's arm), else the engine's proposer; "none"
+    for a plain step."""
+    if draft is None or proposer is None:
+        return "none"
+    return draft.proposer or proposer.name

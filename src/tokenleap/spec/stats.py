@@ -29,6 +29,11 @@ class SpecStats:
     tree_steps: int = 0  # steps that verified a token tree
     tree_nodes: int = 0  # drafted nodes of those trees
     rank_accepted: list[int] = field(default_factory=list)  # [r] accepted nodes that were sibling rank r
+    # by the proposer that drafted the step ("none": plain steps and the prefill's token): steps, draft
+    # tokens accepted, tokens emitted -- a composite (--spec auto) names its arms
+    proposer_steps: dict[str, int] = field(default_factory=dict)
+    proposer_accepted: dict[str, int] = field(default_factory=dict)
+    proposer_tokens: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, proposed: int, accepted: int, emitted: int) -> None:
         self.target_forwards += 1
@@ -45,6 +50,12 @@ class SpecStats:
             if i < accepted:
                 self.position_accepted[i] += 1
 
+    def record_proposer(self, name: str, accepted: int, emitted: int) -> None:
+        """The step just recorded was drafted by ``name`` (after ``record_step``)."""
+        for table, value in ((self.proposer_steps, 1), (self.proposer_accepted, accepted),
+                             (self.proposer_tokens, emitted)):
+            table[name] = table.get(name, 0) + value
+
     def record_tree(self, nodes: int, ranks: list[int]) -> None:
         """A tree step's drafted nodes and the sibling ranks of its accepted path (after ``record_step``)."""
         self.tree_steps += 1
@@ -58,6 +69,11 @@ class SpecStats:
                      "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds", "tree_steps",
                      "tree_nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine_d, theirs_d in ((self.proposer_steps, other.proposer_steps),
+                                 (self.proposer_accepted, other.proposer_accepted),
+                                 (self.proposer_tokens, other.proposer_tokens)):
+            for name, v in theirs_d.items():
+                mine_d[name] = mine_d.get(name, 0) + v
         for mine, theirs in ((self.position_proposed, other.position_proposed),
                              (self.position_accepted, other.position_accepted),
                              (self.rank_accepted, other.rank_accepted)):
@@ -109,7 +125,15 @@ class SpecStats:
             "accepted_by_sibling_rank": list(self.rank_accepted),
             # of the steps that drafted, the share that verified a token tree (--spec-tree auto's choice)
             "tree_step_share": round(self.tree_steps / self.draft_steps, 4) if self.draft_steps else 0.0,
+            "proposers": self.proposers(),
         }
+
+    def proposers(self) -> dict[str, dict[str, Any]]:
+        """Per proposer: steps it drafted, its tokens accepted, tokens those steps emitted and their
+        share of all new tokens ("none": plain steps and the prefill's first token)."""
+        return {name: {"steps": self.proposer_steps[name], "accepted_tokens": self.proposer_accepted.get(name, 0),
+                       "tokens": n, "share": round(n / self.new_tokens, 4) if self.new_tokens else 0.0}
+                for name, n in sorted(self.proposer_tokens.items())}
 
     def summary_line(self) -> str:
         pos = " ".join(f"{a:.2f}" for a in self.per_position_acceptance) or "-"

@@ -66,6 +66,9 @@ class Draft:
     # a token tree (root: the sequence's last token) instead of a chain; ``tokens`` then lists its
     # drafted nodes in node order and ``probs`` is unused (the tree holds its draft distributions)
     tree: TokenTree | None = None
+    # which proposer drafted this (a composite such as --spec auto labels its arms' drafts; None:
+    # the engine's proposer itself), for the per-proposer token counts of SpecStats and /metrics
+    proposer: str | None = None
     # rows computed in the same forward for the proposer's own use (lookahead's Jacobi window); a
     # draft with aux rows but no tokens still runs them
     aux: AuxRows | None = None

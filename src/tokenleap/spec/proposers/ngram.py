@@ -48,6 +48,9 @@ class _Index:
 class NgramProposer:
     name = "ngram"
     drafts_trees = True  # a request with max_nodes gets a trie (the controller may choose it)
+    # deterministic and nearly free: a composite proposer (--spec auto) may ask for a proposal it
+    # does not verify and score it against the tokens the step emitted
+    shadow = True
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min

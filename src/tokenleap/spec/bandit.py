@@ -1,0 +1,184 @@
+"""Which proposer drafts a sequence's next step, and how far: the cost model of ``controller.py``
+applied per proposer ("arm"), with acceptance measured per sequence.
+
+For arm a, draft length k and a step of ``batch`` sequences, the predicted rate is
+
+    rate(a, k) = batch * E_a(k) / (k * batch * c_a(batch) + F(batch * (k + 1)) + overhead)
+
+with E_a(k) = 1 + sum_{i<=k} prod_{j<=i} b_j from this sequence's conditional acceptance b_j of
+arm a's drafts, c_a the arm's measured seconds per drafted token at that batch size (a batched
+draft forward serves every sequence it drafts for), and F / overhead the target's measured forward
+cost by row count and a step's measured overhead -- the engine's own controller's figures, so
+plain decoding (k = 0) is judged by exactly the numbers the controller uses. A sequence's
+acceptance starts from the arm's recent acceptance over all sequences (the prior) and follows the
+sequence's own text with exponential forgetting, so a request that turns from prose to copying
+code moves to n-gram lookup within a few steps, and back.
+
+The plan for a sequence is every arm that beats plain decoding (by ``batch_margin`` with several
+sequences) and pays back any catch-up it needs first (a draft model that has not followed the
+sequence while another arm drafted must feed those tokens), best first: a cheap arm that finds
+nothing to propose this step (n-gram without a match) hands the step to the next. When no arm
+pays, the step decodes plainly, and every ``probe_every`` steps an arm not tried for that long is
+tried once with a short draft if its catch-up is affordable, so a change in the text is noticed.
+Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
+every step without drafting: their proposal is compared with the tokens the step emitted. That
+count is exact: a deterministic draft token is accepted iff the verified token equals it, under
+greedy, seeded and rejection sampling alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenleap.spec.controller import ControllerConfig, DraftLengthController
+
+
+@dataclass(frozen=True)
+class BanditConfig:
+    max_k: int = 8
+    initial_k: int = 4  # the first draft of an arm, before anything is measured
+    ema: float = 0.2  # forgetting rate of a sequence's acceptance counts (faster than the controller's)
+    prior_weight: float = 1.0  # observations' worth of the arm's acceptance over all sequences
+    probe_every: int = 16  # plain steps (for this sequence) between tries of an arm that does not pay
+    probe_k: int = 2
+    explore_share: float = 0.05  # a probe's catch-up may cost at most this share of the time since the last
+    batch_margin: float = 0.15  # with several sequences an arm must beat plain by this much (as the controller)
+
+
+class SeqAcceptance:
+    """One sequence's conditional acceptance b_i of one arm's drafts (exponentially forgotten counts)."""
+
+    def __init__(self, max_k: int, ema: float, prior_weight: float) -> None:
+        self.hits, self.trials = [0.0] * max_k, [0.0] * max_k
+        self.ema, self.prior_weight = ema, prior_weight
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Positions 1..accepted passed, position accepted + 1 failed (if it was proposed)."""
+        keep = 1.0 - self.ema
+        for i in range(min(proposed, accepted + 1, len(self.hits))):
+            self.hits[i] = self.hits[i] * keep + (1.0 if i < accepted else 0.0)
+            self.trials[i] = self.trials[i] * keep + 1.0
+
+    def expected_tokens(self, k: int, prior: list[float]) -> float:
+        """E(k): tokens a step drafting k is expected to emit (the bonus token included)."""
+        total, run, w = 1.0, 1.0, self.prior_weight
+        for i in range(min(k, len(self.hits))):
+            run *= (self.hits[i] + w * prior[i]) / (self.trials[i] + w)
+            total += run
+        return total
+
+
+@dataclass
+class Arm:
+    """One proposer's figures over every sequence: seconds per drafted token by batch size, catch-up
+    seconds per token, and recent acceptance (the prior of a new sequence's)."""
+
+    name: str
+    shadow: bool  # deterministic and nearly free: scored every step by comparing with what was emitted
+    costs: DraftLengthController
+
+
+@dataclass
+class SeqArmState:
+    acceptance: SeqAcceptance
+    idle_steps: int = 0  # steps of this sequence since the arm last drafted for it
+    idle_seconds: float = 0.0  # predicted seconds those steps took
+
+
+@dataclass(frozen=True)
+class Choice:
+    arm: str
+    k: int
+    rate: float  # predicted tokens per second (per step of the batch)
+
+
+@dataclass
+class SeqBandit:
+    """A sequence's per-arm acceptance and exploration clocks."""
+
+    arms: dict[str, SeqArmState] = field(default_factory=dict)
+
+
+class Bandit:
+    """The per-arm cost tables and the choice of (arm, k) for each sequence of a step."""
+
+    def __init__(self, arms: list[tuple[str, bool]], config: BanditConfig | None = None) -> None:
+        self.cfg = config or BanditConfig()
+        ctl = ControllerConfig(max_k=self.cfg.max_k, ema=0.1)
+        self.arms = {name: Arm(name, shadow, DraftLengthController(ctl)) for name, shadow in arms}
+
+    def new_sequence(self) -> SeqBandit:
+        return SeqBandit({a: SeqArmState(SeqAcceptance(self.cfg.max_k, self.cfg.ema, self.cfg.prior_weight))
+                          for a in self.arms})
+
+    # -- learning ---------------------------------------------------------------------------
+    def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
+        if proposed > 0:
+            seq.arms[arm].acceptance.observe(proposed, accepted)
+            self.arms[arm].costs.observe_acceptance(proposed, accepted)
+
+    def observe_draft(self, arm: str, tokens: int, seconds: float, batch: int) -> None:
+        self.arms[arm].costs.observe_draft(tokens, seconds, batch)
+
+    def observe_catch_up(self, arm: str, tokens: int, seconds: float) -> None:
+        self.arms[arm].costs.observe_catch_up(tokens, seconds)
+
+    # -- choosing ---------------------------------------------------------------------------
+    def rate(self, seq: SeqBandit, arm: str, k: int, batch: int, target: DraftLengthController) -> float:
+        """Predicted tokens per second of a step in which ``arm`` drafts k tokens for ``batch`` sequences."""
+        a = self.arms[arm]
+        cost = (k * batch * a.costs.predict_draft(batch) + target.predict_forward(batch * (k + 1), batch == 1)
+                + target.step_overhead.get((True, batch), 0.0))
+        return batch * seq.arms[arm].acceptance.expected_tokens(k, a.costs.accept) / cost if cost > 0 else float("inf")
+
+    def plan(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
+             remaining: float, max_k: int) -> list[Choice]:
+        """The arms to try for this sequence's next step, best first (empty: decode plainly).
+        ``backlogs``: tokens each arm must catch up on first; ``remaining``: tokens still to come."""
+        max_k = min(max_k, self.cfg.max_k)
+        if max_k <= 0:
+            return []
+        if not target.forward_cost:  # nothing measured: every arm with a middling first draft, as listed
+            return [Choice(a, min(self.cfg.initial_k, max_k), 0.0) for a in self.arms]
+        plain = target.rate(0, batch)
+        margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
+        ranked = []
+        for name, a in self.arms.items():
+            k, r = max(((k, self.rate(seq, name, k, batch, target)) for k in range(1, max_k + 1)),
+                       key=lambda kr: kr[1])
+            catch_up = backlogs.get(name, 0) * (a.costs.catch_up_cost or 0.0)
+            gain = remaining * (1.0 / plain - margin / r) if r > 0 else 0.0
+            if r > plain * margin * 1.0001 and (catch_up <= 0.0 or gain > catch_up):
+                ranked.append(Choice(name, k, r))
+        ranked.sort(key=lambda c: -c.rate)
+        step_seconds = batch / ranked[0].rate if ranked else batch / plain
+        for state in seq.arms.values():
+            state.idle_steps += 1
+            state.idle_seconds += step_seconds
+        best = ranked[0].rate if ranked else plain * margin
+        probe = self._probe(seq, batch, target, backlogs, best, max_k, {c.arm for c in ranked})
+        return [probe] + ranked if probe is not None else ranked
+
+    def _probe(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
+               best: float, max_k: int, ranked: set[str]) -> Choice | None:
+        """One short draft by an arm idle for this sequence for ``probe_every`` steps -- not a
+        shadow-scored arm (measured anyway), not one that could not beat the best choice even if
+        every drafted token were accepted, and not one whose catch-up costs more than two steps
+        and the exploration share of the time since it last drafted."""
+        k = min(self.cfg.probe_k, max_k)
+        for name, state in seq.arms.items():
+            a = self.arms[name]
+            if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every:
+                continue
+            catch_up = backlogs.get(name, 0) * (a.costs.catch_up_cost or 0.0)
+            affordable = catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
+            best_case = batch * (k + 1) / (k * batch * a.costs.predict_draft(batch)
+                                           + target.predict_forward(batch * (k + 1), batch == 1)
+                                           + target.step_overhead.get((True, batch), 0.0))
+            if affordable and best_case > best:
+                return Choice(name, k, 0.0)
+        return None
+
+    def drafted(self, seq: SeqBandit, arm: str) -> None:
+        """``arm`` drafted for the sequence: its exploration clock restarts."""
+        state = seq.arms[arm]
+        state.idle_steps, state.idle_seconds = 0, 0.0

@@ -1,0 +1,194 @@
+"""``--spec auto``: several proposers behind one, and per sequence, per step, the one that drafts.
+
+The engine asks :meth:`AutoProposer.plan` instead of its controller for a step's draft length
+(``Engine.choose_k``): for each sequence :class:`~tokenleap.spec.bandit.Bandit` ranks the arms by
+predicted accepted tokens per second of cost, and ``propose_many`` lets the best one draft (a cheap
+arm with nothing to propose -- n-gram without a match -- hands the step to the next). Every
+verified token goes through the same verifier whichever arm drafted it, so the output is exactly
+plain decoding's (greedy and seeded token for token, sampling in distribution).
+
+Keeping each arm consistent when it did not draft a step: an arm is only told ``accept`` for a
+proposal it made. A draft model therefore falls behind while another arm drafts and catches up on
+the tokens it missed at its next proposal (its ``backlog``, which the plan prices in); n-gram
+indexes are rebuilt from the tokens at every proposal. Arms plug in by name: anything with the
+proposer protocol (``base.py``) can be an arm; ``shadow = True`` on a proposer (deterministic,
+nearly free) lets the bandit score it every step without verifying its drafts.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from tokenleap.spec.bandit import Bandit, BanditConfig, Choice, SeqBandit
+from tokenleap.spec.controller import DraftLengthController
+from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer
+
+
+class AutoProposer:
+    name = "auto"
+
+    def __init__(self, arms: dict[str, Proposer], config: BanditConfig | None = None, trees: bool = False) -> None:
+        if not arms:
+            raise ValueError("auto needs at least one proposer")
+        self.arms = arms
+        # token trees from arms that may draft either (``drafts_trees``): only when asked for (--spec-tree
+        # on); the bandit weighs chains. An arm whose method is a tree (lookahead's guesses) keeps its budget.
+        self.trees = trees
+        self.bandit = Bandit([(n, bool(getattr(p, "shadow", False))) for n, p in arms.items()], config)
+        self.note: str | None = None  # how its draft model was chosen (``--spec auto`` without --draft-model)
+        self.target: DraftLengthController | None = None  # the engine's controller (target costs), set by plan
+        self._seqs: dict[int, SeqBandit] = {}
+        self._plans: dict[int, list[Choice]] = {}
+        self._drafted: dict[int, tuple[str, int]] = {}  # seq -> (arm, depth proposed) of the last proposal
+        self._shadows: dict[int, dict[str, tuple[int, list[int]]]] = {}  # seq -> arm -> (start, proposal)
+
+    @property
+    def aux_rows(self) -> int:
+        """The most auxiliary rows (``Draft.aux``) any arm attaches to a step (lookahead's window)."""
+        return max(getattr(p, "aux_rows", 0) for p in self.arms.values())
+
+    def bind_cache(self, cache) -> None:
+        """Hand the target's cache to the arms that draft in it (layer-skip self-speculation)."""
+        for p in self.arms.values():
+            if hasattr(p, "bind_cache"):
+                p.bind_cache(cache)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def begin(self, seq_id: int, prompt: list[int]) -> None:
+        self._seqs[seq_id] = self.bandit.new_sequence()
+        self._shadows[seq_id] = {}
+        for p in self.arms.values():
+            p.begin(seq_id, prompt)
+
+    def prefill(self, seq_id: int, tokens: list[int]) -> None:
+        """Warm an arm that needs it (a draft model) alongside the target's prefill -- unless, by the
+        figures of earlier sequences, it would not draft for a new one; it then catches up if chosen."""
+        seq = self._seqs[seq_id]
+        for name, p in self.arms.items():
+            if p.backlog(seq_id, tokens) <= 0 or not self._pays(seq, name):
+                continue
+            t0 = time.perf_counter()
+            before = p.backlog(seq_id, tokens)
+            p.prefill(seq_id, tokens)
+            self.bandit.observe_catch_up(name, before - p.backlog(seq_id, tokens), time.perf_counter() - t0)
+
+    def _pays(self, seq: SeqBandit, arm: str) -> bool:
+        target = self.target
+        if target is None or not target.forward_cost:
+            return True
+        best = max(self.bandit.rate(seq, arm, k, 1, target) for k in range(1, self.bandit.cfg.max_k + 1))
+        return best > target.rate(0, 1)
+
+    def backlog(self, seq_id: int, tokens: list[int]) -> int:
+        """Tokens the arm planned first must catch up on (the engine's controller is not asked)."""
+        plan = self._plans.get(seq_id)
+        return self.arms[plan[0].arm].backlog(seq_id, tokens) if plan else 0
+
+    def end(self, seq_id: int) -> None:
+        for p in self.arms.values():
+            p.end(seq_id)
+        for table in (self._seqs, self._plans, self._drafted, self._shadows):
+            table.pop(seq_id, None)
+
+    # -- planning ---------------------------------------------------------------------------
+    def plan(self, items: list[tuple[int, list[int], float]], batch: int, target: DraftLengthController) -> int:
+        """Choose the arms and draft length of each sequence (seq_id, tokens, tokens it may still
+        generate) for the coming step of ``batch`` sequences, with the target's costs as ``target``
+        (the engine's controller) measures them; returns the longest draft planned (0: every
+        sequence decodes plainly). Shadow arms are scored here."""
+        self.target = target
+        max_k = target.cfg.fixed_k or target.cfg.max_k
+        longest = 0
+        for seq_id, tokens, remaining in items:
+            seq = self._seqs[seq_id]
+            self._score_shadows(seq_id, seq, tokens)
+            backlogs = {n: p.backlog(seq_id, tokens) for n, p in self.arms.items()}
+            plan = self.bandit.plan(seq, batch, target, backlogs, remaining, max_k)
+            if target.cfg.fixed_k is not None:  # a fixed draft length: the arm is chosen, k is not
+                plan = [replace(c, k=max_k) for c in plan]
+            self._plans[seq_id] = plan
+            longest = max([longest] + [c.k for c in plan])
+            self._shadow_proposals(seq_id, tokens, plan, max_k)
+        return longest
+
+    def _shadow_proposals(self, seq_id: int, tokens: list[int], plan: list[Choice], max_k: int) -> None:
+        """What each shadow arm would draft now, unless it is the plan's first choice (then its own
+        draft is verified and observed)."""
+        first = plan[0].arm if plan else None
+        for name, p in self.arms.items():
+            if self.bandit.arms[name].shadow and name != first:
+                d = p.propose(seq_id, tokens, max_k, None, None)  # type: ignore[arg-type]
+                if d is not None and d.tokens:
+                    self._shadows[seq_id][name] = (len(tokens), list(d.tokens))
+
+    def _score_shadows(self, seq_id: int, seq: SeqBandit, tokens: list[int]) -> None:
+        """Compare the shadow proposals of the last step with the tokens it emitted."""
+        for name, (start, proposal) in self._shadows[seq_id].items():
+            known = tokens[start:start + len(proposal)]
+            if not known:
+                continue
+            matched = next((i for i, (a, b) in enumerate(zip(proposal, known)) if a != b), len(known))
+            # a full match of what is known so far: those positions passed, later ones unknown
+            self.bandit.observe_acceptance(seq, name, min(len(known), matched + 1), matched)
+        self._shadows[seq_id] = {}
+
+    # -- drafting ---------------------------------------------------------------------------
+    def propose(self, seq_id, tokens, k, params, generator) -> Draft | None:
+        return self.propose_many([DraftRequest(seq_id, tokens, k, params, generator)])[0]
+
+    def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        """Each request's draft from its plan's first arm that proposes something; the arms draft
+        for their sequences in batches, in rounds (round r: every request's r-th choice still open)."""
+        out: list[Draft | None] = [None] * len(requests)
+        plans = {}
+        for i, r in enumerate(requests):
+            plan = self._plans.pop(r.seq_id, None)
+            if plan is None and self.target is not None:  # a step the engine did not plan (an explicit k)
+                seq, backlogs = self._seqs[r.seq_id], {n: p.backlog(r.seq_id, r.tokens) for n, p in self.arms.items()}
+                plan = self.bandit.plan(seq, len(requests), self.target, backlogs, float("inf"), r.k)
+            plans[i] = plan if plan is not None else [Choice(next(iter(self.arms)), r.k, 0.0)]
+            self._drafted.pop(r.seq_id, None)
+        open_ = dict.fromkeys(range(len(requests)), 0)  # request -> index of its next choice
+        while open_:
+            by_arm: dict[str, list[int]] = {}
+            for i, j in list(open_.items()):
+                if j >= len(plans[i]):
+                    del open_[i]
+                    continue
+                by_arm.setdefault(plans[i][j].arm, []).append(i)
+            for name, idx in by_arm.items():
+                chains = not self.trees and getattr(self.arms[name], "drafts_trees", False)
+                reqs = [replace(requests[i], k=min(requests[i].k, plans[i][open_[i]].k),
+                                max_nodes=0 if chains else requests[i].max_nodes) for i in idx]
+                for i, d in zip(idx, self._draft(name, reqs)):
+                    aux = getattr(d, "aux", None) is not None
+                    if d is not None and (d.tokens or d.catch_up_tokens or aux):
+                        out[i] = d
+                        del open_[i]
+                        if d.tokens or aux:  # the engine verifies it and reports back through accept
+                            depth = int(d.tree.depth.max()) if d.tree is not None and d.tokens else len(d.tokens)
+                            self._drafted[requests[i].seq_id] = (name, depth)
+                            self.bandit.drafted(self._seqs[requests[i].seq_id], name)
+                    else:
+                        open_[i] += 1
+        return out
+
+    def _draft(self, name: str, reqs: list[DraftRequest]) -> list[Draft | None]:
+        """``name``'s drafts for ``reqs``, timed into the arm's cost tables and labelled with the arm."""
+        t0 = time.perf_counter()
+        got = self.arms[name].propose_many(reqs)
+        seconds = time.perf_counter() - t0
+        catch_up = sum(d.catch_up_seconds for d in got if d is not None)
+        self.bandit.observe_catch_up(name, sum(d.catch_up_tokens for d in got if d is not None), catch_up)
+        drafted = sum(len(d.tokens) for d in got if d is not None)
+        if drafted and not catch_up:  # a forward that also fed a backlog is counted as catch-up whole
+            self.bandit.observe_draft(name, drafted, seconds, batch=len(reqs))
+        return [replace(d, proposer=name) if d is not None else None for d in got]
+
+    def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
+        drafted = self._drafted.pop(seq_id, None)
+        if drafted is None:
+            return
+        name, depth = drafted
+        self.bandit.observe_acceptance(self._seqs[seq_id], name, depth, num_accepted)
+        self.arms[name].accept(seq_id, num_accepted, path)

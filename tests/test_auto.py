@@ -1,0 +1,242 @@
+"""``--spec auto``: a composite proposer choosing per sequence and per step among a draft model and
+n-gram lookup. Whatever it picks, output must be plain decoding's: greedy and seeded token for
+token, unseeded in distribution -- also when the arm switches mid-request, so the draft model
+catches up on tokens another arm drafted."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import tokenleap.spec.engine as engine_mod
+from tokenleap.config import SamplingParams, SpecConfig
+from tokenleap.spec.bandit import Bandit, BanditConfig, Choice
+from tokenleap.spec.controller import ControllerConfig, DraftLengthController
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.proposers.auto import AutoProposer
+from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
+from tokenleap.spec.sampling import make_generator
+
+from conftest import ToyTokenizer, tiny_model
+
+V = 96
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [3, 4, 30, 31, 32, 3, 4, 30], list(range(20, 45))]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_model(seed=0), tiny_model(seed=3)  # target, a different draft (partial acceptance)
+
+
+def auto(draft, max_len: int = 256, vocab: int = V) -> AutoProposer:
+    return AutoProposer({"draft": DraftModelProposer(draft, vocab, max_len), "ngram": NgramProposer()},
+                        BanditConfig(max_k=4))
+
+
+def alternating(proposer: AutoProposer) -> AutoProposer:
+    """Force the arm to switch every step (draft, n-gram, draft, ...; n-gram without a match hands the
+    step to the draft): the paths a real choice takes, at their most frequent."""
+    counter = itertools.count()
+
+    def plan(seq, batch, target, backlogs, remaining, max_k):
+        first, second = ("draft", "ngram") if next(counter) % 2 == 0 else ("ngram", "draft")
+        return [Choice(first, min(3, max_k), 0.0), Choice(second, min(3, max_k), 0.0)]
+
+    proposer.bandit.plan = plan  # type: ignore[method-assign]
+    return proposer
+
+
+def generate(target, proposer, prompt, params, max_len: int = 256, vocab: int = V):
+    eng = Engine(target, ToyTokenizer(vocab), max_len=max_len, proposer=proposer,
+                 controller=ControllerConfig(max_k=4))
+    *_, (seq, _) = eng.generate(prompt, params)
+    return seq
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_auto_greedy_equals_plain(models, forced):
+    target, draft = models
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    for prompt in PROMPTS:
+        plain = generate(target, None, prompt, params)
+        prop = alternating(auto(draft)) if forced else auto(draft)
+        seq = generate(target, prop, prompt, params)
+        assert seq.generated == plain.generated
+        shares = seq.stats.to_dict()["proposers"]
+        assert sum(p["tokens"] for p in shares.values()) == seq.stats.new_tokens
+        if forced:  # both arms drafted within the one request
+            assert shares["draft"]["steps"] > 0 and shares["ngram"]["steps"] > 0
+
+
+def test_auto_seeded_equals_plain_seeded(models):
+    target, draft = models
+    for seed, prompt in zip((1, 2, 3), PROMPTS):
+        params = SamplingParams(max_tokens=40, temperature=0.8, seed=seed, ignore_eos=True)
+        plain = generate(target, None, prompt, params)
+        seq = generate(target, alternating(auto(draft)), prompt, params)
+        assert seq.generated == plain.generated
+        assert seq.stats.proposer_steps.get("draft", 0) > 0 and seq.stats.proposer_steps.get("ngram", 0) > 0
+
+
+def test_draft_arm_catches_up_after_ngram_steps(models):
+    """The draft model is told nothing while n-gram drafts; its next proposal feeds what it missed."""
+    target, draft = models
+    prop = alternating(auto(draft))
+    generate(target, prop, PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    drafts = prop.bandit.arms["draft"].costs
+    assert drafts.catch_up_cost is not None  # a backlog was fed at a draft proposal
+
+
+# -- sampling: exact distribution while switching ------------------------------------------------
+SV, N_NEW, N_SAMPLES = 3, 4, 1500
+SPROMPT = [0, 1, 2, 1]
+SPARAMS = dict(temperature=0.9, top_k=0, top_p=1.0)
+
+
+def small(seed: int, scale: float):
+    from conftest import random_weights, tiny_config
+    from tokenleap.models.build import build_transformer
+    cfg = tiny_config("llama", vocab=SV, hidden=32, intermediate=64, heads=2, kv_heads=1)
+    return build_transformer(cfg, random_weights(cfg, seed, scale=scale), torch.float32)
+
+
+def sampled(target, draft, monkeypatch, seed: int) -> dict[tuple[int, ...], int]:
+    gen = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(engine_mod, "request_randomness",
+                        lambda _: make_generator(int(torch.randint(0, 2**31, (1,), generator=gen))))
+    eng = Engine(target, ToyTokenizer(SV, eos=()), max_len=32, proposer=alternating(auto(draft, 32, SV)),
+                 controller=ControllerConfig(max_k=3))
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(N_SAMPLES):
+        *_, (seq, _) = eng.generate(SPROMPT, SamplingParams(max_tokens=N_NEW, ignore_eos=True, **SPARAMS))
+        counts[tuple(seq.generated)] = counts.get(tuple(seq.generated), 0) + 1
+    assert eng.totals.proposer_steps["draft"] > 0 and eng.totals.proposer_steps["ngram"] > 0
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    return small(11, 1.0), small(12, 2.0)
+
+
+def test_auto_sampling_matches_target_distribution(small_pair, monkeypatch):
+    from test_spec_sampling import exact_distribution, p_value
+    target, draft = small_pair
+    assert p_value(sampled(target, draft, monkeypatch, seed=7), exact_distribution(target)) > 1e-3
+
+
+def test_auto_sampling_check_rejects_a_biased_verifier(small_pair, monkeypatch):
+    """Negative control: the same test, same seed, with rejections resampled from p instead of the
+    residual (a classic bug) must fail."""
+    from test_spec_sampling import exact_distribution, p_value
+    from tokenleap.spec.sampling import sample
+    from tokenleap.spec.verify import Verification
+
+    def biased(draft_tokens, draft_probs, target_probs, generator=None):
+        k = draft_tokens.shape[0]
+        u = torch.rand(k, generator=generator, dtype=torch.float64)
+        for i in range(k):
+            x = int(draft_tokens[i])
+            q = float(draft_probs[i, x]) if draft_probs is not None else 1.0
+            if u[i] * q >= float(target_probs[i, x]):
+                return Verification(draft_tokens[:i].tolist() + [int(sample(target_probs[i:i + 1], generator)[0])], i)
+        return Verification(draft_tokens.tolist() + [int(sample(target_probs[k:], generator)[0])], k)
+
+    monkeypatch.setattr(engine_mod, "verify_sampling", biased)
+    target, draft = small_pair
+    assert p_value(sampled(target, draft, monkeypatch, seed=7), exact_distribution(target)) < 1e-3
+
+
+# -- the bandit's choices ------------------------------------------------------------------------
+def costs(forward: dict[int, float], plain_overhead: float = 0.0) -> DraftLengthController:
+    ctl = DraftLengthController(ControllerConfig(max_k=4))
+    for rows, s in forward.items():
+        ctl.observe_forward(rows, s)
+    return ctl
+
+
+FLAT = {r: 0.010 + 0.001 * r for r in range(1, 20)}  # a forward costs little more for more rows
+
+
+def bandit(draft_cost: float, ngram_cost: float = 1e-6) -> Bandit:
+    b = Bandit([("draft", False), ("ngram", True)], BanditConfig(max_k=4))
+    b.observe_draft("draft", 4, 4 * draft_cost, 1)
+    b.observe_draft("ngram", 4, 4 * ngram_cost, 1)
+    return b
+
+
+def test_each_sequence_gets_the_arm_its_own_text_favours():
+    b, target = bandit(draft_cost=0.003), costs(FLAT)
+    code, prose = b.new_sequence(), b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(code, "ngram", 4, 4)
+        b.observe_acceptance(code, "draft", 4, 1)
+        b.observe_acceptance(prose, "ngram", 4, 0)
+        b.observe_acceptance(prose, "draft", 4, 3)
+    assert b.plan(code, 1, target, {}, 100, 4)[0].arm == "ngram"
+    assert b.plan(prose, 1, target, {}, 100, 4)[0].arm == "draft"
+
+
+def test_acceptance_follows_the_text_as_it_changes():
+    b, target = bandit(draft_cost=0.003), costs(FLAT)
+    seq = b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(seq, "ngram", 4, 0)
+        b.observe_acceptance(seq, "draft", 4, 3)
+    assert b.plan(seq, 1, target, {}, 100, 4)[0].arm == "draft"
+    for _ in range(10):  # the request starts copying: n-gram drafts are now all accepted
+        b.observe_acceptance(seq, "ngram", 4, 4)
+    assert b.plan(seq, 1, target, {}, 100, 4)[0].arm == "ngram"
+
+
+def test_plain_when_nothing_pays_then_a_probe():
+    b, target = bandit(draft_cost=0.012), costs(FLAT)  # a draft token costs more than a target step
+    seq = b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(seq, "ngram", 4, 0)
+        b.observe_acceptance(seq, "draft", 4, 1)
+    plans = [b.plan(seq, 1, target, {}, 100, 4) for _ in range(b.cfg.probe_every)]
+    assert all(p == [] for p in plans[:-1])
+    b2, seq2 = bandit(draft_cost=0.001), None  # a cheap draft that is merely unaccepted gets probed
+    seq2 = b2.new_sequence()
+    for _ in range(10):
+        b2.observe_acceptance(seq2, "ngram", 4, 0)
+        b2.observe_acceptance(seq2, "draft", 4, 0)
+    plans = [b2.plan(seq2, 1, target, {}, 100, 4) for _ in range(b2.cfg.probe_every)]
+    assert all(p == [] for p in plans[:-1])
+    assert plans[-1] == [Choice("draft", b2.cfg.probe_k, 0.0)]
+
+
+def test_a_catch_up_that_does_not_pay_back_keeps_the_draft_out():
+    b, target = bandit(draft_cost=0.002), costs(FLAT)
+    b.observe_catch_up("draft", 100, 0.5)  # 5 ms a token the draft missed
+    seq = b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(seq, "draft", 4, 3)
+        b.observe_acceptance(seq, "ngram", 4, 0)
+    assert b.plan(seq, 1, target, {"draft": 2}, 100, 4)[0].arm == "draft"
+    assert b.plan(seq, 1, target, {"draft": 400}, 5, 4) == []  # 2 s to catch up for 5 tokens
+
+
+def test_shadow_ngram_is_scored_against_the_emitted_tokens():
+    prop = AutoProposer({"ngram": NgramProposer()}, BanditConfig(max_k=4))
+    target = costs(FLAT)
+    prop.begin(0, [1, 2, 3, 4, 1, 2])
+    prop._plans[0] = []
+    prop._shadow_proposals(0, [1, 2, 3, 4, 1, 2], [Choice("draft", 4, 0.0)], 4)  # n-gram would draft 3 4 1 2
+    assert prop._shadows[0]["ngram"] == (6, [3, 4, 1, 2])
+    seq = prop._seqs[0]
+    prop._score_shadows(0, seq, [1, 2, 3, 4, 1, 2, 3, 4, 9])  # the step emitted 3 4 9: two accepted, third not
+    acc = seq.arms["ngram"].acceptance
+    assert acc.trials[:4] == [1.0, 1.0, 1.0, 0.0] and acc.hits[:3] == [1.0, 1.0, 0.0]
+    assert target is not None
+
+
+def test_spec_config_auto():
+    assert SpecConfig(method="auto").method == "auto"
+    assert SpecConfig(method="auto", draft_model="auto").draft_model == "auto"
+    from tokenleap.config import ConfigError
+    with pytest.raises(ConfigError):
+        SpecConfig(method="draft", draft_model="auto")
