@@ -135,3 +135,68 @@ def test_skip_list_syntax():
         parse_skip_layers("2,30", num_layers=28)
     with pytest.raises(ConfigError, match="no draft"):
         LayerSkipProposer(_model(), frozenset(range(4)))
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4", "bf16"])
+def test_prefix_head_scores_its_ids_as_the_full_head(weights):
+    """The drafts' reduced head (views of the target's head weights): ids below n and the kept ids
+    get the full head's logits, every other id -inf."""
+    from tokenleap.spec.proposers.layerskip_head import prefix_head
+    m = tiny_model("qwen2", seed=4, vocab=256, hidden=64, intermediate=128, layers=2,
+                   dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
+    if weights in ("int8", "int4"):
+        quantize_(m, weights)
+    head = prefix_head(m, 64, keep_ids=(200, 2))
+    assert head is not None
+    x = torch.randn(3, 64)
+    full = m.lm_head(x, True).float()  # [3, 256]
+    got = head(x, True)
+    ids = list(range(64)) + [200]
+    torch.testing.assert_close(got[:, ids], full[:, ids], rtol=1e-5, atol=1e-5)
+    rest = torch.ones(256, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isinf(got[:, rest]).all()
+    assert prefix_head(m, 129) is None  # a vocabulary under twice n: nothing to save
+
+
+def _texts():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, VOCAB, (40,), generator=gen).tolist() for _ in range(2)]
+
+
+def test_search_chooses_a_strict_subset_and_the_store_round_trips(tmp_path):
+    from tokenleap.spec.proposers import layerskip_search as ls
+    model = _model("int8")
+    cfg = ls.SearchConfig(window=16, context=32, max_k=3, timing_repeats=1, min_agreement=0.0, patience=10)
+    lines = []
+    cal = ls.search(model, _texts(), cfg, log=lines.append)
+    assert 1 <= len(cal.skip) <= 3 and set(cal.skip) <= set(range(4))
+    assert 0.0 <= cal.agreement <= 1.0 and cal.positions == 32 and 0 <= cal.k <= 3
+    assert len(lines) == 3  # grown to every size below all four layers (no early stop asked)
+    path = ls.store_path(tmp_path, ls.model_key(str(tmp_path / "m"), None, torch.float32, "int8"))
+    ls.save_calibration(path, cal)
+    assert ls.load_calibration(path, 4) == cal
+    assert ls.load_calibration(path, 5) is None  # another layer count: not this model
+    path.write_text("{not json")
+    assert ls.load_calibration(path, 4) is None
+
+
+def test_skip_auto_calibrates_on_the_first_request_then_reuses_the_stored_choice(tmp_path):
+    from types import SimpleNamespace
+
+    from tokenleap.spec.proposers.layerskip import layerskip_proposer
+    model = _model("int8")
+    loaded = SimpleNamespace(model=model, tokenizer=ToyTokenizer(VOCAB, (2,)), source=str(tmp_path / "tiny"),
+                             gguf_path=None, dtype=torch.float32, quant="int8")
+    want = _generate(_engine(model, None), PROMPTS[1], GREEDY).generated
+    logs = []
+    first = layerskip_proposer(loaded, "auto", tmp_path, log=logs.append)
+    assert first.skip is None  # chosen at the first proposal
+    eng = Engine(model, ToyTokenizer(VOCAB, (2,)), max_len=64, proposer=first,
+                 controller=ControllerConfig(max_k=4, fixed_k=3))
+    assert _generate(eng, PROMPTS[1], GREEDY).generated == want
+    assert first.skip is not None and len(first.skip) < 4
+    assert len(logs) == 1 and "calibrated" in logs[0] and list((tmp_path / "layerskip").glob("*.json"))
+    second = layerskip_proposer(loaded, "auto", tmp_path, log=logs.append)
+    assert second.skip == first.skip and "calibrated," in logs[1]  # read back, no new search
+    assert layerskip_proposer(loaded, "1,2", tmp_path).skip == frozenset({1, 2})

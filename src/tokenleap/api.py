@@ -73,6 +73,7 @@ class LLM:
                  speculative: SpecConfig | None = None, max_model_len: int | None = None,
                  cache_dir: str | Path | None = None, num_slots: int = 1, max_num_seqs: int = 16) -> None:
         target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
+        self.cache_dir = cache_dir  # where a layer-skip calibration is stored
         spec, note = resolve_auto_draft(speculative or SpecConfig(), str(model), cache_dir)
         draft = load_draft(spec, target, cache_dir) if uses_draft(spec) else None
         self._setup(target, spec, draft, max_model_len, num_slots, max_num_seqs)
@@ -111,6 +112,9 @@ class LLM:
             return NgramProposer(self.spec.ngram_max, self.spec.ngram_min)
         if self.spec.method == "lookahead":
             return lookahead_proposer(self.spec)
+        if self.spec.method == "layerskip":
+            from tokenleap.spec.proposers.layerskip import layerskip_proposer
+            return layerskip_proposer(self.target, self.spec.skip_layers, getattr(self, "cache_dir", None))
         if self.spec.method == "draft":
             return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
                                   self.spec.draft_vocab, cache, self.spec.draft_spec, self.tokenizer)
@@ -205,6 +209,9 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
         return NgramProposer(spec.ngram_max, spec.ngram_min)
     if spec.method == "lookahead":
         return lookahead_proposer(spec)
+    if spec.method == "layerskip":  # the target drafts for itself: no draft model, no extra weights
+        from tokenleap.spec.proposers.layerskip import layerskip_proposer
+        return layerskip_proposer(target, spec.skip_layers, cache_dir)
     if spec.method == "auto":
         spec, note = resolve_auto_draft(spec, target.source, cache_dir)
         draft = load_draft(spec, target, cache_dir) if spec.draft_model else None

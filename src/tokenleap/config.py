@@ -249,11 +249,14 @@ class SpecConfig:
     lookahead_window: int = 3
     lookahead_ngram: int = 3
     lookahead_guesses: int = 3
+    skip_layers: str = "auto"  # layer skip: the layers drafts skip ("4,5,6,10-14"), or "auto" (calibrated, cached)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(self.method in (None, "draft", "ngram", "lookahead", "auto"),
-               f"unknown speculative method {self.method!r}; choose auto, draft, ngram or lookahead")
+        _check(self.method in (None, "draft", "ngram", "lookahead", "layerskip", "auto"),
+               f"unknown speculative method {self.method!r}; choose auto, draft, ngram, lookahead or layerskip")
+        from tokenleap.spec.proposers.layerskip import parse_skip_layers
+        parse_skip_layers(self.skip_layers)  # ConfigError on a bad list (layer indices are checked at load)
         _check(self.draft_model != "auto" or self.method == "auto",
                "draft_model 'auto' (pick an installed catalog draft) goes with method 'auto'")
         _check(self.method != "draft" or bool(self.draft_model),

@@ -18,13 +18,14 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "cascade": ("k", "kmax", "vocab"),  # draft, its own steps speculated by n-gram lookup (--draft-spec ngram)
     "lookahead": ("k", "kmax", "window", "ngram", "guesses", "max"),  # max: the text lookup's longest match
     "auto": ("k", "kmax", "max", "min", "vocab"),  # per request and step: n-gram, the --draft model, ... or plain
+    "layerskip": ("k", "kmax", "skip"),  # skip=auto (calibrated, stored per model) or a list like 4-6+10-14
     "hf-plain": (),
     "hf-assisted": ("k",),
     "hf-prompt-lookup": ("k", "max"),
     "llamacpp-plain": (),
     "llamacpp-prompt-lookup": ("k", "max"),
 }
-AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto"}
+AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto", "layerskip"}
 TREE_NODES = 16  # a tree method's default node budget
 TREE_MODES = ("auto", "on", "off")  # draft:tree=auto -- the controller chooses plain / chain / tree per step
 

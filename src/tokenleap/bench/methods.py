@@ -31,7 +31,8 @@ class MethodSpec:
 
     @property
     def kind(self) -> str:
-        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto") else PEER
+        return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto",
+                                     "layerskip") else PEER
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
@@ -84,6 +85,13 @@ def _parse_option(family: str, text: str) -> tuple[str, int | str]:
         valid = ", ".join(allowed) or "none"
         raise BenchError(f"method {family!r}: unknown option {text.strip()!r}; valid options: {valid}")
     if value == "auto" and key == "k" and family in AUTO_K_FAMILIES:
+        return key, value
+    if key == "skip":  # layerskip: auto, or layer indices and ranges joined by + (a comma ends the option)
+        from tokenleap.spec.proposers.layerskip import parse_skip_layers
+        try:
+            parse_skip_layers(value)
+        except ConfigError as e:
+            raise BenchError(f"method {family!r}: option skip must be auto or a list like 4-6+10-14 ({e})") from None
         return key, value
     if key == "tree":
         if value not in TREE_MODES:
@@ -193,6 +201,9 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
         proposer, nodes = lookahead_proposer(la), la.tree_nodes
     if family == "auto":
         proposer = _auto(spec, pool)
+    if family == "layerskip":  # the target drafts for itself (skip=auto: the stored calibration, else made once)
+        from tokenleap.spec.proposers.layerskip import layerskip_proposer
+        proposer = layerskip_proposer(target, str(spec.get("skip", "auto")), pool.opts.cache_dir)
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec), tree_nodes=nodes)
     return TokenleapMethod(spec.name, engine)

@@ -17,6 +17,8 @@ _EPILOG = f"""methods: {', '.join(FAMILIES)}
            tree=on is the -tree family, tree=off -- the default -- chains) |
            cascade:k=auto (draft, its own steps speculated by n-gram lookup: --draft-spec ngram) |
            lookahead:window=3,ngram=3,guesses=3 (Jacobi window W x N-1 levels, G n-gram guesses) |
+           layerskip:k=auto,skip=auto (the target drafts with some layers skipped: skip=auto calibrated and
+           stored per model -- tokenleap calibrate --, or a list like skip=4-6+10-14) |
            hf-assisted:k=5 | hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
   plain is always run (speedups and the equality check are relative to it); sampled runs are seeded
   per prompt (--seed + prompt index), so tokenleap's methods must equal plain then too (peers are not

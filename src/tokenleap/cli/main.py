@@ -56,7 +56,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16")
     p.add_argument("--quant", default="none", help="weight-only quantization: none, int8, int4")
-    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "auto"], default="none",
+    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "auto"], default="none",
                    help="speculative method; auto: per request and step, the proposer that pays (n-gram, the "
                         "draft model -- without --draft-model an installed catalog draft of the target's "
                         "tokenizer, if memory allows --, other methods), else plain decoding")
@@ -65,6 +65,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
     p.add_argument("--draft-spec", choices=["none", "ngram"], default="none",
                    help="--spec draft: speculate the draft model's own steps by n-gram lookup (a cascade)")
+    p.add_argument("--skip-layers", default=None, metavar="auto|LIST",
+                   help="--spec layerskip: the target's layers its drafts skip, e.g. 4,5,6,10-14; auto (default): "
+                        "chosen by a short calibration (tokenleap calibrate), stored per model")
     p.add_argument("--draft-vocab", type=non_negative_int, default=32768,
                    help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
@@ -97,6 +100,17 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
     if args.spec == "ngram" and args.draft_model:
         raise UsageError("--spec ngram proposes from the prompt and output, not a draft model: "
                          "drop --draft-model, or use --spec draft")
+    if args.spec == "layerskip" and args.draft_model:
+        raise UsageError("--spec layerskip drafts with the target's own layers, not a draft model: "
+                         "drop --draft-model, or use --spec draft")
+    if args.skip_layers is not None and args.spec not in ("layerskip", "auto"):
+        raise UsageError("--skip-layers goes with --spec layerskip")
+    if args.skip_layers is not None:
+        from tokenleap.spec.proposers.layerskip import parse_skip_layers
+        try:
+            parse_skip_layers(args.skip_layers)
+        except ConfigError as e:
+            raise UsageError(f"--skip-layers: {e}") from None
     if args.spec == "lookahead" and args.draft_model:
         raise UsageError("--spec lookahead needs no draft model (the target drafts its own n-grams): "
                          "drop --draft-model, or use --spec draft")
@@ -117,7 +131,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
                       ngram_max=args.ngram_max, ngram_min=args.ngram_min, tree=args.spec_tree,
                       max_tree_nodes=args.max_tree_nodes, lookahead_window=args.lookahead_window,
-                      lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses)
+                      lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses,
+                      skip_layers=args.skip_layers or "auto")
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -351,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", default=None)
     m.set_defaults(func=cmd_models)
 
-    from tokenleap.cli import bench, serve, verify
-    for module in (bench, serve, verify):
+    from tokenleap.cli import bench, calibrate, serve, verify
+    for module in (bench, serve, verify, calibrate):
         module.register(sub)
     return parser
 

@@ -96,6 +96,8 @@ class _Lane:
     pushed: int = 0  # drafted tokens the request's grammar followed (undone after drafting)
 
 
+HEAD_TOKENS = 32768  # the drafts' head scores the first this-many ids and the special tokens (layerskip_head.py)
+
 # calibrate(model, tokens) -> the skipped set for this model, chosen on one request's tokens
 Calibrate = Callable[[Transformer, list[int]], frozenset[int]]
 
@@ -103,13 +105,16 @@ Calibrate = Callable[[Transformer, list[int]], frozenset[int]]
 class LayerSkipProposer:
     name = "layerskip"
 
-    def __init__(self, model: Transformer, skip: frozenset[int] | None, calibrate: Calibrate | None = None) -> None:
-        """``skip``: the layers drafted rows skip; None: chosen by ``calibrate`` at the first proposal."""
+    def __init__(self, model: Transformer, skip: frozenset[int] | None, calibrate: Calibrate | None = None,
+                 head=None) -> None:
+        """``skip``: the layers drafted rows skip; None: chosen by ``calibrate`` at the first proposal.
+        ``head``: the drafts' LM head (``layerskip_head.prefix_head``: views of the target's); None: the target's."""
         if skip is None and calibrate is None:
             raise ConfigError("layer skip needs a skipped set or a calibration to choose one")
         if skip is not None:
             check_skip(frozenset(skip), model.config.num_hidden_layers)
         self.model = model
+        self.head = head
         self.skip = frozenset(skip) if skip is not None else None
         self._calibrate = calibrate
         self.cache = None  # the target's cache, from the engine (bind_cache)
@@ -179,7 +184,7 @@ class LayerSkipProposer:
         segments = [Segment(l.req.slot, l.pos, 1, row_start=j) for j, l in enumerate(lanes)]
         tokens = torch.tensor([l.pending for l in lanes])
         try:
-            logits = self.model(tokens, segments, self.cache, row_exact=True, skip=self.skip).logits
+            logits = self.model(tokens, segments, self.cache, row_exact=True, skip=self.skip, head=self.head).logits
         except CacheFullError:
             return False
         for j, l in enumerate(lanes):
@@ -195,3 +200,44 @@ class LayerSkipProposer:
                 l.probs.append(probs)
             l.pending = token
         return True
+
+
+def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None) -> LayerSkipProposer:
+    """The proposer for a loaded target (``models.pretrained.LoadedModel``): ``skip_layers`` a list,
+    or ``"auto"``: the calibration stored for this model, dtype and quantization under the cache
+    dir, else one made at the first proposal on that request's tokens and stored for next time.
+    ``log(str)``: one line when a calibration is read or made (default: stderr)."""
+    import sys
+
+    from tokenleap.spec.proposers import layerskip_search as ls
+
+    from tokenleap.spec.proposers.layerskip_head import prefix_head
+
+    model, layers = target.model, target.model.config.num_hidden_layers
+    specials = set(target.tokenizer.eos_token_ids or ()) | set(model.config.eos_token_ids)
+    backend = getattr(target.tokenizer, "backend", None)
+    if backend is not None:
+        specials |= set(backend.get_added_tokens_decoder().keys())
+    head = prefix_head(model, HEAD_TOKENS, specials)
+    skip = parse_skip_layers(skip_layers, layers)
+    if skip != "auto":
+        return LayerSkipProposer(model, skip, head=head)
+    log = log or (lambda line: print(f"[tokenleap] {line}", file=sys.stderr))
+    path = ls.store_path(cache_dir, ls.model_key(target.source, target.gguf_path, target.dtype, target.quant))
+    cal = ls.load_calibration(path, layers)
+    if cal is not None:
+        log(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path})")
+        return LayerSkipProposer(model, cal.skip_set, head=head)
+
+    def calibrate(m: Transformer, tokens: list[int]) -> frozenset[int]:
+        cal = ls.search(m, [tokens], head=head)
+        try:
+            ls.save_calibration(path, cal)
+        except OSError as e:
+            log(f"layer skip: could not store the calibration at {path}: {e.strerror}")
+        log(f"layer skip: calibrated in {cal.search_seconds:.1f}s on this request: skipping layers "
+            f"{format_skip(cal.skip_set)} of {layers} (agreement {cal.agreement:.2f}, predicted "
+            f"{cal.predicted_speedup:.2f}x); stored at {path}")
+        return cal.skip_set
+
+    return LayerSkipProposer(model, None, calibrate, head=head)
