@@ -200,3 +200,34 @@ def test_skip_auto_calibrates_on_the_first_request_then_reuses_the_stored_choice
     second = layerskip_proposer(loaded, "auto", tmp_path, log=logs.append)
     assert second.skip == first.skip and "calibrated," in logs[1]  # read back, no new search
     assert layerskip_proposer(loaded, "1,2", tmp_path).skip == frozenset({1, 2})
+
+
+LAYERSKIP_BAD_FLAGS = [
+    ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "ngram", "--skip-layers", "3"],
+    ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "layerskip", "--skip-layers",
+     "3x"],
+    ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "layerskip", "--draft-model",
+     "qwen2.5-coder-0.5b-instruct"],
+    ["calibrate", "--model", "no-such-model"],
+    ["calibrate", "--model", "qwen2.5-coder-1.5b-instruct", "--quant", "int3"],
+    ["calibrate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompts", "/no/such/prompts.jsonl"],
+    ["bench", "--target", "qwen2.5-coder-1.5b-instruct", "--methods", "layerskip:skip=x"],
+]
+
+
+@pytest.mark.parametrize("argv", LAYERSKIP_BAD_FLAGS, ids=[" ".join(a[2:]) for a in LAYERSKIP_BAD_FLAGS])
+def test_bad_layerskip_flags_give_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv):
+    import tokenleap.models.pretrained
+    from tokenleap.cli.main import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for a command line that should have been refused")
+    monkeypatch.setattr(tokenleap.models.pretrained, "load_model", refuse)
+    if argv[0] == "bench":
+        argv = argv + ["--out", str(tmp_path / "out")]
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, err
