@@ -1,4 +1,5 @@
-"""Bench prompt sets: ``humaneval``, ``codeedit``, ``chat``, or a user JSONL file.
+"""Bench prompt sets: ``humaneval``, ``codeedit``, ``chat``, ``mix`` (HumanEval and chat prompts
+alternating: any ``--limit 2n`` is a 50/50 mix), or a user JSONL file.
 
 A prompt has ``text`` (what a base model continues) and ``message`` (what an instruct model gets
 as the user turn of its chat template). They differ only for HumanEval, whose raw form is the
@@ -16,7 +17,7 @@ from typing import Any
 
 from tokenleap.bench.common import BenchError
 
-DATASETS = ("humaneval", "codeedit", "chat")
+DATASETS = ("humaneval", "codeedit", "chat", "mix")
 _DATA_DIR = Path(__file__).parent / "data"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n\n"
 
@@ -66,7 +67,7 @@ def load_dataset(name_or_file: str, limit: int | None = None) -> Dataset:
     if limit is not None and limit < 1:
         raise BenchError(f"--limit must be >= 1, got {limit}")
     if name_or_file in DATASETS:
-        prompts = {"humaneval": humaneval, "codeedit": codeedit, "chat": chat}[name_or_file]()
+        prompts = {"humaneval": humaneval, "codeedit": codeedit, "chat": chat, "mix": mix}[name_or_file]()
     elif Path(name_or_file).suffix == ".jsonl" or Path(name_or_file).is_file():
         prompts = read_jsonl(Path(name_or_file))
     else:
@@ -98,6 +99,13 @@ def codeedit() -> list[BenchPrompt]:
 
 def chat() -> list[BenchPrompt]:
     return read_jsonl(_DATA_DIR / "chat.jsonl")
+
+
+def mix() -> list[BenchPrompt]:
+    """HumanEval and chat prompts alternating (code first), as many of each as the smaller set has:
+    a set where the best proposer changes from one request to the next (``--spec auto``'s goal)."""
+    code, talk = humaneval(), chat()
+    return [p for pair in zip(code, talk) for p in pair]
 
 
 def read_jsonl(path: Path) -> list[BenchPrompt]:

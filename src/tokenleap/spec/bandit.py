@@ -75,6 +75,7 @@ class Arm:
     name: str
     shadow: bool  # deterministic and nearly free: scored every step by comparing with what was emitted
     costs: DraftLengthController
+    aux_rows: int = 0  # rows it adds to each of its steps' target forward beside the draft (lookahead's window)
 
 
 @dataclass
@@ -101,10 +102,11 @@ class SeqBandit:
 class Bandit:
     """The per-arm cost tables and the choice of (arm, k) for each sequence of a step."""
 
-    def __init__(self, arms: list[tuple[str, bool]], config: BanditConfig | None = None) -> None:
+    def __init__(self, arms: list[tuple[str, bool]] | list[tuple[str, bool, int]], config: BanditConfig | None = None) -> None:
+        """``arms``: (name, shadow[, auxiliary rows a step]) each."""
         self.cfg = config or BanditConfig()
         ctl = ControllerConfig(max_k=self.cfg.max_k, ema=0.1)
-        self.arms = {name: Arm(name, shadow, DraftLengthController(ctl)) for name, shadow in arms}
+        self.arms = {a[0]: Arm(a[0], a[1], DraftLengthController(ctl), a[2] if len(a) > 2 else 0) for a in arms}
 
     def new_sequence(self) -> SeqBandit:
         return SeqBandit({a: SeqArmState(SeqAcceptance(self.cfg.max_k, self.cfg.ema, self.cfg.prior_weight))
@@ -126,7 +128,8 @@ class Bandit:
     def rate(self, seq: SeqBandit, arm: str, k: int, batch: int, target: DraftLengthController) -> float:
         """Predicted tokens per second of a step in which ``arm`` drafts k tokens for ``batch`` sequences."""
         a = self.arms[arm]
-        cost = (k * batch * a.costs.predict_draft(batch) + target.predict_forward(batch * (k + 1), batch == 1)
+        cost = (k * batch * a.costs.predict_draft(batch)
+                + target.predict_forward(batch * (k + 1 + a.aux_rows), batch == 1)
                 + target.step_overhead.get((True, batch), 0.0))
         return batch * seq.arms[arm].acceptance.expected_tokens(k, a.costs.accept) / cost if cost > 0 else float("inf")
 
@@ -172,7 +175,7 @@ class Bandit:
             catch_up = backlogs.get(name, 0) * (a.costs.catch_up_cost or 0.0)
             affordable = catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
             best_case = batch * (k + 1) / (k * batch * a.costs.predict_draft(batch)
-                                           + target.predict_forward(batch * (k + 1), batch == 1)
+                                           + target.predict_forward(batch * (k + 1 + a.aux_rows), batch == 1)
                                            + target.step_overhead.get((True, batch), 0.0))
             if affordable and best_case > best:
                 return Choice(name, k, 0.0)

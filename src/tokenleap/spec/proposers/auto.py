@@ -34,7 +34,8 @@ class AutoProposer:
         # token trees from arms that may draft either (``drafts_trees``): only when asked for (--spec-tree
         # on); the bandit weighs chains. An arm whose method is a tree (lookahead's guesses) keeps its budget.
         self.trees = trees
-        self.bandit = Bandit([(n, bool(getattr(p, "shadow", False))) for n, p in arms.items()], config)
+        self.bandit = Bandit([(n, bool(getattr(p, "shadow", False)), getattr(p, "aux_rows", 0))
+                              for n, p in arms.items()], config)
         self.note: str | None = None  # how its draft model was chosen (``--spec auto`` without --draft-model)
         self.target: DraftLengthController | None = None  # the engine's controller (target costs), set by plan
         self._seqs: dict[int, SeqBandit] = {}

@@ -1,0 +1,148 @@
+"""``--spec auto`` beyond one request: continuous batching (each sequence its own arm, the draft's
+cache paged), /metrics by proposer, a lookahead arm, the CLI flags and the draft auto picks."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.config import SamplingParams
+from tokenleap.serve.metrics import make_registry
+from tokenleap.serve.scheduler import Scheduler, SchedulerConfig
+from tokenleap.spec.bandit import BanditConfig
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.proposers.auto import AutoProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
+
+from serving_helpers import CHUNK, MAX_LEN, VOCAB, ChatToyTokenizer, alone, model, proposer, workload
+from test_scheduler import submit
+
+
+def auto_engine(blocks: int = 128, slots: int = 16) -> Engine:
+    cache = PagedKVCache(model().config, blocks, MAX_LEN, torch.float32, block_size=16, num_slots=slots)
+    arms = {"draft": proposer("draft", blocks, slots), "ngram": NgramProposer(3, 1)}
+    return Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=CHUNK, cache=cache,
+                  proposer=AutoProposer(arms, BanditConfig(max_k=4)), controller=ControllerConfig(max_k=4))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_continuous_batching_with_auto_equals_each_alone(sampled):
+    eng = auto_engine()
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=16, log_interval=0))
+    sampling = lambda i: dict(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled else {}  # noqa: E731
+    jobs = [(p, SamplingParams(max_tokens=m, ignore_eos=True, **sampling(i)))
+            for i, (p, m) in enumerate(workload(12, seed=3))]
+    sinks = [submit(sched, p, params) for p, params in jobs]
+    sched.run_until_idle()
+    for (prompt, params), sink in zip(jobs, sinks):
+        assert sink.tokens == alone(prompt, params).generated, prompt
+    assert eng.cache.num_used_blocks == 0 and eng.proposer.arms["draft"].cache.num_used_blocks == 0
+    snap = sched.snapshot()
+    by = dict(snap.accepted_by_proposer)
+    assert sum(by.values()) == snap.num_accepted_tokens and "none" not in by
+    text = generate_latest(make_registry(sched.snapshot, "tiny")).decode()
+    for name, n in by.items():
+        assert f'tokenleap:spec_decode_num_accepted_tokens_by_proposer_total{{model_name="tiny",proposer="{name}"}} {float(n)}' in text
+
+
+def test_auto_with_a_lookahead_arm_equals_plain():
+    """An arm with auxiliary rows (lookahead's Jacobi window) inside auto: the rows are reserved and
+    dropped whichever arm drafts, and the output is plain decoding's."""
+    from conftest import ToyTokenizer, tiny_model
+    from tokenleap.spec.proposers.draft_model import DraftModelProposer
+    from tokenleap.spec.proposers.lookahead import LookaheadProposer
+    target, draft = tiny_model(seed=0), tiny_model(seed=3)
+    for params in (SamplingParams(max_tokens=48, ignore_eos=True),
+                   SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.8, seed=4)):
+        for prompt in ([5, 6, 7, 8, 9, 10, 11, 5, 6, 7], list(range(20, 45))):
+            plain = Engine(target, ToyTokenizer(96), max_len=256)
+            *_, (ref, _) = plain.generate(prompt, params)
+            arms = {"draft": DraftModelProposer(draft, 96, 256), "lookahead": LookaheadProposer(), "ngram": NgramProposer()}
+            eng = Engine(target, ToyTokenizer(96), max_len=256, proposer=AutoProposer(arms, BanditConfig(max_k=4)),
+                         tree_nodes=12)
+            *_, (seq, _) = eng.generate(prompt, params)
+            assert seq.generated == ref.generated
+            assert seq.stats.proposer_steps.get("lookahead", 0) > 0
+
+
+# -- the draft --spec auto picks ------------------------------------------------------------------
+def test_pick_draft_same_tokenizer_installed_and_in_memory(monkeypatch):
+    from tokenleap.models import pairing
+    monkeypatch.setattr(pairing, "_installed", lambda name, cache_dir: name == "qwen2.5-coder-0.5b-instruct")
+    pick = pairing.pick_draft("qwen2.5-coder-1.5b-instruct", available=8 << 30)
+    assert pick.name == "qwen2.5-coder-0.5b-instruct" and pick.quant == "int4" and "tokenizer" in pick.reason
+    assert pairing.pick_draft("qwen2.5-coder-1.5b-instruct", quant="int8", available=8 << 30).quant == "int8"
+    tight = pairing.pick_draft("qwen2.5-coder-1.5b-instruct", available=1 << 30)
+    assert tight.name is None and "available" in tight.reason
+    assert pairing.pick_draft("qwen2.5-coder-0.5b-instruct", available=8 << 30).name is None  # nothing smaller
+    assert pairing.pick_draft("/some/model.gguf", available=8 << 30).name is None
+
+
+def test_pick_draft_on_a_fresh_machine_names_the_install(monkeypatch):
+    from tokenleap.models import pairing
+    monkeypatch.setattr(pairing, "_installed", lambda name, cache_dir: False)
+    pick = pairing.pick_draft("qwen2.5-coder-1.5b-instruct", available=8 << 30)
+    assert pick.name is None and "tokenleap models install qwen2.5-coder-0.5b-instruct" in pick.reason
+
+
+def test_resolve_auto_draft(monkeypatch):
+    from tokenleap.api import resolve_auto_draft
+    from tokenleap.config import SpecConfig
+    from tokenleap.models import pairing
+    monkeypatch.setattr(pairing, "_installed", lambda name, cache_dir: True)
+    monkeypatch.setattr(pairing, "available_memory", lambda: 8 << 30)
+    spec, note = resolve_auto_draft(SpecConfig(method="auto", draft_model="auto"), "catalog:qwen2.5-coder-1.5b-instruct", None)
+    assert spec.draft_model == "qwen2.5-coder-0.5b-instruct" and spec.draft_quant == "int4" and note
+    same, none = resolve_auto_draft(SpecConfig(method="auto", draft_model="m.gguf"), "x", None)
+    assert same.draft_model == "m.gguf" and none is None
+
+
+# -- the command line -----------------------------------------------------------------------------
+def parse(argv: list[str]) -> argparse.Namespace:
+    from tokenleap.cli.main import build_parser
+    return build_parser().parse_args(argv)
+
+
+def test_cli_spec_auto_picks_a_draft_unless_one_is_named(tmp_path):
+    from tokenleap.cli.main import spec_config
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    spec = spec_config(parse(["generate", "--model", str(gguf), "--spec", "auto", "--prompt", "x"]))
+    assert spec.method == "auto" and spec.draft_model == "auto"
+    spec = spec_config(parse(["generate", "--model", str(gguf), "--spec", "auto", "--draft-model", str(gguf),
+                              "--prompt", "x"]))
+    assert spec.draft_model == str(gguf)
+
+
+def test_cli_draft_model_auto_needs_spec_auto(tmp_path, capsys):
+    from tokenleap.cli.main import main
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    assert main(["generate", "--model", str(gguf), "--spec", "draft", "--draft-model", "auto", "--prompt", "x"]) == 2
+    assert "--draft-model auto" in capsys.readouterr().err
+
+
+def test_serve_defaults_to_auto_marked_as_the_default(tmp_path):
+    from tokenleap.cli.serve import serve_spec_config
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    spec = serve_spec_config(parse(["serve", "--model", str(gguf)]))
+    assert spec.method == "auto" and spec.extra.get("serve_default")
+    explicit = serve_spec_config(parse(["serve", "--model", str(gguf), "--spec", "ngram"]))
+    assert explicit.method == "ngram" and not explicit.extra.get("serve_default")
+
+
+def test_stats_line_names_the_proposers():
+    from tokenleap.cli.main import _stats_line
+    from tokenleap.spec.stats import SpecStats
+    st = SpecStats()
+    for name, acc, kept in (("none", 0, 1), ("ngram", 3, 4), ("draft", 1, 2), ("ngram", 2, 3)):
+        st.record_step(0 if name == "none" else 4, acc, kept)
+        st.record_proposer(name, acc, kept)
+    shares = st.to_dict()["proposers"]
+    assert shares["ngram"] == {"steps": 2, "accepted_tokens": 5, "tokens": 7, "share": 0.7}
+    assert "tokens by proposer: ngram 70%, draft 20%, none 10%" in _stats_line(st.to_dict())
