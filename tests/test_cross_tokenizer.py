@@ -93,6 +93,21 @@ def test_cross_tokenizer_output_equals_plain(target, draft, kind):
     assert proposed > 0  # the draft did propose
 
 
+def test_paged_draft_cache_gives_plain_output_too(target, draft):
+    """The server's setting: the draft's cache paged (blocks freed as it rolls back)."""
+    from tokenleap.cache.paged import PagedKVCache
+    params = PARAMS["seeded"]
+    for text in PROMPTS:
+        prompt = TARGET_TOK.encode(text, add_special_tokens=False)
+        cache = PagedKVCache(draft.config, 24, 160, torch.float32, block_size=8, num_slots=1)
+        inner = DraftModelProposer(draft, draft.config.vocab_size, 160, cache=cache)
+        proposer = CrossTokenizerProposer(inner, TARGET_TOK, DRAFT_TOK)
+        eng = _engine(target, proposer, TARGET_TOK.vocab_size)
+        assert _run(eng, prompt, params).generated == _run(_engine(target, None, TARGET_TOK.vocab_size), prompt,
+                                                           params).generated
+        assert cache.num_free_blocks == 24  # every block given back at the end
+
+
 class _OracleDraft:
     """A stand-in draft that 'predicts' the text a target will write (known in advance) in the
     draft tokenizer's canonical tokens; it keeps no cache, so ``fed`` is whatever it was told."""
@@ -234,3 +249,28 @@ def test_same_check_rejects_a_verifier_that_resamples_from_p(monkeypatch):
     monkeypatch.setattr(engine_mod, "verify_sampling", biased)
     counts = _counts(target, _small_draft(), seed=5, monkeypatch=monkeypatch)
     assert sampling_check.p_value(counts, sampling_check.exact_distribution(target)) < 1e-6
+
+
+@pytest.mark.slow
+def test_real_smollm2_drafts_for_qwen_coder_1_5b():
+    """SmolLM2-135M (49k-token vocabulary) drafting for Qwen2.5-Coder-1.5B (152k): greedy and seeded
+    output equal to plain decoding, with drafts accepted."""
+    from dataclasses import replace
+
+    from tokenleap.api import LLM
+    from tokenleap.config import SpecConfig
+    from tokenleap.models import catalog
+    for name in ("qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"):
+        if catalog.missing_packages(catalog.CATALOG[name]):
+            pytest.skip(f"{name} is not installed: {catalog.CATALOG[name].install_command()}")
+    spec = SpecConfig(method="draft", draft_model="smollm2-135m-instruct", draft_quant="int4", num_tokens=4)
+    llm = LLM("qwen2.5-coder-1.5b-instruct", quant="int4", speculative=spec, max_model_len=1024)
+    assert isinstance(llm.proposer, CrossTokenizerProposer)
+    plain = LLM.from_loaded(llm.target, max_model_len=1024)
+    prompt = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+    greedy = SamplingParams(max_tokens=48)
+    got = llm.generate(prompt, greedy, chat=True)[0]
+    assert got.token_ids == plain.generate(prompt, greedy, chat=True)[0].token_ids
+    assert got.stats["accepted_tokens"] > 0
+    seeded = replace(greedy, temperature=0.8, top_p=0.95, seed=11)
+    assert llm.generate(prompt, seeded, chat=True)[0].token_ids == plain.generate(prompt, seeded, chat=True)[0].token_ids

@@ -265,6 +265,8 @@ class SpecConfig:
                f"unknown draft speculation {self.draft_spec!r}; choose ngram (or none)")
         _check(self.draft_spec is None or self.method == "draft",
                "--draft-spec ngram speculates a draft model's steps: it needs --spec draft --draft-model M")
+        _check(self.draft_spec is None or self.tree != "on",
+               "--draft-spec ngram speculates chains of the draft model's steps: drop --spec-tree on")
         _check(self.num_tokens == "auto" or (isinstance(self.num_tokens, int) and self.num_tokens >= 1),
                f"num_tokens must be 'auto' or an integer >= 1, got {self.num_tokens!r}")
         _check(isinstance(self.max_num_tokens, int) and self.max_num_tokens >= 1,
@@ -287,6 +289,8 @@ class SpecConfig:
         if self.method == "lookahead":
             longest = max(self.max_num_tokens, self.num_tokens if isinstance(self.num_tokens, int) else 1)
             return longest + (self.lookahead_guesses - 1) * (self.lookahead_ngram - 1)
+        if self.draft_spec is not None:  # a cascade speculates a draft model's chain (proposers/cascade.py)
+            return 0
         return self.max_tree_nodes if self.tree != "off" and self.method is not None else 0
 
 

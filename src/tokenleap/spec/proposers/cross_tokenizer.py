@@ -31,14 +31,23 @@ _CONTEXT_TOKENS = 4  # committed target tokens re-tokenized with the draft's tex
 _GREEDY = SamplingParams(max_tokens=1)  # the draft always drafts its argmax (see the module docstring)
 
 
+_PROBE = ("def f(x):\n    return {'a': [1, 2.5]}  # naïve café ñ 😀\n<|im_start|>user\nHello, World!<|im_end|>\n"
+          "The quick brown fox jumps over the lazy dog. 1234567890 <s></s> \t\r\n  x")
+
+
 def same_tokenizer(a, b) -> bool:
-    """Whether two ``text.tokenizer.Tokenizer`` map text to the same ids (same vocabulary and merges)."""
+    """Whether two ``text.tokenizer.Tokenizer`` map text to the same ids: the same size, the same
+    spelling of every 61st id, the same ids for a probe text. (Comparing whole vocabularies costs
+    seconds for 150k tokens; a false 'same' could only cost acceptance, never exactness -- the
+    target verifies every token.)"""
     if a is b:
         return True
     if a.vocab_size != b.vocab_size:
         return False
-    return a.backend.get_vocab(with_added_tokens=True) == b.backend.get_vocab(with_added_tokens=True) \
-        and a.backend.to_str() == b.backend.to_str()
+    if any(a.id_to_token(i) != b.id_to_token(i) for i in range(0, a.vocab_size, 61)):
+        return False
+    return all(a.encode(t, add_special_tokens=s) == b.encode(t, add_special_tokens=s)
+               for t in (_PROBE, _PROBE.upper()) for s in (False, True))
 
 
 @dataclass
