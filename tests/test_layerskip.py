@@ -231,3 +231,16 @@ def test_bad_layerskip_flags_give_one_line_and_exit_2(capsys, tmp_path, monkeypa
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, err
+
+
+def test_prefix_head_of_an_int6_head():
+    """An int4 target's head is the GGUF's Q6_K tensor kept exactly (Int6Linear): its rows are sliced too."""
+    from test_int6 import random_q6k
+    from tokenleap.models.int6 import Int6Linear, int6_from_gguf_q6k
+    from tokenleap.spec.proposers.layerskip_head import prefix_head
+    m = tiny_model("qwen2", seed=4, vocab=256, hidden=256, intermediate=128, layers=1, heads=4)
+    m.lm_head = Int6Linear(*int6_from_gguf_q6k(random_q6k(256, 256, seed=3), (256, 256)))
+    head = prefix_head(m, 64, keep_ids=(200,))
+    x = torch.randn(2, 256)
+    ids = list(range(64)) + [200]
+    assert torch.equal(head(x, True)[:, ids], m.lm_head(x, True)[:, ids])

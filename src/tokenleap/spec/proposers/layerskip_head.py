@@ -1,14 +1,14 @@
 """The layer-skip draft's LM head: the target's own head over the first ``n`` token ids (byte-level
 BPE ranks common tokens first) and the special tokens -- views into the head's weights, no copy.
 
-Qwen2.5-Coder-1.5B's head (151,936 x 1,536, int8 beside int4 layers) is about a quarter of what a
+Qwen2.5-Coder-1.5B's head (151,936 x 1,536, Q6_K beside 4-bit layers) is about a fifth of what a
 decode step reads; a drafted token through half the layers and the whole head would cost ~60% of
 a plain step. Over 32,768 ids it reads a fifth of that. Losslessness is untouched: drafted tokens
 are verified by the full model, and in sampling mode q is the distribution the draft drew from
 (zero outside the subset); only acceptance can drop, when the target picks a token outside it.
 
 The rows are read through the head's own kernel on a slice of its packed weights (int8, int4,
-bf16 packed for AVX2 or AMX tiles) or of its float weight; other heads get no reduced head (None).
+int6, bf16 packed for AVX2 or AMX tiles) or of its float weight; other heads get no reduced head (None).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from tokenleap import kernels
+from tokenleap.models.int6 import Int6Linear
 from tokenleap.models.linear import Linear
 from tokenleap.models.qlinear import Int4Linear, Int8Linear
 
@@ -36,6 +37,9 @@ def _rows(head, lo: int, hi: int) -> Product | None:
     if isinstance(head, Int4Linear) and head.use_kernel:
         packed, sm = head.packed[lo // 8:hi // 8], head.scales_and_mins[lo // 8:hi // 8]
         return lambda x, exact: kernels.int4_linear(x.float(), packed, sm)
+    if isinstance(head, Int6Linear):  # a GGUF's Q6_K head kept exactly (int4 targets)
+        packed, d = head.packed[lo // 8:hi // 8], head.d[lo // 8:hi // 8]  # [(hi-lo)/8, in/32, 208], [.., in/256, 8]
+        return lambda x, exact: kernels.int6_linear(x.float(), packed, d, None)
     if isinstance(head, Linear):
         packed = head.__dict__.get("_packed") if head.weight.dtype == torch.bfloat16 and head._bf16_kernel() else None
         if isinstance(packed, torch.Tensor):
