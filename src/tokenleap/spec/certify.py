@@ -6,11 +6,13 @@ checks that each compare a plain engine against a speculative one built by the s
 
 * **greedy** -- speculative greedy output is token-identical to plain greedy output;
 * **seeded** -- seeded sampling gives the same tokens with and without speculation;
-* **distribution** -- unseeded sampling (rejection sampling): the joint distribution of the first
-  ``positions`` generated tokens of plain vs speculative samples, compared by a chi-square test of
-  homogeneity; its **power** is shown on a known small bias (plain sampling at temperature T vs
-  T * 0.9, the same number of samples): if the test cannot see that bias, it could not have seen
-  a broken verifier either, and the sample count is too small to certify anything;
+* **distribution** -- unseeded sampling (rejection sampling): the first ``positions`` generated
+  tokens of plain and speculative samples, by a chi-square test of homogeneity of their joint
+  counts, and every speculative token against the target's exact plain distribution for its
+  prefix (a goodness-of-fit test, ``stat_tests``); its **power** is shown on a known small bias
+  (plain sampling at temperature T * 0.9, the same number of samples, must be rejected): if the
+  test cannot see that bias, it could not have seen a broken verifier either, and the sample count
+  is too small to certify anything;
 * **block rule** -- the logits of a one-token step equal, bit for bit, the matching row of a
   k-token verification block (what makes greedy speculation exact in the first place).
 
@@ -32,8 +34,9 @@ from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.transformer import Segment
-from tokenleap.spec.sampling import make_generator
+from tokenleap.spec.sampling import logits_to_probs, make_generator
 from tokenleap.spec.sequence import Sequence
+from tokenleap.spec.stat_tests import chi2_homogeneity, ks_uniform, pit_values
 
 EngineFactory = Callable[[bool], Engine]  # speculative? -> an engine (the same target either way)
 
@@ -209,52 +212,48 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
     return counts, stats
 
 
-@dataclass(frozen=True)
-class Homogeneity:
-    """A chi-square test that two samples come from one distribution."""
+def plain_next_probs(model, prompt: list[int], samples: set[tuple[int, ...]], temperature: float
+                     ) -> dict[tuple[int, ...], torch.Tensor]:
+    """The plain sampler's exact distribution of the next token after ``prompt + prefix``, for every
+    proper prefix (the empty one included) of every sampled tuple: one row-exact forward per
+    distinct longest prefix, rows bitwise those of plain decoding (the block rule)."""
+    longest = sorted({s[:-1] for s in samples if s})
+    room = len(prompt) + max((len(p) for p in longest), default=0)
+    cache = KVCache(model.config, 1, room, model.dtype)
+    slot = cache.allocate()
+    last = torch.tensor([len(prompt) - 1])
+    first = model(torch.tensor(prompt), [Segment(slot, 0, len(prompt))], cache, logit_rows=last).logits  # [1, vocab]
+    out = {(): logits_to_probs(first, temperature)[0]}
+    for prefix in longest:
+        if not prefix or prefix in out:
+            continue
+        logits = model(torch.tensor(prefix), [Segment(slot, len(prompt), len(prefix))], cache,
+                       row_exact=True).logits  # [len(prefix), vocab]
+        probs = logits_to_probs(logits, temperature)  # [len(prefix), vocab]
+        for j in range(len(prefix)):
+            out.setdefault(prefix[:j + 1], probs[j])
+    return out
 
-    statistic: float
-    dof: int
-    p_value: float
-    categories: int  # after merging rare ones
 
-    def rejects(self, alpha: float) -> bool:
-        return self.p_value < alpha
-
-
-def chi2_homogeneity(a: dict[Any, int], b: dict[Any, int], min_expected: float = 5.0) -> Homogeneity:
-    """Pearson's chi-square test of homogeneity on the 2 x C table of two samples' category counts.
-
-    Categories whose expected count in either sample is below ``min_expected`` are pooled into one
-    (and that pool into the rarest kept category if it is still too small), so the chi-square
-    approximation holds. The p-value is the regularized upper incomplete gamma Q(dof/2, stat/2)."""
-    na, nb = sum(a.values()), sum(b.values())
-    if na == 0 or nb == 0:
-        raise ConfigError("the homogeneity test needs two non-empty samples")
-    keys = sorted(set(a) | set(b), key=lambda k: (-(a.get(k, 0) + b.get(k, 0)), repr(k)))
-    total = torch.tensor([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]], dtype=torch.float64)  # [2, C]
-    need = min_expected * (na + nb) / min(na, nb)  # a column total that gives every cell that expectation
-    kept = total[:, total.sum(0) >= need]  # [2, C'] (sorted: the frequent columns)
-    pool = total[:, total.sum(0) < need].sum(1, keepdim=True)  # [2, 1]
-    if pool.sum() > 0:
-        if pool.sum() >= need or kept.shape[1] == 0:
-            kept = torch.cat([kept, pool], 1)
-        else:
-            kept[:, -1:] += pool
-    c = kept.shape[1]
-    if c < 2:  # every sample in one category: nothing tells the two apart
-        return Homogeneity(0.0, 0, 1.0, c)
-    rows, cols = kept.sum(1, keepdim=True), kept.sum(0, keepdim=True)  # [2, 1], [1, C']
-    expected = rows * cols / kept.sum()  # [2, C']
-    stat = float(((kept - expected) ** 2 / expected).sum())
-    dof = c - 1
-    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                      torch.tensor(stat / 2, dtype=torch.float64)))
-    return Homogeneity(stat, dof, p, c)
+def pit_of(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], torch.Tensor],
+           generator: torch.Generator) -> torch.Tensor:  # [samples * positions] float64
+    """Every position of every sample as a randomized PIT value under its exact plain distribution."""
+    tokens, rows = [], []
+    for sample, count in sorted(counts.items()):
+        for j, tok in enumerate(sample):
+            tokens += [tok] * count
+            rows += [probs[sample[:j]]] * count
+    return pit_values(torch.tensor(tokens), torch.stack(rows), generator)
 
 
 def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfig) -> list[CheckResult]:
-    """Unseeded sampling, plain vs speculative, and the same test's power on a known bias."""
+    """Unseeded sampling, plain vs speculative, by two tests, and their power on a known bias.
+
+    The homogeneity test compares the two samples' joint counts of the first tokens. The
+    goodness-of-fit test checks every sampled token against the target's exact plain distribution
+    for its prefix (``stat_tests.pit_values``, ``ks_uniform``); plain's own samples must pass it as well (a check
+    of the reference probabilities). Power: plain sampling at T * ``bias`` must be rejected by the
+    goodness-of-fit test -- the one a certificate can rest on at a few hundred samples."""
     plain, spec = make(False), make(True)
     t, n = cfg.temperature, cfg.samples
     base, _ = sample_counts(plain, prompt, t, n, cfg.positions, cfg.seed + 1)
@@ -262,27 +261,39 @@ def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfi
     biased, _ = sample_counts(plain, prompt, t * cfg.bias, n, cfg.positions, cfg.seed + 3)
     same = chi2_homogeneity(base, spec_counts)
     power = chi2_homogeneity(base, biased)
+    probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
+    stream = torch.Generator().manual_seed(cfg.seed + 4)
+    fit_plain, fit_spec, fit_bias = (ks_uniform(pit_of(c, probs, stream)) for c in (base, spec_counts, biased))
     head = f"first {cfg.positions} tokens at T={t:g}, {n} samples each"
     figures = {"samples": n, "positions": cfg.positions, "temperature": t, "alpha": cfg.alpha,
                "chi2": round(same.statistic, 4), "dof": same.dof, "p_value": same.p_value,
-               "categories": same.categories, "draft_tokens": stats.draft_tokens,
+               "categories": same.categories, "fit_ks": round(fit_spec.statistic, 5),
+               "fit_mean": round(fit_spec.mean, 5), "fit_p_value": fit_spec.p_value,
+               "plain_fit_p_value": fit_plain.p_value, "draft_tokens": stats.draft_tokens,
                "accepted_tokens": stats.accepted_tokens}
-    ok = not same.rejects(cfg.alpha) and stats.draft_tokens > 0
-    summary = (f"{head}: chi2 {same.statistic:.1f}, dof {same.dof}, p {same.p_value:.3g} "
-               f"({'>=' if not same.rejects(cfg.alpha) else '<'} {cfg.alpha:g}); {_drafted(stats)}")
-    if same.rejects(cfg.alpha):
+    rejected = same.rejects(cfg.alpha) or fit_spec.rejects(cfg.alpha)
+    ok = not rejected and not fit_plain.rejects(cfg.alpha) and stats.draft_tokens > 0
+    summary = (f"{head}: homogeneity chi2 {same.statistic:.1f}, dof {same.dof}, p {same.p_value:.3g}; "
+               f"fit to the exact plain probabilities: KS {fit_spec.statistic:.4f} over {fit_spec.n} tokens, "
+               f"p {fit_spec.p_value:.3g} (alpha {cfg.alpha:g}); {_drafted(stats)}")
+    if rejected:
         summary += "; speculative samples do not follow the plain distribution"
+    elif fit_plain.rejects(cfg.alpha):
+        summary += (f"; plain's own samples do not fit the computed probabilities (p {fit_plain.p_value:.3g}): "
+                    "the reference is wrong, nothing is certified")
     elif stats.draft_tokens == 0:
         summary += "; nothing was drafted, so speculation was not exercised"
     result = CheckResult("distribution", ok, summary, figures)
-    detected = power.rejects(cfg.alpha)
-    summary = (f"T={t:g} vs T={t * cfg.bias:g} (plain, {n} samples each): chi2 {power.statistic:.1f}, "
-               f"dof {power.dof}, p {power.p_value:.3g}; ")
+    detected = fit_bias.rejects(cfg.alpha)
+    summary = (f"plain at T={t * cfg.bias:g} against the T={t:g} probabilities ({n} samples): KS "
+               f"{fit_bias.statistic:.4f}, p {fit_bias.p_value:.3g}; homogeneity T={t:g} vs T={t * cfg.bias:g}: "
+               f"p {power.p_value:.3g}; ")
     summary += ("the bias is detected" if detected else
-                f"the bias is NOT detected: {n} samples are too few to certify; raise --samples")
+                f"the bias is NOT detected: {n} samples are too few to certify; raise --samples or --positions")
     power_figures = {"samples": n, "temperature": t, "biased_temperature": t * cfg.bias,
-                     "chi2": round(power.statistic, 4), "dof": power.dof, "p_value": power.p_value,
-                     "categories": power.categories}
+                     "fit_ks": round(fit_bias.statistic, 5), "fit_mean": round(fit_bias.mean, 5),
+                     "p_value": fit_bias.p_value, "chi2": round(power.statistic, 4), "dof": power.dof,
+                     "homogeneity_p_value": power.p_value, "categories": power.categories}
     return [result, CheckResult("power", detected, summary, power_figures)]
 
 
@@ -341,4 +352,4 @@ def certify(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConfig | 
 
 __all__ = ["DEFAULT_PROMPTS", "CertifyConfig", "CheckResult", "Certificate", "EngineFactory", "certify",
            "check_greedy", "check_seeded", "check_distribution", "check_block_rule", "chi2_homogeneity",
-           "sample_counts", "run_request"]
+           "sample_counts", "run_request", "plain_next_probs", "pit_of"]

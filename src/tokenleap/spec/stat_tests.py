@@ -1,0 +1,116 @@
+"""The two statistical tests ``tokenleap verify`` relies on -- pure functions of counts and samples.
+
+* ``chi2_homogeneity``: do two samples of categories (token tuples) come from one distribution?
+  Needs no model, but both samples carry noise, and a tuple's many rare categories get pooled.
+* ``pit_values`` + ``ks_uniform``: do sampled tokens follow *known* next-token distributions? Each token t drawn
+  from p becomes u = P(ranked before t) + V * p(t), with V uniform on [0, 1) and the vocabulary
+  ranked by descending p (ties by id): the randomized probability integral transform. When the
+  tokens follow p, each u is exactly uniform on [0, 1), and the u's of one sample's successive
+  positions are independent (each is uniform given its prefix, by the chain rule). A sampler that
+  favours likely tokens (too low a temperature, accepting drafts too often) moves u towards 0,
+  one that favours the tail towards 1. The u's are tested with Kolmogorov-Smirnov. Against
+  exact reference probabilities the only noise is the one sample's, and every position of every
+  sample counts, so this test sees a small bias with far fewer samples than the homogeneity test.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenleap.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Homogeneity:
+    """A chi-square test that two samples come from one distribution."""
+
+    statistic: float
+    dof: int
+    p_value: float
+    categories: int  # after merging rare ones
+
+    def rejects(self, alpha: float) -> bool:
+        return self.p_value < alpha
+
+
+def chi2_homogeneity(a: dict[Any, int], b: dict[Any, int], min_expected: float = 5.0) -> Homogeneity:
+    """Pearson's chi-square test of homogeneity on the 2 x C table of two samples' category counts.
+
+    Categories whose expected count in either sample is below ``min_expected`` are pooled into one
+    (and that pool into the rarest kept category if it is still too small), so the chi-square
+    approximation holds. The p-value is the regularized upper incomplete gamma Q(dof/2, stat/2)."""
+    na, nb = sum(a.values()), sum(b.values())
+    if na == 0 or nb == 0:
+        raise ConfigError("the homogeneity test needs two non-empty samples")
+    keys = sorted(set(a) | set(b), key=lambda k: (-(a.get(k, 0) + b.get(k, 0)), repr(k)))
+    total = torch.tensor([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]], dtype=torch.float64)  # [2, C]
+    need = min_expected * (na + nb) / min(na, nb)  # a column total that gives every cell that expectation
+    kept = total[:, total.sum(0) >= need]  # [2, C'] (sorted: the frequent columns)
+    pool = total[:, total.sum(0) < need].sum(1, keepdim=True)  # [2, 1]
+    if pool.sum() > 0:
+        if pool.sum() >= need or kept.shape[1] == 0:
+            kept = torch.cat([kept, pool], 1)
+        else:
+            kept[:, -1:] += pool
+    c = kept.shape[1]
+    if c < 2:  # every sample in one category: nothing tells the two apart
+        return Homogeneity(0.0, 0, 1.0, c)
+    rows, cols = kept.sum(1, keepdim=True), kept.sum(0, keepdim=True)  # [2, 1], [1, C']
+    expected = rows * cols / kept.sum()  # [2, C']
+    stat = float(((kept - expected) ** 2 / expected).sum())
+    dof = c - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    return Homogeneity(stat, dof, p, c)
+
+
+@dataclass(frozen=True)
+class Uniformity:
+    """A Kolmogorov-Smirnov test that values are uniform on [0, 1)."""
+
+    statistic: float  # D = sup |F_n(u) - u|
+    n: int
+    mean: float  # 0.5 when uniform; below: likely tokens drawn too often
+    p_value: float
+
+    def rejects(self, alpha: float) -> bool:
+        return self.p_value < alpha
+
+
+def ks_uniform(u: torch.Tensor) -> Uniformity:  # u: [n] values in [0, 1)
+    """One-sample Kolmogorov-Smirnov test against U(0, 1); the p-value from the Kolmogorov
+    distribution with Stephens' small-sample correction (accurate to a few percent from n = 5)."""
+    n = u.numel()
+    if n == 0:
+        raise ConfigError("the uniformity test needs at least one value")
+    x = torch.sort(u.double().flatten()).values  # [n]
+    i = torch.arange(1, n + 1, dtype=torch.float64)  # [n]
+    d = float(torch.maximum(i / n - x, x - (i - 1) / n).max())
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    if lam < 0.2:
+        p = 1.0
+    else:
+        p = 2.0 * sum((-1) ** (k - 1) * math.exp(-2.0 * k * k * lam * lam) for k in range(1, 101))
+        p = min(1.0, max(0.0, p))
+    return Uniformity(d, n, float(x.mean()), p)
+
+
+def pit_values(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Randomized probability integral transforms of drawn ``tokens`` # [n] long under the
+    distributions they were meant to follow, ``probs`` # [n, vocab]; returns u # [n] float64."""
+    p = probs.double()  # [n, vocab]
+    order = torch.argsort(-p, dim=-1, stable=True)  # [n, vocab]: descending probability, ties by id
+    rank = torch.argsort(order, dim=-1)  # [n, vocab]: each token's place in that order
+    sorted_p = torch.gather(p, 1, order)  # [n, vocab]
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [n, vocab]: mass ranked ahead of each place
+    r = rank.gather(1, tokens.view(-1, 1)).squeeze(1)  # [n]
+    lo = before.gather(1, r.view(-1, 1)).squeeze(1)  # [n]
+    mass = p.gather(1, tokens.view(-1, 1)).squeeze(1)  # [n]
+    v = torch.rand(tokens.numel(), generator=generator, dtype=torch.float64)  # [n]
+    return (lo + v * mass).clamp(0.0, 1.0 - 1e-12)
+
+
+__all__ = ["Homogeneity", "Uniformity", "chi2_homogeneity", "ks_uniform", "pit_values"]

@@ -1,0 +1,58 @@
+"""The tests ``tokenleap verify`` rests on: the randomized PIT is exactly uniform for tokens drawn
+from the stated distributions, and Kolmogorov-Smirnov tells a 10% temperature bias from them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap.spec.sampling import logits_to_probs
+from tokenleap.spec.stat_tests import ks_uniform, pit_values
+
+
+def _draws(probs: torch.Tensor, seed: int) -> torch.Tensor:  # probs: [n, vocab] -> [n]
+    return torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(1)
+
+
+def _logits(n: int, vocab: int, seed: int) -> torch.Tensor:  # [n, vocab]: peaked heads, long tails
+    g = torch.Generator().manual_seed(seed)
+    return 2.5 * torch.randn(n, vocab, generator=g)
+
+
+def test_ks_p_value_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for seed, n in [(0, 40), (1, 300), (2, 2000)]:
+        u = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) ** 1.15
+        mine = ks_uniform(u)
+        ref = stats.kstest(u.numpy(), "uniform", method="asymp")
+        assert mine.statistic == pytest.approx(ref.statistic, abs=1e-12)
+        assert mine.p_value == pytest.approx(ref.pvalue, rel=0.1, abs=2e-3)
+
+
+def test_pit_of_exact_draws_is_uniform():
+    """Tokens drawn from p, transformed under p: KS accepts (over many independent repeats the
+    p-values are themselves roughly uniform: the rejection rate at 0.05 stays near 5%)."""
+    rejected = 0
+    for rep in range(40):
+        probs = logits_to_probs(_logits(400, 50, rep), 1.0)  # [400, 50]
+        u = pit_values(_draws(probs, 1000 + rep), probs, torch.Generator().manual_seed(rep))
+        assert u.min() >= 0 and u.max() < 1
+        rejected += ks_uniform(u).rejects(0.05)
+    assert rejected <= 6  # binomial(40, 0.05): P(> 6) < 0.01
+
+
+def test_pit_detects_a_ten_percent_temperature_bias():
+    logits = _logits(1500, 50, 7)
+    exact = logits_to_probs(logits, 1.0)  # [1500, 50]
+    biased = logits_to_probs(logits, 0.9)
+    u = pit_values(_draws(biased, 3), exact, torch.Generator().manual_seed(4))
+    fit = ks_uniform(u)
+    assert fit.rejects(0.01) and fit.mean < 0.5  # likely tokens drawn too often: u leans towards 0
+    hotter = pit_values(_draws(logits_to_probs(logits, 1.1), 5), exact, torch.Generator().manual_seed(6))
+    assert ks_uniform(hotter).rejects(0.01) and ks_uniform(hotter).mean > 0.5
+
+
+def test_pit_handles_point_masses_and_ties():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.25, 0.25, 0.5]])  # [2, 3]
+    u = pit_values(torch.tensor([1, 0]), probs, torch.Generator().manual_seed(0))
+    assert 0 <= u[0] < 1  # a sure token spreads over the whole interval
+    assert 0.5 <= u[1] < 0.75  # order: 2 (0.5), then 0 and 1 tied, 0 first by id
