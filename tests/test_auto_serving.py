@@ -146,3 +146,29 @@ def test_stats_line_names_the_proposers():
     shares = st.to_dict()["proposers"]
     assert shares["ngram"] == {"steps": 2, "accepted_tokens": 5, "tokens": 7, "share": 0.7}
     assert "tokens by proposer: ngram 70%, draft 20%, none 10%" in _stats_line(st.to_dict())
+
+
+def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
+    """Other methods join auto by name when build_proposer builds them; layer skip only with its skipped
+    set known (a calibration stored or --skip-layers), so no search runs inside a user's request."""
+    import tokenleap.api as api
+    from tokenleap.config import ConfigError, SpecConfig
+
+    class Arm:
+        def __init__(self, name, skip):
+            self.name, self.skip = name, skip
+
+    calibrated = {"value": None}
+
+    def build(spec, *a, **k):
+        if spec.method == "layerskip":
+            return Arm("layerskip", calibrated["value"])
+        if spec.method == "lookahead":
+            return Arm("lookahead", None)
+        raise ConfigError("unknown")
+
+    monkeypatch.setattr(api, "build_proposer", build)
+    assert list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == ["lookahead", "ngram"]
+    calibrated["value"] = frozenset({3})
+    assert list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == \
+        ["layerskip", "lookahead", "ngram"]

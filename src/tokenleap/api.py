@@ -296,9 +296,12 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
             arms[name] = NgramProposer(spec.ngram_max, spec.ngram_min)
         else:
             try:
-                arms[name] = build_proposer(replace(spec, method=name, draft_model=None), target, max_len,
-                                            num_slots, cache_dir)
+                arm = build_proposer(replace(spec, method=name, draft_model=None), target, max_len,
+                                     num_slots, cache_dir)
             except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
                 continue
+            if name == "layerskip" and getattr(arm, "skip", None) is None:
+                continue  # joins once calibrated (tokenleap calibrate): no search inside a user's request
+            arms[name] = arm
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
     return AutoProposer(arms, BanditConfig(max_k=max(spec.max_num_tokens, fixed or 1)), trees=spec.tree == "on")
