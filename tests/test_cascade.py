@@ -114,3 +114,21 @@ def test_cascade_self_draft_keeps_guesses_and_saves_forwards(target):
     assert seq.generated == _run(_engine(target, None), prompt, params).generated
     assert seq.stats.draft_acceptance_rate == 1.0
     assert cascade.stats["kept"] > 0 and cascade.stats["forwards"] < seq.stats.draft_tokens
+
+
+def test_bench_cascade_row_equals_plain(smollm2_gguf, tmp_path):
+    """``tokenleap bench --methods draft,cascade``: the cascade row runs and its outputs equal plain's
+    (SmolLM2 drafting for itself: every draft accepted, so the n-gram guesses are exercised)."""
+    import json
+
+    from tokenleap.cli.main import main
+    out = tmp_path / "bench"
+    rc = main(["bench", "--target", "smollm2-135m-instruct", "--draft", "smollm2-135m-instruct", "--dataset", "chat",
+               "--limit", "1", "--max-new-tokens", "24", "--methods", "draft:k=4,cascade:k=4", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert {m["name"]: m["status"] for m in results["methods"]} == {"plain": "ok", "draft:k=4": "ok",
+                                                                     "cascade:k=4": "ok"}
+    assert results["equality"]["by_method"]["cascade:k=4"]["compared"] == 1
+    assert not results["equality"]["mismatches"]
