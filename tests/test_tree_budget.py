@@ -101,6 +101,17 @@ def test_a_costly_tree_draft_means_a_chain():
     assert costly.choose_step(max_nodes=16).nodes == 0
 
 
+def test_tree_forwards_are_measured_apart_from_chains():
+    """The chain's rows cost nothing extra, but forwards that held trees measured slow: a chain."""
+    c = _controller(row_cost=0.002, chain_acceptance=0.5, rank1=0.8)
+    assert c.choose_step(max_nodes=16).nodes > 0
+    for rows in range(3, 18):
+        c.observe_forward(rows, 3.0, tree=True)
+    assert c.choose_step(max_nodes=16).nodes == 0
+    assert c.forward_cost[9] < 1.1  # the chain's figures are untouched
+    assert c.trees.predict_forward(40, c.predict_forward(40)) == pytest.approx(3.0, rel=0.1)  # unmeasured: scaled
+
+
 def test_off_and_on_modes():
     c = _controller(row_cost=0.002, chain_acceptance=0.5, rank1=0.8)
     assert c.choose_step(max_nodes=16, mode="off").nodes == 0
@@ -124,8 +135,8 @@ def test_unmeasured_trees_get_tried_then_dropped_where_rows_cost():
     for _ in range(300):
         plan = c.choose_step(max_nodes=16)
         plans.append(plan)
-        rows = 1 + (plan.nodes or plan.k)
-        c.observe_forward(rows, 0.05 * (1 + 0.25 * (rows - 1)))
+        rows = 1 + (plan.nodes or plan.k)  # a tree's rows cost more than a chain's (tree attention)
+        c.observe_forward(rows, 0.05 * (1 + 0.25 * (rows - 1)) * (1.2 if plan.nodes else 1.0), tree=bool(plan.nodes))
         if plan.k == 0:
             continue
         if plan.nodes:
@@ -233,3 +244,29 @@ def test_auto_tree_sampling_check_rejects_a_biased_tree_verifier(monkeypatch):
     monkeypatch.setattr(tv, "_try_children", restart_from_p)
     counts = sampling_check.sample_counts(target, draft, seed=6, monkeypatch=monkeypatch)
     assert sampling_check.p_value(counts, sampling_check.exact_distribution(target)) < 1e-6
+
+
+def test_cli_spec_tree_default_is_auto():
+    from tokenleap.cli.main import build_parser, spec_config
+
+    base = ["generate", "--model", "smollm2-135m-instruct", "--prompt", "x", "--spec", "ngram"]
+    spec = spec_config(build_parser().parse_args(base))
+    assert spec.tree == "auto" and spec.tree_nodes == 16
+    spec = spec_config(build_parser().parse_args(base + ["--spec-tree", "off", "--max-tree-nodes", "8"]))
+    assert spec.tree == "off" and spec.tree_nodes == 0
+
+
+def test_bench_auto_tree_methods():
+    from types import SimpleNamespace
+
+    from tokenleap.bench.common import BenchError
+    from tokenleap.bench.methods import build_tokenleap, parse_methods
+
+    model = tiny_model("qwen2", seed=3, vocab=VOCAB, hidden=64, intermediate=128, layers=2)
+    pool = SimpleNamespace(target=lambda: SimpleNamespace(model=model, tokenizer=ToyTokenizer(VOCAB, (2,))),
+                           opts=SimpleNamespace(max_len=64))
+    specs = parse_methods("ngram,ngram:tree=auto,nodes=8,ngram-tree", add_plain=False)
+    engines = [build_tokenleap(s, pool).engine for s in specs]
+    assert [(e.tree_nodes, e.controller.cfg.tree) for e in engines] == [(0, "off"), (8, "auto"), (16, "on")]
+    with pytest.raises(BenchError, match="tree must be one of"):
+        parse_methods("ngram:tree=maybe")

@@ -35,12 +35,13 @@ so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 of k or a tree of at most N drafted nodes, k levels deep -- whichever is predicted the most tokens
 per second. A tree's yield and draft cost come from ``tree_budget.TreeModel`` (acceptance by depth
 and sibling rank, measured on tree steps only, with priors that let trees be tried); its forward
-is predicted by the same rows -> seconds figures as a chain's (a forward's cost follows its rows:
-flat where the machine is memory-bound, trees nearly free there; steep on an AVX2 CPU, chains
-win), and what a tree step spends beyond its forwards (walking and compacting the tree) is
-measured apart from a chain step's. Every ``tree_probe_every`` drafting steps the best option of
-the kind not chosen is tried once, so both stay measured. ``tree="on"``: always a tree of the
-whole budget, k chosen as for a chain (its acceptance counted by depth); ``"off"``: chains.
+cost is measured by rows on tree steps, the chain's rows -> seconds figures (flat where the machine
+is memory-bound, trees nearly free there; steep on an AVX2 CPU, chains win) standing in, scaled by
+the measured tree / chain ratio, where a row count has not held a tree yet; what a tree step spends
+beyond its forwards (walking and compacting the tree) is measured apart from a chain step's. Every
+``tree_probe_every`` drafting steps the best option of the kind not chosen is tried once, so both
+stay measured. ``tree="on"``: always a tree of the whole budget, k chosen as for a chain (its
+acceptance counted by depth); ``"off"``: chains.
 
 How a proposer feeds it (the engine does this): the proposer says it can draft trees with a
 ``drafts_trees = True`` attribute (else its steps are chains); its drafting time is timed around
@@ -270,7 +271,7 @@ class DraftLengthController:
         root and the nodes the proposer is measured to fill)."""
         rows = batch * (1 + max(1, round(self.trees.fill(nodes) * nodes)))
         overhead = self.step_overhead.get(("tree", batch), self.step_overhead.get((True, batch), 0.0))
-        return self.predict_forward(rows, batch == 1) + overhead
+        return self.trees.predict_forward(rows, self.predict_forward(rows, batch == 1)) + overhead
 
     def _chain_acceptance(self) -> list[float]:
         """The chain's conditional acceptance by depth; a position never drafted is guessed like the
@@ -371,8 +372,13 @@ class DraftLengthController:
         window.append(value)
         table[key] = statistics.median(window)
 
-    def observe_forward(self, rows: int, seconds: float) -> None:
-        self._observe(self._forward_obs, self.forward_cost, rows, seconds)
+    def observe_forward(self, rows: int, seconds: float, tree: bool = False) -> None:
+        """A target forward over ``rows`` took ``seconds`` (``tree``: it held token trees the
+        controller chose -- measured apart from chains' and plain steps')."""
+        if tree:
+            self.trees.observe_forward(rows, seconds, self.predict_forward(rows))
+        else:
+            self._observe(self._forward_obs, self.forward_cost, rows, seconds)
 
     def observe_step(self, speculative: bool, batch: int, overhead: float, tree: bool = False) -> None:
         """A whole step's seconds beyond its timed draft and target forwards (``tree``: a tree step's)."""

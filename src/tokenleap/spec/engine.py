@@ -249,14 +249,15 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.model(torch.tensor(tokens), segments, self.cache, row_exact=True).logits  # [rows, vocab]
         elapsed = time.perf_counter() - t0
-        self.controller.observe_forward(row, elapsed)
+        held = auto_tree and any(seg.tree is not None for seg in segments)  # a chosen tree's costs: kept apart
+        self.controller.observe_forward(row, elapsed, tree=held)
         for s, d, seg in zip(seqs, drafts, segments):
             s.stats.verify_seconds += elapsed * seg.length / row
             self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length], plan if auto_tree else None)
         if self.proposer is not None:  # what the step cost beyond the timed forwards and any catch-up
             spec = any(d is not None for d in drafts)
             self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - drafting - catch_up,
-                                         tree=spec and auto_tree)
+                                         tree=held)
 
     def _draft_all(self, seqs: list[Sequence], plan: StepPlan, auto_tree: bool = False
                    ) -> tuple[list[Draft | None], float, float]:

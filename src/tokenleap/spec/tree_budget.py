@@ -23,6 +23,12 @@ outcome noise), and ``fill``, drafted nodes over the budget (what the forward's 
 draft model grows a tree with one batched forward per level over its frontier, an n-gram trie
 costs nothing. Unmeasured, the caller's figure for a chain's drafted token stands in (optimistic:
 a level is never cheaper than a chain token, so trees get tried, then measured).
+
+**Forward cost.** Seconds of the target's forwards that held trees, by row count, apart from the
+chain's figures (tree attention, its per-row key lists and compaction need not cost what a chain's
+rows do). A row count not measured on trees is the chain's prediction for it times the median ratio
+measured tree / chain-predicted seconds (1 before any tree ran), and never more than a larger tree
+measured.
 """
 from __future__ import annotations
 
@@ -54,6 +60,9 @@ class TreeModel:
         self._fill: dict[int, deque[float]] = {}  # budget -> recent drafted nodes / budget
         self.draft_cost_at: dict[int, float] = {}  # batch -> seconds per level per sequence
         self._draft_obs: dict[int, deque[float]] = {}
+        self.forward_cost: dict[int, float] = {}  # rows -> seconds of forwards that held trees
+        self._forward_obs: dict[int, deque[float]] = {}
+        self._vs_chain: deque[float] = deque(maxlen=4 * window)  # measured / chain-predicted seconds
 
     # -- figures ----------------------------------------------------------------------------
     def acceptance(self, chain: list[float]) -> list[list[float]]:
@@ -126,7 +135,21 @@ class TreeModel:
         smaller = [b for b in known if b < batch]
         return known[max(smaller)] if smaller else max(chain_cost, known[min(known)] if known else 0.0)
 
+    def predict_forward(self, rows: int, chain_guess: float) -> float:
+        """Seconds of a forward over ``rows`` holding trees; ``chain_guess``: the chain's prediction."""
+        guess = self.forward_cost.get(rows)
+        if guess is None:
+            guess = chain_guess * (statistics.median(self._vs_chain) if self._vs_chain else 1.0)
+        return min([guess] + [c for r, c in self.forward_cost.items() if r > rows])
+
     # -- learning ---------------------------------------------------------------------------
+    def observe_forward(self, rows: int, seconds: float, chain_guess: float) -> None:
+        """A forward over ``rows`` that held trees took ``seconds``; the chain predicted ``chain_guess``."""
+        self._push(self._forward_obs, rows, seconds)
+        self.forward_cost[rows] = statistics.median(self._forward_obs[rows])
+        if chain_guess > 0:
+            self._vs_chain.append(seconds / chain_guess)
+
     def observe(self, parents: list[int], path: list[int], budget: int, depth: int, chain: list[float]) -> None:
         """A verified tree step: ``parents`` of the drafted tree (a chain answered for a tree:
         ``[-1, 0, 1, ...]``), its accepted nodes ``path``, the ``budget`` and ``depth`` it was asked for."""
