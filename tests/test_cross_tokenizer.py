@@ -274,3 +274,26 @@ def test_real_smollm2_drafts_for_qwen_coder_1_5b():
     assert got.stats["accepted_tokens"] > 0
     seeded = replace(greedy, temperature=0.8, top_p=0.95, seed=11)
     assert llm.generate(prompt, seeded, chat=True)[0].token_ids == plain.generate(prompt, seeded, chat=True)[0].token_ids
+
+
+@pytest.mark.slow
+def test_bench_cross_tokenizer_row_equals_plain(smollm2_gguf, tmp_path):
+    """``tokenleap bench --draft`` of another tokenizer (Gemma 3's SentencePiece vocabulary drafting
+    for SmolLM2's byte-level BPE): the draft row runs through text and its outputs equal plain's."""
+    import json
+
+    from tokenleap.cli.main import main
+    from tokenleap.models import catalog
+    if catalog.missing_packages(catalog.CATALOG["gemma-3-270m"]):
+        pytest.skip("gemma-3-270m is not installed")
+    out = tmp_path / "bench"
+    rc = main(["bench", "--target", "smollm2-135m-instruct", "--draft", "gemma-3-270m", "--dataset", "chat",
+               "--limit", "1", "--max-new-tokens", "24", "--methods", "draft:k=3", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert {m["name"]: m["status"] for m in results["methods"]} == {"plain": "ok", "draft:k=3": "ok"}
+    assert results["equality"]["by_method"]["draft:k=3"]["compared"] == 1
+    assert not results["equality"]["mismatches"]
+    draft_row = [r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())
+                 if r.get("method") == "draft:k=3"]
+    assert draft_row and sum(r["stats"]["draft_tokens"] for r in draft_row) > 0  # it did draft
