@@ -132,3 +132,18 @@ def test_bench_cascade_row_equals_plain(smollm2_gguf, tmp_path):
                                                                      "cascade:k=4": "ok"}
     assert results["equality"]["by_method"]["cascade:k=4"]["compared"] == 1
     assert not results["equality"]["mismatches"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--draft-spec", "ngram"], "use it with --spec draft --draft-model M"),
+    (["--spec", "ngram", "--draft-spec", "ngram"], "use it with --spec draft --draft-model M"),
+    (["--spec", "draft", "--draft-model", "smollm2-135m-instruct", "--draft-spec", "ngram", "--spec-tree", "on"],
+     "drop --spec-tree on"),
+])
+def test_draft_spec_flag_misuse_is_one_line_before_loading(flags, message, capsys, monkeypatch):
+    import tokenleap.api
+    from tokenleap.cli.main import main
+    monkeypatch.setattr(tokenleap.api, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
