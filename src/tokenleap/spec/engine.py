@@ -271,7 +271,7 @@ class Engine:
         t0 = time.perf_counter()
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint,
                                  max_nodes=self._tree_budget(s, plan.nodes), slot=s.slot,
-                                 max_aux=self.aux_budget(s, max(k, self._tree_budget(s)))) for s, n in asked]  # as reserved
+                                 max_aux=self.aux_budget(s, max(k, self._tree_budget(s)))) for s, n in asked]
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)  # an empty draft may have caught up
@@ -296,7 +296,8 @@ class Engine:
 
     def aux_budget(self, seq: Sequence, nodes: int) -> int:
         """Auxiliary rows (``Draft.aux``) a step of ``seq`` drafting up to ``nodes`` nodes may add:
-        the proposer's ``aux_rows``, if they all fit in the context window beside those nodes."""
+        the proposer's ``aux_rows``, if they all fit in the context window beside those nodes (the
+        scheduler reserves cache blocks by the same rule, with the whole tree budget as ``nodes``)."""
         want = getattr(self.proposer, "aux_rows", 0)
         return want if want and nodes + want <= self.max_len - len(seq.tokens) - 1 else 0
 
