@@ -56,3 +56,29 @@ def test_pit_handles_point_masses_and_ties():
     u = pit_values(torch.tensor([1, 0]), probs, torch.Generator().manual_seed(0))
     assert 0 <= u[0] < 1  # a sure token spreads over the whole interval
     assert 0.5 <= u[1] < 0.75  # order: 2 (0.5), then 0 and 1 tied, 0 first by id
+
+
+def test_loglik_score_is_calibrated_and_sees_sharpening():
+    from tokenleap.spec.stat_tests import fit_test, loglik_score
+    zs = []
+    for rep in range(40):
+        probs = logits_to_probs(_logits(300, 50, 100 + rep), 1.0)  # [300, 50]
+        zs.append(loglik_score(_draws(probs, 2000 + rep), probs).z)
+    z = torch.tensor(zs)
+    assert abs(float(z.mean())) < 0.6 and 0.6 < float(z.std()) < 1.5  # standard normal under the null
+    logits = _logits(300, 50, 9)
+    exact = logits_to_probs(logits, 1.0)
+    sharp = loglik_score(_draws(logits_to_probs(logits, 0.9), 11), exact)
+    assert sharp.z > 0 and sharp.rejects(0.01)  # 300 draws suffice where KS needs far more
+    flat = loglik_score(_draws(logits_to_probs(logits, 1.1), 12), exact)
+    assert flat.z < 0 and flat.rejects(0.01)
+    wide = _logits(1000, 50, 10)  # [1000, 50]
+    both = fit_test(_draws(logits_to_probs(wide, 0.9), 13), logits_to_probs(wide, 1.0), torch.Generator().manual_seed(1))
+    assert both.p_value == pytest.approx(min(1.0, 2 * min(both.ks.p_value, both.score.p_value)))
+    assert both.rejects(0.01)
+
+
+def test_loglik_score_rejects_an_impossible_token():
+    from tokenleap.spec.stat_tests import loglik_score
+    probs = torch.tensor([[0.5, 0.5, 0.0]])
+    assert loglik_score(torch.tensor([2]), probs).p_value == 0.0

@@ -36,7 +36,7 @@ from tokenleap.spec.stats import SpecStats
 from tokenleap.models.transformer import Segment
 from tokenleap.spec.sampling import logits_to_probs, make_generator
 from tokenleap.spec.sequence import Sequence
-from tokenleap.spec.stat_tests import chi2_homogeneity, ks_uniform, pit_values
+from tokenleap.spec.stat_tests import Fit, chi2_homogeneity, fit_test
 
 EngineFactory = Callable[[bool], Engine]  # speculative? -> an engine (the same target either way)
 
@@ -235,15 +235,15 @@ def plain_next_probs(model, prompt: list[int], samples: set[tuple[int, ...]], te
     return out
 
 
-def pit_of(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], torch.Tensor],
-           generator: torch.Generator) -> torch.Tensor:  # [samples * positions] float64
-    """Every position of every sample as a randomized PIT value under its exact plain distribution."""
+def fit_of(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], torch.Tensor],
+           generator: torch.Generator) -> Fit:
+    """Every position of every sample tested against its exact plain distribution (``stat_tests``)."""
     tokens, rows = [], []
     for sample, count in sorted(counts.items()):
         for j, tok in enumerate(sample):
             tokens += [tok] * count
             rows += [probs[sample[:j]]] * count
-    return pit_values(torch.tensor(tokens), torch.stack(rows), generator)
+    return fit_test(torch.tensor(tokens), torch.stack(rows), generator)
 
 
 def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfig) -> list[CheckResult]:
@@ -251,7 +251,7 @@ def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfi
 
     The homogeneity test compares the two samples' joint counts of the first tokens. The
     goodness-of-fit test checks every sampled token against the target's exact plain distribution
-    for its prefix (``stat_tests.pit_values``, ``ks_uniform``); plain's own samples must pass it as well (a check
+    for its prefix (``stat_tests.fit_test``); plain's own samples must pass it as well (a check
     of the reference probabilities). Power: plain sampling at T * ``bias`` must be rejected by the
     goodness-of-fit test -- the one a certificate can rest on at a few hundred samples."""
     plain, spec = make(False), make(True)
@@ -263,19 +263,21 @@ def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfi
     power = chi2_homogeneity(base, biased)
     probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
     stream = torch.Generator().manual_seed(cfg.seed + 4)
-    fit_plain, fit_spec, fit_bias = (ks_uniform(pit_of(c, probs, stream)) for c in (base, spec_counts, biased))
+    fit_plain, fit_spec, fit_bias = (fit_of(c, probs, stream) for c in (base, spec_counts, biased))
     head = f"first {cfg.positions} tokens at T={t:g}, {n} samples each"
     figures = {"samples": n, "positions": cfg.positions, "temperature": t, "alpha": cfg.alpha,
                "chi2": round(same.statistic, 4), "dof": same.dof, "p_value": same.p_value,
-               "categories": same.categories, "fit_ks": round(fit_spec.statistic, 5),
-               "fit_mean": round(fit_spec.mean, 5), "fit_p_value": fit_spec.p_value,
+               "categories": same.categories, "fit_ks": round(fit_spec.ks.statistic, 5),
+               "fit_pit_mean": round(fit_spec.ks.mean, 5), "fit_loglik_z": round(fit_spec.score.z, 4),
+               "fit_tokens": fit_spec.ks.n, "fit_p_value": fit_spec.p_value,
                "plain_fit_p_value": fit_plain.p_value, "draft_tokens": stats.draft_tokens,
                "accepted_tokens": stats.accepted_tokens}
     rejected = same.rejects(cfg.alpha) or fit_spec.rejects(cfg.alpha)
     ok = not rejected and not fit_plain.rejects(cfg.alpha) and stats.draft_tokens > 0
     summary = (f"{head}: homogeneity chi2 {same.statistic:.1f}, dof {same.dof}, p {same.p_value:.3g}; "
-               f"fit to the exact plain probabilities: KS {fit_spec.statistic:.4f} over {fit_spec.n} tokens, "
-               f"p {fit_spec.p_value:.3g} (alpha {cfg.alpha:g}); {_drafted(stats)}")
+               f"fit to the exact plain probabilities over {fit_spec.ks.n} tokens: KS {fit_spec.ks.statistic:.4f}, "
+               f"log-likelihood z {fit_spec.score.z:+.2f}, p {fit_spec.p_value:.3g} (alpha {cfg.alpha:g}); "
+               f"{_drafted(stats)}")
     if rejected:
         summary += "; speculative samples do not follow the plain distribution"
     elif fit_plain.rejects(cfg.alpha):
@@ -286,12 +288,12 @@ def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfi
     result = CheckResult("distribution", ok, summary, figures)
     detected = fit_bias.rejects(cfg.alpha)
     summary = (f"plain at T={t * cfg.bias:g} against the T={t:g} probabilities ({n} samples): KS "
-               f"{fit_bias.statistic:.4f}, p {fit_bias.p_value:.3g}; homogeneity T={t:g} vs T={t * cfg.bias:g}: "
-               f"p {power.p_value:.3g}; ")
+               f"{fit_bias.ks.statistic:.4f}, log-likelihood z {fit_bias.score.z:+.2f}, p {fit_bias.p_value:.3g}; "
+               f"homogeneity T={t:g} vs T={t * cfg.bias:g}: p {power.p_value:.3g}; ")
     summary += ("the bias is detected" if detected else
                 f"the bias is NOT detected: {n} samples are too few to certify; raise --samples or --positions")
     power_figures = {"samples": n, "temperature": t, "biased_temperature": t * cfg.bias,
-                     "fit_ks": round(fit_bias.statistic, 5), "fit_mean": round(fit_bias.mean, 5),
+                     "fit_ks": round(fit_bias.ks.statistic, 5), "fit_loglik_z": round(fit_bias.score.z, 4),
                      "p_value": fit_bias.p_value, "chi2": round(power.statistic, 4), "dof": power.dof,
                      "homogeneity_p_value": power.p_value, "categories": power.categories}
     return [result, CheckResult("power", detected, summary, power_figures)]
@@ -352,4 +354,4 @@ def certify(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConfig | 
 
 __all__ = ["DEFAULT_PROMPTS", "CertifyConfig", "CheckResult", "Certificate", "EngineFactory", "certify",
            "check_greedy", "check_seeded", "check_distribution", "check_block_rule", "chi2_homogeneity",
-           "sample_counts", "run_request", "plain_next_probs", "pit_of"]
+           "sample_counts", "run_request", "plain_next_probs", "fit_of"]

@@ -11,6 +11,12 @@
   one that favours the tail towards 1. The u's are tested with Kolmogorov-Smirnov. Against
   exact reference probabilities the only noise is the one sample's, and every position of every
   sample counts, so this test sees a small bias with far fewer samples than the homogeneity test.
+* ``loglik_score``: the summed log-probability of the sampled tokens under the same exact
+  distributions, against its exact mean (minus the entropies) and variance: a sampler that
+  sharpens or flattens the distribution (a temperature bias, drafts accepted too often) moves it
+  by about (1 / T' - 1) * sum Var(log p), the direction KS sees least. By the martingale central
+  limit theorem the standardized sum is normal under the null hypothesis.
+* ``fit_test`` combines the two (Bonferroni: twice the smaller p-value).
 """
 from __future__ import annotations
 
@@ -113,4 +119,53 @@ def pit_values(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Gener
     return (lo + v * mass).clamp(0.0, 1.0 - 1e-12)
 
 
-__all__ = ["Homogeneity", "Uniformity", "chi2_homogeneity", "ks_uniform", "pit_values"]
+@dataclass(frozen=True)
+class LikelihoodScore:
+    """The standardized log-likelihood of sampled tokens under the distributions they should follow."""
+
+    z: float  # > 0: likelier tokens than the distributions give (too sharp); < 0: too flat
+    n: int
+    p_value: float  # two-sided
+
+    def rejects(self, alpha: float) -> bool:
+        return self.p_value < alpha
+
+
+def loglik_score(tokens: torch.Tensor, probs: torch.Tensor) -> LikelihoodScore:
+    """``tokens`` # [n] long drawn (supposedly) from the rows of ``probs`` # [n, vocab]."""
+    p = probs.double()  # [n, vocab]
+    logp = torch.where(p > 0, p.log(), torch.zeros_like(p))  # [n, vocab]; 0 log 0 = 0
+    mean = (p * logp).sum(-1)  # [n]: E log p(t) = minus the entropy
+    var = (p * logp * logp).sum(-1) - mean * mean  # [n]
+    drawn = p.gather(1, tokens.view(-1, 1)).squeeze(1)  # [n]
+    if bool((drawn <= 0).any()):  # a token the distribution cannot produce
+        return LikelihoodScore(float("-inf"), tokens.numel(), 0.0)
+    sd = float(var.clamp_min(0).sum().sqrt())
+    if sd == 0:  # every row a point mass, every draw on it
+        return LikelihoodScore(0.0, tokens.numel(), 1.0)
+    z = float((drawn.log() - mean).sum()) / sd
+    return LikelihoodScore(z, tokens.numel(), math.erfc(abs(z) / math.sqrt(2)))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Both tests of sampled tokens against their exact distributions, and the combined verdict."""
+
+    ks: Uniformity
+    score: LikelihoodScore
+
+    @property
+    def p_value(self) -> float:  # Bonferroni over the two tests
+        return min(1.0, 2 * min(self.ks.p_value, self.score.p_value))
+
+    def rejects(self, alpha: float) -> bool:
+        return self.p_value < alpha
+
+
+def fit_test(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator) -> Fit:
+    """``tokens`` # [n] against ``probs`` # [n, vocab]: KS on the randomized PIT and the likelihood score."""
+    return Fit(ks_uniform(pit_values(tokens, probs, generator)), loglik_score(tokens, probs))
+
+
+__all__ = ["Fit", "Homogeneity", "LikelihoodScore", "Uniformity", "chi2_homogeneity", "fit_test", "ks_uniform",
+           "loglik_score", "pit_values"]
