@@ -120,10 +120,27 @@ def test_off_and_on_modes():
 
 
 def test_the_kind_not_chosen_is_probed_now_and_then():
-    c = _controller(row_cost=0.12, chain_acceptance=0.8, rank1=0.5, tree_probe_every=8, probe_every=1000)
+    c = _controller(row_cost=0.12, chain_acceptance=0.8, rank1=0.5, tree_probe_every=8, probe_every=1000,
+                    tree_explore_share=1.0)
     plans = [c.choose_step(max_nodes=16) for _ in range(32)]
     trees = [i for i, p in enumerate(plans) if p.nodes]
     assert trees == [7, 15, 23, 31]
+
+
+def test_a_costly_kind_is_probed_within_the_exploration_share():
+    """A tree predicted to cost more than the chain's step is tried only once the time decoded
+    since the last try is 1 / tree_explore_share times that extra cost (here more than the
+    tree_probe_every steps)."""
+    c = _controller(row_cost=0.5, chain_acceptance=0.6, rank1=0.3, tree_probe_every=8, probe_every=1000,
+                    tree_explore_share=0.02)
+    best = c.choose_step(max_nodes=16)
+    tree = c._best_tree(1, 16)[0]
+    step, extra = c._plan_cost(best, 1), c._plan_cost(tree, 1) - c._plan_cost(best, 1)
+    assert best.nodes == 0 and extra / (0.02 * step) > 2 * 8
+    plans = [c.choose_step(max_nodes=16) for _ in range(400)]
+    first = next(i for i, p in enumerate(plans) if p.nodes)  # steps counted: the one before the loop, 0..first
+    assert first + 2 >= extra / (0.02 * step) > first + 1
+    assert sum(1 for p in plans if p.nodes) <= 401 * 0.02 * step / extra + 1
 
 
 def test_unmeasured_trees_get_tried_then_dropped_where_rows_cost():
@@ -209,7 +226,7 @@ def test_auto_trees_equal_plain(target, params, kind):
     trees, chains = 0, 0
     for prompt in REPEATS:
         want = _generate(_engine(target), prompt, params).generated
-        for cfg in (dict(fixed_k=3, tree_probe_every=2), dict(tree_probe_every=3)):
+        for cfg in (dict(fixed_k=3, tree_probe_every=2, tree_explore_share=1.0), dict(tree_probe_every=3)):
             seq = _generate(_engine(target, proposer(), **cfg), prompt, params)
             assert seq.generated == want, (prompt, cfg)
             trees += seq.stats.tree_steps
@@ -217,17 +234,25 @@ def test_auto_trees_equal_plain(target, params, kind):
     assert trees > 0 and chains > 0
 
 
-def _auto_trees(monkeypatch):
+def _auto_trees(monkeypatch) -> list[int]:
+    """Engines of the sampling check drafting with a fixed depth and trees every other step; the
+    sizes of the trees verified."""
     init = Engine.__init__
-    ctl = ControllerConfig(max_k=3, fixed_k=3, tree="auto", tree_probe_every=2)
+    ctl = ControllerConfig(max_k=3, fixed_k=3, tree="auto", tree_probe_every=2, tree_explore_share=1.0)
     monkeypatch.setattr(Engine, "__init__", lambda self, *a, **kw: init(
         self, *a, **{**kw, "tree_nodes": 8, "controller": ctl}))
+    sizes = []
+    verify_tree = Engine._verify_tree
+    monkeypatch.setattr(Engine, "_verify_tree", lambda self, seq, tree, logits: (
+        sizes.append(tree.size), verify_tree(self, seq, tree, logits))[1])
+    return sizes
 
 
 def test_auto_tree_sampling_is_exact(monkeypatch):
     target, draft = sampling_check.model(11, 1.0), sampling_check.model(12, 2.0)
-    _auto_trees(monkeypatch)
+    sizes = _auto_trees(monkeypatch)
     counts = sampling_check.sample_counts(target, draft, seed=6, monkeypatch=monkeypatch)
+    assert sizes and max(sizes) > 3  # branching trees were verified
     assert sampling_check.p_value(counts, sampling_check.exact_distribution(target)) > 1e-3
 
 

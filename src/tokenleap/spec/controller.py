@@ -87,6 +87,9 @@ class ControllerConfig:
     # predicted tokens per second, "off" chains only
     tree: str = "on"
     tree_probe_every: int = 32  # drafting steps between tries of the kind (chain / tree) not chosen
+    # ... and a try waits until it is predicted to cost at most this share of the time decoded since
+    # the last one (a tree whose rows cost, on an AVX2 CPU, is tried rarely)
+    tree_explore_share: float = 0.02
     # a tree replaces the best chain only when predicted this much faster: its figures are noisier
     # (more rows, a shape the proposer decides), and a near tie is not worth a tree's risk
     tree_margin: float = 0.05
@@ -126,7 +129,7 @@ class DraftLengthController:
         self._plain_seconds = 0.0  # predicted time decoded plainly since the last step that drafted
         self._spec_streak, self._side = 0, 1
         self.trees = TreeModel(config.max_k)  # token trees' acceptance, shape and draft cost
-        self._tree_streak = 0
+        self._tree_streak, self._tree_seconds = 0, 0.0
 
     @property
     def draft_cost(self) -> float | None:
@@ -195,11 +198,9 @@ class DraftLengthController:
         self._plain_streak = 0
         self._plain_seconds = 0.0
         self._spec_streak += 1
-        self._tree_streak += 1
-        if trees and self._tree_streak >= self.cfg.tree_probe_every:  # the other kind, now and then
-            self._tree_streak = 0
+        if trees:  # the other kind, now and then
             other = self._best_tree(batch, trees)[0] if best.nodes == 0 else StepPlan(max(1, self._best(batch, 0.0)[0]))
-            if other is not None:
+            if self._probe_due(best, other, batch):
                 return other
         if self._spec_streak >= self.cfg.probe_every:  # re-measure a neighbouring length now and
             self._spec_streak = 0  # then, so an early, noisy cost figure cannot lock k in place
@@ -242,18 +243,39 @@ class DraftLengthController:
         k = self.cfg.fixed_k
         tree, tree_rate = self._best_tree(batch, max_nodes, depths=(k,))
         best = tree if tree is not None and tree_rate > self.rate(k, batch) * (1.0 + self.cfg.tree_margin) else StepPlan(k)
+        other = StepPlan(k) if best.nodes else tree
+        return other if self._probe_due(best, other, batch) else best
+
+    def _probe_due(self, best: StepPlan, other: StepPlan | None, batch: int) -> bool:
+        """Is it time to try ``other`` (the kind not chosen) instead of ``best``? Every
+        ``tree_probe_every`` drafting steps, once what it is predicted to cost beyond ``best`` is at
+        most ``tree_explore_share`` of the time decoded since the last try."""
         self._tree_streak += 1
-        if self._tree_streak >= self.cfg.tree_probe_every and tree is not None:
-            self._tree_streak = 0
-            return StepPlan(k) if best.nodes else tree
-        return best
+        self._tree_seconds += self._plan_cost(best, batch)
+        if other is None or self._tree_streak < self.cfg.tree_probe_every:
+            return False
+        extra = self._plan_cost(other, batch) - self._plan_cost(best, batch)
+        if extra > self.cfg.tree_explore_share * self._tree_seconds:
+            return False
+        self._tree_streak, self._tree_seconds = 0, 0.0
+        return True
+
+    def _plan_cost(self, plan: StepPlan, batch: int) -> float:
+        """Predicted seconds of a step following ``plan``."""
+        if not plan.nodes:
+            return self.step_cost(plan.k, batch)
+        return plan.k * self._tree_level(batch) + self._tree_forward(plan.nodes, batch)
+
+    def _tree_level(self, batch: int) -> float:
+        """Predicted seconds of one tree level's drafting for ``batch`` sequences."""
+        return batch * self.trees.predict_draft(batch, self.predict_draft(batch))
 
     def _best_tree(self, batch: int, max_nodes: int, depths=None) -> tuple[StepPlan | None, float]:
         """The tree (budget N <= ``max_nodes``, depth k) with the highest predicted rate, and that rate."""
         budgets = [n for n in _BUDGETS if n < max_nodes] + [max_nodes]
         c = self.trees.acceptance(self._chain_acceptance())
         costs = {n: self._tree_forward(n, batch) for n in budgets}
-        level = batch * self.trees.predict_draft(batch, self.predict_draft(batch))
+        level = self._tree_level(batch)
         best, best_rate = None, 0.0
         for k in depths or range(1, self.cfg.max_k + 1):
             tokens = self.trees.expected_tokens(c, budgets, k)
@@ -271,7 +293,9 @@ class DraftLengthController:
         root and the nodes the proposer is measured to fill)."""
         rows = batch * (1 + max(1, round(self.trees.fill(nodes) * nodes)))
         overhead = self.step_overhead.get(("tree", batch), self.step_overhead.get((True, batch), 0.0))
-        return self.trees.predict_forward(rows, self.predict_forward(rows, batch == 1)) + overhead
+        # (the chain's figures without their optimism for unmeasured longer blocks: a tree is tried
+        # where the rows measured so far say it may pay, or when probed)
+        return self.trees.predict_forward(rows, self.predict_forward(rows)) + overhead
 
     def _chain_acceptance(self) -> list[float]:
         """The chain's conditional acceptance by depth; a position never drafted is guessed like the
