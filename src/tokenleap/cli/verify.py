@@ -15,14 +15,16 @@ from tokenleap.config import ConfigError
 _EPILOG = """checks (one line each, PASS or FAIL):
   greedy        speculative greedy output is token-identical to plain greedy output on every prompt
   seeded        seeded sampling (--seed S + prompt index) gives the same tokens with and without speculation
-  distribution  unseeded sampling: the joint distribution of the first --positions tokens of the first
-                prompt, plain vs speculative, is not told apart by a chi-square homogeneity test (p >= --alpha)
-  power         the same test, with the same --samples, does tell plain sampling at T from plain at T*0.9
-                (p < --alpha); if not, the sample count is too small to certify anything
+  distribution  unseeded sampling, the first --positions tokens of the first prompt: plain and speculative
+                samples are not told apart by a chi-square homogeneity test, and every speculative token
+                fits the target's exact plain distribution for its prefix (KS on the randomized PIT and
+                a log-likelihood score; p >= --alpha); plain's own samples must fit as well
+  power         the fit test, with the same --samples, rejects plain sampling at T*0.9 against the T
+                probabilities (p < --alpha); if not, the sample count is too small to certify anything
   block-rule    a one-token step's logits equal, bit for bit, the matching row of a k-token block
 example:
   tokenleap verify --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
-      --quant int4 --draft-quant int4 --samples 400
+      --quant int4 --draft-quant int4
 """
 
 
