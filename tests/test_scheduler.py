@@ -148,8 +148,8 @@ def test_a_failing_request_does_not_disturb_the_others(where):
 def test_scheduler_passes_the_batch_size_to_the_controller():
     eng = paged_engine("ngram")
     seen = []
-    choose = eng.controller.choose
-    eng.controller.choose = lambda batch=1, *rest: seen.append(batch) or choose(batch, *rest)
+    choose_step = eng.controller.choose_step
+    eng.controller.choose_step = lambda batch=1, *rest, **kw: seen.append(batch) or choose_step(batch, *rest, **kw)
     sched = Scheduler(eng, SchedulerConfig(log_interval=0, prefill_budget=1000))  # all prefilled at once
     for i, (prompt, _) in enumerate(workload(5)):
         submit(sched, prompt, SamplingParams(max_tokens=5 + 5 * i, ignore_eos=True))
