@@ -286,12 +286,24 @@ def test_bench_auto_tree_methods():
 
     from tokenleap.bench.common import BenchError
     from tokenleap.bench.methods import build_tokenleap, parse_methods
+    from tokenleap.kernels import amx_available
 
     model = tiny_model("qwen2", seed=3, vocab=VOCAB, hidden=64, intermediate=128, layers=2)
     pool = SimpleNamespace(target=lambda: SimpleNamespace(model=model, tokenizer=ToyTokenizer(VOCAB, (2,))),
                            opts=SimpleNamespace(max_len=64))
     specs = parse_methods("ngram,ngram:tree=auto,nodes=8,ngram-tree", add_plain=False)
     engines = [build_tokenleap(s, pool).engine for s in specs]
-    assert [(e.tree_nodes, e.controller.cfg.tree) for e in engines] == [(0, "off"), (8, "auto"), (16, "on")]
+    auto = "auto" if amx_available() else "off"  # auto weighs trees only where verification rows are flat
+    assert [(e.tree_nodes, e.controller.cfg.tree) for e in engines] == [(0, "off"), (8, auto), (16, "on")]
     with pytest.raises(BenchError, match="tree must be one of"):
         parse_methods("ngram:tree=maybe")
+
+
+def test_auto_trees_only_where_verification_rows_are_flat(monkeypatch):
+    import tokenleap.kernels as kernels
+    from tokenleap.spec.tree_budget import machine_tree_mode
+
+    for amx in (True, False):
+        monkeypatch.setattr(kernels, "amx_available", lambda amx=amx: amx)
+        assert machine_tree_mode("auto") == ("auto" if amx else "off")
+        assert machine_tree_mode("on") == "on" and machine_tree_mode("off") == "off"

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tokenleap.spec.tree_budget import machine_tree_mode
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
@@ -103,7 +104,8 @@ class LLM:
 
     def _controller(self) -> ControllerConfig:
         fixed = None if self.spec.num_tokens == "auto" else int(self.spec.num_tokens)
-        return ControllerConfig(max_k=max(self.spec.max_num_tokens, fixed or 1), fixed_k=fixed, tree=self.spec.tree)
+        return ControllerConfig(max_k=max(self.spec.max_num_tokens, fixed or 1), fixed_k=fixed,
+                                tree=machine_tree_mode(self.spec.tree))
 
     def _proposer(self, max_len: int, num_slots: int, cache=None) -> Proposer | None:
         """A fresh proposer for an engine (``cache``: the draft model's KV cache, by default contiguous)."""

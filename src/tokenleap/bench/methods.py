@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenleap.spec.tree_budget import machine_tree_mode
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
@@ -173,7 +174,7 @@ def _controller(spec: MethodSpec) -> ControllerConfig:
     k = spec.get("k", "auto")
     kmax = int(spec.get("kmax", 8))
     fixed = None if k == "auto" else int(k)
-    return ControllerConfig(max_k=max(kmax, fixed or 1), fixed_k=fixed, tree=_tree_mode(spec))
+    return ControllerConfig(max_k=max(kmax, fixed or 1), fixed_k=fixed, tree=machine_tree_mode(_tree_mode(spec)))
 
 
 def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:

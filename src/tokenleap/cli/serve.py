@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from tokenleap.spec.tree_budget import machine_tree_mode
 from tokenleap.cli.main import UsageError, add_model_args, non_negative_int, positive_int, spec_config
 from tokenleap.config import SpecConfig
 
@@ -85,7 +86,8 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     cache = PagedKVCache(cfg, blocks, max_len, target.model.dtype, block_size, num_slots=max_num_seqs,
                          prefix_caching=prefix_caching)
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
-    ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed, tree=spec.tree)
+    ctl = ControllerConfig(max_k=max(spec.max_num_tokens, fixed or 1), fixed_k=fixed,
+                           tree=machine_tree_mode(spec.tree))
     proposer = _proposer(spec, target, max_len, blocks, block_size, max_num_seqs, cache_dir, prefix_caching)
     if spec.extra.get("serve_default") and len(getattr(proposer, "arms", ())) < 2:
         proposer = None  # the default: auto only with a choice to make (n-gram alone: plain, as always)

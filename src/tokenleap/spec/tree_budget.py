@@ -174,3 +174,16 @@ class TreeModel:
 
     def _push(self, table: dict[int, deque[float]], key: int, value: float) -> None:
         table.setdefault(key, deque(maxlen=self.window)).append(value)
+
+
+def machine_tree_mode(mode: str) -> str:
+    """What ``--spec-tree`` ``mode`` means on this machine. ``auto`` weighs trees per step only where
+    the target's multi-row verification is flat (bf16 / int products on AMX tiles: 16 rows cost about
+    one); on a CPU without AMX every extra row costs, and trees measured slower end to end than
+    chains there (BENCHMARKS §1), while a per-step choice fed noisy row costs still tried them -- so
+    ``auto`` drafts chains. ``on`` / ``off`` are taken as given."""
+    if mode != "auto":
+        return mode
+    from tokenleap import kernels
+
+    return "auto" if kernels.amx_available() else "off"
