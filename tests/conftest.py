@@ -110,8 +110,11 @@ class ToyTokenizer:
     def piece(self, i: int) -> str:
         return "" if i in self.eos_token_ids else chr(97 + i % 26) + chr(97 + (i // 26) % 26)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:  # no special tokens to add
         return [ord(c) % self.vocab_size for c in text]
+
+    def id_to_token(self, i: int) -> str:
+        return self.piece(i)
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.piece(i) for i in ids)
