@@ -5,11 +5,13 @@ import pytest
 import torch
 
 from tokenleap.cache.contiguous import CacheFullError, KVCache
+from tokenleap.models.backend import Backend
 from tokenleap.models.build import float32_activations_
 from tokenleap.models.fused_layer import layer_plan
 from tokenleap.models.hugepages import move_weights_, on_huge_pages
 from tokenleap.models.int6 import Int6Linear
-from tokenleap.models.qlinear import Int8Linear
+from tokenleap.models.linear import Linear
+from tokenleap.models.qlinear import Int4Linear, Int8Linear
 from tokenleap.models.quant import fuse_projections_, quantize_
 from tokenleap.models.transformer import Segment
 
@@ -44,6 +46,11 @@ def _model(arch: str, mode: str, join: bool, seed: int = 3):
 def _steps(model, fused: bool, cache=None):
     """Prefill two sequences, then a one-row step, a row-exact block and a two-sequence block."""
     model.use_fused_layers = fused
+    return _run(model, cache)
+
+
+def _run(model, cache=None):
+    """``_steps`` on the model as it stands (its use_fused_layers untouched)."""
     cache = cache if cache is not None else KVCache(model.config, 2, 64, torch.float32)
     a, b = cache.allocate(), cache.allocate()
     g = torch.Generator().manual_seed(0)
@@ -153,3 +160,80 @@ def test_joining_bf16_projections_changes_nothing():
     assert model.model.layers[0].self_attn.qkv.weight.dtype == torch.bfloat16
     got, _ = _steps(model, fused=True)
     assert all(torch.equal(r, o) for r, o in zip(ref, got))
+
+
+def _spy_decoder_layer(monkeypatch) -> list:
+    from tokenleap import kernels
+
+    calls: list = []
+    real = kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@needs_kernel
+def test_backend_follows_quantization_and_the_switch(monkeypatch):
+    """The choice made for the float model is replaced once it is quantized (no call in between
+    re-chooses it), and turning the fused layers off and on again follows too; the fused layers'
+    rows stay bitwise the Python layers'."""
+    calls = _spy_decoder_layer(monkeypatch)
+    model = tiny_model("qwen2", seed=3, hidden=64, intermediate=256, layers=3)
+    _run(model)  # a float32 Linear has no plan: compiled attention, no fused layer
+    assert model.backend.layers == (Backend.COMPILED_ATTENTION,) * 3 and calls == []
+    quantize_(model, "int4")
+    got, _ = _run(model)
+    assert len(calls) == 3 * 3  # the one-row step and both row-exact blocks, every layer
+    assert model.backend.layers == (Backend.FUSED_LAYER,) * 3
+    assert model.backend.describe() == "fused layer (3 layers)"
+    model.use_fused_layers = False
+    assert model.backend.layers == (Backend.COMPILED_ATTENTION,) * 3
+    ref, _ = _run(model)
+    assert len(calls) == 9  # the Python layers only
+    assert all(torch.equal(r, o) for r, o in zip(ref, got))
+    model.use_fused_layers = True
+    assert model.backend.layers == (Backend.FUSED_LAYER,) * 3
+
+
+@needs_kernel
+def test_backend_follows_a_replaced_projection(monkeypatch):
+    """A projection swapped for another int4 layer after the choice was made: the fused layers run
+    the new weights (a stale plan would run the old ones), bitwise what the Python layers give."""
+    calls = _spy_decoder_layer(monkeypatch)
+    model = _model("qwen2", "int4", join=False)
+    before, _ = _run(model)
+    n = len(calls)
+    mlp = model.model.layers[1].mlp
+    g = torch.Generator().manual_seed(9)
+    mlp.down_proj = Int4Linear.from_float(0.08 * torch.randn(64, 256, generator=g), None, 32, torch.bfloat16)
+    got, _ = _run(model)
+    assert len(calls) > n and model.backend.layers == (Backend.FUSED_LAYER,) * 3
+    assert not torch.equal(before[1], got[1])  # the new weights move the rows
+    model.use_fused_layers = False
+    ref, _ = _run(model)
+    assert all(torch.equal(r, o) for r, o in zip(ref, got))
+    model.use_fused_layers = True
+    mlp.down_proj = Int4Linear.from_float(mlp.down_proj.dequantized_weight(), None, 32, torch.bfloat16)
+    mlp.gate_proj = Linear(64, 256)  # a float32 product: the kernel cannot run this layer, so no layer runs fused
+    mlp.gate_proj.weight.copy_(0.08 * torch.randn(256, 64, generator=g))
+    assert model.backend.layers == (Backend.FUSED_LAYER, Backend.COMPILED_ATTENTION, Backend.FUSED_LAYER)
+    n = len(calls)
+    _run(model)
+    assert len(calls) == n
+
+
+def test_backend_follows_the_dtype():
+    """Converting the model re-chooses: bf16 activations never reach the compiled attention."""
+    from tokenleap import kernels
+
+    model = tiny_model("llama", layers=2)
+    compiled = Backend.COMPILED_ATTENTION if kernels.available() else Backend.PYTHON
+    assert model.backend.layers == (compiled,) * 2
+    model.to(torch.bfloat16)
+    assert model.backend.layers == (Backend.PYTHON,) * 2
+    assert all(b.self_attn.backend is Backend.PYTHON for b in model.model.layers)
+    cache = KVCache(model.config, 1, 16, torch.bfloat16)
+    logits = model(torch.arange(3), [Segment(cache.allocate(), 0, 3)], cache, row_exact=True).logits
+    assert logits.shape == (3, model.config.vocab_size)
+    model.float()
+    assert model.backend.layers == (compiled,) * 2
+    assert all(b.self_attn.backend is compiled for b in model.model.layers)

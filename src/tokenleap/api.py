@@ -130,7 +130,8 @@ class LLM:
         from tokenleap.models.quant import weight_bytes
         t = self.target
         line = (f"{t.source} ({t.dtype}, quant {t.quant}): weights {weight_bytes(t.model) / 2**30:.2f} GiB, "
-                f"KV cache {self.engine.cache.nbytes / 2**20:.0f} MiB for {self.engine.max_len} tokens")
+                f"KV cache {self.engine.cache.nbytes / 2**20:.0f} MiB for {self.engine.max_len} tokens; "
+                f"decode rows: {t.model.backend.describe()}")
         if self.proposer is not None:
             line += f"; speculation: {self.spec.method}, draft length {self.spec.num_tokens}"
             arms = getattr(self.proposer, "arms", None)

@@ -5,6 +5,7 @@ import torch
 
 from tokenleap.config import ModelConfig
 from tokenleap.errors import ModelFormatError
+from tokenleap.models.changes import modules_changed
 from tokenleap.models.linear import Linear
 from tokenleap.models.transformer import Transformer
 
@@ -77,6 +78,7 @@ def float32_activations_(model: Transformer) -> Transformer:
     for name, p in model.named_parameters():
         if p.dtype == torch.bfloat16 and (p.dim() == 1 or name.endswith("bias")):
             p.data = p.data.float()
+    modules_changed()  # .data bypasses the modules' own tracking; the backend follows the new dtype
     return model
 
 

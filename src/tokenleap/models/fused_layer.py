@@ -5,7 +5,8 @@ small ops a layer -- rather than in the products (about a third of a 0.5B draft'
 layer's products all run on tokenleap's int4 / int6 / int8 / bf16 kernels and the model and its KV cache
 (contiguous or paged) are float32, ``Transformer.forward`` hands each layer to ``kernels.decoder_layer``
 instead: the same kernels in the same order, so the result is bitwise the Python layer's.
-A plan is built once per layer and rebuilt if the layer's modules are replaced.
+Plans are built when the model chooses its backend (``backend.py``), again after any change to its
+modules, so a plan never holds a replaced layer's tensors.
 """
 from __future__ import annotations
 
@@ -59,14 +60,7 @@ def layer_plan(block: nn.Module) -> LayerPlan | None:
     SwiGLU, full causal attention at scale head_dim ** -0.5)."""
     if not getattr(block, "plain", True):
         return None
-    mods = _modules(block)
-    key = tuple(id(m) for m in mods[0] + mods[1:2] + mods[2] + mods[3:])
-    cached = block.__dict__.get("_fused_plan")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    plan = _build(block, *mods)
-    block.__dict__["_fused_plan"] = (key, plan)
-    return plan
+    return _build(block, *_modules(block))
 
 
 def _build(block, attn_in, o_proj, mlp_in, down, norm1, norm2) -> LayerPlan | None:

@@ -16,6 +16,8 @@ import os
 import torch
 from torch import nn
 
+from tokenleap.models.changes import modules_changed
+
 _HUGE = 2 << 20  # bytes in a huge page on x86-64
 _MIN_BYTES = 1 << 20  # smaller buffers are not worth a mapping of their own
 _STREAMED = ("packed", "scales_and_mins", "d", "scales")  # the kernels' weight operands
@@ -49,7 +51,6 @@ def move_weights_(model: nn.Module, min_bytes: int = _MIN_BYTES) -> int:
         return 0
     moved = 0
     for module in model.modules():
-        module.__dict__.pop("_fused_plan", None)  # a compiled layer's cached operands (fused_layer)
         packed = module.__dict__.get("_packed")  # Linear's packed bf16 copy
         if isinstance(packed, torch.Tensor) and packed.numel() * packed.element_size() >= min_bytes:
             module.__dict__["_packed"] = new = on_huge_pages(packed)
@@ -58,6 +59,7 @@ def move_weights_(model: nn.Module, min_bytes: int = _MIN_BYTES) -> int:
             if name in _STREAMED and buf.numel() * buf.element_size() >= min_bytes:
                 setattr(module, name, new := on_huge_pages(buf))
                 moved += (new is not buf) * buf.numel() * buf.element_size()
+    modules_changed()  # the fused layers' plans held the buffers replaced above (backend.py)
     return moved
 
 

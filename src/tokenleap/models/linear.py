@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenleap import kernels
+from tokenleap.models.changes import TracksChanges
 
 # dtypes whose F.linear rows were measured bitwise-equal for any number of rows on torch's CPU kernels
 ROW_INVARIANT_DTYPES = (torch.bfloat16,)
 
 
-class Linear(nn.Module):
+class Linear(TracksChanges):
     """``y = x W^T (+ b)`` with parameters named like ``nn.Linear`` (``weight``, ``bias``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from tokenleap import kernels
+from tokenleap.models.changes import TracksChanges
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(TracksChanges):
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps

@@ -10,6 +10,7 @@ import torch
 from tokenleap import kernels
 from tokenleap.config import ConfigError
 from tokenleap.models.build import build_transformer, float32_activations_, pack_bf16_weights_
+from tokenleap.models.changes import modules_changed
 from tokenleap.models.hugepages import move_weights_
 from tokenleap.models.checkpoint import as_dtype, load_checkpoint
 from tokenleap.models.transformer import Transformer
@@ -47,6 +48,7 @@ def _own_memory(model: Transformer) -> None:
     for t in list(model.parameters()) + list(model.buffers()):
         if t.is_floating_point():
             t.data = t.data.clone()
+    modules_changed()  # .data bypasses the modules' tracking (backend.py re-chooses)
 
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quant: str = "none",
@@ -86,5 +88,6 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     if f32_activations:
         pack_bf16_weights_(model)  # one copy of each bf16 weight matrix, in the kernel's layout
     move_weights_(model)  # the buffers every decode step streams, on transparent huge pages
+    model.backend  # noqa: B018 -- each layer's path chosen now, for the modules as loaded (backend.py)
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
     return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)

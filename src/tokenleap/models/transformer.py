@@ -13,7 +13,9 @@ linear layers are row-invariant (see ``linear.py``) and attention is evaluated o
 time over that row's own prefix of the cache, the same call a one-token step makes. A sliding
 layer's row sees the last ``sliding_window`` positions of its prefix; the compiled fast paths
 (``rope_store_attend``, ``kernels.decoder_layer``) take only plain layers and plain attention, so
-other layers run the Python code below, which keeps the same one-row-at-a-time rule.
+other layers run the Python code below, which keeps the same one-row-at-a-time rule. Which path a
+layer takes is chosen once per state of the modules (``backend.py``, ``Transformer.backend``); a
+call checks only its own rows and cache.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ from torch import nn
 from tokenleap import kernels
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ModelConfig
-from tokenleap.models.fused_layer import LayerPlan, layer_plan
+from tokenleap.models import changes
+from tokenleap.models.backend import (Backend, ModelBackend, choose_backend, rows_fit_compiled_attention,
+                                      rows_fit_fused_layer)
+from tokenleap.models.changes import TracksChanges
 from tokenleap.models.linear import Linear
 from tokenleap.models.norms import RMSNorm
 from tokenleap.models.rope import Rotary, rotaries
@@ -94,7 +99,7 @@ def windowed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return rows(q, keys, values, mask)  # mask [T, end] broadcasts over [n_kv, group]
 
 
-class Attention(nn.Module):
+class Attention(TracksChanges):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -113,7 +118,8 @@ class Attention(nn.Module):
         self.default_scale = cfg.query_pre_attn_scalar is None  # softmax scale head_dim ** -0.5
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
         self.sliding = cfg.is_sliding(layer)  # uses the local rotary where the model has one
-        self.plain = self.window is None  # the compiled attention applies
+        self.plain = self.window is None  # full causal attention: the compiled attention applies
+        self.backend = Backend.PYTHON  # set by the model's choice (Transformer.backend)
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [rows, heads*hd], k: [rows, n_kv*hd] -> the same shapes, each head RMS-normalised
@@ -133,8 +139,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x, row_exact), self.k_proj(x, row_exact), self.v_proj(x, row_exact)
         q, k = self._qk_norm(q, k)
         # decode / verification on a contiguous float32 cache: one op a sequence (rotate, store, attend)
-        if self.plain and (row_exact or rows == 1) and x.dtype == torch.float32 and hasattr(cache, "slot_stores") \
-                and cache.k[self.layer].dtype == torch.float32 and kernels.available():
+        if self.backend is Backend.COMPILED_ATTENTION and rows_fit_compiled_attention(rows, row_exact, cache):
             q, k, v = (q.reshape(rows, -1, self.hd), k.reshape(rows, -1, self.hd), v.reshape(rows, -1, self.hd))
             outs = []
             for seg in segments:
@@ -188,7 +193,7 @@ class Attention(nn.Module):
         T, group = q.shape[0], self.n_heads // self.n_kv
         end = pos_start + T
         scale = None if self.default_scale else self.scale  # SDPA's own default is head_dim ** -0.5
-        if (row_exact or T == 1) and q.dtype == torch.float32 and kernels.available():
+        if (row_exact or T == 1) and self.backend is Backend.COMPILED_ATTENTION:
             return kernels.attend_rows(q, keys, values, pos_start, self.scale)  # each row on its own
         if row_exact or T == 1:
             outs = []
@@ -205,7 +210,7 @@ class Attention(nn.Module):
         return o[0].transpose(0, 1)
 
 
-class MLP(nn.Module):
+class MLP(TracksChanges):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
@@ -226,7 +231,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up, row_exact)
 
 
-class Block(nn.Module):
+class Block(TracksChanges):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         offset = 1.0 if cfg.gemma_style else 0.0
@@ -252,7 +257,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), row_exact)
 
 
-class Decoder(nn.Module):
+class Decoder(TracksChanges):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -267,7 +272,7 @@ class ForwardOutput:
     hidden: dict[int, torch.Tensor]  # layer index -> [rows, hidden]; -1 is the final normed state
 
 
-class Transformer(nn.Module):
+class Transformer(TracksChanges):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -276,7 +281,33 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.init_rotary()
-        self.use_fused_layers = True  # see _fused_plans; False forces the Python layers (tests compare)
+        self.use_fused_layers = True
+
+    @property
+    def use_fused_layers(self) -> bool:
+        """Whether layers that can run on the fused layer kernel do (``backend.py``); False keeps the
+        Python layers, which tests compare the kernel with."""
+        return self.__dict__["_use_fused_layers"]
+
+    @use_fused_layers.setter
+    def use_fused_layers(self, on: bool) -> None:
+        if self.__dict__.get("_use_fused_layers") != bool(on):
+            self.__dict__["_use_fused_layers"] = bool(on)
+            changes.modules_changed()
+
+    @property
+    def backend(self) -> ModelBackend:
+        """How each layer runs decode / verification rows (``backend.py``): chosen at the first use
+        and again after any change to the modules (quantization, joined projections, a dtype change,
+        ``use_fused_layers``), so a forward never runs on a choice made for other modules."""
+        chosen = self.__dict__.get("_backend")
+        now = changes.generation()
+        if chosen is None or chosen.generation != now:
+            chosen = choose_backend(self, now)
+            for block, kind in zip(self.model.layers, chosen.attention):
+                block.self_attn.backend = kind
+            self.__dict__["_backend"] = chosen
+        return chosen
 
     def init_rotary(self) -> None:
         """(Re)build the cos / sin tables (after construction on the meta device)."""
@@ -316,8 +347,13 @@ class Transformer(nn.Module):
                                else torch.arange(s.pos_start, s.pos_start + s.length) for s in segments])
         x = self.embed(tokens)  # [rows, hidden]
         hidden: dict[int, torch.Tensor] = {}
-        layers = [b for i, b in enumerate(self.model.layers[: num_layers or len(self.model.layers)]) if i not in skip]
-        plans = self._fused_plans(layers, x, cache, row_exact)
+        n = num_layers or len(self.model.layers)
+        layers = [b for i, b in enumerate(self.model.layers[:n]) if i not in skip]
+        plans = None
+        backend = self.backend  # also sets each Attention's own path
+        if rows_fit_fused_layer(x.shape[0], row_exact, cache):
+            plans = backend.fused_plans(None if len(layers) == len(self.model.layers) else
+                                        [b.self_attn.layer for b in layers])
         if plans:
             seg_ints = [v for s in segments for v in (s.slot, s.pos_start, s.length, s.row_start)]
             tables = cache.prepare_rows([(s.slot, s.end) for s in segments])
@@ -347,16 +383,3 @@ class Transformer(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return ForwardOutput(logits=logits, hidden=hidden)
-
-    def _fused_plans(self, layers, x: torch.Tensor, cache, row_exact: bool) -> list[LayerPlan] | None:
-        """Plans for running every layer on ``kernels.decoder_layer``, or None: only for the rows of a
-        decode / verification step (row-exact or one row), float32, on a float32 cache (contiguous
-        or paged), with every product on tokenleap's int4 / int6 / int8 kernels, and plain layers
-        (no q/k norms, pre/post norms, GeGLU, sliding window or other attention scale)."""
-        if not (self.use_fused_layers and (row_exact or x.shape[0] == 1) and x.dtype == torch.float32
-                and hasattr(cache, "prepare_rows") and cache.k[0].dtype == torch.float32 and kernels.available()):
-            return None
-        if not all(b.plain for b in layers):
-            return None
-        plans = [layer_plan(b) for b in layers]
-        return None if any(p is None for p in plans) else plans

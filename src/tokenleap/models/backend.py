@@ -1,0 +1,107 @@
+"""How a model runs its decode / verification rows: chosen once per state of its modules, not per call.
+
+Three ways exist, fastest first, and all three compute bitwise the same rows (the tests compare
+them), so the choice moves only speed:
+
+- ``Backend.FUSED_LAYER``: the whole decoder layer in one ``kernels.decoder_layer`` call, operands in
+  a ``fused_layer.LayerPlan``;
+- ``Backend.COMPILED_ATTENTION``: the Python layer with its attention on the compiled kernels
+  (``rope_store_attend`` -- rotate, store, attend in one call -- on a contiguous cache, ``attend_rows``
+  otherwise);
+- ``Backend.PYTHON``: torch's ops throughout.
+
+What a path needs splits in two. The model's own state -- its dtype, its modules, whether the
+kernels are loaded -- is decided by ``choose_backend`` once, and again whenever the modules change
+(``changes.py``: ``Transformer.backend`` re-chooses when the change counter moved). The call's own
+rows -- how many, whether they must be row-exact, and which cache they go to -- are checked per
+call by ``rows_fit_fused_layer`` and ``rows_fit_compiled_attention``: a model serves several caches
+(the engine's, a draft's, contiguous or paged) and both prefill windows and decode rows.
+"""
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from tokenleap import kernels
+from tokenleap.models.fused_layer import LayerPlan, layer_plan
+
+
+class Backend(enum.Enum):
+    FUSED_LAYER = "fused layer"
+    COMPILED_ATTENTION = "compiled attention"
+    PYTHON = "python"
+
+
+@dataclass(frozen=True)
+class ModelBackend:
+    """The choice for every layer of one model, valid while ``changes.generation()`` equals ``generation``."""
+
+    layers: tuple[Backend, ...]  # per layer: how its decode / verification rows run
+    attention: tuple[Backend, ...]  # per layer: its Attention's own path when the layer runs in Python
+    plans: tuple[LayerPlan | None, ...]  # per layer: the fused layer's operands; None where it does not run
+    generation: int
+
+    def fused_plans(self, layers: Sequence[int] | None = None) -> tuple[LayerPlan, ...] | None:
+        """The fused layer's operands for ``layers`` (None: every layer), or None unless every one of
+        them runs fused: a forward runs all its layers one way, the kernel's or Python's."""
+        plans = self.plans if layers is None else tuple(self.plans[i] for i in layers)
+        return None if any(p is None for p in plans) else plans
+
+    def describe(self) -> str:
+        """E.g. ``fused layer (24 layers)`` or ``compiled attention (20 layers), python (4 layers)``."""
+        counts = Counter(self.layers)
+        return ", ".join(f"{b.value} ({counts[b]} layer{'s' * (counts[b] != 1)})" for b in Backend if counts[b])
+
+
+def choose_backend(model: Any, generation: int) -> ModelBackend:
+    """Each layer's backend for ``model`` (a ``transformer.Transformer``) as its modules stand now.
+
+    Compiled attention needs, for a layer:
+      - the kernels loaded (``kernels.available()``: an AVX2 CPU, a compiler, not turned off);
+      - float32 activations (the model's dtype): the kernels compute in float32, while a bf16
+        model's Python layers round between ops in bf16 -- the kernels would give other values;
+      - full causal attention (``Attention.plain``): the kernels attend over a row's whole prefix,
+        a sliding layer's row sees only its last ``sliding_window`` positions.
+    The fused layer needs all that, and:
+      - ``model.use_fused_layers`` (tests turn it off to compare with the Python layers);
+      - the plain Llama layer (``Block.plain``): the kernel has no q/k norms, pre/post norms, GeGLU
+        or other attention scale;
+      - a plan (``fused_layer.layer_plan``): every product on tokenleap's int4 / int6 / int8 / bf16
+        kernels (a float32 ``Linear``'s rows are torch GEMVs the kernel does not reproduce), float32
+        norms of one eps, an MLP width the SiLU kernel takes.
+    ``generation``: ``changes.generation()`` read before looking at the modules, so a change made
+    meanwhile still makes the next forward choose again.
+    """
+    compiled = model.dtype == torch.float32 and kernels.available()
+    blocks: list[nn.Module] = list(model.model.layers)
+    attention = tuple(Backend.COMPILED_ATTENTION if compiled and b.self_attn.plain else Backend.PYTHON
+                      for b in blocks)
+    fused = compiled and model.use_fused_layers
+    plans = tuple(layer_plan(b) if fused and b.plain else None for b in blocks)
+    layers = tuple(Backend.FUSED_LAYER if p is not None else a for p, a in zip(plans, attention))
+    return ModelBackend(layers, attention, plans, generation)
+
+
+def _float32_cache(cache: Any) -> bool:
+    return cache.k[0].dtype == torch.float32  # the kernels store float32 keys and values
+
+
+def rows_fit_fused_layer(rows: int, row_exact: bool, cache: Any) -> bool:
+    """This call's rows may run on the fused layer: one row or row-exact rows (the kernel computes
+    each row on its own, as plain decoding does; a prefill window's blocked products are faster),
+    into a float32 cache the kernel addresses, contiguous or paged (``prepare_rows``)."""
+    return (row_exact or rows == 1) and hasattr(cache, "prepare_rows") and _float32_cache(cache)
+
+
+def rows_fit_compiled_attention(rows: int, row_exact: bool, cache: Any) -> bool:
+    """This call's rows may run ``rope_store_attend``: one row or row-exact rows, into a contiguous
+    float32 cache (``slot_stores``: one slot's whole store, which the kernel writes itself)."""
+    return (row_exact or rows == 1) and hasattr(cache, "slot_stores") and _float32_cache(cache)
+
+
+__all__ = ["Backend", "ModelBackend", "choose_backend", "rows_fit_compiled_attention", "rows_fit_fused_layer"]
