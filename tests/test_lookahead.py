@@ -20,6 +20,7 @@ from tokenleap.spec.proposers.base import DraftRequest
 from tokenleap.spec.proposers.lookahead import LookaheadProposer
 
 from conftest import ToyTokenizer, tiny_model
+from tree_helpers import restart_from_p_ignoring_q
 
 VOCAB = 96
 PROMPT = [5, 9, 14, 3, 7, 9, 14, 3, 7, 9, 14, 8, 5, 9, 14, 3]
@@ -295,12 +296,6 @@ def test_unseeded_lookahead_samples_the_target_distribution(small, monkeypatch):
 def test_same_check_rejects_a_biased_tree_verifier(small, monkeypatch):
     """The same test, same seed, detects a verifier that on rejection draws from p itself (not
     from p without the rejected guess)."""
-    def restart_from_p(tree, kids, p, q, u):
-        for c in kids:
-            if float(u[c - 1]) < float(p[int(tree.tokens[c])]):
-                return c, p
-        return None, p  # bug: the rejected guesses keep their mass
-
-    monkeypatch.setattr(tv, "_try_children", restart_from_p)
+    monkeypatch.setattr(tv, "_try_children", restart_from_p_ignoring_q)
     p, _ = _p_value(small, monkeypatch, seed=5)
     assert p < 1e-4

@@ -18,6 +18,7 @@ from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.tree_budget import TreeModel, depths_and_ranks
 
 from conftest import ToyTokenizer, tiny_model
+from tree_helpers import restart_from_p_ignoring_q
 
 VOCAB = 96
 # a trie at depth 1: three siblings under the root; rank 0 continues two levels
@@ -259,14 +260,7 @@ def test_auto_tree_sampling_is_exact(monkeypatch):
 def test_auto_tree_sampling_check_rejects_a_biased_tree_verifier(monkeypatch):
     target, draft = sampling_check.model(11, 1.0), sampling_check.model(12, 2.0)
     _auto_trees(monkeypatch)
-
-    def restart_from_p(tree, kids, p, q, u):  # bug: every sibling tested against p itself
-        for c in kids:
-            if float(u[c - 1]) < float(p[int(tree.tokens[c])]):
-                return c, p
-        return None, p
-
-    monkeypatch.setattr(tv, "_try_children", restart_from_p)
+    monkeypatch.setattr(tv, "_try_children", restart_from_p_ignoring_q)
     counts = sampling_check.sample_counts(target, draft, seed=6, monkeypatch=monkeypatch)
     assert sampling_check.p_value(counts, sampling_check.exact_distribution(target)) < 1e-6
 

@@ -18,6 +18,8 @@ from tokenleap.spec.tree import TokenTree
 from tokenleap.spec.tree_verify import verify_tree_coupled, verify_tree_greedy, verify_tree_sampling
 from tokenleap.spec.verify import verify_coupled, verify_greedy, verify_sampling
 
+from tree_helpers import no_q_update, restart_from_p_with_q
+
 
 def _tree(tokens, parents, q=None):
     return TokenTree(torch.tensor(tokens), torch.tensor(parents), q)
@@ -145,30 +147,7 @@ def test_tree_sampling_is_exact(stochastic):
     assert _transition_p_value(stochastic) > 0.001
 
 
-def _no_q_update(tree, kids, p, q, u):  # bug: siblings judged by the full q (as if drawn with replacement)
-    residual, mass = p, 1.0
-    for c in kids:
-        x = int(tree.tokens[c])
-        q_x = 1.0 if q is None else float(q[x])
-        if float(u[c - 1]) * q_x * mass < float(residual[x]):
-            return c, residual
-        nxt = (residual - mass * q).clamp_min(0)
-        if float(nxt.sum()) <= 0:
-            return None, p
-        residual, mass = nxt, float(nxt.sum())
-    return None, residual
-
-
-def _restart_from_p(tree, kids, p, q, u):  # bug: every sibling is tested against p itself
-    for c in kids:
-        x = int(tree.tokens[c])
-        q_x = 1.0 if q is None else float(q[x])
-        if float(u[c - 1]) * q_x < float(p[x]):
-            return c, p
-    return None, (p - q).clamp_min(0) if q is not None else p
-
-
-@pytest.mark.parametrize("biased", [_no_q_update, _restart_from_p])
+@pytest.mark.parametrize("biased", [no_q_update, restart_from_p_with_q])
 def test_statistical_check_rejects_biased_tree_verifiers(biased, monkeypatch):
     monkeypatch.setattr(tv, "_try_children", biased)
     assert _transition_p_value(True) < 0.001
