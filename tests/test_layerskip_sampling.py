@@ -99,6 +99,6 @@ def test_same_check_rejects_a_wrong_draft_distribution(target, monkeypatch):
         token, _ = choose(logits, params, generator, pos)
         return token, logits_to_probs(logits, 3.0, 0, 1.0, 0.0)  # [1, V], not what the token came from
 
-    monkeypatch.setattr(layerskip_mod.DraftModelProposer, "_choose", staticmethod(misreported))
+    monkeypatch.setattr(DraftModelProposer, "_choose", staticmethod(misreported))  # every drafting lane's choice
     counts, _ = sample_counts(target, 5, monkeypatch)
     assert p_value(counts, exact_distribution(target)) < 1e-6

@@ -100,15 +100,7 @@ class CascadeDraftProposer(DraftModelProposer):
             l.pos += len(l.pending)
             kept = 0
             for j in range(len(g) + 1):
-                row = logits[at + j: at + j + 1]  # [1, vocab]
-                if l.req.constraint is not None:  # structured output: draft only what the grammar allows
-                    row = l.req.constraint.draft(row)
-                token, probs = self._choose(row, l.req.params, l.req.generator, l.pos + j)
-                if l.req.constraint is not None:
-                    l.pushed += l.req.constraint.push(token)
-                l.drafted.append(token)
-                if probs is not None:
-                    l.probs.append(probs)
+                token = l.take(logits[at + j: at + j + 1], l.pos + j)
                 if j == len(g) or token != g[j]:
                     break
                 kept += 1

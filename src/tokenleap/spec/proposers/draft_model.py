@@ -27,8 +27,44 @@ from tokenleap.spec.proposers.draft_tree import GrownTree, accept_path, grow
 _STEP_TOKENS = 2
 
 
+class DraftingLane:
+    """What a lane of batched drafting (one sequence within ``propose_many``: this module's, the
+    cascade's and layer skip's ``_Lane``) does with each row of logits its forward gives it; the
+    dataclasses declare the fields."""
+
+    req: DraftRequest
+    drafted: list[int]
+    probs: list[torch.Tensor]  # each [1, vocab]
+    pushed: int  # drafted tokens the request's grammar followed
+
+    def take(self, row: torch.Tensor, pos: int) -> int:
+        """Draft the token for sequence position ``pos`` from ``row`` (logits, [1, vocab]) and record
+        it with its distribution q. Under a grammar (structured output) the row is masked first: q is
+        then the masked distribution, which verification uses, so sampling stays exact; the grammar
+        follows the token until ``rollback``."""
+        constraint = self.req.constraint
+        if constraint is not None:
+            row = constraint.draft(row)
+        token, probs = DraftModelProposer._choose(row, self.req.params, self.req.generator, pos)
+        if constraint is not None:
+            self.pushed += constraint.push(token)
+        self.drafted.append(token)
+        if probs is not None:
+            self.probs.append(probs)
+        return token
+
+    def rollback(self) -> None:
+        """Return the request's grammar to the committed text (verification advances it itself)."""
+        if self.req.constraint is not None:
+            self.req.constraint.rollback(self.pushed)
+
+    def q(self) -> torch.Tensor | None:
+        """The drafted tokens' distributions, [drafted, vocab]; None when greedy (no q recorded)."""
+        return torch.cat(self.probs) if self.probs else None
+
+
 @dataclass(eq=False)
-class _Lane:
+class _Lane(DraftingLane):
     """One sequence's drafting within ``propose_many``."""
 
     index: int  # position in the request list
@@ -114,12 +150,10 @@ class DraftModelProposer:
             for i, d in drafts.items():
                 out[i] = d
         for l in lanes:
-            if l.req.constraint is not None:
-                l.req.constraint.rollback(l.pushed)
+            l.rollback()
             if not l.failed:
                 self._fed[l.req.seq_id] = l.pos  # the last drafted token is not fed yet
-                probs = torch.cat(l.probs) if l.probs else None
-                out[l.index] = Draft(tokens=l.drafted, probs=probs, catch_up_seconds=l.catch_up,
+                out[l.index] = Draft(tokens=l.drafted, probs=l.q(), catch_up_seconds=l.catch_up,
                                      catch_up_tokens=l.catch_up_tokens)
         return out
 
@@ -144,16 +178,7 @@ class DraftModelProposer:
             l.catch_up_tokens += len(l.pending)
         for j, l in enumerate(lanes):
             l.pos += len(l.pending)
-            row = logits[j : j + 1]
-            if l.req.constraint is not None:  # structured output: draft only what the grammar allows
-                row = l.req.constraint.draft(row)  # (q is then this masked distribution: still exact)
-            token, probs = self._choose(row, l.req.params, l.req.generator, l.pos)
-            if l.req.constraint is not None:
-                l.pushed += l.req.constraint.push(token)
-            l.drafted.append(token)
-            if probs is not None:
-                l.probs.append(probs)
-            l.pending = [token]
+            l.pending = [l.take(logits[j : j + 1], l.pos)]
         return True
 
     def _catch_up_chunk(self, seq_id: int, tokens: list[int], pos: int) -> Draft:

@@ -36,7 +36,7 @@ from tokenleap.cache.contiguous import CacheFullError
 from tokenleap.config import ConfigError
 from tokenleap.models.transformer import Segment, Transformer
 from tokenleap.spec.proposers.base import Draft, DraftRequest
-from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.draft_model import DraftingLane
 
 
 def parse_skip_layers(text: str, num_layers: int | None = None) -> frozenset[int] | str:
@@ -83,7 +83,7 @@ def format_skip(skip: frozenset[int]) -> str:
 
 
 @dataclass(eq=False)
-class _Lane:
+class _Lane(DraftingLane):
     """One sequence's drafting within ``propose_many``."""
 
     index: int  # position in the request list
@@ -168,10 +168,9 @@ class LayerSkipProposer:
                 active = []
         for l in lanes:
             self.cache.commit(l.req.slot, l.committed)  # drafts' entries lie past it (blocks kept)
-            if l.req.constraint is not None:
-                l.req.constraint.rollback(l.pushed)
+            l.rollback()
             if l.drafted:
-                out[l.index] = Draft(tokens=l.drafted, probs=torch.cat(l.probs) if l.probs else None)
+                out[l.index] = Draft(tokens=l.drafted, probs=l.q())
         if catch_up:
             first = next((i for i, d in enumerate(out) if d is not None), None)
             d = out[first] if first is not None else Draft(tokens=[], probs=None)
@@ -189,16 +188,7 @@ class LayerSkipProposer:
             return False
         for j, l in enumerate(lanes):
             l.pos += 1
-            row = logits[j : j + 1]  # [1, vocab]
-            if l.req.constraint is not None:  # structured output: draft only what the grammar allows
-                row = l.req.constraint.draft(row)
-            token, probs = DraftModelProposer._choose(row, l.req.params, l.req.generator, l.pos)
-            if l.req.constraint is not None:
-                l.pushed += l.req.constraint.push(token)
-            l.drafted.append(token)
-            if probs is not None:
-                l.probs.append(probs)
-            l.pending = token
+            l.pending = l.take(logits[j : j + 1], l.pos)
         return True
 
 
