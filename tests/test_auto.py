@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tokenleap.spec.engine as engine_mod
+import tokenleap.spec.step_verify as step_verify
 from tokenleap.config import SamplingParams, SpecConfig
 from tokenleap.spec.bandit import Bandit, BanditConfig, Choice
 from tokenleap.spec.controller import ControllerConfig, DraftLengthController
@@ -144,7 +145,7 @@ def test_auto_sampling_check_rejects_a_biased_verifier(small_pair, monkeypatch):
                 return Verification(draft_tokens[:i].tolist() + [int(sample(target_probs[i:i + 1], generator)[0])], i)
         return Verification(draft_tokens.tolist() + [int(sample(target_probs[k:], generator)[0])], k)
 
-    monkeypatch.setattr(engine_mod, "verify_sampling", biased)
+    monkeypatch.setattr(step_verify, "verify_sampling", biased)
     target, draft = small_pair
     assert p_value(sampled(target, draft, monkeypatch, seed=7), exact_distribution(target)) < 1e-3
 

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-import tokenleap.spec.engine as engine_mod
+import tokenleap.spec.step_verify as step_verify
 from tokenleap.spec.certify import (CertifyConfig, Certificate, certify, check_distribution, check_greedy,
                                chi2_homogeneity)
 from tokenleap.spec.controller import ControllerConfig
@@ -92,7 +92,7 @@ def _sqrt_acceptance(draft_tokens, draft_probs, target_probs, generator=None):
 
 
 def test_fails_a_verifier_that_accepts_too_often(factory, monkeypatch):
-    monkeypatch.setattr(engine_mod, "verify_sampling", _sqrt_acceptance)
+    monkeypatch.setattr(step_verify, "verify_sampling", _sqrt_acceptance)
     checks = check_distribution(factory, PROMPTS[0], CFG)
     cert = Certificate(tuple(checks))
     report = cert.report()
@@ -104,7 +104,7 @@ def test_fails_a_verifier_that_accepts_too_often(factory, monkeypatch):
 
 
 def test_fails_a_greedy_verifier_that_keeps_one_wrong_token(target, monkeypatch):
-    real = engine_mod.verify_greedy
+    real = step_verify.verify_greedy
 
     def keeps_first_draft(draft_tokens, target_logits):
         v = real(draft_tokens, target_logits)
@@ -112,7 +112,7 @@ def test_fails_a_greedy_verifier_that_keeps_one_wrong_token(target, monkeypatch)
             return Verification([int(draft_tokens[0])] + real(draft_tokens[:0], target_logits[1:2]).tokens, 1)
         return v
 
-    monkeypatch.setattr(engine_mod, "verify_greedy", keeps_first_draft)
+    monkeypatch.setattr(step_verify, "verify_greedy", keeps_first_draft)
     cfg = tiny_config("llama", vocab=V, hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1)
     wrong = build_transformer(cfg, random_weights(cfg, 12, scale=1.0), torch.float32)  # drafts other tokens
     result, _ = check_greedy(engine_factory(target, wrong), PROMPTS, CFG)

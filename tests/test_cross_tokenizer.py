@@ -14,6 +14,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
 import tokenleap.spec.engine as engine_mod
+import tokenleap.spec.step_verify as step_verify
 import test_spec_sampling as sampling_check
 from tokenleap.config import SamplingParams
 from tokenleap.models.build import build_transformer
@@ -246,7 +247,7 @@ def test_same_check_rejects_a_verifier_that_resamples_from_p(monkeypatch):
         return Verification(draft_tokens.tolist() + [int(sample(target_probs[k:], generator)[0])], k)
 
     target = sampling_check.model(11, 1.0)
-    monkeypatch.setattr(engine_mod, "verify_sampling", biased)
+    monkeypatch.setattr(step_verify, "verify_sampling", biased)
     counts = _counts(target, _small_draft(), seed=5, monkeypatch=monkeypatch)
     assert sampling_check.p_value(counts, sampling_check.exact_distribution(target)) < 1e-6
 

@@ -17,6 +17,7 @@ import torch
 from scipy.stats import chisquare
 
 import tokenleap.spec.engine as engine_mod
+import tokenleap.spec.step_verify as step_verify
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import SamplingParams
 from tokenleap.spec.controller import ControllerConfig
@@ -141,7 +142,7 @@ def test_same_check_rejects_a_biased_verifier(pair, monkeypatch):
 
     target, draft = pair
     exact = exact_distribution(target)
-    monkeypatch.setattr(engine_mod, "verify_sampling", biased)
+    monkeypatch.setattr(step_verify, "verify_sampling", biased)
     counts = sample_counts(target, draft, seed=5, monkeypatch=monkeypatch)
     assert p_value(counts, exact) < 1e-6
 

@@ -43,20 +43,24 @@ beyond its forwards (walking and compacting the tree) is measured apart from a c
 stay measured. ``tree="on"``: always a tree of the whole budget, k chosen as for a chain (its
 acceptance counted by depth); ``"off"``: chains.
 
-How a proposer feeds it (the engine does this): the proposer says it can draft trees with a
-``drafts_trees = True`` attribute (else its steps are chains); its drafting time is timed around
-``propose_many`` and given as ``observe_draft`` (chains: seconds per drafted token) or
-``observe_tree_draft`` (trees: seconds per level) -- a proposer that drafts for free measures as
-free; verified steps come back as ``observe_acceptance`` (chains) or ``observe_tree`` (the tree's
-parents and accepted path).
+How a proposer feeds it (the engine does this, handing each step's ``StepReport`` to
+``observe_step_report``): the proposer says it can draft trees with a ``drafts_trees = True``
+attribute (else its steps are chains); its drafting time is timed around ``propose_many`` and
+given as ``observe_draft`` (chains: seconds per drafted token) or ``observe_tree_draft`` (trees:
+seconds per level) -- a proposer that drafts for free measures as free; verified steps come back
+as ``observe_acceptance`` (chains) or ``observe_tree`` (the tree's parents and accepted path).
 """
 from __future__ import annotations
 
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenleap.spec.tree_budget import TreeModel
+
+if TYPE_CHECKING:
+    from tokenleap.spec.report import StepReport
 
 _MEMORY_BOUND_ROWS = 16  # beyond this many rows an unmeasured forward is guessed at least proportional to rows
 
@@ -389,6 +393,26 @@ class DraftLengthController:
         return self.forward_cost[r0] + self._slope(r0, r1) * (rows - r0)
 
     # -- learning ---------------------------------------------------------------------------
+    def observe_step_report(self, report: StepReport) -> None:
+        """Everything a step measured (``Engine.step``'s report): the draft's catch-up and cost, the
+        target forward, each sequence's acceptance (in the step's order: counts are forgotten
+        exponentially), the step's overhead."""
+        work = report.draft
+        self.observe_catch_up(work.catch_up_tokens, work.catch_up_seconds)
+        if work.tokens and not work.catch_up_seconds:  # a forward that also fed a backlog counts as
+            if report.auto_tree:  # catch-up whole, leaving its drafts ~free; a tree's cost: per level
+                self.observe_tree_draft(work.depth, work.seconds, batch=work.batch)
+            else:
+                self.observe_draft(work.tokens, work.seconds, batch=work.batch)
+        self.observe_forward(report.rows, report.forward_seconds, tree=report.held_apart)
+        for o in report.outcomes:
+            if o.drafted and report.auto_tree:  # (a tree asked for and answered by a chain counts too)
+                self.observe_tree(list(o.parents), list(o.path), report.tree_budget, report.k)
+            elif o.drafted:  # a tree counts by depth: the draft length is its depth
+                self.observe_acceptance(o.proposed, o.accepted)
+        if report.overhead_seconds is not None:  # what the step cost beyond its timed forwards and catch-up
+            self.observe_step(report.speculative, report.batch, report.overhead_seconds, tree=report.held_apart)
+
     def _observe(self, obs: dict, table: dict, key, value: float) -> None:
         """The median of the last ``cost_window`` observations: one slow step (a page fault, another
         process) moves nothing, and a size measured rarely (a probe) is right after a few visits."""

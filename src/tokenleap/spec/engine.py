@@ -28,15 +28,15 @@ from tokenleap.errors import PromptTooLongError
 from tokenleap.spec.logprobs import token_logprobs
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.transformer import Segment, Transformer
-from tokenleap.spec.penalties import apply_penalties, suppress_early_stops
 from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer
-from tokenleap.spec.sampling import logits_to_probs, request_randomness
-from tokenleap.spec.seeded import SeededNoise
+from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport, outcome, record_stats
+from tokenleap.spec.sampling import request_randomness
 from tokenleap.spec.sequence import Sequence
+from tokenleap.spec.step_verify import verify_chain, verify_tree
 from tokenleap.spec.tree import TokenTree
-from tokenleap.spec.tree_verify import TreeVerification, verify_tree_coupled, verify_tree_greedy, verify_tree_sampling
+from tokenleap.spec.tree_verify import TreeVerification
 from tokenleap.spec.structured import Constraints
-from tokenleap.spec.verify import Verification, verify_coupled, verify_greedy, verify_sampling
+from tokenleap.spec.verify import Verification
 
 
 class Engine:
@@ -174,10 +174,9 @@ class Engine:
         if end == len(seq.prompt) and seq.num_generated == 0:
             # the last row's logits as a one-row head computes them (a many-row head may round differently)
             logits = self.model.lm_head(out.hidden[-1][-1:], exact).float() if scored else out.logits  # [1, vocab]
-            kept = self._emit(seq, self._verify(seq, None, logits), logits)
-            for stats in (seq.stats, self.totals):
-                stats.record_step(0, 0, kept)
-                stats.record_proposer("none", 0, kept)
+            result = verify_chain(seq, None, logits)
+            record_stats(outcome(seq.seq_id, "none", None, result, self._emit(seq, result, logits), len(chunk)),
+                         seq.stats, self.totals)
         seq.stats.prefill_seconds += time.perf_counter() - t0
         return len(chunk)
 
@@ -224,13 +223,15 @@ class Engine:
             return done, min((done // self.prefill_chunk + 1) * self.prefill_chunk, n_prompt), False
         return done, max(done, min(done + self.prefill_chunk, len(seq.tokens) - 1)), True
 
-    def step(self, seqs: list[Sequence], k: int | None = None) -> None:
-        """One decoding step for every unfinished sequence in ``seqs`` (one target forward).
+    def step(self, seqs: list[Sequence], k: int | None = None) -> StepReport | None:
+        """One decoding step for every unfinished sequence in ``seqs`` (one target forward); returns
+        what it did and measured (None: every sequence had finished), which the controller and the
+        speculation counters have already taken in.
 
         ``k`` overrides the controller's draft length (a scheduler short of cache memory passes 0)."""
         seqs = [s for s in seqs if not s.finished]
         if not seqs:
-            return
+            return None
         start = time.perf_counter()
         if k is None or self.proposer is None:
             k = self.choose_k(seqs)
@@ -238,7 +239,7 @@ class Engine:
         if plan is None or plan.k != k:  # a k of the caller's own (e.g. 0 when short of cache blocks)
             plan = StepPlan(k, self.tree_nodes if k and self._tree_mode() == "on" else 0)
         auto_tree = plan.nodes > 0 and self._tree_mode() == "auto"  # measured apart from chain steps
-        drafts, drafting, catch_up = self._draft_all(seqs, plan, auto_tree)
+        drafts, work = self._draft_all(seqs, plan)
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
             tree = _layout(s, d)
@@ -249,25 +250,28 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.model(torch.tensor(tokens), segments, self.cache, row_exact=True).logits  # [rows, vocab]
         elapsed = time.perf_counter() - t0
-        held = auto_tree and any(seg.tree is not None for seg in segments)  # a chosen tree's costs: kept apart
-        self.controller.observe_forward(row, elapsed, tree=held)
+        outcomes = []
         for s, d, seg in zip(seqs, drafts, segments):
             s.stats.verify_seconds += elapsed * seg.length / row
-            self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length], plan if auto_tree else None)
-        if self.proposer is not None:  # what the step cost beyond the timed forwards and any catch-up
-            spec = any(d is not None for d in drafts)
-            self.controller.observe_step(spec, len(seqs), time.perf_counter() - start - elapsed - drafting - catch_up,
-                                         tree=held)
+            outcomes.append(self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length]))
+        overhead = time.perf_counter() - start - elapsed - work.seconds - work.catch_up_seconds
+        report = StepReport(tuple(outcomes), plan.k, plan.nodes, auto_tree,
+                            held_apart=auto_tree and any(seg.tree is not None for seg in segments),
+                            rows=row, forward_seconds=elapsed, draft=work,
+                            overhead_seconds=overhead if self.proposer is not None else None)
+        self.controller.observe_step_report(report)
+        for s, o in zip(seqs, report.outcomes):
+            record_stats(o, s.stats, self.totals)
+        return report
 
-    def _draft_all(self, seqs: list[Sequence], plan: StepPlan, auto_tree: bool = False
-                   ) -> tuple[list[Draft | None], float, float]:
-        """Every sequence's draft for this step, from one ``propose_many`` call, the seconds spent
-        drafting and the seconds the draft spent catching up on unseen tokens (not drafting)."""
+    def _draft_all(self, seqs: list[Sequence], plan: StepPlan) -> tuple[list[Draft | None], DraftWork]:
+        """Every sequence's draft for this step, from one ``propose_many`` call, and the drafting
+        it took (seconds drafting; seconds and tokens the draft spent catching up, not drafting)."""
         k = plan.k
         ks = [min(k, s.params.max_tokens - s.num_generated - 1, self.max_len - len(s.tokens) - 1) for s in seqs]
         asked = [(s, n) for s, n in zip(seqs, ks) if n > 0]
         if not asked:
-            return [None] * len(seqs), 0.0, 0.0
+            return [None] * len(seqs), DraftWork()
         t0 = time.perf_counter()
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint,
                                  max_nodes=self._tree_budget(s, plan.nodes), slot=s.slot,
@@ -275,7 +279,7 @@ class Engine:
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
         catch_up = sum(d.catch_up_seconds for d in got if d is not None)  # an empty draft may have caught up
-        self.controller.observe_catch_up(sum(d.catch_up_tokens for d in got if d is not None), catch_up)
+        caught = sum(d.catch_up_tokens for d in got if d is not None)
         for (s, _), d in zip(asked, got):
             s.stats.prefill_seconds += d.catch_up_seconds if d is not None else 0.0
         got = [d if d is not None and (d.tokens or d.aux is not None) else None for d in got]
@@ -288,11 +292,8 @@ class Engine:
             by_seq[s.seq_id] = d
             share = len(d.tokens) / drafted if d is not None and drafted else 0.0
             s.stats.draft_seconds += drafting * share if drafted else drafting / len(asked)
-        if drafted and not catch_up and auto_tree:  # a tree's cost: seconds per level
-            self.controller.observe_tree_draft(max(n for _, n in asked), drafting, batch=len(asked))
-        elif drafted and not catch_up:  # a forward that also fed a backlog counts as catch-up whole,
-            self.controller.observe_draft(drafted, drafting, batch=len(asked))  # leaving its drafts ~free
-        return [by_seq.get(s.seq_id) for s in seqs], drafting if drafted else 0.0, catch_up
+        work = DraftWork(drafted, max(n for _, n in asked), len(asked), drafting if drafted else 0.0, caught, catch_up)
+        return [by_seq.get(s.seq_id) for s in seqs], work
 
     def aux_budget(self, seq: Sequence, nodes: int) -> int:
         """Auxiliary rows (``Draft.aux``) a step of ``seq`` drafting up to ``nodes`` nodes may add:
@@ -306,44 +307,32 @@ class Engine:
         context window."""
         return max(0, min(self.tree_nodes if nodes is None else nodes, self.max_len - len(seq.tokens) - 1))
 
-    def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor, tree_plan: StepPlan | None = None
-                ) -> None:
-        """Verify ``seq``'s rows, keep the accepted path, emit; ``tree_plan``: the tree the controller
-        chose (its figures are kept apart from chains'), None for a chain or an "on" mode tree."""
+    def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> SeqOutcome:
+        """Verify ``seq``'s rows, keep the accepted path, emit; returns the sequence's outcome."""
         # logits: [1 + len(draft), vocab] (a tree: one row per node), then any aux rows
-        n = len(seq.tokens)
+        n, rows = len(seq.tokens), logits.shape[0]
         if draft is not None and draft.aux is not None and draft.aux.tokens:  # the proposer's own rows: read, dropped
-            rows = len(draft.aux.tokens)
-            draft.aux.observe(logits[-rows:])  # [rows, vocab]
-            logits = logits[:-rows]
+            aux = len(draft.aux.tokens)
+            draft.aux.observe(logits[-aux:])  # [aux, vocab]
+            logits = logits[:-aux]
         tree = draft.tree if draft is not None else None
         if tree is None:
-            result = self._verify(seq, draft, logits)
-            proposed = len(draft.tokens) if draft else 0
+            result = verify_chain(seq, draft, logits)
         else:
             result = self._verify_tree(seq, tree, logits)
             self.cache.compact(seq.slot, n - 1, result.path)  # the accepted path right after the root
             logits = logits[[0] + result.path]  # [accepted + 1, vocab]: the rows the tokens were chosen from
-            proposed = int(tree.depth.max())  # the most a step could accept, as for a chain
         self.cache.truncate(seq.slot, n + result.num_accepted)  # last token + accepted drafts
         if tree is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted, result.path)
         elif draft is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted)
-        if draft is not None and tree_plan is not None:  # (a tree request answered by a chain counts too)
-            parents = tree.parents.tolist() if tree is not None else list(range(-1, len(draft.tokens)))
-            path = result.path if tree is not None else list(range(1, result.num_accepted + 1))
-            self.controller.observe_tree(parents, path, tree_plan.nodes, tree_plan.k)
-        elif draft is not None:  # a tree counts by depth: the draft length is its depth
-            self.controller.observe_acceptance(proposed, result.num_accepted)
         kept = self._emit(seq, result, logits)
-        accepted = min(result.num_accepted, kept)
-        for stats in (seq.stats, self.totals):
-            stats.record_step(proposed, accepted, kept)
-            stats.record_proposer(_proposer_name(self.proposer, draft), accepted, kept)
-            if tree is not None:
-                stats.record_tree(tree.size - 1, [tree.children[int(tree.parents[c])].index(c)
-                                                  for c in result.path[:accepted]])
+        return outcome(seq.seq_id, _proposer_name(self.proposer, draft), draft, result, kept, rows)
+
+    def _verify_tree(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> TreeVerification:
+        """One sequence's tree verification (``step_verify.verify_tree``), a seam tests may wrap."""
+        return verify_tree(seq, tree, logits)
 
     @staticmethod
     def _emit(seq: Sequence, result: Verification | TreeVerification, logits: torch.Tensor) -> int:
@@ -355,57 +344,6 @@ class Engine:
         if seq.params.logprobs is not None and kept:
             seq.logprobs += token_logprobs(logits[:kept], result.tokens[:kept], seq.params.logprobs)
         return kept
-
-    @staticmethod
-    def _target_logits(seq: Sequence, logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
-        """The target's logits given each row's history: row i follows ``drafted[:i]``
-        (penalties, logit bias, the grammar's mask, min_tokens). ``logits``: [len(drafted) + 1, vocab]."""
-        p = seq.params
-        if p.adjusts_logits:
-            logits = apply_penalties(logits, p, seq.prompt, seq.generated, drafted)
-        if seq.constraint is not None:  # structured output: each row masked for its own grammar state
-            logits = seq.constraint.mask(logits, drafted)
-        if p.min_tokens > seq.num_generated:
-            logits = suppress_early_stops(logits, p, seq.num_generated, seq.eos_ids)
-        return logits
-
-    def _tree_target_logits(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
-        """:meth:`_target_logits` for every node of ``tree``, each on its own path (a leaf's path at a
-        time; a node shared by several paths has the same history on each). ``logits``: [n, vocab]."""
-        p = seq.params
-        if not (p.adjusts_logits or seq.constraint is not None or p.min_tokens > seq.num_generated):
-            return logits
-        out, done, tokens = logits.float().clone(), [False] * tree.size, tree.tokens.tolist()
-        for leaf in (i for i in range(tree.size) if not tree.children[i]):
-            path = tree.path(leaf)
-            rows = [0] + path
-            adjusted = self._target_logits(seq, logits[rows], [tokens[c] for c in path])  # [len(rows), vocab]
-            for r, node in enumerate(rows):
-                if not done[node]:
-                    out[node], done[node] = adjusted[r], True
-        return out
-
-    def _verify_tree(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> TreeVerification:
-        p = seq.params
-        logits = self._tree_target_logits(seq, tree, logits)  # [n, vocab]
-        if p.greedy:
-            return verify_tree_greedy(tree, logits)
-        probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [n, vocab]
-        if isinstance(seq.generator, SeededNoise):  # the root's row chooses the token at position len(tokens)
-            return verify_tree_coupled(tree, probs, seq.generator, len(seq.tokens))
-        return verify_tree_sampling(tree, probs, seq.generator)
-
-    @classmethod
-    def _verify(cls, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> Verification:
-        drafted = torch.tensor(draft.tokens if draft else [], dtype=torch.long)  # [k]
-        p = seq.params
-        logits = cls._target_logits(seq, logits, draft.tokens if draft else [])
-        if p.greedy:
-            return verify_greedy(drafted, logits)
-        probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [k+1, vocab]
-        if isinstance(seq.generator, SeededNoise):  # row 0 chooses the token at position len(tokens)
-            return verify_coupled(drafted, probs, seq.generator, len(seq.tokens))
-        return verify_sampling(drafted, draft.probs if draft else None, probs, seq.generator)
 
 
 def _layout(seq: Sequence, draft: Draft | None) -> TokenTree | None:
