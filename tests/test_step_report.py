@@ -23,8 +23,9 @@ def target():
 
 def _state(c: DraftLengthController) -> dict:
     """Everything a controller has learned (its tree model's figures included)."""
-    out = {k: v for k, v in vars(c).items() if k != "trees"}
+    out = {k: v for k, v in vars(c).items() if k not in ("trees", "planner")}
     out["trees"] = dict(vars(c.trees))
+    out["planner"] = {k: v for k, v in vars(c.planner).items() if k != "model"}  # (model: c.trees)
     return out
 
 

@@ -33,7 +33,8 @@ so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 
 **Token trees** (``choose_step``, with a tree budget and ``tree="auto"``): a step is plain, a chain
 of k or a tree of at most N drafted nodes, k levels deep -- whichever is predicted the most tokens
-per second. A tree's yield and draft cost come from ``tree_budget.TreeModel`` (acceptance by depth
+per second (the trees weighed by ``tree_budget.TreePlanner`` against this module's chain figures).
+A tree's yield and draft cost come from ``tree_budget.TreeModel`` (acceptance by depth
 and sibling rank, measured on tree steps only, with priors that let trees be tried); its forward
 cost is measured by rows on tree steps, the chain's rows -> seconds figures (flat where the machine
 is memory-bound, trees nearly free there; steep on an AVX2 CPU, chains win) standing in, scaled by
@@ -57,7 +58,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenleap.spec.tree_budget import TreeModel
+from tokenleap.spec.tree_budget import StepPlan, TreeModel, TreePlanner
 
 if TYPE_CHECKING:
     from tokenleap.spec.report import StepReport
@@ -99,18 +100,6 @@ class ControllerConfig:
     tree_margin: float = 0.05
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """One step's shape: ``k`` drafted tokens (a tree: levels; 0: plain decoding) and ``nodes`` > 0
-    for a token tree of at most that many drafted nodes (0: a chain)."""
-
-    k: int
-    nodes: int = 0
-
-
-_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # tree budgets weighed (and the maximum)
-
-
 class DraftLengthController:
     def __init__(self, config: ControllerConfig) -> None:
         self.cfg = config
@@ -133,7 +122,7 @@ class DraftLengthController:
         self._plain_seconds = 0.0  # predicted time decoded plainly since the last step that drafted
         self._spec_streak, self._side = 0, 1
         self.trees = TreeModel(config.max_k)  # token trees' acceptance, shape and draft cost
-        self._tree_streak, self._tree_seconds = 0, 0.0
+        self.planner = TreePlanner(self.trees, config.tree_margin, config.tree_probe_every, config.tree_explore_share)
 
     @property
     def draft_cost(self) -> float | None:
@@ -174,37 +163,25 @@ class DraftLengthController:
         trees = max_nodes if mode == "auto" else 0
         if self.cfg.fixed_k is not None:
             if trees and self.forward_cost:
-                return self._fixed_depth_plan(batch, trees)
+                return self.planner.fixed_depth_plan(self, batch, trees, self.cfg.fixed_k)
             return StepPlan(self.cfg.fixed_k, on)
         if not self.forward_cost:  # nothing measured yet: a middling first chain
             return StepPlan(min(self.cfg.initial_k, self.cfg.max_k), on)
         plain = self.rate(0, batch)
-        best, best_rate = self._best_plan(batch, trees)
+        best, best_rate = self.planner.best_plan(self, batch, trees)
         if best.k and not self._pays_back(plain, best_rate, backlog, remaining, batch):
             best = StepPlan(0)
         if best.k == 0:
-            self._plain_streak += 1
-            self._plain_seconds += batch / plain
-            probe_k = min(self.cfg.probe_k, self.cfg.max_k)
-            # a probe is cheap information unless the draft must first catch up on more than a
-            # couple of plain steps' worth of tokens (e.g. prompts whose draft prefill was skipped):
-            # then only within the exploration share of the time decoded plainly meanwhile
-            catch_up = self._catch_up_seconds(backlog)
-            # (one sequence only: batched speculation rarely pays here, a loaded server keeps its floor)
-            explore = self.cfg.explore_share * self._plain_seconds if batch == 1 else 0.0
-            affordable = catch_up <= max(2 * batch / plain, explore)
-            if (self._plain_streak >= self.cfg.probe_every and affordable
-                    and self._could_pay(probe_k, batch, plain * self._margin(batch))):
-                self._plain_streak = 0
-                self._plain_seconds = 0.0
-                return StepPlan(probe_k, on)
-            return best
+            return self._plain_or_probe(batch, plain, backlog, on)
         self._plain_streak = 0
         self._plain_seconds = 0.0
         self._spec_streak += 1
         if trees:  # the other kind, now and then
-            other = self._best_tree(batch, trees)[0] if best.nodes == 0 else StepPlan(max(1, self._best(batch, 0.0)[0]))
-            if self._probe_due(best, other, batch):
+            if best.nodes == 0:
+                other = self._best_tree(batch, trees)[0]
+            else:
+                other = StepPlan(max(1, self.best_chain(batch, 0.0)[0]))
+            if self.planner.probe_due(self, best, other, batch):
                 return other
         if self._spec_streak >= self.cfg.probe_every:  # re-measure a neighbouring length now and
             self._spec_streak = 0  # then, so an early, noisy cost figure cannot lock k in place
@@ -213,6 +190,26 @@ class DraftLengthController:
                 return StepPlan(best.k + self._side, best.nodes or on)
         return StepPlan(best.k, best.nodes or on)
 
+    def _plain_or_probe(self, batch: int, plain: float, backlog: int, on: int) -> StepPlan:
+        """A plain step -- or, every ``probe_every`` plain steps, a probe with a small k (module
+        docstring); ``plain``: plain decoding's predicted rate, ``on``: "on" mode's tree budget."""
+        self._plain_streak += 1
+        self._plain_seconds += batch / plain
+        probe_k = min(self.cfg.probe_k, self.cfg.max_k)
+        # a probe is cheap information unless the draft must first catch up on more than a
+        # couple of plain steps' worth of tokens (e.g. prompts whose draft prefill was skipped):
+        # then only within the exploration share of the time decoded plainly meanwhile
+        catch_up = self._catch_up_seconds(backlog)
+        # (one sequence only: batched speculation rarely pays here, a loaded server keeps its floor)
+        explore = self.cfg.explore_share * self._plain_seconds if batch == 1 else 0.0
+        affordable = catch_up <= max(2 * batch / plain, explore)
+        if (self._plain_streak >= self.cfg.probe_every and affordable
+                and self._could_pay(probe_k, batch, plain * self._margin(batch))):
+            self._plain_streak = 0
+            self._plain_seconds = 0.0
+            return StepPlan(probe_k, on)
+        return StepPlan(0)
+
     def would_speculate(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf"),
                         max_nodes: int = 0) -> bool:
         """Whether some chain (or, with a tree budget in "auto" mode, some tree) is currently
@@ -220,10 +217,10 @@ class DraftLengthController:
         (no probing, no state change)."""
         if self.cfg.fixed_k is not None:
             return self.cfg.fixed_k > 0
-        best, best_rate = self._best_plan(batch, max_nodes if self.cfg.tree == "auto" else 0)
+        best, best_rate = self.planner.best_plan(self, batch, max_nodes if self.cfg.tree == "auto" else 0)
         return best.k > 0 and self._pays_back(self.rate(0, batch), best_rate, backlog, remaining, batch)
 
-    def _best(self, batch: int, floor: float | None = None) -> tuple[int, float]:
+    def best_chain(self, batch: int, floor: float | None = None) -> tuple[int, float]:
         """The k > 0 with the highest predicted rate if it beats ``floor`` (default: plain by the
         batch margin), else (0, floor)."""
         best_k, best_rate = 0, self.rate(0, batch) * self._margin(batch) if floor is None else floor
@@ -233,75 +230,15 @@ class DraftLengthController:
                 best_k, best_rate = k, r
         return best_k, best_rate
 
-    def _best_plan(self, batch: int, max_nodes: int) -> tuple[StepPlan, float]:
-        """The best of plain (by the batch margin), every chain and, with ``max_nodes``, every tree."""
-        k, rate = self._best(batch)
-        tree, tree_rate = self._best_tree(batch, max_nodes) if max_nodes else (None, 0.0)
-        if tree is not None and tree_rate > rate * (1.0 + self.cfg.tree_margin):
-            return tree, tree_rate
-        return StepPlan(k), rate
-
-    def _fixed_depth_plan(self, batch: int, max_nodes: int) -> StepPlan:
-        """A fixed draft length with a tree budget: the chain or the tree of that depth predicted
-        faster, the other tried every ``tree_probe_every`` steps."""
-        k = self.cfg.fixed_k
-        tree, tree_rate = self._best_tree(batch, max_nodes, depths=(k,))
-        best = tree if tree is not None and tree_rate > self.rate(k, batch) * (1.0 + self.cfg.tree_margin) else StepPlan(k)
-        other = StepPlan(k) if best.nodes else tree
-        return other if self._probe_due(best, other, batch) else best
-
-    def _probe_due(self, best: StepPlan, other: StepPlan | None, batch: int) -> bool:
-        """Is it time to try ``other`` (the kind not chosen) instead of ``best``? Every
-        ``tree_probe_every`` drafting steps, once what it is predicted to cost beyond ``best`` is at
-        most ``tree_explore_share`` of the time decoded since the last try."""
-        self._tree_streak += 1
-        self._tree_seconds += self._plan_cost(best, batch)
-        if other is None or self._tree_streak < self.cfg.tree_probe_every:
-            return False
-        extra = self._plan_cost(other, batch) - self._plan_cost(best, batch)
-        if extra > self.cfg.tree_explore_share * self._tree_seconds:
-            return False
-        self._tree_streak, self._tree_seconds = 0, 0.0
-        return True
+    def _best_tree(self, batch: int, max_nodes: int) -> tuple[StepPlan | None, float]:
+        """The best tree at ``batch`` within ``max_nodes`` and its rate (``TreePlanner.best_tree``)."""
+        return self.planner.best_tree(self, batch, max_nodes)
 
     def _plan_cost(self, plan: StepPlan, batch: int) -> float:
-        """Predicted seconds of a step following ``plan``."""
-        if not plan.nodes:
-            return self.step_cost(plan.k, batch)
-        return plan.k * self._tree_level(batch) + self._tree_forward(plan.nodes, batch)
+        """Predicted seconds of a step following ``plan`` (``TreePlanner.plan_cost``)."""
+        return self.planner.plan_cost(self, plan, batch)
 
-    def _tree_level(self, batch: int) -> float:
-        """Predicted seconds of one tree level's drafting for ``batch`` sequences."""
-        return batch * self.trees.predict_draft(batch, self.predict_draft(batch))
-
-    def _best_tree(self, batch: int, max_nodes: int, depths=None) -> tuple[StepPlan | None, float]:
-        """The tree (budget N <= ``max_nodes``, depth k) with the highest predicted rate, and that rate."""
-        budgets = [n for n in _BUDGETS if n < max_nodes] + [max_nodes]
-        c = self.trees.acceptance(self._chain_acceptance())
-        costs = {n: self._tree_forward(n, batch) for n in budgets}
-        level = self._tree_level(batch)
-        best, best_rate = None, 0.0
-        for k in depths or range(1, self.cfg.max_k + 1):
-            tokens = self.trees.expected_tokens(c, budgets, k)
-            for n in budgets:
-                if n <= k:  # no more nodes than levels: a chain's shape at best -- that is the chain's option
-                    continue
-                cost = k * level + costs[n]
-                r = batch * tokens[n] / cost if cost > 0 else float("inf")
-                if r > best_rate * 1.0001:
-                    best, best_rate = StepPlan(k, n), r
-        return best, best_rate
-
-    def _tree_forward(self, nodes: int, batch: int) -> float:
-        """Seconds of a tree step's target forward and overhead at budget ``nodes`` (rows: the
-        root and the nodes the proposer is measured to fill)."""
-        rows = batch * (1 + max(1, round(self.trees.fill(nodes) * nodes)))
-        overhead = self.step_overhead.get(("tree", batch), self.step_overhead.get((True, batch), 0.0))
-        # (the chain's figures without their optimism for unmeasured longer blocks: a tree is tried
-        # where the rows measured so far say it may pay, or when probed)
-        return self.trees.predict_forward(rows, self.predict_forward(rows)) + overhead
-
-    def _chain_acceptance(self) -> list[float]:
+    def chain_acceptance(self) -> list[float]:
         """The chain's conditional acceptance by depth; a position never drafted is guessed like the
         deepest one measured (acceptance changes slowly along a draft), so high acceptance invites
         trying longer drafts."""
@@ -337,7 +274,7 @@ class DraftLengthController:
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
-        for b in self._chain_acceptance()[:k]:
+        for b in self.chain_acceptance()[:k]:
             run *= b
             total += run
         return total
@@ -436,7 +373,7 @@ class DraftLengthController:
     def observe_tree(self, parents: list[int], path: list[int], budget: int, depth: int) -> None:
         """One sequence's tree step: the drafted tree's ``parents`` (a chain answered for a tree:
         ``[-1, 0, 1, ...]``), its accepted nodes ``path``, the ``budget`` and ``depth`` asked for."""
-        self.trees.observe(parents, path, budget, depth, self._chain_acceptance())
+        self.trees.observe(parents, path, budget, depth, self.chain_acceptance())
 
     def observe_tree_draft(self, levels: int, seconds: float, batch: int = 1) -> None:
         """Trees ``levels`` deep grown for ``batch`` sequences together in ``seconds``."""

@@ -29,12 +29,48 @@ chain's figures (tree attention, its per-row key lists and compaction need not c
 rows do). A row count not measured on trees is the chain's prediction for it times the median ratio
 measured tree / chain-predicted seconds (1 before any tree ran), and never more than a larger tree
 measured.
+
+**Planning** (:class:`TreePlanner`): the tree (budget N, depth k) with the most predicted tokens
+per second, weighed against the best chain the controller's cost model offers (a tree must beat
+it by a margin), and now and then a try of the kind not chosen, within an exploration share of
+the time decoded since the last try.
 """
 from __future__ import annotations
 
 import heapq
 import statistics
 from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # tree budgets weighed (and the maximum)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's shape: ``k`` drafted tokens (a tree: levels; 0: plain decoding) and ``nodes`` > 0
+    for a token tree of at most that many drafted nodes (0: a chain)."""
+
+    k: int
+    nodes: int = 0
+
+
+class ChainCosts(Protocol):
+    """What tree planning asks of the chain's cost model (``controller.DraftLengthController``)."""
+
+    step_overhead: dict
+
+    def rate(self, k: int, batch: int = 1) -> float: ...
+
+    def step_cost(self, k: int, batch: int = 1) -> float: ...
+
+    def predict_draft(self, batch: int) -> float: ...
+
+    def predict_forward(self, rows: int, explore: bool = False) -> float: ...
+
+    def chain_acceptance(self) -> list[float]: ...
+
+    def best_chain(self, batch: int, floor: float | None = None) -> tuple[int, float]: ...
 
 
 def depths_and_ranks(parents: list[int]) -> list[tuple[int, int]]:
@@ -174,6 +210,84 @@ class TreeModel:
 
     def _push(self, table: dict[int, deque[float]], key: int, value: float) -> None:
         table.setdefault(key, deque(maxlen=self.window)).append(value)
+
+
+class TreePlanner:
+    """Trees weighed against chains, from a :class:`TreeModel`'s figures and the chain's cost model
+    (see the module docstring); ``margin``: how much faster a tree must be predicted to replace the
+    best chain, ``probe_every`` / ``explore_share``: how often the kind not chosen is tried."""
+
+    def __init__(self, model: TreeModel, margin: float, probe_every: int, explore_share: float) -> None:
+        self.model = model
+        self.margin, self.probe_every, self.explore_share = margin, probe_every, explore_share
+        self._streak, self._seconds = 0, 0.0  # drafting steps and predicted seconds since the last try
+
+    def best_plan(self, chain: ChainCosts, batch: int, max_nodes: int) -> tuple[StepPlan, float]:
+        """The best of plain (by the batch margin), every chain and, with ``max_nodes``, every tree."""
+        k, rate = chain.best_chain(batch)
+        tree, tree_rate = self.best_tree(chain, batch, max_nodes) if max_nodes else (None, 0.0)
+        if tree is not None and tree_rate > rate * (1.0 + self.margin):
+            return tree, tree_rate
+        return StepPlan(k), rate
+
+    def fixed_depth_plan(self, chain: ChainCosts, batch: int, max_nodes: int, k: int) -> StepPlan:
+        """A fixed draft length ``k`` with a tree budget: the chain or the tree of that depth
+        predicted faster, the other tried every ``probe_every`` steps."""
+        tree, tree_rate = self.best_tree(chain, batch, max_nodes, depths=(k,))
+        best = tree if tree is not None and tree_rate > chain.rate(k, batch) * (1.0 + self.margin) else StepPlan(k)
+        other = StepPlan(k) if best.nodes else tree
+        return other if self.probe_due(chain, best, other, batch) else best
+
+    def probe_due(self, chain: ChainCosts, best: StepPlan, other: StepPlan | None, batch: int) -> bool:
+        """Is it time to try ``other`` (the kind not chosen) instead of ``best``? Every
+        ``probe_every`` drafting steps, once what it is predicted to cost beyond ``best`` is at
+        most ``explore_share`` of the time decoded since the last try."""
+        self._streak += 1
+        self._seconds += self.plan_cost(chain, best, batch)
+        if other is None or self._streak < self.probe_every:
+            return False
+        extra = self.plan_cost(chain, other, batch) - self.plan_cost(chain, best, batch)
+        if extra > self.explore_share * self._seconds:
+            return False
+        self._streak, self._seconds = 0, 0.0
+        return True
+
+    def plan_cost(self, chain: ChainCosts, plan: StepPlan, batch: int) -> float:
+        """Predicted seconds of a step following ``plan``."""
+        if not plan.nodes:
+            return chain.step_cost(plan.k, batch)
+        return plan.k * self.level_cost(chain, batch) + self.forward_cost(chain, plan.nodes, batch)
+
+    def level_cost(self, chain: ChainCosts, batch: int) -> float:
+        """Predicted seconds of one tree level's drafting for ``batch`` sequences."""
+        return batch * self.model.predict_draft(batch, chain.predict_draft(batch))
+
+    def best_tree(self, chain: ChainCosts, batch: int, max_nodes: int, depths=None) -> tuple[StepPlan | None, float]:
+        """The tree (budget N <= ``max_nodes``, depth k) with the highest predicted rate, and that rate."""
+        budgets = [n for n in _BUDGETS if n < max_nodes] + [max_nodes]
+        c = self.model.acceptance(chain.chain_acceptance())
+        costs = {n: self.forward_cost(chain, n, batch) for n in budgets}
+        level = self.level_cost(chain, batch)
+        best, best_rate = None, 0.0
+        for k in depths or range(1, self.model.max_depth + 1):
+            tokens = self.model.expected_tokens(c, budgets, k)
+            for n in budgets:
+                if n <= k:  # no more nodes than levels: a chain's shape at best -- that is the chain's option
+                    continue
+                cost = k * level + costs[n]
+                r = batch * tokens[n] / cost if cost > 0 else float("inf")
+                if r > best_rate * 1.0001:
+                    best, best_rate = StepPlan(k, n), r
+        return best, best_rate
+
+    def forward_cost(self, chain: ChainCosts, nodes: int, batch: int) -> float:
+        """Seconds of a tree step's target forward and overhead at budget ``nodes`` (rows: the
+        root and the nodes the proposer is measured to fill)."""
+        rows = batch * (1 + max(1, round(self.model.fill(nodes) * nodes)))
+        overhead = chain.step_overhead.get(("tree", batch), chain.step_overhead.get((True, batch), 0.0))
+        # (the chain's figures without their optimism for unmeasured longer blocks: a tree is tried
+        # where the rows measured so far say it may pay, or when probed)
+        return self.model.predict_forward(rows, chain.predict_forward(rows)) + overhead
 
 
 def machine_tree_mode(mode: str) -> str:
