@@ -217,12 +217,16 @@ LAYERSKIP_BAD_FLAGS = [
 
 @pytest.mark.parametrize("argv", LAYERSKIP_BAD_FLAGS, ids=[" ".join(a[2:]) for a in LAYERSKIP_BAD_FLAGS])
 def test_bad_layerskip_flags_give_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv):
+    import tokenleap.api
+    import tokenleap.bench.methods
     import tokenleap.models.pretrained
     from tokenleap.cli.main import main
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded for a command line that should have been refused")
-    monkeypatch.setattr(tokenleap.models.pretrained, "load_model", refuse)
+    # every module that binds load_model by name, imported before the patch so none keeps ``refuse``
+    for module in (tokenleap.models.pretrained, tokenleap.api, tokenleap.bench.methods):
+        monkeypatch.setattr(module, "load_model", refuse)
     if argv[0] == "bench":
         argv = argv + ["--out", str(tmp_path / "out")]
     try:
