@@ -104,15 +104,15 @@ def test_fails_a_verifier_that_accepts_too_often(factory, monkeypatch):
 
 
 def test_fails_a_greedy_verifier_that_keeps_one_wrong_token(target, monkeypatch):
-    real = step_verify.verify_greedy
+    real = step_verify.verify_greedy_choices
 
-    def keeps_first_draft(draft_tokens, target_logits):
-        v = real(draft_tokens, target_logits)
-        if v.num_accepted == 0 and draft_tokens.numel() > 0:  # bug: the first draft token is kept anyway
-            return Verification([int(draft_tokens[0])] + real(draft_tokens[:0], target_logits[1:2]).tokens, 1)
+    def keeps_first_draft(draft_tokens, choice):
+        v = real(draft_tokens, choice)
+        if v.num_accepted == 0 and draft_tokens:  # bug: the first draft token is kept anyway
+            return Verification([draft_tokens[0], choice[1]], 1)
         return v
 
-    monkeypatch.setattr(step_verify, "verify_greedy", keeps_first_draft)
+    monkeypatch.setattr(step_verify, "verify_greedy_choices", keeps_first_draft)
     cfg = tiny_config("llama", vocab=V, hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1)
     wrong = build_transformer(cfg, random_weights(cfg, 12, scale=1.0), torch.float32)  # drafts other tokens
     result, _ = check_greedy(engine_factory(target, wrong), PROMPTS, CFG)

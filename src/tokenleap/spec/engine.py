@@ -32,7 +32,7 @@ from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer
 from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport, outcome, record_stats
 from tokenleap.spec.sampling import request_randomness
 from tokenleap.spec.sequence import Sequence
-from tokenleap.spec.step_verify import verify_chain, verify_tree
+from tokenleap.spec.step_verify import TargetRows, share_rows, verify_chain, verify_tree
 from tokenleap.spec.tree import TokenTree
 from tokenleap.spec.tree_verify import TreeVerification
 from tokenleap.spec.structured import Constraints
@@ -174,7 +174,7 @@ class Engine:
         if end == len(seq.prompt) and seq.num_generated == 0:
             # the last row's logits as a one-row head computes them (a many-row head may round differently)
             logits = self.model.lm_head(out.hidden[-1][-1:], exact).float() if scored else out.logits  # [1, vocab]
-            result = verify_chain(seq, None, logits)
+            result = verify_chain(seq, None, TargetRows(logits))
             record_stats(outcome(seq.seq_id, "none", None, result, self._emit(seq, result, logits), len(chunk)),
                          seq.stats, self.totals)
         seq.stats.prefill_seconds += time.perf_counter() - t0
@@ -250,10 +250,14 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.model(torch.tensor(tokens), segments, self.cache, row_exact=True).logits  # [rows, vocab]
         elapsed = time.perf_counter() - t0
+        spans = [(seg.row_start, seg.length - _aux_rows(d)) for d, seg in zip(drafts, segments)]  # verified rows
+        shared = share_rows(seqs, logits, spans)  # one argmax for the greedy sequences' rows
         outcomes = []
-        for s, d, seg in zip(seqs, drafts, segments):
+        for s, d, seg, rows in zip(seqs, drafts, segments, shared):
             s.stats.verify_seconds += elapsed * seg.length / row
-            outcomes.append(self._accept(s, d, logits[seg.row_start:seg.row_start + seg.length]))
+            if _aux_rows(d):  # the proposer's own rows: read, dropped
+                d.aux.observe(logits[seg.row_start + rows.size:seg.row_start + seg.length])  # [aux, vocab]
+            outcomes.append(self._accept(s, d, rows, seg.length))
         overhead = time.perf_counter() - start - elapsed - work.seconds - work.catch_up_seconds
         report = StepReport(tuple(outcomes), plan.k, plan.nodes, auto_tree,
                             held_apart=auto_tree and any(seg.tree is not None for seg in segments),
@@ -307,19 +311,16 @@ class Engine:
         context window."""
         return max(0, min(self.tree_nodes if nodes is None else nodes, self.max_len - len(seq.tokens) - 1))
 
-    def _accept(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> SeqOutcome:
-        """Verify ``seq``'s rows, keep the accepted path, emit; returns the sequence's outcome."""
-        # logits: [1 + len(draft), vocab] (a tree: one row per node), then any aux rows
-        n, rows = len(seq.tokens), logits.shape[0]
-        if draft is not None and draft.aux is not None and draft.aux.tokens:  # the proposer's own rows: read, dropped
-            aux = len(draft.aux.tokens)
-            draft.aux.observe(logits[-aux:])  # [aux, vocab]
-            logits = logits[:-aux]
+    def _accept(self, seq: Sequence, draft: Draft | None, rows: TargetRows, forward_rows: int) -> SeqOutcome:
+        """Verify ``seq``'s rows (1 + len(draft); a tree: one per node), keep the accepted path, emit;
+        returns the sequence's outcome (``forward_rows``: its rows in the forward, aux rows included)."""
+        n = len(seq.tokens)
         tree = draft.tree if draft is not None else None
+        logits = rows.logits  # [1 + len(draft), vocab]
         if tree is None:
-            result = verify_chain(seq, draft, logits)
+            result = verify_chain(seq, draft, rows)
         else:
-            result = self._verify_tree(seq, tree, logits)
+            result = self._verify_tree(seq, tree, rows)
             self.cache.compact(seq.slot, n - 1, result.path)  # the accepted path right after the root
             logits = logits[[0] + result.path]  # [accepted + 1, vocab]: the rows the tokens were chosen from
         self.cache.truncate(seq.slot, n + result.num_accepted)  # last token + accepted drafts
@@ -328,11 +329,11 @@ class Engine:
         elif draft is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted)
         kept = self._emit(seq, result, logits)
-        return outcome(seq.seq_id, _proposer_name(self.proposer, draft), draft, result, kept, rows)
+        return outcome(seq.seq_id, _proposer_name(self.proposer, draft), draft, result, kept, forward_rows)
 
-    def _verify_tree(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> TreeVerification:
+    def _verify_tree(self, seq: Sequence, tree: TokenTree, rows: TargetRows) -> TreeVerification:
         """One sequence's tree verification (``step_verify.verify_tree``), a seam tests may wrap."""
-        return verify_tree(seq, tree, logits)
+        return verify_tree(seq, tree, rows)
 
     @staticmethod
     def _emit(seq: Sequence, result: Verification | TreeVerification, logits: torch.Tensor) -> int:
@@ -354,6 +355,11 @@ def _layout(seq: Sequence, draft: Draft | None) -> TokenTree | None:
         return draft.tree if draft is not None else None
     base = draft.tree if draft.tree is not None else TokenTree.chain(seq.tokens[-1], draft.tokens)
     return base.with_rows(draft.aux.tokens, draft.aux.parents)
+
+
+def _aux_rows(draft: Draft | None) -> int:
+    """Auxiliary rows ``draft`` adds after its nodes (``Draft.aux``), never verified."""
+    return len(draft.aux.tokens) if draft is not None and draft.aux is not None else 0
 
 
 def _proposer_name(proposer: Proposer | None, draft: Draft | None) -> str:

@@ -1,23 +1,74 @@
 """One sequence's verification within a step -- pure functions of its sampling parameters and
-history, its draft and the target's rows; no cache, no model, no mutation of the sequence.
+history, its draft and the target's rows; no cache, no model, and nothing of the sequence changed
+but its generator's state (unseeded verification draws from it).
 
 The target's rows first get the request's own history (penalties, logit bias, the grammar's mask,
 min_tokens), each row for its own path; then the rule the request samples by decides: greedy
 (argmax walk), seeded (the drafter-invariant race, ``seeded.py``) or unseeded (rejection sampling).
 ``verify.py`` (chains) and ``tree_verify.py`` (trees) hold the rules themselves.
+
+**Shared across a step** (:func:`share_rows`): a greedy sequence whose rows need no adjustment is
+verified by the argmax of each row alone, so one argmax over the rows of every such sequence of
+the step (a run of adjacent segments at a time) replaces a call per sequence, and each walks its
+own slice. The argmax of a row does not depend on the rows beside it (first maximum on ties), so
+the tokens are those of the sequence verified alone. Greedy rows take ``sampling.argmax_rows``
+(torch's argmax, exactly, several times faster over a large vocabulary): that kernel, not the
+loop over sequences, is what greedy verification costs. Sampled rows are not shared: there the cost
+is the filtering itself (softmax; top-p's sort, ~30 ms a row over a 152k vocabulary), and one
+call over several sequences' rows measured no faster than a call per sequence (one thread).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from tokenleap.spec.penalties import apply_penalties, suppress_early_stops
 from tokenleap.spec.proposers.base import Draft
-from tokenleap.spec.sampling import logits_to_probs
+from tokenleap.spec.sampling import argmax_rows, logits_to_probs
 from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.sequence import Sequence
 from tokenleap.spec.tree import TokenTree
-from tokenleap.spec.tree_verify import TreeVerification, verify_tree_coupled, verify_tree_greedy, verify_tree_sampling
-from tokenleap.spec.verify import Verification, verify_coupled, verify_greedy, verify_sampling
+from tokenleap.spec.tree_verify import TreeVerification, verify_tree_choices, verify_tree_coupled, verify_tree_sampling
+from tokenleap.spec.verify import Verification, verify_coupled, verify_greedy_choices, verify_sampling
+
+
+@dataclass(frozen=True, eq=False)
+class TargetRows:
+    """One sequence's verified rows of a step's forward, with what the step computed for them
+    together with other sequences' rows."""
+
+    logits: torch.Tensor  # [n, vocab]: row i is the target's distribution after node i's path
+    # [n] each row's argmax, from one argmax over several sequences' rows (None: not shared -- a
+    # sampled sequence, or one whose history adjusts its rows)
+    choice: list[int] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.logits.shape[0]
+
+
+def share_rows(seqs: list[Sequence], logits: torch.Tensor, spans: list[tuple[int, int]]) -> list[TargetRows]:
+    """Each sequence's :class:`TargetRows`: ``spans[i] = (start, n)``, sequence i verifies rows
+    ``logits[start:start + n]`` (``logits``: [rows, vocab], the step's forward). Greedy sequences
+    without row adjustments get their argmax from one call per run of adjacent such sequences."""
+    shared = [s.params.greedy and not adjusts_rows(s) for s in seqs]
+    choices: list[list[int] | None] = [None] * len(seqs)
+    i = 0
+    while i < len(seqs):
+        if not shared[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(seqs) and shared[j + 1]:
+            j += 1
+        lo, hi = spans[i][0], spans[j][0] + spans[j][1]  # the run's rows (any aux rows between included)
+        run = argmax_rows(logits[lo:hi]).tolist()  # [hi - lo]
+        for m in range(i, j + 1):
+            start, n = spans[m]
+            choices[m] = run[start - lo:start - lo + n]
+        i = j + 1
+    return [TargetRows(logits[start:start + n], c) for (start, n), c in zip(spans, choices)]
 
 
 def adjusts_rows(seq: Sequence) -> bool:
@@ -56,30 +107,35 @@ def tree_target_logits(seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> 
     return out
 
 
-def verify_chain(seq: Sequence, draft: Draft | None, logits: torch.Tensor) -> Verification:
-    """``seq``'s chain (``draft``; None: a plain step) against its rows ``logits`` [k + 1, vocab]."""
+def verify_chain(seq: Sequence, draft: Draft | None, rows: TargetRows) -> Verification:
+    """``seq``'s chain (``draft``; None: a plain step) against its rows (k + 1 of them)."""
     drafted = draft.tokens if draft else []
     p = seq.params
-    logits = target_logits(seq, logits, drafted)
-    tokens = torch.tensor(drafted, dtype=torch.long)  # [k]
+    if p.greedy and rows.choice is not None:
+        return verify_greedy_choices(drafted, rows.choice)
+    logits = target_logits(seq, rows.logits, drafted)  # [k + 1, vocab]
     if p.greedy:
-        return verify_greedy(tokens, logits)
+        return verify_greedy_choices(drafted, argmax_rows(logits).tolist())
+    tokens = torch.tensor(drafted, dtype=torch.long)  # [k]
     probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [k + 1, vocab]
     if isinstance(seq.generator, SeededNoise):  # row 0 chooses the token at position len(tokens)
         return verify_coupled(tokens, probs, seq.generator, len(seq.tokens))
     return verify_sampling(tokens, draft.probs if draft else None, probs, seq.generator)
 
 
-def verify_tree(seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> TreeVerification:
-    """``seq``'s token tree against its rows ``logits`` [n, vocab] (one per node)."""
+def verify_tree(seq: Sequence, tree: TokenTree, rows: TargetRows) -> TreeVerification:
+    """``seq``'s token tree against its rows (one per node)."""
     p = seq.params
-    logits = tree_target_logits(seq, tree, logits)  # [n, vocab]
+    if p.greedy and rows.choice is not None:
+        return verify_tree_choices(tree, rows.choice)
+    logits = tree_target_logits(seq, tree, rows.logits)  # [n, vocab]
     if p.greedy:
-        return verify_tree_greedy(tree, logits)
+        return verify_tree_choices(tree, argmax_rows(logits).tolist())
     probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [n, vocab]
     if isinstance(seq.generator, SeededNoise):  # the root's row chooses the token at position len(tokens)
         return verify_tree_coupled(tree, probs, seq.generator, len(seq.tokens))
     return verify_tree_sampling(tree, probs, seq.generator)
 
 
-__all__ = ["adjusts_rows", "target_logits", "tree_target_logits", "verify_chain", "verify_tree"]
+__all__ = ["TargetRows", "share_rows", "adjusts_rows", "target_logits", "tree_target_logits", "verify_chain",
+           "verify_tree"]

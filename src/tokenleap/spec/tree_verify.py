@@ -54,7 +54,13 @@ def verify_tree_greedy(
 ) -> TreeVerification:
     """Follow the target's argmax down the tree; emit the longest matching path plus the argmax after it."""
     _check(tree, target_logits)
-    choice = greedy(target_logits).tolist()  # [n]
+    return verify_tree_choices(tree, greedy(target_logits).tolist())
+
+
+def verify_tree_choices(tree: TokenTree, choice: list[int]) -> TreeVerification:
+    """:func:`verify_tree_greedy` given the target's argmax of every node's row already (``choice``:
+    one id per node, e.g. a slice of an argmax computed over a whole step's rows at once)."""
+    assert len(choice) == tree.size, f"need one choice per node: {tree.size}, got {len(choice)}"
     return _walk(tree, lambda node: choice[node])
 
 
@@ -141,4 +147,4 @@ def _check(tree: TokenTree, target: torch.Tensor) -> None:
         f"draft_probs {tuple(tree.draft_probs.shape)} and target {tuple(target.shape)} differ in shape")
 
 
-__all__ = ["TreeVerification", "verify_tree_greedy", "verify_tree_coupled", "verify_tree_sampling"]
+__all__ = ["TreeVerification", "verify_tree_greedy", "verify_tree_choices", "verify_tree_coupled", "verify_tree_sampling"]

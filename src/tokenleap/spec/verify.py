@@ -68,6 +68,15 @@ def verify_greedy_batch(
     return _results(draft_tokens, num_accepted, last[:, 0])
 
 
+def verify_greedy_choices(draft_tokens: list[int], choice: list[int]) -> Verification:
+    """:func:`verify_greedy` given the target's argmax of each row already (``choice``: k + 1 ids,
+    e.g. one slice of an argmax computed over a whole step's rows at once)."""
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == choice[n]:
+        n += 1
+    return Verification(list(draft_tokens[:n]) + [choice[n]], n)
+
+
 def verify_sampling(
     draft_tokens: torch.Tensor,  # [k] long
     draft_probs: torch.Tensor | None,  # [k, vocab], or None for a deterministic proposer
@@ -188,5 +197,5 @@ def _results(
     return [Verification(row[1:1 + row[0]] + [row[-1]], row[0]) for row in rows]
 
 
-__all__ = ["Verification", "verify_greedy", "verify_greedy_batch", "verify_sampling",
+__all__ = ["Verification", "verify_greedy", "verify_greedy_batch", "verify_greedy_choices", "verify_sampling",
            "verify_sampling_batch", "verify_coupled"]
