@@ -88,6 +88,62 @@ def test_rows_are_independent_and_params_per_row():
     torch.testing.assert_close(batch.sum(-1), torch.ones(6))
 
 
+def _lm_rows(n: int, vocab: int, seed: int, spread: float) -> torch.Tensor:  # [n, vocab]
+    """Noise plus a few dozen favoured tokens a row, like a language model's logits; ``spread``
+    flattens (small) or sharpens (large) the favoured part."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g)
+    top = torch.randint(0, vocab, (n, 40), generator=g)
+    return x.scatter_(1, top, torch.linspace(spread, spread / 4, 40).expand(n, 40).contiguous())
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_p=0.5, temperature=0.7), dict(top_k=50),
+                                dict(top_k=1000, top_p=0.95), dict(min_p=0.05), dict(top_p=0.99, min_p=0.01),
+                                dict(temperature=1.3, top_k=20, top_p=0.8, min_p=0.1),
+                                dict(top_p=torch.tensor([0.9, 0.3, 1.0, 0.999]), top_k=torch.tensor([0, 5, 0, 700]))])
+def test_large_vocabularies_filter_as_the_full_sort_does(kw):
+    """Over a large vocabulary the filters first look at each row's highest logits only; the kept
+    set must be the one a stable sort of the whole row gives -- also where a row's nucleus is wider
+    than the candidates (flat rows, top_k above them, min_p alone), which go to the full sort."""
+    from tokenleap.spec import sampling
+    for spread, seed in ((12.0, 0), (4.0, 1), (1.0, 2)):  # peaked, moderate, nearly flat
+        logits = _lm_rows(4, 20000, seed, spread)  # [4, 20000]
+        out = logits_to_probs(logits, **kw)  # [4, 20000]
+        n = logits.shape[0]
+        t = sampling._column(kw.get("temperature", 1.0), n, torch.float32)
+        x = logits / t
+        k = sampling._column(kw.get("top_k", 0), n, torch.long)
+        k = torch.where((k <= 0) | (k > x.shape[1]), x.shape[1], k)
+        keep = sampling._keep_sorted(x, k, sampling._column(kw.get("top_p", 1.0), n, torch.float32),
+                                     sampling._column(kw.get("min_p", 0.0), n, torch.float32))
+        assert torch.equal(out > 0, keep)
+        assert torch.equal(out, torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1))
+
+
+def test_ties_at_the_candidates_edge_are_broken_by_id_as_in_the_full_sort():
+    """Many equal logits around the last candidate: the full sort decides which of them come first."""
+    from tokenleap.spec import sampling
+    x = torch.zeros(1, 5000)
+    x[0, ::7] = 1.0  # hundreds of equal logits, the candidates' edge among them
+    x[0, 4000:4100] = 5.0  # 100 tokens far above the rest
+    probs = logits_to_probs(x, top_p=0.999)  # [1, 5000]
+    keep = sampling._keep_sorted(x, torch.tensor([[5000]]), torch.tensor([[0.999]]), torch.tensor([[0.0]]))
+    assert torch.equal(probs > 0, keep)
+    top = logits_to_probs(x, top_k=200)[0] > 0  # the 100 high ones, then the lowest ids among the ties
+    assert top[4000:4100].all() and int(top.sum()) == 200
+    assert torch.equal(top.nonzero().flatten()[:100], torch.arange(0, 700, 7))
+
+
+def test_large_vocabulary_rows_do_not_depend_on_their_batch():
+    """A row's probabilities are bitwise the same alone and among other rows (one decode step's
+    row against a verification block's)."""
+    logits = _lm_rows(6, 30000, 5, 6.0)
+    for kw in (dict(top_p=0.9, temperature=0.8), dict(top_k=40), dict(min_p=0.02)):
+        block = logits_to_probs(logits, **kw)
+        for i in range(logits.shape[0]):
+            assert torch.equal(logits_to_probs(logits[i:i + 1], **kw)[0], block[i])
+
+
 def test_masked_logits_stay_zero():
     logits = torch.tensor([[float("-inf"), 1.0, 2.0, float("-inf")]])  # [1, 4]
     for kw in ({}, {"top_k": 3}, {"top_p": 0.99}, {"min_p": 0.01}):

@@ -44,6 +44,8 @@ Param = float | int | torch.Tensor
 # Cumulative mass within this of top_p counts as reaching it, so an exact boundary
 # (e.g. 0.5 + 0.25 with top_p = 0.75) is not decided by float32 rounding of a running sum.
 _TOP_P_EPS = 1e-6
+# A row's highest logits the filters look at first (the full sort only where they cannot decide)
+_CANDIDATES = 256
 
 
 def logits_to_probs(
@@ -83,14 +85,77 @@ def _keep_mask(
     m = _column(min_p, n, torch.float32)  # [n, 1]
     if not bool((k < vocab).any() or (p < 1).any() or (m > 0).any()):
         return None
+    if vocab < 4 * _CANDIDATES:
+        return _keep_sorted(x, k, p, m)
+    keep, done = _keep_among_candidates(x, k, p, m, _CANDIDATES)
+    if not bool(done.all()):  # rows whose kept set may reach past the candidates: the full sort
+        rest = ~done
+        keep[rest] = _keep_sorted(x[rest], k[rest], p[rest], m[rest])
+    return keep
+
+
+def _keep_sorted(
+    x: torch.Tensor,  # [n, vocab] float32
+    k: torch.Tensor,  # [n, 1] long, 1..vocab
+    p: torch.Tensor,  # [n, 1] float32
+    m: torch.Tensor,  # [n, 1] float32
+) -> torch.Tensor:  # [n, vocab] bool in vocabulary order
+    """The filters on the whole row in stable descending order (lower id first among equals)."""
+    vocab = x.shape[1]
     sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [n, vocab] each
     keep = torch.arange(vocab) < k  # [n, vocab], in sorted order from here on
     probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)  # [n, vocab]
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, vocab]
-    keep &= (mass_before < p - _TOP_P_EPS) | (p >= 1)
+    return _scatter(_nucleus(keep, probs, p, m), order)
+
+
+def _keep_among_candidates(
+    x: torch.Tensor,  # [n, vocab] float32
+    k: torch.Tensor,  # [n, 1] long
+    p: torch.Tensor,  # [n, 1] float32
+    m: torch.Tensor,  # [n, 1] float32
+    c: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # keep [n, vocab] bool, done [n] bool
+    """The filters on each row's ``c`` highest logits only, in the full sort's order.
+
+    Sorting a 152k vocabulary costs tens of milliseconds a row -- more than the rest of a
+    verification step -- while the tokens a filter keeps are almost always among the first few
+    hundred. Every filter keeps a prefix of the sorted row (positions below k, cumulative mass
+    below top_p, probability at least min_p * p_max: each holds for a position only if it holds for
+    every earlier one), so when the last candidate is dropped nothing after it is kept, and the
+    candidates decide the row. ``done`` is False where they cannot: the last candidate is kept,
+    the c-th value is tied with a token outside the candidates (which of the equals the full sort
+    puts first is then unknown), or top-k's normalizer spans tokens past the candidates
+    (c < k < vocab). Those rows go to the full sort.
+    """
+    n, vocab = x.shape
+    vals, idx = torch.topk(x, c, dim=-1)  # [n, c] each, descending; order among equal values unspecified
+    by_id = torch.argsort(idx, dim=-1)  # then ordered as the stable sort orders them: lower id first among equals
+    vals, idx = vals.gather(1, by_id), idx.gather(1, by_id)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices  # [n, c]
+    vals, idx = vals.gather(1, order), idx.gather(1, order)
+    whole = (x >= vals[:, -1:]).sum(dim=-1) == c  # [n]: no token outside ties with the last candidate
+    in_k = torch.arange(c) < k  # [n, c]
+    # top-k's softmax over the first k sorted tokens: among the candidates when k <= c, every token when k = vocab
+    lse = torch.logsumexp(vals.masked_fill(~in_k, float("-inf")), dim=-1, keepdim=True)  # [n, 1]
+    if bool((k > c).any()):
+        lse = torch.where(k <= c, lse, torch.logsumexp(x, dim=-1, keepdim=True))
+    probs = torch.exp(vals - lse).masked_fill(~in_k, 0.0)  # [n, c]
+    keep_c = _nucleus(in_k, probs, p, m)  # [n, c]
+    done = whole & ~keep_c[:, -1] & ((k <= c) | (k >= vocab)).squeeze(1)
+    return torch.zeros(n, vocab, dtype=torch.bool).scatter_(1, idx, keep_c), done
+
+
+def _nucleus(keep: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``keep`` (top-k, in sorted order) narrowed by top-p and min-p; probs: [n, width] in sorted order."""
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, width]
+    keep = keep & ((mass_before < p - _TOP_P_EPS) | (p >= 1))
     keep &= probs >= m * probs[:, :1]  # p / p_max does not depend on normalization
     keep[:, 0] = True
-    return torch.zeros_like(keep).scatter(-1, order, keep)  # [n, vocab]
+    return keep
+
+
+def _scatter(keep: torch.Tensor, order: torch.Tensor) -> torch.Tensor:  # [n, vocab] sorted -> vocabulary order
+    return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
 def _column(value: Param, n: int, dtype: torch.dtype) -> torch.Tensor:  # [n, 1]
