@@ -280,3 +280,21 @@ def test_small_predicted_gain_speculates_alone_but_not_in_a_batch():
     assert 1.0 < gain < 1.15
     assert c.choose(batch=1) == 1 and c.choose(batch=2) == 0 and not c.would_speculate(batch=2)
     assert rates(0.0).choose(batch=2) == 1
+
+
+def test_rows_a_proposer_attaches_to_its_steps_are_priced_in():
+    """Lookahead adds its Jacobi window (here 6 rows) to every drafting step's forward: where rows
+    cost (AVX2: 1 + 0.12 a row) speculation that pays with k + 1 rows does not with 6 more."""
+    def fed(aux_rows: int) -> DraftLengthController:
+        c = DraftLengthController(ControllerConfig(max_k=4, probe_every=10**6))
+        c.aux_rows = aux_rows
+        for rows in range(1, 17):
+            c.observe_forward(rows, 1.0 + 0.12 * (rows - 1))
+        c.observe_draft(1, 0.0)  # a free proposer, like n-gram lookup
+        for _ in range(200):
+            c.observe_acceptance(4, 1)  # the first guess holds half the time, rarely more
+            c.observe_acceptance(4, 0)
+        return c
+    assert fed(0).choose() > 0
+    assert fed(6).choose() == 0
+    assert fed(6).step_cost(2) > fed(0).step_cost(2) and fed(6).step_cost(0) == fed(0).step_cost(0)

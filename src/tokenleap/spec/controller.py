@@ -103,6 +103,7 @@ class ControllerConfig:
 class DraftLengthController:
     def __init__(self, config: ControllerConfig) -> None:
         self.cfg = config
+        self.aux_rows = 0  # rows the proposer adds to each drafting step's forward (set by the engine)
         self.accept = [config.prior_acceptance] * config.max_k  # conditional b_i
         # exponentially forgotten counts behind accept[i]: (hits + prior weight) / (trials + weight)
         self._hits = [0.0] * config.max_k
@@ -286,9 +287,12 @@ class DraftLengthController:
 
     def step_cost(self, k: int, batch: int = 1) -> float:
         """Predicted seconds of a step drafting k tokens for each of ``batch`` sequences: drafting,
-        one target forward over ``batch * (k + 1)`` rows, and the step's measured overhead."""
+        one target forward over ``batch * (k + 1)`` rows -- plus ``aux_rows`` a sequence when the
+        proposer attaches rows of its own to a drafting step (lookahead's Jacobi window) -- and the
+        step's measured overhead."""
         draft = 0.0 if k == 0 else k * batch * self.predict_draft(batch)
-        return draft + self.predict_forward(batch * (k + 1), batch == 1) + self.step_overhead.get((k > 0, batch), 0.0)
+        rows = batch * (k + 1 + (self.aux_rows if k else 0))
+        return draft + self.predict_forward(rows, batch == 1) + self.step_overhead.get((k > 0, batch), 0.0)
 
     def predict_forward(self, rows: int, explore: bool = False) -> float:
         """Seconds for a target forward over ``rows``. ``explore`` (one sequence): a block larger

@@ -55,6 +55,8 @@ class Engine:
         if hasattr(proposer, "bind_cache"):  # a self-drafting proposer (layer skip) drafts in the target's cache
             proposer.bind_cache(self.cache)
         self.controller = DraftLengthController(controller or ControllerConfig())
+        if not hasattr(proposer, "plan"):  # (a composite, --spec auto, prices each arm's rows itself)
+            self.controller.aux_rows = getattr(proposer, "aux_rows", 0)  # e.g. lookahead's window, priced in
         self._plan: StepPlan | None = None  # choose_k's plan, for the step it was chosen for
         self._attached: set[int] = set()  # sequences holding a cache slot: the batch a newcomer joins
         self.prefill_chunk = prefill_chunk
