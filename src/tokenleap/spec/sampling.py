@@ -125,7 +125,10 @@ def _keep_among_candidates(
     candidates decide the row. ``done`` is False where they cannot: the last candidate is kept,
     the c-th value is tied with a token outside the candidates (which of the equals the full sort
     puts first is then unknown), or top-k's normalizer spans tokens past the candidates
-    (c < k < vocab). Those rows go to the full sort.
+    (c < k < vocab). Those rows go to the full sort. The kept set is the full sort's except where
+    a row's cumulative mass lands within float rounding of top_p (the masses are summed from
+    ``exp(logit - logsumexp)`` rather than from a softmax of the sorted row); plain decoding and
+    every verifier filter through this same function, so speculation stays exact either way.
     """
     n, vocab = x.shape
     vals, idx = torch.topk(x, c, dim=-1)  # [n, c] each, descending; order among equal values unspecified
