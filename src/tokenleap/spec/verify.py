@@ -52,7 +52,8 @@ def verify_greedy(
     target_logits: torch.Tensor,  # [k+1, vocab]
 ) -> Verification:
     """Accept drafts while they equal the target's argmax, then emit the target's argmax."""
-    return verify_greedy_batch(draft_tokens[None], target_logits[None])[0]
+    _check_shapes(draft_tokens[None], target_logits[None])
+    return verify_greedy_choices(draft_tokens.tolist(), greedy(target_logits).tolist())
 
 
 def verify_greedy_batch(
