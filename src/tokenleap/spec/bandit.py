@@ -128,9 +128,7 @@ class Bandit:
     def rate(self, seq: SeqBandit, arm: str, k: int, batch: int, target: DraftLengthController) -> float:
         """Predicted tokens per second of a step in which ``arm`` drafts k tokens for ``batch`` sequences."""
         a = self.arms[arm]
-        cost = (k * batch * a.costs.predict_draft(batch)
-                + target.predict_forward(batch * (k + 1 + a.aux_rows), batch == 1)
-                + target.step_overhead.get((True, batch), 0.0))
+        cost = target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
         return batch * seq.arms[arm].acceptance.expected_tokens(k, a.costs.accept) / cost if cost > 0 else float("inf")
 
     def plan(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
@@ -174,9 +172,7 @@ class Bandit:
                 continue
             catch_up = backlogs.get(name, 0) * (a.costs.catch_up_cost or 0.0)
             affordable = catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
-            best_case = batch * (k + 1) / (k * batch * a.costs.predict_draft(batch)
-                                           + target.predict_forward(batch * (k + 1 + a.aux_rows), batch == 1)
-                                           + target.step_overhead.get((True, batch), 0.0))
+            best_case = batch * (k + 1) / target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
             if affordable and best_case > best:
                 return Choice(name, k, 0.0)
         return None

@@ -286,13 +286,19 @@ class DraftLengthController:
         return batch * self.expected_tokens(k) / cost if cost > 0 else float("inf")
 
     def step_cost(self, k: int, batch: int = 1) -> float:
-        """Predicted seconds of a step drafting k tokens for each of ``batch`` sequences: drafting,
-        one target forward over ``batch * (k + 1)`` rows -- plus ``aux_rows`` a sequence when the
-        proposer attaches rows of its own to a drafting step (lookahead's Jacobi window) -- and the
-        step's measured overhead."""
-        draft = 0.0 if k == 0 else k * batch * self.predict_draft(batch)
-        rows = batch * (k + 1 + (self.aux_rows if k else 0))
-        return draft + self.predict_forward(rows, batch == 1) + self.step_overhead.get((k > 0, batch), 0.0)
+        """Predicted seconds of a step drafting k tokens for each of ``batch`` sequences with this
+        controller's proposer (:meth:`spec_step_cost` with its measured draft cost and ``aux_rows``)."""
+        return self.spec_step_cost(k, batch, self.predict_draft(batch) if k else 0.0, self.aux_rows)
+
+    def spec_step_cost(self, k: int, batch: int, draft_per_token: float, aux_rows: int = 0) -> float:
+        """Predicted seconds of a step drafting k tokens for each of ``batch`` sequences at
+        ``draft_per_token`` seconds a drafted token: drafting, one target forward over
+        ``batch * (k + 1)`` rows -- plus ``aux_rows`` a sequence when the proposer attaches rows of
+        its own to a drafting step (lookahead's Jacobi window) -- and the step's measured overhead.
+        The bandit of ``--spec auto`` prices each of its proposers by the same formula."""
+        rows = batch * (k + 1 + (aux_rows if k else 0))
+        return (k * batch * draft_per_token + self.predict_forward(rows, batch == 1)
+                + self.step_overhead.get((k > 0, batch), 0.0))
 
     def predict_forward(self, rows: int, explore: bool = False) -> float:
         """Seconds for a target forward over ``rows``. ``explore`` (one sequence): a block larger
