@@ -221,6 +221,59 @@ def test_a_catch_up_that_does_not_pay_back_keeps_the_draft_out():
     assert b.plan(seq, 1, target, {"draft": 400}, 5, 4) == []  # 2 s to catch up for 5 tokens
 
 
+class _Warmable:
+    """A stand-in draft arm: a backlog until prefilled, and a record of its prefills."""
+    shadow = False
+
+    def __init__(self) -> None:
+        self.fed: dict[int, int] = {}
+        self.prefills = 0
+
+    def begin(self, seq_id, prompt):
+        self.fed[seq_id] = 0
+
+    def backlog(self, seq_id, tokens):
+        return len(tokens) - self.fed[seq_id]
+
+    def prefill(self, seq_id, tokens):
+        self.fed[seq_id], self.prefills = len(tokens), self.prefills + 1
+
+
+def warm_arms(ngram_accepts: int, draft_accepts: int, remaining: float = 100) -> int:
+    """Prefills the draft arm gets for a new sequence after earlier sequences measured the arms."""
+    prop = AutoProposer({"draft": _Warmable(), "ngram": NgramProposer()}, BanditConfig(max_k=4))
+    prop.bandit = bandit(draft_cost=0.002)
+    prop.bandit.observe_catch_up("draft", 100, 0.05)  # 0.5 ms a prompt token
+    old = prop.bandit.new_sequence()
+    for _ in range(20):
+        prop.bandit.observe_acceptance(old, "ngram", 4, ngram_accepts)
+        prop.bandit.observe_acceptance(old, "draft", 4, draft_accepts)
+    prop.target = costs(FLAT)
+    prop.begin(0, list(range(40)))
+    prop.prefill(0, list(range(40)), 1, remaining)
+    return prop.arms["draft"].prefills
+
+
+def test_the_draft_is_prefilled_only_when_it_would_draft_first():
+    assert warm_arms(ngram_accepts=0, draft_accepts=3) == 1  # prose so far: the draft drafts first
+    assert warm_arms(ngram_accepts=4, draft_accepts=3) == 0  # n-gram lookup serves: no draft prefill
+    assert warm_arms(ngram_accepts=0, draft_accepts=3, remaining=1) == 0  # a warm-up one token cannot repay
+
+
+def test_auto_draft_arm_is_a_cascade_unless_trees_are_on(models):
+    from tokenleap.api import LLM
+    from tokenleap.models.pretrained import LoadedModel
+    from tokenleap.spec.proposers.cascade import CascadeDraftProposer
+
+    def loaded(m):
+        return LoadedModel(m, ToyTokenizer(V), torch.float32, "none", "tiny", None)
+    target, draft = models
+    chains = LLM.from_loaded(loaded(target), SpecConfig(method="auto", draft_model="d"), draft=loaded(draft))
+    trees = LLM.from_loaded(loaded(target), SpecConfig(method="auto", draft_model="d", tree="on"), draft=loaded(draft))
+    assert isinstance(chains.proposer.arms["draft"], CascadeDraftProposer)
+    assert not isinstance(trees.proposer.arms["draft"], CascadeDraftProposer)
+
+
 def test_shadow_ngram_is_scored_against_the_emitted_tokens():
     prop = AutoProposer({"ngram": NgramProposer()}, BanditConfig(max_k=4))
     target = costs(FLAT)

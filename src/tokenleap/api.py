@@ -289,12 +289,15 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
     from tokenleap.spec.proposers.auto import AutoProposer
     from tokenleap.spec.proposers.ngram import NgramProposer
     arms: dict[str, Proposer] = {}
+    # the draft arm drafts chains (trees only with --spec-tree on), so it is a cascade: n-gram lookup
+    # speculates the draft model's own steps, which changes no drafted token and saves draft forwards
+    draft_spec = spec.draft_spec or (None if spec.tree == "on" else "ngram")
     for name in AUTO_ARMS:
         if name == "draft":
             if draft is not None:
                 arms[name] = draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots,
                                             spec.draft_vocab, draft_cache(draft) if draft_cache else None,
-                                            spec.draft_spec, target.tokenizer)
+                                            draft_spec, target.tokenizer)
         elif name == "ngram":
             arms[name] = NgramProposer(spec.ngram_max, spec.ngram_min)
         else:

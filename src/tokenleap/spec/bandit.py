@@ -142,6 +142,25 @@ class Bandit:
             return [Choice(a, min(self.cfg.initial_k, max_k), 0.0) for a in self.arms]
         plain = target.rate(0, batch)
         margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
+        ranked = self.rank(seq, batch, target, backlogs, remaining, max_k)
+        step_seconds = batch / ranked[0].rate if ranked else batch / plain
+        for state in seq.arms.values():
+            state.idle_steps += 1
+            state.idle_seconds += step_seconds
+        best = ranked[0].rate if ranked else plain * margin
+        probe = self._probe(seq, batch, target, backlogs, best, max_k, {c.arm for c in ranked})
+        return [probe] + ranked if probe is not None else ranked
+
+    def rank(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
+             remaining: float, max_k: int) -> list[Choice]:
+        """The arms that beat plain decoding for this sequence's next step (by the batch margin) and pay
+        back their catch-up over ``remaining`` tokens, best first, each at its best draft length;
+        nothing is recorded (``plan`` is the step's choice, with exploration)."""
+        max_k = min(max_k, self.cfg.max_k)
+        if max_k <= 0 or not target.forward_cost:
+            return []
+        plain = target.rate(0, batch)
+        margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
         ranked = []
         for name, a in self.arms.items():
             k, r = max(((k, self.rate(seq, name, k, batch, target)) for k in range(1, max_k + 1)),
@@ -151,13 +170,7 @@ class Bandit:
             if r > plain * margin * 1.0001 and (catch_up <= 0.0 or gain > catch_up):
                 ranked.append(Choice(name, k, r))
         ranked.sort(key=lambda c: -c.rate)
-        step_seconds = batch / ranked[0].rate if ranked else batch / plain
-        for state in seq.arms.values():
-            state.idle_steps += 1
-            state.idle_seconds += step_seconds
-        best = ranked[0].rate if ranked else plain * margin
-        probe = self._probe(seq, batch, target, backlogs, best, max_k, {c.arm for c in ranked})
-        return [probe] + ranked if probe is not None else ranked
+        return ranked
 
     def _probe(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
                best: float, max_k: int, ranked: set[str]) -> Choice | None:

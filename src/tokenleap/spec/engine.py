@@ -187,7 +187,7 @@ class Engine:
         not predicted to pay, with that prefill counted, at the batch this sequence joins (every
         sequence holding a slot, newcomers included); a later proposal catches up if load drops."""
         if hasattr(self.proposer, "plan"):  # a composite (--spec auto) judges each of its proposers itself
-            self.proposer.prefill(seq.seq_id, tokens)
+            self.proposer.prefill(seq.seq_id, tokens, max(1, len(self._attached)), self.expected_remaining(seq))
             return
         backlog = self.proposer.backlog(seq.seq_id, tokens)
         nodes = self.tree_nodes if self._tree_mode() == "auto" else 0

@@ -61,24 +61,28 @@ class AutoProposer:
         for p in self.arms.values():
             p.begin(seq_id, prompt)
 
-    def prefill(self, seq_id: int, tokens: list[int]) -> None:
-        """Warm an arm that needs it (a draft model) alongside the target's prefill -- unless, by the
-        figures of earlier sequences, it would not draft for a new one; it then catches up if chosen."""
+    def prefill(self, seq_id: int, tokens: list[int], batch: int = 1, remaining: float = float("inf")) -> None:
+        """Warm an arm that needs it (a draft model) alongside the target's prefill only if, by the
+        figures of earlier sequences, it would draft this sequence's first step: it beats plain
+        decoding and every other arm (a free one such as n-gram lookup included) with the warm-up
+        paid back over the ``remaining`` tokens at a step of ``batch`` sequences. Otherwise it catches
+        up at the first step it is chosen for, priced by the same rule, or never: a prompt that
+        n-gram lookup serves alone costs no draft prefill."""
         seq = self._seqs[seq_id]
-        for name, p in self.arms.items():
-            if p.backlog(seq_id, tokens) <= 0 or not self._pays(seq, name):
-                continue
+        backlogs = {n: p.backlog(seq_id, tokens) for n, p in self.arms.items()}
+        warm = [n for n, b in backlogs.items() if b > 0]
+        if not warm:
+            return
+        target = self.target
+        if target is not None and target.forward_cost:  # nothing measured yet: warm, and so measure
+            ranked = self.bandit.rank(seq, batch, target, backlogs, remaining, self.bandit.cfg.max_k)
+            warm = [ranked[0].arm] if ranked and ranked[0].arm in warm else []
+        for name in warm:
+            p = self.arms[name]
             t0 = time.perf_counter()
-            before = p.backlog(seq_id, tokens)
+            before = backlogs[name]
             p.prefill(seq_id, tokens)
             self.bandit.observe_catch_up(name, before - p.backlog(seq_id, tokens), time.perf_counter() - t0)
-
-    def _pays(self, seq: SeqBandit, arm: str) -> bool:
-        target = self.target
-        if target is None or not target.forward_cost:
-            return True
-        best = max(self.bandit.rate(seq, arm, k, 1, target) for k in range(1, self.bandit.cfg.max_k + 1))
-        return best > target.rate(0, 1)
 
     def backlog(self, seq_id: int, tokens: list[int]) -> int:
         """Tokens the arm planned first must catch up on (the engine's controller is not asked)."""
