@@ -161,8 +161,8 @@ def costs(forward: dict[int, float], plain_overhead: float = 0.0) -> DraftLength
 FLAT = {r: 0.010 + 0.001 * r for r in range(1, 20)}  # a forward costs little more for more rows
 
 
-def bandit(draft_cost: float, ngram_cost: float = 1e-6) -> Bandit:
-    b = Bandit([("draft", False), ("ngram", True)], BanditConfig(max_k=4))
+def bandit(draft_cost: float, ngram_cost: float = 1e-6, settle_steps: int = BanditConfig.settle_steps) -> Bandit:
+    b = Bandit([("draft", False), ("ngram", True)], BanditConfig(max_k=4, settle_steps=settle_steps))
     b.observe_draft("draft", 4, 4 * draft_cost, 1)
     b.observe_draft("ngram", 4, 4 * ngram_cost, 1)
     return b
@@ -211,7 +211,7 @@ def test_plain_when_nothing_pays_then_a_probe():
 
 
 def test_a_catch_up_that_does_not_pay_back_keeps_the_draft_out():
-    b, target = bandit(draft_cost=0.002), costs(FLAT)
+    b, target = bandit(draft_cost=0.002, settle_steps=0), costs(FLAT)
     b.observe_catch_up("draft", 100, 0.5)  # 5 ms a token the draft missed
     seq = b.new_sequence()
     for _ in range(10):
@@ -239,10 +239,10 @@ class _Warmable:
         self.fed[seq_id], self.prefills = len(tokens), self.prefills + 1
 
 
-def warm_arms(ngram_accepts: int, draft_accepts: int, remaining: float = 100) -> int:
+def warm_arms(ngram_accepts: int, draft_accepts: int, remaining: float = 100, settle_steps: int = 0) -> int:
     """Prefills the draft arm gets for a new sequence after earlier sequences measured the arms."""
     prop = AutoProposer({"draft": _Warmable(), "ngram": NgramProposer()}, BanditConfig(max_k=4))
-    prop.bandit = bandit(draft_cost=0.002)
+    prop.bandit = bandit(draft_cost=0.002, settle_steps=settle_steps)
     prop.bandit.observe_catch_up("draft", 100, 0.05)  # 0.5 ms a prompt token
     old = prop.bandit.new_sequence()
     for _ in range(20):
@@ -258,6 +258,24 @@ def test_the_draft_is_prefilled_only_when_it_would_draft_first():
     assert warm_arms(ngram_accepts=0, draft_accepts=3) == 1  # prose so far: the draft drafts first
     assert warm_arms(ngram_accepts=4, draft_accepts=3) == 0  # n-gram lookup serves: no draft prefill
     assert warm_arms(ngram_accepts=0, draft_accepts=3, remaining=1) == 0  # a warm-up one token cannot repay
+    assert warm_arms(ngram_accepts=0, draft_accepts=3, settle_steps=3) == 0  # n-gram measures this text first
+
+
+def test_a_new_sequence_settles_before_a_draft_catches_up():
+    b, target = bandit(draft_cost=0.002), costs(FLAT)
+    b.observe_catch_up("draft", 100, 0.05)
+    old = b.new_sequence()
+    for _ in range(20):  # earlier sequences: prose, the draft's
+        b.observe_acceptance(old, "ngram", 4, 0)
+        b.observe_acceptance(old, "draft", 4, 3)
+    code, prose = b.new_sequence(), b.new_sequence()
+    for _ in range(b.cfg.settle_steps):  # nobody catches up while n-gram's shadow measures each text
+        assert "draft" not in [c.arm for c in b.plan(code, 1, target, {"draft": 40}, 100, 4)]
+        assert "draft" not in [c.arm for c in b.plan(prose, 1, target, {"draft": 40}, 100, 4)]
+        b.observe_acceptance(code, "ngram", 4, 4)  # the code copies its prompt
+        b.observe_acceptance(prose, "ngram", 4, 0)
+    assert b.plan(code, 1, target, {"draft": 40}, 100, 4)[0].arm == "ngram"
+    assert b.plan(prose, 1, target, {"draft": 40}, 100, 4)[0].arm == "draft"
 
 
 def test_auto_draft_arm_is_a_cascade_unless_trees_are_on(models):

@@ -17,7 +17,10 @@ code moves to n-gram lookup within a few steps, and back.
 The plan for a sequence is every arm that beats plain decoding (by ``batch_margin`` with several
 sequences) and pays back any catch-up it needs first (a draft model that has not followed the
 sequence while another arm drafted must feed those tokens), best first: a cheap arm that finds
-nothing to propose this step (n-gram without a match) hands the step to the next. When no arm
+nothing to propose this step (n-gram without a match) hands the step to the next. A new sequence's
+first ``settle_steps`` steps choose no arm that needs a catch-up (a draft model's prefill) while a
+shadow arm measures the text meanwhile, so that prefill is spent only where this text, not earlier
+ones, says the draft beats the free arm. When no arm
 pays, the step decodes plainly, and every ``probe_every`` steps an arm not tried for that long is
 tried once with a short draft if its catch-up is affordable, so a change in the text is noticed.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
@@ -42,6 +45,11 @@ class BanditConfig:
     probe_k: int = 2
     explore_share: float = 0.05  # a probe's catch-up may cost at most this share of the time since the last
     batch_margin: float = 0.15  # with several sequences an arm must beat plain by this much (as the controller)
+    # a new sequence's first steps, while a shadow arm is there to learn its text from, choose no arm
+    # that must catch up first (a draft model's prefill): the catch-up is then judged by this text's
+    # own acceptance of the free arm, not by earlier sequences' (code after prose would prefill a
+    # draft that n-gram lookup then leaves idle)
+    settle_steps: int = 3
 
 
 class SeqAcceptance:
@@ -97,6 +105,7 @@ class SeqBandit:
     """A sequence's per-arm acceptance and exploration clocks."""
 
     arms: dict[str, SeqArmState] = field(default_factory=dict)
+    steps: int = 0  # steps planned for the sequence so far
 
 
 class Bandit:
@@ -143,6 +152,7 @@ class Bandit:
         plain = target.rate(0, batch)
         margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
         ranked = self.rank(seq, batch, target, backlogs, remaining, max_k)
+        seq.steps += 1
         step_seconds = batch / ranked[0].rate if ranked else batch / plain
         for state in seq.arms.values():
             state.idle_steps += 1
@@ -155,14 +165,18 @@ class Bandit:
              remaining: float, max_k: int) -> list[Choice]:
         """The arms that beat plain decoding for this sequence's next step (by the batch margin) and pay
         back their catch-up over ``remaining`` tokens, best first, each at its best draft length;
-        nothing is recorded (``plan`` is the step's choice, with exploration)."""
+        while the sequence settles (``settle_steps``) an arm with a catch-up is left out if a shadow
+        arm is there. Nothing is recorded (``plan`` is the step's choice, with exploration)."""
         max_k = min(max_k, self.cfg.max_k)
         if max_k <= 0 or not target.forward_cost:
             return []
         plain = target.rate(0, batch)
         margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
+        settling = seq.steps < self.cfg.settle_steps and any(a.shadow for a in self.arms.values())
         ranked = []
         for name, a in self.arms.items():
+            if settling and backlogs.get(name, 0) > 0:
+                continue
             k, r = max(((k, self.rate(seq, name, k, batch, target)) for k in range(1, max_k + 1)),
                        key=lambda kr: kr[1])
             catch_up = backlogs.get(name, 0) * (a.costs.catch_up_cost or 0.0)

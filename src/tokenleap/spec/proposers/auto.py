@@ -62,12 +62,12 @@ class AutoProposer:
             p.begin(seq_id, prompt)
 
     def prefill(self, seq_id: int, tokens: list[int], batch: int = 1, remaining: float = float("inf")) -> None:
-        """Warm an arm that needs it (a draft model) alongside the target's prefill only if, by the
-        figures of earlier sequences, it would draft this sequence's first step: it beats plain
-        decoding and every other arm (a free one such as n-gram lookup included) with the warm-up
-        paid back over the ``remaining`` tokens at a step of ``batch`` sequences. Otherwise it catches
-        up at the first step it is chosen for, priced by the same rule, or never: a prompt that
-        n-gram lookup serves alone costs no draft prefill."""
+        """Warm an arm that needs it (a draft model) alongside the target's prefill only if it would
+        draft this sequence's first step (``Bandit.rank``): it beats plain decoding and every other
+        arm, with the warm-up paid back over the ``remaining`` tokens at a step of ``batch``
+        sequences -- never while a shadow arm (n-gram) lets the sequence settle first. Otherwise it
+        catches up at the first step it is chosen for, priced by the same rule, or never: a prompt
+        that n-gram lookup serves alone costs no draft prefill."""
         seq = self._seqs[seq_id]
         backlogs = {n: p.backlog(seq_id, tokens) for n, p in self.arms.items()}
         warm = [n for n, b in backlogs.items() if b > 0]
