@@ -1,6 +1,7 @@
 """Microbenchmark of tokenleap's weight-product kernels: int4 (W4A8), int6 (W6A8, Q6_K), int8 and bf16, one layer shape,
 1..8 rows, weights streamed from memory (a rotation of copies larger than the L3 cache); bf16 on AMX
-tiles too where the CPU has them, and int4 / int6 on AMX-INT8 tiles (columns int4-amx, int6-amx) beside the AVX2 kernels.
+tiles too where the CPU has them, and int4 / int6 on AMX-INT8 tiles (columns int4-amx, int6-amx) beside the AVX2 kernels, and int4 on the
+AVX-512 VNNI tile (int4-vnni) where the CPU has it.
 
     python scripts/bench_kernels.py [--n 1536 --k 8960]
 """
@@ -18,6 +19,13 @@ from tokenleap import kernels
 def _with_amx_int8_rows(rows: int, fn):
     def product(x, *w):
         kernels.set_amx_int8_rows(rows)
+        return fn(x, *w)
+    return product
+
+
+def _with_int4_vnni(on: bool, fn):
+    def product(x, *w):
+        kernels.set_int4_vnni(on)
         return fn(x, *w)
     return product
 
@@ -41,6 +49,9 @@ def main() -> None:
     if amx_int8:  # the AVX2 kernel and the AMX-INT8 one (bitwise the same results) side by side
         kinds["int4"] = (_with_amx_int8_rows(0, kernels.int4_linear), int4)
         kinds["int4-amx"] = (_with_amx_int8_rows(1, kernels.int4_linear), int4)
+    elif kernels.int4_vnni_supported():  # the AVX2 tile and the AVX-512 VNNI one (bitwise the same results)
+        kinds["int4"] = (_with_int4_vnni(False, kernels.int4_linear), int4)
+        kinds["int4-vnni"] = (_with_int4_vnni(True, kernels.int4_linear), int4)
     else:
         kinds["int4"] = (kernels.int4_linear, int4)
     if k % 256 == 0:  # Q6_K's super-blocks

@@ -1,9 +1,11 @@
 """Time one decode / verification step of a real model: a forward over R new rows (row-exact, as
 verification computes them) after a 200-token prompt, with the compiled decoder layer and with the
-Python layers, alternating, median ms over repeats.
+Python layers (or, with ``--compare vnni``, int4 products on the AVX2 tile and on the AVX-512 VNNI
+one), alternating, median ms over repeats.
 
     python scripts/bench_steps.py --model qwen2.5-coder-1.5b-instruct --rows 1 2 4 6
     python scripts/bench_steps.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --rows 1
+    python scripts/bench_steps.py --compare vnni --rows 1 2 4 6 8
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 
 import torch
 
+from tokenleap import kernels
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.models.pretrained import load_model
 from tokenleap.models.transformer import Segment
@@ -27,16 +30,24 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6])
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--compare", choices=["layers", "vnni"], default="layers",
+                    help="layers: compiled vs Python decoder layers; vnni: int4 on the AVX2 vs the AVX-512 VNNI tile")
     args = ap.parse_args()
     model = load_model(args.model, dtype=args.dtype, quant=args.quant, gguf_other=args.gguf_other).model
     cache = KVCache(model.config, 1, args.prompt + max(args.rows) + 1, model.dtype)
     slot = cache.allocate()
     model(torch.randint(0, 1000, (args.prompt,), generator=torch.Generator().manual_seed(0)),
           [Segment(slot, 0, args.prompt)], cache)
+    if args.compare == "vnni" and not kernels.int4_vnni_supported():
+        raise SystemExit("--compare vnni: this CPU has no AVX-512 VNNI")
+    labels = ("compiled layers", "python layers") if args.compare == "layers" else ("int4 VNNI tile", "int4 AVX2 tile")
     times: dict[tuple[bool, int], list[float]] = {}
     for _ in range(args.repeats):
         for fused in (True, False):
-            model.use_fused_layers = fused
+            if args.compare == "layers":
+                model.use_fused_layers = fused
+            else:
+                kernels.set_int4_vnni(fused)
             for rows in args.rows:
                 t = time.perf_counter()
                 model(torch.arange(rows), [Segment(slot, args.prompt, rows)], cache, row_exact=True)
@@ -44,7 +55,7 @@ def main() -> None:
     print(f"{args.model} ({args.dtype}, {args.quant}, other {args.gguf_other}), {torch.get_num_threads()} threads; median ms")
     for rows in args.rows:
         f, p = (statistics.median(times[(fz, rows)]) * 1e3 for fz in (True, False))
-        print(f"rows {rows}: compiled layers {f:.1f}  python layers {p:.1f}")
+        print(f"rows {rows}: {labels[0]} {f:.1f}  {labels[1]} {p:.1f}")
 
 
 if __name__ == "__main__":

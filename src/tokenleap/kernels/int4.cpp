@@ -135,6 +135,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
     return y;
   }
+  if (tokenleap_ops::int4_vnni_takes()) {  // bitwise the same values
+    tokenleap_ops::int4_vnni_product(qp, scp, ssp, M, K, w, s, out, N);
+    if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
+    return y;
+  }
   // Each thread walks its column blocks in memory order (one block is K*4 contiguous bytes), all
   // rows of a block before the next: a single forward stream, which the prefetchers keep up with
   // (two interleaved streams ran at ~12 GB/s instead of ~18 on short K).

@@ -23,6 +23,12 @@ void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t
 void int6_amx_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
                       const uint8_t* packed, const float* d, float* y, int64_t N);
 
+// int4_vnni.cpp: int4.cpp's product on AVX-512 VNNI register tiles (its operands, bitwise its
+// results); int4_vnni_takes: the CPU has VNNI and the tile is turned on (op int4_vnni)
+bool int4_vnni_takes();
+void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
+                       const uint8_t* packed, const uint16_t* sm, float* y, int64_t N);
+
 // int6.cpp
 at::Tensor int6_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                         const c10::optional<at::Tensor>& bias);
