@@ -1,7 +1,7 @@
 """Microbenchmark of tokenleap's weight-product kernels: int4 (W4A8), int6 (W6A8, Q6_K), int8 and bf16, one layer shape,
 1..8 rows, weights streamed from memory (a rotation of copies larger than the L3 cache); bf16 on AMX
-tiles too where the CPU has them, and int4 / int6 on AMX-INT8 tiles (columns int4-amx, int6-amx) beside the AVX2 kernels, and int4 on the
-AVX-512 VNNI tile (int4-vnni) where the CPU has it.
+tiles too where the CPU has them, and int4 / int6 on AMX-INT8 tiles (columns int4-amx, int6-amx) beside the AVX2 kernels, and int4 / int6 on
+the AVX-512 VNNI tiles (int4-vnni, int6-vnni) where the CPU has them but not AMX.
 
     python scripts/bench_kernels.py [--n 1536 --k 8960]
 """
@@ -23,9 +23,9 @@ def _with_amx_int8_rows(rows: int, fn):
     return product
 
 
-def _with_int4_vnni(on: bool, fn):
+def _with_vnni(on: bool, fn):
     def product(x, *w):
-        kernels.set_int4_vnni(on)
+        kernels.set_vnni(on)
         return fn(x, *w)
     return product
 
@@ -46,21 +46,25 @@ def main() -> None:
     scale = torch.rand(n, k // 32, generator=g) * 0.02
     int4 = kernels.pack_int4(q, scale, -8 * scale)
     amx_int8 = "amx_int8" in kernels.cpu_flags() and kernels.amx_available()
+    vnni = not amx_int8 and kernels.vnni_supported()
     if amx_int8:  # the AVX2 kernel and the AMX-INT8 one (bitwise the same results) side by side
         kinds["int4"] = (_with_amx_int8_rows(0, kernels.int4_linear), int4)
         kinds["int4-amx"] = (_with_amx_int8_rows(1, kernels.int4_linear), int4)
-    elif kernels.int4_vnni_supported():  # the AVX2 tile and the AVX-512 VNNI one (bitwise the same results)
-        kinds["int4"] = (_with_int4_vnni(False, kernels.int4_linear), int4)
-        kinds["int4-vnni"] = (_with_int4_vnni(True, kernels.int4_linear), int4)
+    elif vnni:  # the AVX2 tile and the AVX-512 VNNI one (bitwise the same results)
+        kinds["int4"] = (_with_vnni(False, kernels.int4_linear), int4)
+        kinds["int4-vnni"] = (_with_vnni(True, kernels.int4_linear), int4)
     else:
         kinds["int4"] = (kernels.int4_linear, int4)
     if k % 256 == 0:  # Q6_K's super-blocks
         sc = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
         int6 = kernels.pack_int6(torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g), sc,
                                  torch.rand(n, k // 256, generator=g) * 0.01)
-        kinds["int6"] = (_with_amx_int8_rows(0, kernels.int6_linear) if amx_int8 else kernels.int6_linear, int6)
+        kinds["int6"] = (_with_amx_int8_rows(0, kernels.int6_linear) if amx_int8 else
+                         _with_vnni(False, kernels.int6_linear) if vnni else kernels.int6_linear, int6)
         if amx_int8:
             kinds["int6-amx"] = (_with_amx_int8_rows(1, kernels.int6_linear), int6)
+        elif vnni:
+            kinds["int6-vnni"] = (_with_vnni(True, kernels.int6_linear), int6)
     kinds["int8"] = (kernels.int8_linear, (kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)),
                                            torch.rand(n, generator=g)))
     w16 = torch.randn(n, k, generator=g).to(torch.bfloat16)

@@ -1,7 +1,7 @@
 """Time one decode / verification step of a real model: a forward over R new rows (row-exact, as
 verification computes them) after a 200-token prompt, with the compiled decoder layer and with the
-Python layers (or, with ``--compare vnni``, int4 products on the AVX2 tile and on the AVX-512 VNNI
-one), alternating, median ms over repeats.
+Python layers (or, with ``--compare vnni``, int4 / int6 products on the AVX2 tiles and on the AVX-512
+VNNI ones), alternating, median ms over repeats.
 
     python scripts/bench_steps.py --model qwen2.5-coder-1.5b-instruct --rows 1 2 4 6
     python scripts/bench_steps.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --rows 1
@@ -31,23 +31,23 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--compare", choices=["layers", "vnni"], default="layers",
-                    help="layers: compiled vs Python decoder layers; vnni: int4 on the AVX2 vs the AVX-512 VNNI tile")
+                    help="layers: compiled vs Python decoder layers; vnni: int4 / int6 on the AVX2 vs the AVX-512 VNNI tiles")
     args = ap.parse_args()
     model = load_model(args.model, dtype=args.dtype, quant=args.quant, gguf_other=args.gguf_other).model
     cache = KVCache(model.config, 1, args.prompt + max(args.rows) + 1, model.dtype)
     slot = cache.allocate()
     model(torch.randint(0, 1000, (args.prompt,), generator=torch.Generator().manual_seed(0)),
           [Segment(slot, 0, args.prompt)], cache)
-    if args.compare == "vnni" and not kernels.int4_vnni_supported():
+    if args.compare == "vnni" and not kernels.vnni_supported():
         raise SystemExit("--compare vnni: this CPU has no AVX-512 VNNI")
-    labels = ("compiled layers", "python layers") if args.compare == "layers" else ("int4 VNNI tile", "int4 AVX2 tile")
+    labels = ("compiled layers", "python layers") if args.compare == "layers" else ("VNNI tiles", "AVX2 tiles")
     times: dict[tuple[bool, int], list[float]] = {}
     for _ in range(args.repeats):
         for fused in (True, False):
             if args.compare == "layers":
                 model.use_fused_layers = fused
             else:
-                kernels.set_int4_vnni(fused)
+                kernels.set_vnni(fused)
             for rows in args.rows:
                 t = time.perf_counter()
                 model(torch.arange(rows), [Segment(slot, args.prompt, rows)], cache, row_exact=True)

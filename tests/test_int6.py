@@ -123,3 +123,24 @@ def test_int6_on_amx_tiles_gives_the_avx2_kernels_bits(n, k):
         kernels.set_amx_int8_rows(before)
     want = w6a8_reference(x, layer.dequantized_weight())
     assert (avx2.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.skipif(not (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and kernels.vnni_supported()),
+                    reason="the CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("n,k", [(40, 256), (48, 512), (272, 1536)])
+def test_int6_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k):
+    """vpdpbusd over a half's two k-steps and int6.cpp's float chain: every row count (tiles of 1-8
+    rows, passes with a tail) gives bitwise the AVX2 kernel's values, bias included."""
+    layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(n, k, seed=k + 1), (n, k)))
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(n + 1))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
+    before = kernels.set_vnni(False)
+    try:
+        avx2 = kernels.int6_linear(x, layer.packed, layer.d, bias)  # [20, n]
+        kernels.set_vnni(True)
+        for m in range(1, 21):
+            assert torch.equal(kernels.int6_linear(x[:m], layer.packed, layer.d, bias), avx2[:m]), m
+    finally:
+        kernels.set_vnni(before)
+    want = w6a8_reference(x, layer.dequantized_weight()) + bias.double()
+    assert (avx2.double() - want).abs().max() <= 1e-5 * want.abs().max()

@@ -332,21 +332,22 @@ def test_amx_int8_rows_setting_round_trips(amx_int8_rows):
     assert amx_int8_rows(0) == 0
 
 
-needs_vnni = pytest.mark.skipif(not (HAS_AVX2 and kernels.int4_vnni_supported()),
+needs_vnni = pytest.mark.skipif(not (HAS_AVX2 and kernels.vnni_supported()),
                                 reason="the CPU has no AVX-512 VNNI")
 
 
 @pytest.fixture
-def int4_vnni():
-    """Turn int4 products' AVX-512 VNNI tile on or off within a test; the loaded setting comes back after."""
-    before = kernels.set_int4_vnni(False)
-    yield kernels.set_int4_vnni
-    kernels.set_int4_vnni(before)
+def vnni():
+    """Turn int4 / int6 products' AVX-512 VNNI tiles on or off within a test (starting off); the
+    loaded setting comes back after."""
+    before = kernels.set_vnni(False)
+    yield kernels.set_vnni
+    kernels.set_vnni(before)
 
 
 @needs_vnni
 @pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (272, 1536)])  # an odd / even number of 32-input groups
-def test_int4_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k, int4_vnni):
+def test_int4_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k, vnni):
     """vpdpbusd's exact group sums and int4.cpp's float chain: every row count (tiles of 1-8 rows,
     passes with a tail) gives bitwise the AVX2 kernel's values, bias included."""
     q, scale, low = _int4_operands(n, k, n * k + 1)
@@ -354,22 +355,22 @@ def test_int4_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k, int4_vnni):
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(k + 1))
     x[3, 32:64] = 0
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
-    assert int4_vnni(False) is False  # the fixture turned it off
+    assert vnni(False) is False  # the fixture turned it off
     avx2 = kernels.int4_linear(x, packed, sm, bias)  # [20, n]
-    assert int4_vnni(True) is False
+    assert vnni(True) is False
     for m in range(1, 21):
         assert torch.equal(kernels.int4_linear(x[:m], packed, sm, bias), avx2[:m]), m
     assert_rows_independent(lambda rows: kernels.int4_linear(rows, packed, sm), x)
-    assert int4_vnni(False) is True
+    assert vnni(False) is True
 
 
-def test_int4_vnni_setting_is_off_where_the_cpu_lacks_it(int4_vnni):
-    """Turning the tile on reports it on only where the CPU has VNNI; off is always off."""
+def test_vnni_setting_is_off_where_the_cpu_lacks_it(vnni):
+    """Turning the tiles on reports them on only where the CPU has VNNI; off is always off."""
     if not kernels.available():
         pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
-    int4_vnni(True)
-    assert int4_vnni(False) is kernels.int4_vnni_supported()
-    assert int4_vnni(False) is False
+    vnni(True)
+    assert vnni(False) is kernels.vnni_supported()
+    assert vnni(False) is False
 
 
 @needs_kernel

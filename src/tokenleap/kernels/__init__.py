@@ -38,7 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_AMX_SOURCES = [_DIR / "amx.cpp", _DIR / "amx_int.cpp", _DIR / "int4_vnni.cpp"]  # ISA extensions; stubbed by amx_stub.cpp
+_AMX_SOURCES = [_DIR / "amx.cpp", _DIR / "amx_int.cpp", _DIR / "vnni.cpp"]  # ISA extensions; stubbed by amx_stub.cpp
 _SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp",
             _DIR / "tree.cpp", *_AMX_SOURCES]
 _AVX2_ONLY = [p for p in _SOURCES if p not in _AMX_SOURCES] + [_DIR / "amx_stub.cpp"]
@@ -158,18 +158,18 @@ def set_amx_int8_rows(rows: int) -> int:
     return int(torch.ops.tokenleap.amx_int8_rows(rows))
 
 
-def int4_vnni_supported() -> bool:
-    """True where int4 products can take the AVX-512 VNNI register tile (``int4_vnni.cpp``): the
+def vnni_supported() -> bool:
+    """True where int4 / int6 products can take the AVX-512 VNNI register tiles (``vnni.cpp``): the
     kernels are loaded and the CPU has AVX-512 F / BW / VL and VNNI."""
-    return available() and bool(torch.ops.tokenleap.int4_vnni_supported())
+    return available() and bool(torch.ops.tokenleap.vnni_supported())
 
 
-def set_int4_vnni(on: bool) -> bool:
-    """int4 products take the AVX-512 VNNI tile (``on``, the default where the CPU has it) or the
-    AVX2 one; returns the previous setting. Both compute bitwise the same values, so this changes
-    only speed; ``on`` has no effect where the CPU lacks VNNI."""
+def set_vnni(on: bool) -> bool:
+    """int4 / int6 products take the AVX-512 VNNI tiles (``on``, the default where the CPU has them)
+    or the AVX2 ones; returns the previous setting. Both compute bitwise the same values, so this
+    changes only speed; ``on`` has no effect where the CPU lacks VNNI."""
     available()
-    return bool(torch.ops.tokenleap.int4_vnni(1 if on else 0))
+    return bool(torch.ops.tokenleap.vnni(1 if on else 0))
 
 
 @functools.lru_cache(maxsize=1)
@@ -373,7 +373,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "amx_available", "set_amx_int8_rows", "int4_vnni_supported", "set_int4_vnni", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "amx_available", "set_amx_int8_rows", "vnni_supported", "set_vnni", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
 
 

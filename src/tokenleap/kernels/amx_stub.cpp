@@ -1,4 +1,4 @@
-// Stand-ins for amx.cpp, amx_int.cpp and int4_vnni.cpp in a build without them (a compiler that
+// Stand-ins for amx.cpp, amx_int.cpp and vnni.cpp in a build without them (a compiler that
 // cannot compile AMX or AVX-512 intrinsics): the same symbols and ops, reporting that no tile may
 // run, so the AVX2 kernels take every product. kernels/__init__.py builds with this file only when the AMX files fail.
 #include <torch/library.h>
@@ -23,11 +23,16 @@ void int6_amx_product(const int8_t*, const float*, const int32_t*, int64_t, int6
   TORCH_CHECK(false, "int6 AMX product: tokenleap's kernels were built without AMX");
 }
 
-bool int4_vnni_takes() { return false; }
+bool vnni_takes() { return false; }
 
 void int4_vnni_product(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
                        float*, int64_t) {
-  TORCH_CHECK(false, "int4 VNNI product: tokenleap's kernels were built without int4_vnni.cpp");
+  TORCH_CHECK(false, "int4 VNNI product: tokenleap's kernels were built without vnni.cpp");
+}
+
+void int6_vnni_product(const int8_t*, const float*, const int32_t*, int64_t, int64_t, const uint8_t*, const float*,
+                       float*, int64_t) {
+  TORCH_CHECK(false, "int6 VNNI product: tokenleap's kernels were built without vnni.cpp");
 }
 
 }  // namespace tokenleap_ops
@@ -42,8 +47,8 @@ bool no_tiles() { return false; }
 TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
   m.def("bf16_amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("amx_init() -> bool", &no_tiles);
-  m.def("int4_vnni(int mode) -> bool", [](int64_t) -> bool { return false; });
-  m.def("int4_vnni_supported() -> bool", &no_tiles);
+  m.def("vnni(int mode) -> bool", [](int64_t) -> bool { return false; });
+  m.def("vnni_supported() -> bool", &no_tiles);
   m.def("amx_int8_rows(int rows) -> int", [](int64_t rows) -> int64_t {
     TORCH_CHECK(rows <= 0, "amx_int8_rows: tokenleap's kernels were built without AMX");
     return 0;

@@ -135,7 +135,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
     return y;
   }
-  if (tokenleap_ops::int4_vnni_takes()) {  // bitwise the same values
+  if (tokenleap_ops::vnni_takes()) {  // bitwise the same values
     tokenleap_ops::int4_vnni_product(qp, scp, ssp, M, K, w, s, out, N);
     if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
     return y;

@@ -143,6 +143,11 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
     return y;
   }
+  if (tokenleap_ops::vnni_takes()) {  // bitwise the same values
+    tokenleap_ops::int6_vnni_product(qp, ap, sp, M, K, w, dp, out, N);
+    if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
+    return y;
+  }
   at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {  // each thread streams its blocks in order
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = w + b * G * kGroupBytes;

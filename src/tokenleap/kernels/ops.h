@@ -23,11 +23,13 @@ void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t
 void int6_amx_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
                       const uint8_t* packed, const float* d, float* y, int64_t N);
 
-// int4_vnni.cpp: int4.cpp's product on AVX-512 VNNI register tiles (its operands, bitwise its
-// results); int4_vnni_takes: the CPU has VNNI and the tile is turned on (op int4_vnni)
-bool int4_vnni_takes();
+// vnni.cpp: int4.cpp's and int6.cpp's products on AVX-512 VNNI register tiles (their operands,
+// bitwise their results); vnni_takes: the CPU has VNNI and the tiles are turned on (op vnni)
+bool vnni_takes();
 void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
                        const uint8_t* packed, const uint16_t* sm, float* y, int64_t N);
+void int6_vnni_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
+                       const uint8_t* packed, const float* d, float* y, int64_t N);
 
 // int6.cpp
 at::Tensor int6_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,

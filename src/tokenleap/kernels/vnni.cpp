@@ -1,0 +1,218 @@
+// tokenleap CPU kernels: int4.cpp's and int6.cpp's register tiles on AVX-512 VNNI (vpdpbusd),
+// bitwise their results.
+//
+// int4.cpp's AVX2 tile multiplies 4-bit weights by int8 activations with vpmaddubsw / vpaddw /
+// vpmaddwd: 2.5 instructions per 32 products. vpdpbusd does 64 unsigned-by-signed byte products
+// and their int32 sums in one, so a tile of several rows (a verification step) costs far fewer
+// instructions, which is what limits it once the weights stream from memory for all rows at once.
+//
+// Same operands, same results: one 64-byte load holds two k-steps (2 x 32 bytes) of one column
+// block, so its lower 256 bits are multiplied by the activations of the first step and its upper
+// 256 bits by those of the second (a vpermd of the group's 32 activation bytes), and the two halves'
+// int32 sums are added at the end of the group. Every integer sum is exact (no saturation: AVX2's
+// int16 pairs never overflow either), so each column's group sum equals the AVX2 tile's; the float
+// work after it is the same 256-bit multiply and two FMAs in the same order, so y is bitwise equal.
+// int6.cpp's tile is carried over the same way: its two k-steps of a 16-input half are one 64-byte
+// load, their top bits one 32-byte load shifted per half as int6.cpp shifts them.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "ops.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kGroup = 32, kSuper = 256, kInt6GroupBytes = 208;
+
+// Rows [0, MB) of quantized x times one column block (8 outputs): int4.cpp's int4_tile, layout and
+// arguments included.
+template <int MB>
+inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* wb,
+                      const uint16_t* smb, float* y, int64_t ldy) {
+  const int64_t G = K / kGroup;
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  // dwords of a group's 32 activation bytes each half of a load pairs with (see the header comment):
+  // load L holds k-steps 2L and 2L + 1; step s's low nibbles take dword 2s, its high nibbles 2s + 1
+  const __m512i lo0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i hi0 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m512i lo1 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+  const __m512i hi1 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* p = wb + g * 128;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64, _MM_HINT_T0);
+    const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
+    const __m512i w0l = _mm512_and_si512(v0, mask), w0h = _mm512_and_si512(_mm512_srli_epi16(v0, 4), mask);
+    const __m512i w1l = _mm512_and_si512(v1, mask), w1h = _mm512_and_si512(_mm512_srli_epi16(v1, 4), mask);
+    const uint16_t* sp = smb + g * 16;
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 8)));
+    for (int m = 0; m < MB; ++m) {
+      const __m512i x = _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + g * kGroup)));
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0l, _mm512_permutexvar_epi32(lo0, x));
+      s = _mm512_dpbusd_epi32(s, w0h, _mm512_permutexvar_epi32(hi0, x));
+      s = _mm512_dpbusd_epi32(s, w1l, _mm512_permutexvar_epi32(lo1, x));
+      s = _mm512_dpbusd_epi32(s, w1h, _mm512_permutexvar_epi32(hi1, x));
+      const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+      const __m256 d = _mm256_cvtepi32_ps(s8);
+      acc[m] = _mm256_fmadd_ps(d, _mm256_mul_ps(sc, _mm256_set1_ps(a[m * G + g])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(as[m * G + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+}
+
+// Rows [0, MB) of quantized x times one column block of int6.cpp's layout (208 bytes a group).
+template <int MB>
+inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, int64_t K, const uint8_t* wb,
+                      const float* db, float* y, int64_t ldy) {
+  const int64_t G = K / kGroup;
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x30);
+  const __m512i lo[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                         _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6)};
+  const __m512i hi[2] = {_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
+                         _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)};
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 dv = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* p = wb + g * kInt6GroupBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 128, _MM_HINT_T0);
+    if (g % (kSuper / kGroup) == 0) dv = _mm256_loadu_ps(db + (g / (kSuper / kGroup)) * 8);
+    for (int h = 0; h < 2; ++h) {
+      // lower 256 bits: k-step 2h (int6.cpp's half 0), upper: k-step 2h + 1 (half 1)
+      const __m512i v = _mm512_loadu_si512(p + h * 64);
+      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + h * 32)));
+      const __m512i top_lo = _mm512_and_si512(_mm512_mask_blend_epi64(0xf0, _mm512_slli_epi16(hb, 4), hb), m2);
+      const __m512i top_hi =
+          _mm512_and_si512(_mm512_mask_blend_epi64(0xf0, _mm512_slli_epi16(hb, 2), _mm512_srli_epi16(hb, 2)), m2);
+      const __m512i wl = _mm512_or_si512(_mm512_and_si512(v, m4), top_lo);
+      const __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), top_hi);
+      const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 192 + h * 8));
+      const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), dv);  // d * sc, exact
+      for (int m = 0; m < MB; ++m) {
+        const __m512i x = _mm512_castsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + g * kGroup)));
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_permutexvar_epi32(lo[h], x));
+        s = _mm512_dpbusd_epi32(s, wh, _mm512_permutexvar_epi32(hi[h], x));
+        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        const __m256i dot = _mm256_sub_epi32(s8, _mm256_set1_epi32(32 * sum16[m * 2 * G + 2 * g + h]));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sc, _mm256_set1_ps(a[m * G + g])), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+}
+
+}  // namespace
+
+namespace tokenleap_ops {
+
+void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
+                       const uint8_t* w, const uint16_t* s, float* y, int64_t N) {
+  const int64_t G = K / kGroup, NB8 = N / 8;
+  // each thread walks its column blocks in memory order, all rows of a block before the next (int4.cpp)
+  at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = w + b * K * 4;
+      const uint16_t* sb = s + b * G * 16;
+      for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m, take = left >= 8 ? 8 : left;
+        const int8_t* x = xq + m * K;
+        const float *am = a + m * G, *asm_ = as + m * G;
+        float* ym = y + m * N + b * 8;
+        switch (take) {
+          case 8: int4_tile<8>(x, am, asm_, K, wb, sb, ym, N); break;
+          case 7: int4_tile<7>(x, am, asm_, K, wb, sb, ym, N); break;
+          case 6: int4_tile<6>(x, am, asm_, K, wb, sb, ym, N); break;
+          case 5: int4_tile<5>(x, am, asm_, K, wb, sb, ym, N); break;
+          case 4: int4_tile<4>(x, am, asm_, K, wb, sb, ym, N); break;
+          case 3: int4_tile<3>(x, am, asm_, K, wb, sb, ym, N); break;
+          case 2: int4_tile<2>(x, am, asm_, K, wb, sb, ym, N); break;
+          default: int4_tile<1>(x, am, asm_, K, wb, sb, ym, N); break;
+        }
+        m += take;
+      }
+    }
+  });
+}
+
+void int6_vnni_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
+                       const uint8_t* w, const float* d, float* y, int64_t N) {
+  const int64_t G = K / kGroup, NB8 = N / 8;
+  at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {  // each thread streams its blocks in order
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = w + b * G * kInt6GroupBytes;
+      const float* db = d + b * (K / kSuper) * 8;
+      for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m, take = left >= 8 ? 8 : left;
+        const int8_t* x = xq + m * K;
+        const float* am = a + m * G;
+        const int32_t* sm = sum16 + m * 2 * G;
+        float* ym = y + m * N + b * 8;
+        switch (take) {
+          case 8: int6_tile<8>(x, am, sm, K, wb, db, ym, N); break;
+          case 7: int6_tile<7>(x, am, sm, K, wb, db, ym, N); break;
+          case 6: int6_tile<6>(x, am, sm, K, wb, db, ym, N); break;
+          case 5: int6_tile<5>(x, am, sm, K, wb, db, ym, N); break;
+          case 4: int6_tile<4>(x, am, sm, K, wb, db, ym, N); break;
+          case 3: int6_tile<3>(x, am, sm, K, wb, db, ym, N); break;
+          case 2: int6_tile<2>(x, am, sm, K, wb, db, ym, N); break;
+          default: int6_tile<1>(x, am, sm, K, wb, db, ym, N); break;
+        }
+        m += take;
+      }
+    }
+  });
+}
+
+}  // namespace tokenleap_ops
+
+#pragma GCC pop_options
+
+namespace {
+// 1 where the CPU has AVX-512 VNNI and the tiles are turned on (it is by default), else 0.
+std::atomic<int> vnni_on{-1};
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+}  // namespace
+
+namespace tokenleap_ops {
+bool vnni_takes() {
+  int on = vnni_on.load(std::memory_order_relaxed);
+  if (on < 0) {
+    on = cpu_has_vnni() ? 1 : 0;
+    vnni_on.store(on, std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+}  // namespace tokenleap_ops
+
+TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
+  // mode 1: int4 / int6 products take the VNNI tiles where the CPU has them, 0: never; -1: only ask.
+  // Returns the previous state.
+  m.def("vnni(int mode) -> bool", [](int64_t mode) -> bool {
+    const bool was = tokenleap_ops::vnni_takes();
+    if (mode >= 0) vnni_on.store(mode > 0 && cpu_has_vnni() ? 1 : 0, std::memory_order_relaxed);
+    return was;
+  });
+  m.def("vnni_supported() -> bool", []() -> bool { return cpu_has_vnni(); });
+}
