@@ -298,3 +298,20 @@ def test_rows_a_proposer_attaches_to_its_steps_are_priced_in():
     assert fed(0).choose() > 0
     assert fed(6).choose() == 0
     assert fed(6).step_cost(2) > fed(0).step_cost(2) and fed(6).step_cost(0) == fed(0).step_cost(0)
+
+
+def test_a_block_caught_at_a_slow_moment_is_probed_again():
+    """A fresh engine's first steps can time a 3-row forward at many times its cost; plain decoding
+    then looks best and that figure is never measured again unless a probe re-measures it. Probes
+    go on for one sequence, and a few of them bring speculation back."""
+    c = DraftLengthController(ControllerConfig(max_k=4, probe_every=4))
+    c.observe_forward(3, 0.5)  # the first step: cold, ten times its real cost
+    c.observe_forward(1, 0.05)
+    c.observe_draft(1, 0.001)  # n-gram lookup: drafting is nearly free
+    for _ in range(20):
+        c.observe_acceptance(2, 2)  # drafts are accepted
+    chosen = [c.choose() for _ in range(5)]
+    assert chosen[:3] == [0, 0, 0] and chosen[3] > 0  # plain, then a probe after probe_every steps
+    for _ in range(3):  # the probes' forwards, at the real cost
+        c.observe_forward(chosen[3] + 1, 0.055)
+    assert c.choose() > 0

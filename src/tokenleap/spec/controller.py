@@ -270,7 +270,14 @@ class DraftLengthController:
 
     def _could_pay(self, k: int, batch: int, plain_rate: float) -> bool:
         """Would drafting k tokens beat plain decoding if every draft were accepted? If not (the
-        batch makes verification too costly), a probe for acceptance cannot change the choice."""
+        batch makes verification too costly), a probe for acceptance cannot change the choice.
+        For one sequence the verification is taken at a plain step's cost: a figure for k + 1 rows
+        caught at a slow moment (a fresh engine's first steps) and never measured again since would
+        otherwise rule out every probe, and so its own correction, for good."""
+        if batch == 1:
+            cost = (k * self.predict_draft(1) + self.predict_forward(1)
+                    + self.step_overhead.get((True, 1), 0.0))
+            return (k + 1) / cost > plain_rate if cost > 0 else True
         return batch * (k + 1) / self.step_cost(k, batch) > plain_rate
 
     def expected_tokens(self, k: int) -> float:
