@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "ops.h"
 
@@ -118,6 +119,26 @@ inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, in
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
 }
 
+// Rows [0, M) in tiles of up to 8, each one pass over a column block's weights:
+// tile(std::integral_constant<int, MB>{}, m) for the tile of MB rows starting at row m.
+template <typename Tile>
+inline void in_tiles(int64_t M, Tile&& tile) {
+  for (int64_t m = 0; m < M;) {
+    const int64_t take = M - m >= 8 ? 8 : M - m;
+    switch (take) {
+      case 8: tile(std::integral_constant<int, 8>{}, m); break;
+      case 7: tile(std::integral_constant<int, 7>{}, m); break;
+      case 6: tile(std::integral_constant<int, 6>{}, m); break;
+      case 5: tile(std::integral_constant<int, 5>{}, m); break;
+      case 4: tile(std::integral_constant<int, 4>{}, m); break;
+      case 3: tile(std::integral_constant<int, 3>{}, m); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m); break;
+      default: tile(std::integral_constant<int, 1>{}, m); break;
+    }
+    m += take;
+  }
+}
+
 }  // namespace
 
 namespace tokenleap_ops {
@@ -130,23 +151,9 @@ void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = w + b * K * 4;
       const uint16_t* sb = s + b * G * 16;
-      for (int64_t m = 0; m < M;) {
-        const int64_t left = M - m, take = left >= 8 ? 8 : left;
-        const int8_t* x = xq + m * K;
-        const float *am = a + m * G, *asm_ = as + m * G;
-        float* ym = y + m * N + b * 8;
-        switch (take) {
-          case 8: int4_tile<8>(x, am, asm_, K, wb, sb, ym, N); break;
-          case 7: int4_tile<7>(x, am, asm_, K, wb, sb, ym, N); break;
-          case 6: int4_tile<6>(x, am, asm_, K, wb, sb, ym, N); break;
-          case 5: int4_tile<5>(x, am, asm_, K, wb, sb, ym, N); break;
-          case 4: int4_tile<4>(x, am, asm_, K, wb, sb, ym, N); break;
-          case 3: int4_tile<3>(x, am, asm_, K, wb, sb, ym, N); break;
-          case 2: int4_tile<2>(x, am, asm_, K, wb, sb, ym, N); break;
-          default: int4_tile<1>(x, am, asm_, K, wb, sb, ym, N); break;
-        }
-        m += take;
-      }
+      in_tiles(M, [&](auto mb, int64_t m) {
+        int4_tile<decltype(mb)::value>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
+      });
     }
   });
 }
@@ -158,24 +165,9 @@ void int6_vnni_product(const int8_t* xq, const float* a, const int32_t* sum16, i
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = w + b * G * kInt6GroupBytes;
       const float* db = d + b * (K / kSuper) * 8;
-      for (int64_t m = 0; m < M;) {
-        const int64_t left = M - m, take = left >= 8 ? 8 : left;
-        const int8_t* x = xq + m * K;
-        const float* am = a + m * G;
-        const int32_t* sm = sum16 + m * 2 * G;
-        float* ym = y + m * N + b * 8;
-        switch (take) {
-          case 8: int6_tile<8>(x, am, sm, K, wb, db, ym, N); break;
-          case 7: int6_tile<7>(x, am, sm, K, wb, db, ym, N); break;
-          case 6: int6_tile<6>(x, am, sm, K, wb, db, ym, N); break;
-          case 5: int6_tile<5>(x, am, sm, K, wb, db, ym, N); break;
-          case 4: int6_tile<4>(x, am, sm, K, wb, db, ym, N); break;
-          case 3: int6_tile<3>(x, am, sm, K, wb, db, ym, N); break;
-          case 2: int6_tile<2>(x, am, sm, K, wb, db, ym, N); break;
-          default: int6_tile<1>(x, am, sm, K, wb, db, ym, N); break;
-        }
-        m += take;
-      }
+      in_tiles(M, [&](auto mb, int64_t m) {
+        int6_tile<decltype(mb)::value>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
+      });
     }
   });
 }
