@@ -241,6 +241,14 @@ def test_a_step_whose_draft_also_caught_up_records_no_draft_cost(target):
         eng.release(s)
 
 
+def _finished(eng, n: int, reason: str) -> None:
+    """Record a sequence that generated ``n`` tokens and ended for ``reason``."""
+    seq = eng.create(PROMPTS[1], SamplingParams(max_tokens=200))
+    seq.tokens += [5] * n
+    seq.finish_reason = reason
+    eng.release(seq)
+
+
 def test_expected_remaining_follows_recently_finished_lengths(target):
     """What a catch-up is weighed against: max_tokens left until sequences have finished, then the
     median length of finished ones that ran longer, less what was generated (capped by max_tokens)."""
@@ -248,7 +256,7 @@ def test_expected_remaining_follows_recently_finished_lengths(target):
     long = eng.create(PROMPTS[0], SamplingParams(max_tokens=100))
     assert eng.expected_remaining(long) == 100  # nothing finished yet
     for n in (6, 10, 12):
-        run(eng, PROMPTS[1], SamplingParams(max_tokens=n, ignore_eos=True))
+        _finished(eng, n, "stop")
     assert eng.expected_remaining(long) == 10
     long.tokens += [5] * 8  # 8 generated: finished lengths above that are 10 and 12
     assert eng.expected_remaining(long) == 11 - 8
@@ -258,6 +266,24 @@ def test_expected_remaining_follows_recently_finished_lengths(target):
     cancelled = eng.add(PROMPTS[2], SamplingParams(max_tokens=50))
     eng.release(cancelled)  # an aborted sequence says nothing about lengths
     assert eng.expected_remaining(eng.create(PROMPTS[0], SamplingParams(max_tokens=100))) == 10
+
+
+def test_a_sequence_cut_off_by_max_tokens_counts_as_at_least_that_long(target):
+    """A short request stopped by its max_tokens (a warm-up) says the text would have gone on: it
+    must not cap the prediction for a longer request at its own length, and once the longer one
+    has passed it, it says nothing."""
+    eng = engine(target)
+    run(eng, PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True))  # cut off at 8
+    long = eng.create(PROMPTS[0], SamplingParams(max_tokens=100))
+    assert eng.expected_remaining(long) == 100
+    long.tokens += [5] * 20
+    assert eng.expected_remaining(long) == 80  # nothing known: max_tokens left
+    for n in (30, 40, 50):
+        _finished(eng, n, "stop")
+    assert eng.expected_remaining(long) == 40 - 20  # the cut-off one is shorter: ignored
+    _finished(eng, 60, "length")
+    _finished(eng, 70, "length")
+    assert eng.expected_remaining(long) == 50 - 20  # median of 30, 40, 50, >= 60, >= 70
 
 
 def test_newcomers_skip_the_draft_prefill_when_their_batch_would_not_speculate(target):
@@ -409,3 +435,20 @@ def test_packed_bf16_weights_replace_the_float_copy():
     assert target.lm_head.weight.numel() > 0 and weight_bytes(target) == before
     assert plain(target, PROMPTS[0], params).generated == want
     assert run(engine(target, DraftModelProposer(target, VOCAB, 128), 4), PROMPTS[0], params).generated == want
+
+
+def test_starting_an_engine_keeps_the_loaded_objects_out_of_garbage_collections(target, monkeypatch):
+    """Full collections skip what was alive when the engine started (the model's module tree), so a
+    collection mid-generation does not walk the ~300k objects loading leaves; TOKENLEAP_GC_FREEZE=0
+    leaves the collector alone."""
+    import gc
+
+    gc.unfreeze()
+    assert any(o is target for o in gc.get_objects())
+    engine(target)
+    assert gc.get_freeze_count() > 0
+    assert not any(o is target for o in gc.get_objects())  # in the permanent generation now
+    gc.unfreeze()
+    monkeypatch.setenv("TOKENLEAP_GC_FREEZE", "0")
+    engine(target)
+    assert gc.get_freeze_count() == 0 and any(o is target for o in gc.get_objects())
