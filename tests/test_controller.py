@@ -315,3 +315,43 @@ def test_a_block_caught_at_a_slow_moment_is_probed_again():
     for _ in range(3):  # the probes' forwards, at the real cost
         c.observe_forward(chosen[3] + 1, 0.055)
     assert c.choose() > 0
+
+
+def test_a_draft_cost_timed_through_a_stall_is_probed_again():
+    """One drafting step timed through a stall (a garbage collection, a page fault) can price a
+    free n-gram lookup at 90 ms a token: no probe could pay at that price, so without exploration
+    the figure is never measured again. For one sequence a probe is still made once its extra cost
+    fits ``explore_share`` of the time decoded plainly, and the re-measured cost brings speculation back."""
+    c = DraftLengthController(ControllerConfig(max_k=4, probe_every=4))
+    c.observe_forward(1, 0.036)
+    c.observe_forward(3, 0.040)
+    c.observe_draft(4, 0.35)  # 87.5 ms a token
+    for _ in range(20):
+        c.observe_acceptance(2, 2)
+    assert not c._could_pay(2, 1, c.rate(0))
+    chosen = [c.choose() for _ in range(200)]
+    first = next(i for i, k in enumerate(chosen) if k > 0)
+    # extra cost of the probe ~ 2 * 87.5 + 40 - 36 ms = 0.179 s: it waits for ~3.6 s of plain decoding
+    assert 80 < first < 120 and sum(1 for k in chosen[:first] if k) == 0
+    for _ in range(2):  # the probes' drafts, at their real cost
+        c.observe_draft(2, 0.0002)
+    assert c.choose() > 0
+
+
+def test_exploration_beyond_paying_probes_costs_at_most_its_share():
+    """Where speculation truly cannot pay (a slow draft), the probes made anyway cost at most
+    ``explore_share`` of the time decoded plainly."""
+    cfg = ControllerConfig(max_k=4, probe_every=4)
+    c = DraftLengthController(cfg)
+    c.observe_forward(1, 0.036)
+    c.observe_forward(3, 0.040)
+    c.observe_draft(1, 0.05)
+    plain_seconds = extra = 0.0
+    for _ in range(2000):
+        k = c.choose()
+        if k:
+            extra += c.step_cost(k, 1) - 0.036
+            c.observe_acceptance(k, 0)
+        else:
+            plain_seconds += 0.036
+    assert 0 < extra <= cfg.explore_share * plain_seconds * 1.01

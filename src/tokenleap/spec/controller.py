@@ -26,8 +26,10 @@ When no k beats plain decoding, the step decodes plainly; every ``probe_every`` 
 drafts once with a small k, so a change in the text (a copy-heavy passage) is noticed -- unless
 even full acceptance could not pay at this batch size, or the draft would first have to catch up
 on more than two plain steps' worth of time and (for one sequence) more than ``explore_share`` of
-the time decoded plainly since the last draft (so figures measured at a bad moment cannot lock
-speculation out).
+the time decoded plainly since the last draft. For one sequence a probe is also made, whatever the
+figures predict, once its extra cost over a plain step fits that share: figures measured at a bad
+moment (a draft cost timed through a stall) cannot lock speculation out, and exploring costs at most
+that share where speculation truly does not pay.
 While drafting, every ``probe_every`` steps it tries one step with k - 1 or k + 1 (alternately),
 so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 
@@ -204,8 +206,12 @@ class DraftLengthController:
         # (one sequence only: batched speculation rarely pays here, a loaded server keeps its floor)
         explore = self.cfg.explore_share * self._plain_seconds if batch == 1 else 0.0
         affordable = catch_up <= max(2 * batch / plain, explore)
-        if (self._plain_streak >= self.cfg.probe_every and affordable
-                and self._could_pay(probe_k, batch, plain * self._margin(batch))):
+        # a probe even full acceptance could not pay for is still made once it, catch-up included,
+        # fits the exploration share (one sequence): a draft cost timed through a stall (a page
+        # fault, another process) is otherwise never measured again and rules speculation out for good
+        beyond = catch_up + self.step_cost(probe_k, 1) - 1.0 / plain <= explore
+        if self._plain_streak >= self.cfg.probe_every and (
+                (affordable and self._could_pay(probe_k, batch, plain * self._margin(batch))) or beyond):
             self._plain_streak = 0
             self._plain_seconds = 0.0
             return StepPlan(probe_k, on)
