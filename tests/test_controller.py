@@ -355,3 +355,19 @@ def test_exploration_beyond_paying_probes_costs_at_most_its_share():
         else:
             plain_seconds += 0.036
     assert 0 < extra <= cfg.explore_share * plain_seconds * 1.01
+
+
+def test_auxiliary_rows_are_priced_at_their_recent_mean():
+    """A proposer attaching its own rows on some drafting steps only (lookahead's window) is priced
+    for what its steps added, starting from the most it may add."""
+    c = DraftLengthController(ControllerConfig(max_k=4))
+    c.aux_rows = 6
+    for rows in range(1, 12):
+        c.observe_forward(rows, 0.03 + 0.01 * rows)
+    full = c.step_cost(2)
+    for _ in range(30):
+        c.observe_aux_rows(0)
+    assert c.aux_rows == 0 and c.step_cost(2) < full - 0.05
+    for _ in range(30):
+        c.observe_aux_rows(6)
+    assert c.aux_rows == 6 and c.step_cost(2) == pytest.approx(full)

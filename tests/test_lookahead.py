@@ -31,7 +31,8 @@ def model():
     return tiny_model("qwen2", seed=3, vocab=VOCAB, hidden=64, intermediate=128, layers=2)
 
 
-def _request(tokens, k=4, max_nodes=8, max_aux=64):
+def _request(tokens, k=32, max_nodes=8, max_aux=64):
+    # (k longer than any earlier continuation in PROMPT: the lookup cannot fill it, the window is attached)
     return DraftRequest(0, tokens, k, SamplingParams(), None, max_nodes=max_nodes, max_aux=max_aux)
 
 
@@ -75,7 +76,7 @@ def test_jacobi_iteration_shifts_levels_and_fills_the_pool():
     assert state.base == len(tokens) and [row[0] for row in state.levels] == [51, 71]
     assert all(row[1] in tokens for row in state.levels)
     # a pool n-gram starting with the last token is guessed, after the text's own continuation
-    paths = p._guesses(_request(PROMPT + [41]), state)
+    paths, _ = p._guesses(_request(PROMPT + [41]), state)
     assert [51, 71] in paths
 
 
@@ -299,3 +300,26 @@ def test_same_check_rejects_a_biased_tree_verifier(small, monkeypatch):
     monkeypatch.setattr(tv, "_try_children", restart_from_p_ignoring_q)
     p, _ = _p_value(small, monkeypatch, seed=5)
     assert p < 1e-4
+
+
+def test_the_window_is_left_out_where_the_lookup_fills_the_draft():
+    """Copied text: the text's own continuation already gives the k tokens asked for, so the step
+    carries no Jacobi rows (it costs what a prompt-lookup step costs); asked for more than the
+    lookup finds, the window is attached."""
+    p = LookaheadProposer(window=3, ngram=3, guesses=2)
+    p.begin(0, PROMPT)
+    copied = p._propose(_request(PROMPT, k=4))
+    assert copied.aux is None and copied.tokens[:4] == PROMPT[4:8]
+    longer = p._propose(_request(PROMPT, k=32))
+    assert longer.aux is not None and len(longer.aux.tokens) == 3  # a fresh window: one level
+
+
+def test_the_controller_prices_the_window_rows_drafting_steps_carried(model):
+    """The engine tells the controller what each drafting step's window added: on a prompt the
+    lookup keeps copying, the priced rows fall from the window's maximum."""
+    p = LookaheadProposer(window=3, ngram=3, guesses=2)
+    eng = Engine(model, ToyTokenizer(VOCAB, ()), max_len=256, proposer=p, controller=ControllerConfig(max_k=4, fixed_k=2))
+    assert eng.controller.aux_rows == 6
+    for _ in eng.generate(PROMPT * 4, SamplingParams(max_tokens=40, ignore_eos=True)):
+        pass
+    assert eng.controller.aux_rows < 6

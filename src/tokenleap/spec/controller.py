@@ -105,7 +105,10 @@ class ControllerConfig:
 class DraftLengthController:
     def __init__(self, config: ControllerConfig) -> None:
         self.cfg = config
-        self.aux_rows = 0  # rows the proposer adds to each drafting step's forward (set by the engine)
+        # rows the proposer adds to a drafting step's forward: set by the engine to the most it may
+        # add, then following the mean of what drafting steps added (observe_aux_rows)
+        self.aux_rows = 0
+        self._aux_mean: float | None = None
         self.accept = [config.prior_acceptance] * config.max_k  # conditional b_i
         # exponentially forgotten counts behind accept[i]: (hits + prior weight) / (trials + weight)
         self._hits = [0.0] * config.max_k
@@ -401,6 +404,13 @@ class DraftLengthController:
     def observe_tree_draft(self, levels: int, seconds: float, batch: int = 1) -> None:
         """Trees ``levels`` deep grown for ``batch`` sequences together in ``seconds``."""
         self.trees.observe_draft(levels, seconds, batch)
+
+    def observe_aux_rows(self, rows: float) -> None:
+        """A drafting step's proposer rows per sequence (lookahead's window, attached on some steps):
+        ``aux_rows`` becomes their exponentially forgotten mean, starting from the most it may add."""
+        start = float(self.aux_rows) if self._aux_mean is None else self._aux_mean
+        self._aux_mean = start + self.cfg.ema * (rows - start)
+        self.aux_rows = round(self._aux_mean)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """The draft fed ``tokens`` outside drafting (a prompt, a backlog) in ``seconds``."""

@@ -9,7 +9,9 @@ Each step's forward holds, below the root (the sequence's last token):
   it: this is how the prompt's n-grams seed the pool, matched on up to ``lookup_max`` tokens rather
   than one); the others are the pool's most recent n-grams starting with the root token, each N - 1
   tokens after it.
-* the **lookahead branch** (``Draft.aux``, rows no verifier sees): a window of W future positions
+* the **lookahead branch** (``Draft.aux``, rows no verifier sees; left out of a step whose lookup
+  guess already fills the k tokens asked for -- copied text -- so such steps cost what prompt
+  lookup's do): a window of W future positions
   over N - 1 Jacobi levels. Level 0 is a chain below the root (column i at depth i + 1); column i of
   level l hangs below column i of level l - 1 (depth i + l + 1), so each row sees the committed text,
   level 0 up to its column, then its own column's levels -- the paper's attention mask, which is a
@@ -86,20 +88,23 @@ class LookaheadProposer:
 
     def _propose(self, r: DraftRequest) -> Draft | None:
         state = self._seqs[r.seq_id]
-        paths = self._guesses(r, state)
+        paths, copying = self._guesses(r, state)
         if r.max_nodes > 0 and paths:
             tree = _trie_within(r.tokens[-1], paths, r.max_nodes)
             drafted = tree.tokens[1:].tolist()
             tree = None if tree.is_chain else tree
         else:
             drafted, tree = (paths[0] if paths else []), None
-        aux = self._window_rows(r, state, 1 + len(drafted)) if r.max_aux >= self.aux_rows else None
+        # the window only where the text is not being copied: when the lookup alone fills the draft,
+        # the window's rows would cost the forward and add no guess this step
+        aux = self._window_rows(r, state, 1 + len(drafted)) if r.max_aux >= self.aux_rows and not copying else None
         if not drafted and aux is None:
             return None
         return Draft(tokens=drafted, probs=None, tree=tree, aux=aux)
 
-    def _guesses(self, r: DraftRequest, state: _Window) -> list[list[int]]:
-        """Up to G distinct token paths to follow the root, best first, each at most k long."""
+    def _guesses(self, r: DraftRequest, state: _Window) -> tuple[list[list[int]], bool]:
+        """Up to G distinct token paths to follow the root, best first, each at most k long, and
+        whether the text's own continuation (the lookup) was k long."""
         paths: list[list[int]] = []
         found = self._lookup.propose(r.seq_id, r.tokens, r.k, r.params, r.generator)
         if found is not None:
@@ -110,7 +115,7 @@ class LookaheadProposer:
             guess = list(cont[: r.k])
             if not any(p[: len(guess)] == guess for p in paths):  # not already in the trie
                 paths.append(guess)
-        return paths
+        return paths, found is not None and len(found.tokens) >= r.k
 
     # -- the Jacobi window ------------------------------------------------------------------
     def _window_rows(self, r: DraftRequest, state: _Window, n_nodes: int) -> AuxRows:
