@@ -15,6 +15,8 @@ from tokenleap.models.transformer import Segment
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.proposers.layerskip import LayerSkipProposer, format_skip, parse_skip_layers
+from tokenleap.spec.proposers.base import Draft
+from tokenleap.spec.proposers.ngram import NgramProposer
 
 from conftest import ToyTokenizer, tiny_model
 
@@ -39,9 +41,10 @@ def _cache(model, paged: bool, slots: int = 3):
     return KVCache(model.config, slots, 64, model.dtype)
 
 
-def _engine(model, skip, paged=False, k: int | None = 3, slots: int = 3):
+def _engine(model, skip, paged=False, k: int | None = 3, slots: int = 3, lookup: bool = False):
     ctl = ControllerConfig(max_k=4, fixed_k=k)
-    proposer = LayerSkipProposer(model, skip) if skip is not None else None
+    finder = NgramProposer(4, 2) if lookup else None
+    proposer = LayerSkipProposer(model, skip, lookup=finder) if skip is not None else None
     return Engine(model, ToyTokenizer(VOCAB, (2,)), max_len=64, proposer=proposer, controller=ctl,
                   cache=_cache(model, paged, slots))
 
@@ -71,13 +74,15 @@ def test_layerskip_adaptive_k_equals_plain(paged):
         assert _generate(_engine(model, frozenset({2}), paged, k=None), prompt, GREEDY).generated == want
 
 
+@pytest.mark.parametrize("lookup", [False, True], ids=["layers", "layers+lookup"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_batched_layerskip_steps_equal_each_alone(paged, params):
-    """Several sequences drafted in one forward per position and verified in one step."""
+def test_batched_layerskip_steps_equal_each_alone(paged, params, lookup):
+    """Several sequences drafted in one forward per position and verified in one step (with prompt
+    lookup: copying sequences take the lookup's draft, the others the skipped layers', in one step)."""
     model = _model("int8")
     want = [_generate(_engine(model, None, paged), p, params).generated for p in PROMPTS]
-    eng = _engine(model, frozenset({0, 3}), paged)
+    eng = _engine(model, frozenset({0, 3}), paged, lookup=lookup)
     seqs = [eng.add(p, params) for p in PROMPTS]
     while not all(s.finished for s in seqs):
         eng.step(seqs)
@@ -86,6 +91,49 @@ def test_batched_layerskip_steps_equal_each_alone(paged, params):
         eng.release(s)
     if paged:
         assert eng.cache.num_free_blocks == eng.cache.num_blocks  # every block given back
+
+
+def test_copied_text_drafts_by_prompt_lookup_and_output_equals_plain():
+    """With a lookup, a sequence whose text repeats takes the lookup's continuation (no skipped-layer
+    forward for it), the others draft with the layers; output is plain decoding's. (Greedy: this toy
+    model's greedy text falls into a loop the lookup copies; seeded and sampled runs of both kinds of
+    draft: test_batched_layerskip_steps_equal_each_alone, test_layerskip_sampling.py.)"""
+    model, params = _model("int8"), GREEDY
+    prompt = [5, 9, 14, 3, 7, 8, 6] * 3
+    want = _generate(_engine(model, None), prompt, params).generated
+    eng = _engine(model, frozenset({1, 2}), lookup=True)
+    found, forwards = [], []
+    copied, draft_position = eng.proposer._copied, eng.proposer._draft_position
+    eng.proposer._copied = lambda r: found.append((r.k, copied(r))) or found[-1][1]
+    eng.proposer._draft_position = lambda lanes: forwards.append(len(lanes)) or draft_position(lanes)
+    seq = _generate(eng, prompt, params)
+    assert seq.generated == want
+    copies = [(k, d) for k, d in found if d is not None]
+    assert copies and len(copies) < len(found)  # both kinds of draft
+    assert all(d.probs is None and len(d.tokens) == k for k, d in copies)  # point masses, the k asked for
+    assert len(forwards) == sum(k for k, d in found if d is None)  # one layer forward a token not copied
+
+
+class _EveryOtherStep(NgramProposer):
+    """A lookup that finds a continuation (fixed tokens) on every other call: mixes both kinds of draft."""
+
+    calls = 0
+
+    def propose(self, seq_id, tokens, k, params, generator):
+        self.calls += 1
+        return Draft(tokens=[0, 87, 0, 87][:k], probs=None) if self.calls % 2 else None
+
+
+@pytest.mark.parametrize("params", [SEEDED, SEEDED_PENALTIES], ids=["seeded", "seeded-penalties"])
+def test_seeded_output_with_copied_and_layer_drafts_mixed_equals_plain(params):
+    model = _model("int8")
+    for prompt in PROMPTS:
+        want = _generate(_engine(model, None), prompt, params).generated
+        eng = _engine(model, frozenset({1, 2}))
+        eng.proposer.lookup = _EveryOtherStep()
+        seq = _generate(eng, prompt, params)
+        assert seq.generated == want, prompt
+        assert eng.proposer.lookup.calls >= 4
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])

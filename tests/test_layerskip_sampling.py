@@ -24,6 +24,7 @@ from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.proposers.layerskip import LayerSkipProposer
+from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.sampling import logits_to_probs, make_generator
 
 from conftest import ToyTokenizer, random_weights, tiny_config
@@ -51,10 +52,10 @@ def exact_distribution(model) -> dict[tuple[int, ...], float]:
     return out
 
 
-def sample_counts(model, seed: int, monkeypatch) -> tuple[dict[tuple[int, ...], int], float]:
+def sample_counts(model, seed: int, monkeypatch, proposer=None) -> tuple[dict[tuple[int, ...], int], float]:
     """Counts of N_SAMPLES unseeded continuations (generators seeded from this test's stream) and
     the fraction of drafted tokens accepted."""
-    eng = Engine(model, ToyTokenizer(V, eos=()), max_len=32, proposer=LayerSkipProposer(model, SKIP),
+    eng = Engine(model, ToyTokenizer(V, eos=()), max_len=32, proposer=proposer or LayerSkipProposer(model, SKIP),
                  controller=ControllerConfig(max_k=3, fixed_k=3))
     gen = torch.Generator().manual_seed(seed)
     monkeypatch.setattr(engine_mod, "request_randomness",
@@ -102,3 +103,16 @@ def test_same_check_rejects_a_wrong_draft_distribution(target, monkeypatch):
     monkeypatch.setattr(DraftModelProposer, "_choose", staticmethod(misreported))  # every drafting lane's choice
     counts, _ = sample_counts(target, 5, monkeypatch)
     assert p_value(counts, exact_distribution(target)) < 1e-6
+
+
+def test_layerskip_with_prompt_lookup_matches_target_distribution(target, monkeypatch):
+    """Copied text drafts by prompt lookup (a one-hot q), the rest by the skipped layers, in one run:
+    samples still fit the exact distribution."""
+    proposer = LayerSkipProposer(target, SKIP, lookup=NgramProposer(4, 2))
+    copied = []
+    find = proposer._copied
+    monkeypatch.setattr(proposer, "_copied", lambda r: copied.append(find(r)) or copied[-1])
+    counts, _ = sample_counts(target, 6, monkeypatch, proposer)
+    used = sum(d is not None for d in copied)
+    assert 0 < used < len(copied)  # both kinds of draft were made
+    assert p_value(counts, exact_distribution(target)) > 1e-3

@@ -116,7 +116,8 @@ class LLM:
             return lookahead_proposer(self.spec)
         if self.spec.method == "layerskip":
             from tokenleap.spec.proposers.layerskip import layerskip_proposer
-            return layerskip_proposer(self.target, self.spec.skip_layers, getattr(self, "cache_dir", None))
+            return layerskip_proposer(self.target, self.spec.skip_layers, getattr(self, "cache_dir", None),
+                                      lookup=self.spec.ngram_max if self.spec.layerskip_lookup else 0)
         if self.spec.method == "draft":
             return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
                                   self.spec.draft_vocab, cache, self.spec.draft_spec, self.tokenizer)
@@ -214,7 +215,8 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
         return lookahead_proposer(spec)
     if spec.method == "layerskip":  # the target drafts for itself: no draft model, no extra weights
         from tokenleap.spec.proposers.layerskip import layerskip_proposer
-        return layerskip_proposer(target, spec.skip_layers, cache_dir)
+        return layerskip_proposer(target, spec.skip_layers, cache_dir,
+                                  lookup=spec.ngram_max if spec.layerskip_lookup else 0)
     if spec.method == "auto":
         spec, note = resolve_auto_draft(spec, target.source, cache_dir)
         draft = load_draft(spec, target, cache_dir) if spec.draft_model else None
@@ -302,7 +304,8 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
             arms[name] = NgramProposer(spec.ngram_max, spec.ngram_min)
         else:
             try:
-                arm = build_proposer(replace(spec, method=name, draft_model=None), target, max_len,
+                # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only)
+                arm = build_proposer(replace(spec, method=name, draft_model=None, layerskip_lookup=False), target, max_len,
                                      num_slots, cache_dir)
             except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
                 continue

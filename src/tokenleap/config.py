@@ -250,6 +250,9 @@ class SpecConfig:
     lookahead_ngram: int = 3
     lookahead_guesses: int = 3
     skip_layers: str = "auto"  # layer skip: the layers drafts skip ("4,5,6,10-14"), or "auto" (calibrated, cached)
+    # layer skip: a sequence copying its text drafts by prompt lookup (suffixes of 2..ngram_max tokens)
+    # instead of the skipped-layer forwards
+    layerskip_lookup: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -18,7 +18,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "cascade": ("k", "kmax", "vocab"),  # draft, its own steps speculated by n-gram lookup (--draft-spec ngram)
     "lookahead": ("k", "kmax", "window", "ngram", "guesses", "max"),  # max: the text lookup's longest match
     "auto": ("k", "kmax", "max", "min", "vocab"),  # per request and step: n-gram, the --draft model, ... or plain
-    "layerskip": ("k", "kmax", "skip"),  # skip=auto (calibrated, stored per model) or a list like 4-6+10-14
+    # skip=auto (calibrated, stored per model) or a list like 4-6+10-14; lookup=on|off: copied text by prompt lookup
+    "layerskip": ("k", "kmax", "skip", "lookup"),
     "hf-plain": (),
     "hf-assisted": ("k",),
     "hf-prompt-lookup": ("k", "max"),

@@ -94,6 +94,10 @@ def _parse_option(family: str, text: str) -> tuple[str, int | str]:
         except ConfigError as e:
             raise BenchError(f"method {family!r}: option skip must be auto or a list like 4-6+10-14 ({e})") from None
         return key, value
+    if key == "lookup":
+        if value not in ("on", "off"):
+            raise BenchError(f"method {family!r}: option lookup must be on or off, got {value!r}")
+        return key, value
     if key == "tree":
         if value not in TREE_MODES:
             raise BenchError(f"method {family!r}: option tree must be one of {', '.join(TREE_MODES)}, got {value!r}")
@@ -204,7 +208,8 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
         proposer = _auto(spec, pool)
     if family == "layerskip":  # the target drafts for itself (skip=auto: the stored calibration, else made once)
         from tokenleap.spec.proposers.layerskip import layerskip_proposer
-        proposer = layerskip_proposer(target, str(spec.get("skip", "auto")), pool.opts.cache_dir)
+        lookup = SpecConfig.ngram_max if spec.get("lookup", "on") == "on" else 0
+        proposer = layerskip_proposer(target, str(spec.get("skip", "auto")), pool.opts.cache_dir, lookup=lookup)
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec), tree_nodes=nodes)
     return TokenleapMethod(spec.name, engine)

@@ -20,6 +20,12 @@ from the skipped-layer distribution q, which the verification's rejection sampli
 requests: the drafter-invariant choice), so every mode stays exact. Chains only: a request with a
 tree budget gets a chain.
 
+With a ``lookup`` (prompt lookup, ``NgramProposer``), a sequence whose text is being copied -- the
+latest earlier occurrence of its suffix of at least ``LOOKUP_MIN`` tokens is followed by the k tokens
+asked for -- takes that continuation as its draft instead (free, deterministic: q is one-hot), and
+only the others run the skipped-layer forwards: code being edited drafts as prompt lookup does, free
+text as layer skip does, with still no second model.
+
 ``skip="auto"`` picks the skipped set at the first proposal by a short calibration on that
 request's own tokens (``layerskip_search.py``), unless one is given up front (cached on disk by
 ``api.build_proposer``).
@@ -37,6 +43,7 @@ from tokenleap.config import ConfigError
 from tokenleap.models.transformer import Segment, Transformer
 from tokenleap.spec.proposers.base import Draft, DraftRequest
 from tokenleap.spec.proposers.draft_model import DraftingLane
+from tokenleap.spec.proposers.ngram import NgramProposer
 
 
 def parse_skip_layers(text: str, num_layers: int | None = None) -> frozenset[int] | str:
@@ -96,6 +103,7 @@ class _Lane(DraftingLane):
     pushed: int = 0  # drafted tokens the request's grammar followed (undone after drafting)
 
 
+LOOKUP_MIN = 2  # a lookup continuation stands in for the skipped-layer draft only after a match this long
 HEAD_TOKENS = 32768  # the drafts' head scores the first this-many ids and the special tokens (layerskip_head.py)
 
 # calibrate(model, tokens) -> the skipped set for this model, chosen on one request's tokens
@@ -106,9 +114,10 @@ class LayerSkipProposer:
     name = "layerskip"
 
     def __init__(self, model: Transformer, skip: frozenset[int] | None, calibrate: Calibrate | None = None,
-                 head=None) -> None:
+                 head=None, lookup: NgramProposer | None = None) -> None:
         """``skip``: the layers drafted rows skip; None: chosen by ``calibrate`` at the first proposal.
-        ``head``: the drafts' LM head (``layerskip_head.prefix_head``: views of the target's); None: the target's."""
+        ``head``: the drafts' LM head (``layerskip_head.prefix_head``: views of the target's); None: the target's.
+        ``lookup``: prompt lookup, whose continuation replaces the draft of a sequence copying its text."""
         if skip is None and calibrate is None:
             raise ConfigError("layer skip needs a skipped set or a calibration to choose one")
         if skip is not None:
@@ -117,6 +126,7 @@ class LayerSkipProposer:
         self.head = head
         self.skip = frozenset(skip) if skip is not None else None
         self._calibrate = calibrate
+        self.lookup = lookup
         self.cache = None  # the target's cache, from the engine (bind_cache)
 
     def bind_cache(self, cache) -> None:
@@ -125,7 +135,8 @@ class LayerSkipProposer:
 
     # -- lifecycle: the target's cache holds everything the draft needs --------------------------
     def begin(self, seq_id: int, prompt: list[int]) -> None:
-        pass
+        if self.lookup is not None:
+            self.lookup.begin(seq_id, prompt)
 
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
         pass
@@ -137,7 +148,8 @@ class LayerSkipProposer:
         pass  # the engine truncated (or compacted) the target's cache; nothing of the draft's is left
 
     def end(self, seq_id: int) -> None:
-        pass
+        if self.lookup is not None:
+            self.lookup.end(seq_id)
 
     # -- drafting ------------------------------------------------------------------------------
     def propose(self, seq_id: int, tokens: list[int], k: int, params, generator) -> Draft | None:
@@ -159,6 +171,9 @@ class LayerSkipProposer:
             if (r.k <= 0 or r.slot < 0 or len(r.tokens) + r.k > self.cache.max_len
                     or self.cache.lengths[r.slot] != committed):
                 continue
+            if (copied := self._copied(r)) is not None:
+                out[i] = copied
+                continue
             lanes.append(_Lane(i, r, committed, committed, r.tokens[-1]))
         active = lanes
         while active := [l for l in active if len(l.drafted) < l.req.k]:
@@ -177,6 +192,13 @@ class LayerSkipProposer:
             out[first or 0] = Draft(tokens=d.tokens, probs=d.probs, catch_up_seconds=catch_up)
         return out
 
+    def _copied(self, r: DraftRequest) -> Draft | None:
+        """The lookup's continuation when it gives all k tokens (its matches are ``LOOKUP_MIN`` long or more)."""
+        if self.lookup is None:
+            return None
+        found = self.lookup.propose(r.seq_id, r.tokens, r.k, r.params, r.generator)
+        return found if found is not None and len(found.tokens) >= r.k else None
+
     def _draft_position(self, lanes: list[_Lane]) -> bool:
         """Feed every lane's pending token through the kept layers in one forward and draft each
         lane's next token (the row's logits: [lanes, vocab])."""
@@ -192,11 +214,12 @@ class LayerSkipProposer:
         return True
 
 
-def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None) -> LayerSkipProposer:
+def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, lookup: int = 0) -> LayerSkipProposer:
     """The proposer for a loaded target (``models.pretrained.LoadedModel``): ``skip_layers`` a list,
     or ``"auto"``: the calibration stored for this model, dtype and quantization under the cache
     dir, else one made at the first proposal on that request's tokens and stored for next time.
-    ``log(str)``: one line when a calibration is read or made (default: stderr)."""
+    ``log(str)``: one line when a calibration is read or made (default: stderr). ``lookup`` > 0:
+    copied text drafts by prompt lookup on suffixes of up to that many tokens (``LOOKUP_MIN`` at least)."""
     import sys
 
     from tokenleap.spec.proposers import layerskip_search as ls
@@ -210,14 +233,15 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None) -> La
         specials |= set(backend.get_added_tokens_decoder().keys())
     head = prefix_head(model, HEAD_TOKENS, specials)
     skip = parse_skip_layers(skip_layers, layers)
+    finder = NgramProposer(max(lookup, LOOKUP_MIN), LOOKUP_MIN) if lookup else None
     if skip != "auto":
-        return LayerSkipProposer(model, skip, head=head)
+        return LayerSkipProposer(model, skip, head=head, lookup=finder)
     log = log or (lambda line: print(f"[tokenleap] {line}", file=sys.stderr))
     path = ls.store_path(cache_dir, ls.model_key(target.source, target.gguf_path, target.dtype, target.quant))
     cal = ls.load_calibration(path, layers)
     if cal is not None:
         log(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path})")
-        return LayerSkipProposer(model, cal.skip_set, head=head)
+        return LayerSkipProposer(model, cal.skip_set, head=head, lookup=finder)
 
     def calibrate(m: Transformer, tokens: list[int]) -> frozenset[int]:
         cal = ls.search(m, [tokens], head=head)
@@ -230,4 +254,4 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None) -> La
             f"{cal.predicted_speedup:.2f}x); stored at {path}")
         return cal.skip_set
 
-    return LayerSkipProposer(model, None, calibrate, head=head)
+    return LayerSkipProposer(model, None, calibrate, head=head, lookup=finder)
