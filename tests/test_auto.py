@@ -221,6 +221,24 @@ def test_a_catch_up_that_does_not_pay_back_keeps_the_draft_out():
     assert b.plan(seq, 1, target, {"draft": 400}, 5, 4) == []  # 2 s to catch up for 5 tokens
 
 
+def test_leaving_a_draft_in_step_is_charged_its_catch_up():
+    """A draft model that drafted the last step and pays would catch up on whatever another arm's
+    step emits: a free arm slightly ahead on its own figures takes the step only while the draft is
+    behind anyway, and one far ahead (copying) takes it regardless."""
+    def ranked(ngram_accepts: int, draft_backlog: int) -> list[str]:
+        b, target = bandit(draft_cost=0.003, settle_steps=0), costs(FLAT)
+        b.observe_catch_up("draft", 100, 0.05)
+        seq = b.new_sequence()
+        for _ in range(10):
+            b.observe_acceptance(seq, "ngram", 4, ngram_accepts)
+            b.observe_acceptance(seq, "draft", 4, 2)
+        return [c.arm for c in b.rank(seq, 1, target, {"draft": draft_backlog}, 100, 4)]
+
+    assert ranked(ngram_accepts=1, draft_backlog=1) == ["ngram", "draft"]  # the draft is behind already
+    assert ranked(ngram_accepts=1, draft_backlog=0) == ["draft", "ngram"]  # switching would cost a catch-up
+    assert ranked(ngram_accepts=4, draft_backlog=0) == ["ngram", "draft"]  # copying gains more than that
+
+
 class _Warmable:
     """A stand-in draft arm: a backlog until prefilled, and a record of its prefills."""
     shadow = False

@@ -371,3 +371,21 @@ def test_auxiliary_rows_are_priced_at_their_recent_mean():
     for _ in range(30):
         c.observe_aux_rows(6)
     assert c.aux_rows == 6 and c.step_cost(2) == pytest.approx(full)
+
+
+def test_short_catch_ups_do_not_price_a_prompt():
+    """A catch-up of a few tokens is one draft forward whose fixed cost, spread over them, is several
+    times a prompt token's: the per-token figure comes from long catch-ups (prompts), and a short
+    one is priced at least at a drafted token's time."""
+    c = DraftLengthController(ControllerConfig())
+    c.observe_draft(4, 0.032)  # 8 ms a drafted token (one-row forwards)
+    c.observe_catch_up(120, 0.24)  # a prompt: 2 ms a token
+    for _ in range(5):
+        c.observe_catch_up(2, 0.009)  # after n-gram steps: 4.5 ms a token
+    assert c.catch_up_cost == pytest.approx(0.002)
+    assert c.catch_up_seconds(100) == pytest.approx(0.2)
+    assert c.catch_up_seconds(2) == pytest.approx(0.008)  # one forward
+    assert c.catch_up_seconds(0) == 0.0
+    fresh = DraftLengthController(ControllerConfig())
+    fresh.observe_catch_up(3, 0.012)  # only short ones seen so far: their figure stands in
+    assert fresh.catch_up_cost == pytest.approx(0.004)

@@ -20,7 +20,9 @@ sequence while another arm drafted must feed those tokens), best first: a cheap 
 nothing to propose this step (n-gram without a match) hands the step to the next. A new sequence's
 first ``settle_steps`` steps choose no arm that needs a catch-up (a draft model's prefill) while a
 shadow arm measures the text meanwhile, so that prefill is spent only where this text, not earlier
-ones, says the draft beats the free arm. When no arm
+ones, says the draft beats the free arm. While a draft model that pays is in step with the sequence,
+any other arm is charged the catch-up its step would leave that draft (one draft forward over the
+tokens it emits): a free arm takes the step only where it gains more than switching costs. When no arm
 pays, the step decodes plainly, and every ``probe_every`` steps an arm not tried for that long is
 tried once with a short draft if its catch-up is affordable, so a change in the text is noticed.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
@@ -134,11 +136,21 @@ class Bandit:
         self.arms[arm].costs.observe_catch_up(tokens, seconds)
 
     # -- choosing ---------------------------------------------------------------------------
-    def rate(self, seq: SeqBandit, arm: str, k: int, batch: int, target: DraftLengthController) -> float:
-        """Predicted tokens per second of a step in which ``arm`` drafts k tokens for ``batch`` sequences."""
+    def rate(self, seq: SeqBandit, arm: str, k: int, batch: int, target: DraftLengthController,
+             followers: tuple[str, ...] = ()) -> float:
+        """Predicted tokens per second of a step in which ``arm`` drafts k tokens for ``batch`` sequences;
+        ``followers``: arms in step with the sequence that this step would leave behind, each then
+        catching up on the tokens it emits (``catch_up``)."""
         a = self.arms[arm]
+        tokens = seq.arms[arm].acceptance.expected_tokens(k, a.costs.accept)
         cost = target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
-        return batch * seq.arms[arm].acceptance.expected_tokens(k, a.costs.accept) / cost if cost > 0 else float("inf")
+        cost += sum(self.catch_up(f, tokens) for f in followers if f != arm)
+        return batch * tokens / cost if cost > 0 else float("inf")
+
+    def catch_up(self, arm: str, tokens: float) -> float:
+        """Predicted seconds ``arm`` (a draft model) spends catching up on ``tokens`` it did not
+        follow: one forward over them, at least a drafted token's time."""
+        return self.arms[arm].costs.catch_up_seconds(tokens)
 
     def plan(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
              remaining: float, max_k: int) -> list[Choice]:
@@ -173,16 +185,28 @@ class Bandit:
         plain = target.rate(0, batch)
         margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
         settling = seq.steps < self.cfg.settle_steps and any(a.shadow for a in self.arms.values())
-        ranked = []
-        for name, a in self.arms.items():
-            if settling and backlogs.get(name, 0) > 0:
-                continue
-            k, r = max(((k, self.rate(seq, name, k, batch, target)) for k in range(1, max_k + 1)),
-                       key=lambda kr: kr[1])
-            catch_up = backlogs.get(name, 0) * (a.costs.catch_up_cost or 0.0)
-            gain = remaining * (1.0 / plain - margin / r) if r > 0 else 0.0
-            if r > plain * margin * 1.0001 and (catch_up <= 0.0 or gain > catch_up):
-                ranked.append(Choice(name, k, r))
+
+        def eligible(followers: tuple[str, ...]) -> list[Choice]:
+            out = []
+            for name, a in self.arms.items():
+                if settling and backlogs.get(name, 0) > 0:
+                    continue
+                k, r = max(((k, self.rate(seq, name, k, batch, target, followers)) for k in range(1, max_k + 1)),
+                           key=lambda kr: kr[1])
+                catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
+                gain = remaining * (1.0 / plain - margin / r) if r > 0 else 0.0
+                if r > plain * margin * 1.0001 and (catch_up <= 0.0 or gain > catch_up):
+                    out.append(Choice(name, k, r))
+            return out
+
+        ranked = eligible(())
+        # a draft model in step with the sequence (it drafted the last step) that pays now would have
+        # to catch up on whatever another arm's step emits: that arm is charged the catch-up, so
+        # a free arm wins the step only where it gains more than the switch costs
+        followers = tuple(c.arm for c in ranked if backlogs.get(c.arm, 0) == 0
+                          and self.arms[c.arm].costs.catch_up_cost is not None)
+        if followers and len(ranked) > 1:
+            ranked = eligible(followers)
         ranked.sort(key=lambda c: -c.rate)
         return ranked
 
@@ -197,7 +221,7 @@ class Bandit:
             a = self.arms[name]
             if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every:
                 continue
-            catch_up = backlogs.get(name, 0) * (a.costs.catch_up_cost or 0.0)
+            catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
             affordable = catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
             best_case = batch * (k + 1) / target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
             if affordable and best_case > best:

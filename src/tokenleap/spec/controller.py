@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from tokenleap.spec.report import StepReport
 
 _MEMORY_BOUND_ROWS = 16  # beyond this many rows an unmeasured forward is guessed at least proportional to rows
+LONG_CATCH_UP = 16  # a catch-up of this many tokens or more measures the draft's cost per prompt token
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,10 @@ class DraftLengthController:
         self.step_overhead: dict[tuple[bool, int], float] = {}
         self._overhead_obs: dict[tuple[bool, int], deque[float]] = {}
         self.catch_up_cost: float | None = None  # seconds per token the draft feeds outside drafting
+        # seconds per token of long catch-ups (prompts) and of short ones (a few tokens: one forward's
+        # fixed cost spread over them, several times a prompt token's); the long ones set the figure
         self._catch_up_obs: deque[float] = deque(maxlen=config.cost_window)
+        self._short_catch_up_obs: deque[float] = deque(maxlen=config.cost_window)
         self._plain_streak = 0
         self._plain_seconds = 0.0  # predicted time decoded plainly since the last step that drafted
         self._spec_streak, self._side = 0, 1
@@ -259,7 +263,15 @@ class DraftLengthController:
         return out
 
     def _catch_up_seconds(self, backlog: int) -> float:
-        return backlog * (self.catch_up_cost or 0.0)
+        return self.catch_up_seconds(backlog)
+
+    def catch_up_seconds(self, tokens: float) -> float:
+        """Predicted seconds for the draft to feed ``tokens`` it has not followed: one forward over
+        them -- their number times the per-token cost of long catch-ups, but never less than a
+        drafted token's time (a forward of one row)."""
+        if tokens <= 0:
+            return 0.0
+        return max(tokens * (self.catch_up_cost or 0.0), self.predict_draft(1) if self.draft_cost_at else 0.0)
 
     def _pays_back(self, plain_rate: float, spec_rate: float, backlog: int, remaining: float, batch: int = 1) -> bool:
         """Does speculating at ``spec_rate`` instead of ``plain_rate`` (tokens/s) over ``remaining``
@@ -414,9 +426,10 @@ class DraftLengthController:
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """The draft fed ``tokens`` outside drafting (a prompt, a backlog) in ``seconds``."""
-        if tokens > 0:
-            self._catch_up_obs.append(seconds / tokens)
-            self.catch_up_cost = statistics.median(self._catch_up_obs)
+        if tokens <= 0:
+            return
+        (self._catch_up_obs if tokens >= LONG_CATCH_UP else self._short_catch_up_obs).append(seconds / tokens)
+        self.catch_up_cost = statistics.median(self._catch_up_obs or self._short_catch_up_obs)
 
     def observe_draft(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """``tokens`` drafted in ``seconds`` for ``batch`` sequences together."""
