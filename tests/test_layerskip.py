@@ -260,7 +260,17 @@ LAYERSKIP_BAD_FLAGS = [
     ["calibrate", "--model", "qwen2.5-coder-1.5b-instruct", "--quant", "int3"],
     ["calibrate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompts", "/no/such/prompts.jsonl"],
     ["bench", "--target", "qwen2.5-coder-1.5b-instruct", "--methods", "layerskip:skip=x"],
+    ["bench", "--target", "qwen2.5-coder-1.5b-instruct", "--methods", "layerskip:lookup=maybe"],
+    ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "ngram", "--skip-lookup", "off"],
 ]
+
+
+def test_skip_lookup_flag_reaches_the_spec_config():
+    from tokenleap.cli.main import build_parser, spec_config
+
+    base = ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "layerskip"]
+    assert spec_config(build_parser().parse_args(base)).layerskip_lookup is True
+    assert spec_config(build_parser().parse_args(base + ["--skip-lookup", "off"])).layerskip_lookup is False
 
 
 @pytest.mark.parametrize("argv", LAYERSKIP_BAD_FLAGS, ids=[" ".join(a[2:]) for a in LAYERSKIP_BAD_FLAGS])

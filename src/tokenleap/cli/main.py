@@ -68,6 +68,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-layers", default=None, metavar="auto|LIST",
                    help="--spec layerskip: the target's layers its drafts skip, e.g. 4,5,6,10-14; auto (default): "
                         "chosen by a short calibration (tokenleap calibrate), stored per model")
+    p.add_argument("--skip-lookup", choices=["on", "off"], default="on",
+                   help="--spec layerskip: where the text is being copied, draft by prompt lookup instead (default on)")
     p.add_argument("--draft-vocab", type=non_negative_int, default=32768,
                    help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
@@ -105,6 +107,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                          "drop --draft-model, or use --spec draft")
     if args.skip_layers is not None and args.spec not in ("layerskip", "auto"):
         raise UsageError("--skip-layers goes with --spec layerskip")
+    if args.skip_lookup == "off" and args.spec != "layerskip":
+        raise UsageError("--skip-lookup goes with --spec layerskip")
     if args.skip_layers is not None:
         from tokenleap.spec.proposers.layerskip import parse_skip_layers
         try:
@@ -132,7 +136,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       ngram_max=args.ngram_max, ngram_min=args.ngram_min, tree=args.spec_tree,
                       max_tree_nodes=args.max_tree_nodes, lookahead_window=args.lookahead_window,
                       lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses,
-                      skip_layers=args.skip_layers or "auto")
+                      skip_layers=args.skip_layers or "auto", layerskip_lookup=args.skip_lookup == "on")
 
 
 def check_model_args(args: argparse.Namespace) -> None:
