@@ -209,14 +209,14 @@ class DraftLengthController:
         # a probe is cheap information unless the draft must first catch up on more than a
         # couple of plain steps' worth of tokens (e.g. prompts whose draft prefill was skipped):
         # then only within the exploration share of the time decoded plainly meanwhile
-        catch_up = self._catch_up_seconds(backlog)
+        catch_up = self.catch_up_seconds(backlog)
         # (one sequence only: batched speculation rarely pays here, a loaded server keeps its floor)
         explore = self.cfg.explore_share * self._plain_seconds if batch == 1 else 0.0
         affordable = catch_up <= max(2 * batch / plain, explore)
         # a probe even full acceptance could not pay for is still made once it, catch-up included,
         # fits the exploration share (one sequence): a draft cost timed through a stall (a page
         # fault, another process) is otherwise never measured again and rules speculation out for good
-        beyond = catch_up + self.step_cost(probe_k, 1) - 1.0 / plain <= explore
+        beyond = batch == 1 and catch_up + self.step_cost(probe_k, 1) - 1.0 / plain <= explore
         if self._plain_streak >= self.cfg.probe_every and (
                 (affordable and self._could_pay(probe_k, batch, plain * self._margin(batch))) or beyond):
             self._plain_streak = 0
@@ -262,9 +262,6 @@ class DraftLengthController:
             out.append(last)
         return out
 
-    def _catch_up_seconds(self, backlog: int) -> float:
-        return self.catch_up_seconds(backlog)
-
     def catch_up_seconds(self, tokens: float) -> float:
         """Predicted seconds for the draft to feed ``tokens`` it has not followed: one forward over
         them -- their number times the per-token cost of long catch-ups, but never less than a
@@ -280,7 +277,7 @@ class DraftLengthController:
         margin of a prediction, and a catch-up spent on a gain the margin would have refused is
         lost (8 sequences on an AMX Xeon: ~2.4 s of catch-up for a predicted 1.3x that measured
         below the margin, and the server fell back to plain -- 0.78-0.85x in those rounds)."""
-        cost = self._catch_up_seconds(backlog)
+        cost = self.catch_up_seconds(backlog)
         if cost <= 0.0:
             return True
         spec_rate = spec_rate / self._margin(batch)
