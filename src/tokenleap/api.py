@@ -115,9 +115,7 @@ class LLM:
         if self.spec.method == "lookahead":
             return lookahead_proposer(self.spec)
         if self.spec.method == "layerskip":
-            from tokenleap.spec.proposers.layerskip import layerskip_proposer
-            return layerskip_proposer(self.target, self.spec.skip_layers, getattr(self, "cache_dir", None),
-                                      lookup=self.spec.ngram_max if self.spec.layerskip_lookup else 0)
+            return build_proposer(self.spec, self.target, max_len, num_slots, getattr(self, "cache_dir", None))
         if self.spec.method == "draft":
             return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
                                   self.spec.draft_vocab, cache, self.spec.draft_spec, self.tokenizer)

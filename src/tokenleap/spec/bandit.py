@@ -140,17 +140,12 @@ class Bandit:
              followers: tuple[str, ...] = ()) -> float:
         """Predicted tokens per second of a step in which ``arm`` drafts k tokens for ``batch`` sequences;
         ``followers``: arms in step with the sequence that this step would leave behind, each then
-        catching up on the tokens it emits (``catch_up``)."""
+        catching up on the tokens it emits (``DraftLengthController.catch_up_seconds``)."""
         a = self.arms[arm]
         tokens = seq.arms[arm].acceptance.expected_tokens(k, a.costs.accept)
         cost = target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
-        cost += sum(self.catch_up(f, tokens) for f in followers if f != arm)
+        cost += sum(self.arms[f].costs.catch_up_seconds(tokens) for f in followers if f != arm)
         return batch * tokens / cost if cost > 0 else float("inf")
-
-    def catch_up(self, arm: str, tokens: float) -> float:
-        """Predicted seconds ``arm`` (a draft model) spends catching up on ``tokens`` it did not
-        follow: one forward over them, at least a drafted token's time."""
-        return self.arms[arm].costs.catch_up_seconds(tokens)
 
     def plan(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
              remaining: float, max_k: int) -> list[Choice]:

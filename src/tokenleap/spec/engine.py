@@ -251,10 +251,10 @@ class Engine:
             plan = StepPlan(k, self.tree_nodes if k and self._tree_mode() == "on" else 0)
         auto_tree = plan.nodes > 0 and self._tree_mode() == "auto"  # measured apart from chain steps
         drafts, work = self._draft_all(seqs, plan)
-        drafted = [d for d in drafts if d is not None]
-        if drafted and getattr(self.proposer, "aux_rows", 0) and not hasattr(self.proposer, "plan"):
+        if getattr(self.proposer, "aux_rows", 0) and not hasattr(self.proposer, "plan"):
             # the rows the proposer attached this step (a composite prices its arms itself)
-            self.controller.observe_aux_rows(sum(_aux_rows(d) for d in drafted) / len(drafted))
+            if drafted := [d for d in drafts if d is not None]:
+                self.controller.observe_aux_rows(sum(_aux_rows(d) for d in drafted) / len(drafted))
         tokens, segments, row = [], [], 0
         for s, d in zip(seqs, drafts):
             tree = _layout(s, d)
