@@ -12,14 +12,16 @@ import torch
 import tokenleap.spec.engine as engine_mod
 import tokenleap.spec.step_verify as step_verify
 from tokenleap.config import SamplingParams, SpecConfig
-from tokenleap.spec.bandit import Bandit, BanditConfig, Choice
-from tokenleap.spec.controller import ControllerConfig, DraftLengthController
+from tokenleap.spec.bandit import BanditConfig, Choice
+from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.proposers.auto import AutoProposer
+from tokenleap.spec.proposers.base import Draft, DraftRequest
 from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.sampling import make_generator
 
+from bandit_helpers import FLAT, bandit, costs
 from conftest import ToyTokenizer, tiny_model
 
 V = 96
@@ -151,23 +153,6 @@ def test_auto_sampling_check_rejects_a_biased_verifier(small_pair, monkeypatch):
 
 
 # -- the bandit's choices ------------------------------------------------------------------------
-def costs(forward: dict[int, float], plain_overhead: float = 0.0) -> DraftLengthController:
-    ctl = DraftLengthController(ControllerConfig(max_k=4))
-    for rows, s in forward.items():
-        ctl.observe_forward(rows, s)
-    return ctl
-
-
-FLAT = {r: 0.010 + 0.001 * r for r in range(1, 20)}  # a forward costs little more for more rows
-
-
-def bandit(draft_cost: float, ngram_cost: float = 1e-6, settle_steps: int = BanditConfig.settle_steps) -> Bandit:
-    b = Bandit([("draft", False), ("ngram", True)], BanditConfig(max_k=4, settle_steps=settle_steps))
-    b.observe_draft("draft", 4, 4 * draft_cost, 1)
-    b.observe_draft("ngram", 4, 4 * ngram_cost, 1)
-    return b
-
-
 def test_each_sequence_gets_the_arm_its_own_text_favours():
     b, target = bandit(draft_cost=0.003), costs(FLAT)
     code, prose = b.new_sequence(), b.new_sequence()
@@ -330,3 +315,34 @@ def test_spec_config_auto():
     from tokenleap.config import ConfigError
     with pytest.raises(ConfigError):
         SpecConfig(method="draft", draft_model="auto")
+
+
+class _WindowOnly:
+    """A stand-in lookahead arm: every step carries its own rows but no guess."""
+    shadow = False
+    aux_rows = 4
+
+    def begin(self, seq_id, prompt):
+        pass
+
+    def backlog(self, seq_id, tokens):
+        return 0
+
+    def propose_many(self, requests):
+        return [Draft(tokens=[], probs=None, aux=object()) for _ in requests]  # type: ignore[arg-type]
+
+    def accept(self, seq_id, num_accepted, path=None):
+        pass
+
+
+def test_a_step_with_only_the_arms_own_rows_counts_as_a_miss():
+    """Such a step emits one token; left uncounted, the arm's figures would keep promising the yield
+    of its steps with guesses while most of its steps have none."""
+    prop = AutoProposer({"lookahead": _WindowOnly()}, BanditConfig(max_k=4))
+    prop.begin(0, [1, 2, 3])
+    prop._plans[0] = [Choice("lookahead", 4, 0.0)]
+    (d,) = prop.propose_many([DraftRequest(0, [1, 2, 3], 4, SamplingParams(), None)])
+    assert d is not None and d.tokens == [] and d.proposer == "lookahead"
+    prop.accept(0, 0)
+    acc = prop._seqs[0].arms["lookahead"].acceptance
+    assert acc.trials[0] == 1.0 and acc.hits[0] == 0.0

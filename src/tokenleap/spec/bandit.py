@@ -32,7 +32,7 @@ greedy, seeded and rejection sampling alike.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenleap.spec.controller import ControllerConfig, DraftLengthController
 
@@ -52,6 +52,10 @@ class BanditConfig:
     # own acceptance of the free arm, not by earlier sequences' (code after prose would prefill a
     # draft that n-gram lookup then leaves idle)
     settle_steps: int = 3
+    # the best choice drafts one token deeper when that position has not been drafted by the arm for
+    # this sequence in this many steps: acceptance is only seen up to the depth drafted, so a position
+    # judged poor once (or never tried) would otherwise pin k below what the text now allows
+    deepen_every: int = 8
 
 
 class SeqAcceptance:
@@ -93,6 +97,8 @@ class SeqArmState:
     acceptance: SeqAcceptance
     idle_steps: int = 0  # steps of this sequence since the arm last drafted for it
     idle_seconds: float = 0.0  # predicted seconds those steps took
+    # step (``SeqBandit.steps``) at which the arm last drafted position i + 1 for the sequence
+    depth_seen: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,8 @@ class SeqBandit:
 
     arms: dict[str, SeqArmState] = field(default_factory=dict)
     steps: int = 0  # steps planned for the sequence so far
+    seconds: float = 0.0  # their predicted seconds
+    explored: float = 0.0  # catch-up seconds spent on probes for this sequence
 
 
 class Bandit:
@@ -120,8 +128,8 @@ class Bandit:
         self.arms = {a[0]: Arm(a[0], a[1], DraftLengthController(ctl), a[2] if len(a) > 2 else 0) for a in arms}
 
     def new_sequence(self) -> SeqBandit:
-        return SeqBandit({a: SeqArmState(SeqAcceptance(self.cfg.max_k, self.cfg.ema, self.cfg.prior_weight))
-                          for a in self.arms})
+        return SeqBandit({a: SeqArmState(SeqAcceptance(self.cfg.max_k, self.cfg.ema, self.cfg.prior_weight),
+                                         depth_seen=[0] * self.cfg.max_k) for a in self.arms})
 
     # -- learning ---------------------------------------------------------------------------
     def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
@@ -161,17 +169,34 @@ class Bandit:
         ranked = self.rank(seq, batch, target, backlogs, remaining, max_k)
         seq.steps += 1
         step_seconds = batch / ranked[0].rate if ranked else batch / plain
+        seq.seconds += step_seconds
         for state in seq.arms.values():
             state.idle_steps += 1
             state.idle_seconds += step_seconds
         best = ranked[0].rate if ranked else plain * margin
-        probe = self._probe(seq, batch, target, backlogs, best, max_k, {c.arm for c in ranked})
-        return [probe] + ranked if probe is not None else ranked
+        probe = self._probe(seq, batch, target, backlogs, best, max_k, {c.arm for c in ranked}, remaining)
+        if probe is not None:
+            return [probe] + ranked
+        if ranked:
+            ranked[0] = self._deepen(seq, ranked[0], max_k)
+        return ranked
+
+    def _deepen(self, seq: SeqBandit, choice: Choice, max_k: int) -> Choice:
+        """``choice`` one token deeper if the arm has not drafted that position for this sequence in
+        ``deepen_every`` steps (not for shadow arms: scored at full depth every step anyway); the
+        positions drafted are marked as seen."""
+        state, k = seq.arms[choice.arm], choice.k
+        if (not self.arms[choice.arm].shadow and k < max_k
+                and seq.steps - state.depth_seen[k] >= self.cfg.deepen_every):
+            k += 1
+        state.depth_seen[:k] = [seq.steps] * k
+        return choice if k == choice.k else replace(choice, k=k)
 
     def rank(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
              remaining: float, max_k: int) -> list[Choice]:
         """The arms that beat plain decoding for this sequence's next step (by the batch margin) and pay
-        back their catch-up over ``remaining`` tokens, best first, each at its best draft length;
+        back their catch-up over ``remaining`` tokens (an arm behind the first: within its one step),
+        best first, each at its best draft length;
         while the sequence settles (``settle_steps``) an arm with a catch-up is left out if a shadow
         arm is there. Nothing is recorded (``plan`` is the step's choice, with exploration)."""
         max_k = min(max_k, self.cfg.max_k)
@@ -203,23 +228,40 @@ class Bandit:
         if followers and len(ranked) > 1:
             ranked = eligible(followers)
         ranked.sort(key=lambda c: -c.rate)
-        return ranked
+        # an arm behind the first drafts only on a step the arms before it find nothing to propose
+        # for (n-gram without a match): its catch-up must pay back within that one step, not over
+        # the whole answer the first arm is serving
+        return ranked[:1] + [c for c in ranked[1:]
+                             if self._one_step_gain(seq, c, batch, plain) >= self.arms[c.arm].costs.catch_up_seconds(
+                                 backlogs.get(c.arm, 0))]
+
+    def _one_step_gain(self, seq: SeqBandit, c: Choice, batch: int, plain: float) -> float:
+        """Seconds one step of ``c`` is predicted to save over decoding its tokens plainly."""
+        tokens = seq.arms[c.arm].acceptance.expected_tokens(c.k, self.arms[c.arm].costs.accept)
+        return batch * tokens * (1.0 / plain - 1.0 / c.rate) if c.rate > 0 else 0.0
 
     def _probe(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
-               best: float, max_k: int, ranked: set[str]) -> Choice | None:
+               best: float, max_k: int, ranked: set[str], remaining: float = float("inf")) -> Choice | None:
         """One short draft by an arm idle for this sequence for ``probe_every`` steps -- not a
         shadow-scored arm (measured anyway), not one that could not beat the best choice even if
         every drafted token were accepted, and not one whose catch-up costs more than two steps
-        and the exploration share of the time since it last drafted."""
+        and the exploration share of the time since it last drafted -- or, for one sequence, more
+        than what is left of the exploration share of the whole answer (the steps so far and the
+        ``remaining`` tokens at the best rate): a draft model that must first catch up on a long
+        prompt gets one look per answer, which the time since its last draft alone never affords
+        (the backlog grows by a token a step, about as fast as that share of a step)."""
         k = min(self.cfg.probe_k, max_k)
+        answer = seq.seconds + remaining * batch / best if batch == 1 and remaining < float("inf") else 0.0
         for name, state in seq.arms.items():
             a = self.arms[name]
             if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every:
                 continue
             catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
-            affordable = catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
+            affordable = (catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
+                          or seq.explored + catch_up <= self.cfg.explore_share * answer)
             best_case = batch * (k + 1) / target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
             if affordable and best_case > best:
+                seq.explored += catch_up
                 return Choice(name, k, 0.0)
         return None
 

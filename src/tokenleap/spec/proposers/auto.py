@@ -171,7 +171,10 @@ class AutoProposer:
                         out[i] = d
                         del open_[i]
                         if d.tokens or aux:  # the engine verifies it and reports back through accept
-                            depth = int(d.tree.depth.max()) if d.tree is not None and d.tokens else len(d.tokens)
+                            # (a step carrying only the arm's own rows -- lookahead's window without
+                            # a guess -- emits one token: counted as a first position missed, so the
+                            # arm's expected yield per step includes its steps without a guess)
+                            depth = int(d.tree.depth.max()) if d.tree is not None and d.tokens else max(1, len(d.tokens))
                             self._drafted[requests[i].seq_id] = (name, depth)
                             self.bandit.drafted(self._seqs[requests[i].seq_id], name)
                     else:

@@ -1,0 +1,76 @@
+"""``--spec auto``'s exploration within a sequence: how far the chosen arm drafts, when a draft model
+that must first catch up is looked at again, and which arms may catch up to fill in for another."""
+from __future__ import annotations
+
+from bandit_helpers import FLAT, bandit, costs
+
+
+def draft_lengths(deepen_every: int, steps: int = 40) -> list[int]:
+    """The draft arm's k over ``steps`` steps of a text it drafts well at every depth, after its
+    second position failed the only time it was drafted (the first step of the sequence)."""
+    b, target = bandit(draft_cost=0.003, settle_steps=0, deepen_every=deepen_every), costs(FLAT)
+    seq = b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(seq, "ngram", 4, 0)
+    b.observe_acceptance(seq, "draft", 4, 1)  # position 1 passed, position 2 failed
+    for _ in range(6):
+        b.observe_acceptance(seq, "draft", 1, 1)
+    ks = []
+    for _ in range(steps):
+        choice = b.plan(seq, 1, target, {}, 100, 4)[0]
+        assert choice.arm == "draft"
+        ks.append(choice.k)
+        b.observe_acceptance(seq, "draft", choice.k, choice.k)  # the text takes every drafted token
+        b.drafted(seq, "draft")
+    return ks
+
+
+def test_a_depth_judged_poor_once_is_drafted_again():
+    never = draft_lengths(deepen_every=10**6)
+    assert set(never) == {1}  # without deepening the failed position is never measured again
+    ks = draft_lengths(deepen_every=8)
+    assert ks[0] == 1 and 2 in ks[:8]  # position 2 is tried again within deepen_every steps ...
+    assert min(ks[-5:]) >= 3  # ... and once the text shows it passes, the draft grows
+
+
+def probes(remaining: int | None, steps: int = 60) -> list[int]:
+    """Steps at which a draft arm, not paying on earlier sequences' figures and behind this sequence
+    by its prompt (50 tokens, one more each plain step, 0.5 ms each to feed), is probed."""
+    b, target = bandit(draft_cost=0.002, settle_steps=0), costs(FLAT)
+    b.observe_catch_up("draft", 100, 0.05)
+    old = b.new_sequence()
+    for _ in range(30):
+        b.observe_acceptance(old, "draft", 4, 0)
+        b.observe_acceptance(old, "ngram", 4, 0)
+    seq = b.new_sequence()
+    out = []
+    for step in range(steps):
+        left = float("inf") if remaining is None else remaining - step
+        plan = b.plan(seq, 1, target, {"draft": 50 + step}, left, 4)
+        if plan and plan[0].arm == "draft":
+            out.append(step)
+            break
+    return out
+
+
+def test_a_long_catch_up_gets_one_probe_per_answer():
+    # the time since the last draft alone never affords the growing backlog ...
+    assert probes(remaining=None) == []
+    # ... the exploration share of the whole answer (128 tokens) does, once the arm is idle long enough
+    assert probes(remaining=128) == [bandit(0.002).cfg.probe_every - 1]
+
+
+def ranked_with_backlog(backlog: int, ngram_accepts: int) -> list[str]:
+    b, target = bandit(draft_cost=0.003, settle_steps=0), costs(FLAT)
+    b.observe_catch_up("draft", 100, 0.05)  # 0.5 ms a token the draft missed
+    seq = b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(seq, "ngram", 4, ngram_accepts)
+        b.observe_acceptance(seq, "draft", 4, 3)
+    return [c.arm for c in b.rank(seq, 1, target, {"draft": backlog}, 100, 4)]
+
+
+def test_an_arm_behind_the_first_catches_up_only_where_one_step_pays_for_it():
+    assert ranked_with_backlog(1, ngram_accepts=4) == ["ngram", "draft"]  # a token behind: a cheap stand-in
+    assert ranked_with_backlog(200, ngram_accepts=4) == ["ngram"]  # 0.1 s to stand in for one step
+    assert ranked_with_backlog(200, ngram_accepts=0) == ["draft"]  # first: paid back over the answer
