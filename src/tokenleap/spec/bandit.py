@@ -12,19 +12,26 @@ cost by row count and a step's measured overhead -- the engine's own controller'
 plain decoding (k = 0) is judged by exactly the numbers the controller uses. A sequence's
 acceptance starts from the arm's recent acceptance over all sequences (the prior) and follows the
 sequence's own text with exponential forgetting, so a request that turns from prose to copying
-code moves to n-gram lookup within a few steps, and back.
+code moves to n-gram lookup within a few steps, and back. An arm that often has nothing to propose
+(n-gram lookup without a match) is weighed by how often it has a draft: its other steps decode one
+token at a plain step's cost.
 
 The plan for a sequence is every arm that beats plain decoding (by ``batch_margin`` with several
 sequences) and pays back any catch-up it needs first (a draft model that has not followed the
 sequence while another arm drafted must feed those tokens), best first: a cheap arm that finds
-nothing to propose this step (n-gram without a match) hands the step to the next. A new sequence's
+nothing to propose this step (n-gram without a match) hands the step to the next. A first arm's
+catch-up must pay back against the best arm that needs none (not against plain decoding); an arm
+behind the first, which drafts only when the arms before it have nothing, within its one step.
+Acceptance is only seen up to the depth drafted, so the first choice drafts one token deeper when
+that position has gone ``deepen_every`` steps unmeasured for the sequence. A new sequence's
 first ``settle_steps`` steps choose no arm that needs a catch-up (a draft model's prefill) while a
 shadow arm measures the text meanwhile, so that prefill is spent only where this text, not earlier
 ones, says the draft beats the free arm. While a draft model that pays is in step with the sequence,
 any other arm is charged the catch-up its step would leave that draft (one draft forward over the
 tokens it emits): a free arm takes the step only where it gains more than switching costs. When no arm
 pays, the step decodes plainly, and every ``probe_every`` steps an arm not tried for that long is
-tried once with a short draft if its catch-up is affordable, so a change in the text is noticed.
+tried once with a short draft if its catch-up is affordable (for one sequence: also within the
+exploration share of the whole answer), so a change in the text is noticed.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
 every step without drafting: their proposal is compared with the tokens the step emitted. That
 count is exact: a deterministic draft token is accepted iff the verified token equals it, under
@@ -99,6 +106,9 @@ class SeqArmState:
     idle_seconds: float = 0.0  # predicted seconds those steps took
     # step (``SeqBandit.steps``) at which the arm last drafted position i + 1 for the sequence
     depth_seen: list[int] = field(default_factory=list)
+    # how often the arm had a draft when asked (exponentially forgotten): n-gram lookup often finds
+    # no match, and its steps without one decode plainly, so its rate is weighed by this
+    offers: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -149,11 +159,19 @@ class Bandit:
         """Predicted tokens per second of a step in which ``arm`` drafts k tokens for ``batch`` sequences;
         ``followers``: arms in step with the sequence that this step would leave behind, each then
         catching up on the tokens it emits (``DraftLengthController.catch_up_seconds``)."""
-        a = self.arms[arm]
-        tokens = seq.arms[arm].acceptance.expected_tokens(k, a.costs.accept)
+        a, state = self.arms[arm], seq.arms[arm]
+        tokens = state.acceptance.expected_tokens(k, a.costs.accept)
         cost = target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
+        if state.offers < 1.0:  # a step it has nothing to propose for decodes one token plainly
+            tokens = state.offers * tokens + (1.0 - state.offers)
+            cost = state.offers * cost + (1.0 - state.offers) * target.step_cost(0, batch)
         cost += sum(self.arms[f].costs.catch_up_seconds(tokens) for f in followers if f != arm)
         return batch * tokens / cost if cost > 0 else float("inf")
+
+    def observe_offer(self, seq: SeqBandit, arm: str, offered: bool) -> None:
+        """Asked for a draft for the sequence, ``arm`` had one (or nothing: n-gram without a match)."""
+        state = seq.arms[arm]
+        state.offers += self.cfg.ema * ((1.0 if offered else 0.0) - state.offers)
 
     def plan(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
              remaining: float, max_k: int) -> list[Choice]:
@@ -195,7 +213,8 @@ class Bandit:
     def rank(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
              remaining: float, max_k: int) -> list[Choice]:
         """The arms that beat plain decoding for this sequence's next step (by the batch margin) and pay
-        back their catch-up over ``remaining`` tokens (an arm behind the first: within its one step),
+        back their catch-up over ``remaining`` tokens (the first arm: against the best arm without
+        one; an arm behind the first: within its one step),
         best first, each at its best draft length;
         while the sequence settles (``settle_steps``) an arm with a catch-up is left out if a shadow
         arm is there. Nothing is recorded (``plan`` is the step's choice, with exploration)."""
@@ -228,12 +247,17 @@ class Bandit:
         if followers and len(ranked) > 1:
             ranked = eligible(followers)
         ranked.sort(key=lambda c: -c.rate)
+        catch_up = {c.arm: self.arms[c.arm].costs.catch_up_seconds(backlogs.get(c.arm, 0)) for c in ranked}
+        free = [c for c in ranked if catch_up[c.arm] <= 0.0]
+        # a first arm that must catch up is an investment against the best arm that needs none: it
+        # drafts first only where the time saved over that arm (not over plain decoding) repays it
+        if ranked and free and ranked[0] is not free[0] and (
+                remaining * (1.0 / free[0].rate - margin / ranked[0].rate) <= catch_up[ranked[0].arm]):
+            ranked = [free[0]] + [c for c in ranked if c is not free[0]]
         # an arm behind the first drafts only on a step the arms before it find nothing to propose
         # for (n-gram without a match): its catch-up must pay back within that one step, not over
         # the whole answer the first arm is serving
-        return ranked[:1] + [c for c in ranked[1:]
-                             if self._one_step_gain(seq, c, batch, plain) >= self.arms[c.arm].costs.catch_up_seconds(
-                                 backlogs.get(c.arm, 0))]
+        return ranked[:1] + [c for c in ranked[1:] if self._one_step_gain(seq, c, batch, plain) >= catch_up[c.arm]]
 
     def _one_step_gain(self, seq: SeqBandit, c: Choice, batch: int, plain: float) -> float:
         """Seconds one step of ``c`` is predicted to save over decoding its tokens plainly."""

@@ -123,6 +123,7 @@ class AutoProposer:
         for name, p in self.arms.items():
             if self.bandit.arms[name].shadow and name != first:
                 d = p.propose(seq_id, tokens, max_k, None, None)  # type: ignore[arg-type]
+                self.bandit.observe_offer(self._seqs[seq_id], name, d is not None and bool(d.tokens))
                 if d is not None and d.tokens:
                     self._shadows[seq_id][name] = (len(tokens), list(d.tokens))
 
@@ -167,6 +168,9 @@ class AutoProposer:
                                 max_nodes=0 if chains else requests[i].max_nodes) for i in idx]
                 for i, d in zip(idx, self._draft(name, reqs)):
                     aux = getattr(d, "aux", None) is not None
+                    if d is None or d.tokens or aux or not d.catch_up_tokens:  # (not a call that only caught up)
+                        offered = d is not None and bool(d.tokens or aux)
+                        self.bandit.observe_offer(self._seqs[requests[i].seq_id], name, offered)
                     if d is not None and (d.tokens or d.catch_up_tokens or aux):
                         out[i] = d
                         del open_[i]
