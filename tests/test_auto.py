@@ -301,12 +301,32 @@ def test_shadow_ngram_is_scored_against_the_emitted_tokens():
     prop.begin(0, [1, 2, 3, 4, 1, 2])
     prop._plans[0] = []
     prop._shadow_proposals(0, [1, 2, 3, 4, 1, 2], [Choice("draft", 4, 0.0)], 4)  # n-gram would draft 3 4 1 2
-    assert prop._shadows[0]["ngram"] == (6, [3, 4, 1, 2])
+    assert prop._shadows[0]["ngram"] == (6, [3, 4, 1, 2], 4)
     seq = prop._seqs[0]
     prop._score_shadows(0, seq, [1, 2, 3, 4, 1, 2, 3, 4, 9])  # the step emitted 3 4 9: two accepted, third not
     acc = seq.arms["ngram"].acceptance
     assert acc.trials[:4] == [1.0, 1.0, 1.0, 0.0] and acc.hits[:3] == [1.0, 1.0, 0.0]
     assert target is not None
+
+
+def shadow_counts(proposal: list[int], emitted: list[int], asked: int = 4) -> tuple[list[float], list[float]]:
+    """(trials, hits) by position after scoring an n-gram ``proposal`` against a step's ``emitted`` tokens."""
+    prop = AutoProposer({"ngram": NgramProposer()}, BanditConfig(max_k=4))
+    prompt = [1, 2, 3]
+    prop.begin(0, prompt)
+    prop._shadows[0]["ngram"] = (len(prompt), proposal, asked)
+    seq = prop._seqs[0]
+    prop._score_shadows(0, seq, prompt + emitted)
+    acc = seq.arms["ngram"].acceptance
+    return acc.trials, acc.hits
+
+
+def test_a_shadow_proposal_that_runs_out_counts_its_next_position_as_a_miss():
+    """Asked for 4 tokens, lookup had 2; the step emitted 3 tokens matching both: position 3 had no
+    token, which costs the yield a step would get exactly as a rejected one does."""
+    assert shadow_counts([7, 8], [7, 8, 9]) == ([1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0])
+    assert shadow_counts([7, 8], [7, 8]) == ([1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0])  # nothing known past it
+    assert shadow_counts([7, 8], [7, 8, 9], asked=2) == ([1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0])  # all it was asked
 
 
 def test_spec_config_auto():
@@ -318,9 +338,10 @@ def test_spec_config_auto():
 
 
 class _WindowOnly:
-    """A stand-in lookahead arm: every step carries its own rows but no guess."""
+    """A stand-in lookahead arm: every step carries its own rows and ``guess`` (none by default)."""
     shadow = False
     aux_rows = 4
+    guess: list[int] = []
 
     def begin(self, seq_id, prompt):
         pass
@@ -329,7 +350,7 @@ class _WindowOnly:
         return 0
 
     def propose_many(self, requests):
-        return [Draft(tokens=[], probs=None, aux=object()) for _ in requests]  # type: ignore[arg-type]
+        return [Draft(tokens=list(self.guess), probs=None, aux=object()) for _ in requests]  # type: ignore[arg-type]
 
     def accept(self, seq_id, num_accepted, path=None):
         pass
@@ -346,3 +367,15 @@ def test_a_step_with_only_the_arms_own_rows_counts_as_a_miss():
     prop.accept(0, 0)
     acc = prop._seqs[0].arms["lookahead"].acceptance
     assert acc.trials[0] == 1.0 and acc.hits[0] == 0.0
+
+
+def test_a_draft_shorter_than_asked_and_accepted_whole_counts_its_next_position_as_a_miss():
+    arm = _WindowOnly()
+    arm.guess = [5, 6]
+    prop = AutoProposer({"lookahead": arm}, BanditConfig(max_k=4))
+    prop.begin(0, [1, 2, 3])
+    prop._plans[0] = [Choice("lookahead", 4, 0.0)]
+    prop.propose_many([DraftRequest(0, [1, 2, 3], 4, SamplingParams(), None)])
+    prop.accept(0, 2)
+    acc = prop._seqs[0].arms["lookahead"].acceptance
+    assert acc.trials[:4] == [1.0, 1.0, 1.0, 0.0] and acc.hits[:3] == [1.0, 1.0, 0.0]

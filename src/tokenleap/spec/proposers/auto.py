@@ -40,8 +40,8 @@ class AutoProposer:
         self.target: DraftLengthController | None = None  # the engine's controller (target costs), set by plan
         self._seqs: dict[int, SeqBandit] = {}
         self._plans: dict[int, list[Choice]] = {}
-        self._drafted: dict[int, tuple[str, int]] = {}  # seq -> (arm, depth proposed) of the last proposal
-        self._shadows: dict[int, dict[str, tuple[int, list[int]]]] = {}  # seq -> arm -> (start, proposal)
+        self._drafted: dict[int, tuple[str, int, int]] = {}  # seq -> (arm, depth proposed, depth asked for)
+        self._shadows: dict[int, dict[str, tuple[int, list[int], int]]] = {}  # seq -> arm -> (start, proposal, asked)
 
     @property
     def aux_rows(self) -> int:
@@ -125,17 +125,23 @@ class AutoProposer:
                 d = p.propose(seq_id, tokens, max_k, None, None)  # type: ignore[arg-type]
                 self.bandit.observe_offer(self._seqs[seq_id], name, d is not None and bool(d.tokens))
                 if d is not None and d.tokens:
-                    self._shadows[seq_id][name] = (len(tokens), list(d.tokens))
+                    self._shadows[seq_id][name] = (len(tokens), list(d.tokens), max_k)
 
     def _score_shadows(self, seq_id: int, seq: SeqBandit, tokens: list[int]) -> None:
         """Compare the shadow proposals of the last step with the tokens it emitted."""
-        for name, (start, proposal) in self._shadows[seq_id].items():
-            known = tokens[start:start + len(proposal)]
-            if not known:
+        for name, (start, proposal, asked) in self._shadows[seq_id].items():
+            known = tokens[start:start + len(proposal) + 1]
+            n = min(len(proposal), len(known))
+            if not n:
                 continue
-            matched = next((i for i, (a, b) in enumerate(zip(proposal, known)) if a != b), len(known))
-            # a full match of what is known so far: those positions passed, later ones unknown
-            self.bandit.observe_acceptance(seq, name, min(len(known), matched + 1), matched)
+            matched = next((i for i in range(n) if proposal[i] != known[i]), n)
+            if matched < n:  # position matched + 1 failed
+                proposed = matched + 1
+            elif n == len(proposal) and len(known) > n and asked > n:
+                proposed = n + 1  # the step went past the proposal's end: a position it had nothing for
+            else:
+                proposed = n  # a full match of what is known so far: later positions unknown
+            self.bandit.observe_acceptance(seq, name, proposed, matched)
         self._shadows[seq_id] = {}
 
     # -- drafting ---------------------------------------------------------------------------
@@ -166,7 +172,7 @@ class AutoProposer:
                 chains = not self.trees and getattr(self.arms[name], "drafts_trees", False)
                 reqs = [replace(requests[i], k=min(requests[i].k, plans[i][open_[i]].k),
                                 max_nodes=0 if chains else requests[i].max_nodes) for i in idx]
-                for i, d in zip(idx, self._draft(name, reqs)):
+                for i, req, d in zip(idx, reqs, self._draft(name, reqs)):
                     aux = getattr(d, "aux", None) is not None
                     if d is None or d.tokens or aux or not d.catch_up_tokens:  # (not a call that only caught up)
                         offered = d is not None and bool(d.tokens or aux)
@@ -179,7 +185,8 @@ class AutoProposer:
                             # a guess -- emits one token: counted as a first position missed, so the
                             # arm's expected yield per step includes its steps without a guess)
                             depth = int(d.tree.depth.max()) if d.tree is not None and d.tokens else max(1, len(d.tokens))
-                            self._drafted[requests[i].seq_id] = (name, depth)
+                            asked = depth if d.tree is not None else req.k
+                            self._drafted[requests[i].seq_id] = (name, depth, asked)
                             self.bandit.drafted(self._seqs[requests[i].seq_id], name)
                     else:
                         open_[i] += 1
@@ -201,6 +208,9 @@ class AutoProposer:
         drafted = self._drafted.pop(seq_id, None)
         if drafted is None:
             return
-        name, depth = drafted
-        self.bandit.observe_acceptance(self._seqs[seq_id], name, depth, num_accepted)
+        name, depth, asked = drafted
+        # a draft shorter than asked for that was accepted whole: the position past its end had no
+        # token, which for the arm's yield per step is a miss (n-gram continuations run out)
+        proposed = depth + 1 if num_accepted >= depth and asked > depth else depth
+        self.bandit.observe_acceptance(self._seqs[seq_id], name, proposed, num_accepted)
         self.arms[name].accept(seq_id, num_accepted, path)
