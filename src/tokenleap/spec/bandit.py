@@ -214,10 +214,9 @@ class Bandit:
              remaining: float, max_k: int) -> list[Choice]:
         """The arms that beat plain decoding for this sequence's next step (by the batch margin) and pay
         back their catch-up over ``remaining`` tokens (the first arm: against the best arm without
-        one; an arm behind the first: within its one step),
-        best first, each at its best draft length;
-        while the sequence settles (``settle_steps``) an arm with a catch-up is left out if a shadow
-        arm is there. Nothing is recorded (``plan`` is the step's choice, with exploration)."""
+        one; an arm behind the first: within its one step), best first, each at its best draft
+        length; while the sequence settles (``settle_steps``) an arm with a catch-up is left out if
+        a shadow arm is there. Nothing is recorded (``plan`` is the step's choice, with exploration)."""
         max_k = min(max_k, self.cfg.max_k)
         if max_k <= 0 or not target.forward_cost:
             return []

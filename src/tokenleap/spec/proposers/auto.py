@@ -184,8 +184,10 @@ class AutoProposer:
                             # (a step carrying only the arm's own rows -- lookahead's window without
                             # a guess -- emits one token: counted as a first position missed, so the
                             # arm's expected yield per step includes its steps without a guess)
-                            depth = int(d.tree.depth.max()) if d.tree is not None and d.tokens else max(1, len(d.tokens))
-                            asked = depth if d.tree is not None else req.k
+                            if d.tree is not None and d.tokens:
+                                depth = asked = int(d.tree.depth.max())
+                            else:
+                                depth, asked = max(1, len(d.tokens)), req.k
                             self._drafted[requests[i].seq_id] = (name, depth, asked)
                             self.bandit.drafted(self._seqs[requests[i].seq_id], name)
                     else:
