@@ -303,8 +303,8 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
         else:
             try:
                 # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only)
-                arm = build_proposer(replace(spec, method=name, draft_model=None, layerskip_lookup=False), target, max_len,
-                                     num_slots, cache_dir)
+                arm = build_proposer(replace(spec, method=name, draft_model=None, layerskip_lookup=False), target,
+                                     max_len, num_slots, cache_dir)
             except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
                 continue
             if name == "layerskip" and getattr(arm, "skip", None) is None:

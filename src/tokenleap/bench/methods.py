@@ -207,9 +207,10 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     if family == "auto":
         proposer = _auto(spec, pool)
     if family == "layerskip":  # the target drafts for itself (skip=auto: the stored calibration, else made once)
-        from tokenleap.spec.proposers.layerskip import layerskip_proposer
-        lookup = SpecConfig.ngram_max if spec.get("lookup", "on") == "on" else 0
-        proposer = layerskip_proposer(target, str(spec.get("skip", "auto")), pool.opts.cache_dir, lookup=lookup)
+        from tokenleap.api import build_proposer
+        ls = SpecConfig(method="layerskip", skip_layers=str(spec.get("skip", "auto")),
+                        layerskip_lookup=spec.get("lookup", "on") == "on")
+        proposer = build_proposer(ls, target, max_len, 1, pool.opts.cache_dir)
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec), tree_nodes=nodes)
     return TokenleapMethod(spec.name, engine)
