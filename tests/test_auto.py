@@ -192,7 +192,7 @@ def test_plain_when_nothing_pays_then_a_probe():
         b2.observe_acceptance(seq2, "draft", 4, 0)
     plans = [b2.plan(seq2, 1, target, {}, 100, 4) for _ in range(b2.cfg.probe_every)]
     assert all(p == [] for p in plans[:-1])
-    assert plans[-1] == [Choice("draft", b2.cfg.probe_k, 0.0)]
+    assert plans[-1] == [Choice("draft", b2.cfg.probe_k, 0.0, probe=True)]
 
 
 def test_a_catch_up_that_does_not_pay_back_keeps_the_draft_out():
@@ -379,3 +379,16 @@ def test_a_draft_shorter_than_asked_and_accepted_whole_counts_its_next_position_
     prop.accept(0, 2)
     acc = prop._seqs[0].arms["lookahead"].acceptance
     assert acc.trials[:4] == [1.0, 1.0, 1.0, 0.0] and acc.hits[:3] == [1.0, 1.0, 0.0]
+
+
+def test_a_probe_that_misses_delays_the_arms_next_probe_and_a_ranked_draft_does_not():
+    arm = _WindowOnly()
+    arm.guess = [5, 6]
+    prop = AutoProposer({"lookahead": arm}, BanditConfig(max_k=4))
+    prop.begin(0, [1, 2, 3])
+    state = prop._seqs[0].arms["lookahead"]
+    for probe, accepted, misses in ((False, 0, 0), (True, 0, 1), (True, 1, 1), (True, 0, 2), (True, 2, 0)):
+        prop._plans[0] = [Choice("lookahead", 2, 0.0, probe=probe)]
+        prop.propose_many([DraftRequest(0, [1, 2, 3], 2, SamplingParams(), None)])
+        prop.accept(0, accepted)
+        assert state.probe_misses == misses

@@ -101,3 +101,34 @@ def first_arm(offer_every: int) -> str:
 def test_an_arm_that_rarely_has_a_draft_is_weighed_by_how_often_it_has_one():
     assert first_arm(offer_every=1) == "ngram"
     assert first_arm(offer_every=4) == "draft"  # three steps in four would decode plainly
+
+
+def probe_steps(outcomes: list[int], steps: int = 500, **config) -> list[int]:
+    """Steps at which a cheap draft arm that does not pay (nothing accepted so far) is probed, the
+    i-th probe accepting ``outcomes[i]`` of its tokens (the last outcome repeats)."""
+    b, target = bandit(draft_cost=0.001, settle_steps=0, **config), costs(FLAT)
+    seq = b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(seq, "ngram", 4, 0)
+        b.observe_acceptance(seq, "draft", 4, 0)
+    out = []
+    for step in range(steps):
+        plan = b.plan(seq, 1, target, {}, 1000, 4)
+        if plan and plan[0].probe:
+            accepted = outcomes[min(len(out), len(outcomes) - 1)]
+            out.append(step)
+            b.drafted(seq, "draft")
+            b.observe_probe(seq, "draft", plan[0].k, accepted)
+    return out
+
+
+def test_probes_that_keep_missing_come_less_often_and_a_hit_restores_them():
+    every = bandit(0.001).cfg.probe_every
+    flat = probe_steps([0], probe_backoff=0)
+    assert [b - a for a, b in zip(flat, flat[1:])] == [every] * (len(flat) - 1)  # without backoff
+    missing = probe_steps([0])
+    gaps = [b - a for a, b in zip(missing, missing[1:])]
+    assert gaps[:4] == [2 * every, 4 * every, 8 * every, 8 * every]  # doubling, capped at 2**3
+    restored = probe_steps([0, 0, 2, 0])  # the third probe is accepted whole
+    gaps = [b - a for a, b in zip(restored, restored[1:])]
+    assert gaps[:3] == [2 * every, 4 * every, every]

@@ -31,7 +31,9 @@ any other arm is charged the catch-up its step would leave that draft (one draft
 tokens it emits): a free arm takes the step only where it gains more than switching costs. When no arm
 pays, the step decodes plainly, and every ``probe_every`` steps an arm not tried for that long is
 tried once with a short draft if its catch-up is affordable (for one sequence: also within the
-exploration share of the whole answer), so a change in the text is noticed.
+exploration share of the whole answer), so a change in the text is noticed; a probe none of whose
+tokens is accepted doubles the wait before that arm's next one (``probe_backoff``), so an arm that
+keeps missing on this text costs fewer probe steps, and a probe accepted whole restores it.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
 every step without drafting: their proposal is compared with the tokens the step emitted. That
 count is exact: a deterministic draft token is accepted iff the verified token equals it, under
@@ -63,6 +65,10 @@ class BanditConfig:
     # this sequence in this many steps: acceptance is only seen up to the depth drafted, so a position
     # judged poor once (or never tried) would otherwise pin k below what the text now allows
     deepen_every: int = 8
+    # a probe that finds none of its tokens accepted doubles the arm's wait before its next probe in
+    # the sequence (up to 2**probe_backoff times probe_every); one accepted whole resets it: an arm
+    # that keeps missing on this text (lookahead's guesses on prose) stops taxing every 16th step
+    probe_backoff: int = 3
 
 
 class SeqAcceptance:
@@ -109,6 +115,7 @@ class SeqArmState:
     # how often the arm had a draft when asked (exponentially forgotten): n-gram lookup often finds
     # no match, and its steps without one decode plainly, so its rate is weighed by this
     offers: float = 1.0
+    probe_misses: int = 0  # probes in a row none of whose tokens were accepted
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class Choice:
     arm: str
     k: int
     rate: float  # predicted tokens per second (per step of the batch)
+    probe: bool = False  # an exploratory draft by an arm not ranked (``Bandit.observe_probe`` takes its outcome)
 
 
 @dataclass
@@ -167,6 +175,15 @@ class Bandit:
             cost = state.offers * cost + (1.0 - state.offers) * target.step_cost(0, batch)
         cost += sum(self.arms[f].costs.catch_up_seconds(tokens) for f in followers if f != arm)
         return batch * tokens / cost if cost > 0 else float("inf")
+
+    def observe_probe(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
+        """The outcome of a probe of ``arm``: none of its tokens accepted lengthens the wait before
+        the arm's next probe in the sequence; all accepted restores it."""
+        state = seq.arms[arm]
+        if accepted <= 0:
+            state.probe_misses = min(state.probe_misses + 1, self.cfg.probe_backoff)
+        elif accepted >= proposed:
+            state.probe_misses = 0
 
     def observe_offer(self, seq: SeqBandit, arm: str, offered: bool) -> None:
         """Asked for a draft for the sequence, ``arm`` had one (or nothing: n-gram without a match)."""
@@ -277,7 +294,7 @@ class Bandit:
         answer = seq.seconds + remaining * batch / best if batch == 1 and remaining < float("inf") else 0.0
         for name, state in seq.arms.items():
             a = self.arms[name]
-            if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every:
+            if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every << state.probe_misses:
                 continue
             catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
             affordable = (catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
@@ -285,7 +302,7 @@ class Bandit:
             best_case = batch * (k + 1) / target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
             if affordable and best_case > best:
                 seq.explored += catch_up
-                return Choice(name, k, 0.0)
+                return Choice(name, k, 0.0, probe=True)
         return None
 
     def drafted(self, seq: SeqBandit, arm: str) -> None:

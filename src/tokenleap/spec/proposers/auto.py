@@ -40,7 +40,7 @@ class AutoProposer:
         self.target: DraftLengthController | None = None  # the engine's controller (target costs), set by plan
         self._seqs: dict[int, SeqBandit] = {}
         self._plans: dict[int, list[Choice]] = {}
-        self._drafted: dict[int, tuple[str, int, int]] = {}  # seq -> (arm, depth proposed, depth asked for)
+        self._drafted: dict[int, tuple[str, int, int, bool]] = {}  # seq -> (arm, depth proposed, depth asked for, a probe?)
         self._shadows: dict[int, dict[str, tuple[int, list[int], int]]] = {}  # seq -> arm -> (start, proposal, asked)
 
     @property
@@ -178,7 +178,7 @@ class AutoProposer:
                         offered = d is not None and bool(d.tokens or aux)
                         self.bandit.observe_offer(self._seqs[requests[i].seq_id], name, offered)
                     if d is not None and (d.tokens or d.catch_up_tokens or aux):
-                        out[i] = d
+                        out[i], probe = d, plans[i][open_[i]].probe
                         del open_[i]
                         if d.tokens or aux:  # the engine verifies it and reports back through accept
                             # (a step carrying only the arm's own rows -- lookahead's window without
@@ -188,7 +188,7 @@ class AutoProposer:
                                 depth = asked = int(d.tree.depth.max())
                             else:
                                 depth, asked = max(1, len(d.tokens)), req.k
-                            self._drafted[requests[i].seq_id] = (name, depth, asked)
+                            self._drafted[requests[i].seq_id] = (name, depth, asked, probe)
                             self.bandit.drafted(self._seqs[requests[i].seq_id], name)
                     else:
                         open_[i] += 1
@@ -210,9 +210,11 @@ class AutoProposer:
         drafted = self._drafted.pop(seq_id, None)
         if drafted is None:
             return
-        name, depth, asked = drafted
+        name, depth, asked, probe = drafted
         # a draft shorter than asked for that was accepted whole: the position past its end had no
         # token, which for the arm's yield per step is a miss (n-gram continuations run out)
         proposed = depth + 1 if num_accepted >= depth and asked > depth else depth
         self.bandit.observe_acceptance(self._seqs[seq_id], name, proposed, num_accepted)
+        if probe:
+            self.bandit.observe_probe(self._seqs[seq_id], name, depth, num_accepted)
         self.arms[name].accept(seq_id, num_accepted, path)
