@@ -76,7 +76,7 @@ def _compile(sources: list[Path], name: str) -> None:
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         print(f"tokenleap: compiling the CPU kernels ({', '.join(p.name for p in sources)}) into {build_dir}, "
-              "once per machine (about 30 s)...", file=sys.stderr, flush=True)
+              "once per machine (30 s to a few minutes, by CPU)...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     load(name=name, sources=[str(p) for p in sources], extra_cflags=_FLAGS, extra_include_paths=[str(_DIR)],
          extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(build_dir))
