@@ -381,13 +381,16 @@ def test_a_draft_shorter_than_asked_and_accepted_whole_counts_its_next_position_
     assert acc.trials[:4] == [1.0, 1.0, 1.0, 0.0] and acc.hits[:3] == [1.0, 1.0, 0.0]
 
 
-def test_a_probe_that_misses_delays_the_arms_next_probe_and_a_ranked_draft_does_not():
+def test_a_probe_that_misses_delays_the_arms_next_probe_and_a_draft_accepted_whole_restores_it():
+    """Only probes count misses (a ranked draft's misses are the acceptance figures' business); any
+    draft of the arm accepted whole shows the text suits it again."""
     arm = _WindowOnly()
     arm.guess = [5, 6]
     prop = AutoProposer({"lookahead": arm}, BanditConfig(max_k=4))
     prop.begin(0, [1, 2, 3])
     state = prop._seqs[0].arms["lookahead"]
-    for probe, accepted, misses in ((False, 0, 0), (True, 0, 1), (True, 1, 1), (True, 0, 2), (True, 2, 0)):
+    for probe, accepted, misses in ((False, 0, 0), (True, 0, 1), (True, 1, 1), (True, 0, 2), (True, 2, 0),
+                                    (True, 0, 1), (False, 1, 1), (False, 2, 0)):
         prop._plans[0] = [Choice("lookahead", 2, 0.0, probe=probe)]
         prop.propose_many([DraftRequest(0, [1, 2, 3], 2, SamplingParams(), None)])
         prop.accept(0, accepted)

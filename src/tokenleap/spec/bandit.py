@@ -66,7 +66,7 @@ class BanditConfig:
     # judged poor once (or never tried) would otherwise pin k below what the text now allows
     deepen_every: int = 8
     # a probe that finds none of its tokens accepted doubles the arm's wait before its next probe in
-    # the sequence (up to 2**probe_backoff times probe_every); one accepted whole resets it: an arm
+    # the sequence (up to 2**probe_backoff times probe_every); a draft accepted whole resets it: an arm
     # that keeps missing on this text (lookahead's guesses on prose) stops taxing every 16th step
     probe_backoff: int = 3
 
@@ -177,8 +177,9 @@ class Bandit:
         return batch * tokens / cost if cost > 0 else float("inf")
 
     def observe_probe(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
-        """The outcome of a probe of ``arm``: none of its tokens accepted lengthens the wait before
-        the arm's next probe in the sequence; all accepted restores it."""
+        """The outcome of a probe of ``arm`` (or of any of its drafts accepted whole): none of its
+        tokens accepted lengthens the wait before the arm's next probe in the sequence; all accepted
+        restores it."""
         state = seq.arms[arm]
         if accepted <= 0:
             state.probe_misses = min(state.probe_misses + 1, self.cfg.probe_backoff)
