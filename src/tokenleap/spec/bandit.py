@@ -33,7 +33,7 @@ pays, the step decodes plainly, and every ``probe_every`` steps an arm not tried
 tried once with a short draft if its catch-up is affordable (for one sequence: also within the
 exploration share of the whole answer), so a change in the text is noticed; a probe none of whose
 tokens is accepted doubles the wait before that arm's next one (``probe_backoff``), so an arm that
-keeps missing on this text costs fewer probe steps, and a probe accepted whole restores it.
+keeps missing on this text costs fewer probe steps, and any draft of it accepted whole restores it.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
 every step without drafting: their proposal is compared with the tokens the step emitted. That
 count is exact: a deterministic draft token is accepted iff the verified token equals it, under
