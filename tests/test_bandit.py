@@ -118,7 +118,7 @@ def probe_steps(outcomes: list[int], steps: int = 500, **config) -> list[int]:
             accepted = outcomes[min(len(out), len(outcomes) - 1)]
             out.append(step)
             b.drafted(seq, "draft")
-            b.observe_probe(seq, "draft", plan[0].k, accepted)
+            b.observe_probe(seq, "draft", plan[0].k, accepted, probe=True)
     return out
 
 

@@ -176,14 +176,14 @@ class Bandit:
         cost += sum(self.arms[f].costs.catch_up_seconds(tokens) for f in followers if f != arm)
         return batch * tokens / cost if cost > 0 else float("inf")
 
-    def observe_probe(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
-        """The outcome of a probe of ``arm`` (or of any of its drafts accepted whole): none of its
-        tokens accepted lengthens the wait before the arm's next probe in the sequence; all accepted
-        restores it."""
+    def observe_probe(self, seq: SeqBandit, arm: str, drafted: int, accepted: int, probe: bool) -> None:
+        """A verified draft of ``arm`` for the sequence (``probe``: an exploratory one): a probe none
+        of whose tokens was accepted lengthens the wait before the arm's next probe in the sequence;
+        any draft accepted whole restores it."""
         state = seq.arms[arm]
-        if accepted <= 0:
+        if probe and accepted <= 0:
             state.probe_misses = min(state.probe_misses + 1, self.cfg.probe_backoff)
-        elif accepted >= proposed:
+        elif accepted >= drafted:
             state.probe_misses = 0
 
     def observe_offer(self, seq: SeqBandit, arm: str, offered: bool) -> None:

@@ -215,6 +215,5 @@ class AutoProposer:
         # token, which for the arm's yield per step is a miss (n-gram continuations run out)
         proposed = depth + 1 if num_accepted >= depth and asked > depth else depth
         self.bandit.observe_acceptance(self._seqs[seq_id], name, proposed, num_accepted)
-        if probe or num_accepted >= depth:  # a probe's outcome; any draft accepted whole restores the wait
-            self.bandit.observe_probe(self._seqs[seq_id], name, depth, num_accepted)
+        self.bandit.observe_probe(self._seqs[seq_id], name, depth, num_accepted, probe)
         self.arms[name].accept(seq_id, num_accepted, path)
