@@ -151,7 +151,7 @@ def test_stats_line_names_the_proposers():
 
 
 def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
-    """Other methods join auto by name when build_proposer builds them; layer skip only with its skipped
+    """Other methods join auto by name when proposer_for builds them; layer skip only with its skipped
     set known (a calibration stored or --skip-layers), so no search runs inside a user's request."""
     import tokenleap.api as api
     from tokenleap.config import ConfigError, SpecConfig
@@ -165,11 +165,11 @@ def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
     def build(spec, *a, **k):
         if spec.method == "layerskip":
             return Arm("layerskip", calibrated["value"])
-        if spec.method == "lookahead":
-            return Arm("lookahead", None)
+        if spec.method in ("lookahead", "ngram"):
+            return Arm(spec.method, None)
         raise ConfigError("unknown")
 
-    monkeypatch.setattr(api, "build_proposer", build)
+    monkeypatch.setattr(api, "proposer_for", build)
     assert list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == ["lookahead", "ngram"]
     calibrated["value"] = frozenset({3})
     assert list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == \

@@ -109,20 +109,8 @@ class LLM:
 
     def _proposer(self, max_len: int, num_slots: int, cache=None) -> Proposer | None:
         """A fresh proposer for an engine (``cache``: the draft model's KV cache, by default contiguous)."""
-        if self.spec.method == "ngram":
-            from tokenleap.spec.proposers.ngram import NgramProposer
-            return NgramProposer(self.spec.ngram_max, self.spec.ngram_min)
-        if self.spec.method == "lookahead":
-            return lookahead_proposer(self.spec)
-        if self.spec.method == "layerskip":
-            return build_proposer(self.spec, self.target, max_len, num_slots, getattr(self, "cache_dir", None))
-        if self.spec.method == "draft":
-            return draft_proposer(self.draft, self.target.model.config.vocab_size, max_len, num_slots,
-                                  self.spec.draft_vocab, cache, self.spec.draft_spec, self.tokenizer)
-        if self.spec.method == "auto":
-            return auto_proposer(self.spec, self.target, self.draft, max_len, num_slots, None,
-                                 (lambda _: cache) if cache is not None else None)
-        return None
+        return proposer_for(self.spec, self.target, self.draft, max_len, num_slots, getattr(self, "cache_dir", None),
+                            (lambda _: cache) if cache is not None else None)
 
     def describe(self) -> str:
         """One line: what was loaded and the memory it holds."""
@@ -202,8 +190,24 @@ def load_draft(spec: SpecConfig, target: LoadedModel, cache_dir: str | Path | No
 
 def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slots: int,
                    cache_dir: str | Path | None, draft_cache=None) -> Proposer | None:
-    """The proposer ``spec`` asks for. ``draft_cache(draft_model)`` may supply the draft's KV cache
-    (a server passes a paged one); by default the draft gets a contiguous cache of ``num_slots``."""
+    """The proposer ``spec`` asks for, its draft model (if any) loaded here. ``draft_cache(draft_model)``
+    may supply the draft's KV cache (a server passes a paged one); by default the draft gets a
+    contiguous cache of ``num_slots``."""
+    note = None
+    if spec.method == "auto":
+        spec, note = resolve_auto_draft(spec, target.source, cache_dir)
+    draft = load_draft(spec, target, cache_dir) if uses_draft(spec) else None
+    proposer = proposer_for(spec, target, draft, max_len, num_slots, cache_dir, draft_cache)
+    if note is not None:
+        proposer.note = note  # what was picked and why, for the server's startup line
+    return proposer
+
+
+def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, num_slots: int,
+                 cache_dir: str | Path | None = None, draft_cache=None) -> Proposer | None:
+    """The proposer ``spec`` asks for, with its draft model (method "draft", or "auto" with one) already
+    loaded as ``draft``; ``cache_dir`` holds layer-skip calibrations, ``draft_cache`` as in
+    :func:`build_proposer`."""
     if spec.method is None:
         return None
     if spec.method == "ngram":
@@ -216,14 +220,11 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
         return layerskip_proposer(target, spec.skip_layers, cache_dir,
                                   lookup=spec.ngram_max if spec.layerskip_lookup else 0)
     if spec.method == "auto":
-        spec, note = resolve_auto_draft(spec, target.source, cache_dir)
-        draft = load_draft(spec, target, cache_dir) if spec.draft_model else None
-        proposer = auto_proposer(spec, target, draft, max_len, num_slots, cache_dir, draft_cache)
-        proposer.note = note  # what was picked and why, for the server's startup line
-        return proposer
+        return auto_proposer(spec, target, draft, max_len, num_slots, cache_dir, draft_cache)
     if spec.method != "draft":
         raise ConfigError(f"no proposer is built for speculative method {spec.method!r}")
-    draft = load_draft(spec, target, cache_dir)
+    if draft is None:
+        raise ConfigError("speculative method 'draft' needs the draft model loaded")
     cache = draft_cache(draft) if draft_cache is not None else None
     return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache,
                           spec.draft_spec, target.tokenizer)
@@ -276,7 +277,7 @@ def resolve_auto_draft(spec: SpecConfig, model: str, cache_dir: str | Path | Non
 
 
 # --spec auto's candidate proposers, in order (ties go to the first). Other methods join by name as
-# soon as SpecConfig accepts them and build_proposer builds them (no change to spec/proposers/auto.py).
+# soon as SpecConfig accepts them and proposer_for builds them (no change to spec/proposers/auto.py).
 AUTO_ARMS = ("draft", "layerskip", "lookahead", "ngram")
 
 
@@ -287,7 +288,6 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
     from tokenleap.errors import TokenleapError
     from tokenleap.spec.bandit import BanditConfig
     from tokenleap.spec.proposers.auto import AutoProposer
-    from tokenleap.spec.proposers.ngram import NgramProposer
     arms: dict[str, Proposer] = {}
     # the draft arm drafts chains (trees only with --spec-tree on), so it is a cascade: n-gram lookup
     # speculates the draft model's own steps, which changes no drafted token and saves draft forwards
@@ -298,17 +298,15 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
                 arms[name] = draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots,
                                             spec.draft_vocab, draft_cache(draft) if draft_cache else None,
                                             draft_spec, target.tokenizer)
-        elif name == "ngram":
-            arms[name] = NgramProposer(spec.ngram_max, spec.ngram_min)
-        else:
-            try:
-                # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only)
-                arm = build_proposer(replace(spec, method=name, draft_model=None, layerskip_lookup=False), target,
-                                     max_len, num_slots, cache_dir)
-            except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
-                continue
-            if name == "layerskip" and getattr(arm, "skip", None) is None:
-                continue  # joins once calibrated (tokenleap calibrate): no search inside a user's request
-            arms[name] = arm
+            continue
+        try:
+            # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only)
+            arm = proposer_for(replace(spec, method=name, draft_model=None, layerskip_lookup=False), target,
+                               None, max_len, num_slots, cache_dir)
+        except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
+            continue
+        if name == "layerskip" and getattr(arm, "skip", None) is None:
+            continue  # joins once calibrated (tokenleap calibrate): no search inside a user's request
+        arms[name] = arm
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
     return AutoProposer(arms, BanditConfig(max_k=max(spec.max_num_tokens, fixed or 1)), trees=spec.tree == "on")
