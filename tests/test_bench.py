@@ -18,6 +18,7 @@ from tokenleap.bench.common import PEER, TOKENLEAP
 from tokenleap.bench.runner import RESULTS_LOG, schedule
 from tokenleap.bench.summary import equality, first_difference
 from tokenleap.cli.main import main
+from tokenleap.config import SamplingParams
 
 SMOL = "smollm2-135m-instruct"
 # short, repetitive prompts: quick prefill, and the n-gram proposer finds matches
@@ -352,3 +353,21 @@ def test_plots_without_matplotlib_say_which_extra(monkeypatch, tmp_path, capsys)
     rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and "tokenleap[bench]" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_method_may_name_its_own_draft_model(pool, prompt_ids, capsys):
+    """``draft:model=NAME`` drafts with NAME instead of --draft (another tokenizer's or size's draft
+    beside the --draft one in the same run): built without --draft, its output equals plain's; a
+    name that is no model is refused before anything loads."""
+    built, infos = build_methods(parse_methods(f"plain,draft:k=2,model={SMOL}"), pool)
+    assert [i.status for i in infos] == ["ok", "ok"]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    plain, draft = (m.generate(prompt_ids[0], params) for m in built)
+    assert draft.token_ids == plain.token_ids and draft.stats["draft_tokens"] > 0
+    assert pool.draft("x", SMOL) is pool.draft("y", SMOL)  # loaded once
+    with pytest.raises(BenchError, match="needs a draft model"):
+        pool.draft("draft")
+    with pytest.raises(BenchError, match="option model needs a model name"):
+        parse_methods("draft:model=")
+    rc = main(["bench", "--target", SMOL, "--methods", "plain,cascade:model=no-such-model", "--out", "/nonexistent/x"])
+    assert rc == 2 and "'no-such-model' is neither a catalog model" in capsys.readouterr().err

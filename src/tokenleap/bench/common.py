@@ -11,11 +11,12 @@ TOKENLEAP, PEER = "tokenleap", "peer"  # method kinds
 # family -> allowed options; "k" accepts "auto" for tokenleap's adaptive draft length
 FAMILIES: dict[str, tuple[str, ...]] = {
     "plain": (),
-    "draft": ("k", "kmax", "vocab", "tree", "nodes"),  # tree=auto|on|off (default off: chains), nodes: its budget
+    # tree=auto|on|off (default off: chains), nodes: its budget; model=NAME: this method's draft instead of --draft
+    "draft": ("k", "kmax", "vocab", "tree", "nodes", "model"),
     "ngram": ("k", "kmax", "max", "min", "tree", "nodes"),
     "draft-tree": ("k", "kmax", "vocab", "nodes"),  # token trees of at most `nodes` drafted nodes, k deep
     "ngram-tree": ("k", "kmax", "max", "min", "nodes"),
-    "cascade": ("k", "kmax", "vocab"),  # draft, its own steps speculated by n-gram lookup (--draft-spec ngram)
+    "cascade": ("k", "kmax", "vocab", "model"),  # draft, its own steps speculated by n-gram lookup (--draft-spec ngram)
     "lookahead": ("k", "kmax", "window", "ngram", "guesses", "max"),  # max: the text lookup's longest match
     "auto": ("k", "kmax", "max", "min", "vocab"),  # per request and step: n-gram, the --draft model, ... or plain
     # skip=auto (calibrated, stored per model) or a list like 4-6+10-14; lookup=on|off: copied text by prompt lookup

@@ -94,6 +94,10 @@ def _parse_option(family: str, text: str) -> tuple[str, int | str]:
         except ConfigError as e:
             raise BenchError(f"method {family!r}: option skip must be auto or a list like 4-6+10-14 ({e})") from None
         return key, value
+    if key == "model":  # a draft model other than --draft (another tokenizer, another size)
+        if not value:
+            raise BenchError(f"method {family!r}: option model needs a model name or path")
+        return key, value
     if key == "lookup":
         if value not in ("on", "off"):
             raise BenchError(f"method {family!r}: option lookup must be on or off, got {value!r}")
@@ -136,12 +140,15 @@ class ModelPool:
         o = self.opts
         return self.get("target", lambda: load_model(o.target, o.dtype, o.quant, o.cache_dir))
 
-    def draft(self, needed_by: str) -> LoadedModel:
+    def draft(self, needed_by: str, model: str | None = None) -> LoadedModel:
+        """The --draft model, or ``model`` (a method's ``model=`` option: another draft beside it in
+        the same run), loaded once at the --draft-quant and the target's dtype."""
         o = self.opts
-        if not o.draft:
-            raise BenchError(f"method {needed_by!r} needs a draft model: pass --draft MODEL")
-        return self.get("draft", lambda: load_model(o.draft, self.target().dtype, o.draft_quant, o.cache_dir,
-                                                           gguf_other="int4"))
+        name = model or o.draft
+        if not name:
+            raise BenchError(f"method {needed_by!r} needs a draft model: pass --draft MODEL (or model=NAME)")
+        return self.get("draft" if name == o.draft else f"draft:{name}",
+                        lambda: load_model(name, self.target().dtype, o.draft_quant, o.cache_dir, gguf_other="int4"))
 
     @property
     def dtype(self):
@@ -191,7 +198,7 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     elif family in ("draft", "cascade"):  # a draft of another tokenizer drafts through text (cross_tokenizer.py)
         from tokenleap.api import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
-        proposer = draft_proposer(pool.draft(spec.name), target.model.config.vocab_size, max_len, draft_vocab=vocab,
+        proposer = draft_proposer(pool.draft(spec.name, spec.get("model")), target.model.config.vocab_size, max_len, draft_vocab=vocab,
                                   draft_spec="ngram" if family == "cascade" else None,
                                   target_tokenizer=target.tokenizer)
     nodes = int(spec.get("nodes", TREE_NODES)) if _tree_mode(spec) != "off" else 0

@@ -16,6 +16,7 @@ _EPILOG = f"""methods: {', '.join(FAMILIES)}
            ngram:tree=auto | draft:tree=auto,nodes=16 (plain, chain or tree chosen per step from measured costs;
            tree=on is the -tree family, tree=off -- the default -- chains) |
            cascade:k=auto (draft, its own steps speculated by n-gram lookup: --draft-spec ngram) |
+           draft:model=smollm2-135m-instruct (this method's draft instead of --draft, e.g. another tokenizer's) |
            lookahead:window=3,ngram=3,guesses=3 (Jacobi window W x N-1 levels, G n-gram guesses) |
            layerskip:k=auto,skip=auto (the target drafts with some layers skipped: skip=auto calibrated and
            stored per model -- tokenleap calibrate --, or a list like skip=4-6+10-14) |
@@ -76,6 +77,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_model_ref("--target", args.target, args.cache_dir)
     if args.draft:
         check_model_ref("--draft", args.draft, args.cache_dir)
+    from tokenleap.bench.methods import parse_methods
+    for spec in parse_methods(args.methods):
+        if spec.get("model"):
+            check_model_ref(f"--methods {spec.name}", spec.get("model"), args.cache_dir)
 
     results = bench(args.target, draft=args.draft, dataset=args.dataset, methods=args.methods, limit=args.limit,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
