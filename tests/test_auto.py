@@ -34,7 +34,8 @@ def models():
 
 
 def auto(draft, max_len: int = 256, vocab: int = V) -> AutoProposer:
-    return AutoProposer({"draft": DraftModelProposer(draft, vocab, max_len), "ngram": NgramProposer()},
+    # (n-gram from one-token matches too: the toy models repeat single tokens, rarely pairs)
+    return AutoProposer({"draft": DraftModelProposer(draft, vocab, max_len), "ngram": NgramProposer(4, 1)},
                         BanditConfig(max_k=4))
 
 
@@ -244,7 +245,7 @@ class _Warmable:
 
 def warm_arms(ngram_accepts: int, draft_accepts: int, remaining: float = 100, settle_steps: int = 0) -> int:
     """Prefills the draft arm gets for a new sequence after earlier sequences measured the arms."""
-    prop = AutoProposer({"draft": _Warmable(), "ngram": NgramProposer()}, BanditConfig(max_k=4))
+    prop = AutoProposer({"draft": _Warmable(), "ngram": NgramProposer(4, 1)}, BanditConfig(max_k=4))
     prop.bandit = bandit(draft_cost=0.002, settle_steps=settle_steps)
     prop.bandit.observe_catch_up("draft", 100, 0.05)  # 0.5 ms a prompt token
     old = prop.bandit.new_sequence()
@@ -296,7 +297,7 @@ def test_auto_draft_arm_is_a_cascade_unless_trees_are_on(models):
 
 
 def test_shadow_ngram_is_scored_against_the_emitted_tokens():
-    prop = AutoProposer({"ngram": NgramProposer()}, BanditConfig(max_k=4))
+    prop = AutoProposer({"ngram": NgramProposer(4, 1)}, BanditConfig(max_k=4))
     target = costs(FLAT)
     prop.begin(0, [1, 2, 3, 4, 1, 2])
     prop._plans[0] = []
@@ -311,7 +312,7 @@ def test_shadow_ngram_is_scored_against_the_emitted_tokens():
 
 def shadow_counts(proposal: list[int], emitted: list[int], asked: int = 4) -> tuple[list[float], list[float]]:
     """(trials, hits) by position after scoring an n-gram ``proposal`` against a step's ``emitted`` tokens."""
-    prop = AutoProposer({"ngram": NgramProposer()}, BanditConfig(max_k=4))
+    prop = AutoProposer({"ngram": NgramProposer(4, 1)}, BanditConfig(max_k=4))
     prompt = [1, 2, 3]
     prop.begin(0, prompt)
     prop._shadows[0]["ngram"] = (len(prompt), proposal, asked)

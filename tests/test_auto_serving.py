@@ -63,7 +63,7 @@ def test_auto_with_a_lookahead_arm_equals_plain():
             *_, (ref, _) = plain.generate(prompt, params)
             # lookahead listed first: the first step, before any cost is measured, tries the arms in this
             # order, so the window is exercised whatever the timings make the bandit choose later
-            arms = {"lookahead": LookaheadProposer(), "draft": DraftModelProposer(draft, 96, 256), "ngram": NgramProposer()}
+            arms = {"lookahead": LookaheadProposer(), "draft": DraftModelProposer(draft, 96, 256), "ngram": NgramProposer(4, 1)}
             eng = Engine(target, ToyTokenizer(96), max_len=256, proposer=AutoProposer(arms, BanditConfig(max_k=4)),
                          tree_nodes=12)
             *_, (seq, _) = eng.generate(prompt, params)

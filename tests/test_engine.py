@@ -452,3 +452,33 @@ def test_starting_an_engine_keeps_the_loaded_objects_out_of_garbage_collections(
     monkeypatch.setenv("TOKENLEAP_GC_FREEZE", "0")
     engine(target)
     assert gc.get_freeze_count() == 0 and any(o is target for o in gc.get_objects())
+
+
+def test_ngram_lookup_drafts_from_two_token_matches_by_default(tmp_path):
+    """A one-token suffix match rarely predicts the next tokens, so by default n-gram lookup drafts
+    only from matches of 2..ngram_max tokens (ngram_min=1 restores the one-token ones); a
+    --ngram-max below the default minimum lowers the minimum with it."""
+    import argparse
+
+    from tokenleap.cli.main import build_parser, spec_config
+    from tokenleap.config import SpecConfig
+    one = [1, 2, 3, 9, 4, 5, 6, 1, 9]  # the suffix (9) occurred before, (1, 9) did not
+    two = [1, 2, 3, 9, 4, 5, 6, 3, 9]  # the suffix (3, 9) occurred before
+    default, unigram = NgramProposer(), NgramProposer(4, 1)
+    for p in (default, unigram):
+        p.begin(0, [])
+        p.begin(1, [])
+    assert default.propose(0, one, 3, None, None) is None
+    assert unigram.propose(0, one, 3, None, None).tokens == [4, 5, 6]
+    assert default.propose(1, two, 3, None, None).tokens == [4, 5, 6]
+    assert SpecConfig().ngram_min == 2 and NgramProposer(1).ngram_min == 1
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+
+    def spec(*flags: str) -> SpecConfig:
+        args: argparse.Namespace = build_parser().parse_args(["generate", "--model", str(gguf), "--prompt", "x", *flags])
+        return spec_config(args)
+
+    assert spec("--spec", "ngram").ngram_min == 2
+    assert spec("--spec", "ngram", "--ngram-max", "1").ngram_min == 1
+    assert spec("--spec", "ngram", "--ngram-min", "1").ngram_min == 1

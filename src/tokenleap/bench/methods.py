@@ -68,7 +68,7 @@ def _parse_one(item: str) -> MethodSpec:
                          "(options like draft:k=4, draft:k=auto, ngram:k=3,max=4,min=1)")
     options = [_parse_option(family, o) for o in rest.split(",") if o.strip()] if rest else []
     spec = MethodSpec(family, tuple(options))
-    if int(spec.get("min", 1)) > int(spec.get("max", 10**9)):
+    if ngram_min(spec) > int(spec.get("max", 4)):
         raise BenchError(f"method {spec.name!r}: min must not exceed max")
     if family == "lookahead":  # its sizes checked now, before any model loads
         try:
@@ -77,6 +77,11 @@ def _parse_one(item: str) -> MethodSpec:
         except ConfigError as e:
             raise BenchError(f"method {spec.name!r}: {e}") from None
     return spec
+
+
+def ngram_min(spec: MethodSpec) -> int:
+    """The method's ``min`` option, by default SpecConfig's (at most its ``max``)."""
+    return int(spec.get("min", min(SpecConfig.ngram_min, int(spec.get("max", 4)))))
 
 
 def _parse_option(family: str, text: str) -> tuple[str, int | str]:
@@ -194,7 +199,7 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     family = spec.family.removesuffix("-tree")  # a tree method drafts like its chain family
     if family == "ngram":
         from tokenleap.spec.proposers.ngram import NgramProposer
-        proposer = NgramProposer(int(spec.get("max", 4)), int(spec.get("min", 1)))
+        proposer = NgramProposer(int(spec.get("max", 4)), ngram_min(spec))
     elif family in ("draft", "cascade"):  # a draft of another tokenizer drafts through text (cross_tokenizer.py)
         from tokenleap.api import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
@@ -230,7 +235,7 @@ def _auto(spec: MethodSpec, pool: ModelPool):
     o = pool.opts
     k = spec.get("k", "auto")
     cfg = SpecConfig(method="auto", draft_model=o.draft, num_tokens=k, max_num_tokens=int(spec.get("kmax", 8)),
-                     ngram_max=int(spec.get("max", 4)), ngram_min=int(spec.get("min", 1)),
+                     ngram_max=int(spec.get("max", 4)), ngram_min=ngram_min(spec),
                      draft_vocab=int(spec.get("vocab", SpecConfig.draft_vocab)) or None)
     draft = pool.draft(spec.name) if o.draft else None
     return auto_proposer(cfg, pool.target(), draft, o.max_len, 1, o.cache_dir)

@@ -76,7 +76,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N")
     p.add_argument("--max-spec-tokens", type=positive_int, default=8, help="upper bound for the adaptive draft length")
     p.add_argument("--ngram-max", type=positive_int, default=4)
-    p.add_argument("--ngram-min", type=positive_int, default=1)
+    p.add_argument("--ngram-min", type=positive_int, default=None,
+                   help=f"shortest suffix match n-gram lookup drafts from (default {SpecConfig.ngram_min}, "
+                        "at most --ngram-max)")
     p.add_argument("--spec-tree", choices=["auto", "on", "off"], default="auto",
                    help="token trees (a draft model's dynamic trees, n-gram tries): auto (default) a tree where "
                         "the measured costs say it pays, a chain or plain decoding where not; on: always trees; "
@@ -133,7 +135,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       draft_spec=None if args.draft_spec == "none" else args.draft_spec,
                       draft_vocab=args.draft_vocab or None,
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
-                      ngram_max=args.ngram_max, ngram_min=args.ngram_min, tree=args.spec_tree,
+                      ngram_max=args.ngram_max,
+                      ngram_min=args.ngram_min or min(SpecConfig.ngram_min, args.ngram_max), tree=args.spec_tree,
                       max_tree_nodes=args.max_tree_nodes, lookahead_window=args.lookahead_window,
                       lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses,
                       skip_layers=args.skip_layers or "auto", layerskip_lookup=args.skip_lookup == "on")

@@ -52,8 +52,9 @@ class NgramProposer:
     # does not verify and score it against the tokens the step emitted
     shadow = True
 
-    def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 2) -> None:
+        # (a one-token match rarely predicts what follows: SpecConfig.ngram_min; never above ngram_max)
+        self.ngram_max, self.ngram_min = ngram_max, min(ngram_min, ngram_max)
         self._seqs: dict[int, _Index] = {}
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
@@ -71,15 +72,21 @@ class NgramProposer:
         index.extend(tokens)
         return index
 
-    def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Draft | None:
+    def match(self, seq_id: int, tokens: list[int]) -> tuple[int, int] | None:
+        """The longest suffix of ``tokens`` (ngram_max down to ngram_min long) that occurred before:
+        (its length n, the position right after its latest earlier occurrence); None if none did."""
         index = self._index(seq_id, tokens)
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             follows = index.tables[n].get(tuple(tokens[-n:]))
-            if follows:  # the latest occurrence
-                proposal = tokens[follows[-1] : follows[-1] + k]
-                return Draft(tokens=proposal, probs=None) if proposal else None
+            if follows:
+                return n, follows[-1]
         return None
+
+    def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft | None:
+        found = self.match(seq_id, tokens)
+        proposal = tokens[found[1] : found[1] + k] if found else []
+        return Draft(tokens=proposal, probs=None) if proposal else None
 
     def propose_tree(self, seq_id: int, tokens: list[int], max_nodes: int, max_depth: int) -> TokenTree | None:
         """A trie of what followed earlier occurrences of the suffix (root: ``tokens[-1]``), at most
