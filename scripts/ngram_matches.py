@@ -36,7 +36,8 @@ def read_rows(run: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="catalog name or GGUF path of the target")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                    help="catalog name or GGUF path of the target")
     ap.add_argument("--k", type=int, default=8, help="tokens a guess proposes at most")
     args = ap.parse_args()
     identity = json.loads((args.run / "run.json").read_text())["identity"]

@@ -44,7 +44,7 @@ def alternating(proposer: AutoProposer) -> AutoProposer:
     step to the draft): the paths a real choice takes, at their most frequent."""
     counter = itertools.count()
 
-    def plan(seq, batch, target, backlogs, remaining, max_k):
+    def plan(seq, batch, target, backlogs, remaining, max_k, present=None):
         first, second = ("draft", "ngram") if next(counter) % 2 == 0 else ("ngram", "draft")
         return [Choice(first, min(3, max_k), 0.0), Choice(second, min(3, max_k), 0.0)]
 
@@ -301,7 +301,9 @@ def test_shadow_ngram_is_scored_against_the_emitted_tokens():
     target = costs(FLAT)
     prop.begin(0, [1, 2, 3, 4, 1, 2])
     prop._plans[0] = []
-    prop._shadow_proposals(0, [1, 2, 3, 4, 1, 2], [Choice("draft", 4, 0.0)], 4)  # n-gram would draft 3 4 1 2
+    tokens = [1, 2, 3, 4, 1, 2]
+    drafts = {"ngram": prop.arms["ngram"].propose(0, tokens, 4, None, None)}  # made before the plan
+    prop._shadow_proposals(0, tokens, [Choice("draft", 4, 0.0)], 4, drafts)  # n-gram would draft 3 4 1 2
     assert prop._shadows[0]["ngram"] == (6, [3, 4, 1, 2], 4)
     seq = prop._seqs[0]
     prop._score_shadows(0, seq, [1, 2, 3, 4, 1, 2, 3, 4, 9])  # the step emitted 3 4 9: two accepted, third not

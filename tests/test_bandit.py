@@ -84,9 +84,10 @@ def test_a_catch_up_must_pay_back_against_the_arm_that_needs_none():
     assert ranked_with_backlog(60, ngram_accepts=0) == ["draft"]  # n-gram does not pay: against plain
 
 
-def first_arm(offer_every: int) -> str:
+def first_arm(offer_every: int, present: dict[str, bool] | None = None) -> str:
     """The first choice for a text n-gram lookup copies perfectly whenever it has a match, which
-    is on one step in ``offer_every``, against a draft accepting 3 of 4."""
+    is on one step in ``offer_every``, against a draft accepting 3 of 4 (``present``: whether each
+    shadow arm is known to have a proposal for the step)."""
     b, target = bandit(draft_cost=0.003, settle_steps=0), costs(FLAT)
     seq = b.new_sequence()
     for step in range(20):
@@ -95,12 +96,24 @@ def first_arm(offer_every: int) -> str:
         if offered:
             b.observe_acceptance(seq, "ngram", 4, 4)
         b.observe_acceptance(seq, "draft", 4, 3)
-    return b.rank(seq, 1, target, {}, 100, 4)[0].arm
+    return b.rank(seq, 1, target, {}, 100, 4, present)[0].arm
 
 
 def test_an_arm_that_rarely_has_a_draft_is_weighed_by_how_often_it_has_one():
     assert first_arm(offer_every=1) == "ngram"
     assert first_arm(offer_every=4) == "draft"  # three steps in four would decode plainly
+
+
+def test_a_shadow_arm_known_to_propose_is_judged_by_its_proposals_and_one_known_not_to_is_left_out():
+    """Shadow arms' proposals are made before the plan: on a step n-gram has a match for, its rate
+    is that of its proposals (not weighed down by the steps it had nothing for); on a step it has
+    none for, it is not in the plan at all."""
+    assert first_arm(offer_every=4, present={"ngram": True}) == "ngram"
+    assert first_arm(offer_every=1, present={"ngram": False}) == "draft"
+    b, target = bandit(draft_cost=0.003, settle_steps=0), costs(FLAT)
+    seq = b.new_sequence()
+    b.observe_acceptance(seq, "ngram", 4, 4)
+    assert [c.arm for c in b.rank(seq, 1, target, {}, 100, 4, {"ngram": False})] == ["draft"]
 
 
 def probe_steps(outcomes: list[int], steps: int = 500, **config) -> list[int]:

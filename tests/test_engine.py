@@ -476,7 +476,8 @@ def test_ngram_lookup_drafts_from_two_token_matches_by_default(tmp_path):
     gguf.write_bytes(b"")
 
     def spec(*flags: str) -> SpecConfig:
-        args: argparse.Namespace = build_parser().parse_args(["generate", "--model", str(gguf), "--prompt", "x", *flags])
+        argv = ["generate", "--model", str(gguf), "--prompt", "x", *flags]
+        args: argparse.Namespace = build_parser().parse_args(argv)
         return spec_config(args)
 
     assert spec("--spec", "ngram").ngram_min == 2

@@ -203,7 +203,8 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     elif family in ("draft", "cascade"):  # a draft of another tokenizer drafts through text (cross_tokenizer.py)
         from tokenleap.api import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
-        proposer = draft_proposer(pool.draft(spec.name, spec.get("model")), target.model.config.vocab_size, max_len, draft_vocab=vocab,
+        draft = pool.draft(spec.name, spec.get("model"))
+        proposer = draft_proposer(draft, target.model.config.vocab_size, max_len, draft_vocab=vocab,
                                   draft_spec="ngram" if family == "cascade" else None,
                                   target_tokenizer=target.tokenizer)
     nodes = int(spec.get("nodes", TREE_NODES)) if _tree_mode(spec) != "off" else 0

@@ -35,7 +35,11 @@ exploration share of the whole answer), so a change in the text is noticed; a pr
 tokens is accepted doubles the wait before that arm's next one (``probe_backoff``), so an arm that
 keeps missing on this text costs fewer probe steps, and any draft of it accepted whole restores it.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
-every step without drafting: their proposal is compared with the tokens the step emitted. That
+every step without drafting: their proposal is compared with the tokens the step emitted. Their
+proposal for the coming step is known before the plan (``present``): one without a proposal now
+is left out of it, and one with a proposal is judged by its acceptance when it proposes, not
+weighed down by the steps it has nothing for -- so a draft model that pays is not ranked behind
+an arm that would leave most steps to plain decoding. That
 count is exact: a deterministic draft token is accepted iff the verified token equals it, under
 greedy, seeded and rejection sampling alike.
 """
@@ -163,14 +167,15 @@ class Bandit:
 
     # -- choosing ---------------------------------------------------------------------------
     def rate(self, seq: SeqBandit, arm: str, k: int, batch: int, target: DraftLengthController,
-             followers: tuple[str, ...] = ()) -> float:
+             followers: tuple[str, ...] = (), proposes: bool = False) -> float:
         """Predicted tokens per second of a step in which ``arm`` drafts k tokens for ``batch`` sequences;
         ``followers``: arms in step with the sequence that this step would leave behind, each then
-        catching up on the tokens it emits (``DraftLengthController.catch_up_seconds``)."""
+        catching up on the tokens it emits (``DraftLengthController.catch_up_seconds``);
+        ``proposes``: the arm is known to have a proposal for this step (its offer rate is moot)."""
         a, state = self.arms[arm], seq.arms[arm]
         tokens = state.acceptance.expected_tokens(k, a.costs.accept)
         cost = target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
-        if state.offers < 1.0:  # a step it has nothing to propose for decodes one token plainly
+        if state.offers < 1.0 and not proposes:  # a step it has nothing for decodes one token plainly
             tokens = state.offers * tokens + (1.0 - state.offers)
             cost = state.offers * cost + (1.0 - state.offers) * target.step_cost(0, batch)
         cost += sum(self.arms[f].costs.catch_up_seconds(tokens) for f in followers if f != arm)
@@ -192,9 +197,10 @@ class Bandit:
         state.offers += self.cfg.ema * ((1.0 if offered else 0.0) - state.offers)
 
     def plan(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
-             remaining: float, max_k: int) -> list[Choice]:
+             remaining: float, max_k: int, present: dict[str, bool] | None = None) -> list[Choice]:
         """The arms to try for this sequence's next step, best first (empty: decode plainly).
-        ``backlogs``: tokens each arm must catch up on first; ``remaining``: tokens still to come."""
+        ``backlogs``: tokens each arm must catch up on first; ``remaining``: tokens still to come;
+        ``present``: for arms whose proposal is known before the step (shadow arms), whether they have one."""
         max_k = min(max_k, self.cfg.max_k)
         if max_k <= 0:
             return []
@@ -202,7 +208,7 @@ class Bandit:
             return [Choice(a, min(self.cfg.initial_k, max_k), 0.0) for a in self.arms]
         plain = target.rate(0, batch)
         margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
-        ranked = self.rank(seq, batch, target, backlogs, remaining, max_k)
+        ranked = self.rank(seq, batch, target, backlogs, remaining, max_k, present)
         seq.steps += 1
         step_seconds = batch / ranked[0].rate if ranked else batch / plain
         seq.seconds += step_seconds
@@ -229,12 +235,15 @@ class Bandit:
         return choice if k == choice.k else replace(choice, k=k)
 
     def rank(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
-             remaining: float, max_k: int) -> list[Choice]:
+             remaining: float, max_k: int, present: dict[str, bool] | None = None) -> list[Choice]:
         """The arms that beat plain decoding for this sequence's next step (by the batch margin) and pay
         back their catch-up over ``remaining`` tokens (the first arm: against the best arm without
         one; an arm behind the first: within its one step), best first, each at its best draft
         length; while the sequence settles (``settle_steps``) an arm with a catch-up is left out if
-        a shadow arm is there. Nothing is recorded (``plan`` is the step's choice, with exploration)."""
+        a shadow arm is there; an arm ``present`` says has no proposal now is left out, one it says has
+        one is rated by its acceptance when proposing. Nothing is recorded (``plan`` is the step's
+        choice, with exploration)."""
+        present = present or {}
         max_k = min(max_k, self.cfg.max_k)
         if max_k <= 0 or not target.forward_cost:
             return []
@@ -245,10 +254,11 @@ class Bandit:
         def eligible(followers: tuple[str, ...]) -> list[Choice]:
             out = []
             for name, a in self.arms.items():
-                if settling and backlogs.get(name, 0) > 0:
+                if (settling and backlogs.get(name, 0) > 0) or present.get(name) is False:
                     continue
-                k, r = max(((k, self.rate(seq, name, k, batch, target, followers)) for k in range(1, max_k + 1)),
-                           key=lambda kr: kr[1])
+                proposes = present.get(name, False)
+                k, r = max(((k, self.rate(seq, name, k, batch, target, followers, proposes))
+                            for k in range(1, max_k + 1)), key=lambda kr: kr[1])
                 catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
                 gain = remaining * (1.0 / plain - margin / r) if r > 0 else 0.0
                 if r > plain * margin * 1.0001 and (catch_up <= 0.0 or gain > catch_up):
@@ -267,10 +277,13 @@ class Bandit:
         catch_up = {c.arm: self.arms[c.arm].costs.catch_up_seconds(backlogs.get(c.arm, 0)) for c in ranked}
         free = [c for c in ranked if catch_up[c.arm] <= 0.0]
         # a first arm that must catch up is an investment against the best arm that needs none: it
-        # drafts first only where the time saved over that arm (not over plain decoding) repays it
-        if ranked and free and ranked[0] is not free[0] and (
-                remaining * (1.0 / free[0].rate - margin / ranked[0].rate) <= catch_up[ranked[0].arm]):
-            ranked = [free[0]] + [c for c in ranked if c is not free[0]]
+        # drafts first only where the time saved over that arm (not over plain decoding) repays it --
+        # over the rest of the answer, so that arm at its rate over every step, those it has nothing for too
+        if ranked and free and ranked[0] is not free[0]:
+            c = free[0]
+            long_run = self.rate(seq, c.arm, c.k, batch, target) if present.get(c.arm) else c.rate
+            if remaining * (1.0 / long_run - margin / ranked[0].rate) <= catch_up[ranked[0].arm]:
+                ranked = [c] + [x for x in ranked if x is not c]
         # an arm behind the first drafts only on a step the arms before it find nothing to propose
         # for (n-gram without a match): its catch-up must pay back within that one step, not over
         # the whole answer the first arm is serving

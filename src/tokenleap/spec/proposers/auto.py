@@ -100,29 +100,33 @@ class AutoProposer:
         """Choose the arms and draft length of each sequence (seq_id, tokens, tokens it may still
         generate) for the coming step of ``batch`` sequences, with the target's costs as ``target``
         (the engine's controller) measures them; returns the longest draft planned (0: every
-        sequence decodes plainly). Shadow arms are scored here."""
+        sequence decodes plainly). Shadow arms are scored here, and their proposals for the step made
+        first: the plan knows which of them has one (``Bandit.rank``'s ``present``)."""
         self.target = target
         max_k = target.cfg.fixed_k or target.cfg.max_k
         longest = 0
         for seq_id, tokens, remaining in items:
             seq = self._seqs[seq_id]
             self._score_shadows(seq_id, seq, tokens)
+            shadows = {n: p.propose(seq_id, tokens, max_k, None, None)  # type: ignore[arg-type]
+                       for n, p in self.arms.items() if self.bandit.arms[n].shadow}
+            present = {n: d is not None and bool(d.tokens) for n, d in shadows.items()}
             backlogs = {n: p.backlog(seq_id, tokens) for n, p in self.arms.items()}
-            plan = self.bandit.plan(seq, batch, target, backlogs, remaining, max_k)
+            plan = self.bandit.plan(seq, batch, target, backlogs, remaining, max_k, present)
             if target.cfg.fixed_k is not None:  # a fixed draft length: the arm is chosen, k is not
                 plan = [replace(c, k=max_k) for c in plan]
             self._plans[seq_id] = plan
             longest = max([longest] + [c.k for c in plan])
-            self._shadow_proposals(seq_id, tokens, plan, max_k)
+            self._shadow_proposals(seq_id, tokens, plan, max_k, shadows)
         return longest
 
-    def _shadow_proposals(self, seq_id: int, tokens: list[int], plan: list[Choice], max_k: int) -> None:
-        """What each shadow arm would draft now, unless it is the plan's first choice (then its own
-        draft is verified and observed)."""
+    def _shadow_proposals(self, seq_id: int, tokens: list[int], plan: list[Choice], max_k: int,
+                          drafts: dict[str, Draft | None]) -> None:
+        """Keep what each shadow arm would draft now (``drafts``, max_k long) for scoring, unless it is
+        the plan's first choice (then its own draft is verified and observed)."""
         first = plan[0].arm if plan else None
-        for name, p in self.arms.items():
-            if self.bandit.arms[name].shadow and name != first:
-                d = p.propose(seq_id, tokens, max_k, None, None)  # type: ignore[arg-type]
+        for name, d in drafts.items():
+            if name != first:
                 self.bandit.observe_offer(self._seqs[seq_id], name, d is not None and bool(d.tokens))
                 if d is not None and d.tokens:
                     self._shadows[seq_id][name] = (len(tokens), list(d.tokens), max_k)
