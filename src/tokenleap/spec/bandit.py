@@ -14,7 +14,7 @@ acceptance starts from the arm's recent acceptance over all sequences (the prior
 sequence's own text with exponential forgetting, so a request that turns from prose to copying
 code moves to n-gram lookup within a few steps, and back. An arm that often has nothing to propose
 (n-gram lookup without a match) is weighed by how often it has a draft: its other steps decode one
-token at a plain step's cost.
+token at a plain step's cost -- where it is not known before the step whether it has one (below).
 
 The plan for a sequence is every arm that beats plain decoding (by ``batch_margin`` with several
 sequences) and pays back any catch-up it needs first (a draft model that has not followed the
