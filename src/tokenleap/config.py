@@ -299,6 +299,12 @@ class SpecConfig:
         return self.max_tree_nodes if self.tree != "off" and self.method is not None else 0
 
 
+def default_ngram_min(ngram_max: int) -> int:
+    """n-gram lookup's shortest suffix match when none is asked for: ``SpecConfig.ngram_min``, at most
+    ``ngram_max``."""
+    return min(SpecConfig.ngram_min, ngram_max)
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenleap.spec.tree_budget import machine_tree_mode
-from tokenleap.config import ConfigError, SamplingParams, SpecConfig
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig, default_ngram_min
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.models.pretrained import LoadedModel, load_model, resolve_dtype
@@ -81,7 +81,7 @@ def _parse_one(item: str) -> MethodSpec:
 
 def ngram_min(spec: MethodSpec) -> int:
     """The method's ``min`` option, by default SpecConfig's (at most its ``max``)."""
-    return int(spec.get("min", min(SpecConfig.ngram_min, int(spec.get("max", 4)))))
+    return int(spec.get("min", default_ngram_min(int(spec.get("max", 4)))))
 
 
 def _parse_option(family: str, text: str) -> tuple[str, int | str]:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenleap.config import ConfigError, SamplingParams, SpecConfig, StructuredOutput
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig, StructuredOutput, default_ngram_min
 from tokenleap.errors import TokenleapError
 
 
@@ -136,7 +136,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       draft_vocab=args.draft_vocab or None,
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
                       ngram_max=args.ngram_max,
-                      ngram_min=args.ngram_min or min(SpecConfig.ngram_min, args.ngram_max), tree=args.spec_tree,
+                      ngram_min=args.ngram_min or default_ngram_min(args.ngram_max), tree=args.spec_tree,
                       max_tree_nodes=args.max_tree_nodes, lookahead_window=args.lookahead_window,
                       lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses,
                       skip_layers=args.skip_layers or "auto", layerskip_lookup=args.skip_lookup == "on")

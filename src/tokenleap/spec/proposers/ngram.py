@@ -15,7 +15,7 @@ import heapq
 
 import torch
 
-from tokenleap.config import SamplingParams
+from tokenleap.config import SamplingParams, default_ngram_min
 from tokenleap.spec.tree import TokenTree
 from tokenleap.spec.proposers.base import Draft, DraftRequest
 
@@ -52,9 +52,10 @@ class NgramProposer:
     # does not verify and score it against the tokens the step emitted
     shadow = True
 
-    def __init__(self, ngram_max: int = 4, ngram_min: int = 2) -> None:
-        # (a one-token match rarely predicts what follows: SpecConfig.ngram_min; never above ngram_max)
-        self.ngram_max, self.ngram_min = ngram_max, min(ngram_min, ngram_max)
+    def __init__(self, ngram_max: int = 4, ngram_min: int | None = None) -> None:
+        # (by default SpecConfig's: a one-token match rarely predicts what follows; never above ngram_max)
+        self.ngram_max = ngram_max
+        self.ngram_min = default_ngram_min(ngram_max) if ngram_min is None else min(ngram_min, ngram_max)
         self._seqs: dict[int, _Index] = {}
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
