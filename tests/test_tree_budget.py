@@ -184,7 +184,8 @@ def test_fixed_draft_length_with_auto_trees():
 
 def test_spec_config_tree_modes():
     assert SpecConfig().tree == "auto"
-    assert SpecConfig(method="ngram").tree_nodes == 16  # auto: the budget the controller may use
+    assert SpecConfig(method="ngram").tree_nodes == 15  # auto: the budget the controller may use (16 rows)
+    assert SpecConfig(method="ngram", max_tree_nodes=31).tree_nodes == 31
     assert SpecConfig(method="ngram", tree="off").tree_nodes == 0
 
 
@@ -270,7 +271,7 @@ def test_cli_spec_tree_default_is_auto():
 
     base = ["generate", "--model", "smollm2-135m-instruct", "--prompt", "x", "--spec", "ngram"]
     spec = spec_config(build_parser().parse_args(base))
-    assert spec.tree == "auto" and spec.tree_nodes == 16
+    assert spec.tree == "auto" and spec.tree_nodes == 15
     spec = spec_config(build_parser().parse_args(base + ["--spec-tree", "off", "--max-tree-nodes", "8"]))
     assert spec.tree == "off" and spec.tree_nodes == 0
 
@@ -288,7 +289,7 @@ def test_bench_auto_tree_methods():
     specs = parse_methods("ngram,ngram:tree=auto,nodes=8,ngram-tree", add_plain=False)
     engines = [build_tokenleap(s, pool).engine for s in specs]
     auto = "auto" if amx_available() else "off"  # auto weighs trees only where verification rows are flat
-    assert [(e.tree_nodes, e.controller.cfg.tree) for e in engines] == [(0, "off"), (8, auto), (16, "on")]
+    assert [(e.tree_nodes, e.controller.cfg.tree) for e in engines] == [(0, "off"), (8, auto), (15, "on")]
     with pytest.raises(BenchError, match="tree must be one of"):
         parse_methods("ngram:tree=maybe")
 

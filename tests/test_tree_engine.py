@@ -173,7 +173,7 @@ def test_spec_config_tree_settings():
 
     assert SpecConfig(method="ngram", tree="on", max_tree_nodes=12).tree_nodes == 12
     assert SpecConfig(method="ngram", tree="off").tree_nodes == 0 and SpecConfig(tree="on").tree_nodes == 0
-    assert SpecConfig(method="ngram").tree_nodes == 16  # auto (the default): the budget the controller may use
+    assert SpecConfig(method="ngram").tree_nodes == 15  # auto (the default): the budget the controller may use
     for bad in (dict(tree="maybe"), dict(max_tree_nodes=0), dict(max_tree_nodes=True)):
         with pytest.raises(ConfigError):
             SpecConfig(method="ngram", **bad)

@@ -246,7 +246,7 @@ class SpecConfig:
     # token trees (draft model: dynamic trees; n-gram: tries): "auto" the controller chooses plain, a chain or
     # a tree (budget <= max_tree_nodes, depth) per step from measured costs | "on": always trees | "off": chains
     tree: str = "auto"
-    max_tree_nodes: int = 16  # drafted nodes a tree may hold (its depth is the draft length)
+    max_tree_nodes: int = 15  # drafted nodes a tree may hold (its depth is the draft length); with the root: 16 rows
     # lookahead decoding: a Jacobi window of W positions x (N - 1) levels beside up to G n-gram guesses
     lookahead_window: int = 3
     lookahead_ngram: int = 3

@@ -28,7 +28,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "llamacpp-prompt-lookup": ("k", "max"),
 }
 AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto", "layerskip"}
-TREE_NODES = 16  # a tree method's default node budget
+TREE_NODES = 15  # a tree method's default node budget (with the root: 16 rows, one AMX tile of rows)
 TREE_MODES = ("auto", "on", "off")  # draft:tree=auto -- the controller chooses plain / chain / tree per step
 
 

@@ -12,8 +12,8 @@ from tokenleap.cli.main import check_model_ref, check_quant_dtype, positive_int
 
 _EPILOG = f"""methods: {', '.join(FAMILIES)}
   options: draft:k=4 | draft:k=auto,kmax=8 | draft:vocab=0 (full draft head) | ngram:k=3,max=4,min=1 |
-           draft-tree:k=auto,nodes=16 | ngram-tree:k=4,nodes=8 (token trees of at most `nodes` drafted nodes) |
-           ngram:tree=auto | draft:tree=auto,nodes=16 (plain, chain or tree chosen per step from measured costs;
+           draft-tree:k=auto,nodes=15 | ngram-tree:k=4,nodes=8 (token trees of at most `nodes` drafted nodes) |
+           ngram:tree=auto | draft:tree=auto,nodes=15 (plain, chain or tree chosen per step from measured costs;
            tree=on is the -tree family, tree=off -- the default -- chains) |
            cascade:k=auto (draft, its own steps speculated by n-gram lookup: --draft-spec ngram) |
            draft:model=smollm2-135m-instruct (this method's draft instead of --draft, e.g. another tokenizer's) |

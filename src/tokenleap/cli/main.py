@@ -83,7 +83,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="token trees (a draft model's dynamic trees, n-gram tries): auto (default) a tree where "
                         "the measured costs say it pays, a chain or plain decoding where not; on: always trees; "
                         "off: chains only")
-    p.add_argument("--max-tree-nodes", type=positive_int, default=16,
+    p.add_argument("--max-tree-nodes", type=positive_int, default=SpecConfig.max_tree_nodes,
                    help="drafted nodes a token tree may hold (auto: the most the controller may choose)")
     p.add_argument("--lookahead-window", type=positive_int, default=SpecConfig.lookahead_window,
                    help="--spec lookahead: future positions W of the Jacobi window")
