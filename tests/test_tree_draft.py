@@ -88,3 +88,28 @@ def test_the_engine_check_rejects_a_biased_tree_verifier(monkeypatch):
     monkeypatch.setattr(tv, "_try_children", restart_from_p_ignoring_q)
     counts = sampling_check.sample_counts(target, draft, seed=5, monkeypatch=monkeypatch)
     assert sampling_check.p_value(counts, sampling_check.exact_distribution(target)) < 1e-6
+
+
+def test_frontier_nodes_outside_the_budget_are_not_fed_and_the_trees_are_the_same(target, monkeypatch):
+    import tokenleap.spec.proposers.draft_tree as dt
+
+    draft = tiny_model("qwen2", seed=77, vocab=VOCAB)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def run(prune: bool):
+        trees, rows = [], []
+        feed, verify_tree = dt._feed_frontier, Engine._verify_tree
+        monkeypatch.setattr(dt, "_feed_frontier", lambda proposer, lanes: (
+            rows.append(sum(g.frontier[-1][0] - g.frontier[0][0] + 1 for g in lanes)), feed(proposer, lanes))[1])
+        monkeypatch.setattr(Engine, "_verify_tree", lambda self, seq, tree, logits: (
+            trees.append((tree.tokens.tolist(), tree.parents.tolist())), verify_tree(self, seq, tree, logits))[1])
+        if not prune:
+            monkeypatch.setattr(dt, "_prune_frontier", lambda g, budget: None)
+        out = [_run(_engine(target, draft, nodes), prompt, params).generated for prompt in PROMPTS for nodes in (6, 16)]
+        monkeypatch.undo()
+        return out, trees, sum(rows)
+
+    pruned, full = run(True), run(False)
+    assert pruned[0] == full[0] and pruned[1] == full[1]  # the same output from the same trees
+    assert len(pruned[1]) > 10 and max(len(t) for t, _ in pruned[1]) > 5
+    assert pruned[2] < full[2]  # ... for fewer draft rows

@@ -5,7 +5,8 @@ Each node carries the draft's cumulative log-probability of its path. Level by l
 sequence's frontier, with tree attention -- and each gets its ``WIDTH`` most probable children;
 the children are ranked by path score, so a level's best nodes are contiguous. After ``k`` levels
 the ``max_nodes`` best-scoring nodes are kept (a child never scores above its parent, so the kept
-set is a tree). Children are deterministic choices (``draft_probs`` None) except that a seeded
+set is a tree). A frontier node already outside the ``max_nodes`` best is not fed: nothing below
+it could be kept, so where the draft is sure a level costs one or two rows, not ``WIDTH``. Children are deterministic choices (``draft_probs`` None) except that a seeded
 request's first child at a node is the draft's own seeded choice, the token most likely to match
 the target's (drafter-invariant verification).
 
@@ -93,7 +94,8 @@ def grow(proposer, items: list[tuple[int, DraftRequest]]) -> tuple[dict[int, Dra
             break
         for g in growing:
             _add_level(g, level)
-        _feed_frontier(proposer, [g for g in growing if level < g.req.k])
+            _prune_frontier(g, g.req.max_nodes)
+        _feed_frontier(proposer, [g for g in growing if level < g.req.k and g.frontier])
     drafts, grown = {}, {}
     for g in lanes:
         proposer._proposal_start[g.req.seq_id] = len(g.req.tokens)
@@ -143,6 +145,18 @@ def _add_level(g: _Growth, level: int) -> None:
         g.parents.append(parent)
         g.scores.append(score)
     g.frontier = [(n, None) for n in range(first, min(first + WIDTH, len(g.tokens)))]
+
+
+def _prune_frontier(g: _Growth, budget: int) -> None:
+    """Drop the frontier nodes already outside the ``budget`` best nodes grown so far. Nodes only
+    join, so such a node's rank only falls, and a child never ranks above its parent (its score
+    adds a log-probability <= 0, its growth index is larger): neither the node nor anything grown
+    below it can be kept. Feeding it would cost draft rows for nothing, and the kept tree is the
+    same without it. A level's nodes rank in growth order, so the survivors stay a contiguous range."""
+    if len(g.tokens) - 1 <= budget:
+        return
+    last = sorted((-g.scores[n], n) for n in range(1, len(g.tokens)))[budget - 1]
+    g.frontier = [(n, q) for n, q in g.frontier if (-g.scores[n], n) <= last]
 
 
 def _feed_frontier(proposer, lanes: list[_Growth]) -> None:
