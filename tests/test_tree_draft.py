@@ -113,3 +113,23 @@ def test_frontier_nodes_outside_the_budget_are_not_fed_and_the_trees_are_the_sam
     assert pruned[0] == full[0] and pruned[1] == full[1]  # the same output from the same trees
     assert len(pruned[1]) > 10 and max(len(t) for t, _ in pruned[1]) > 5
     assert pruned[2] < full[2]  # ... for fewer draft rows
+
+
+def test_a_tree_that_first_feeds_a_backlog_reports_it_as_catch_up():
+    """Tokens decoded while the draft sat out are fed before its tree grows: prefill work, as for
+    a chain, not drafting -- the controller would otherwise price trees by the backlog."""
+    from tokenleap.spec.proposers.base import DraftRequest
+
+    draft = DraftModelProposer(tiny_model("qwen2", seed=78, vocab=VOCAB), VOCAB, 128, num_slots=2)
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = PROMPTS[0]
+    for i in range(2):
+        draft.begin(i, prompt)
+        draft.prefill(i, prompt)
+    usual, behind = prompt + [7], prompt + [7, 8, 9, 10, 11, 12]  # after one step / after plain steps
+    got = draft.propose_many([DraftRequest(0, usual, 3, greedy, max_nodes=8),
+                              DraftRequest(1, behind, 3, greedy, max_nodes=8)])
+    assert all(d is not None and d.tree is not None for d in got)
+    assert got[0].catch_up_seconds == 0.0 and got[0].catch_up_tokens == 0
+    assert got[1].catch_up_seconds > 0.0 and got[1].catch_up_tokens == len(behind) - len(prompt)
+    assert draft._fed[1] == len(behind)  # the backlog is in the cache: the next tree drafts at once

@@ -17,6 +17,7 @@ recompute what it already holds.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,8 @@ class _Growth:
     fed: set[int] = field(default_factory=lambda: {0})  # nodes whose keys the draft cache holds
     frontier: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (node, its children's q)
     failed: bool = False
+    catch_up_seconds: float = 0.0  # the root forward's share, when it fed a backlog (not drafting)
+    catch_up_tokens: int = 0
 
     def tree(self) -> TokenTree:
         return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents))
@@ -99,25 +102,33 @@ def grow(proposer, items: list[tuple[int, DraftRequest]]) -> tuple[dict[int, Dra
     drafts, grown = {}, {}
     for g in lanes:
         proposer._proposal_start[g.req.seq_id] = len(g.req.tokens)
-        if g.failed or len(g.tokens) == 1:
-            drafts[g.index] = None
+        if g.failed or len(g.tokens) == 1:  # (an empty draft still reports its catch-up)
+            drafts[g.index] = Draft([], None, catch_up_seconds=g.catch_up_seconds,
+                                    catch_up_tokens=g.catch_up_tokens) if g.catch_up_tokens else None
             continue
         tree, kept = _best_nodes(g, g.req.max_nodes)
         grown[g.req.seq_id] = GrownTree(g.root_pos, kept, frozenset(g.fed))
-        drafts[g.index] = Draft(tokens=tree.tokens[1:].tolist(), probs=None, tree=None if tree.is_chain else tree)
+        drafts[g.index] = Draft(tokens=tree.tokens[1:].tolist(), probs=None, tree=None if tree.is_chain else tree,
+                                catch_up_seconds=g.catch_up_seconds, catch_up_tokens=g.catch_up_tokens)
     return drafts, grown
 
 
 def _feed_roots(proposer, lanes: list[_Growth]) -> list[torch.Tensor | None]:
-    """Feed each sequence's unseen tokens (at least its last) in one forward: the roots' children's q."""
-    tokens, segments, last = [], [], []
+    """Feed each sequence's unseen tokens (at least its last) in one forward: the roots' children's q.
+    A lane with a backlog (tokens decoded while the draft sat out, beyond a step's usual one or two)
+    reports its share of that forward as catch-up, as a chain's draft does: counted as drafting, a
+    backlog makes trees look costly after plain steps, and the next steps stay plain."""
+    tokens, segments, last, backlog = [], [], [], []
     for g in lanes:
         fed = min(proposer._fed[g.req.seq_id], g.root_pos)
         pending = g.req.tokens[fed:]
         segments.append(Segment(g.slot, fed, len(pending), row_start=len(tokens)))
         tokens += pending
         last.append(len(tokens) - 1)
+        if proposer.backlog(g.req.seq_id, g.req.tokens) > 0:
+            backlog.append((g, len(pending)))
     few = all(s.length <= FEW_ROWS for s in segments)  # a backlog goes through the prefill path
+    t0 = time.perf_counter()
     try:
         logits = proposer.model(torch.tensor(tokens), segments, proposer.cache, logit_rows=torch.tensor(last),
                                 row_exact=few, head=proposer._head_for([g.req.seq_id for g in lanes])).logits
@@ -125,6 +136,8 @@ def _feed_roots(proposer, lanes: list[_Growth]) -> list[torch.Tensor | None]:
         for g in lanes:
             g.failed = True
         return [None] * len(lanes)
+    for g, n in backlog:
+        g.catch_up_seconds, g.catch_up_tokens = (time.perf_counter() - t0) / len(backlog), n
     out = []
     for j, g in enumerate(lanes):
         proposer._fed[g.req.seq_id] = g.root_pos + 1
