@@ -6,9 +6,10 @@ sequence's frontier, with tree attention -- and each gets its ``WIDTH`` most pro
 the children are ranked by path score, so a level's best nodes are contiguous. After ``k`` levels
 the ``max_nodes`` best-scoring nodes are kept (a child never scores above its parent, so the kept
 set is a tree). A frontier node already outside the ``max_nodes`` best is not fed: nothing below
-it could be kept, so where the draft is sure a level costs one or two rows, not ``WIDTH``. Children are deterministic choices (``draft_probs`` None) except that a seeded
-request's first child at a node is the draft's own seeded choice, the token most likely to match
-the target's (drafter-invariant verification).
+it could be kept, so where the draft is sure a level costs one or two rows, not ``WIDTH``.
+Children are deterministic choices (``draft_probs`` None) except that a seeded request's first
+child at a node is the draft's own seeded choice, the token most likely to match the target's
+(drafter-invariant verification).
 
 The draft's cache holds the fed nodes at scratch indices ``root + i``; after verification the
 accepted path's fed prefix is moved into sequence order (``compact``), so the draft does not
