@@ -133,3 +133,55 @@ def test_a_tree_that_first_feeds_a_backlog_reports_it_as_catch_up():
     assert got[0].catch_up_seconds == 0.0 and got[0].catch_up_tokens == 0
     assert got[1].catch_up_seconds > 0.0 and got[1].catch_up_tokens == len(behind) - len(prompt)
     assert draft._fed[1] == len(behind)  # the backlog is in the cache: the next tree drafts at once
+
+
+def _grown_tree(max_len: int, tokens: list[int], k: int = 4, nodes: int = 8):
+    """The tree a fresh draft (seed 77: it branches) grows after ``tokens`` in a cache of ``max_len``."""
+    from tokenleap.spec.proposers.base import DraftRequest
+
+    draft = DraftModelProposer(tiny_model("qwen2", seed=77, vocab=VOCAB), VOCAB, max_len)
+    draft.begin(0, tokens[:-1])
+    draft.prefill(0, tokens[:-1])
+    got = draft.propose_many([DraftRequest(0, tokens, k, SamplingParams(max_tokens=8, ignore_eos=True),
+                                           max_nodes=nodes)])[0]
+    return got, draft
+
+
+def test_a_draft_tree_needs_cache_room_for_the_nodes_it_feeds_only():
+    """The draft's cache holds the fed nodes (at most 1 + WIDTH * (k - 1) rows past the root), not a
+    row per grown node: near the end of the cache the tree is the same as in a large one. A level
+    the cache cannot hold is grown but not fed, so a tree still comes out where even less room is
+    left. (A scratch row per grown node overflowed such caches, and every tree failed after the
+    draft had paid for its levels.)"""
+    from tokenleap.spec.proposers.draft_tree import WIDTH
+
+    tokens = PROMPTS[0] * 4 + [7]  # 33 tokens, the root at position 32
+    k, room = 4, 1 + WIDTH * 3  # rows past the root a depth-4 tree may feed
+    big, _ = _grown_tree(128, tokens, k)
+    assert big is not None and big.tree is not None and int(big.tree.depth.max()) >= 2
+    tight, draft = _grown_tree(len(tokens) - 1 + room, tokens, k)
+    assert tight is not None and tight.tree is not None
+    assert (tight.tree.tokens.tolist(), tight.tree.parents.tolist()) == (big.tree.tokens.tolist(),
+                                                                         big.tree.parents.tolist())
+    squeezed, _ = _grown_tree(len(tokens) + k, tokens, k)  # room for the root and a few fed nodes
+    assert squeezed is not None and squeezed.tree is not None and int(squeezed.tree.depth.max()) >= 2
+
+
+def test_tree_drafts_near_the_end_of_the_context_give_plain_output(target):
+    """A sequence that runs to its context's end through draft trees (the draft's cache no bigger
+    than the target's): every step near the end still drafts, and the output is plain decoding's."""
+    draft = tiny_model("qwen2", seed=77, vocab=VOCAB)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(40.0)  # sure of itself: deep, narrow trees
+    prompt = PROMPTS[0] * 4
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    max_len = len(prompt) + 40
+
+    def engine(proposer):
+        return Engine(target, ToyTokenizer(VOCAB, (2,)), max_len=max_len, proposer=proposer, tree_nodes=15,
+                      controller=ControllerConfig(max_k=8, fixed_k=8))
+
+    want = _run(engine(None), prompt, params)
+    seq = _run(engine(DraftModelProposer(draft, VOCAB, max_len)), prompt, params)
+    assert seq.generated == want.generated and seq.finish_reason == want.finish_reason
+    assert seq.stats.draft_steps >= 0.8 * seq.stats.target_forwards - 2  # trees all the way, not plain steps

@@ -11,7 +11,9 @@ Children are deterministic choices (``draft_probs`` None) except that a seeded r
 child at a node is the draft's own seeded choice, the token most likely to match the target's
 (drafter-invariant verification).
 
-The draft's cache holds the fed nodes at scratch indices ``root + i``; after verification the
+The draft's cache holds only the fed nodes, in the order they were fed, at scratch indices
+``root + 1, root + 2, ...`` (at most ``1 + WIDTH * (k - 1)`` rows, not one per grown node); a level
+that would not fit the cache is not fed and the tree stops growing there. After verification the
 accepted path's fed prefix is moved into sequence order (``compact``), so the draft does not
 recompute what it already holds.
 """
@@ -46,23 +48,30 @@ class _Growth:
     tokens: list[int]
     parents: list[int] = field(default_factory=lambda: [-1])
     scores: list[float] = field(default_factory=lambda: [0.0])
-    fed: set[int] = field(default_factory=lambda: {0})  # nodes whose keys the draft cache holds
+    stored: list[int] = field(default_factory=lambda: [0])  # fed nodes, in cache order from the root's index
     frontier: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (node, its children's q)
     failed: bool = False
     catch_up_seconds: float = 0.0  # the root forward's share, when it fed a backlog (not drafting)
     catch_up_tokens: int = 0
 
-    def tree(self) -> TokenTree:
-        return TokenTree(torch.tensor(self.tokens), torch.tensor(self.parents))
+    def storage_tree(self) -> TokenTree:
+        """The fed nodes then the frontier, renumbered in that (cache) order: what a forward over the
+        frontier sees. Every frontier node's parent is fed, and storage order is growth order, which
+        is topological."""
+        nodes = self.stored + [n for n, _ in self.frontier]
+        where = {n: i for i, n in enumerate(nodes)}
+        parents = [-1] + [where[self.parents[n]] for n in nodes[1:]]
+        return TokenTree(torch.tensor([self.tokens[n] for n in nodes]), torch.tensor(parents))
 
 
 @dataclass(frozen=True)
 class GrownTree:
-    """What ``accept`` needs of a proposal: the root's position and each kept node's growth index."""
+    """What ``accept`` needs of a proposal: the root's position, each kept node's growth index and
+    where the draft cache holds each fed node (offset from the root's index)."""
 
     root_pos: int
     growth_index: list[int]  # [kept nodes], growth_index[0] == 0
-    fed: frozenset[int]
+    stored_at: dict[int, int]  # growth index -> cache offset from root_pos, fed nodes only
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [vocab] float32
@@ -99,7 +108,9 @@ def grow(proposer, items: list[tuple[int, DraftRequest]]) -> tuple[dict[int, Dra
         for g in growing:
             _add_level(g, level)
             _prune_frontier(g, g.req.max_nodes)
-        _feed_frontier(proposer, [g for g in growing if level < g.req.k and g.frontier])
+            if level == g.req.k or g.root_pos + len(g.stored) + len(g.frontier) > proposer.cache.max_len:
+                g.frontier = []  # the last level, or one the cache cannot hold: grown, not fed
+        _feed_frontier(proposer, [g for g in growing if g.frontier])
     drafts, grown = {}, {}
     for g in lanes:
         proposer._proposal_start[g.req.seq_id] = len(g.req.tokens)
@@ -108,7 +119,7 @@ def grow(proposer, items: list[tuple[int, DraftRequest]]) -> tuple[dict[int, Dra
                                     catch_up_tokens=g.catch_up_tokens) if g.catch_up_tokens else None
             continue
         tree, kept = _best_nodes(g, g.req.max_nodes)
-        grown[g.req.seq_id] = GrownTree(g.root_pos, kept, frozenset(g.fed))
+        grown[g.req.seq_id] = GrownTree(g.root_pos, kept, {n: i for i, n in enumerate(g.stored)})
         drafts[g.index] = Draft(tokens=tree.tokens[1:].tolist(), probs=None, tree=None if tree.is_chain else tree,
                                 catch_up_seconds=g.catch_up_seconds, catch_up_tokens=g.catch_up_tokens)
     return drafts, grown
@@ -174,24 +185,26 @@ def _prune_frontier(g: _Growth, budget: int) -> None:
 
 
 def _feed_frontier(proposer, lanes: list[_Growth]) -> None:
-    """One forward over every lane's frontier (a contiguous node range): their children's q."""
+    """One forward over every lane's frontier, stored after the lane's fed nodes: their children's q.
+    A cache out of room (a paged cache's shared blocks) ends the lanes' growth; the trees grown so
+    far stay valid proposals."""
     if not lanes:
         return
     tokens, segments = [], []
     for g in lanes:
-        lo, hi = g.frontier[0][0], g.frontier[-1][0] + 1
-        segments.append(Segment(g.slot, g.root_pos, hi - lo, row_start=len(tokens), tree=g.tree(), tree_first=lo))
-        tokens += g.tokens[lo:hi]
+        segments.append(Segment(g.slot, g.root_pos, len(g.frontier), row_start=len(tokens), tree=g.storage_tree(),
+                                tree_first=len(g.stored)))
+        tokens += [g.tokens[n] for n, _ in g.frontier]
     try:
         logits = proposer.model(torch.tensor(tokens), segments, proposer.cache, row_exact=True,
                                 head=proposer._head_for([g.req.seq_id for g in lanes])).logits  # [rows, vocab]
     except CacheFullError:
         for g in lanes:
-            g.failed = True
+            g.frontier = []
         return
     for g, seg in zip(lanes, segments):
         rows = logits[seg.row_start : seg.row_start + seg.length]
-        g.fed.update(n for n, _ in g.frontier)
+        g.stored += [n for n, _ in g.frontier]
         g.frontier = [(n, draft_distribution(rows[j], g.req.params)) for j, (n, _) in enumerate(g.frontier)]
 
 
@@ -209,10 +222,10 @@ def accept_path(proposer, seq_id: int, grown: GrownTree, path: list[int]) -> Non
     """Keep the accepted path's fed prefix in the draft cache, in sequence order."""
     sources = []
     for node in path:
-        growth = grown.growth_index[node]
-        if growth not in grown.fed:
+        offset = grown.stored_at.get(grown.growth_index[node])
+        if offset is None:
             break
-        sources.append(growth)
+        sources.append(offset)
     slot = proposer._slot[seq_id]
     proposer.cache.compact(slot, grown.root_pos, sources)
     proposer._fed[seq_id] = grown.root_pos + 1 + len(sources)
