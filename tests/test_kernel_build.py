@@ -44,3 +44,28 @@ def test_a_cached_build_prints_nothing(fake_build, capsys, tmp_path):
     (tmp_path / str(len(kernels._SOURCES)) / "tokenleap_kernels.so").write_bytes(b"")
     kernels._compile(kernels._AVX2_ONLY, "tokenleap_kernels_avx2")
     assert capsys.readouterr().err == ""
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_is_named(fake_build, tmp_path, capsys):
+    """torch's build waits for ever on ``build_dir/lock``; one left by a killed build (older than
+    any build takes) is removed before building, a fresh one is waited on with a message."""
+    import os
+    import time
+
+    lock = tmp_path / str(len(kernels._SOURCES)) / "lock"
+    lock.touch()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    kernels._check_build_lock(lock.parent)
+    assert not lock.exists()
+    assert "removing a stale kernel build lock" in capsys.readouterr().err
+
+    lock.touch()
+    kernels._check_build_lock(lock.parent)
+    assert lock.exists()  # another process may be building now: left alone
+    err = capsys.readouterr().err
+    assert "waiting for another process" in err and str(lock) in err
+
+    lock.unlink()
+    kernels._check_build_lock(lock.parent)
+    assert capsys.readouterr().err == ""

@@ -67,12 +67,34 @@ def _build_dir(sources: list[Path]) -> Path:
     return d
 
 
+STALE_LOCK_SECONDS = 1800  # a build takes 30 s to a few minutes: an older lock outlived its process
+
+
+def _check_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_SECONDS) -> None:
+    """torch's build waits, silently and for ever, while ``build_dir/lock`` exists. A process killed
+    mid-build leaves it behind: a lock older than ``stale_after`` seconds is removed, and a newer
+    one (another process building now) is waited on with a message saying where it is."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > stale_after:
+        print(f"tokenleap: removing a stale kernel build lock {lock} ({age / 60:.0f} min old; its build "
+              "was interrupted)", file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
+    else:
+        print(f"tokenleap: waiting for another process to finish building the CPU kernels (lock {lock}); "
+              "if no tokenleap process is running, delete that file", file=sys.stderr, flush=True)
+
+
 def _compile(sources: list[Path], name: str) -> None:
     """Build (or load the cached build of) ``sources`` as the ``tokenleap`` ops; a build that has
     to compile says so on stderr, then how long it took."""
     from torch.utils.cpp_extension import load
 
     build_dir = _build_dir(sources)
+    _check_build_lock(build_dir)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         print(f"tokenleap: compiling the CPU kernels ({', '.join(p.name for p in sources)}) into {build_dir}, "
