@@ -220,6 +220,46 @@ def test_draft_prefill_skipped_while_speculation_does_not_pay_then_caught_up(tar
     eng.release(seq)
 
 
+def test_a_request_alone_starts_from_the_prior_acceptance_and_feeds_the_draft(target):
+    """Acceptance learned on earlier requests describes their text: a request that starts alone
+    restarts from the prior, feeds the draft, and its own steps decide (here a self-draft: every
+    token accepted). A request that joins another keeps what was learned; and where drafting
+    could not pay even at full acceptance, the lone request's draft prefill is still skipped."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = plain(target, PROMPTS[0], params).generated
+    draft = DraftModelProposer(target, VOCAB, 128, num_slots=2)
+    eng = Engine(target, ToyTokenizer(VOCAB, (2,)), max_len=128, num_slots=2, proposer=draft,
+                 controller=ControllerConfig(max_k=6))
+    c = eng.controller
+    for rows in range(1, 10):
+        c.observe_forward(rows, 0.01)
+    c.draft_cost = 0.001
+
+    def learn_poor_acceptance():
+        for _ in range(30):  # an earlier request's text: no drafted token accepted
+            c.observe_acceptance(6, 0)
+        assert not c.would_speculate(1) and c.could_pay(1)
+
+    learn_poor_acceptance()
+    seq = eng.add(PROMPTS[0], params)
+    assert c.accept == [c.cfg.prior_acceptance] * 6 and draft._fed[seq.seq_id] == len(PROMPTS[0])
+    while not seq.finished:
+        eng.step([seq])
+    assert seq.generated == want and seq.stats.tau > 2.0
+
+    learn_poor_acceptance()
+    before = list(c.accept)
+    joining = eng.add(PROMPTS[1], params)  # beside a running request: nothing forgotten, nothing fed
+    assert c.accept == before and draft._fed[joining.seq_id] == 0
+    eng.release(seq)
+    eng.release(joining)
+
+    c.draft_cost = 10.0  # drafting cannot pay at all: a lone request skips the draft prefill still
+    alone = eng.add(PROMPTS[2], params)
+    assert draft._fed[alone.seq_id] == 0
+    eng.release(alone)
+
+
 def test_a_step_whose_draft_also_caught_up_records_no_draft_cost(target):
     """A draft forward that feeds one sequence's backlog beside another's draft counts as catch-up
     whole, so the step's drafting would look almost free: it records no draft-cost figure; the

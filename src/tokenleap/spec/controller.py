@@ -224,6 +224,22 @@ class DraftLengthController:
             return StepPlan(probe_k, on)
         return StepPlan(0)
 
+    def new_text(self) -> None:
+        """A request starts on an otherwise idle engine: the chain's acceptance learned so far
+        describes other requests' text, not this one's, so it restarts from the prior (the costs,
+        the machine's, are kept). Carried over, a chat prompt's low acceptance would keep the
+        draft from drafting, or even prefilling, for a code prompt after it that it drafts well."""
+        self._hits = [0.0] * self.cfg.max_k
+        self._trials = [0.0] * self.cfg.max_k
+        self.accept = [self.cfg.prior_acceptance] * self.cfg.max_k
+
+    def could_pay(self, batch: int = 1) -> bool:
+        """Whether drafting could beat plain decoding at all, were every draft accepted (True
+        before anything is measured)."""
+        if not self.forward_cost:
+            return True
+        return self._could_pay(min(self.cfg.probe_k, self.cfg.max_k), batch, self.rate(0, batch) * self._margin(batch))
+
     def would_speculate(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf"),
                         max_nodes: int = 0) -> bool:
         """Whether some chain (or, with a tree budget in "auto" mode, some tree) is currently

@@ -194,13 +194,20 @@ class Engine:
     def _prefill_proposer(self, seq: Sequence, tokens: list[int]) -> None:
         """A draft model fills its cache alongside the target's prefill -- unless speculation is
         not predicted to pay, with that prefill counted, at the batch this sequence joins (every
-        sequence holding a slot, newcomers included); a later proposal catches up if load drops."""
+        sequence holding a slot, newcomers included); a later proposal catches up if load drops.
+        A request alone on the engine starts from the prior acceptance (``new_text``: what was
+        learned describes other text) and always feeds the draft, unless drafting could not pay
+        even at full acceptance; its own first steps then decide."""
+        batch = max(1, len(self._attached))
         if hasattr(self.proposer, "plan"):  # a composite (--spec auto) judges each of its proposers itself
-            self.proposer.prefill(seq.seq_id, tokens, max(1, len(self._attached)), self.expected_remaining(seq))
+            self.proposer.prefill(seq.seq_id, tokens, batch, self.expected_remaining(seq))
             return
+        if batch == 1:
+            self.controller.new_text()
         backlog = self.proposer.backlog(seq.seq_id, tokens)
         nodes = self.tree_nodes if self._tree_mode() == "auto" else 0
-        if not self.controller.would_speculate(max(1, len(self._attached)), backlog, self.expected_remaining(seq), nodes):
+        lone = batch == 1 and self.controller.could_pay(1)
+        if not lone and not self.controller.would_speculate(batch, backlog, self.expected_remaining(seq), nodes):
             return
         t0 = time.perf_counter()
         self.proposer.prefill(seq.seq_id, tokens)
