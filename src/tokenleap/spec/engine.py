@@ -202,7 +202,7 @@ class Engine:
         if hasattr(self.proposer, "plan"):  # a composite (--spec auto) judges each of its proposers itself
             self.proposer.prefill(seq.seq_id, tokens, batch, self.expected_remaining(seq))
             return
-        if batch == 1:
+        if batch == 1 and seq.num_generated == 0:  # (a preempted request resuming is the same text)
             self.controller.new_text()
         backlog = self.proposer.backlog(seq.seq_id, tokens)
         nodes = self.tree_nodes if self._tree_mode() == "auto" else 0
