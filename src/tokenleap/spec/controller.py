@@ -217,7 +217,7 @@ class DraftLengthController:
         # fits the exploration share (one sequence): a draft cost timed through a stall (a page
         # fault, another process) is otherwise never measured again and rules speculation out for good
         if self._plain_streak >= self.cfg.probe_every and (
-                (affordable and self._could_pay(probe_k, batch, plain * self._margin(batch)))
+                (affordable and self.could_pay(batch))
                 or (batch == 1 and catch_up + self.step_cost(probe_k, 1) - 1.0 / plain <= explore)):
             self._plain_streak = 0
             self._plain_seconds = 0.0
