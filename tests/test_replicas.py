@@ -55,6 +55,13 @@ def test_rank_by_load_prefers_the_affinity_replica_only_on_a_tie():
     assert rank_by_load({"a": 0}, "gone") == [["a"]]
 
 
+def test_rank_by_load_puts_the_least_recently_routed_first_among_equals():
+    assert rank_by_load({"a": 0, "b": 0}, None, {"a": 5, "b": 2}) == [["b", "a"]]
+    assert rank_by_load({"a": 0, "b": 0, "c": 0}, None, {"a": 1}) == [["b", "c", "a"]]  # never routed first
+    assert rank_by_load({"a": 0, "b": 0}, "a", {"a": 1, "b": 0}) == [["a"], ["b"]]  # affinity still wins a tie
+    assert rank_by_load({"a": 1, "b": 0}, None, {"a": 0, "b": 9}) == [["b"], ["a"]]  # load before recency
+
+
 def test_merge_exports_labels_each_replica():
     text = ('# HELP tokenleap:generation_tokens_total Generated tokens\n'
             '# TYPE tokenleap:generation_tokens_total counter\ntokenleap:generation_tokens_total{model_name="m"} %d\n')

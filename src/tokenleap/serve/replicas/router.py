@@ -1,5 +1,7 @@
-"""Which replica serves a request: the least loaded one, and among equally loaded ones the replica
-that last served the same prompt start (its prefix cache likely holds those windows).
+"""Which replica serves a request: the least loaded one; among equally loaded ones the replica
+that last served the same prompt start (its prefix cache likely holds those windows), else the one
+routed to least recently, so that light traffic (loads mostly tied at 0) alternates between
+replicas instead of always going to the first one listed.
 
 ``LoadAffinityRouter`` is a Ray Serve request router (it runs inside the ingress, in the
 deployment handle that calls the replicas). A replica's load is its number of ongoing requests:
@@ -45,13 +47,17 @@ def affinity_key(body: bytes, chars: int) -> str | None:
     return hashlib.blake2b(start.encode("utf-8", "replace"), digest_size=12).hexdigest()
 
 
-def rank_by_load(loads: dict[Hashable, int], preferred: Hashable | None) -> list[list[Hashable]]:
+def rank_by_load(loads: dict[Hashable, int], preferred: Hashable | None,
+                 last_routed: dict[Hashable, int] | None = None) -> list[list[Hashable]]:
     """Replica ids in ranks of equal load, least loaded first; ``preferred`` (the affinity
-    replica) alone ahead of its rank when that rank is the least loaded one."""
+    replica) alone ahead of its rank when that rank is the least loaded one. Within a rank, ids are
+    ordered by ``last_routed`` (a counter value per id; never routed first), since Ray Serve takes
+    the first of equally loaded replicas."""
+    last_routed = last_routed or {}
     ranks: dict[int, list[Hashable]] = {}
     for rid, load in loads.items():
         ranks.setdefault(load, []).append(rid)
-    ordered = [ranks[load] for load in sorted(ranks)]
+    ordered = [sorted(ranks[load], key=lambda rid: last_routed.get(rid, -1)) for load in sorted(ranks)]
     if ordered and preferred in ordered[0] and len(ordered[0]) > 1:
         ordered[0] = [r for r in ordered[0] if r != preferred]
         ordered.insert(0, [preferred])
@@ -65,6 +71,8 @@ class LoadAffinityRouter(FIFOMixin, RequestRouter):
         """Called by Ray Serve right after construction (with the deployment's router kwargs)."""
         self._last: OrderedDict[str, ReplicaID] = OrderedDict()  # affinity key -> replica that served it
         self._max_keys = max_keys
+        self._routed = 0  # requests routed so far
+        self._last_routed: dict[ReplicaID, int] = {}  # replica -> value of _routed when last chosen
 
     def _load(self, replica: RunningReplica) -> int:
         live = self.replica_queue_len_cache.get(replica.replica_id)
@@ -79,10 +87,12 @@ class LoadAffinityRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         key = _key(pending_request)
         preferred = self._last.get(key) if key is not None else None
-        ranks = rank_by_load({rid: self._load(r) for rid, r in by_id.items()}, preferred)
+        ranks = rank_by_load({rid: self._load(r) for rid, r in by_id.items()}, preferred, self._last_routed)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._routed += 1
+        self._last_routed[replica_id] = self._routed
         key = _key(pending_request)
         if key is None:
             return
