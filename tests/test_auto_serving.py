@@ -157,14 +157,14 @@ def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
     from tokenleap.config import ConfigError, SpecConfig
 
     class Arm:
-        def __init__(self, name, skip):
-            self.name, self.skip = name, skip
+        def __init__(self, name, skip, predicted_speedup=None):
+            self.name, self.skip, self.predicted_speedup = name, skip, predicted_speedup
 
-    calibrated = {"value": None}
+    calibrated = {"value": None, "speedup": None}
 
     def build(spec, *a, **k):
         if spec.method == "layerskip":
-            return Arm("layerskip", calibrated["value"])
+            return Arm("layerskip", calibrated["value"], calibrated["speedup"])
         if spec.method in ("lookahead", "ngram"):
             return Arm(spec.method, None)
         raise ConfigError("unknown")
@@ -174,3 +174,9 @@ def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
     calibrated["value"] = frozenset({3})
     assert list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == \
         ["layerskip", "lookahead", "ngram"]
+    # a calibration that predicted no gain on this machine keeps it out; one that did, or a skipped
+    # set given without a prediction (--skip-layers), lets it in
+    for speedup, joins in ((0.999, False), (api.LAYERSKIP_MIN_SPEEDUP, True), (1.4, True)):
+        calibrated["speedup"] = speedup
+        arms = list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms)
+        assert arms == (["layerskip"] if joins else []) + ["lookahead", "ngram"], speedup

@@ -4,6 +4,8 @@ int8 weights -- the compiled layer path --, several sequences in one step); skip
 accepts every drafted token; a skipped layer is neither run nor written; the skip-list syntax."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -247,7 +249,10 @@ def test_skip_auto_calibrates_on_the_first_request_then_reuses_the_stored_choice
     assert len(logs) == 1 and "calibrated" in logs[0] and list((tmp_path / "layerskip").glob("*.json"))
     second = layerskip_proposer(loaded, "auto", tmp_path, log=logs.append)
     assert second.skip == first.skip and "calibrated," in logs[1]  # read back, no new search
-    assert layerskip_proposer(loaded, "1,2", tmp_path).skip == frozenset({1, 2})
+    stored = json.loads(next((tmp_path / "layerskip").glob("*.json")).read_text())
+    assert second.predicted_speedup == stored["predicted_speedup"]  # what --spec auto weighs it by
+    given = layerskip_proposer(loaded, "1,2", tmp_path)
+    assert given.skip == frozenset({1, 2}) and given.predicted_speedup is None
 
 
 LAYERSKIP_BAD_FLAGS = [

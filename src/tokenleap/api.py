@@ -279,6 +279,10 @@ def resolve_auto_draft(spec: SpecConfig, model: str, cache_dir: str | Path | Non
 # --spec auto's candidate proposers, in order (ties go to the first). Other methods join by name as
 # soon as SpecConfig accepts them and proposer_for builds them (no change to spec/proposers/auto.py).
 AUTO_ARMS = ("draft", "layerskip", "lookahead", "ngram")
+# a layer-skip calibration predicting less than this speed-up on this machine keeps the arm out of
+# --spec auto: where drafting by most of the target's layers costs most of a target step (a
+# memory-bound bf16 target on AMX: 0.999x), its probes only cost time
+LAYERSKIP_MIN_SPEEDUP = 1.05
 
 
 def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, num_slots: int,
@@ -307,6 +311,8 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
             continue
         if name == "layerskip" and getattr(arm, "skip", None) is None:
             continue  # joins once calibrated (tokenleap calibrate): no search inside a user's request
+        if name == "layerskip" and (getattr(arm, "predicted_speedup", None) or LAYERSKIP_MIN_SPEEDUP) < LAYERSKIP_MIN_SPEEDUP:
+            continue  # calibrated here, and predicted not to pay
         arms[name] = arm
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
     return AutoProposer(arms, BanditConfig(max_k=max(spec.max_num_tokens, fixed or 1)), trees=spec.tree == "on")

@@ -49,6 +49,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_quant_dtype({"--quant": args.quant}, {"--dtype": args.dtype})
     check_model_ref("--model", args.model, args.cache_dir)
     prompts = read_prompts_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
+    from tokenleap.api import LAYERSKIP_MIN_SPEEDUP
     from tokenleap.config import SamplingParams
     from tokenleap.models.pretrained import load_model
     from tokenleap.spec.engine import Engine
@@ -75,7 +76,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     measured = _measure(model, tok, ids, params, plain, LayerSkipProposer(model, cal.skip_set))
     result = {"model": target.source, "dtype": str(target.dtype).removeprefix("torch."), "quant": target.quant,
               "skip_layers": format_skip(cal.skip_set), "num_layers": cal.num_layers, "stored": str(path),
-              "calibration": cal.to_dict(), "measured": measured}
+              "calibration": cal.to_dict(), "measured": measured,
+              "auto_arm": cal.predicted_speedup >= LAYERSKIP_MIN_SPEEDUP}  # whether --spec auto drafts with it
     if args.json:
         print(json.dumps(result))
         return 0
@@ -86,6 +88,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"measured (greedy, {measured['tokens']} tokens): plain {measured['plain_tok_s']:.2f} tok/s, layerskip "
           f"{measured['layerskip_tok_s']:.2f} tok/s ({measured['speedup']:.2f}x), tau {measured['tau']:.2f}, "
           f"draft acceptance {measured['draft_acceptance']:.1%}, outputs equal: {measured['outputs_equal']}")
+    print("--spec auto: layer skip is one of its proposers" if result["auto_arm"] else
+          f"--spec auto leaves layer skip out on this machine (predicted under {LAYERSKIP_MIN_SPEEDUP:.2f}x)")
     return 0
 
 

@@ -114,10 +114,12 @@ class LayerSkipProposer:
     name = "layerskip"
 
     def __init__(self, model: Transformer, skip: frozenset[int] | None, calibrate: Calibrate | None = None,
-                 head=None, lookup: NgramProposer | None = None) -> None:
+                 head=None, lookup: NgramProposer | None = None, predicted_speedup: float | None = None) -> None:
         """``skip``: the layers drafted rows skip; None: chosen by ``calibrate`` at the first proposal.
         ``head``: the drafts' LM head (``layerskip_head.prefix_head``: views of the target's); None: the target's.
-        ``lookup``: prompt lookup, whose continuation replaces the draft of a sequence copying its text."""
+        ``lookup``: prompt lookup, whose continuation replaces the draft of a sequence copying its text.
+        ``predicted_speedup``: the stored calibration's prediction for drafting by these layers alone,
+        measured on this machine (None: not calibrated here)."""
         if skip is None and calibrate is None:
             raise ConfigError("layer skip needs a skipped set or a calibration to choose one")
         if skip is not None:
@@ -127,6 +129,7 @@ class LayerSkipProposer:
         self.skip = frozenset(skip) if skip is not None else None
         self._calibrate = calibrate
         self.lookup = lookup
+        self.predicted_speedup = predicted_speedup
         self.cache = None  # the target's cache, from the engine (bind_cache)
 
     def bind_cache(self, cache) -> None:
@@ -241,7 +244,7 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
     cal = ls.load_calibration(path, layers)
     if cal is not None:
         log(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path})")
-        return LayerSkipProposer(model, cal.skip_set, head=head, lookup=finder)
+        return LayerSkipProposer(model, cal.skip_set, head=head, lookup=finder, predicted_speedup=cal.predicted_speedup)
 
     def calibrate(m: Transformer, tokens: list[int]) -> frozenset[int]:
         cal = ls.search(m, [tokens], head=head)
