@@ -398,34 +398,3 @@ def test_a_probe_that_misses_delays_the_arms_next_probe_and_a_draft_accepted_who
         prop.propose_many([DraftRequest(0, [1, 2, 3], 2, SamplingParams(), None)])
         prop.accept(0, accepted)
         assert state.probe_misses == misses
-
-
-def test_a_request_alone_restarts_the_draft_arms_acceptance_from_the_prior(models):
-    """As the engine's controller does for a lone request: a draft arm's acceptance learned on
-    earlier text (here: nothing accepted) restarts from the prior, so it does not keep the draft
-    unfed for this request; n-gram lookup, which needs no catch-up, keeps what it learned. A
-    request that joins a running one forgets nothing."""
-    target, draft = models
-    proposer = AutoProposer({"draft": DraftModelProposer(draft, V, 256, num_slots=2), "ngram": NgramProposer(4, 1)},
-                            BanditConfig(max_k=4))
-    eng = Engine(target, ToyTokenizer(V), max_len=256, num_slots=2, proposer=proposer,
-                 controller=ControllerConfig(max_k=4))
-    arms = proposer.bandit.arms
-    prior = arms["draft"].costs.cfg.prior_acceptance
-
-    def learn_poor_text():
-        arms["draft"].costs.observe_catch_up(40, 0.04)  # a draft model: it has caught up before
-        for _ in range(30):
-            arms["draft"].costs.observe_acceptance(4, 0)
-            arms["ngram"].costs.observe_acceptance(4, 0)
-
-    learn_poor_text()
-    ngram_before = list(arms["ngram"].costs.accept)
-    first = eng.add(PROMPTS[0], SamplingParams(max_tokens=8))
-    assert arms["draft"].costs.accept == [prior] * 4 and arms["ngram"].costs.accept == ngram_before
-    learn_poor_text()
-    draft_before = list(arms["draft"].costs.accept)
-    joining = eng.add(PROMPTS[1], SamplingParams(max_tokens=8))
-    assert arms["draft"].costs.accept == draft_before < [prior] * 4
-    eng.release(first)
-    eng.release(joining)

@@ -153,16 +153,6 @@ class Bandit:
         return SeqBandit({a: SeqArmState(SeqAcceptance(self.cfg.max_k, self.cfg.ema, self.cfg.prior_weight),
                                          depth_seen=[0] * self.cfg.max_k) for a in self.arms})
 
-    def new_text(self) -> None:
-        """A request starts on an otherwise idle engine: arms that must catch up before drafting (a
-        draft model) restart their acceptance from the prior, as the engine's controller does -- a
-        prose request's low acceptance, carried over, would keep the draft from being fed for the
-        code request after it, whose steps n-gram lookup has no match for then decode plainly. Arms
-        that need no catch-up keep theirs: a wrong figure costs them a step or two, not a prefill."""
-        for a in self.arms.values():
-            if a.costs.catch_up_cost is not None:
-                a.costs.new_text()
-
     # -- learning ---------------------------------------------------------------------------
     def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
         if proposed > 0:

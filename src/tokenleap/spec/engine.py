@@ -199,18 +199,15 @@ class Engine:
         learned describes other text) and always feeds the draft, unless drafting could not pay
         even at full acceptance; its own first steps then decide."""
         batch = max(1, len(self._attached))
-        lone = batch == 1 and seq.num_generated == 0  # (a preempted request resuming is the same text)
         if hasattr(self.proposer, "plan"):  # a composite (--spec auto) judges each of its proposers itself
-            if lone:
-                self.proposer.new_text()
             self.proposer.prefill(seq.seq_id, tokens, batch, self.expected_remaining(seq))
             return
-        if lone:
+        if batch == 1 and seq.num_generated == 0:  # (a preempted request resuming is the same text)
             self.controller.new_text()
         backlog = self.proposer.backlog(seq.seq_id, tokens)
         nodes = self.tree_nodes if self._tree_mode() == "auto" else 0
-        if not (batch == 1 and self.controller.could_pay(1)) and \
-                not self.controller.would_speculate(batch, backlog, self.expected_remaining(seq), nodes):
+        lone = batch == 1 and self.controller.could_pay(1)
+        if not lone and not self.controller.would_speculate(batch, backlog, self.expected_remaining(seq), nodes):
             return
         t0 = time.perf_counter()
         self.proposer.prefill(seq.seq_id, tokens)

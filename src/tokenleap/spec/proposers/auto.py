@@ -84,10 +84,6 @@ class AutoProposer:
             p.prefill(seq_id, tokens)
             self.bandit.observe_catch_up(name, before - p.backlog(seq_id, tokens), time.perf_counter() - t0)
 
-    def new_text(self) -> None:
-        """A request starts alone on the engine: see ``Bandit.new_text``."""
-        self.bandit.new_text()
-
     def backlog(self, seq_id: int, tokens: list[int]) -> int:
         """Tokens the arm planned first must catch up on (the engine's controller is not asked)."""
         plan = self._plans.get(seq_id)
