@@ -176,7 +176,7 @@ def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
         ["layerskip", "lookahead", "ngram"]
     # a calibration that predicted no gain on this machine keeps it out; one that did, or a skipped
     # set given without a prediction (--skip-layers), lets it in
-    for speedup, joins in ((0.999, False), (api.LAYERSKIP_MIN_SPEEDUP, True), (1.4, True)):
+    for speedup, joins in ((0.0, False), (0.999, False), (api.LAYERSKIP_MIN_SPEEDUP, True), (1.4, True), (None, True)):
         calibrated["speedup"] = speedup
         arms = list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms)
         assert arms == (["layerskip"] if joins else []) + ["lookahead", "ngram"], speedup

@@ -311,7 +311,8 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
             continue
         if name == "layerskip" and getattr(arm, "skip", None) is None:
             continue  # joins once calibrated (tokenleap calibrate): no search inside a user's request
-        if name == "layerskip" and (getattr(arm, "predicted_speedup", None) or LAYERSKIP_MIN_SPEEDUP) < LAYERSKIP_MIN_SPEEDUP:
+        predicted = getattr(arm, "predicted_speedup", None)  # None: a skipped set given, no prediction
+        if name == "layerskip" and predicted is not None and predicted < LAYERSKIP_MIN_SPEEDUP:
             continue  # calibrated here, and predicted not to pay
         arms[name] = arm
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
