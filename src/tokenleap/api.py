@@ -285,6 +285,12 @@ AUTO_ARMS = ("draft", "layerskip", "lookahead", "ngram")
 LAYERSKIP_MIN_SPEEDUP = 1.05
 
 
+def layerskip_joins_auto(predicted_speedup: float | None) -> bool:
+    """Whether a layer-skip arm with this calibration prediction joins --spec auto (None: a skipped
+    set given without a prediction, which joins)."""
+    return predicted_speedup is None or predicted_speedup >= LAYERSKIP_MIN_SPEEDUP
+
+
 def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, num_slots: int,
                   cache_dir: str | Path | None, draft_cache=None) -> Proposer:
     """``--spec auto``: every proposer this configuration has -- n-gram always, the draft model when
@@ -311,8 +317,7 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
             continue
         if name == "layerskip" and getattr(arm, "skip", None) is None:
             continue  # joins once calibrated (tokenleap calibrate): no search inside a user's request
-        predicted = getattr(arm, "predicted_speedup", None)  # None: a skipped set given, no prediction
-        if name == "layerskip" and predicted is not None and predicted < LAYERSKIP_MIN_SPEEDUP:
+        if name == "layerskip" and not layerskip_joins_auto(getattr(arm, "predicted_speedup", None)):
             continue  # calibrated here, and predicted not to pay
         arms[name] = arm
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)

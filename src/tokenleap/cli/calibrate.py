@@ -49,7 +49,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_quant_dtype({"--quant": args.quant}, {"--dtype": args.dtype})
     check_model_ref("--model", args.model, args.cache_dir)
     prompts = read_prompts_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
-    from tokenleap.api import LAYERSKIP_MIN_SPEEDUP
+    from tokenleap.api import LAYERSKIP_MIN_SPEEDUP, layerskip_joins_auto
     from tokenleap.config import SamplingParams
     from tokenleap.models.pretrained import load_model
     from tokenleap.spec.engine import Engine
@@ -77,7 +77,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     result = {"model": target.source, "dtype": str(target.dtype).removeprefix("torch."), "quant": target.quant,
               "skip_layers": format_skip(cal.skip_set), "num_layers": cal.num_layers, "stored": str(path),
               "calibration": cal.to_dict(), "measured": measured,
-              "auto_arm": cal.predicted_speedup >= LAYERSKIP_MIN_SPEEDUP}  # whether --spec auto drafts with it
+              "auto_arm": layerskip_joins_auto(cal.predicted_speedup)}  # whether --spec auto drafts with it
     if args.json:
         print(json.dumps(result))
         return 0

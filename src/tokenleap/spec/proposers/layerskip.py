@@ -119,7 +119,8 @@ class LayerSkipProposer:
         ``head``: the drafts' LM head (``layerskip_head.prefix_head``: views of the target's); None: the target's.
         ``lookup``: prompt lookup, whose continuation replaces the draft of a sequence copying its text.
         ``predicted_speedup``: the stored calibration's prediction for drafting by these layers alone,
-        measured on this machine (None: not calibrated here)."""
+        measured on this machine (None: no stored calibration when built -- a skipped set given, or
+        one chosen at the first proposal)."""
         if skip is None and calibrate is None:
             raise ConfigError("layer skip needs a skipped set or a calibration to choose one")
         if skip is not None:
