@@ -180,3 +180,33 @@ def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
         calibrated["speedup"] = speedup
         arms = list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms)
         assert arms == (["layerskip"] if joins else []) + ["lookahead", "ngram"], speedup
+
+
+def test_lookahead_joins_auto_only_without_a_draft_model(monkeypatch):
+    """Beside a draft model, auto's arms are the draft (a cascade), n-gram lookup and a layer skip that
+    pays; lookahead joins only where no draft model is loaded."""
+    import tokenleap.api as api
+    from tokenleap.config import ConfigError, SpecConfig
+
+    class Arm:
+        skip, predicted_speedup = None, None
+
+    class Target:
+        class model:
+            class config:
+                vocab_size = 64
+        tokenizer = None
+
+    def build(spec, *a, **k):
+        if spec.method in ("lookahead", "ngram"):
+            return Arm()
+        raise ConfigError("unknown")
+
+    fed = []
+    monkeypatch.setattr(api, "proposer_for", build)
+    monkeypatch.setattr(api, "draft_proposer", lambda draft, *a, **k: fed.append((draft, a[-2])) or Arm())
+    assert api.lookahead_joins_auto(False) and not api.lookahead_joins_auto(True)
+    assert list(api.auto_proposer(SpecConfig(method="auto"), Target, None, 64, 1, None).arms) == ["lookahead", "ngram"]
+    draft = object()
+    assert list(api.auto_proposer(SpecConfig(method="auto"), Target, draft, 64, 1, None).arms) == ["draft", "ngram"]
+    assert fed == [(draft, "ngram")]  # the draft arm drafts as a cascade

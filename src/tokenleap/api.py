@@ -285,6 +285,14 @@ AUTO_ARMS = ("draft", "layerskip", "lookahead", "ngram")
 LAYERSKIP_MIN_SPEEDUP = 1.05
 
 
+def lookahead_joins_auto(has_draft_model: bool) -> bool:
+    """Whether the lookahead arm joins --spec auto: only without a draft model. Beside one, n-gram
+    lookup (free) and the draft's cascade already serve the repeated text lookahead's guesses come
+    from, and its probes were measured to cost steps for next to no tokens (BENCHMARKS, "Lookahead
+    out of --spec auto beside a draft model")."""
+    return not has_draft_model
+
+
 def layerskip_joins_auto(predicted_speedup: float | None) -> bool:
     """Whether a layer-skip arm with this calibration prediction joins --spec auto (None: a skipped
     set given without a prediction, which joins)."""
@@ -294,7 +302,8 @@ def layerskip_joins_auto(predicted_speedup: float | None) -> bool:
 def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, num_slots: int,
                   cache_dir: str | Path | None, draft_cache=None) -> Proposer:
     """``--spec auto``: every proposer this configuration has -- n-gram always, the draft model when
-    one is loaded, the other methods when this build has them -- behind one that picks per sequence."""
+    one is loaded, the other methods when this build has them (lookahead only without a draft model,
+    layer skip once calibrated to pay) -- behind one that picks per sequence."""
     from tokenleap.errors import TokenleapError
     from tokenleap.spec.bandit import BanditConfig
     from tokenleap.spec.proposers.auto import AutoProposer
@@ -308,6 +317,8 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
                 arms[name] = draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots,
                                             spec.draft_vocab, draft_cache(draft) if draft_cache else None,
                                             draft_spec, target.tokenizer)
+            continue
+        if name == "lookahead" and not lookahead_joins_auto(draft is not None):
             continue
         try:
             # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only)
