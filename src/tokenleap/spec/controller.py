@@ -6,18 +6,9 @@ Its cost is the draft's time for k tokens plus one target forward over ``batch *
 All three figures are measured while running: b_i as exponentially forgotten hit / trial counts
 with a weak prior (so a few observations already count; a position never drafted yet is guessed
 like the deepest measured one), the draft's seconds per token, and the target's
-seconds per forward as a function of the rows it computes (each cost the median of its last
-few observations, so a single slow step cannot pin a figure), plus what a step spends outside
-those forwards, measured separately for speculative and plain steps at each batch size. A row
-count never measured is predicted from the measured ones: linear through the nearest two; past
-the largest, for one sequence as cheap as the largest measured while at most 16 rows (so each
-longer draft gets tried: one step), for several along the slope of the two largest or, if
-steeper, the slope from the smallest (at least flat) -- so a batch size never measured is judged
-by the row costs smaller batches measured instead of being tried blind, with every sequence's
-catch-up; beyond 16 rows, where every CPU is compute-bound, at least proportionally to rows.
-Costs are kept monotone in size: a block never costs more than a larger one measured, and a
-batch's draft forward never less than a smaller batch's (one figure caught at a slow or fast
-moment cannot tip the choice).
+seconds per forward as a function of the rows it computes, plus what a step spends outside
+those forwards -- the cost tables of ``costs.py`` (medians of recent observations, predicted for
+sizes never measured), which this controller extends.
 Turning speculation on for sequences the draft has not followed (a prompt whose draft prefill was
 skipped, tokens decoded plainly meanwhile) first costs a catch-up: the draft feeding that backlog,
 measured in seconds per token. It is an investment, made only when the predicted time saved over
@@ -55,18 +46,15 @@ as ``observe_acceptance`` (chains) or ``observe_tree`` (the tree's parents and a
 """
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenleap.spec.costs import CostTables
 from tokenleap.spec.tree_budget import StepPlan, TreeModel, TreePlanner
 
 if TYPE_CHECKING:
     from tokenleap.spec.report import StepReport
 
-_MEMORY_BOUND_ROWS = 16  # beyond this many rows an unmeasured forward is guessed at least proportional to rows
-LONG_CATCH_UP = 16  # a catch-up of this many tokens or more measures the draft's cost per prompt token
 
 
 @dataclass(frozen=True)
@@ -103,8 +91,9 @@ class ControllerConfig:
     tree_margin: float = 0.05
 
 
-class DraftLengthController:
+class DraftLengthController(CostTables):
     def __init__(self, config: ControllerConfig) -> None:
+        super().__init__(config.cost_window)
         self.cfg = config
         # rows the proposer adds to a drafting step's forward: set by the engine to the most it may
         # add, then following the mean of what drafting steps added (observe_aux_rows)
@@ -114,49 +103,11 @@ class DraftLengthController:
         # exponentially forgotten counts behind accept[i]: (hits + prior weight) / (trials + weight)
         self._hits = [0.0] * config.max_k
         self._trials = [0.0] * config.max_k
-        # batch size -> seconds per drafted token (a batched draft forward serves every sequence)
-        self.draft_cost_at: dict[int, float] = {}
-        self.forward_cost: dict[int, float] = {}  # rows -> seconds
-        self._draft_obs: dict[int, deque[float]] = {}
-        self._forward_obs: dict[int, deque[float]] = {}
-        # (speculative?, batch) -> seconds a step spends outside the draft's and the target's
-        # forwards (verification, bookkeeping); a catch-up is not part of it (see catch_up_cost)
-        self.step_overhead: dict[tuple[bool, int], float] = {}
-        self._overhead_obs: dict[tuple[bool, int], deque[float]] = {}
-        self.catch_up_cost: float | None = None  # seconds per token the draft feeds outside drafting
-        # seconds per token of long catch-ups (prompts) and of short ones (a few tokens: one forward's
-        # fixed cost spread over them, several times a prompt token's); the long ones set the figure
-        self._catch_up_obs: deque[float] = deque(maxlen=config.cost_window)
-        self._short_catch_up_obs: deque[float] = deque(maxlen=config.cost_window)
         self._plain_streak = 0
         self._plain_seconds = 0.0  # predicted time decoded plainly since the last step that drafted
         self._spec_streak, self._side = 0, 1
         self.trees = TreeModel(config.max_k)  # token trees' acceptance, shape and draft cost
         self.planner = TreePlanner(self.trees, config.tree_margin, config.tree_probe_every, config.tree_explore_share)
-
-    @property
-    def draft_cost(self) -> float | None:
-        """Seconds per drafted token when drafting for one sequence (None: not measured yet)."""
-        return self.draft_cost_at.get(1)
-
-    @draft_cost.setter
-    def draft_cost(self, seconds: float) -> None:
-        self._draft_obs.pop(1, None)
-        self._observe(self._draft_obs, self.draft_cost_at, 1, seconds)
-
-    def predict_draft(self, batch: int) -> float:
-        """Seconds per drafted token at ``batch`` sequences: measured, else the nearest smaller
-        batch's figure (batching only makes a token cheaper), else optimistic zero -- and never so
-        low that a draft forward for ``batch`` sequences would cost less than one measured for fewer
-        (a figure caught at a fast moment, or a batch measured once, cannot make drafting look cheap)."""
-        known = self.draft_cost_at
-        if batch in known:
-            per = known[batch]
-        elif smaller := [b for b in known if b < batch]:
-            per = known[max(smaller)]
-        else:
-            return known[min(known)] if known else 0.0
-        return max(per, max((known[b] * b for b in known if b < batch), default=0.0) / batch)
 
     # -- choosing ---------------------------------------------------------------------------
     def choose(self, batch: int = 1, backlog: int = 0, remaining: float = float("inf")) -> int:
@@ -278,14 +229,6 @@ class DraftLengthController:
             out.append(last)
         return out
 
-    def catch_up_seconds(self, tokens: float) -> float:
-        """Predicted seconds for the draft to feed ``tokens`` it has not followed: one forward over
-        them -- their number times the per-token cost of long catch-ups, but never less than a
-        drafted token's time (a forward of one row)."""
-        if tokens <= 0:
-            return 0.0
-        return max(tokens * (self.catch_up_cost or 0.0), self.predict_draft(1) if self.draft_cost_at else 0.0)
-
     def _pays_back(self, plain_rate: float, spec_rate: float, backlog: int, remaining: float, batch: int = 1) -> bool:
         """Does speculating at ``spec_rate`` instead of ``plain_rate`` (tokens/s) over ``remaining``
         tokens save more time than the draft's catch-up on ``backlog`` tokens costs? With several
@@ -341,45 +284,6 @@ class DraftLengthController:
         return (k * batch * draft_per_token + self.predict_forward(rows, batch == 1)
                 + self.step_overhead.get((k > 0, batch), 0.0))
 
-    def predict_forward(self, rows: int, explore: bool = False) -> float:
-        """Seconds for a target forward over ``rows``. ``explore`` (one sequence): a block larger
-        than any measured, up to 16 rows, is guessed as cheap as the largest measured, so each
-        longer draft gets tried -- one step, no catch-up; several sequences extrapolate instead.
-        Never more than a larger block measured: a row count measured rarely (at a slow moment)
-        cannot make plain decoding, which computes the fewest rows, look slow."""
-        larger = [c for r, c in self.forward_cost.items() if r > rows]
-        guess = self._raw_forward(rows, explore)
-        return min(guess, min(larger)) if larger else guess
-
-    def _raw_forward(self, rows: int, explore: bool) -> float:
-        if rows in self.forward_cost:
-            return self.forward_cost[rows]
-        if not self.forward_cost:
-            return 1.0
-        known = sorted(self.forward_cost)
-        lower = [r for r in known if r < rows]
-        upper = [r for r in known if r > rows]
-        if not upper:  # a block larger than any measured: along the slope of the two largest, or
-            top = known[-1]  # the slope from the smallest, if steeper (one noisy figure flattens the first)
-            if explore and rows <= _MEMORY_BOUND_ROWS:
-                return self.forward_cost[top]
-            guess = self.forward_cost[top]
-            if len(known) > 1:
-                slope = max(self._slope(known[-2], top), self._slope(known[0], top))
-                guess += slope * (rows - top)
-            if rows > _MEMORY_BOUND_ROWS:  # large blocks are compute-bound: at least ~ rows
-                guess = max(guess, self.forward_cost[top] * rows / top)
-            return guess
-        if not lower:
-            return self.forward_cost[upper[0]]
-        return self._line(lower[-1], upper[0], rows)
-
-    def _slope(self, r0: int, r1: int) -> float:
-        return max(0.0, (self.forward_cost[r1] - self.forward_cost[r0]) / (r1 - r0))
-
-    def _line(self, r0: int, r1: int, rows: int) -> float:
-        return self.forward_cost[r0] + self._slope(r0, r1) * (rows - r0)
-
     # -- learning ---------------------------------------------------------------------------
     def observe_step_report(self, report: StepReport) -> None:
         """Everything a step measured (``Engine.step``'s report): the draft's catch-up and cost, the
@@ -401,13 +305,6 @@ class DraftLengthController:
         if report.overhead_seconds is not None:  # what the step cost beyond its timed forwards and catch-up
             self.observe_step(report.speculative, report.batch, report.overhead_seconds, tree=report.held_apart)
 
-    def _observe(self, obs: dict, table: dict, key, value: float) -> None:
-        """The median of the last ``cost_window`` observations: one slow step (a page fault, another
-        process) moves nothing, and a size measured rarely (a probe) is right after a few visits."""
-        window = obs.setdefault(key, deque(maxlen=self.cfg.cost_window))
-        window.append(value)
-        table[key] = statistics.median(window)
-
     def observe_forward(self, rows: int, seconds: float, tree: bool = False) -> None:
         """A target forward over ``rows`` took ``seconds`` (``tree``: it held token trees the
         controller chose -- measured apart from chains' and plain steps')."""
@@ -415,11 +312,6 @@ class DraftLengthController:
             self.trees.observe_forward(rows, seconds, self.predict_forward(rows))
         else:
             self._observe(self._forward_obs, self.forward_cost, rows, seconds)
-
-    def observe_step(self, speculative: bool, batch: int, overhead: float, tree: bool = False) -> None:
-        """A whole step's seconds beyond its timed draft and target forwards (``tree``: a tree step's)."""
-        key = ("tree", batch) if tree else (speculative, batch)
-        self._observe(self._overhead_obs, self.step_overhead, key, max(0.0, overhead))  # type: ignore[arg-type]
 
     def observe_tree(self, parents: list[int], path: list[int], budget: int, depth: int) -> None:
         """One sequence's tree step: the drafted tree's ``parents`` (a chain answered for a tree:
@@ -436,19 +328,6 @@ class DraftLengthController:
         start = float(self.aux_rows) if self._aux_mean is None else self._aux_mean
         self._aux_mean = start + self.cfg.ema * (rows - start)
         self.aux_rows = round(self._aux_mean)
-
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """The draft fed ``tokens`` outside drafting (a prompt, a backlog) in ``seconds``."""
-        if tokens <= 0:
-            return
-        (self._catch_up_obs if tokens >= LONG_CATCH_UP else self._short_catch_up_obs).append(seconds / tokens)
-        self.catch_up_cost = statistics.median(self._catch_up_obs or self._short_catch_up_obs)
-
-    def observe_draft(self, tokens: int, seconds: float, batch: int = 1) -> None:
-        """``tokens`` drafted in ``seconds`` for ``batch`` sequences together."""
-        if tokens <= 0:
-            return
-        self._observe(self._draft_obs, self.draft_cost_at, batch, seconds / tokens)
 
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         """One sequence's step: positions 1..accepted passed, position accepted+1 failed (if proposed)."""
