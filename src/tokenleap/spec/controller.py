@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from tokenleap.spec.report import StepReport
 
 
-
 @dataclass(frozen=True)
 class ControllerConfig:
     max_k: int = 8
