@@ -117,6 +117,10 @@ def test_results_schema(main_run):
     assert overall["plain"]["speedup"] == 1.0 and overall["plain"]["mean_accepted_tokens"] == 1.0
     ngram = overall["ngram:k=3,max=3,min=1"]
     assert ngram["mean_accepted_tokens"] > 1.0 and ngram["per_position_acceptance"]
+    reqs = [r for r in saved["requests"] if r["method"] == "ngram:k=3,max=3,min=1"]
+    assert ngram["total_tokens_per_second"] == pytest.approx(
+        sum(len(r["token_ids"]) for r in reqs) / sum(r["seconds"] for r in reqs), rel=1e-3)
+    assert "| tok/s (median) | tok/s (total) |" in (out / "report.md").read_text()
     assert set(saved["summary"]["by_category"]) == {"lists", "counting"}
     assert len((out / RESULTS_LOG).read_text().splitlines()) == 6
 

@@ -28,12 +28,13 @@ def method_table(table: dict[str, dict], results: dict[str, Any]) -> list[str]:
     eq = results["equality"]
     kinds = {m["name"]: m["kind"] for m in results["methods"]}
     show_pass = any(f.get("pass_at_1") is not None for f in table.values())
-    head = ["method", "kind", "tok/s (median)", "speedup", "τ", "accept len", "draft accept",
+    head = ["method", "kind", "tok/s (median)", "tok/s (total)", "speedup", "τ", "accept len", "draft accept",
             "per-position a_i", "draft time", "= plain", "requests"]
     head += ["pass@1"] if show_pass else []
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, f in table.items():
-        cells = [f"`{name}`", kinds.get(name, "?"), _num(f["tokens_per_second"]), _num(f["speedup"], ".2f", "×"),
+        cells = [f"`{name}`", kinds.get(name, "?"), _num(f["tokens_per_second"]), _num(f.get("total_tokens_per_second")),
+                 _num(f["speedup"], ".2f", "×"),
                  _num(f.get("mean_accepted_tokens")), _num(f.get("acceptance_length")),
                  _num(f.get("draft_acceptance_rate"), ".1%"), _positions(f),
                  _num(f.get("draft_time_share"), ".0%"), _equal_cell(f, eq, name), str(f["requests"])]
@@ -127,7 +128,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
               *_memory(results), "",
               "## Definitions", "",
               "tok/s: new tokens / wall time per request, prefill included, median over prompts of the median "
-              "over repeats. speedup: tok/s ÷ `plain`'s tok/s over the same prompts, same run. τ: new tokens / "
+              "over repeats. tok/s (total): all new tokens / all wall time of the method's requests (a set's "
+              "throughput). speedup: tok/s ÷ `plain`'s tok/s over the same prompts, same run. τ: new tokens / "
               "target forwards (plain = 1.00). accept len: 1 + accepted / steps with a draft. draft accept: "
               "accepted / proposed draft tokens. per-position a_i: share of drafting steps whose first i drafts "
               "were all accepted. draft time: draft seconds / (draft + verify seconds). Formulas and how the "
