@@ -398,3 +398,21 @@ def test_a_probe_that_misses_delays_the_arms_next_probe_and_a_draft_accepted_who
         prop.propose_many([DraftRequest(0, [1, 2, 3], 2, SamplingParams(), None)])
         prop.accept(0, accepted)
         assert state.probe_misses == misses
+
+
+def test_an_arm_that_caught_up_still_times_its_later_draft_tokens(models):
+    """An arm's proposal that first catches the draft up (a probe after plain steps or other arms'
+    steps) prices a draft token by the tokens drafted after the catch-up, for one sequence; in a
+    batch the catch-up's forward drafted for the others too, so no figure is taken."""
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    for seqs in (1, 2):
+        prop = AutoProposer({"draft": DraftModelProposer(models[1], V, 256, num_slots=2), "ngram": NgramProposer(4, 1)},
+                            BanditConfig(max_k=4))
+        arm = prop.arms["draft"]
+        for i in range(seqs):
+            arm.begin(i, PROMPTS[2])  # not prefilled: the proposal feeds the prompt first
+        got = prop._draft("draft", [DraftRequest(i, PROMPTS[2], 4, greedy) for i in range(seqs)])
+        assert all(d.catch_up_drafted == 1 and len(d.tokens) == 4 and d.proposer == "draft" for d in got)
+        costs = prop.bandit.arms["draft"].costs
+        assert costs.catch_up_cost is not None
+        assert (set(costs.draft_cost_at) == {1}) if seqs == 1 else (costs.draft_cost_at == {})

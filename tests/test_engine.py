@@ -220,6 +220,44 @@ def test_draft_prefill_skipped_while_speculation_does_not_pay_then_caught_up(tar
     eng.release(seq)
 
 
+@pytest.mark.parametrize("cascade", [False, True])
+def test_a_draft_says_how_many_of_its_tokens_came_out_of_its_catch_up(target, cascade):
+    """A proposal that first feeds a backlog drafts its first token in that forward (catch-up
+    time); the draft model and the cascade say so, so the rest can price a draft token."""
+    from tokenleap.spec.proposers.cascade import CascadeDraftProposer
+
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    draft = (CascadeDraftProposer if cascade else DraftModelProposer)(target, VOCAB, 128)
+    draft.begin(0, PROMPTS[2])  # not prefilled: the first proposal feeds the whole prompt
+    d = draft.propose(0, PROMPTS[2], 4, greedy, None)
+    assert d.catch_up_seconds > 0 and d.catch_up_tokens == len(PROMPTS[2])
+    assert len(d.tokens) == 4 and d.catch_up_drafted == 1
+    draft.accept(0, 4)
+    d = draft.propose(0, PROMPTS[2] + d.tokens + [11], 3, greedy, None)  # one token behind: no backlog
+    assert d.catch_up_seconds == 0.0 and d.catch_up_drafted == 0 and len(d.tokens) == 3
+
+
+def test_a_step_that_caught_up_still_times_its_later_draft_tokens(target):
+    """A probe after plain steps catches the draft up first. Its tokens drafted after the catch-up
+    are timed into the draft cost, so a figure caught at a slow moment is re-measured by probes
+    rather than kept until drafting resumes (which that figure may forbid)."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    draft = DraftModelProposer(target, VOCAB, 128)
+    eng = engine(target, draft)
+    eng.controller.draft_cost = 10.0  # a figure timed through a stall: the draft's prefill is skipped
+    eng.controller.observe_forward(1, 0.01)
+    seq = eng.add(PROMPTS[0], params)
+    while eng.prefill_step(seq):
+        pass
+    eng.controller.draft_cost = 0.0
+    report = eng.step([seq])
+    work = report.draft
+    assert report.k >= 2 and work.catch_up_tokens > 0 and work.catch_up_drafted == 1
+    timed = eng.controller._draft_obs[1]
+    assert list(timed)[-1] == pytest.approx(work.seconds / (work.tokens - 1)) and len(timed) == 2
+    eng.release(seq)
+
+
 def test_a_request_alone_starts_from_the_prior_acceptance_and_feeds_the_draft(target):
     """Acceptance learned on earlier requests describes their text: a request that starts alone
     restarts from the prior, feeds the draft, and its own steps decide (here a self-draft: every

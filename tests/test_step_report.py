@@ -79,6 +79,19 @@ def test_a_draft_that_caught_up_records_no_draft_cost():
     assert c.draft_cost_at == {} and c.catch_up_cost == pytest.approx(0.02) and c.step_overhead == {}
 
 
+def test_tokens_drafted_after_a_catch_up_price_a_draft_token_for_one_sequence():
+    """The catch-up's forward drafted the first token (its time is catch-up); the other tokens were
+    drafted in ``seconds``. In a batch that forward drafted for the other sequences too: no figure."""
+    for batch, want in ((1, {1: pytest.approx(0.01)}), (2, {})):
+        work = DraftWork(tokens=3, depth=3, batch=batch, seconds=0.02, catch_up_tokens=20, catch_up_seconds=0.4,
+                         catch_up_drafted=1)
+        report = StepReport((_chain(0, 3, 2, 3),), k=3, tree_budget=0, auto_tree=False, held_apart=False, rows=4,
+                            forward_seconds=0.2, draft=work, overhead_seconds=None)
+        c = DraftLengthController(ControllerConfig())
+        c.observe_step_report(report)
+        assert c.draft_cost_at == want and c.catch_up_cost == pytest.approx(0.02)
+
+
 def test_step_returns_the_report_its_counters_were_recorded_from(target):
     eng = Engine(target, ToyTokenizer(VOCAB), max_len=128, num_slots=3, proposer=NgramProposer(3, 1),
                  controller=ControllerConfig(max_k=4, fixed_k=4))

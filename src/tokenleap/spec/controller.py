@@ -53,7 +53,7 @@ from tokenleap.spec.costs import CostTables
 from tokenleap.spec.tree_budget import StepPlan, TreeModel, TreePlanner
 
 if TYPE_CHECKING:
-    from tokenleap.spec.report import StepReport
+    from tokenleap.spec.report import DraftWork, StepReport
 
 
 @dataclass(frozen=True)
@@ -295,6 +295,8 @@ class DraftLengthController(CostTables):
                 self.observe_tree_draft(work.depth, work.seconds, batch=work.batch)
             else:
                 self.observe_draft(work.tokens, work.seconds, batch=work.batch)
+        elif not report.auto_tree:
+            self.observe_draft_after_catch_up(work)
         self.observe_forward(report.rows, report.forward_seconds, tree=report.held_apart)
         for o in report.outcomes:
             if o.drafted and report.auto_tree:  # (a tree asked for and answered by a chain counts too)
@@ -303,6 +305,16 @@ class DraftLengthController(CostTables):
                 self.observe_acceptance(o.proposed, o.accepted)
         if report.overhead_seconds is not None:  # what the step cost beyond its timed forwards and catch-up
             self.observe_step(report.speculative, report.batch, report.overhead_seconds, tree=report.held_apart)
+
+    def observe_draft_after_catch_up(self, work: DraftWork) -> None:
+        """Price a draft token on a step that first caught up (a probe after plain steps) by the
+        tokens drafted after the catch-up's forwards, for one sequence (in a batch the catch-up's
+        forward drafts for the others too). Plain steps never time the draft, so without this a
+        figure timed through a slow spell of the host would stay until drafting resumed -- which
+        that figure itself may forbid."""
+        rest = work.tokens - work.catch_up_drafted
+        if work.batch == 1 and work.catch_up_drafted > 0 and rest > 0 and work.seconds > 0.0:
+            self.observe_draft(rest, work.seconds, batch=1)
 
     def observe_forward(self, rows: int, seconds: float, tree: bool = False) -> None:
         """A target forward over ``rows`` took ``seconds`` (``tree``: it held token trees the

@@ -318,7 +318,9 @@ class Engine:
             by_seq[s.seq_id] = d
             share = len(d.tokens) / drafted if d is not None and drafted else 0.0
             s.stats.draft_seconds += drafting * share if drafted else drafting / len(asked)
-        work = DraftWork(drafted, max(n for _, n in asked), len(asked), drafting if drafted else 0.0, caught, catch_up)
+        caught_drafts = sum(d.catch_up_drafted for d in got if d is not None)
+        work = DraftWork(drafted, max(n for _, n in asked), len(asked), drafting if drafted else 0.0, caught, catch_up,
+                         caught_drafts)
         return [by_seq.get(s.seq_id) for s in seqs], work
 
     def aux_budget(self, seq: Sequence, nodes: int) -> int:

@@ -70,6 +70,7 @@ class DraftWork:
     seconds: float = 0.0  # drafting, catch-up excluded (0.0 when nothing was drafted)
     catch_up_tokens: int = 0  # tokens the draft fed beyond drafting (a skipped prefill, a backlog)
     catch_up_seconds: float = 0.0
+    catch_up_drafted: int = 0  # of ``tokens``, those drafted by the catch-up's forwards (Draft.catch_up_drafted)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,10 @@ class Draft:
     # while speculation was off): prefill work, kept out of the measured cost per draft token
     catch_up_seconds: float = 0.0
     catch_up_tokens: int = 0  # how many tokens that catch-up fed
+    # drafted tokens that came out of the catch-up's forwards (their time is in catch_up_seconds):
+    # the rest were drafted in ``seconds - catch_up_seconds`` and price a draft token even on a
+    # step that caught up (a probe after plain steps); 0 where the proposer does not say
+    catch_up_drafted: int = 0
     # a token tree (root: the sequence's last token) instead of a chain; ``tokens`` then lists its
     # drafted nodes in node order and ``probs`` is unused (the tree holds its draft distributions)
     tree: TokenTree | None = None

@@ -96,6 +96,7 @@ class CascadeDraftProposer(DraftModelProposer):
             l.catch_up += (time.perf_counter() - t0) / len(backlog)
             l.catch_up_tokens += len(l.pending)
         at = 0
+        before = {id(l): len(l.drafted) for l in backlog}
         for l, g in zip(lanes, guesses):
             l.pos += len(l.pending)
             kept = 0
@@ -111,6 +112,8 @@ class CascadeDraftProposer(DraftModelProposer):
             if kept < len(g):
                 self.cache.truncate(l.slot, l.pos)
             l.pending = [l.drafted[-1]]
+        for l in backlog:
+            l.catch_up_drafted += len(l.drafted) - before[id(l)]
         return True
 
     def _row_heads(self, seq_ids: list[int]):

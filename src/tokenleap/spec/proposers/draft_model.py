@@ -76,6 +76,7 @@ class _Lane(DraftingLane):
     probs: list[torch.Tensor] = field(default_factory=list)  # each [1, vocab]
     catch_up: float = 0.0
     catch_up_tokens: int = 0
+    catch_up_drafted: int = 0  # drafted by forwards that fed a backlog
     failed: bool = False
     pushed: int = 0  # drafted tokens the request's grammar followed (undone after drafting)
 
@@ -154,7 +155,7 @@ class DraftModelProposer:
             if not l.failed:
                 self._fed[l.req.seq_id] = l.pos  # the last drafted token is not fed yet
                 out[l.index] = Draft(tokens=l.drafted, probs=l.q(), catch_up_seconds=l.catch_up,
-                                     catch_up_tokens=l.catch_up_tokens)
+                                     catch_up_tokens=l.catch_up_tokens, catch_up_drafted=l.catch_up_drafted)
         return out
 
     def _draft_position(self, lanes: list["_Lane"]) -> bool:
@@ -179,6 +180,8 @@ class DraftModelProposer:
         for j, l in enumerate(lanes):
             l.pos += len(l.pending)
             l.pending = [l.take(logits[j : j + 1], l.pos)]
+        for l in backlog:
+            l.catch_up_drafted += 1
         return True
 
     def _catch_up_chunk(self, seq_id: int, tokens: list[int], pos: int) -> Draft:
