@@ -20,7 +20,9 @@ on more than two plain steps' worth of time and (for one sequence) more than ``e
 the time decoded plainly since the last draft. For one sequence a probe is also made, whatever the
 figures predict, once its extra cost over a plain step fits that share: figures measured at a bad
 moment (a draft cost timed through a stall) cannot lock speculation out, and exploring costs at most
-that share where speculation truly does not pay.
+that share where speculation truly does not pay. A probe that first catches the draft up still
+times the tokens drafted after the catch-up's forward (``observe_draft_after_catch_up``): plain
+steps never time the draft, so probes are what re-measure its cost.
 While drafting, every ``probe_every`` steps it tries one step with k - 1 or k + 1 (alternately),
 so the neighbours' costs stay measured and an early noisy figure cannot pin k.
 
