@@ -55,7 +55,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16")
-    p.add_argument("--quant", default="none", help="weight-only quantization: none, int8, int4")
+    p.add_argument("--quant", default="none", help="quantization: none, int8, int4 (weight-only), w8a8 (int8 weights and activations; AMX-INT8 CPUs)")
     p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "auto"], default="none",
                    help="speculative method; auto: per request and step, the proposer that pays (n-gram, the "
                         "draft model -- without --draft-model an installed catalog draft of the target's "

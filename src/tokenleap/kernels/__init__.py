@@ -38,7 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_AMX_SOURCES = [_DIR / "amx.cpp", _DIR / "amx_int.cpp", _DIR / "vnni.cpp"]  # ISA extensions; stubbed by amx_stub.cpp
+_AMX_SOURCES = [_DIR / "amx.cpp", _DIR / "amx_int.cpp", _DIR / "vnni.cpp", _DIR / "w8a8.cpp"]  # ISA extensions; stubbed by amx_stub.cpp
 _SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp",
             _DIR / "tree.cpp", *_AMX_SOURCES]
 _AVX2_ONLY = [p for p in _SOURCES if p not in _AMX_SOURCES] + [_DIR / "amx_stub.cpp"]
@@ -166,6 +166,13 @@ def amx_available() -> bool:
     if "amx" not in _state:
         _state["amx"] = available() and _tiles_granted("amx_bf16")
     return bool(_state["amx"])
+
+
+def w8a8_available() -> bool:
+    """True where W8A8 products (``w8a8.cpp``, ``models/w8a8.py``) can run on AMX-INT8 tiles."""
+    if "w8a8" not in _state:
+        _state["w8a8"] = available() and _tiles_granted("amx_int8") and hasattr(torch.ops.tokenleap, "w8a8_linear")
+    return bool(_state["w8a8"])
 
 
 # int4 / int6 products of at least this many rows run on AMX-INT8 tiles where the CPU has them
@@ -399,7 +406,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "amx_available", "set_amx_int8_rows", "vnni_supported", "set_vnni", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "amx_available", "w8a8_available", "set_amx_int8_rows", "vnni_supported", "set_vnni", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
 
 

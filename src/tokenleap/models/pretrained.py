@@ -16,7 +16,7 @@ from tokenleap.models.checkpoint import as_dtype, load_checkpoint
 from tokenleap.models.transformer import Transformer
 from tokenleap.text.tokenizer import Tokenizer
 
-QUANT_MODES = ("none", "int8", "int4")
+QUANT_MODES = ("none", "int8", "int4", "w8a8")
 
 
 @dataclass
@@ -27,6 +27,19 @@ class LoadedModel:
     quant: str
     source: str
     gguf_path: Path | None
+
+
+def _quantize_w8a8(model: Transformer, tokenizer_dir: Path) -> None:
+    """W8A8 (models/w8a8.py): input maxima from a calibration forward of the float model, then
+    int8 weights smoothed by them. Refused where the AMX-INT8 tiles are missing: the torch path
+    computes the same values but far slower than int8 or int4 there."""
+    from tokenleap.models.quant import quantize_
+    from tokenleap.models.w8a8 import CALIBRATION_TEXT, activation_maxima
+    if not kernels.w8a8_available():
+        raise ConfigError("--quant w8a8 needs AMX-INT8 tiles (an Intel Xeon since Sapphire Rapids) and tokenleap's "
+                          "compiled kernels; this machine has none: use --quant int4 or int8")
+    tokens = Tokenizer.from_dir(tokenizer_dir).encode(CALIBRATION_TEXT)
+    quantize_(model, "w8a8", act_max=activation_maxima(model, tokens))
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,6 +82,8 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
         # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other
         from tokenleap.models.quant import quantize_from_gguf_
         quantize_from_gguf_(model, ckpt.gguf_path, other=gguf_other)
+    elif quant == "w8a8":
+        _quantize_w8a8(model, ckpt.tokenizer_dir)
     elif quant != "none":
         from tokenleap.models.quant import quantize_
         quantize_(model, quant)

@@ -16,6 +16,7 @@ from tokenleap.models.linear import Linear
 from tokenleap.models.qlinear import (GEMM_MIN_ROWS, INT4_GROUP_SIZES, QUANT_MODES, Int4Linear, Int8Linear, QuantLinear,
                       _check_compute_dtype, int4_from_gguf_q4, int4_unsupported_reason)
 from tokenleap.models.int6 import Int6Linear, int6_unsupported_reason
+from tokenleap.models.w8a8 import W8A8Linear, smoothing, w8a8_block
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,35 @@ def _float_linears(model: nn.Module, skip_lm_head: bool) -> list[tuple[nn.Module
     return out
 
 
-def _quantize_one(lin: Linear, mode: str, group_size: int, compute_dtype: torch.dtype) -> tuple[nn.Module | None, str]:
+_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # projections sharing one input
+
+
+def _w8a8_smoothing(model: nn.Module, act_max: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Each float Linear's W8A8 smoothing vector, shared by the projections of one input (so they
+    can be joined): by module name."""
+    out: dict[str, torch.Tensor] = {}
+    act_max = act_max or {}
+    for parent_name, parent in model.named_modules():
+        prefix = f"{parent_name}." if parent_name else ""
+        grouped = set()
+        for group in _INPUT_GROUPS:
+            parts = [getattr(parent, n, None) for n in group]
+            if all(isinstance(p, Linear) for p in parts):
+                s = smoothing([p.weight for p in parts], act_max.get(prefix + group[0]))
+                out.update({prefix + n: s for n in group})
+                grouped.update(group)
+        for attr, child in parent.named_children():
+            if isinstance(child, Linear) and attr not in grouped:
+                out[prefix + attr] = smoothing([child.weight], act_max.get(prefix + attr))
+    return out
+
+
+def _quantize_one(lin: Linear, mode: str, group_size: int, compute_dtype: torch.dtype,
+                  smooth: torch.Tensor | None = None) -> tuple[nn.Module | None, str]:
+    if mode == "w8a8":
+        if w8a8_block(lin.in_features) is None:
+            return None, f"W8A8 kernel: in_features {lin.in_features} is not a multiple of 64"
+        return W8A8Linear.from_float(lin.weight, lin.bias, smooth if smooth is not None else torch.ones(lin.in_features)), ""
     if mode == "int8":
         return Int8Linear.from_float(lin.weight, lin.bias, compute_dtype), ""
     reason = int4_unsupported_reason(lin.out_features, lin.in_features, group_size)
@@ -83,10 +112,12 @@ def _check_mode(mode: str, what: str = "quantization mode") -> None:
 
 
 def quantize_(model: nn.Module, mode: str, skip_lm_head: bool = False, group_size: int = 32,
-              compute_dtype: torch.dtype = torch.bfloat16) -> QuantReport:
+              compute_dtype: torch.dtype = torch.bfloat16,
+              act_max: dict[str, torch.Tensor] | None = None) -> QuantReport:
     """Replace every float ``Linear`` of ``model`` (q/k/v/o, MLP, lm_head unless skipped) in place.
 
-    mode: "none" | "int8" | "int4". Embeddings stay float; with tied embeddings a quantized lm_head
+    mode: "none" | "int8" | "int4" | "w8a8" (``act_max``: each Linear's input maxima by name, from
+    ``w8a8.activation_maxima``, for its smoothing). Embeddings stay float; with tied embeddings a quantized lm_head
     gets its own int copy (faster logits, the float embedding is still needed for lookups).
     Layers the int4 kernel cannot take stay float; the report lists them with the reason.
     """
@@ -97,8 +128,9 @@ def quantize_(model: nn.Module, mode: str, skip_lm_head: bool = False, group_siz
     before = weight_bytes(model)
     done, kept = [], []
     if mode != "none":
+        smooth = _w8a8_smoothing(model, act_max) if mode == "w8a8" else {}
         for parent, attr, name, lin in _float_linears(model, skip_lm_head):
-            new, reason = _quantize_one(lin, mode, group_size, compute_dtype)
+            new, reason = _quantize_one(lin, mode, group_size, compute_dtype, smooth.get(name))
             if new is None:
                 kept.append((name, reason))
                 continue
@@ -122,7 +154,8 @@ def fuse_projections_(model: nn.Module) -> int:
         for names, target in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "gate_up")):
             if hasattr(m, target) and getattr(m, target) is None and all(hasattr(m, n) for n in names):
                 parts = [getattr(m, n) for n in names]
-                fused = Int8Linear.concat(parts) or Int4Linear.concat(parts) or Linear.concat(parts)
+                fused = (Int8Linear.concat(parts) or Int4Linear.concat(parts) or W8A8Linear.concat(parts)
+                         or Linear.concat(parts))
                 if fused is not None:
                     setattr(m, target, fused)
                     for n in names:
