@@ -4,6 +4,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace tokenleap_amx {
@@ -58,5 +59,20 @@ class SavedTileConfig {
  private:
   TileConfig saved_;
 };
+
+// Runs pass(j, m0, rows) for column pairs [j0, j1) and every 16 rows, configuring the tiles by
+// configure(rows) when the row count changes; the thread's configuration is kept (SavedTileConfig).
+template <typename Configure, typename Pass>
+__attribute__((target("amx-tile"))) void column_pairs(int64_t M, int64_t j0, int64_t j1, Configure configure,
+                                                       Pass pass) {
+  SavedTileConfig keep;
+  int cfg = -1;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
+      if (mr != cfg) configure(mr), cfg = mr;
+      pass(j, m0, mr);
+    }
+}
 
 }  // namespace tokenleap_amx

@@ -40,20 +40,6 @@ TL_AMX8 void configure_sets(int rows, int k_bytes) {
   TL_LOAD_TILE_CONFIG(c);
 }
 
-// Runs pass(j, m0, rows) for column pairs [j0, j1) and every 16 rows, configuring the tiles by
-// configure(rows) when the row count changes; the thread's configuration is kept (SavedTileConfig).
-template <typename Configure, typename Pass>
-TL_AMX8 void column_pairs(int64_t M, int64_t j0, int64_t j1, Configure configure, Pass pass) {
-  tokenleap_amx::SavedTileConfig keep;
-  int cfg = -1;
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
-      if (mr != cfg) configure(mr), cfg = mr;
-      pass(j, m0, mr);
-    }
-}
-
 // ---- int4 (W4A8) -------------------------------------------------------------------------
 // The same operands as int4.cpp's AVX2 kernel (its packed layout, its int8 activations, scales and
 // group sums) and the same values: TDPBSUD forms each 32-input group's integer dot product exactly
@@ -266,7 +252,7 @@ void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t
   static constexpr auto passes = int4_passes(std::make_integer_sequence<int, 16>{});
   const int64_t G = K / 32;
   at::parallel_for(0, N / 16, 4, [&](int64_t j0, int64_t j1) {
-    column_pairs(M, j0, j1, configure_int4, [&](int64_t j, int64_t m0, int mr) {
+    tokenleap_amx::column_pairs(M, j0, j1, configure_int4, [&](int64_t j, int64_t m0, int mr) {
       passes[mr - 1](xq + m0 * K, a + m0 * G, as + m0 * G, K, packed + 2 * j * K * 4, sm + 2 * j * G * 16,
                      y + m0 * N + j * 16, N);
     });
@@ -278,7 +264,7 @@ void int6_amx_product(const int8_t* xq, const float* a, const int32_t* sum16, in
   static constexpr auto passes = int6_passes(std::make_integer_sequence<int, 16>{});
   const int64_t G = K / 32, block = G * kInt6GroupBytes, dblock = K / 256 * 8;
   at::parallel_for(0, N / 16, 4, [&](int64_t j0, int64_t j1) {
-    column_pairs(M, j0, j1, configure_int6, [&](int64_t j, int64_t m0, int mr) {
+    tokenleap_amx::column_pairs(M, j0, j1, configure_int6, [&](int64_t j, int64_t m0, int mr) {
       const uint8_t* w0 = packed + 2 * j * block;
       const float* d0 = d + 2 * j * dblock;
       passes[mr - 1](xq + m0 * K, a + m0 * G, sum16 + m0 * 2 * G, K, w0, w0 + block, d0, d0 + dblock,

@@ -145,14 +145,9 @@ TL_W8A8 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, co
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / 32, 4, [&](int64_t j0, int64_t j1) {
-    tokenleap_amx::SavedTileConfig keep;
-    int cfg = -1;
-    for (int64_t j = j0; j < j1; ++j)
-      for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
-        if (mr != cfg) configure(mr), cfg = mr;
-        kPasses[mr - 1](xp + m0 * K, dp + m0 * nb, K, block, wp + j * 32 * K, sp + j * 32, yp + m0 * N + j * 32, N);
-      }
+    tokenleap_amx::column_pairs(M, j0, j1, configure, [&](int64_t j, int64_t m0, int mr) {
+      kPasses[mr - 1](xp + m0 * K, dp + m0 * nb, K, block, wp + j * 32 * K, sp + j * 32, yp + m0 * N + j * 32, N);
+    });
   });
   return y;
 }
