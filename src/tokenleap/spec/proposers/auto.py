@@ -22,6 +22,7 @@ from dataclasses import replace
 from tokenleap.spec.bandit import Bandit, BanditConfig, Choice, SeqBandit
 from tokenleap.spec.controller import DraftLengthController
 from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer
+from tokenleap.spec.report import DraftWork
 
 
 class AutoProposer:
@@ -208,10 +209,10 @@ class AutoProposer:
         drafted = sum(len(d.tokens) for d in got if d is not None)
         if drafted and not catch_up:  # a forward that also fed a backlog is counted as catch-up whole
             self.bandit.observe_draft(name, drafted, seconds, batch=len(reqs))
-        elif len(reqs) == 1 and got[0] is not None:  # the tokens drafted after the catch-up (a probe's)
-            rest = drafted - got[0].catch_up_drafted
-            if got[0].catch_up_drafted > 0 and rest > 0:
-                self.bandit.observe_draft(name, rest, seconds - catch_up, batch=1)
+        elif drafted:  # the tokens drafted after the catch-up's forwards (a probe's), by the controller's rule
+            caught = sum(d.catch_up_drafted for d in got if d is not None)
+            self.bandit.arms[name].costs.observe_draft_after_catch_up(
+                DraftWork(drafted, 0, len(reqs), seconds - catch_up, 0, catch_up, caught))
         return [replace(d, proposer=name) if d is not None else None for d in got]
 
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
