@@ -29,7 +29,7 @@ class LoadedModel:
     gguf_path: Path | None
 
 
-def _quantize_w8a8(model: Transformer, tokenizer_dir: Path) -> None:
+def _quantize_w8a8(model: Transformer, tokenizer: Tokenizer) -> None:
     """W8A8 (models/w8a8.py): input maxima from a calibration forward of the float model, then
     int8 weights smoothed by them. Refused where the AMX-INT8 tiles are missing: the torch path
     computes the same values but far slower than int8 or int4 there."""
@@ -38,7 +38,7 @@ def _quantize_w8a8(model: Transformer, tokenizer_dir: Path) -> None:
     if not kernels.w8a8_available():
         raise ConfigError("--quant w8a8 needs AMX-INT8 tiles (an Intel Xeon since Sapphire Rapids) and tokenleap's "
                           "compiled kernels; this machine has none: use --quant int4 or int8")
-    tokens = Tokenizer.from_dir(tokenizer_dir).encode(CALIBRATION_TEXT)
+    tokens = tokenizer.encode(CALIBRATION_TEXT)
     quantize_(model, "w8a8", act_max=activation_maxima(model, tokens))
 
 
@@ -78,12 +78,13 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     dt = resolve_dtype(dtype)
     ckpt = load_checkpoint(str(name_or_path), dt, Path(cache_dir) if cache_dir else None)
     model = build_transformer(ckpt.config, ckpt.weights, dt)
+    tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
     if quant == "int4" and ckpt.gguf_path is not None:
         # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other
         from tokenleap.models.quant import quantize_from_gguf_
         quantize_from_gguf_(model, ckpt.gguf_path, other=gguf_other)
     elif quant == "w8a8":
-        _quantize_w8a8(model, ckpt.tokenizer_dir)
+        _quantize_w8a8(model, tokenizer)
     elif quant != "none":
         from tokenleap.models.quant import quantize_
         quantize_(model, quant)
@@ -104,5 +105,4 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
         pack_bf16_weights_(model)  # one copy of each bf16 weight matrix, in the kernel's layout
     move_weights_(model)  # the buffers every decode step streams, on transparent huge pages
     model.backend  # noqa: B018 -- each layer's path chosen now, for the modules as loaded (backend.py)
-    tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
     return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)
