@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenleap import kernels
 from tokenleap.cache.contiguous import CacheFullError, KVCache
 from tokenleap.models.backend import Backend
 from tokenleap.models.build import float32_activations_
@@ -65,8 +66,10 @@ def _run(model, cache=None):
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("mode,join", [("int4", True), ("int4", False), ("int8", True), ("mixed", True),
-                                       ("bf16", False), ("bf16", True)])
+                                       ("bf16", False), ("bf16", True), ("w8a8", True), ("w8a8", False)])
 def test_fused_layers_bitwise_equal_python_layers(arch, mode, join):
+    if mode == "w8a8" and not kernels.w8a8_available():
+        pytest.skip("W8A8 products need AMX-INT8 tiles")
     model = _model(arch, mode, join)
     assert all(layer_plan(b) is not None for b in model.model.layers)
     ref, ref_cache = _steps(model, fused=False)
@@ -118,13 +121,15 @@ def test_fused_step_past_the_cache_raises_cache_full():
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_size", [16, 5])
-def test_fused_layers_on_a_paged_cache_equal_the_contiguous_cache(block_size):
+@pytest.mark.parametrize("block_size,mode", [(16, "mixed"), (5, "mixed"), (5, "w8a8")])
+def test_fused_layers_on_a_paged_cache_equal_the_contiguous_cache(block_size, mode):
     """The paged path (keys / values addressed through block tables) gives bitwise the logits of
     the contiguous cache, with several sequences, including across block boundaries."""
     from tokenleap.cache.paged import PagedKVCache
 
-    model = _model("qwen2", "mixed", True)
+    if mode == "w8a8" and not kernels.w8a8_available():
+        pytest.skip("W8A8 products need AMX-INT8 tiles")
+    model = _model("qwen2", mode, True)
     ref, _ = _steps(model, fused=False)
     cache = PagedKVCache(model.config, num_blocks=40, max_len=64, dtype=torch.float32, block_size=block_size)
     got, _ = _steps(model, fused=True, cache=cache)

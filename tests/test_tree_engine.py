@@ -1,5 +1,5 @@
 """Token trees through the model and the engine: a node's logits are bitwise those of plain decoding
-of its own prefix (contiguous and paged caches, float32 / int8 / int4 / bf16 weights, next to
+of its own prefix (contiguous and paged caches, float32 / int8 / int4 / bf16 / W8A8 weights, next to
 other sequences), the accepted path is compacted into the cache, and tree speculation gives the
 tokens of plain decoding (greedy and seeded, with penalties and min_tokens)."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenleap import kernels
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import SamplingParams
 from tokenleap.spec.controller import ControllerConfig
@@ -28,7 +29,7 @@ TREE = TokenTree(torch.tensor([30, 31, 32, 33, 34, 35, 36, 37]), torch.tensor([-
 
 def _model(kind: str):
     m = tiny_model("qwen2", seed=3, vocab=VOCAB, hidden=64, intermediate=128, layers=2)
-    if kind in ("int8", "int4"):
+    if kind in ("int8", "int4", "w8a8"):
         quantize_(m, kind)
     elif kind == "bf16":
         m = tiny_model("qwen2", seed=3, vocab=VOCAB, hidden=64, intermediate=128, layers=2, dtype=torch.bfloat16)
@@ -52,9 +53,11 @@ def _plain_logits(model, cache, prompt: list[int], tail: list[int]) -> torch.Ten
     return out
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8", "int4", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4", "bf16", "w8a8"])
 @pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
 def test_tree_rows_are_bitwise_plain_decoding(weights, cache_kind):
+    if weights == "w8a8" and not kernels.w8a8_available():
+        pytest.skip("W8A8 products need AMX-INT8 tiles")
     model = _model(weights)
     cache = _cache(model, cache_kind)
     a, b = cache.allocate(), cache.allocate()

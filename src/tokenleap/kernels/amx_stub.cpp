@@ -1,4 +1,4 @@
-// Stand-ins for amx.cpp, amx_int.cpp and vnni.cpp in a build without them (a compiler that
+// Stand-ins for amx.cpp, amx_int.cpp, vnni.cpp and w8a8.cpp in a build without them (a compiler that
 // cannot compile AMX or AVX-512 intrinsics): the same symbols and ops, reporting that no tile may
 // run, so the AVX2 kernels take every product. kernels/__init__.py builds with this file only when the AMX files fail.
 #include <torch/library.h>
@@ -21,6 +21,10 @@ void int4_amx_product(const int8_t*, const float*, const float*, int64_t, int64_
 void int6_amx_product(const int8_t*, const float*, const int32_t*, int64_t, int64_t, const uint8_t*,
                       const float*, float*, int64_t) {
   TORCH_CHECK(false, "int6 AMX product: tokenleap's kernels were built without AMX");
+}
+
+at::Tensor w8a8_product(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "w8a8 product: tokenleap's kernels were built without AMX");
 }
 
 bool vnni_takes() { return false; }

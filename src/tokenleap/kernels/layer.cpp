@@ -16,19 +16,30 @@
 
 namespace {
 
-constexpr int64_t kInt4 = 4, kInt6 = 6, kInt8 = 8, kBf16 = 16;
+constexpr int64_t kInt4 = 4, kInt6 = 6, kInt8 = 8, kBf16 = 16, kW8A8 = 88;
 
-// One weight product: kind (kInt4 / kInt6 / kInt8 / kBf16), its true output size, its tensors.
+// One weight product: kind (kInt4 / kInt6 / kInt8 / kBf16 / kW8A8), its true output size, a
+// parameter (W8A8: the activation block; else 0), its tensors. W8A8's scales tensor holds the
+// per-output scales [N padded to 32] followed by the inverse smoothing [K].
 struct Product {
-  int64_t kind, out;
+  int64_t kind, out, param;
   at::Tensor packed, scales;
   c10::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const {  // x float32 [M, K] -> [M, out]
     if (kind == kInt4) return tokenleap_ops::int4_product(x, packed, scales, bias);
     if (kind == kInt6) return tokenleap_ops::int6_product(x, packed, scales, bias);
-    at::Tensor y = kind == kBf16 ? tokenleap_ops::bf16_product(x, packed, scales)   // [M, out]
-                                 : tokenleap_ops::int8_product(x, packed, scales);  // [M, out padded to 8]
+    at::Tensor y;
+    if (kind == kW8A8) {
+      const int64_t n = packed.size(0) * 16, k = x.size(1);
+      TORCH_CHECK(scales.numel() == n + k, "decoder_layer: W8A8 scales must hold ", n, " scales and ", k,
+                  " smoothing factors");
+      // [M, out padded to 32]
+      y = tokenleap_ops::w8a8_product(x, packed, scales.narrow(0, 0, n), scales.narrow(0, n, k), param);
+    } else {
+      y = kind == kBf16 ? tokenleap_ops::bf16_product(x, packed, scales)   // [M, out]
+                        : tokenleap_ops::int8_product(x, packed, scales);  // [M, out padded to 8]
+    }
     if (y.size(1) != out) y = y.narrow(1, 0, out);
     if (bias.has_value()) y = y + *bias;  // as Int8Linear / Linear: the bias added after the product
     return y;
@@ -46,7 +57,7 @@ at::Tensor side_by_side(const std::vector<Product>& ps, const at::Tensor& x) {
 // x float32 [M, hidden]; weights: input and post-attention norm weights, then for every product
 // (packed, scales, bias or None); ints: n_heads, n_kv, head_dim, the number of attention input
 // products (1: joined q/k/v, 3: separate), the number of MLP input products (1 or 2), then
-// (kind, out) per product: attention inputs, o, MLP inputs, down. k_cache / v_cache: this layer's
+// (kind, out, param) per product: attention inputs, o, MLP inputs, down. k_cache / v_cache: this layer's
 // stores, either contiguous [slots, n_kv, max_len, head_dim] or paged [n_kv, blocks, block_size,
 // head_dim]; segments: (slot, pos0, length, row_start) per sequence; tables (paged only): each
 // segment's block table covering positions 0 .. pos0+length-1, one after another; scale: the
@@ -61,9 +72,9 @@ at::Tensor layer_impl(const at::Tensor& x, const std::vector<c10::optional<at::T
   TORCH_CHECK(ints.size() >= 5, "decoder_layer: ints");
   const int64_t H = ints[0], nkv = ints[1], hd = ints[2], n_attn = ints[3], n_mlp = ints[4];
   const int64_t n_products = n_attn + 1 + n_mlp + 1;
-  TORCH_CHECK(static_cast<int64_t>(ints.size()) == 5 + 2 * n_products &&
+  TORCH_CHECK(static_cast<int64_t>(ints.size()) == 5 + 3 * n_products &&
                   static_cast<int64_t>(weights.size()) == 2 + 3 * n_products,
-              "decoder_layer: ", n_products, " products need ", 5 + 2 * n_products, " ints and ",
+              "decoder_layer: ", n_products, " products need ", 5 + 3 * n_products, " ints and ",
               2 + 3 * n_products, " weights");
   TORCH_CHECK(segments.size() % 4 == 0 && !segments.empty(), "decoder_layer: segments are (slot, pos0, length, row_start)");
   std::vector<Product> products;
@@ -71,9 +82,10 @@ at::Tensor layer_impl(const at::Tensor& x, const std::vector<c10::optional<at::T
     const auto& packed = weights[2 + 3 * i];
     const auto& scales = weights[3 + 3 * i];
     TORCH_CHECK(packed.has_value() && scales.has_value(), "decoder_layer: product ", i, " has no weights");
-    const int64_t kind = ints[5 + 2 * i];
-    TORCH_CHECK(kind == kInt4 || kind == kInt6 || kind == kInt8 || kind == kBf16, "decoder_layer: product kind");
-    products.push_back({ints[5 + 2 * i], ints[6 + 2 * i], *packed, *scales, weights[4 + 3 * i]});
+    const int64_t kind = ints[5 + 3 * i];
+    TORCH_CHECK(kind == kInt4 || kind == kInt6 || kind == kInt8 || kind == kBf16 || kind == kW8A8,
+                "decoder_layer: product kind");
+    products.push_back({kind, ints[6 + 3 * i], ints[7 + 3 * i], *packed, *scales, weights[4 + 3 * i]});
   }
   const std::vector<Product> attn_in(products.begin(), products.begin() + n_attn);
   const Product& o_proj = products[n_attn];

@@ -23,6 +23,10 @@ void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t
 void int6_amx_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
                       const uint8_t* packed, const float* d, float* y, int64_t N);
 
+// w8a8.cpp: W8A8 products on AMX-INT8 tiles (models/w8a8.py); x float32 [M, K] -> [M, N]
+at::Tensor w8a8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                        const at::Tensor& inv_smooth, int64_t block);
+
 // vnni.cpp: int4.cpp's and int6.cpp's products on AVX-512 VNNI register tiles (their operands,
 // bitwise their results); vnni_takes: the CPU has VNNI and the tiles are turned on (op vnni)
 bool vnni_takes();

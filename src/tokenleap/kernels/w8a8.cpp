@@ -113,10 +113,14 @@ constexpr std::array<Pass, sizeof...(R)> passes(std::integer_sequence<int, R...>
 }
 constexpr auto kPasses = passes(std::make_integer_sequence<int, 16>{});
 
+}  // namespace
+
+namespace tokenleap_ops {
+
 // x float32 [M, K], packed int8 [N/16, K/64, 16, 16, 4] (N a multiple of 32), scale float32 [N],
 // inv_smooth float32 [K] -> float32 [M, N].
-TL_W8A8 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                               const at::Tensor& inv_smooth, int64_t block) {
+TL_W8A8 at::Tensor w8a8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                const at::Tensor& inv_smooth, int64_t block) {
   TORCH_CHECK(tokenleap_amx::permitted(), "w8a8_linear: AMX tiles are not available to this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "w8a8_linear: x must be float32 [M, K]");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
@@ -152,6 +156,13 @@ TL_W8A8 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, co
   return y;
 }
 
+}  // namespace tokenleap_ops
+
+namespace {
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& inv_smooth, int64_t block) {
+  return tokenleap_ops::w8a8_product(x, packed, scale, inv_smooth, block);
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenleap, m) {

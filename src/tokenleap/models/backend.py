@@ -71,7 +71,7 @@ def choose_backend(model: Any, generation: int) -> ModelBackend:
       - ``model.use_fused_layers`` (tests turn it off to compare with the Python layers);
       - the plain Llama layer (``Block.plain``): the kernel has no q/k norms, pre/post norms, GeGLU
         or other attention scale;
-      - a plan (``fused_layer.layer_plan``): every product on tokenleap's int4 / int6 / int8 / bf16
+      - a plan (``fused_layer.layer_plan``): every product on tokenleap's int4 / int6 / int8 / bf16 / W8A8
         kernels (a float32 ``Linear``'s rows are torch GEMVs the kernel does not reproduce), float32
         norms of one eps, an MLP width the SiLU kernel takes.
     ``generation``: ``changes.generation()`` read before looking at the modules, so a change made

@@ -2,7 +2,7 @@
 
 A decode step of a small model spends a large share of its time in Python -- module calls, a dozen
 small ops a layer -- rather than in the products (about a third of a 0.5B draft's step). When a
-layer's products all run on tokenleap's int4 / int6 / int8 / bf16 kernels and the model and its KV cache
+layer's products all run on tokenleap's int4 / int6 / int8 / bf16 / W8A8 kernels and the model and its KV cache
 (contiguous or paged) are float32, ``Transformer.forward`` hands each layer to ``kernels.decoder_layer``
 instead: the same kernels in the same order, so the result is bitwise the Python layer's.
 Plans are built when the model chooses its backend (``backend.py``), again after any change to its
@@ -19,14 +19,15 @@ from tokenleap import kernels
 from tokenleap.models.int6 import Int6Linear
 from tokenleap.models.linear import Linear
 from tokenleap.models.qlinear import Int4Linear, Int8Linear
+from tokenleap.models.w8a8 import W8A8Linear
 
-_INT4, _INT6, _INT8, _BF16 = 4, 6, 8, 16
+_INT4, _INT6, _INT8, _BF16, _W8A8 = 4, 6, 8, 16, 88
 
 
 @dataclass(frozen=True)
 class LayerPlan:
     weights: tuple[torch.Tensor | None, ...]  # norms, then (packed, scales, bias) per product
-    ints: tuple[int, ...]  # heads, kv heads, head dim, #attention inputs, #MLP inputs, (kind, out) per product
+    ints: tuple[int, ...]  # heads, kv heads, head dim, #attention inputs, #MLP inputs, (kind, out, param) per product
     eps: float
     scale: float  # the attention's softmax scale
 
@@ -37,13 +38,16 @@ def _product(lin: nn.Module | None) -> tuple[list, list[int]] | None:
     if bias is not None and bias.dtype != torch.float32:
         return None
     if isinstance(lin, Int4Linear) and lin.use_kernel:
-        return [lin.packed, lin.scales_and_mins, bias], [_INT4, lin.out_features]
+        return [lin.packed, lin.scales_and_mins, bias], [_INT4, lin.out_features, 0]
     if isinstance(lin, Int6Linear):
-        return [lin.packed, lin.d, bias], [_INT6, lin.out_features]
+        return [lin.packed, lin.d, bias], [_INT6, lin.out_features, 0]
     if isinstance(lin, Int8Linear) and lin.use_kernel:
-        return [lin.packed, lin.scales, bias], [_INT8, lin.out_features]
+        return [lin.packed, lin.scales, bias], [_INT8, lin.out_features, 0]
+    if isinstance(lin, W8A8Linear) and lin.use_kernel:
+        # the kernel reads the per-output scales, then the inverse smoothing, from one tensor
+        return [lin.packed, torch.cat([lin.scale, lin.inv_smooth]), bias], [_W8A8, lin.out_features, lin.block]
     if isinstance(lin, Linear) and lin.weight.dtype == torch.bfloat16 and lin._bf16_kernel():
-        return [lin.__dict__["_packed"], kernels.unit_scale(lin.out_features), bias], [_BF16, lin.out_features]
+        return [lin.__dict__["_packed"], kernels.unit_scale(lin.out_features), bias], [_BF16, lin.out_features, 0]
     return None
 
 
