@@ -12,7 +12,8 @@ from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.models.quant import fuse_projections_, quantize_
 from tokenleap.models.transformer import Segment
-from tokenleap.models.w8a8 import W8A8Linear, activation_maxima, smoothing, w8a8_reference
+from tokenleap.models.calibration import activation_maxima
+from tokenleap.models.w8a8 import W8A8Linear, smoothing, w8a8_reference
 
 from conftest import assert_block_rows_equal_steps, tiny_model
 
@@ -134,9 +135,9 @@ def test_load_refuses_w8a8_without_the_tiles(smollm2_gguf, tmp_path, monkeypatch
 
 
 @tiles
-def test_loaded_w8a8_model_decodes_like_its_float_model(smollm2_gguf, tmp_path):
+def test_loaded_w8a8_model_decodes_like_its_float_model(smollm2_gguf, tmp_path, monkeypatch):
     """A real model (SmolLM2-135M) loaded with --quant w8a8: calibrated, joined, on the tiles, and
-    greedy decoding starts as the bf16 model's does."""
+    greedy decoding starts as the bf16 model's does; loaded again, it reads its stored calibration."""
     from tokenleap.models import pretrained
     from tokenleap.spec.engine import Engine
     loaded = pretrained.load_model(smollm2_gguf, dtype="bfloat16", quant="w8a8", cache_dir=tmp_path)
@@ -150,4 +151,45 @@ def test_loaded_w8a8_model_decodes_like_its_float_model(smollm2_gguf, tmp_path):
     got = [s.generated for s, _ in Engine(loaded.model, loaded.tokenizer, max_len=64).generate(ids, params)][-1]
     want = [s.generated for s, _ in Engine(ref.model, ref.tokenizer, max_len=64).generate(ids, params)][-1]
     assert got[:4] == want[:4]
+    from tokenleap.models import calibration
+    monkeypatch.setattr(calibration, "activation_maxima", lambda *a: pytest.fail("the stored calibration was not read"))
+    again = pretrained.load_model(smollm2_gguf, dtype="bfloat16", quant="w8a8", cache_dir=tmp_path)
+    assert torch.equal(again.model.model.layers[0].mlp.down_proj.inv_smooth, layer.mlp.down_proj.inv_smooth)
 
+
+
+def test_calibration_is_measured_once_then_read_from_disk(tmp_path, monkeypatch):
+    """The first load measures the maxima and stores them; the next reads them (no forward) and
+    gets the same tensors; an unreadable file or one measured on another model is measured again."""
+    from tokenleap.models import calibration
+
+    model = tiny_model("qwen2", seed=4, **SHAPE)
+    tokens = list(range(3, 40))
+    path = calibration.maxima_path(tmp_path, "tiny-float32-none", tokens)
+    measured = []
+    real = calibration.activation_maxima
+    monkeypatch.setattr(calibration, "activation_maxima", lambda m, t: measured.append(1) or real(m, t))
+    first = calibration.stored_activation_maxima(model, tokens, path)
+    assert measured == [1] and path.is_file()
+    again = calibration.stored_activation_maxima(model, tokens, path)
+    assert measured == [1] and set(again) == set(first)
+    assert all(torch.equal(again[n], first[n]) for n in first)
+    assert calibration.maxima_path(tmp_path, "tiny-float32-none", tokens[1:]) != path  # another text, another file
+    path.write_bytes(b"not a safetensors file")
+    assert torch.equal(calibration.stored_activation_maxima(model, tokens, path)["lm_head"], first["lm_head"])
+    assert measured == [1, 1]
+    other = tiny_model("qwen2", seed=4, hidden=64, intermediate=256)  # other widths: the stored file does not fit
+    assert calibration.load_maxima(path, other) is None
+    calibration.stored_activation_maxima(other, tokens, path)
+    assert measured == [1, 1, 1] and calibration.load_maxima(path, model) is None
+
+
+def test_model_key_of_a_directory_follows_its_weight_files(tmp_path):
+    import os
+    from tokenleap.models.checkpoint import model_key
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    before = model_key(f"hf:{tmp_path}", None, torch.bfloat16, "none")
+    assert model_key(f"hf:{tmp_path}", None, torch.bfloat16, "none") == before
+    os.utime(tmp_path / "model.safetensors", ns=(1, 1))
+    assert model_key(f"hf:{tmp_path}", None, torch.bfloat16, "none") != before

@@ -98,6 +98,21 @@ def conversion_key(gguf_path: Path, dtype: torch.dtype) -> str:
     return f"{gguf_path.stem}-{str(dtype).removeprefix('torch.')}-{digest.hexdigest()[:16]}"
 
 
+def model_key(source: str, gguf_path: Path | None, dtype: torch.dtype, quant: str) -> str:
+    """A file stem naming a loaded model in per-model stores (calibrations): a GGUF's conversion
+    key (file stem, dtype, digest of the file) or, for a model directory, a digest of its path and
+    of its weight files' sizes and times (weights replaced in place make another key); plus the
+    quantization."""
+    if gguf_path is not None:
+        return f"{conversion_key(Path(gguf_path), dtype)}-{quant}"
+    path = Path(source.removeprefix("hf:")).expanduser().resolve()
+    h = hashlib.sha256(str(path).encode())
+    for f in sorted(path.glob("*.safetensors")) if path.is_dir() else ():
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return f"{path.name}-{str(dtype).removeprefix('torch.')}-{h.hexdigest()[:16]}-{quant}"
+
+
 def _is_complete(out: Path) -> bool:
     return all((out / n).is_file() for n in ("model.safetensors", hf.CONFIG_FILE, hf.TOKENIZER_FILE))
 

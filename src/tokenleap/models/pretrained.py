@@ -12,7 +12,7 @@ from tokenleap.config import ConfigError
 from tokenleap.models.build import build_transformer, float32_activations_, pack_bf16_weights_
 from tokenleap.models.changes import modules_changed
 from tokenleap.models.hugepages import move_weights_
-from tokenleap.models.checkpoint import as_dtype, load_checkpoint
+from tokenleap.models.checkpoint import Checkpoint, as_dtype, load_checkpoint
 from tokenleap.models.transformer import Transformer
 from tokenleap.text.tokenizer import Tokenizer
 
@@ -29,17 +29,21 @@ class LoadedModel:
     gguf_path: Path | None
 
 
-def _quantize_w8a8(model: Transformer, tokenizer: Tokenizer) -> None:
-    """W8A8 (models/w8a8.py): input maxima from a calibration forward of the float model, then
-    int8 weights smoothed by them. Refused where the AMX-INT8 tiles are missing: the torch path
-    computes the same values but far slower than int8 or int4 there."""
+def _quantize_w8a8(model: Transformer, tokenizer: Tokenizer, ckpt: Checkpoint, dtype: torch.dtype,
+                   cache_dir: Path | None) -> None:
+    """W8A8 (models/w8a8.py): input maxima from a calibration forward of the float model (stored
+    per model under the cache directory, so only the first load runs it), then int8 weights
+    smoothed by them. Refused where the AMX-INT8 tiles are missing: the torch path computes the
+    same values but far slower than int8 or int4 there."""
+    from tokenleap.models.calibration import CALIBRATION_TEXT, maxima_path, stored_activation_maxima
+    from tokenleap.models.checkpoint import model_key
     from tokenleap.models.quant import quantize_
-    from tokenleap.models.w8a8 import CALIBRATION_TEXT, activation_maxima
     if not kernels.w8a8_available():
         raise ConfigError("--quant w8a8 needs AMX-INT8 tiles (an Intel Xeon since Sapphire Rapids) and tokenleap's "
                           "compiled kernels; this machine has none: use --quant int4 or int8")
     tokens = tokenizer.encode(CALIBRATION_TEXT)
-    quantize_(model, "w8a8", act_max=activation_maxima(model, tokens))
+    path = maxima_path(cache_dir, model_key(ckpt.source, ckpt.gguf_path, dtype, "none"), tokens)
+    quantize_(model, "w8a8", act_max=stored_activation_maxima(model, tokens, path))
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,7 +88,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
         from tokenleap.models.quant import quantize_from_gguf_
         quantize_from_gguf_(model, ckpt.gguf_path, other=gguf_other)
     elif quant == "w8a8":
-        _quantize_w8a8(model, tokenizer)
+        _quantize_w8a8(model, tokenizer, ckpt, dt, Path(cache_dir) if cache_dir else None)
     elif quant != "none":
         from tokenleap.models.quant import quantize_
         quantize_(model, quant)

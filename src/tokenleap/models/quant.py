@@ -117,7 +117,7 @@ def quantize_(model: nn.Module, mode: str, skip_lm_head: bool = False, group_siz
     """Replace every float ``Linear`` of ``model`` (q/k/v/o, MLP, lm_head unless skipped) in place.
 
     mode: "none" | "int8" | "int4" | "w8a8" (``act_max``: each Linear's input maxima by name, from
-    ``w8a8.activation_maxima``, for its smoothing). Embeddings stay float; with tied embeddings a quantized lm_head
+    ``calibration.activation_maxima``, for its smoothing). Embeddings stay float; with tied embeddings a quantized lm_head
     gets its own int copy (faster logits, the float embedding is still needed for lookups).
     Layers the int4 kernel cannot take stay float; the report lists them with the reason.
     """

@@ -6,7 +6,7 @@ activations are first divided by a fixed smoothing vector ``s`` per input (the w
 ``q ~ W * s / scale``), then quantized to int8 per row and per block of ``block`` inputs
 (``d_b = max|x_b| / 127``, round half to even). The smoothing (SmoothQuant, alpha = 0.5) moves the
 range of Qwen's outlier channels into the weights: ``s_j = sqrt(max|x_j| / max|W_j|)``, with the
-activation maxima measured by a calibration forward (``activation_maxima``). Each row is
+activation maxima measured by a calibration forward (``calibration.activation_maxima``). Each row is
 quantized on its own and its integer sums are exact, so a row's output never depends on the other
 rows of the call: row-invariant, like every product tokenleap verifies with.
 
@@ -33,13 +33,23 @@ def w8a8_block(in_features: int) -> int | None:
     return next((b for b in W8A8_BLOCKS if in_features % b == 0), None)
 
 
+def _column_absmax(w: torch.Tensor, rows: int = 2048) -> torch.Tensor:
+    """max |w[:, j]| per column as float32, in w's own dtype and row chunks (|x| and max are exact
+    in any float format, so this equals the float32 computation without a float32 copy)."""
+    w = w.detach()
+    out = w[:rows].abs().amax(dim=0)
+    for r0 in range(rows, w.shape[0], rows):
+        out = torch.maximum(out, w[r0:r0 + rows].abs().amax(dim=0))
+    return out.float()
+
+
 def smoothing(weights: list[torch.Tensor], act_max: torch.Tensor | None) -> torch.Tensor:
     """s [in] for layers sharing one input (q/k/v, gate/up): sqrt(max|x_j| / max|W_j|) over all of
     them, so they can be joined; ones without activation maxima."""
     in_features = weights[0].shape[1]
     if act_max is None:
         return torch.ones(in_features)
-    w_max = torch.stack([w.detach().float().abs().amax(dim=0) for w in weights]).amax(dim=0)  # [in]
+    w_max = torch.stack([_column_absmax(w) for w in weights]).amax(dim=0)  # [in]
     a = act_max.float().clamp_min(_FLOOR) ** SMOOTH_ALPHA
     return (a / w_max.clamp_min(_FLOOR) ** (1 - SMOOTH_ALPHA)).clamp_min(_FLOOR)
 
@@ -102,11 +112,12 @@ class W8A8Linear(nn.Module):
         q = torch.empty(n, k, dtype=torch.int8)
         scale = torch.empty(n)
         s = smooth.float()
-        for r0 in range(0, n, 8192):  # chunks bound the float temporaries (an LM head: 151936 rows)
-            w = weight[r0:r0 + 8192].detach().float() * s  # [chunk, in]
-            sc = (w.abs().amax(dim=1) / 127).clamp_min(1e-10)
-            scale[r0:r0 + 8192] = sc
-            q[r0:r0 + 8192] = torch.round(w / sc[:, None]).clamp_(-127, 127)
+        for r0 in range(0, n, 1024):  # chunks bound the float temporaries (an LM head: 151936 rows)
+            w = weight[r0:r0 + 1024].detach().to(torch.float32, copy=True).mul_(s)  # [chunk, in]; never the weight itself
+            lo, hi = torch.aminmax(w, dim=1)
+            sc = (torch.maximum(-lo, hi) / 127).clamp_min(1e-10)  # max |w| per output
+            scale[r0:r0 + 1024] = sc
+            q[r0:r0 + 1024] = w.div_(sc[:, None]).round_().clamp_(-127, 127)
         return cls(q, scale, s, bias)
 
     @classmethod
@@ -147,88 +158,3 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         where = "AMX-INT8 tiles" if self.use_kernel else "torch reference"
         return f"in={self.in_features}, out={self.out_features}, block={self.block}, {where}"
-
-
-# What the calibration forward reads: code and prose of the kinds people ask a code model about,
-# written for this purpose (not drawn from any benchmark prompt set).
-CALIBRATION_TEXT = '''\
-You are a helpful assistant. Answer the question, then show the code.
-
-Question: how do I read a large CSV file in Python without loading it all into memory, and why
-would streaming be faster than reading it whole on a small machine?
-
-Reading a file row by row keeps only one row in memory at a time, so the program's footprint stays
-small whatever the size of the input. The csv module of the standard library does this:
-
-```python
-import csv
-from collections import Counter
-
-
-def count_by_column(path: str, column: str) -> Counter:
-    """Count the values of one column of a CSV file, one row at a time."""
-    counts: Counter = Counter()
-    with open(path, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            value = row.get(column)
-            if value is not None:
-                counts[value.strip().lower()] += 1
-    return counts
-
-
-if __name__ == "__main__":
-    for name, n in count_by_column("orders.csv", "country").most_common(10):
-        print(f"{name:20s} {n:8d}")
-```
-
-A few notes. Opening the file with newline="" lets the reader handle line breaks inside quoted
-fields. If the file is compressed, gzip.open(path, "rt") returns a text stream the reader accepts
-unchanged. For numeric work, pandas.read_csv(path, chunksize=100_000) yields data frames of that
-many rows, which you can aggregate and discard; the total memory is then one chunk, not the file.
-
-Now a JavaScript version of a debounce helper, and a short SQL query for comparison:
-
-function debounce(fn, wait) {
-  let timer = null;
-  return (...args) => {
-    clearTimeout(timer);
-    timer = setTimeout(() => fn(...args), wait);
-  };
-}
-
-SELECT customer_id, COUNT(*) AS orders, SUM(total) AS revenue
-FROM orders
-WHERE created_at >= DATE '2024-01-01'
-GROUP BY customer_id
-HAVING COUNT(*) > 3
-ORDER BY revenue DESC
-LIMIT 20;
-
-In short: stream the rows, keep running totals, and let the operating system's page cache do the
-rest. Measure before optimising further; the disk, not the parser, is usually the limit.
-'''
-
-
-@torch.inference_mode()
-def activation_maxima(model: nn.Module, tokens: list[int]) -> dict[str, torch.Tensor]:
-    """Per input channel, the largest |activation| each float ``Linear`` of ``model`` (a
-    ``transformer.Transformer``) sees over a forward of ``tokens``, by module name."""
-    from tokenleap.cache.contiguous import KVCache
-    from tokenleap.models.linear import Linear
-    from tokenleap.models.transformer import Segment
-
-    maxima: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear):
-            def record(_mod, args, name=name):
-                m = args[0].detach().reshape(-1, args[0].shape[-1]).float().abs().amax(dim=0)  # [in]
-                maxima[name] = m if name not in maxima else torch.maximum(maxima[name], m)
-            hooks.append(mod.register_forward_pre_hook(record))
-    try:
-        cache = KVCache(model.config, 1, len(tokens) + 1, model.dtype)
-        model.forward(torch.tensor(tokens), [Segment(0, 0, len(tokens))], cache)  # a prefill: the Python layers
-    finally:
-        for h in hooks:
-            h.remove()
-    return maxima

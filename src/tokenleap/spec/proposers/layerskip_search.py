@@ -25,7 +25,6 @@ rows per layer tried.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 from tokenleap.cache.contiguous import KVCache
+from tokenleap.models.checkpoint import model_key as checkpoint_model_key
 from tokenleap.models.transformer import Segment, Transformer
 
 
@@ -211,14 +211,7 @@ def search(model: Transformer, texts: list[list[int]], cfg: SearchConfig = Searc
 
 
 # -- the on-disk cache: one calibration per model, dtype and quantization -------------------------
-def model_key(source: str, gguf_path: Path | None, dtype: torch.dtype, quant: str) -> str:
-    """The model's conversion key (a GGUF: file stem, dtype, digest of the file) or, for a model
-    directory, a digest of its path; plus the quantization."""
-    if gguf_path is not None:
-        from tokenleap.models.checkpoint import conversion_key
-        return f"{conversion_key(Path(gguf_path), dtype)}-{quant}"
-    digest = hashlib.sha256(str(Path(source).expanduser().resolve()).encode()).hexdigest()[:16]
-    return f"{Path(source).name}-{str(dtype).removeprefix('torch.')}-{digest}-{quant}"
+model_key = checkpoint_model_key  # (source, gguf_path, dtype, quant) -> the store's file stem
 
 
 def store_path(cache_dir: Path | str | None, key: str) -> Path:
