@@ -193,3 +193,21 @@ def test_model_key_of_a_directory_follows_its_weight_files(tmp_path):
     assert model_key(f"hf:{tmp_path}", None, torch.bfloat16, "none") == before
     os.utime(tmp_path / "model.safetensors", ns=(1, 1))
     assert model_key(f"hf:{tmp_path}", None, torch.bfloat16, "none") != before
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_dequantized_weight_is_what_the_int8_values_stand_for(kernel, monkeypatch):
+    """Both layouts give back q [out, in] and q * scale / s, close to the float weight (a reduced
+    draft head starts from it)."""
+    if kernel and not kernels.w8a8_available():
+        pytest.skip("no AMX-INT8 tiles here")
+    monkeypatch.setattr(kernels, "w8a8_available", lambda: kernel)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 128, generator=g) * 0.05  # 40 outputs: padded to 64 inside
+    s = torch.rand(128, generator=g) + 0.5
+    lin = W8A8Linear.from_float(w, None, s)
+    q = lin.int8_weight()
+    assert q.shape == (40, 128) and q.dtype == torch.int8
+    assert torch.equal(q, torch.round(w * s / lin.scale[:40, None]).clamp(-127, 127).to(torch.int8))
+    back = lin.dequantized_weight()
+    assert back.shape == w.shape and float((back - w).abs().max()) <= float((lin.scale[:40] / s.min()).max())

@@ -143,6 +143,20 @@ class W8A8Linear(nn.Module):
             [b if b is not None else torch.zeros(l.out_features) for b, l in zip(biases, layers)]), requires_grad=False)
         return new
 
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weights q [out, in] (padding dropped), from whichever layout this layer keeps."""
+        if self.use_kernel:
+            p = self.packed  # [out32/16, in/64, 16, 16, 4]
+            q = p.permute(0, 3, 1, 2, 4).reshape(p.shape[0] * 16, self.in_features)
+        else:
+            q = self._qweight
+        return q[: self.out_features]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 [out, in]: the weight the int8 values stand for, ``q * scale / s`` (what a reduced
+        draft head or a re-quantization starts from)."""
+        return self.int8_weight().float() * self.scale[: self.out_features, None] * self.inv_smooth
+
     def forward(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]; row-invariant either way, so row_exact needs nothing extra
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [rows, in]
