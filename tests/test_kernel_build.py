@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.utils.cpp_extension
 
-import tokenleap.kernels as kernels
+import tokenleap.kernels.compiler as kernels
 
 
 @pytest.fixture
@@ -19,14 +19,14 @@ def fake_build(monkeypatch, tmp_path):
             raise RuntimeError("error: '__builtin_ia32_tileloadd64' was not declared (old compiler)")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
-    monkeypatch.setattr(kernels, "_build_dir", lambda sources: tmp_path / str(len(sources)))
-    for sources in (kernels._SOURCES, kernels._AVX2_ONLY):
+    monkeypatch.setattr(kernels, "directory_for", lambda sources: tmp_path / str(len(sources)))
+    for sources in (kernels.SOURCES, kernels.AVX2_ONLY):
         (tmp_path / str(len(sources))).mkdir(exist_ok=True)
     return calls
 
 
 def test_amx_compile_failure_falls_back_to_avx2_kernels(fake_build, capsys):
-    kernels._build()
+    kernels.build()
     full, avx2 = fake_build
     assert "amx.cpp" in full and "amx_int.cpp" in full and "vnni.cpp" in full
     assert "amx.cpp" not in avx2 and "amx_int.cpp" not in avx2 and "vnni.cpp" not in avx2 and "amx_stub.cpp" in avx2
@@ -40,9 +40,9 @@ def test_amx_compile_failure_falls_back_to_avx2_kernels(fake_build, capsys):
 
 
 def test_a_cached_build_prints_nothing(fake_build, capsys, tmp_path):
-    (tmp_path / str(len(kernels._AVX2_ONLY)) / "tokenleap_kernels_avx2.so").write_bytes(b"")
-    (tmp_path / str(len(kernels._SOURCES)) / "tokenleap_kernels.so").write_bytes(b"")
-    kernels._compile(kernels._AVX2_ONLY, "tokenleap_kernels_avx2")
+    (tmp_path / str(len(kernels.AVX2_ONLY)) / "tokenleap_kernels_avx2.so").write_bytes(b"")
+    (tmp_path / str(len(kernels.SOURCES)) / "tokenleap_kernels.so").write_bytes(b"")
+    kernels.compile_sources(kernels.AVX2_ONLY, "tokenleap_kernels_avx2")
     assert capsys.readouterr().err == ""
 
 
@@ -52,20 +52,20 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_is_named(fake_build, tmp_p
     import os
     import time
 
-    lock = tmp_path / str(len(kernels._SOURCES)) / "lock"
+    lock = tmp_path / str(len(kernels.SOURCES)) / "lock"
     lock.touch()
     old = time.time() - kernels.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
-    kernels._check_build_lock(lock.parent)
+    kernels.check_build_lock(lock.parent)
     assert not lock.exists()
     assert "removing a stale kernel build lock" in capsys.readouterr().err
 
     lock.touch()
-    kernels._check_build_lock(lock.parent)
+    kernels.check_build_lock(lock.parent)
     assert lock.exists()  # another process may be building now: left alone
     err = capsys.readouterr().err
     assert "waiting for another process" in err and str(lock) in err
 
     lock.unlink()
-    kernels._check_build_lock(lock.parent)
+    kernels.check_build_lock(lock.parent)
     assert capsys.readouterr().err == ""

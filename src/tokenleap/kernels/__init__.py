@@ -17,33 +17,22 @@ cost, row-invariant. ``amx_int.cpp``: ``int4_linear``'s and ``int6_linear``'s pr
 either). They need an x86-64 CPU with AVX2, FMA and F16C, a C++ compiler and ninja; the first
 use compiles them (~30 s) into ``<tokenleap cache>/kernels/<key>``. Where any of that is
 missing, ``available()`` is False, the reason is logged once, and the layers use torch's own
-kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off. A compiler that cannot build the
-AMX files (an older GCC) still gets the AVX2 kernels: the build is retried with ``amx_stub.cpp`` in
-their place, which reports that no tile may run. A build prints one line to stderr when it starts
-and one with the time it took.
+kernels instead. ``TOKENLEAP_KERNELS=0`` turns the kernels off. ``compiler.py`` compiles them.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
 
+from tokenleap.kernels import compiler as _compiler
+
 log = logging.getLogger(__name__)
 
-_DIR = Path(__file__).parent
-_AMX_SOURCES = [_DIR / "amx.cpp", _DIR / "amx_int.cpp", _DIR / "vnni.cpp", _DIR / "w8a8.cpp"]  # ISA extensions; stubbed by amx_stub.cpp
-_SOURCES = [_DIR / "products.cpp", _DIR / "int4.cpp", _DIR / "int6.cpp", _DIR / "decoder.cpp", _DIR / "layer.cpp",
-            _DIR / "tree.cpp", *_AMX_SOURCES]
-_AVX2_ONLY = [p for p in _SOURCES if p not in _AMX_SOURCES] + [_DIR / "amx_stub.cpp"]
-_HEADERS = [_DIR / "simd.h", _DIR / "ops.h", _DIR / "amx.h"]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -57,77 +46,16 @@ def _reason_unavailable() -> str | None:
     return None
 
 
-def _build_dir(sources: list[Path]) -> Path:
-    from tokenleap.models.catalog import default_cache_dir
-
-    code = b"".join(p.read_bytes() for p in sources + _HEADERS)
-    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + torch.__version__.encode())
-    d = default_cache_dir() / "kernels" / key.hexdigest()[:16]
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-STALE_LOCK_SECONDS = 1800  # a build takes 30 s to a few minutes: an older lock outlived its process
-
-
-def _check_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_SECONDS) -> None:
-    """torch's build waits, silently and for ever, while ``build_dir/lock`` exists. A process killed
-    mid-build leaves it behind: a lock older than ``stale_after`` seconds is removed, and a newer
-    one (another process building now) is waited on with a message saying where it is."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > stale_after:
-        print(f"tokenleap: removing a stale kernel build lock {lock} ({age / 60:.0f} min old; its build "
-              "was interrupted)", file=sys.stderr, flush=True)
-        lock.unlink(missing_ok=True)
-    else:
-        print(f"tokenleap: waiting for another process to finish building the CPU kernels (lock {lock}); "
-              "if no tokenleap process is running, delete that file", file=sys.stderr, flush=True)
-
-
-def _compile(sources: list[Path], name: str) -> None:
-    """Build (or load the cached build of) ``sources`` as the ``tokenleap`` ops; a build that has
-    to compile says so on stderr, then how long it took."""
-    from torch.utils.cpp_extension import load
-
-    build_dir = _build_dir(sources)
-    _check_build_lock(build_dir)
-    fresh = not any(build_dir.glob("*.so"))
-    if fresh:
-        print(f"tokenleap: compiling the CPU kernels ({', '.join(p.name for p in sources)}) into {build_dir}, "
-              "once per machine (30 s to a few minutes, by CPU)...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    load(name=name, sources=[str(p) for p in sources], extra_cflags=_FLAGS, extra_include_paths=[str(_DIR)],
-         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(build_dir))
-    if fresh:
-        print(f"tokenleap: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-
-
-def _build() -> None:
-    """The full build; where the AMX files do not compile, the AVX2 kernels without them."""
-    try:
-        _compile(_SOURCES, "tokenleap_kernels")
-    except Exception as e:  # e.g. a compiler without AMX intrinsics: keep the AVX2 kernels
-        log.warning("tokenleap CPU kernels: the full build failed (%s); building them without the AMX files",
-                    f"{type(e).__name__}: {str(e).strip()[-200:]}")
-        print("tokenleap: the kernel build failed; retrying without the AMX files (AVX2 kernels only)",
-              file=sys.stderr, flush=True)
-        _compile(_AVX2_ONLY, "tokenleap_kernels_avx2")
-
-
 def _load() -> None:
     reason = _reason_unavailable()
     if reason is None:
         try:
-            _build()
+            _compiler.build()
             torch.ops.tokenleap.int8_linear  # noqa: B018 -- raises if the ops did not register
             torch.ops.tokenleap.attend_rows  # noqa: B018
             torch.ops.tokenleap.decoder_layer  # noqa: B018
         except Exception as e:  # no compiler, no ninja, a build error: fall back, say why
-            reason = f"could not build {', '.join(p.name for p in _SOURCES)}: {type(e).__name__}: {str(e).strip()[-300:]}"
+            reason = f"could not build {', '.join(p.name for p in _compiler.SOURCES)}: {type(e).__name__}: {str(e).strip()[-300:]}"
     if reason:
         log.warning("tokenleap CPU kernels unavailable (%s); using torch's kernels", reason)
     elif "amx_int8" in cpu_flags():

@@ -1,0 +1,89 @@
+"""Building tokenleap's C++ kernels with the PyTorch C++ extension tools, once per machine.
+
+The sources compile into ``<tokenleap cache>/kernels/<key>``, the key a digest of the sources,
+headers, flags and torch version. A compiler that cannot build the AMX files (an older GCC)
+still gets the AVX2 kernels: the build is retried with ``amx_stub.cpp`` in their place, which
+reports that no tile may run. A build prints one line to stderr when it starts and one with the
+time it took; a lock left by a killed build is removed (torch's build would wait on it for ever).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DIR = Path(__file__).parent
+AMX_SOURCES = [DIR / "amx.cpp", DIR / "amx_int.cpp", DIR / "vnni.cpp", DIR / "w8a8.cpp"]  # ISA extensions; stubbed by amx_stub.cpp
+SOURCES = [DIR / "products.cpp", DIR / "int4.cpp", DIR / "int6.cpp", DIR / "decoder.cpp", DIR / "layer.cpp",
+           DIR / "tree.cpp", *AMX_SOURCES]
+AVX2_ONLY = [p for p in SOURCES if p not in AMX_SOURCES] + [DIR / "amx_stub.cpp"]
+HEADERS = [DIR / "simd.h", DIR / "ops.h", DIR / "amx.h"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
+def directory_for(sources: list[Path]) -> Path:
+    """The build directory of ``sources``: keyed by their code, the headers, the flags and torch's version."""
+    from tokenleap.models.catalog import default_cache_dir
+
+    code = b"".join(p.read_bytes() for p in sources + HEADERS)
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode())
+    d = default_cache_dir() / "kernels" / key.hexdigest()[:16]
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+STALE_LOCK_SECONDS = 1800  # a build takes 30 s to a few minutes: an older lock outlived its process
+
+
+def check_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_SECONDS) -> None:
+    """torch's build waits, silently and for ever, while ``build_dir/lock`` exists. A process killed
+    mid-build leaves it behind: a lock older than ``stale_after`` seconds is removed, and a newer
+    one (another process building now) is waited on with a message saying where it is."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > stale_after:
+        print(f"tokenleap: removing a stale kernel build lock {lock} ({age / 60:.0f} min old; its build "
+              "was interrupted)", file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
+    else:
+        print(f"tokenleap: waiting for another process to finish building the CPU kernels (lock {lock}); "
+              "if no tokenleap process is running, delete that file", file=sys.stderr, flush=True)
+
+
+def compile_sources(sources: list[Path], name: str) -> None:
+    """Build (or load the cached build of) ``sources`` as the ``tokenleap`` ops; a build that has
+    to compile says so on stderr, then how long it took."""
+    from torch.utils.cpp_extension import load
+
+    out = directory_for(sources)
+    check_build_lock(out)
+    fresh = not any(out.glob("*.so"))
+    if fresh:
+        print(f"tokenleap: compiling the CPU kernels ({', '.join(p.name for p in sources)}) into {out}, "
+              "once per machine (30 s to a few minutes, by CPU)...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    load(name=name, sources=[str(p) for p in sources], extra_cflags=FLAGS, extra_include_paths=[str(DIR)],
+         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(out))
+    if fresh:
+        print(f"tokenleap: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def build() -> None:
+    """The full build; where the AMX files do not compile, the AVX2 kernels without them."""
+    try:
+        compile_sources(SOURCES, "tokenleap_kernels")
+    except Exception as e:  # e.g. a compiler without AMX intrinsics: keep the AVX2 kernels
+        log.warning("tokenleap CPU kernels: the full build failed (%s); building them without the AMX files",
+                    f"{type(e).__name__}: {str(e).strip()[-200:]}")
+        print("tokenleap: the kernel build failed; retrying without the AMX files (AVX2 kernels only)",
+              file=sys.stderr, flush=True)
+        compile_sources(AVX2_ONLY, "tokenleap_kernels_avx2")
