@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -142,7 +143,7 @@ def save_maxima(path: Path, maxima: dict[str, torch.Tensor]) -> None:
     """Write atomically: a concurrent reader finds the old file, the new one, or none."""
     from safetensors.torch import save_file
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one a process: two first loads at once never mix
     save_file({n: t.float().contiguous() for n, t in maxima.items()}, str(tmp))
     tmp.replace(path)
 

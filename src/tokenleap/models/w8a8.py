@@ -113,7 +113,7 @@ class W8A8Linear(nn.Module):
         scale = torch.empty(n)
         s = smooth.float()
         for r0 in range(0, n, 1024):  # chunks bound the float temporaries (an LM head: 151936 rows)
-            w = weight[r0:r0 + 1024].detach().to(torch.float32, copy=True).mul_(s)  # [chunk, in]; never the weight itself
+            w = weight[r0:r0 + 1024].detach().to(torch.float32, copy=True).mul_(s)  # [chunk, in], a copy
             lo, hi = torch.aminmax(w, dim=1)
             sc = (torch.maximum(-lo, hi) / 127).clamp_min(1e-10)  # max |w| per output
             scale[r0:r0 + 1024] = sc
