@@ -215,6 +215,7 @@ def _texts():
 
 
 def test_search_chooses_a_strict_subset_and_the_store_round_trips(tmp_path):
+    from tokenleap.models.checkpoint import model_key
     from tokenleap.spec.proposers import layerskip_search as ls
     model = _model("int8")
     cfg = ls.SearchConfig(window=16, context=32, max_k=3, timing_repeats=1, min_agreement=0.0, patience=10)
@@ -223,7 +224,7 @@ def test_search_chooses_a_strict_subset_and_the_store_round_trips(tmp_path):
     assert 1 <= len(cal.skip) <= 3 and set(cal.skip) <= set(range(4))
     assert 0.0 <= cal.agreement <= 1.0 and cal.positions == 32 and 0 <= cal.k <= 3
     assert len(lines) == 3  # grown to every size below all four layers (no early stop asked)
-    path = ls.store_path(tmp_path, ls.model_key(str(tmp_path / "m"), None, torch.float32, "int8"))
+    path = ls.store_path(tmp_path, model_key(str(tmp_path / "m"), None, torch.float32, "int8"))
     ls.save_calibration(path, cal)
     assert ls.load_calibration(path, 4) == cal
     assert ls.load_calibration(path, 5) is None  # another layer count: not this model

@@ -53,6 +53,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from tokenleap.config import SamplingParams
     from tokenleap.models.pretrained import load_model
     from tokenleap.spec.engine import Engine
+    from tokenleap.models.checkpoint import model_key
     from tokenleap.spec.proposers import layerskip_search as ls
     from tokenleap.spec.proposers.layerskip import LayerSkipProposer, format_skip
 
@@ -71,7 +72,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         texts.append(p + seq.generated)
     log(f"searching {model.config.num_hidden_layers} layers on {len(texts)} prompts ...")
     cal = ls.search(model, texts, ls.SearchConfig(candidates=args.candidates), log=log)
-    path = ls.store_path(args.cache_dir, ls.model_key(target.source, target.gguf_path, target.dtype, target.quant))
+    path = ls.store_path(args.cache_dir, model_key(target.source, target.gguf_path, target.dtype, target.quant))
     ls.save_calibration(path, cal)
     measured = _measure(model, tok, ids, params, plain, LayerSkipProposer(model, cal.skip_set))
     result = {"model": target.source, "dtype": str(target.dtype).removeprefix("torch."), "quant": target.quant,

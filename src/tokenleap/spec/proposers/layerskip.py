@@ -226,6 +226,7 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
     copied text drafts by prompt lookup on suffixes of up to that many tokens (``LOOKUP_MIN`` at least)."""
     import sys
 
+    from tokenleap.models.checkpoint import model_key
     from tokenleap.spec.proposers import layerskip_search as ls
 
     from tokenleap.spec.proposers.layerskip_head import prefix_head
@@ -241,7 +242,7 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
     if skip != "auto":
         return LayerSkipProposer(model, skip, head=head, lookup=finder)
     log = log or (lambda line: print(f"[tokenleap] {line}", file=sys.stderr))
-    path = ls.store_path(cache_dir, ls.model_key(target.source, target.gguf_path, target.dtype, target.quant))
+    path = ls.store_path(cache_dir, model_key(target.source, target.gguf_path, target.dtype, target.quant))
     cal = ls.load_calibration(path, layers)
     if cal is not None:
         log(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path})")

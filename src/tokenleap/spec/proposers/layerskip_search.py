@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from tokenleap.cache.contiguous import KVCache
-from tokenleap.models.checkpoint import model_key as checkpoint_model_key
 from tokenleap.models.transformer import Segment, Transformer
 
 
@@ -211,9 +210,6 @@ def search(model: Transformer, texts: list[list[int]], cfg: SearchConfig = Searc
 
 
 # -- the on-disk cache: one calibration per model, dtype and quantization -------------------------
-model_key = checkpoint_model_key  # (source, gguf_path, dtype, quant) -> the store's file stem
-
-
 def store_path(cache_dir: Path | str | None, key: str) -> Path:
     from tokenleap.models.catalog import default_cache_dir
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
