@@ -60,14 +60,14 @@ def test_a_long_catch_up_gets_one_probe_per_answer():
     assert probes(remaining=128) == [bandit(0.002).cfg.probe_every - 1]
 
 
-def ranked_with_backlog(backlog: int, ngram_accepts: int) -> list[str]:
+def ranked_with_backlog(backlog: int, ngram_accepts: int, present: dict[str, bool] | None = None) -> list[str]:
     b, target = bandit(draft_cost=0.003, settle_steps=0), costs(FLAT)
     b.observe_catch_up("draft", 100, 0.05)  # 0.5 ms a token the draft missed
     seq = b.new_sequence()
     for _ in range(10):
         b.observe_acceptance(seq, "ngram", 4, ngram_accepts)
         b.observe_acceptance(seq, "draft", 4, 3)
-    return [c.arm for c in b.rank(seq, 1, target, {"draft": backlog}, 100, 4)]
+    return [c.arm for c in b.rank(seq, 1, target, {"draft": backlog}, 100, 4, present)]
 
 
 def test_an_arm_behind_the_first_catches_up_only_where_one_step_pays_for_it():
@@ -82,6 +82,17 @@ def test_a_catch_up_must_pay_back_against_the_arm_that_needs_none():
     assert ranked_with_backlog(1, ngram_accepts=1) == ["draft", "ngram"]
     assert ranked_with_backlog(60, ngram_accepts=1) == ["ngram"]
     assert ranked_with_backlog(60, ngram_accepts=0) == ["draft"]  # n-gram does not pay: against plain
+
+
+def test_no_catch_up_while_a_shadow_arm_without_a_match_this_step_is_predicted_to_beat_it():
+    """n-gram lookup with nothing to propose for this one step, but copying this text better than
+    the draft model would draft it, is still the arm for the rest of the answer: the draft does not
+    catch up on a long backlog to fill the step (it may on a short one, where one step repays it)."""
+    assert ranked_with_backlog(200, ngram_accepts=4, present={"ngram": False}) == []  # the step decodes plainly
+    assert ranked_with_backlog(1, ngram_accepts=4, present={"ngram": False}) == ["draft"]  # repaid in one step
+    # n-gram predicted below the draft (or below plain): the catch-up is judged as before
+    assert ranked_with_backlog(60, ngram_accepts=1, present={"ngram": False}) == ["draft"]
+    assert ranked_with_backlog(200, ngram_accepts=0, present={"ngram": False}) == ["draft"]
 
 
 def first_arm(offer_every: int, present: dict[str, bool] | None = None) -> str:

@@ -20,7 +20,10 @@ The plan for a sequence is every arm that beats plain decoding (by ``batch_margi
 sequences) and pays back any catch-up it needs first (a draft model that has not followed the
 sequence while another arm drafted must feed those tokens), best first: a cheap arm that finds
 nothing to propose this step (n-gram without a match) hands the step to the next. A first arm's
-catch-up must pay back against the best arm that needs none (not against plain decoding); an arm
+catch-up must pay back against the best arm that needs none (not against plain decoding), and
+is not made at all while a shadow arm with nothing to propose for this one step is still predicted
+to beat it over the answer (on code, one step without an n-gram match is no reason to feed the
+draft model the whole text); an arm
 behind the first, which drafts only when the arms before it have nothing, within its one step.
 Acceptance is only seen up to the depth drafted, so the first choice drafts one token deeper when
 that position has gone ``deepen_every`` steps unmeasured for the sequence. A new sequence's
@@ -278,16 +281,31 @@ class Bandit:
         free = [c for c in ranked if catch_up[c.arm] <= 0.0]
         # a first arm that must catch up is an investment against the best arm that needs none: it
         # drafts first only where the time saved over that arm (not over plain decoding) repays it --
-        # over the rest of the answer, so that arm at its rate over every step, those it has nothing for too
-        if ranked and free and ranked[0] is not free[0]:
-            c = free[0]
-            long_run = self.rate(seq, c.arm, c.k, batch, target) if present.get(c.arm) else c.rate
-            if remaining * (1.0 / long_run - margin / ranked[0].rate) <= catch_up[ranked[0].arm]:
-                ranked = [c] + [x for x in ranked if x is not c]
+        # over the rest of the answer, so that arm at its rate over every step, those it has nothing
+        # for too. A shadow arm with no proposal for this one step (n-gram lookup between matches)
+        # that is still predicted to beat the first arm over the answer makes the investment
+        # pointless whatever it costs: the step goes to a free arm or decodes plainly
+        if ranked and catch_up[ranked[0].arm] > 0.0:
+            first = ranked[0]
+            invest = not any(self._long_run_rate(seq, name, batch, target, max_k) * margin >= first.rate
+                             for name, a in self.arms.items() if a.shadow and present.get(name) is False)
+            if invest and free:
+                c = free[0]
+                long_run = self.rate(seq, c.arm, c.k, batch, target) if present.get(c.arm) else c.rate
+                invest = remaining * (1.0 / long_run - margin / first.rate) > catch_up[first.arm]
+            if not invest:  # the arm goes behind: it then drafts only as below
+                head = free[:1]
+                return head + [c for c in ranked if c not in head
+                               and self._one_step_gain(seq, c, batch, plain) >= catch_up[c.arm]]
         # an arm behind the first drafts only on a step the arms before it find nothing to propose
         # for (n-gram without a match): its catch-up must pay back within that one step, not over
         # the whole answer the first arm is serving
         return ranked[:1] + [c for c in ranked[1:] if self._one_step_gain(seq, c, batch, plain) >= catch_up[c.arm]]
+
+    def _long_run_rate(self, seq: SeqBandit, arm: str, batch: int, target: DraftLengthController,
+                       max_k: int) -> float:
+        """``arm``'s best predicted rate over every step of the sequence (those it has nothing for too)."""
+        return max(self.rate(seq, arm, k, batch, target) for k in range(1, max_k + 1))
 
     def _one_step_gain(self, seq: SeqBandit, c: Choice, batch: int, plain: float) -> float:
         """Seconds one step of ``c`` is predicted to save over decoding its tokens plainly."""
