@@ -10,12 +10,15 @@ from tokenleap.serve.app import ServerConfig, create_app
 from serving_helpers import paged_engine
 
 MODEL = "tiny"
+# the tiny model's whole position range: a stream long enough that a client's disconnect reaches the
+# replica before the sequence could end by itself, even on a loaded machine
+REPLICA_MAX_LEN = 512
 
 
 def tiny_app(kind: str | None = "draft"):
     """A replica's app: the tiny target with a tiny draft (``kind``: serving_helpers' proposers)."""
     torch.set_num_threads(1)
-    engine = paged_engine(kind, blocks=96, slots=16)
+    engine = paged_engine(kind, blocks=96, slots=16, max_len=REPLICA_MAX_LEN)
     return create_app(engine, ServerConfig(model_name=MODEL, scheduler=SchedulerConfig(max_num_seqs=16,
                                                                                     log_interval=0)))
 

@@ -37,24 +37,25 @@ def model(seed: int = 1):
     return _MODELS[seed]
 
 
-def proposer(kind: str | None, blocks: int, slots: int, block_size: int = 16, window: int = 256):
+def proposer(kind: str | None, blocks: int, slots: int, block_size: int = 16, window: int = 256,
+             max_len: int = MAX_LEN):
     """``window``: the draft's catch-up chunk, also the windows its prefix cache keeps."""
     if kind is None:
         return None
     if kind == "ngram":
         return NgramProposer(3, 1)
     draft = model(77) if kind == "draft" else model(1)  # "self-draft": the target drafts for itself
-    cache = PagedKVCache(draft.config, blocks, MAX_LEN, torch.float32, block_size=block_size, num_slots=slots)
-    return DraftModelProposer(draft, VOCAB, MAX_LEN, cache=cache, catch_up_chunk=window)
+    cache = PagedKVCache(draft.config, blocks, max_len, torch.float32, block_size=block_size, num_slots=slots)
+    return DraftModelProposer(draft, VOCAB, max_len, cache=cache, catch_up_chunk=window)
 
 
 def paged_engine(kind: str | None = None, blocks: int = 64, slots: int = 16, k: int | str = "auto",
-                 chunk: int = CHUNK, block_size: int = 16) -> Engine:
+                 chunk: int = CHUNK, block_size: int = 16, max_len: int = MAX_LEN) -> Engine:
     """(With the default chunk of 8 and blocks of 16 no prompt window is whole blocks: no prefix caching.)"""
-    cache = PagedKVCache(model().config, blocks, MAX_LEN, torch.float32, block_size=block_size, num_slots=slots)
+    cache = PagedKVCache(model().config, blocks, max_len, torch.float32, block_size=block_size, num_slots=slots)
     fixed = None if k == "auto" else k
-    return Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=chunk, cache=cache,
-                  proposer=proposer(kind, blocks, slots, block_size, chunk if chunk != CHUNK else 256),
+    return Engine(model(), ChatToyTokenizer(VOCAB), max_len=max_len, prefill_chunk=chunk, cache=cache,
+                  proposer=proposer(kind, blocks, slots, block_size, chunk if chunk != CHUNK else 256, max_len),
                   controller=ControllerConfig(max_k=4, fixed_k=fixed))
 
 

@@ -266,8 +266,8 @@ def _aborted(url: str) -> float:
 
 def test_a_client_leaving_a_stream_stops_its_sequence(ingress):
     before = _aborted(ingress)
-    body = {"model": MODEL, "prompt": [4, 5, 6], "max_tokens": 120, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {"model": MODEL, "prompt": [4, 5, 6], "max_tokens": replica_helpers.REPLICA_MAX_LEN - 8,
+            "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", ingress + "/v1/completions", json=body, timeout=60) as r:
         next(r.iter_lines())  # the first chunk, then the client goes away
     assert wait_until(lambda: _aborted(ingress) == before + 1, 30), "the replica's sequence was not cancelled"
