@@ -154,7 +154,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         const int64_t left = M - m;
         // a 6-row tile for 6+ rows (a 6-row verification step in one pass over the weights:
         // relative to one row, 6 rows of the 1.5B model cost 1.6-1.8x instead of 2.1-2.3x as 3 + 3)
-        // and a 5-row tile for 5 (8-16% under 3 + 2 on a 1536x8960 layer, Zen 3)
+        // and a 5-row tile for 5 (one pass over the weights instead of 3 + 2)
         const int64_t take = left >= 5 ? std::min<int64_t>(left, 6) : tokenleap_simd::tile_rows(left);
         if (take == 6) int4_tile<6>(xm, am, sm2, K, wb, sb, ym, N);
         else if (take == 5) int4_tile<5>(xm, am, sm2, K, wb, sb, ym, N);
