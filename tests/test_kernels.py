@@ -410,6 +410,29 @@ def test_attend_rows_matches_sdpa_and_is_row_invariant(heads, kv, hd, pos0, rows
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv,hd", [(12, 2, 128), (7, 1, 64), (4, 4, 32)])
+def test_attend_rows_shared_keys_give_each_row_its_own_result_at_any_thread_count(heads, kv, hd):
+    """Rows of one call share their common keys (read once for all rows and heads of a unit; units
+    split by thread count): every row and thread count gives the row's result alone, bitwise."""
+    g = torch.Generator().manual_seed(heads * hd)
+    pos0, rows = 203, 21  # more rows than one unit takes; keys not a multiple of 8
+    q = torch.randn(rows, heads, hd, generator=g)
+    k = torch.randn(kv, pos0 + rows + 3, hd, generator=g)[:, : pos0 + rows]
+    v = torch.randn(kv, pos0 + rows + 3, hd, generator=g)[:, : pos0 + rows]
+    alone = [kernels.attend_rows(q[t : t + 1], k[:, : pos0 + t + 1], v[:, : pos0 + t + 1], pos0 + t, hd ** -0.5)[0]
+             for t in range(rows)]
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            out = kernels.attend_rows(q, k, v, pos0, hd ** -0.5)
+            for t in range(rows):
+                assert torch.equal(out[t], alone[t]), (n, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 def test_silu_mul_matches_torch_on_strided_halves():
     gu = torch.randn(5, 96, generator=torch.Generator().manual_seed(11)) * 30  # large |g|: no overflow
     gate, up = gu.chunk(2, dim=-1)  # [5, 48] views, row stride 96

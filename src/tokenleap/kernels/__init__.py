@@ -5,10 +5,11 @@ in cache-friendly packed layouts -- ``int8_linear`` (about 2x torch's ``_weight_
 one row on this project's AVX2 machine, 1.5x for 2-8 rows), ``bf16_linear``, ``int4_linear``
 (W4A8: activations quantized to int8 per 32 inputs, integer dot products; about half int8's
 time), and ``*_gemm`` blocked variants for prefill windows. ``int6.cpp``: ``int6_linear``, a GGUF's
-Q6_K weights exactly (W6A8). ``decoder.cpp``: ``attend_rows``
-(causal attention for decode / verification rows), ``rope_store_attend`` (rotate, store into
-the cache, attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on
-its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / verification
+Q6_K weights exactly (W6A8). ``attention.cpp``: the attention of decode / verification / tree
+rows over their keys, every (row, head) on its own in a fixed order, the keys the rows share read
+once for all of a kv head's query heads and rows. ``decoder.cpp``: ``attend_rows`` (causal
+attention for decode / verification rows), ``rope_store_attend`` (rotate, store into the cache,
+attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / verification
 step in one call (the same kernels in the same order: bitwise the Python layer). ``amx.cpp``:
 ``bf16_amx_linear``, bf16 products on AMX tiles where the CPU has them (``amx_available``; weights
 packed by ``pack_bf16_amx``): activations rounded to bf16, any number of rows at about one row's

@@ -1,5 +1,5 @@
-// tokenleap CPU kernels (AVX2 + FMA), part 2: the decoder's attention over a step's new rows and
-// its fused elementwise steps. Every row is computed on its own, in a fixed order: row-invariant.
+// tokenleap CPU kernels (AVX2 + FMA), part 2: the decoder's attention calls (rotate, store, attend;
+// contiguous and paged caches) and its fused elementwise steps. Every row is computed on its own, in a fixed order: row-invariant.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,127 +16,13 @@
 
 namespace {
 
+using tokenleap_ops::RowKeys;
 using tokenleap_simd::exp_neg;
-using tokenleap_simd::hsum8;
 
 // ------------------------------------------------------------------------------ attention rows
-// attend_rows: causal attention for a few new rows (decoding and verification), replacing one
-// scaled_dot_product_attention call per row. Row t (at position pos0 + t) attends to cache
-// positions 0 .. pos0 + t; head h reads kv head h / (H / n_kv). Each (row, head) is computed on its
-// own in a fixed order -- scores, max, exp, sum, weighted values -- so rows are independent of how
-// many share the call.
-
-
-// 8 sums at once: lane i = sum of the lanes of a[i]
-inline __m256 hsum8x8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// o[c .. c + 8R) = sum_i w[i] * v_i[c .. c + 8R) / sum, accumulated in registers
-template <int R>
-inline void weigh_values(const float* w, int64_t n, const float* vb, const int64_t* voff, int64_t c, float inv, float* o) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 p = _mm256_set1_ps(w[i]);
-    const float* vv = vb + voff[i] + c;
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + 8 * r), acc[r]);
-  }
-  const __m256 iv = _mm256_set1_ps(inv);
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + c + 8 * r, _mm256_mul_ps(acc[r], iv));
-}
-
-}  // namespace
-
-namespace tokenleap_ops {
-
-// Rows q [T, H, hd]; row t attends to keys[t].n keys, the j-th of kv head g at kp + g * ks0 +
-// keys[t].ko[j] (values at vp + g * vs0 + keys[t].vo[j]): a contiguous cache, a paged one, or a
-// token tree's path. A (row, head) depends only on its own keys, in their order.
-at::Tensor attend_keys(const at::Tensor& q, const float* kp, const float* vp, int64_t ks0, int64_t vs0,
-                       const std::vector<RowKeys>& keys, int64_t nkv, double scale) {
-  const at::Tensor qc = q.contiguous();
-  const int64_t T = qc.size(0), H = qc.size(1), hd = qc.size(2);
-  TORCH_CHECK(hd % 8 == 0 && H % nkv == 0, "attend_rows: head_dim % 8, shapes");
-  TORCH_CHECK(static_cast<int64_t>(keys.size()) == T, "attend_rows: one key list per row");
-  int64_t L = 0;
-  for (const auto& k : keys) L = std::max(L, k.n);
-  at::Tensor out = at::empty_like(qc);
-  const float* qp = qc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = H / nkv;
-  const float sc = float(scale);
-  at::parallel_for(0, T * H, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> w(L + 8);
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t t = u / H, h = u % H, n = keys[t].n;
-      const int64_t* ko = keys[t].ko;
-      const int64_t* vo = keys[t].vo;
-      const float* qv = qp + (t * H + h) * hd;
-      const float* kb = kp + (h / group) * ks0;
-      const float* vb = vp + (h / group) * vs0;
-      // scores, 8 keys at a time, then the rest one by one (which keys go which way depends only
-      // on the row's position n, so a row computes the same whatever else is in the call)
-      __m256 mxv = _mm256_set1_ps(-INFINITY);
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        __m256 acc[8];
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < hd; d += 8) {
-          const __m256 qd = _mm256_loadu_ps(qv + d);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kb + ko[j + i] + d), acc[i]);
-        }
-        const __m256 sv = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(sc));
-        _mm256_storeu_ps(w.data() + j, sv);
-        mxv = _mm256_max_ps(mxv, sv);
-      }
-      alignas(32) float m8[8];
-      _mm256_store_ps(m8, mxv);
-      float mx = m8[0];
-      for (int i = 1; i < 8; ++i) mx = std::max(mx, m8[i]);
-      for (; j < n; ++j) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + ko[j] + d), a);
-        w[j] = hsum8(a) * sc;
-        mx = std::max(mx, w[j]);
-      }
-      // exp(score - max), padded to whole 8-lane blocks, and their sum
-      const int64_t n8 = (n + 7) / 8 * 8;
-      for (int64_t i = n; i < n8; ++i) w[i] = -INFINITY;
-      const __m256 mv = _mm256_set1_ps(mx);
-      __m256 sv = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n8; i += 8) {
-        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(w.data() + i), mv));
-        _mm256_storeu_ps(w.data() + i, e);
-        sv = _mm256_add_ps(sv, e);
-      }
-      const float inv = 1.f / hsum8(sv);
-      float* o = op + (t * H + h) * hd;
-      for (int64_t c = 0; c < hd; c += 64) {
-        switch (std::min<int64_t>(8, (hd - c) / 8)) {
-          case 8: weigh_values<8>(w.data(), n, vb, vo, c, inv, o); break;
-          case 7: weigh_values<7>(w.data(), n, vb, vo, c, inv, o); break;
-          case 6: weigh_values<6>(w.data(), n, vb, vo, c, inv, o); break;
-          case 5: weigh_values<5>(w.data(), n, vb, vo, c, inv, o); break;
-          case 4: weigh_values<4>(w.data(), n, vb, vo, c, inv, o); break;
-          case 3: weigh_values<3>(w.data(), n, vb, vo, c, inv, o); break;
-          case 2: weigh_values<2>(w.data(), n, vb, vo, c, inv, o); break;
-          default: weigh_values<1>(w.data(), n, vb, vo, c, inv, o); break;
-        }
-      }
-    }
-  });
-  return out;
-}
-
-}  // namespace tokenleap_ops
-
-namespace {
-
-using tokenleap_ops::RowKeys;
+// attend_rows: causal attention for a few new rows (decoding and verification). Row t (at position
+// pos0 + t) attends to cache positions 0 .. pos0 + t; head h reads kv head h / (H / n_kv). The
+// arithmetic is attention.cpp's attend_keys: every row is computed on its own, in a fixed order.
 
 // Rows q [T, H, hd] at positions pos0 .. pos0+T-1; key / value j of kv head g at kp + g * ks0 +
 // koff[j] (vp + g * vs0 + voff[j]): a contiguous cache (offsets j * stride) or a paged one.
