@@ -433,6 +433,12 @@ def test_attend_rows_shared_keys_give_each_row_its_own_result_at_any_thread_coun
 
 
 @needs_kernel
+def test_attend_rows_takes_zero_rows():
+    k = v = torch.randn(2, 5, 32)
+    assert kernels.attend_rows(torch.randn(0, 4, 32), k, v, 5, 32 ** -0.5).shape == (0, 4, 32)
+
+
+@needs_kernel
 def test_silu_mul_matches_torch_on_strided_halves():
     gu = torch.randn(5, 96, generator=torch.Generator().manual_seed(11)) * 30  # large |g|: no overflow
     gate, up = gu.chunk(2, dim=-1)  # [5, 48] views, row stride 96

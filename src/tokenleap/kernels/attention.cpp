@@ -186,6 +186,7 @@ at::Tensor attend_keys(const at::Tensor& q, const float* kp, const float* vp, in
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == T, "attend_rows: one key list per row");
   for (const auto& k : keys) TORCH_CHECK(k.n >= 1, "attend_rows: a row without keys");
   at::Tensor out = at::empty_like(qc);
+  if (T == 0) return out;
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = H / nkv, threads = std::max<int64_t>(1, at::get_num_threads());
