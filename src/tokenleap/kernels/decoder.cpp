@@ -1,5 +1,6 @@
 // tokenleap CPU kernels (AVX2 + FMA), part 2: the decoder's attention calls (rotate, store, attend;
-// contiguous and paged caches) and its fused elementwise steps. Every row is computed on its own, in a fixed order: row-invariant.
+// contiguous and paged caches) and its fused elementwise steps. Every row is computed on its own, in
+// a fixed order: row-invariant.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
