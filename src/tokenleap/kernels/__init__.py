@@ -9,8 +9,9 @@ Q6_K weights exactly (W6A8). ``attention.cpp``: the attention of decode / verifi
 rows over their keys, every (row, head) on its own in a fixed order, the keys the rows share read
 once for all of a kv head's query heads and rows. ``decoder.cpp``: ``attend_rows`` (causal
 attention for decode / verification rows), ``rope_store_attend`` (rotate, store into the cache,
-attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on its own. ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / verification
-step in one call (the same kernels in the same order: bitwise the Python layer). ``amx.cpp``:
+attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on its own.
+``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / verification step in one
+call (the same kernels in the same order: bitwise the Python layer). ``amx.cpp``:
 ``bf16_amx_linear``, bf16 products on AMX tiles where the CPU has them (``amx_available``; weights
 packed by ``pack_bf16_amx``): activations rounded to bf16, any number of rows at about one row's
 cost, row-invariant. ``amx_int.cpp``: ``int4_linear``'s and ``int6_linear``'s products of

@@ -139,7 +139,8 @@ void attend_unit(const Unit& u, const float* qp, float* op, const float* kb, con
     for (int i = 1; i < 8; ++i) mx = std::max(mx, m8[i]);
     for (; j < k.n; ++j) {
       __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + k.ko[j] + d), a);
+      for (int64_t d = 0; d < hd; d += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kb + k.ko[j] + d), a);
       w[j] = hsum8(a) * scale;
       mx = std::max(mx, w[j]);
     }
@@ -157,7 +158,8 @@ void attend_unit(const Unit& u, const float* qp, float* op, const float* kb, con
   // values: the shared ones a block at a time for every (row, head), then each its own rest
   for (int64_t i0 = 0; i0 < shared; i0 += kValueBlock) {
     const int64_t i1 = std::min(shared, i0 + kValueBlock);
-    for (int64_t p = 0; p < P; ++p) add_values_all(s.w.data() + p * stride, i0, i1, vb, first.vo, hd, s.acc.data() + p * hd);
+    for (int64_t p = 0; p < P; ++p)
+      add_values_all(s.w.data() + p * stride, i0, i1, vb, first.vo, hd, s.acc.data() + p * hd);
   }
   for (int64_t p = 0; p < P; ++p) {
     const int64_t t = u.t0 + p / nh;
@@ -204,7 +206,8 @@ at::Tensor attend_keys(const at::Tensor& q, const float* kp, const float* vp, in
     Scratch s;
     for (int64_t i = u0; i < u1; ++i) {
       const int64_t g = i / (row_parts * head_parts), r = i / head_parts % row_parts, h = i % head_parts;
-      const Unit u{r * rows, std::min(T, (r + 1) * rows), g * group + h * heads, std::min((g + 1) * group, g * group + (h + 1) * heads)};
+      const int64_t h0 = g * group + h * heads;
+      const Unit u{r * rows, std::min(T, (r + 1) * rows), h0, std::min((g + 1) * group, h0 + heads)};
       attend_unit(u, qp, op, kp + g * ks0, vp + g * vs0, keys, H, hd, sc, s);
     }
   });
