@@ -22,21 +22,14 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenleap.config import ConfigError
-from tokenleap.errors import TokenleapError
-from tokenleap.spec.logprobs import TokenLogprob
 from tokenleap.cache.paged import PagedKVCache
-from tokenleap.spec.sequence import Sequence
+from tokenleap.serve.request import Output, QueueFullError, Request  # noqa: F401 (QueueFullError: re-exported)
 from tokenleap.serve.metrics import RequestTiming, ServeSnapshot, ServeStats, log_line
 
 log = logging.getLogger("tokenleap.serve")
-
-
-class QueueFullError(TokenleapError):
-    """Too many requests are waiting; the client should retry later."""
 
 
 @dataclass(frozen=True)
@@ -49,34 +42,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_waiting < 0:
             raise ConfigError("max_num_seqs must be >= 1 and max_waiting >= 0")
-
-
-@dataclass(frozen=True)
-class Output:
-    """What a request's consumer receives after an iteration that changed it."""
-
-    text: str  # new text
-    token_ids: list[int]  # new token ids
-    num_generated: int
-    finish_reason: str | None = None  # "stop" | "length" | "error" on the last output
-    error: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the new tokens, if the request asked
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, if the request asked
-
-
-@dataclass(eq=False)
-class Request:
-    seq: Sequence
-    on_output: Callable[[Output], None]  # called on the scheduler thread; must not block
-    arrival: int = -1  # set by the scheduler: lower is older
-    sent: int = 0  # generated tokens already handed out
-    done: bool = False
-    counted_prompt: bool = False
-    error: str | None = field(default=None, repr=False)
-    # time.monotonic() at submit, first admission into the batch, first token (for the histograms)
-    arrival_time: float = 0.0
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
 
 
 class Scheduler:
