@@ -191,7 +191,6 @@ def test_plain_when_nothing_pays_then_a_probe():
     for _ in range(10):
         b2.observe_acceptance(seq2, "ngram", 4, 0)
         b2.observe_acceptance(seq2, "draft", 4, 0)
-    b2.drafted(seq2, "draft")  # those drafts were this sequence's: the next look waits probe_every steps
     plans = [b2.plan(seq2, 1, target, {}, 100, 4) for _ in range(b2.cfg.probe_every)]
     assert all(p == [] for p in plans[:-1])
     assert plans[-1] == [Choice("draft", b2.cfg.probe_k, 0.0, probe=True)]

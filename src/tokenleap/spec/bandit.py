@@ -34,9 +34,7 @@ any other arm is charged the catch-up its step would leave that draft (one draft
 tokens it emits): a free arm takes the step only where it gains more than switching costs. When no arm
 pays, the step decodes plainly, and every ``probe_every`` steps an arm not tried for that long is
 tried once with a short draft if its catch-up is affordable (for one sequence: also within the
-exploration share of the whole answer), so a change in the text is noticed -- an arm that has not
-drafted for the sequence yet is looked at right after it settles, while its catch-up (the prompt)
-is shortest, so that earlier texts' figures alone never keep it out of the answer; a probe none of whose
+exploration share of the whole answer), so a change in the text is noticed; a probe none of whose
 tokens is accepted doubles the wait before that arm's next one (``probe_backoff``), so an arm that
 keeps missing on this text costs fewer probe steps, and any draft of it accepted whole restores it.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
@@ -125,7 +123,6 @@ class SeqArmState:
     # no match, and its steps without one decode plainly, so its rate is weighed by this
     offers: float = 1.0
     probe_misses: int = 0  # probes in a row none of whose tokens were accepted
-    looked: bool = False  # the arm has drafted for this sequence (``Bandit.drafted``)
 
 
 @dataclass(frozen=True)
@@ -317,23 +314,19 @@ class Bandit:
 
     def _probe(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],
                best: float, max_k: int, ranked: set[str], remaining: float = float("inf")) -> Choice | None:
-        """One short draft by an arm idle for this sequence for ``probe_every`` steps -- or, if it has
-        not drafted for the sequence at all, as soon as the sequence has settled (``settle_steps``):
-        its catch-up is the prompt and grows by a token every step it waits, so the first look is
-        cheapest then -- not a shadow-scored arm (measured anyway), not one that could not beat the
-        best choice even if every drafted token were accepted, and not one whose catch-up costs
-        more than two steps and the exploration share of the time since it last drafted -- or, for
-        one sequence, more than what is left of the exploration share of the whole answer (the
-        steps so far and the ``remaining`` tokens at the best rate): a draft model that must first
-        catch up on a long prompt gets one look per answer, which the time since its last draft
-        alone never affords (the backlog grows by a token a step, about as fast as that share of a
-        step)."""
+        """One short draft by an arm idle for this sequence for ``probe_every`` steps -- not a
+        shadow-scored arm (measured anyway), not one that could not beat the best choice even if
+        every drafted token were accepted, and not one whose catch-up costs more than two steps
+        and the exploration share of the time since it last drafted -- or, for one sequence, more
+        than what is left of the exploration share of the whole answer (the steps so far and the
+        ``remaining`` tokens at the best rate): a draft model that must first catch up on a long
+        prompt gets one look per answer, which the time since its last draft alone never affords
+        (the backlog grows by a token a step, about as fast as that share of a step)."""
         k = min(self.cfg.probe_k, max_k)
         answer = seq.seconds + remaining * batch / best if batch == 1 and remaining < float("inf") else 0.0
         for name, state in seq.arms.items():
             a = self.arms[name]
-            wait = self.cfg.probe_every << state.probe_misses if state.looked else self.cfg.settle_steps + 1
-            if a.shadow or name in ranked or state.idle_steps < wait:
+            if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every << state.probe_misses:
                 continue
             catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
             affordable = (catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
@@ -347,4 +340,4 @@ class Bandit:
     def drafted(self, seq: SeqBandit, arm: str) -> None:
         """``arm`` drafted for the sequence: its exploration clock restarts."""
         state = seq.arms[arm]
-        state.idle_steps, state.idle_seconds, state.looked = 0, 0.0, True
+        state.idle_steps, state.idle_seconds = 0, 0.0
