@@ -29,6 +29,9 @@ class Output:
 
 @dataclass(eq=False)
 class Request:
+    """One sequence in the scheduler's hands: where its outputs go, how far they were handed out, and
+    when it arrived, was first scheduled and produced its first token."""
+
     seq: Sequence
     on_output: Callable[[Output], None]  # called on the scheduler thread; must not block
     arrival: int = -1  # set by the scheduler: lower is older

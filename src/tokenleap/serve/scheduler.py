@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tokenleap.config import ConfigError
 from tokenleap.cache.paged import PagedKVCache
-from tokenleap.serve.request import Output, QueueFullError, Request  # noqa: F401 (QueueFullError: re-exported)
+from tokenleap.serve.request import Output, QueueFullError, Request
 from tokenleap.serve.metrics import RequestTiming, ServeSnapshot, ServeStats, log_line
 
 log = logging.getLogger("tokenleap.serve")
