@@ -10,8 +10,7 @@ arm a's drafts, c_a the arm's measured seconds per drafted token at that batch s
 draft forward serves every sequence it drafts for), and F / overhead the target's measured forward
 cost by row count and a step's measured overhead -- the engine's own controller's figures, so
 plain decoding (k = 0) is judged by exactly the numbers the controller uses. A sequence's
-acceptance starts from the arm's mean acceptance over its recent finished sequences, each weighed
-alike (the prior: one long request of another kind does not set it alone), and follows the
+acceptance starts from the arm's recent acceptance over all sequences (the prior) and follows the
 sequence's own text with exponential forgetting, so a request that turns from prose to copying
 code moves to n-gram lookup within a few steps, and back. An arm that often has nothing to propose
 (n-gram lookup without a match) is weighed by how often it has a draft: its other steps decode one
@@ -49,7 +48,6 @@ greedy, seeded and rejection sampling alike.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from tokenleap.spec.controller import ControllerConfig, DraftLengthController
@@ -78,14 +76,6 @@ class BanditConfig:
     # the sequence (up to 2**probe_backoff times probe_every); a draft accepted whole resets it: an arm
     # that keeps missing on this text (lookahead's guesses on prose) stops taxing every 16th step
     probe_backoff: int = 3
-    # a new sequence's prior for an arm's acceptance: the mean over the arm's last this many finished
-    # sequences where they measured a position, each weighed by its observations there up to
-    # ``prior_cap`` (else, and with 0 sequences, the arm's acceptance over its recent drafts): a long
-    # request of one kind -- code that n-gram lookup copies for a hundred steps -- otherwise sets
-    # alone what the next request, perhaps prose, is expected to accept, while a request the arm
-    # drafted for twice says little
-    prior_sequences: int = 8
-    prior_cap: int = 16
 
 
 class SeqAcceptance:
@@ -93,7 +83,6 @@ class SeqAcceptance:
 
     def __init__(self, max_k: int, ema: float, prior_weight: float) -> None:
         self.hits, self.trials = [0.0] * max_k, [0.0] * max_k
-        self.total_hits, self.total_trials = [0] * max_k, [0] * max_k  # the whole sequence, not forgotten
         self.ema, self.prior_weight = ema, prior_weight
 
     def observe(self, proposed: int, accepted: int) -> None:
@@ -102,15 +91,6 @@ class SeqAcceptance:
         for i in range(min(proposed, accepted + 1, len(self.hits))):
             self.hits[i] = self.hits[i] * keep + (1.0 if i < accepted else 0.0)
             self.trials[i] = self.trials[i] * keep + 1.0
-            self.total_hits[i] += 1 if i < accepted else 0
-            self.total_trials[i] += 1
-
-    def summary(self, prior: list[float]) -> list[float | None]:
-        """The sequence's acceptance b_i over all its observations (``prior_weight`` of ``prior``
-        mixed in), None at positions it never observed."""
-        w = self.prior_weight
-        return [(h + w * p) / (t + w) if t else None
-                for h, t, p in zip(self.total_hits, self.total_trials, prior)]
 
     def expected_tokens(self, k: int, prior: list[float]) -> float:
         """E(k): tokens a step drafting k is expected to emit (the bonus token included)."""
@@ -130,8 +110,6 @@ class Arm:
     shadow: bool  # deterministic and nearly free: scored every step by comparing with what was emitted
     costs: DraftLengthController
     aux_rows: int = 0  # rows it adds to each of its steps' target forward beside the draft (lookahead's window)
-    history: deque = field(default_factory=deque)  # finished sequences' (acceptance, observations) by position
-    by_sequence: list[float | None] = field(default_factory=list)  # their mean by position (None: unmeasured)
 
 
 @dataclass
@@ -172,37 +150,11 @@ class Bandit:
         """``arms``: (name, shadow[, auxiliary rows a step]) each."""
         self.cfg = config or BanditConfig()
         ctl = ControllerConfig(max_k=self.cfg.max_k, ema=0.1)
-        self.arms = {a[0]: Arm(a[0], a[1], DraftLengthController(ctl), a[2] if len(a) > 2 else 0,
-                               deque(maxlen=max(1, self.cfg.prior_sequences))) for a in arms}
+        self.arms = {a[0]: Arm(a[0], a[1], DraftLengthController(ctl), a[2] if len(a) > 2 else 0) for a in arms}
 
     def new_sequence(self) -> SeqBandit:
         return SeqBandit({a: SeqArmState(SeqAcceptance(self.cfg.max_k, self.cfg.ema, self.cfg.prior_weight),
                                          depth_seen=[0] * self.cfg.max_k) for a in self.arms})
-
-    def end_sequence(self, seq: SeqBandit) -> None:
-        """A sequence finished: its acceptance of each arm that drafted for it (or was scored on it)
-        joins that arm's prior for new sequences (``prior_sequences``)."""
-        if self.cfg.prior_sequences <= 0:
-            return
-        for name, state in seq.arms.items():
-            a = self.arms[name]
-            summary = state.acceptance.summary(a.costs.accept)
-            if any(v is not None for v in summary):
-                weights = [min(t, self.cfg.prior_cap) for t in state.acceptance.total_trials]
-                a.history.append((summary, weights))
-                a.by_sequence = []
-                for i in range(len(summary)):
-                    w = sum(ws[i] for _, ws in a.history)
-                    a.by_sequence.append(sum(v[i] * ws[i] for v, ws in a.history if v[i] is not None) / w if w else None)
-
-    def prior(self, arm: str) -> list[float]:
-        """The acceptance a sequence of ``arm`` is expected to show before its own observations: the
-        mean over recent finished sequences where they measured the position, else the arm's recent
-        acceptance over all its drafts."""
-        a = self.arms[arm]
-        if not a.by_sequence:
-            return a.costs.accept
-        return [g if s is None else s for s, g in zip(a.by_sequence, a.costs.accept)]
 
     # -- learning ---------------------------------------------------------------------------
     def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
@@ -224,7 +176,7 @@ class Bandit:
         catching up on the tokens it emits (``DraftLengthController.catch_up_seconds``);
         ``proposes``: the arm is known to have a proposal for this step (its offer rate is moot)."""
         a, state = self.arms[arm], seq.arms[arm]
-        tokens = state.acceptance.expected_tokens(k, self.prior(arm))
+        tokens = state.acceptance.expected_tokens(k, a.costs.accept)
         cost = target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
         if state.offers < 1.0 and not proposes:  # a step it has nothing for decodes one token plainly
             tokens = state.offers * tokens + (1.0 - state.offers)
@@ -357,7 +309,7 @@ class Bandit:
 
     def _one_step_gain(self, seq: SeqBandit, c: Choice, batch: int, plain: float) -> float:
         """Seconds one step of ``c`` is predicted to save over decoding its tokens plainly."""
-        tokens = seq.arms[c.arm].acceptance.expected_tokens(c.k, self.prior(c.arm))
+        tokens = seq.arms[c.arm].acceptance.expected_tokens(c.k, self.arms[c.arm].costs.accept)
         return batch * tokens * (1.0 / plain - 1.0 / c.rate) if c.rate > 0 else 0.0
 
     def _probe(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],

@@ -91,9 +91,6 @@ class AutoProposer:
         return self.arms[plan[0].arm].backlog(seq_id, tokens) if plan else 0
 
     def end(self, seq_id: int) -> None:
-        seq = self._seqs.get(seq_id)
-        if seq is not None:  # its acceptance joins the arms' priors for the sequences to come
-            self.bandit.end_sequence(seq)
         for p in self.arms.values():
             p.end(seq_id)
         for table in (self._seqs, self._plans, self._drafted, self._shadows):
