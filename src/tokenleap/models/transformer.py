@@ -348,7 +348,8 @@ class Transformer(TracksChanges):
         x = self.embed(tokens)  # [rows, hidden]
         hidden: dict[int, torch.Tensor] = {}
         n = num_layers or len(self.model.layers)
-        layers = [b for i, b in enumerate(self.model.layers[:n]) if i not in skip]
+        # (not layers[:n]: slicing a ModuleList builds a new one, registering every layer, each forward)
+        layers = [b for i, b in enumerate(self.model.layers) if i < n and i not in skip]
         plans = None
         backend = self.backend  # also sets each Attention's own path
         if rows_fit_fused_layer(x.shape[0], row_exact, cache):
