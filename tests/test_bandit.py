@@ -156,3 +156,44 @@ def test_probes_that_keep_missing_come_less_often_and_a_hit_restores_them():
     restored = probe_steps([0, 0, 2, 0])  # the third probe is accepted whole
     gaps = [b - a for a, b in zip(restored, restored[1:])]
     assert gaps[:3] == [2 * every, 4 * every, every]
+
+
+def stale_probes(finished_without_draft: int, steps: int = 60) -> list[int]:
+    """``probes`` with an unaffordable catch-up (nothing left of the answer's share: remaining
+    unknown), after ``finished_without_draft`` sequences ended without the draft arm drafting."""
+    b, target = bandit(draft_cost=0.002, settle_steps=0), costs(FLAT)
+    b.observe_catch_up("draft", 100, 0.05)
+    old = b.new_sequence()
+    for _ in range(30):
+        b.observe_acceptance(old, "draft", 4, 0)
+        b.observe_acceptance(old, "ngram", 4, 0)
+    for _ in range(finished_without_draft):
+        b.end_sequence(b.new_sequence())
+    seq = b.new_sequence()
+    for step in range(steps):
+        plan = b.plan(seq, 1, target, {"draft": 50 + step}, float("inf"), 4)
+        if plan and plan[0].arm == "draft":
+            assert plan[0].probe
+            b.drafted(seq, "draft")
+            return [step]
+    return []
+
+
+def test_an_arm_gone_stale_across_sequences_is_probed_whatever_its_catch_up_costs():
+    stale = bandit(0.002).cfg.stale_sequences
+    assert stale_probes(stale - 1) == []  # the figures still rule: the catch-up does not fit
+    assert stale_probes(stale) == [bandit(0.002).cfg.probe_every - 1]
+
+
+def test_drafting_for_a_sequence_makes_an_arm_fresh_again():
+    b = bandit(draft_cost=0.002)
+    for _ in range(3):
+        b.end_sequence(b.new_sequence())
+    assert b.arms["draft"].idle_sequences == 3
+    seq = b.new_sequence()
+    b.drafted(seq, "draft")
+    assert b.arms["draft"].idle_sequences == 0
+    b.end_sequence(seq)  # it drafted for this one
+    assert b.arms["draft"].idle_sequences == 0
+    b.end_sequence(b.new_sequence())
+    assert b.arms["draft"].idle_sequences == 1

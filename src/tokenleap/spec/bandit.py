@@ -37,6 +37,9 @@ tried once with a short draft if its catch-up is affordable (for one sequence: a
 exploration share of the whole answer), so a change in the text is noticed; a probe none of whose
 tokens is accepted doubles the wait before that arm's next one (``probe_backoff``), so an arm that
 keeps missing on this text costs fewer probe steps, and any draft of it accepted whole restores it.
+An arm that drafted for none of the last ``stale_sequences`` finished sequences gets that probe in a
+lone sequence whatever its catch-up costs, so figures measured on other text cannot rank it out for
+good.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
 every step without drafting: their proposal is compared with the tokens the step emitted. Their
 proposal for the coming step is known before the plan (``present``): one without a proposal now
@@ -76,6 +79,12 @@ class BanditConfig:
     # the sequence (up to 2**probe_backoff times probe_every); a draft accepted whole resets it: an arm
     # that keeps missing on this text (lookahead's guesses on prose) stops taxing every 16th step
     probe_backoff: int = 3
+    # an arm that drafted for none of the last this many finished sequences is stale: its figures
+    # (the prior acceptance and cost every new sequence starts from) were last measured on other
+    # text, and while they rank it below plain decoding nothing re-measures them -- the arm is not
+    # chosen, and a long prompt's catch-up never fits a probe's share. A lone sequence probes a stale
+    # arm once (``probe_every`` idle steps in), whatever its catch-up costs (0: never)
+    stale_sequences: int = 2
 
 
 class SeqAcceptance:
@@ -110,6 +119,7 @@ class Arm:
     shadow: bool  # deterministic and nearly free: scored every step by comparing with what was emitted
     costs: DraftLengthController
     aux_rows: int = 0  # rows it adds to each of its steps' target forward beside the draft (lookahead's window)
+    idle_sequences: int = 0  # finished sequences in a row it did not draft for
 
 
 @dataclass
@@ -123,6 +133,7 @@ class SeqArmState:
     # no match, and its steps without one decode plainly, so its rate is weighed by this
     offers: float = 1.0
     probe_misses: int = 0  # probes in a row none of whose tokens were accepted
+    drafted_any: bool = False  # the arm drafted for the sequence at least once
 
 
 @dataclass(frozen=True)
@@ -155,6 +166,12 @@ class Bandit:
     def new_sequence(self) -> SeqBandit:
         return SeqBandit({a: SeqArmState(SeqAcceptance(self.cfg.max_k, self.cfg.ema, self.cfg.prior_weight),
                                          depth_seen=[0] * self.cfg.max_k) for a in self.arms})
+
+    def end_sequence(self, seq: SeqBandit) -> None:
+        """A sequence finished: each arm that did not draft for it is one sequence staler."""
+        for name, state in seq.arms.items():
+            a = self.arms[name]
+            a.idle_sequences = 0 if state.drafted_any else a.idle_sequences + 1
 
     # -- learning ---------------------------------------------------------------------------
     def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
@@ -321,7 +338,9 @@ class Bandit:
         than what is left of the exploration share of the whole answer (the steps so far and the
         ``remaining`` tokens at the best rate): a draft model that must first catch up on a long
         prompt gets one look per answer, which the time since its last draft alone never affords
-        (the backlog grows by a token a step, about as fast as that share of a step)."""
+        (the backlog grows by a token a step, about as fast as that share of a step). For one
+        sequence, an arm gone stale across sequences (``stale_sequences``) is looked at whatever its
+        catch-up costs: its figures would otherwise never be measured again."""
         k = min(self.cfg.probe_k, max_k)
         answer = seq.seconds + remaining * batch / best if batch == 1 and remaining < float("inf") else 0.0
         for name, state in seq.arms.items():
@@ -329,8 +348,9 @@ class Bandit:
             if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every << state.probe_misses:
                 continue
             catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
+            stale = batch == 1 and 0 < self.cfg.stale_sequences <= a.idle_sequences
             affordable = (catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
-                          or seq.explored + catch_up <= self.cfg.explore_share * answer)
+                          or seq.explored + catch_up <= self.cfg.explore_share * answer or stale)
             best_case = batch * (k + 1) / target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
             if affordable and best_case > best:
                 seq.explored += catch_up
@@ -341,3 +361,5 @@ class Bandit:
         """``arm`` drafted for the sequence: its exploration clock restarts."""
         state = seq.arms[arm]
         state.idle_steps, state.idle_seconds = 0, 0.0
+        state.drafted_any = True
+        self.arms[arm].idle_sequences = 0

@@ -91,6 +91,9 @@ class AutoProposer:
         return self.arms[plan[0].arm].backlog(seq_id, tokens) if plan else 0
 
     def end(self, seq_id: int) -> None:
+        seq = self._seqs.get(seq_id)
+        if seq is not None:  # arms that did not draft for it grow staler (``Bandit._probe``)
+            self.bandit.end_sequence(seq)
         for p in self.arms.values():
             p.end(seq_id)
         for table in (self._seqs, self._plans, self._drafted, self._shadows):
