@@ -158,11 +158,11 @@ def test_probes_that_keep_missing_come_less_often_and_a_hit_restores_them():
     assert gaps[:3] == [2 * every, 4 * every, every]
 
 
-def stale_probes(finished_without_draft: int, steps: int = 60) -> list[int]:
-    """``probes`` with an unaffordable catch-up (nothing left of the answer's share: remaining
-    unknown), after ``finished_without_draft`` sequences ended without the draft arm drafting."""
+def stale_probes(finished_without_draft: int, feed_seconds: float = 0.002, steps: int = 60) -> list[int]:
+    """``probes`` (128 tokens to come) with a catch-up over the answer's exploration share -- 2 ms a
+    token to feed -- after ``finished_without_draft`` sequences ended without the draft arm drafting."""
     b, target = bandit(draft_cost=0.002, settle_steps=0), costs(FLAT)
-    b.observe_catch_up("draft", 100, 0.05)
+    b.observe_catch_up("draft", 100, 100 * feed_seconds)
     old = b.new_sequence()
     for _ in range(30):
         b.observe_acceptance(old, "draft", 4, 0)
@@ -171,7 +171,7 @@ def stale_probes(finished_without_draft: int, steps: int = 60) -> list[int]:
         b.end_sequence(b.new_sequence())
     seq = b.new_sequence()
     for step in range(steps):
-        plan = b.plan(seq, 1, target, {"draft": 50 + step}, float("inf"), 4)
+        plan = b.plan(seq, 1, target, {"draft": 50 + step}, 128 - step, 4)
         if plan and plan[0].arm == "draft":
             assert plan[0].probe
             b.drafted(seq, "draft")
@@ -179,10 +179,11 @@ def stale_probes(finished_without_draft: int, steps: int = 60) -> list[int]:
     return []
 
 
-def test_an_arm_gone_stale_across_sequences_is_probed_whatever_its_catch_up_costs():
+def test_an_arm_gone_stale_across_sequences_is_probed_with_a_larger_share():
     stale = bandit(0.002).cfg.stale_sequences
-    assert stale_probes(stale - 1) == []  # the figures still rule: the catch-up does not fit
+    assert stale_probes(stale - 1) == []  # the figures still rule: the catch-up does not fit the share
     assert stale_probes(stale) == [bandit(0.002).cfg.probe_every - 1]
+    assert stale_probes(stale, feed_seconds=0.02) == []  # a catch-up of most of the answer: still not
 
 
 def test_drafting_for_a_sequence_makes_an_arm_fresh_again():

@@ -38,8 +38,8 @@ exploration share of the whole answer), so a change in the text is noticed; a pr
 tokens is accepted doubles the wait before that arm's next one (``probe_backoff``), so an arm that
 keeps missing on this text costs fewer probe steps, and any draft of it accepted whole restores it.
 An arm that drafted for none of the last ``stale_sequences`` finished sequences gets that probe in a
-lone sequence whatever its catch-up costs, so figures measured on other text cannot rank it out for
-good.
+lone sequence with a larger share (``stale_share``), so figures measured on other text cannot rank
+it out for good.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
 every step without drafting: their proposal is compared with the tokens the step emitted. Their
 proposal for the coming step is known before the plan (``present``): one without a proposal now
@@ -83,8 +83,10 @@ class BanditConfig:
     # (the prior acceptance and cost every new sequence starts from) were last measured on other
     # text, and while they rank it below plain decoding nothing re-measures them -- the arm is not
     # chosen, and a long prompt's catch-up never fits a probe's share. A lone sequence probes a stale
-    # arm once (``probe_every`` idle steps in), whatever its catch-up costs (0: never)
+    # arm once (``probe_every`` idle steps in) if the catch-up fits ``stale_share`` of its answer's
+    # predicted time (a long document's prompt is not fed to a stale draft model); 0: never
     stale_sequences: int = 2
+    stale_share: float = 0.25
 
 
 class SeqAcceptance:
@@ -339,8 +341,8 @@ class Bandit:
         ``remaining`` tokens at the best rate): a draft model that must first catch up on a long
         prompt gets one look per answer, which the time since its last draft alone never affords
         (the backlog grows by a token a step, about as fast as that share of a step). For one
-        sequence, an arm gone stale across sequences (``stale_sequences``) is looked at whatever its
-        catch-up costs: its figures would otherwise never be measured again."""
+        sequence, an arm gone stale across sequences (``stale_sequences``) is looked at within
+        ``stale_share`` of the answer: its figures would otherwise never be measured again."""
         k = min(self.cfg.probe_k, max_k)
         answer = seq.seconds + remaining * batch / best if batch == 1 and remaining < float("inf") else 0.0
         for name, state in seq.arms.items():
@@ -348,7 +350,8 @@ class Bandit:
             if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every << state.probe_misses:
                 continue
             catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
-            stale = batch == 1 and 0 < self.cfg.stale_sequences <= a.idle_sequences
+            stale = (batch == 1 and 0 < self.cfg.stale_sequences <= a.idle_sequences
+                     and seq.explored + catch_up <= self.cfg.stale_share * answer)
             affordable = (catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
                           or seq.explored + catch_up <= self.cfg.explore_share * answer or stale)
             best_case = batch * (k + 1) / target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
