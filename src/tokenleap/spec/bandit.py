@@ -350,10 +350,11 @@ class Bandit:
             if a.shadow or name in ranked or state.idle_steps < self.cfg.probe_every << state.probe_misses:
                 continue
             catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
-            stale = (batch == 1 and 0 < self.cfg.stale_sequences <= a.idle_sequences
-                     and seq.explored + catch_up <= self.cfg.stale_share * answer)
+            share = self.cfg.explore_share  # of the answer; a stale arm's (one sequence only) is larger
+            if batch == 1 and 0 < self.cfg.stale_sequences <= a.idle_sequences:
+                share = max(share, self.cfg.stale_share)
             affordable = (catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
-                          or seq.explored + catch_up <= self.cfg.explore_share * answer or stale)
+                          or seq.explored + catch_up <= share * answer)
             best_case = batch * (k + 1) / target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
             if affordable and best_case > best:
                 seq.explored += catch_up
