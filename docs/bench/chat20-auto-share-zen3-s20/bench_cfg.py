@@ -2,21 +2,9 @@
 Usage: python bench_cfg.py <tokenleap bench args>"""
 import sys
 from dataclasses import replace
+from pathlib import Path
 
-from tokenleap.bench import common, methods
-from tokenleap.cli.main import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/bench: auto_variant.py
+from auto_variant import run  # noqa: E402
 
-common.FAMILIES["auto"] = common.FAMILIES["auto"] + ("share",)
-_orig = methods._auto
-
-
-def _auto(spec, pool):
-    p = _orig(spec, pool)
-    share = spec.get("share", None)
-    if share is not None:
-        p.bandit.cfg = replace(p.bandit.cfg, explore_share=float(share) / 100)
-    return p
-
-
-methods._auto = _auto
-sys.exit(main(["bench"] + sys.argv[1:]))
+run("share", lambda cfg, p: replace(cfg, explore_share=float(p) / 100))

@@ -3,21 +3,9 @@ observations (``BanditConfig.prior_weight``; auto as configured: 1).
 Usage: python bench_cfg.py <tokenleap bench args>"""
 import sys
 from dataclasses import replace
+from pathlib import Path
 
-from tokenleap.bench import common, methods
-from tokenleap.cli.main import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/bench: auto_variant.py
+from auto_variant import run  # noqa: E402
 
-common.FAMILIES["auto"] = common.FAMILIES["auto"] + ("pw",)
-_orig = methods._auto
-
-
-def _auto(spec, pool):
-    p = _orig(spec, pool)
-    weight = spec.get("pw", None)
-    if weight is not None:
-        p.bandit.cfg = replace(p.bandit.cfg, prior_weight=float(weight))
-    return p
-
-
-methods._auto = _auto
-sys.exit(main(["bench"] + sys.argv[1:]))
+run("pw", lambda cfg, w: replace(cfg, prior_weight=float(w)))

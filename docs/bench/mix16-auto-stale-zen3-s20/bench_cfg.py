@@ -3,20 +3,9 @@
 Usage: python bench_cfg.py <tokenleap bench args>"""
 import sys
 from dataclasses import replace
+from pathlib import Path
 
-from tokenleap.bench import common, methods
-from tokenleap.cli.main import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/bench: auto_variant.py
+from auto_variant import run  # noqa: E402
 
-common.FAMILIES["auto"] = common.FAMILIES["auto"] + ("old",)
-_orig = methods._auto
-
-
-def _auto(spec, pool):
-    p = _orig(spec, pool)
-    if spec.get("old", None) == 1:
-        p.bandit.cfg = replace(p.bandit.cfg, stale_sequences=0)
-    return p
-
-
-methods._auto = _auto
-sys.exit(main(["bench"] + sys.argv[1:]))
+run("old", lambda cfg, old: replace(cfg, stale_sequences=0) if old == 1 else cfg)
