@@ -6,10 +6,17 @@ VNNI ones), alternating, median ms over repeats.
     python scripts/bench_steps.py --model qwen2.5-coder-1.5b-instruct --rows 1 2 4 6
     python scripts/bench_steps.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --rows 1
     python scripts/bench_steps.py --compare vnni --rows 1 2 4 6 8
+    python scripts/bench_steps.py --random-like config.json --quant int4 --rows 1 4 8 16
+
+``--random-like`` builds the model from a Hugging Face config.json with random weights instead
+(quantized by tokenleap's own quantizer, every layer alike; W8A8 without smoothing), for machines
+that hold no checkpoint: a step's time depends on the shapes and kinds of its weights, not their
+values.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -17,8 +24,28 @@ import torch
 
 from tokenleap import kernels
 from tokenleap.cache.contiguous import KVCache
-from tokenleap.models.pretrained import load_model
-from tokenleap.models.transformer import Segment
+from tokenleap.config import ModelConfig
+from tokenleap.models.build import build_transformer
+from tokenleap.models.pretrained import load_model, prepare_for_kernels_, resolve_dtype
+from tokenleap.models.quant import quantize_
+from tokenleap.models.transformer import Segment, Transformer
+
+
+def random_model(config_path: str, dtype: str, quant: str) -> Transformer:
+    """A model of ``config_path``'s shape with random weights (normal, std 0.02; norms at 1)."""
+    config = ModelConfig.from_hf_dict(json.loads(open(config_path).read()))
+    dt = resolve_dtype(dtype)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(config).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    weights = {name: (torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=g) * 0.02).to(dt)
+               for name, shape in shapes.items() if not name.endswith("rotary_emb.inv_freq")}
+    model = build_transformer(config, weights, dt)
+    del weights
+    if quant != "none":
+        quantize_(model, quant)
+    prepare_for_kernels_(model, dt, quant)
+    return model
 
 
 def main() -> None:
@@ -28,12 +55,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="e.g. bfloat16 (with --quant none)")
     ap.add_argument("--gguf-other", default="int8", help="how a GGUF's non-4-bit tensors load (drafts: int4)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6])
+    ap.add_argument("--random-like", metavar="CONFIG_JSON", help="random weights in this HF config's shape")
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--compare", choices=["layers", "vnni"], default="layers",
                     help="layers: compiled vs Python decoder layers; vnni: int4 / int6 on the AVX2 vs the AVX-512 VNNI tiles")
     args = ap.parse_args()
-    model = load_model(args.model, dtype=args.dtype, quant=args.quant, gguf_other=args.gguf_other).model
+    if args.random_like:
+        model = random_model(args.random_like, args.dtype, args.quant)
+        args.model = f"random weights shaped like {args.random_like}"
+    else:
+        model = load_model(args.model, dtype=args.dtype, quant=args.quant, gguf_other=args.gguf_other).model
     cache = KVCache(model.config, 1, args.prompt + max(args.rows) + 1, model.dtype)
     slot = cache.allocate()
     model(torch.randint(0, 1000, (args.prompt,), generator=torch.Generator().manual_seed(0)),

@@ -92,6 +92,14 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     elif quant != "none":
         from tokenleap.models.quant import quantize_
         quantize_(model, quant)
+    prepare_for_kernels_(model, dt, quant)
+    return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)
+
+
+def prepare_for_kernels_(model: Transformer, dt: torch.dtype, quant: str) -> None:
+    """Make a built (and, unless ``quant`` is "none", quantized) model ready for tokenleap's kernels:
+    float32 activations, fused projections, packed bf16 weights, weights on huge pages, and each
+    layer's backend chosen."""
     # tokenleap's products take float32 activations whatever the weights (bf16 -- on AMX tiles
     # where the CPU has them, rounded to bf16 there -- or int4 / int6 / int8 after quantization),
     # so bf16 activations would only add casts and rule out the compiled layers (an int4 0.5B step:
@@ -109,4 +117,3 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
         pack_bf16_weights_(model)  # one copy of each bf16 weight matrix, in the kernel's layout
     move_weights_(model)  # the buffers every decode step streams, on transparent huge pages
     model.backend  # noqa: B018 -- each layer's path chosen now, for the modules as loaded (backend.py)
-    return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)
