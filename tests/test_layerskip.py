@@ -256,31 +256,43 @@ def test_skip_auto_calibrates_on_the_first_request_then_reuses_the_stored_choice
     assert given.skip == frozenset({1, 2}) and given.predicted_speedup is None
 
 
+# (command line, the error it must give). "MODEL" stands for an existing file: these commands are
+# refused before a model is read, so no model needs to be installed (and an error about a missing
+# model cannot stand in for the one each line is about).
 LAYERSKIP_BAD_FLAGS = [
-    ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "ngram", "--skip-layers", "3"],
-    ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "layerskip", "--skip-layers",
-     "3x"],
-    ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "layerskip", "--draft-model",
-     "qwen2.5-coder-0.5b-instruct"],
-    ["calibrate", "--model", "no-such-model"],
-    ["calibrate", "--model", "qwen2.5-coder-1.5b-instruct", "--quant", "int3"],
-    ["calibrate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompts", "/no/such/prompts.jsonl"],
-    ["bench", "--target", "qwen2.5-coder-1.5b-instruct", "--methods", "layerskip:skip=x"],
-    ["bench", "--target", "qwen2.5-coder-1.5b-instruct", "--methods", "layerskip:lookup=maybe"],
-    ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "ngram", "--skip-lookup", "off"],
+    (["generate", "--model", "MODEL", "--prompt", "x", "--spec", "ngram", "--skip-layers", "3"],
+     "--skip-layers goes with --spec layerskip"),
+    (["generate", "--model", "MODEL", "--prompt", "x", "--spec", "layerskip", "--skip-layers", "3x"],
+     "'3x' is not a layer index"),
+    (["generate", "--model", "MODEL", "--prompt", "x", "--spec", "layerskip", "--draft-model", "MODEL"],
+     "not a draft model"),
+    (["calibrate", "--model", "no-such-model"], "'no-such-model' is neither a catalog model"),
+    (["calibrate", "--model", "MODEL", "--quant", "int3"], "'int3' is not a quantization"),
+    (["calibrate", "--model", "MODEL", "--prompts", "/no/such/prompts.jsonl"], "does not exist"),
+    (["bench", "--target", "MODEL", "--methods", "layerskip:skip=x"], "option skip must be"),
+    (["bench", "--target", "MODEL", "--methods", "layerskip:lookup=maybe"], "option lookup must be on or off"),
+    (["generate", "--model", "MODEL", "--prompt", "x", "--spec", "ngram", "--skip-lookup", "off"],
+     "--skip-lookup goes with --spec layerskip"),
 ]
 
 
-def test_skip_lookup_flag_reaches_the_spec_config():
+def a_model_file(tmp_path) -> str:
+    """An existing file where a command line wants a model: enough for flags refused before loading."""
+    path = tmp_path / "model.gguf"
+    path.touch()
+    return str(path)
+
+
+def test_skip_lookup_flag_reaches_the_spec_config(tmp_path):
     from tokenleap.cli.main import build_parser, spec_config
 
-    base = ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--prompt", "x", "--spec", "layerskip"]
+    base = ["generate", "--model", a_model_file(tmp_path), "--prompt", "x", "--spec", "layerskip"]
     assert spec_config(build_parser().parse_args(base)).layerskip_lookup is True
     assert spec_config(build_parser().parse_args(base + ["--skip-lookup", "off"])).layerskip_lookup is False
 
 
-@pytest.mark.parametrize("argv", LAYERSKIP_BAD_FLAGS, ids=[" ".join(a[2:]) for a in LAYERSKIP_BAD_FLAGS])
-def test_bad_layerskip_flags_give_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv):
+@pytest.mark.parametrize("argv,message", LAYERSKIP_BAD_FLAGS, ids=[" ".join(a[2:]) for a, _ in LAYERSKIP_BAD_FLAGS])
+def test_bad_layerskip_flags_give_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, message):
     import tokenleap.api
     import tokenleap.bench.methods
     import tokenleap.models.pretrained
@@ -291,6 +303,8 @@ def test_bad_layerskip_flags_give_one_line_and_exit_2(capsys, tmp_path, monkeypa
     # every module that binds load_model by name, imported before the patch so none keeps ``refuse``
     for module in (tokenleap.models.pretrained, tokenleap.api, tokenleap.bench.methods):
         monkeypatch.setattr(module, "load_model", refuse)
+    model = a_model_file(tmp_path)
+    argv = [model if a == "MODEL" else a for a in argv]
     if argv[0] == "bench":
         argv = argv + ["--out", str(tmp_path / "out")]
     try:
@@ -298,7 +312,7 @@ def test_bad_layerskip_flags_give_one_line_and_exit_2(capsys, tmp_path, monkeypa
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err and message in err, err
 
 
 def test_prefix_head_of_an_int6_head():

@@ -271,10 +271,12 @@ def test_auto_tree_sampling_check_rejects_a_biased_tree_verifier(monkeypatch):
     assert sampling_check.p_value(counts, sampling_check.exact_distribution(target)) < 1e-6
 
 
-def test_cli_spec_tree_default_is_auto():
+def test_cli_spec_tree_default_is_auto(tmp_path):
     from tokenleap.cli.main import build_parser, spec_config
 
-    base = ["generate", "--model", "smollm2-135m-instruct", "--prompt", "x", "--spec", "ngram"]
+    model = tmp_path / "model.gguf"  # an existing file: the flags are read, no model is
+    model.touch()
+    base = ["generate", "--model", str(model), "--prompt", "x", "--spec", "ngram"]
     spec = spec_config(build_parser().parse_args(base))
     assert spec.tree == "auto" and spec.tree_nodes == 15
     spec = spec_config(build_parser().parse_args(base + ["--spec-tree", "off", "--max-tree-nodes", "8"]))
