@@ -1,7 +1,8 @@
 """Microbenchmark of tokenleap's weight-product kernels: int4 (W4A8), int6 (W6A8, Q6_K), int8 and bf16, one layer shape,
 1..8 rows, weights streamed from memory (a rotation of copies larger than the L3 cache); bf16 on AMX
 tiles too where the CPU has them, and int4 / int6 on AMX-INT8 tiles (columns int4-amx, int6-amx) beside the AVX2 kernels, and int4 / int6 on
-the AVX-512 VNNI tiles (int4-vnni, int6-vnni) where the CPU has them but not AMX.
+the AVX-512 VNNI tiles (int4-vnni, int6-vnni) where the CPU has them (an AMX CPU too: there the
+int4 / int6 columns are the AVX2 tiles its calls of fewer rows take).
 
     python scripts/bench_kernels.py [--n 1536 --k 8960]
 """
@@ -16,9 +17,10 @@ import torch
 from tokenleap import kernels
 
 
-def _with_amx_int8_rows(rows: int, fn):
+def _with_amx_int8_rows(rows: int, fn, vnni: bool = False):
     def product(x, *w):
         kernels.set_amx_int8_rows(rows)
+        kernels.set_vnni(vnni)
         return fn(x, *w)
     return product
 
@@ -47,8 +49,10 @@ def main() -> None:
     int4 = kernels.pack_int4(q, scale, -8 * scale)
     amx_int8 = "amx_int8" in kernels.cpu_flags() and kernels.amx_available()
     vnni = not amx_int8 and kernels.vnni_supported()
-    if amx_int8:  # the AVX2 kernel and the AMX-INT8 one (bitwise the same results) side by side
+    if amx_int8:  # the AVX2 kernel, the VNNI and the AMX-INT8 ones (bitwise the same results) side by side
         kinds["int4"] = (_with_amx_int8_rows(0, kernels.int4_linear), int4)
+        if kernels.vnni_supported():
+            kinds["int4-vnni"] = (_with_amx_int8_rows(0, kernels.int4_linear, vnni=True), int4)
         kinds["int4-amx"] = (_with_amx_int8_rows(1, kernels.int4_linear), int4)
     elif vnni:  # the AVX2 tile and the AVX-512 VNNI one (bitwise the same results)
         kinds["int4"] = (_with_vnni(False, kernels.int4_linear), int4)
@@ -62,6 +66,8 @@ def main() -> None:
         kinds["int6"] = (_with_amx_int8_rows(0, kernels.int6_linear) if amx_int8 else
                          _with_vnni(False, kernels.int6_linear) if vnni else kernels.int6_linear, int6)
         if amx_int8:
+            if kernels.vnni_supported():
+                kinds["int6-vnni"] = (_with_amx_int8_rows(0, kernels.int6_linear, vnni=True), int6)
             kinds["int6-amx"] = (_with_amx_int8_rows(1, kernels.int6_linear), int6)
         elif vnni:
             kinds["int6-vnni"] = (_with_vnni(True, kernels.int6_linear), int6)
