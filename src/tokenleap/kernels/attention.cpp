@@ -47,6 +47,48 @@ inline __m256 scores8(const float* qv, const float* kb, const int64_t* ko, int64
   return _mm256_mul_ps(hsum8x8(acc), sc);
 }
 
+// Lane i = the sum of a[i]'s lanes, for 4 vectors, in hsum8x8's order (the halves' sums of pairs, then
+// the low half's plus the high half's), so a score is the same bits whichever of the two forms it.
+inline __m128 hsum4x8(const __m256* a) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// scores8 for two queries at once (qa, qb: [hd]) against the same 8 keys: each key vector is
+// loaded once for both, 4 keys at a time (8 accumulators: AVX2 has 16 registers). Every score is
+// the same chain of FMAs and the same sum as scores8's, so the bits are the same.
+inline void scores8x2(const float* qa, const float* qb, const float* kb, const int64_t* ko, int64_t hd, __m256 sc,
+                      __m256& sa, __m256& sb) {
+  __m128 half[2][2];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[2][4];
+    for (int i = 0; i < 4; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+    const float* k0 = kb + ko[4 * h];
+    const float* k1 = kb + ko[4 * h + 1];
+    const float* k2 = kb + ko[4 * h + 2];
+    const float* k3 = kb + ko[4 * h + 3];
+    for (int64_t d = 0; d < hd; d += 8) {
+      const __m256 a = _mm256_loadu_ps(qa + d), b = _mm256_loadu_ps(qb + d);
+      __m256 k = _mm256_loadu_ps(k0 + d);
+      acc[0][0] = _mm256_fmadd_ps(a, k, acc[0][0]);
+      acc[1][0] = _mm256_fmadd_ps(b, k, acc[1][0]);
+      k = _mm256_loadu_ps(k1 + d);
+      acc[0][1] = _mm256_fmadd_ps(a, k, acc[0][1]);
+      acc[1][1] = _mm256_fmadd_ps(b, k, acc[1][1]);
+      k = _mm256_loadu_ps(k2 + d);
+      acc[0][2] = _mm256_fmadd_ps(a, k, acc[0][2]);
+      acc[1][2] = _mm256_fmadd_ps(b, k, acc[1][2]);
+      k = _mm256_loadu_ps(k3 + d);
+      acc[0][3] = _mm256_fmadd_ps(a, k, acc[0][3]);
+      acc[1][3] = _mm256_fmadd_ps(b, k, acc[1][3]);
+    }
+    half[0][h] = hsum4x8(acc[0]);
+    half[1][h] = hsum4x8(acc[1]);
+  }
+  sa = _mm256_mul_ps(_mm256_set_m128(half[0][1], half[0][0]), sc);
+  sb = _mm256_mul_ps(_mm256_set_m128(half[1][1], half[1][0]), sc);
+}
+
 // acc[c .. c + 8R) += w[i] * v_i[c .. c + 8R) for i in [i0, i1), ascending (acc kept in memory
 // between calls: the same chain of FMAs per element as one pass over every key)
 template <int R>
@@ -75,6 +117,44 @@ inline void add_values_all(const float* w, int64_t i0, int64_t i1, const float* 
       case 3: add_values<3>(w, i0, i1, vb, voff, c, acc); break;
       case 2: add_values<2>(w, i0, i1, vb, voff, c, acc); break;
       default: add_values<1>(w, i0, i1, vb, voff, c, acc); break;
+    }
+  }
+}
+
+// add_values for two (row, head)s at once (weights wa, wb; sums acc_a, acc_b): each value vector
+// is loaded once for both. Per element the same ascending chain of FMAs as add_values.
+template <int R>
+inline void add_values2(const float* wa, const float* wb, int64_t i0, int64_t i1, const float* vb,
+                        const int64_t* voff, int64_t c, float* acc_a, float* acc_b) {
+  __m256 a[R], b[R];
+  for (int r = 0; r < R; ++r) {
+    a[r] = _mm256_loadu_ps(acc_a + c + 8 * r);
+    b[r] = _mm256_loadu_ps(acc_b + c + 8 * r);
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    const __m256 pa = _mm256_set1_ps(wa[i]), pb = _mm256_set1_ps(wb[i]);
+    const float* vv = vb + voff[i] + c;
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = _mm256_loadu_ps(vv + 8 * r);
+      a[r] = _mm256_fmadd_ps(pa, v, a[r]);
+      b[r] = _mm256_fmadd_ps(pb, v, b[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc_a + c + 8 * r, a[r]);
+    _mm256_storeu_ps(acc_b + c + 8 * r, b[r]);
+  }
+}
+
+inline void add_values_all2(const float* wa, const float* wb, int64_t i0, int64_t i1, const float* vb,
+                            const int64_t* voff, int64_t hd, float* acc_a, float* acc_b) {
+  if (i1 <= i0) return;
+  for (int64_t c = 0; c < hd; c += 32) {
+    switch (std::min<int64_t>(4, (hd - c) / 8)) {
+      case 4: add_values2<4>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
+      case 3: add_values2<3>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
+      case 2: add_values2<2>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
+      default: add_values2<1>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
     }
   }
 }
@@ -114,12 +194,19 @@ void attend_unit(const Unit& u, const float* qp, float* op, const float* kb, con
   // scores of the shared keys, 8 at a time: every row's first blocks of 8 (which keys take the
   // 8-wide path depends only on the row's own key count, and every row has at least `shared`)
   const int64_t blocks = shared / 8 * 8;
+  const auto keep = [&](int64_t p, int64_t j, __m256 sv) {
+    _mm256_storeu_ps(s.w.data() + p * stride + j, sv);
+    _mm256_storeu_ps(s.mx.data() + p * 8, _mm256_max_ps(_mm256_loadu_ps(s.mx.data() + p * 8), sv));
+  };
   for (int64_t j = 0; j < blocks; j += 8) {
-    for (int64_t p = 0; p < P; ++p) {
-      const __m256 sv = scores8(qrow(p), kb, first.ko + j, hd, sc);
-      _mm256_storeu_ps(s.w.data() + p * stride + j, sv);
-      _mm256_storeu_ps(s.mx.data() + p * 8, _mm256_max_ps(_mm256_loadu_ps(s.mx.data() + p * 8), sv));
+    int64_t p = 0;
+    for (; p + 2 <= P; p += 2) {  // two (row, head)s per pass over the block's keys
+      __m256 sa, sb;
+      scores8x2(qrow(p), qrow(p + 1), kb, first.ko + j, hd, sc, sa, sb);
+      keep(p, j, sa);
+      keep(p + 1, j, sb);
     }
+    if (p < P) keep(p, j, scores8(qrow(p), kb, first.ko + j, hd, sc));
   }
   // each (row, head): the rest of its scores, as 8-wide blocks then one by one; exp and their sum
   for (int64_t p = 0; p < P; ++p) {
@@ -158,8 +245,11 @@ void attend_unit(const Unit& u, const float* qp, float* op, const float* kb, con
   // values: the shared ones a block at a time for every (row, head), then each its own rest
   for (int64_t i0 = 0; i0 < shared; i0 += kValueBlock) {
     const int64_t i1 = std::min(shared, i0 + kValueBlock);
-    for (int64_t p = 0; p < P; ++p)
-      add_values_all(s.w.data() + p * stride, i0, i1, vb, first.vo, hd, s.acc.data() + p * hd);
+    int64_t p = 0;
+    for (; p + 2 <= P; p += 2)
+      add_values_all2(s.w.data() + p * stride, s.w.data() + (p + 1) * stride, i0, i1, vb, first.vo, hd,
+                      s.acc.data() + p * hd, s.acc.data() + (p + 1) * hd);
+    if (p < P) add_values_all(s.w.data() + p * stride, i0, i1, vb, first.vo, hd, s.acc.data() + p * hd);
   }
   for (int64_t p = 0; p < P; ++p) {
     const int64_t t = u.t0 + p / nh;
