@@ -7,7 +7,8 @@
 // more threads than kv heads) over a run of rows. The keys all rows of a unit see in the same order
 // (their lists' common prefix: the committed cache) are read once per block for every (row, head)
 // of the unit, from L1, instead of once per (row, head) from memory: a 1.5B model's six query heads
-// per kv head, and a verification step's rows, share one pass over the cache.
+// per kv head, and a verification step's rows, share one pass over the cache. Within a block, two
+// (row, head)s go together, so each key and value vector is loaded into a register once for both.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
