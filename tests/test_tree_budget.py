@@ -17,7 +17,7 @@ from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.tree_budget import TreeModel, TreePlanner, depths_and_ranks
 
-from conftest import ToyTokenizer, tiny_model
+from conftest import ToyTokenizer, a_model_file, tiny_model
 from tree_helpers import restart_from_p_ignoring_q
 
 VOCAB = 96
@@ -274,9 +274,7 @@ def test_auto_tree_sampling_check_rejects_a_biased_tree_verifier(monkeypatch):
 def test_cli_spec_tree_default_is_auto(tmp_path):
     from tokenleap.cli.main import build_parser, spec_config
 
-    model = tmp_path / "model.gguf"  # an existing file: the flags are read, no model is
-    model.touch()
-    base = ["generate", "--model", str(model), "--prompt", "x", "--spec", "ngram"]
+    base = ["generate", "--model", a_model_file(tmp_path), "--prompt", "x", "--spec", "ngram"]
     spec = spec_config(build_parser().parse_args(base))
     assert spec.tree == "auto" and spec.tree_nodes == 15
     spec = spec_config(build_parser().parse_args(base + ["--spec-tree", "off", "--max-tree-nodes", "8"]))
