@@ -247,8 +247,9 @@ class Bandit:
 
     def _deepen(self, seq: SeqBandit, choice: Choice, max_k: int) -> Choice:
         """``choice`` one token deeper if the arm has not drafted that position for this sequence in
-        ``deepen_every`` steps (not for shadow arms: scored at full depth every step anyway); the
-        positions drafted are marked as seen."""
+        ``deepen_every`` steps (not for shadow arms: on the steps they do not draft, their whole
+        proposal is compared with the tokens the step emits); the positions drafted are marked as
+        seen. A shadow arm that drafts every step is measured only to the depth it drafts."""
         state, k = seq.arms[choice.arm], choice.k
         if (not self.arms[choice.arm].shadow and k < max_k
                 and seq.steps - state.depth_seen[k] >= self.cfg.deepen_every):
