@@ -259,18 +259,33 @@ def _replica_labels(text: str) -> list[str]:
             if ln.startswith("vllm:generation_tokens_total{")]
 
 
-def _aborted(url: str) -> float:
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in _metrics(url).splitlines()
-               if ln.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in ln)
+def _finished(url: str) -> dict[str, float]:
+    """Finished requests by reason over both replicas."""
+    out: dict[str, float] = {}
+    for ln in _metrics(url).splitlines():
+        if ln.startswith("vllm:request_success_total{"):
+            reason = ln.split('finished_reason="')[1].split('"')[0]
+            out[reason] = out.get(reason, 0.0) + float(ln.rsplit(" ", 1)[1])
+    return out
 
 
 def test_a_client_leaving_a_stream_stops_its_sequence(ingress):
-    before = _aborted(ingress)
+    """The client reads the first chunk and leaves: the replica cancels the sequence (finished as
+    "abort"). The tiny replica can run through its whole position range in about a second, and a
+    cancellation that takes longer to cross the proxy, the ingress and the replica (the first stream
+    of a cold deployment, a loaded machine) finds the sequence ended by its length; so the client
+    leaves up to three times, each stream must end, and one of them must be cancelled."""
     body = {"model": MODEL, "prompt": [4, 5, 6], "max_tokens": replica_helpers.REPLICA_MAX_LEN - 8,
             "temperature": 0, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", ingress + "/v1/completions", json=body, timeout=60) as r:
-        next(r.iter_lines())  # the first chunk, then the client goes away
-    assert wait_until(lambda: _aborted(ingress) == before + 1, 30), "the replica's sequence was not cancelled"
+    for _ in range(3):
+        before = _finished(ingress)
+        with httpx.stream("POST", ingress + "/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # the first chunk, then the client goes away
+        assert wait_until(lambda: sum(_finished(ingress).values()) == sum(before.values()) + 1, 30), \
+            "the stream's sequence neither ended nor was cancelled"
+        if _finished(ingress).get("abort", 0.0) == before.get("abort", 0.0) + 1:
+            return
+    pytest.fail("three streams whose client left all ran to their length: none was cancelled")
 
 
 def test_a_replica_killed_under_load(ingress):
