@@ -145,13 +145,19 @@ def _metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=30).text
 
 
+def _by_label(url: str, metric: str, label: str) -> dict[str, float]:
+    """``metric``'s values summed by the value of its ``label``."""
+    out: dict[str, float] = {}
+    for line in _metrics(url).splitlines():
+        if line.startswith(metric + "{"):
+            key = line.split(f'{label}="')[1].split('"')[0]
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _routed(url: str) -> dict[str, float]:
     """The ingress's requests per replica."""
-    out = {}
-    for line in _metrics(url).splitlines():
-        if line.startswith("tokenleap:ingress_requests_total{"):
-            out[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return out
+    return _by_label(url, "tokenleap:ingress_requests_total", "replica")
 
 
 def _counter(url: str, name: str) -> float:
@@ -261,12 +267,7 @@ def _replica_labels(text: str) -> list[str]:
 
 def _finished(url: str) -> dict[str, float]:
     """Finished requests by reason over both replicas."""
-    out: dict[str, float] = {}
-    for ln in _metrics(url).splitlines():
-        if ln.startswith("vllm:request_success_total{"):
-            reason = ln.split('finished_reason="')[1].split('"')[0]
-            out[reason] = out.get(reason, 0.0) + float(ln.rsplit(" ", 1)[1])
-    return out
+    return _by_label(url, "vllm:request_success_total", "finished_reason")
 
 
 def test_a_client_leaving_a_stream_stops_its_sequence(ingress):
