@@ -62,7 +62,7 @@ def _load() -> None:
         log.warning("tokenleap CPU kernels unavailable (%s); using torch's kernels", reason)
     elif "amx_int8" in cpu_flags():
         # an AMX CPU: AMX-INT8 tiles from AMX_INT8_MIN_ROWS rows; below that the AVX-512 VNNI tiles
-        # (left on, as on every CPU that has them: faster than the AVX2 tiles for 1-3 rows there too)
+        # (left on, as on every CPU that has them: faster than the AVX2 tiles at 1-16 rows there too)
         if _tiles_granted("amx_int8"):
             torch.ops.tokenleap.amx_int8_rows(AMX_INT8_MIN_ROWS)
     _state["reason"] = reason
@@ -105,11 +105,12 @@ def w8a8_available() -> bool:
 
 
 # int4 / int6 products of at least this many rows run on AMX-INT8 tiles where the CPU has them
-# (loading the kernels sets it). int4 on a 2-core Xeon (ms, AVX2 kernel / tiles): a 1536x8960
-# layer streamed from memory (bench_kernels.py) 0.31 / 0.29, 0.35 / 0.30, 0.42 / 0.34 for 1, 2, 4
-# rows; weights the L3 holds (a 0.5B draft's 9728x896 layer) 0.10 / 0.18, 0.14 / 0.18, 0.24 / 0.20
-# -- from 4 rows the tiles win in both cases (int6, streamed: 0.81 / 0.62 at 4 rows).
-AMX_INT8_MIN_ROWS = 4
+# (loading the kernels sets it); fewer rows take the AVX-512 VNNI tiles. On a 2-core Xeon (model
+# 207), a whole int4 step of the 1.5B model (ms, AMX from 4 rows / VNNI at every count, interleaved):
+# 95 / 80 at 4 rows, 109 / 101 at 6, 136 / 151 at 8, 250 / 277 at 16; the 0.5B: 37 / 28 at 4, 43 /
+# 45 at 8. The int6 LM head alone (151936x1536): VNNI 14.7 / 19.8 / 27.0 ms at 4 / 6 / 8 rows, AMX
+# 22.8 / 25.0 / 27.7.
+AMX_INT8_MIN_ROWS = 8
 
 
 def set_amx_int8_rows(rows: int) -> int:
