@@ -250,11 +250,19 @@ def _auto_trees(monkeypatch) -> list[int]:
     return sizes
 
 
-def test_auto_tree_sampling_is_exact(monkeypatch):
+@pytest.mark.parametrize("full_trees", [False, True])
+def test_auto_tree_sampling_is_exact(monkeypatch, full_trees):
+    """The adaptive planner decides from measured times how many steps verify trees, so alone it
+    would leave this check's power to the machine; ``full_trees`` verifies a full tree every step, the
+    negative control's setting below, with the real verifier."""
     target, draft = sampling_check.model(11, 1.0), sampling_check.model(12, 2.0)
     sizes = _auto_trees(monkeypatch)
+    if full_trees:
+        monkeypatch.setattr(TreePlanner, "fixed_depth_plan", lambda self, chain, batch, nodes, k: StepPlan(k, nodes))
     counts = sampling_check.sample_counts(target, draft, seed=6, monkeypatch=monkeypatch)
     assert sizes and max(sizes) > 3  # branching trees were verified
+    if full_trees:
+        assert min(sizes) > 3
     assert sampling_check.p_value(counts, sampling_check.exact_distribution(target)) > 1e-3
 
 
