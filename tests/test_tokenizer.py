@@ -115,6 +115,19 @@ def test_chat_template_features_and_errors():
         tok.apply_chat_template([])
 
 
+def test_developer_messages_are_system_where_the_template_has_no_developer_role():
+    # like Qwen2.5's template: it renders system, user and assistant turns, and drops any other
+    known = ("{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}<{{ m.role }}>{{ m.content }}"
+             "{% endif %}{% endfor %}")
+    msgs = [{"role": "developer", "content": "rules"}, {"role": "user", "content": "hi"}]
+    tok = Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.chat_template": known}))
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<system>rules<user>hi"
+    assert msgs[0]["role"] == "developer"  # the caller's messages are left as they were
+    own = known.replace("'assistant'", "'assistant', 'developer'")  # a template that knows the role keeps it
+    tok = Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.chat_template": own}))
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<developer>rules<user>hi"
+
+
 def test_continue_final_message_and_template_variables():
     templ = CHATML.replace("{% endfor %}", "{% endfor %}{% if flag %}FLAG{% endif %}")
     tok = Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.chat_template": templ}))

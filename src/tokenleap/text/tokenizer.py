@@ -349,12 +349,17 @@ class Tokenizer:
     # -- chat -----------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
-        """Render a conversation with the model's chat template, as transformers does."""
+        """Render a conversation with the model's chat template, as transformers does. OpenAI's
+        ``developer`` messages (the instructions newer clients send instead of ``system``) are rendered
+        as ``system`` where the template has no developer role of its own: templates that predate it
+        drop such a message (Qwen2.5's) or write a turn the model never saw."""
         if not self.chat_template:
             raise ChatTemplateError(
                 "this model has no chat template, so it cannot format chat messages; use --chat "
                 "(or chat messages) only with instruct/chat models, or pass a plain text prompt")
         _check_messages(messages)
+        if "developer" not in self.chat_template:
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         template = _compile_template(self.chat_template)
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                      "pad_token": self.pad_token, "unk_token": self.unk_token, **kwargs}
