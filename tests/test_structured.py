@@ -276,6 +276,17 @@ def test_server_response_format_and_guided_fields(server):
     assert text.lstrip().startswith("{") and (r.choices[0].finish_reason != "stop" or isinstance(json.loads(text), dict))
 
 
+def test_responses_api_text_format(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    r = c.responses.create(model="m", input="data?", max_output_tokens=80, temperature=0,
+                           text={"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}})
+    assert r.status == "completed" and follows("json", r.output_text)
+    assert r.text.format.type == "json_schema"
+    events = list(c.responses.create(model="m", input="data?", max_output_tokens=80, temperature=0, stream=True,
+                                     text={"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+
+
 def test_server_rejects_bad_constraints(server):
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     for body, message in (({"guided_regex": "(unclosed"}, "invalid regex"),

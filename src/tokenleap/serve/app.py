@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
-and vLLM's /tokenize and /detokenize.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
+/health, /metrics, and vLLM's /tokenize and /detokenize.
 
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
 background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
@@ -19,7 +19,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +33,12 @@ from starlette.requests import ClientDisconnect
 
 from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
-from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       bad_request, chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
-                       check_token_ids, parse_body, sampling_params, structured_output)
+from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
+                       ResponsesRequest, TokenizeRequest, bad_request, chat_messages, chat_options, check_common,
+                       check_logit_bias, check_max_tokens, check_token_ids, parse_body, sampling_params,
+                       structured_output)
 from tokenleap.serve.responses import Format, TokenText, chat_delta, new_id, now, sse
+from tokenleap.serve.responses_api import ResponseWriter, chat_request
 from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
@@ -89,6 +91,7 @@ class OpenAIServer:
                                allow_headers=["*"], allow_credentials="*" not in self.cfg.allowed_origins)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
@@ -128,12 +131,32 @@ class OpenAIServer:
             raise bad_request("a forced tool call (tool_choice required or named) cannot take response_format "
                               "or guided_* as well", "tool_choice")
         prompt = self._encode_chat(chat_messages(req), tools, chat_options(req))
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        budget = check_max_tokens(requested, len(prompt), self.engine.max_len, None)
+        named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
                       include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)),
                       tools=tools)
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
+
+    async def responses(self, request: HTTPRequest) -> Response:
+        """OpenAI's Responses API over the chat path (``responses_api``): one reply, no tools, nothing stored."""
+        self._auth(request)
+        req = parse_body(await request.body(), ResponsesRequest)
+        chat = chat_request(req)
+        self._check(chat)
+        prompt = self._encode_chat(chat_messages(chat), ToolPlan(), chat_options(chat))
+        budget = check_max_tokens(req.max_output_tokens, len(prompt), self.engine.max_len, None,
+                                  "max_output_tokens")
+        writer = ResponseWriter(new_id("resp"), self.cfg.model_name, now(), req, new_id("msg"))
+        job = await self._start(chat, [prompt], [budget], structured_output(chat))
+        fmt = Format(writer.id, "response", self.cfg.model_name, writer.created, chat=True)
+        if req.stream:
+            return StreamingResponse(self._logged(job, fmt, writer.events(job)), media_type="text/event-stream")
+        try:
+            texts, reasons, _ = await self._collect(request, job, fmt)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(writer.final(texts[0], reasons[0], job.usage()))
 
     async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
         """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize."""
@@ -177,7 +200,20 @@ class OpenAIServer:
     async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: Format,
                    logprobs: int | None = None, prompt_logprobs: int | None = None,
                    echo: list[str] | None = None) -> Response:
-        spec = fmt.tools.grammar or structured_output(req)
+        job = await self._start(req, prompts, budgets, fmt.tools.grammar or structured_output(req), logprobs,
+                                prompt_logprobs, echo)
+        if req.stream:
+            return StreamingResponse(self._logged(job, fmt, self._chunks(job, fmt)), media_type="text/event-stream")
+        try:
+            texts, reasons, scored = await self._collect(http, job, fmt)
+        except ClientGone:
+            return Response(status_code=499)
+        choices = [fmt.choice(i, t, r, s) for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
+        return JSONResponse(fmt.obj(choices, usage=job.usage()))
+
+    async def _start(self, req, prompts: list[list[int]], budgets: list[int], spec, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None, echo: list[str] | None = None) -> Job:
+        """The request's sequences submitted (``spec``: the grammar its replies follow, if any)."""
         if spec is not None:  # the first structured request builds the grammar tokenizer (~1 s): off the loop
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.engine.constraints.prepare, spec)
@@ -188,17 +224,15 @@ class OpenAIServer:
             job.prompt_text = req.prompt if isinstance(getattr(req, "prompt", None), str) else json.dumps(
                 req.prompt if hasattr(req, "prompt") else [m.model_dump(exclude_none=True) for m in req.messages],
                 ensure_ascii=False)
-        if req.stream:
-            return StreamingResponse(self._stream(job, fmt), media_type="text/event-stream")
+        return job
+
+    async def _collect(self, http: HTTPRequest, job: Job, fmt: Format):
+        """``job.collect``; then, however it ends, the job's sequences are cancelled and its line logged."""
         try:
-            texts, reasons, scored = await job.collect(http)
-        except ClientGone:
-            return Response(status_code=499)
+            return await job.collect(http)
         finally:
             job.cancel()
             self._log(job, fmt)
-        choices = [fmt.choice(i, t, r, s) for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
-        return JSONResponse(fmt.obj(choices, usage=job.usage()))
 
     def _submit(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
                 prompt_logprobs: int | None, echo: list[str] | None, structured=None) -> Job:
@@ -219,43 +253,51 @@ class OpenAIServer:
             raise APIError(503, f"the server is busy: {e}", "server_busy", None, "queue_full") from None
         return job
 
-    async def _stream(self, job: Job, fmt: Format) -> AsyncIterator[str]:
+    async def _chunks(self, job: Job, fmt: Format) -> AsyncIterator[str]:
+        """A streamed completion's or chat reply's events (``_logged`` ends the job)."""
         chunk_fmt = Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
                             fmt.chat, fmt.include_usage, fmt.tokens)
         offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
         # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
         calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
-        try:
-            if fmt.chat:
-                first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
-                yield sse(chunk_fmt.obj(first, **fmt.with_usage()))
-            async for i, out in job.outputs():
-                if out.error:
-                    yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
-                    break
-                text, scored = job.piece(i, out)
-                reason, calls = out.finish_reason, []
-                if calling is not None:
-                    text = calling[i].feed(text)
-                    if reason is not None:
-                        rest, calls = calling[i].finish()
-                        text, reason = text + rest, "tool_calls" if calls else reason
-                if calls:  # the content first, then the calls with the finish reason
-                    if text or (scored and fmt.tokens):
-                        choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
-                        yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
-                    delta = chat_delta(i, {"tool_calls": call_deltas(calls)}, reason)
-                    yield sse(chunk_fmt.obj([delta], **fmt.with_usage()))
-                elif text or reason or (scored and fmt.tokens):
-                    choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
+        if fmt.chat:
+            first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
+            yield sse(chunk_fmt.obj(first, **fmt.with_usage()))
+        async for i, out in job.outputs():
+            if out.error:
+                yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
+                break
+            text, scored = job.piece(i, out)
+            reason, calls = out.finish_reason, []
+            if calling is not None:
+                text = calling[i].feed(text)
+                if reason is not None:
+                    rest, calls = calling[i].finish()
+                    text, reason = text + rest, "tool_calls" if calls else reason
+            if calls:  # the content first, then the calls with the finish reason
+                if text or (scored and fmt.tokens):
+                    choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
                     yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
-                    if fmt.tokens:
-                        offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
-            else:
-                if fmt.include_usage:
-                    yield sse(chunk_fmt.obj([], usage=job.usage()))
-            yield sse("[DONE]")
-        finally:  # normal end, error, or the client went away (the task is cancelled)
+                delta = chat_delta(i, {"tool_calls": call_deltas(calls)}, reason)
+                yield sse(chunk_fmt.obj([delta], **fmt.with_usage()))
+            elif text or reason or (scored and fmt.tokens):
+                choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
+                yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                if fmt.tokens:
+                    offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
+        else:
+            if fmt.include_usage:
+                yield sse(chunk_fmt.obj([], usage=job.usage()))
+        yield sse("[DONE]")
+
+    async def _logged(self, job: Job, fmt: Format, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """``events`` as they come; then, however the stream ends (the client gone too), the job's
+        sequences are cancelled and its line logged."""
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    yield event
+        finally:
             job.cancel()
             self._log(job, fmt)
 

@@ -159,6 +159,30 @@ class ChatRequest(_Sampling):
     continue_final_message: bool | None = False
 
 
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Int64 | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted; nothing is stored
+    # refused with a reason: this server keeps no responses and runs no tools
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
 class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages
     model: str | None = None
     prompt: str | None = None
@@ -236,6 +260,11 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
         message = str(e)
         param = message.split(" ", 1)[0]
         raise bad_request(message, param if param.isidentifier() else None) from None
+
+
+def sampling_fields(req: _Sampling) -> dict[str, Any]:
+    """``req``'s sampling fields by name (to carry them into another request type)."""
+    return {name: getattr(req, name) for name in _Sampling.model_fields}
 
 
 def structured_output(req: _Sampling) -> StructuredOutput | None:
@@ -342,14 +371,18 @@ def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
-def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
-    """The completion budget: an explicit value must fit the context; a default is cut to fit."""
+def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None,
+                     param: str = "max_tokens") -> int:
+    """The completion budget: an explicit value (``param``: its name in the request) must be at least
+    1 and fit the context; a default is cut to fit."""
     room = max_model_len - prompt_len
     if requested is None:
         return max(1, min(default or room, room))
-    if isinstance(requested, int) and requested >= 1 and prompt_len + requested > max_model_len:
+    if requested < 1:
+        raise bad_request(f"{param} must be an integer >= 1, got {requested}", param)
+    if prompt_len + requested > max_model_len:
         raise bad_request(f"this model's maximum context length is {max_model_len} tokens; you requested "
                           f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the "
-                          f"completion): lower max_tokens or shorten the prompt", "max_tokens",
+                          f"completion): lower {param} or shorten the prompt", param,
                           "context_length_exceeded")
     return requested

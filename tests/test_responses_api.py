@@ -1,0 +1,150 @@
+"""/v1/responses (OpenAI's Responses API), exercised with the official ``openai`` client against a
+real uvicorn server on a tiny model: the reply equals the same conversation run alone, streamed or
+not, and what the server cannot do is a 400 that says why."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tokenleap.config import SamplingParams
+
+from tokenleap.serve.app import ServerConfig, create_app
+from tokenleap.serve.scheduler import SchedulerConfig
+
+from serving_helpers import VOCAB, ChatToyTokenizer, FailingProposer, LiveServer, alone, paged_engine, wait_until
+from test_server import KEY, NAME, client, start
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start(api_key=KEY) as s:
+        yield s
+
+
+def reference(messages: list[dict], max_tokens: int, **kw):
+    tok = ChatToyTokenizer(VOCAB)
+    prompt = tok.encode(tok.apply_chat_template(messages))
+    return prompt, alone(prompt, SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def check_status(r, ref) -> None:
+    if ref.finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+
+
+def test_text_input_and_instructions(server):
+    c = client(server)
+    r = c.responses.create(model=NAME, input="hello there", max_output_tokens=9, temperature=0)
+    prompt, ref = reference([{"role": "user", "content": "hello there"}], 9)
+    assert r.object == "response" and r.model == NAME and r.id.startswith("resp")
+    assert r.output_text == ref.text and r.output[0].role == "assistant"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(prompt), ref.num_generated)
+    assert r.usage.total_tokens == len(prompt) + ref.num_generated
+    check_status(r, ref)
+    r = c.responses.create(model=NAME, instructions="be brief", input="why?", max_output_tokens=12, temperature=0,
+                           metadata={"k": "v"})
+    _, ref = reference([{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}], 12)
+    assert r.output_text == ref.text and r.instructions == "be brief" and r.metadata == {"k": "v"}
+    check_status(r, ref)
+
+
+def test_message_items_with_text_parts(server):
+    c = client(server)
+    items = [{"role": "developer", "content": "rules"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "first "},
+                                                             {"type": "input_text", "text": "question"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "an answer"}]},
+             {"role": "user", "content": "more"}]
+    r = c.responses.create(model=NAME, input=items, max_output_tokens=10, temperature=0.8, top_p=0.9,
+                           extra_body={"seed": 5})
+    _, ref = reference([{"role": "developer", "content": "rules"}, {"role": "user", "content": "first question"},
+                        {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}],
+                       10, temperature=0.8, top_p=0.9, seed=5)
+    assert r.output_text == ref.text  # seeded sampling: the same tokens as the conversation run alone
+    check_status(r, ref)
+
+
+def test_streamed_events(server):
+    c = client(server)
+    events = list(c.responses.create(model=NAME, input="stream it", max_output_tokens=15, temperature=0, stream=True))
+    _, ref = reference([{"role": "user", "content": "stream it"}], 15)
+    kinds = [e.type for e in events]
+    last = "response.incomplete" if ref.finish_reason == "length" else "response.completed"
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", last]
+    assert set(kinds[4:-4]) <= {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == ref.text == events[-4].text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == ref.num_generated
+    assert len({e.item_id for e in events if hasattr(e, "item_id")}) == 1
+
+
+def test_a_client_leaving_a_stream_cancels_its_sequence():
+    with start() as s:
+        body = {"model": NAME, "input": "leave early", "max_output_tokens": 80, "stream": True,
+                "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/responses", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            deltas = 0
+            for line in r.iter_lines():
+                deltas += line == "event: response.output_text.delta"
+                if deltas == 2:
+                    break
+        assert deltas == 2
+        assert wait_until(lambda: s.scheduler.idle)
+        assert s.scheduler.stats.finished == {"abort": 1} and s.scheduler.engine.cache.num_used_blocks == 0
+
+
+class FailingInChat(FailingProposer):
+    """Proposals fail for sequences whose prompt holds token 66 anywhere (a chat prompt starts with
+    the template's text)."""
+
+    def begin(self, seq_id, prompt):
+        if 66 in prompt:
+            self.bad.add(seq_id)
+        self.inner.begin(seq_id, prompt)
+
+
+def test_a_failing_request_gets_an_error_streamed_or_not():
+    eng = paged_engine("ngram", k=2)
+    eng.proposer = FailingInChat(eng.proposer)
+    with LiveServer(create_app(eng, ServerConfig(NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
+        c = client(s)
+        bad = "xy" + chr(66 + 96)  # encodes to token 66: its proposer raises
+        with pytest.raises(openai.InternalServerError, match="boom in propose"):
+            c.responses.create(model=NAME, input=bad, max_output_tokens=10, temperature=0)
+        events = list(c.responses.create(model=NAME, input=bad, max_output_tokens=10, temperature=0, stream=True))
+        assert [e.type for e in events][-2:] == ["error", "response.failed"]
+        assert "boom in propose" in events[-2].message and events[-1].response.status == "failed"
+        assert wait_until(lambda: s.scheduler.idle) and eng.cache.num_used_blocks == 0
+        assert c.responses.create(model=NAME, input="fine", max_output_tokens=4, temperature=0).status
+
+
+def test_what_cannot_be_done_is_a_clear_400(server):
+    c = client(server)
+    bad = [({"input": "x", "previous_response_id": "resp_1"}, "stores no responses"),
+           ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools are not supported"),
+           ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "'function_call_output'"),
+           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "text part"),
+           ({"input": [{"role": "tool", "content": "1"}]}, "role must be one of"),
+           ({"input": []}, "non-empty list"),
+           ({"input": "x", "n": 2}, "n is not"),
+           ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "needs a schema"),
+           ({"input": "x", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}},
+            "not both"),
+           ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be"),
+           ({"input": "x" * 200, "max_output_tokens": 5}, "lower max_output_tokens"),
+           ({"input": "x", "temperature": -1}, "temperature")]
+    for body, message in bad:
+        r = httpx.post(server.url + "/v1/responses", json={"model": NAME, **body},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+    assert httpx.post(server.url + "/v1/responses", json={"input": "x"}).status_code == 401
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="other", input="x", max_output_tokens=3)
+    assert c.responses.create(model=NAME, input="still here", max_output_tokens=3, temperature=0).output_text
