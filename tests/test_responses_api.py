@@ -128,11 +128,13 @@ def test_a_failing_request_gets_an_error_streamed_or_not():
 def test_what_cannot_be_done_is_a_clear_400(server):
     c = client(server)
     bad = [({"input": "x", "previous_response_id": "resp_1"}, "stores no responses"),
-           ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools are not supported"),
-           ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "'function_call_output'"),
+           ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "does not take tools"),
+           ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "'item_reference'"),
+           ({"input": [{"type": "reasoning", "summary": []}]}, "holds no message"),
+           ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "arguments must be a string"),
            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "text part"),
            ({"input": [{"role": "tool", "content": "1"}]}, "role must be one of"),
-           ({"input": []}, "non-empty list"),
+           ({"input": []}, "non-empty list of items"),
            ({"input": "x", "n": 2}, "n is not"),
            ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "needs a schema"),
            ({"input": "x", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}},
@@ -148,3 +150,28 @@ def test_what_cannot_be_done_is_a_clear_400(server):
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="other", input="x", max_output_tokens=3)
     assert c.responses.create(model=NAME, input="still here", max_output_tokens=3, temperature=0).output_text
+
+
+def test_function_call_items_become_the_chat_turns_of_a_tool_call():
+    from tokenleap.serve.protocol import ResponsesRequest, chat_messages
+    from tokenleap.serve.responses_api import chat_request
+
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "reasoning", "summary": []},  # written by other servers: skipped
+        {"role": "assistant", "content": "Let me look."},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "noon"}]}]})
+    messages = chat_messages(chat_request(req))
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+    assert messages[1]["content"] == "Let me look."
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in messages[1]["tool_calls"]] == [
+        ("call_1", "get_weather", {"city": "Paris"}), ("call_2", "get_time", {})]
+    assert [(m["tool_call_id"], m["content"]) for m in messages[2:]] == [("call_1", "sunny"), ("call_2", "noon")]
+    req = ResponsesRequest.model_validate({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                                                      "arguments": "{}"}]})
+    assert chat_messages(chat_request(req))[0] == {
+        "role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                                                            "function": {"name": "f", "arguments": {}}}]}

@@ -308,3 +308,57 @@ def test_server_rejects_tools_it_cannot_honour(scripted):
                 {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                       "function": {"name": "f", "arguments": "{"}}]},
                 {"role": "user", "content": "§"}])
+
+
+# -- the same calls through /v1/responses (OpenAI's Responses API) ---------------------------------
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat form
+
+
+def respond(server, mark: str, **kw):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return c.responses.create(model="m", input="weather? " + mark, max_output_tokens=200, temperature=0, **kw)
+
+
+def calls_of(items):
+    return [(i.name, json.loads(i.arguments)) for i in items if i.type == "function_call"]
+
+
+def test_responses_return_function_calls(scripted):
+    server, tok = scripted
+    r = respond(server, "§", tools=RESPONSE_TOOLS)
+    [item] = r.output
+    assert item.type == "function_call" and item.call_id.startswith("call_") and item.id.startswith("fc_")
+    assert calls_of(r.output) == [("get_weather", {"city": "Paris"})] and r.status == "completed"
+    assert tok.seen_tools[-1] == TOOLS  # the template got them in the chat form
+    r = respond(server, "¶", tools=RESPONSE_TOOLS, tool_choice="auto")
+    assert [i.type for i in r.output] == ["message", "function_call", "function_call"]
+    assert r.output_text == "Sure." and calls_of(r.output) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    r = respond(server, "§", tools=RESPONSE_TOOLS, tool_choice="none")
+    assert r.output_text == CALL and calls_of(r.output) == [] and tok.seen_tools[-1] is None
+
+
+def test_responses_stream_function_calls(scripted):
+    server, _ = scripted
+    events = list(respond(server, "¶", tools=RESPONSE_TOOLS, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.completed" and [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sure.\n"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["message", "function_call", "function_call"]
+    args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == [i.arguments for i in done[1:]] and calls_of(done) == calls_of(events[-1].response.output)
+    assert calls_of(done) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    events = list(respond(server, "§", tools=RESPONSE_TOOLS, stream=True))  # a call alone: no message item
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["function_call"]
+    assert calls_of(events[-1].response.output) == [("get_weather", {"city": "Paris"})]
+    assert "response.output_text.delta" not in [e.type for e in events]
+
+
+def test_responses_refuse_tools_they_cannot_run(scripted):
+    server, _ = scripted
+    for kw, message in (({"tools": [{"type": "web_search"}]}, "only function tools"),
+                        ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+                         "not among the tools"),
+                        ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "allowed_tools"}}, "tool_choice must be")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            respond(server, "§", **kw)

@@ -126,10 +126,7 @@ class OpenAIServer:
         self._check(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
-        if tools.grammar is not None and structured_output(req) is not None:
-            raise bad_request("a forced tool call (tool_choice required or named) cannot take response_format "
-                              "or guided_* as well", "tool_choice")
+        tools = self._plan_tools(req)
         prompt = self._encode_chat(chat_messages(req), tools, chat_options(req))
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
@@ -139,16 +136,17 @@ class OpenAIServer:
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
 
     async def responses(self, request: HTTPRequest) -> Response:
-        """OpenAI's Responses API over the chat path (``responses_api``): one reply, no tools, nothing stored."""
+        """OpenAI's Responses API over the chat path (``responses_api``): one reply, nothing stored."""
         self._auth(request)
         req = parse_body(await request.body(), ResponsesRequest)
         chat = chat_request(req)
         self._check(chat)
-        prompt = self._encode_chat(chat_messages(chat), ToolPlan(), chat_options(chat))
+        tools = self._plan_tools(chat)
+        prompt = self._encode_chat(chat_messages(chat), tools, chat_options(chat))
         budget = check_max_tokens(req.max_output_tokens, len(prompt), self.engine.max_len, None,
                                   "max_output_tokens")
-        writer = ResponseWriter(new_id("resp"), self.cfg.model_name, now(), req, new_id("msg"))
-        job = await self._start(chat, [prompt], [budget], structured_output(chat))
+        writer = ResponseWriter(new_id("resp"), self.cfg.model_name, now(), req, tools)
+        job = await self._start(chat, [prompt], [budget], tools.grammar or structured_output(chat))
         fmt = Format(writer.id, "response", self.cfg.model_name, writer.created, chat=True)
         if req.stream:
             return StreamingResponse(self._logged(job, fmt, writer.events(job)), media_type="text/event-stream")
@@ -319,6 +317,13 @@ class OpenAIServer:
         check_common(req)
         check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
         check_token_ids(req.stop_token_ids, self.engine.model.config.vocab_size, "stop_token_ids")
+
+    def _plan_tools(self, req: ChatRequest) -> ToolPlan:
+        tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
+        if tools.grammar is not None and structured_output(req) is not None:
+            raise bad_request("a forced tool call (tool_choice required or named) cannot take response_format "
+                              "or guided_* as well", "tool_choice")
+        return tools
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.cfg.model_name, *self.cfg.model_aliases):

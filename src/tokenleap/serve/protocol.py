@@ -178,9 +178,10 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None  # accepted; nothing is stored
-    # refused with a reason: this server keeps no responses and runs no tools
-    previous_response_id: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools (others are refused)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None  # refused: this server keeps no responses
 
 
 class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages

@@ -1,18 +1,21 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a form of the chat path.
 
 A request becomes a ``ChatRequest`` (``instructions`` as a system message before the ``input``
-messages; ``text.format`` as ``response_format``; ``max_output_tokens`` as the reply's budget), so it
-runs through the same template, sampling, structured output and speculation as
-/v1/chat/completions. ``ResponseWriter`` writes the reply as a Response object or, streamed, as the
-API's typed events (``response.created`` ... ``response.output_text.delta`` ...
-``response.completed``, or ``response.incomplete`` when the budget ran out).
+items; ``text.format`` as ``response_format``; function ``tools`` and ``tool_choice`` in the chat
+forms; ``max_output_tokens`` as the reply's budget), so it runs through the same template, sampling,
+structured output, tool calling and speculation as /v1/chat/completions. ``ResponseWriter`` writes
+the reply as a Response object or, streamed, as the API's typed events (``response.created`` ...
+``response.output_text.delta`` ... ``response.completed``, or ``response.incomplete`` when the
+budget ran out); the calls a reply makes are ``function_call`` output items.
 
-Supported: ``input`` as a string or a list of messages (roles user, system, developer, assistant;
-content a string or a list of ``input_text`` / ``output_text`` parts), ``instructions``,
+Supported: ``input`` as a string or a list of items -- messages (roles user, system, developer,
+assistant; content a string or ``input_text`` / ``output_text`` parts), ``function_call`` and
+``function_call_output`` items (an earlier turn's calls and their results) -- ``instructions``,
 ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (text, json_object,
-json_schema), ``stream``, ``metadata``, and the chat endpoint's sampling extras (``top_k``,
-``seed``, ``stop``, penalties, ``logit_bias``). This server stores nothing and runs no tools, so
-``previous_response_id``, ``tools`` and input items other than messages get a 400 that says so.
+json_schema), function ``tools`` with ``tool_choice``, ``stream``, ``metadata``, and the chat
+endpoint's sampling extras (``top_k``, ``seed``, ``stop``, penalties, ``logit_bias``). This server
+stores nothing and hosts no tools, so ``previous_response_id``, item references and tools other
+than functions get a 400 that says so; ``reasoning`` items (this server writes none) are skipped.
 """
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokenleap.serve.jobs import Job
-from tokenleap.serve.protocol import (ChatMessage, ChatRequest, JsonSchemaFormat, ResponseFormat, ResponsesRequest,
-                                      TextConfig, bad_request, sampling_fields)
+from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDef, JsonSchemaFormat,
+                                      NamedFunction, NamedToolChoice, ResponseFormat, ResponsesRequest, TextConfig,
+                                      ToolCall, ToolDef, bad_request, sampling_fields)
+from tokenleap.serve.responses import new_id
+from tokenleap.serve.tools import ToolPlan, ToolStream, parse_tool_calls
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -34,9 +40,6 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     if req.previous_response_id is not None:
         raise bad_request("this server stores no responses: send the whole conversation in input",
                           "previous_response_id")
-    if req.tools:
-        raise bad_request("tools are not supported on /v1/responses here; use /v1/chat/completions "
-                          "for tool calls", "tools")
     if req.n != 1:
         raise bad_request("n is not a Responses API parameter: a request has one reply", "n")
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
@@ -47,36 +50,90 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
         if req.response_format is not None:
             raise bad_request("give text.format or response_format, not both", "text")
         common["response_format"] = fmt
-    return ChatRequest.model_construct(**common, messages=messages)
+    return ChatRequest.model_construct(**common, messages=messages, tools=_tools(req.tools),
+                                       tool_choice=_tool_choice(req.tool_choice),
+                                       parallel_tool_calls=req.parallel_tool_calls)
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef] | None:
+    out = []
+    for i, tool in enumerate(tools or []):
+        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise bad_request(f"tools[{i}]: only function tools (type function, with a name) run here; this "
+                              "server hosts no built-in tools", "tools")
+        fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append(ToolDef(type="function", function=FunctionDef.model_validate(fields)))
+    return out or None
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | NamedToolChoice | None:
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice["name"]))
+    raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+                      "tool_choice")
 
 
 def _input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
+    """The input as chat messages: a function_call item joins the assistant turn before it (or opens
+    one), a function_call_output item is a tool message."""
     if isinstance(value, str):
         return [ChatMessage(role="user", content=value)]
     if not value:
-        raise bad_request("input must be a string or a non-empty list of messages", "input")
-    out = []
+        raise bad_request("input must be a string or a non-empty list of items", "input")
+    out: list[ChatMessage] = []
     for i, item in enumerate(value):
         kind = item.get("type", "message")
-        if kind != "message":
-            raise bad_request(f"input[{i}]: items of type {kind!r} are not supported here (messages only: "
-                              "this server runs no tools and stores no responses)", "input")
-        role, content = item.get("role"), item.get("content")
-        if role not in _INPUT_ROLES:
-            raise bad_request(f"input[{i}].role must be one of {', '.join(_INPUT_ROLES)}", "input")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                text = part.get("text") if isinstance(part, dict) and part.get("type") in _TEXT_PARTS else None
-                if not isinstance(text, str):
-                    raise bad_request(f"input[{i}].content[{j}] must be a text part (input_text or output_text); "
-                                      "images, audio and files are not supported", "input")
-                texts.append(text)
-            content = "".join(texts)
-        elif not isinstance(content, str):
-            raise bad_request(f"input[{i}].content must be a string or a list of text parts", "input")
-        out.append(ChatMessage(role=role, content=content))
+        if kind == "message":
+            out.append(_message(i, item))
+        elif kind == "function_call":
+            call = ToolCall(id=_text(i, item, "call_id"), function=FunctionCall(
+                name=_text(i, item, "name"), arguments=_text(i, item, "arguments")))
+            if out and out[-1].role == "assistant":
+                out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        elif kind == "function_call_output":
+            output = item.get("output")
+            content = output if isinstance(output, str) else _joined(i, output, "output")
+            out.append(ChatMessage(role="tool", content=content, tool_call_id=_text(i, item, "call_id")))
+        elif kind != "reasoning":
+            raise bad_request(f"input[{i}]: items of type {kind!r} are not supported here (messages, "
+                              "function_call and function_call_output; this server stores no responses)", "input")
+    if not out:
+        raise bad_request("input holds no message", "input")
     return out
+
+
+def _message(i: int, item: dict[str, Any]) -> ChatMessage:
+    role, content = item.get("role"), item.get("content")
+    if role not in _INPUT_ROLES:
+        raise bad_request(f"input[{i}].role must be one of {', '.join(_INPUT_ROLES)}", "input")
+    if isinstance(content, list):
+        content = _joined(i, content, "content")
+    elif not isinstance(content, str):
+        raise bad_request(f"input[{i}].content must be a string or a list of text parts", "input")
+    return ChatMessage(role=role, content=content)
+
+
+def _joined(i: int, parts: Any, field: str) -> str:
+    """The text of a list of text parts."""
+    texts = []
+    for j, part in enumerate(parts if isinstance(parts, list) else [parts]):
+        text = part.get("text") if isinstance(part, dict) and part.get("type") in _TEXT_PARTS else None
+        if not isinstance(text, str):
+            raise bad_request(f"input[{i}].{field}[{j}] must be a text part (input_text or output_text); "
+                              "images, audio and files are not supported", "input")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _text(i: int, item: dict[str, Any], field: str) -> str:
+    value = item.get(field)
+    if not isinstance(value, str):
+        raise bad_request(f"input[{i}].{field} must be a string", "input")
+    return value
 
 
 def _response_format(text: TextConfig | None) -> ResponseFormat | None:
@@ -92,17 +149,22 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
 
 
 class ResponseWriter:
-    """One reply's Response object and stream events (``id``: the response's, ``created``: seconds)."""
+    """One reply's Response object and stream events (``id``: the response's, ``created``: seconds;
+    ``tools``: the request's tool plan, whose calls become ``function_call`` items)."""
 
-    def __init__(self, rid: str, model: str, created: int, req: ResponsesRequest, message_id: str) -> None:
-        self.id, self.model, self.created, self.req, self.message_id = rid, model, created, req, message_id
+    def __init__(self, rid: str, model: str, created: int, req: ResponsesRequest, tools: ToolPlan) -> None:
+        self.id, self.model, self.created, self.req, self.tools = rid, model, created, req, tools
+        self.message_id = new_id("msg")
 
     def final(self, text: str, finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
         status = _status(finish_reason)
-        return self._obj(status, [self._message(text, status)], _usage(usage))
+        content, calls = parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse else (text, [])
+        items = [self._message(content or "", status)] if content is not None or not calls else []
+        return self._obj(status, items + [_call_item(c, "completed") for c in calls], _usage(usage))
 
     async def events(self, job: Job) -> AsyncIterator[str]:
-        """The stream of ``job``'s reply; ``response.failed`` after an ``error`` event if it fails."""
+        """The stream of ``job``'s reply: the message's text as it comes (held back from where a tool
+        call may begin), then its calls; ``response.failed`` after an ``error`` event if it fails."""
         counter = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
@@ -110,12 +172,16 @@ class ResponseWriter:
             return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+
+        def opening() -> str:  # the message item, opened when its first text is sent
+            return (event("response.output_item.added", output_index=0,
+                          item={**self._message("", "in_progress"), "content": []})
+                    + event("response.content_part.added", **where, part=_part("")))
+
         yield event("response.created", response=self._obj("in_progress", [], None))
         yield event("response.in_progress", response=self._obj("in_progress", [], None))
-        yield event("response.output_item.added", output_index=0,
-                    item={**self._message("", "in_progress"), "content": []})
-        yield event("response.content_part.added", **where, part=_part(""))
-        text, reason = "", None
+        stream = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
+        text, reason, opened, calls = "", None, False, []
         async for i, out in job.outputs():
             if out.error:
                 message = f"the request failed: {out.error}"
@@ -125,16 +191,36 @@ class ResponseWriter:
                 yield event("response.failed", response=failed)
                 return
             piece, _ = job.piece(i, out)
+            reason = out.finish_reason or reason
+            if stream is not None:
+                piece = stream.feed(piece)
+                if out.finish_reason is not None:
+                    rest, calls = stream.finish()
+                    piece += rest
             if piece:
+                if not opened:
+                    yield opening()
+                    opened = True
                 text += piece
                 yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
-            reason = out.finish_reason or reason
         status = _status(reason)
-        yield event("response.output_text.done", **where, text=text, logprobs=[])
-        yield event("response.content_part.done", **where, part=_part(text))
-        item = self._message(text, status)
-        yield event("response.output_item.done", output_index=0, item=item)
-        yield event(f"response.{status}", response=self._obj(status, [item], _usage(job.usage())))
+        items = []
+        if opened or not calls:
+            if not opened:
+                yield opening()
+            yield event("response.output_text.done", **where, text=text, logprobs=[])
+            yield event("response.content_part.done", **where, part=_part(text))
+            items.append(self._message(text, status))
+            yield event("response.output_item.done", output_index=0, item=items[-1])
+        for call in calls:
+            added = _call_item(call, "in_progress", "")
+            at = {"item_id": added["id"], "output_index": len(items)}
+            yield event("response.output_item.added", output_index=len(items), item=added)
+            yield event("response.function_call_arguments.delta", **at, delta=call["function"]["arguments"])
+            yield event("response.function_call_arguments.done", **at, arguments=call["function"]["arguments"])
+            items.append(_call_item(call, "completed"))
+            yield event("response.output_item.done", output_index=len(items) - 1, item=items[-1])
+        yield event(f"response.{status}", response=self._obj(status, items, _usage(job.usage())))
 
     def _message(self, text: str, status: str) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "role": "assistant", "status": status,
@@ -147,11 +233,20 @@ class ResponseWriter:
                 "model": self.model, "output": output, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "metadata": req.metadata or {}, "parallel_tool_calls": False, "previous_response_id": None,
-                "store": False, "temperature": 1.0 if req.temperature is None else req.temperature,
-                "top_p": 1.0 if req.top_p is None else req.top_p, "tool_choice": "none", "tools": [],
+                "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "previous_response_id": None, "store": False,
+                "temperature": 1.0 if req.temperature is None else req.temperature,
+                "top_p": 1.0 if req.top_p is None else req.top_p,
+                "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
                 "usage": usage}
+
+
+def _call_item(call: dict[str, Any], status: str, arguments: str | None = None) -> dict[str, Any]:
+    """A chat tool call (``tools.parse_tool_calls``) as a function_call output item."""
+    fn = call["function"]
+    return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": status,
+            "call_id": call["id"], "name": fn["name"], "arguments": fn["arguments"] if arguments is None else arguments}
 
 
 def _status(finish_reason: str | None) -> str:
