@@ -45,6 +45,10 @@ def test_affinity_key_hashes_the_prompt_start():
     chat = lambda text: {"messages": [{"role": "system", "content": "S" * 40}, {"role": "user", "content": text}]}  # noqa: E731
     assert key(chat("a")) == key(chat("b")) != key({"messages": [{"role": "user", "content": "a"}]})
     assert key({"prompt": [5, 6, 7]}) != key({"prompt": [5, 6, 8]})
+    # a Responses request routes as the chat messages it becomes
+    assert key({"instructions": "S" * 40, "input": "c"}) == key(chat("a"))
+    assert key({"input": "a"}) == key({"messages": [{"role": "user", "content": "a"}]})
+    assert key({"input": [{"role": "user", "content": "a"}]}) == key({"input": "a"})
     assert affinity_key(b"not json", 40) is None and affinity_key(b'{"model": "m"}', 40) is None
 
 
@@ -196,6 +200,9 @@ def test_openai_client_against_the_ingress(ingress):
     assert chat.choices[0].message.content == want
     pieces = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
     assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == want
+    assert client.responses.create(model=MODEL, input="hi there", max_output_tokens=8, temperature=0).output_text == want
+    events = client.responses.create(model=MODEL, input="hi there", max_output_tokens=8, temperature=0, stream=True)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
     tok = httpx.post(ingress + "/tokenize", json={"model": MODEL, "prompt": "abc"}, timeout=30).json()
     assert tok["tokens"] == TOK.encode("abc")
     assert httpx.get(ingress + "/health", timeout=30).status_code == 200

@@ -25,7 +25,8 @@ AFFINITY_KWARG = "affinity"
 
 def affinity_key(body: bytes, chars: int) -> str | None:
     """A hash of the first ``chars`` characters of a completion's prompt or a chat's messages (as
-    text; for token-id prompts the first ``chars // 4`` ids), or None when the body has neither."""
+    text; for token-id prompts the first ``chars // 4`` ids; a Responses request's instructions and
+    input as the chat messages they become), or None when the body has none of them."""
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -33,6 +34,10 @@ def affinity_key(body: bytes, chars: int) -> str | None:
     if not isinstance(req, dict):
         return None
     prompt = req.get("prompt", req.get("messages"))
+    if prompt is None and "input" in req:
+        given = req["input"]
+        prompt = ([{"role": "system", "content": req["instructions"]}] if req.get("instructions") else []) + (
+            [{"role": "user", "content": given}] if isinstance(given, str) else given if isinstance(given, list) else [])
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and "prompt" in req:
         prompt = prompt[0]  # a batch of prompts: its first one
     if isinstance(prompt, str):
