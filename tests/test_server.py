@@ -105,6 +105,9 @@ def test_auth_model_and_value_errors(server):
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
     assert e.value.body["code"] == "context_length_exceeded"
     assert [m.id for m in c.models.list()] == [NAME]
+    assert c.models.retrieve(NAME).id == c.models.retrieve("/models/tiny.gguf").id == NAME
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
@@ -133,11 +136,22 @@ CHAT_FUZZ = [
     b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 50}',
     b'{"messages": [{"role": "user", "content": "a"}], "logprobs": 1}', b"{}",
 ]
+RESPONSES_FUZZ = [
+    b"{}", b'{"input": 5}', b'{"input": [5]}', b'{"input": ["a"]}', b'{"input": [{"type": "message"}]}',
+    b'{"input": [{"role": "user"}]}', b'{"input": [{"role": "user", "content": [5]}]}',
+    b'{"input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]}',
+    b'{"input": [{"type": "function_call_output", "output": "x"}]}', b'{"input": "a", "max_output_tokens": "9"}',
+    b'{"input": "a", "max_output_tokens": -3}', b'{"input": "a", "text": {"format": {"type": "xml"}}}',
+    b'{"input": "a", "text": 5}', b'{"input": "a", "tools": [{"type": "function"}]}', b'{"input": "a", "tools": 3}',
+    b'{"input": "a", "tool_choice": "sometimes"}', b'{"input": "a", "metadata": {"k": 1}}',
+    b'{"input": "a", "instructions": 7}', b'{"input": "a", "temperature": NaN}',
+]
 
 
 def test_malformed_and_hostile_bodies_get_4xx_and_the_server_keeps_serving(server):
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    for path, bodies in (("/v1/completions", FUZZ), ("/v1/chat/completions", CHAT_FUZZ)):
+    for path, bodies in (("/v1/completions", FUZZ), ("/v1/chat/completions", CHAT_FUZZ),
+                         ("/v1/responses", RESPONSES_FUZZ)):
         for body in bodies:
             r = httpx.post(server.url + path, content=body, headers=headers)
             assert 400 <= r.status_code < 500, (body, r.status_code, r.text)

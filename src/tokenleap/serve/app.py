@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
-/health, /metrics, and vLLM's /tokenize and /detokenize.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models (and
+/v1/models/{id}), /health, /metrics, and vLLM's /tokenize and /detokenize.
 
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
 background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
@@ -93,6 +93,7 @@ class OpenAIServer:
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/v1/responses", self.responses, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -175,9 +176,17 @@ class OpenAIServer:
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         self._auth(request)
-        card = {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "tokenleap",
+        return {"object": "list", "data": [self._card()]}
+
+    async def model_card(self, name: str, request: HTTPRequest) -> dict[str, Any]:
+        """OpenAI's ``GET /v1/models/{model}`` (the served name or one of its aliases)."""
+        self._auth(request)
+        self._check_model(name)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "tokenleap",
                 "max_model_len": self.engine.max_len}
-        return {"object": "list", "data": [card]}
 
     async def openapi(self, request: HTTPRequest) -> JSONResponse:
         self._auth(request)
