@@ -28,8 +28,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
@@ -42,9 +40,9 @@ from tokenleap.serve.responses_api import ResponseWriter, chat_request
 from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
+from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
 
-log = logging.getLogger("tokenleap.serve")
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
 
@@ -98,10 +96,7 @@ class OpenAIServer:
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
-        app.add_exception_handler(APIError, _api_error)
-        app.add_exception_handler(StarletteHTTPException, _http_error)
-        app.add_exception_handler(ClientDisconnect, _client_disconnect)
-        app.add_exception_handler(Exception, _internal_error)
+        add_error_handlers(app)
         app.state.server = self
         return app
 
@@ -388,26 +383,6 @@ class OpenAIServer:
             raise bad_request(str(e), "messages") from None
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the messages could not be tokenized: {e}", "messages") from None
-
-
-async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 503 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-
-async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
-    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
-
-
-async def _client_disconnect(request: HTTPRequest, _: ClientDisconnect) -> Response:
-    log.info("client disconnected before sending its whole request (%s %s)", request.method, request.url.path)
-    return Response(status_code=499)
-
-
-async def _internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error", exc_info=exc)
-    return JSONResponse(APIError(500, "internal server error", "server_error").body(), status_code=500)
 
 
 def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None) -> FastAPI:
