@@ -143,7 +143,8 @@ RESPONSES_FUZZ = [
     b'{"input": [{"type": "function_call_output", "output": "x"}]}', b'{"input": "a", "max_output_tokens": "9"}',
     b'{"input": "a", "max_output_tokens": -3}', b'{"input": "a", "text": {"format": {"type": "xml"}}}',
     b'{"input": "a", "text": 5}', b'{"input": "a", "tools": [{"type": "function"}]}', b'{"input": "a", "tools": 3}',
-    b'{"input": "a", "tool_choice": "sometimes"}', b'{"input": "a", "metadata": {"k": 1}}',
+    b'{"input": "a", "tool_choice": "sometimes"}', b'{"input": "a", "tools": [{"type": "function", "name": "f", "parameters": 5}]}',
+    b'{"input": "a", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}', b'{"input": "a", "metadata": {"k": 1}}',
     b'{"input": "a", "instructions": 7}', b'{"input": "a", "temperature": NaN}',
 ]
 

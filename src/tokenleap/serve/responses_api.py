@@ -24,6 +24,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import ValidationError
+
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDef, JsonSchemaFormat,
                                       NamedFunction, NamedToolChoice, ResponseFormat, ResponsesRequest, TextConfig,
@@ -62,7 +64,11 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef] | None:
             raise bad_request(f"tools[{i}]: only function tools (type function, with a name) run here; this "
                               "server hosts no built-in tools", "tools")
         fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        out.append(ToolDef(type="function", function=FunctionDef.model_validate(fields)))
+        try:
+            out.append(ToolDef(type="function", function=FunctionDef.model_validate(fields)))
+        except ValidationError as e:
+            raise bad_request(f"tools[{i}]: {e.errors()[0]['msg']} ({'.'.join(map(str, e.errors()[0]['loc']))})",
+                              "tools") from None
     return out or None
 
 
