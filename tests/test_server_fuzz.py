@@ -19,7 +19,10 @@ FIELDS = ["model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n"
           "ignore_eos", "min_tokens", "stop_token_ids", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "user", "max_tokens", "logprobs", "echo", "prompt", "messages",
           "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "chat_template_kwargs",
-          "add_generation_prompt", "continue_final_message", "tokens", "unknown_field"]
+          "add_generation_prompt", "continue_final_message", "tokens", "unknown_field",
+          # /v1/responses
+          "input", "instructions", "max_output_tokens", "text", "metadata", "previous_response_id",
+          "parallel_tool_calls", "store"]
 
 
 def value(rng: random.Random, depth: int = 0):
@@ -62,11 +65,13 @@ def bodies(seed: int = 0):
     rng = random.Random(seed)
     for i in range(ROUNDS):
         path = rng.choice(["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions",
-                           "/tokenize", "/detokenize"])
+                           "/v1/responses", "/v1/responses", "/tokenize", "/detokenize"])
         if path == "/v1/completions":
             body = {"prompt": "fuzz me", "max_tokens": 3}
         elif path == "/v1/chat/completions":
             body = {"messages": [{"role": "user", "content": "fuzz"}], "max_tokens": 3}
+        elif path == "/v1/responses":
+            body = {"input": "fuzz", "max_output_tokens": 3}
         elif path == "/tokenize":
             body = {"prompt": "fuzz"}
         else:
@@ -80,8 +85,9 @@ def bodies(seed: int = 0):
                 break
             else:
                 body[rng.choice(FIELDS)] = value(rng)
-        if isinstance(body, dict) and isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 20:
-            body["max_tokens"] = rng.choice([body["max_tokens"], 8])  # valid bodies stay quick to serve
+        for budget in ("max_tokens", "max_output_tokens"):
+            if isinstance(body, dict) and isinstance(body.get(budget), int) and body[budget] > 20:
+                body[budget] = rng.choice([body[budget], 8])  # valid bodies stay quick to serve
         yield path, encode(body)
 
 
@@ -100,7 +106,11 @@ def test_fuzzed_bodies_never_get_5xx():
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], (body, r.text)
         elif r.headers["content-type"].startswith("text/event-stream"):
-            assert r.text.rstrip().endswith("data: [DONE]") and "server_error" not in r.text, (body, r.text[-300:])
+            end = ("event: response.completed", "event: response.incomplete") if path == "/v1/responses" else (
+                "data: [DONE]",)
+            last = r.text.rstrip().rsplit("\n\n", 1)[-1]
+            assert last.startswith(end) or last.endswith(end), (body, r.text[-300:])
+            assert "server_error" not in r.text, (body, r.text[-300:])
     assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 100, statuses  # both paths exercised
     assert responses[-1].status_code == 200 and responses[-1].json() == {**responses[-2].json(),
                                                                          "id": responses[-1].json()["id"],
