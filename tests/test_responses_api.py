@@ -175,3 +175,23 @@ def test_function_call_items_become_the_chat_turns_of_a_tool_call():
     assert chat_messages(chat_request(req))[0] == {
         "role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
                                                             "function": {"name": "f", "arguments": {}}}]}
+
+
+def test_logprobs_match_the_chat_endpoints(server):
+    c = client(server)
+    messages = [{"role": "user", "content": "score me"}]
+    chat = c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                     top_logprobs=2).choices[0].logprobs.content
+    want = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in chat]
+    kw = dict(model=NAME, input="score me", max_output_tokens=6, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    part = c.responses.create(**kw).output[0].content[0]
+    assert [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in part.logprobs] == want
+    events = list(c.responses.create(**kw, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done").logprobs
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in done] == [w[:2] for w in want]
+    assert c.responses.create(model=NAME, input="score me", max_output_tokens=6, temperature=0,
+                              top_logprobs=2).output[0].content[0].logprobs == []  # not asked for in include
+    with pytest.raises(openai.BadRequestError, match="top_logprobs must be"):
+        c.responses.create(**{**kw, "top_logprobs": 21})

@@ -36,7 +36,7 @@ from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, Comple
                        check_logit_bias, check_max_tokens, check_token_ids, parse_body, sampling_params,
                        structured_output)
 from tokenleap.serve.responses import Format, TokenText, chat_delta, new_id, now, sse
-from tokenleap.serve.responses_api import ResponseWriter, chat_request
+from tokenleap.serve.responses_api import ResponseWriter, chat_request, logprobs_wanted
 from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
@@ -141,16 +141,18 @@ class OpenAIServer:
         prompt = self._encode_chat(chat_messages(chat), tools, chat_options(chat))
         budget = check_max_tokens(req.max_output_tokens, len(prompt), self.engine.max_len, None,
                                   "max_output_tokens")
-        writer = ResponseWriter(new_id("resp"), self.cfg.model_name, now(), req, tools)
-        job = await self._start(chat, [prompt], [budget], tools.grammar or structured_output(chat))
+        logprobs = logprobs_wanted(req)
+        writer = ResponseWriter(new_id("resp"), self.cfg.model_name, now(), req, tools,
+                                self._token_text(logprobs is not None))
+        job = await self._start(chat, [prompt], [budget], tools.grammar or structured_output(chat), logprobs)
         fmt = Format(writer.id, "response", self.cfg.model_name, writer.created, chat=True)
         if req.stream:
             return StreamingResponse(self._logged(job, fmt, writer.events(job)), media_type="text/event-stream")
         try:
-            texts, reasons, _ = await self._collect(request, job, fmt)
+            texts, reasons, scored = await self._collect(request, job, fmt)
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(writer.final(texts[0], reasons[0], job.usage()))
+        return JSONResponse(writer.final(texts[0], reasons[0], job.usage(), scored[0]))
 
     async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
         """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize."""

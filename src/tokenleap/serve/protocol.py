@@ -182,6 +182,8 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None  # refused: this server keeps no responses
+    include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
+    top_logprobs: Int64 | None = None  # with it: this many alternatives a token
 
 
 class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages

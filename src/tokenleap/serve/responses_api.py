@@ -12,10 +12,11 @@ Supported: ``input`` as a string or a list of items -- messages (roles user, sys
 assistant; content a string or ``input_text`` / ``output_text`` parts), ``function_call`` and
 ``function_call_output`` items (an earlier turn's calls and their results) -- ``instructions``,
 ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (text, json_object,
-json_schema), function ``tools`` with ``tool_choice``, ``stream``, ``metadata``, and the chat
-endpoint's sampling extras (``top_k``, ``seed``, ``stop``, penalties, ``logit_bias``). This server
-stores nothing and hosts no tools, so ``previous_response_id``, item references and tools other
-than functions get a 400 that says so; ``reasoning`` items (this server writes none) are skipped.
+json_schema), function ``tools`` with ``tool_choice``, ``stream``, ``metadata``,
+``include: ["message.output_text.logprobs"]`` with ``top_logprobs``, and the chat endpoint's
+sampling extras (``top_k``, ``seed``, ``stop``, penalties, ``logit_bias``). This server stores
+nothing and hosts no tools, so ``previous_response_id``, item references and tools other than
+functions get a 400 that says so; ``reasoning`` items (this server writes none) are skipped.
 """
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tokenleap.config import MAX_LOGPROBS
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDef, JsonSchemaFormat,
                                       NamedFunction, NamedToolChoice, ResponseFormat, ResponsesRequest, TextConfig,
                                       ToolCall, ToolDef, bad_request, sampling_fields)
-from tokenleap.serve.responses import new_id
+from tokenleap.serve.responses import Scored, TokenText, chat_logprobs, new_id
 from tokenleap.serve.tools import ToolPlan, ToolStream, parse_tool_calls
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -55,6 +57,17 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     return ChatRequest.model_construct(**common, messages=messages, tools=_tools(req.tools),
                                        tool_choice=_tool_choice(req.tool_choice),
                                        parallel_tool_calls=req.parallel_tool_calls)
+
+
+LOGPROBS = "message.output_text.logprobs"
+
+
+def logprobs_wanted(req: ResponsesRequest) -> int | None:
+    """Alternatives a token to report (``top_logprobs``) when ``include`` asks for logprobs, else None."""
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                          "top_logprobs")
+    return (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef] | None:
@@ -156,17 +169,26 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
 
 class ResponseWriter:
     """One reply's Response object and stream events (``id``: the response's, ``created``: seconds;
-    ``tools``: the request's tool plan, whose calls become ``function_call`` items)."""
+    ``tools``: the request's tool plan, whose calls become ``function_call`` items; ``tokens``: set
+    when the request asked for logprobs)."""
 
-    def __init__(self, rid: str, model: str, created: int, req: ResponsesRequest, tools: ToolPlan) -> None:
+    def __init__(self, rid: str, model: str, created: int, req: ResponsesRequest, tools: ToolPlan,
+                 tokens: TokenText | None = None) -> None:
         self.id, self.model, self.created, self.req, self.tools = rid, model, created, req, tools
+        self.tokens = tokens
         self.message_id = new_id("msg")
 
-    def final(self, text: str, finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+    def final(self, text: str, finish_reason: str | None, usage: dict[str, Any],
+              scored: list[Scored]) -> dict[str, Any]:
         status = _status(finish_reason)
-        content, calls = parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse else (text, [])
-        items = [self._message(content or "", status)] if content is not None or not calls else []
+        content, calls = (parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse
+                          else (text, []))
+        message = self._message(content or "", status, self._logprobs(scored))
+        items = [message] if content is not None or not calls else []
         return self._obj(status, items + [_call_item(c, "completed") for c in calls], _usage(usage))
+
+    def _logprobs(self, scored: list[Scored]) -> list[dict[str, Any]]:
+        return chat_logprobs(scored, self.tokens)["content"] if self.tokens else []
 
     async def events(self, job: Job) -> AsyncIterator[str]:
         """The stream of ``job``'s reply: the message's text as it comes (held back from where a tool
@@ -187,7 +209,7 @@ class ResponseWriter:
         yield event("response.created", response=self._obj("in_progress", [], None))
         yield event("response.in_progress", response=self._obj("in_progress", [], None))
         stream = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
-        text, reason, opened, calls = "", None, False, []
+        text, reason, opened, calls, logprobs = "", None, False, [], []
         async for i, out in job.outputs():
             if out.error:
                 message = f"the request failed: {out.error}"
@@ -196,8 +218,10 @@ class ResponseWriter:
                 failed = {**self._obj("failed", [], _usage(job.usage())), "error": error}
                 yield event("response.failed", response=failed)
                 return
-            piece, _ = job.piece(i, out)
+            piece, scored = job.piece(i, out)
             reason = out.finish_reason or reason
+            lp = self._logprobs(scored)
+            logprobs += lp
             if stream is not None:
                 piece = stream.feed(piece)
                 if out.finish_reason is not None:
@@ -208,15 +232,16 @@ class ResponseWriter:
                     yield opening()
                     opened = True
                 text += piece
-                yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+                # (text held back where a call may begin is sent later: its logprobs come with the done events)
+                yield event("response.output_text.delta", **where, delta=piece, logprobs=lp if stream is None else [])
         status = _status(reason)
         items = []
         if opened or not calls:
             if not opened:
                 yield opening()
-            yield event("response.output_text.done", **where, text=text, logprobs=[])
-            yield event("response.content_part.done", **where, part=_part(text))
-            items.append(self._message(text, status))
+            yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
+            yield event("response.content_part.done", **where, part=_part(text, logprobs))
+            items.append(self._message(text, status, logprobs))
             yield event("response.output_item.done", output_index=0, item=items[-1])
         for call in calls:
             added = _call_item(call, "in_progress", "")
@@ -228,9 +253,9 @@ class ResponseWriter:
             yield event("response.output_item.done", output_index=len(items) - 1, item=items[-1])
         yield event(f"response.{status}", response=self._obj(status, items, _usage(job.usage())))
 
-    def _message(self, text: str, status: str) -> dict[str, Any]:
+    def _message(self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "role": "assistant", "status": status,
-                "content": [_part(text)]}
+                "content": [_part(text, logprobs)]}
 
     def _obj(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         req = self.req
@@ -260,8 +285,8 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": []}
+def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
