@@ -2,6 +2,8 @@
 # Device check 6: the kernel / layer / tree tests after the paired attention and rms_norm changes;
 # int4 / int6 on VNNI against AMX-INT8 tiles at 4-16 rows (layer shapes, whole 1.5B and 0.5B steps);
 # the paired attention against the kernel before it (51ed09a~1) at the 1.5B's shape. Timings on 2 cores.
+# Run from the repo root with .devrun/ (git-ignored) holding the model configs (in the repo: the 1.5B's in
+# docs/bench/xeon-model207-gpuhost-s21/, the 0.5B's beside this script) and .devrun/old/src the older kernel.
 exec > >(tee $OUT/log.txt) 2>&1
 T0=$(date +%s)
 el() { echo "=== [$(( $(date +%s) - T0 )) s] $*"; }
