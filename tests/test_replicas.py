@@ -210,6 +210,27 @@ def test_openai_client_against_the_ingress(ingress):
         client.completions.create(model="other", prompt="x", max_tokens=2)
 
 
+def test_responses_are_stored_once_for_all_replicas(ingress):
+    """previous_response_id and GET /v1/responses/{id} find a response whichever replica answers:
+    the replicas share the ingress's store (GETs carry no prompt, so idle replicas take them in turn)."""
+    import openai
+    client = openai.OpenAI(base_url=ingress + "/v1", api_key="unused", max_retries=0, timeout=120)
+    turns: list[dict] = []
+    previous = None
+    for text in ("first turn", "second", "third one"):
+        r = client.responses.create(model=MODEL, input=text, previous_response_id=previous, max_output_tokens=6,
+                                    temperature=0)
+        turns.append({"role": "user", "content": text})
+        assert r.output_text == alone(TOK.encode(TOK.apply_chat_template(turns)), SamplingParams(max_tokens=6)).text
+        turns.append({"role": "assistant", "content": r.output_text})
+        previous = r.id
+    before = _routed(ingress)
+    for _ in range(4):
+        assert client.responses.retrieve(previous).output_text == turns[-1]["content"]
+    after = _routed(ingress)
+    assert len([r for r in after if after[r] > before.get(r, 0)]) == 2, (before, after)
+
+
 def test_smollm2_replicas_from_the_command_line_with_the_openai_client(ingress, smollm2_gguf):
     """2 replicas of the real SmolLM2-135M built from `tokenleap serve` options, under a route prefix."""
     import openai

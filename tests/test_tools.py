@@ -362,3 +362,23 @@ def test_responses_refuse_tools_they_cannot_run(scripted):
                         ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "allowed_tools"}}, "tool_choice must be")):
         with pytest.raises(openai.BadRequestError, match=message):
             respond(server, "§", **kw)
+
+
+def test_responses_chain_a_function_call_to_its_output(scripted):
+    """previous_response_id after a call: the stored conversation holds the call as the assistant's
+    tool call, so a function_call_output item answers it as the chat path's tool message."""
+    import asyncio
+    server, _ = scripted
+    r1 = respond(server, "§", tools=RESPONSE_TOOLS)
+    [call] = r1.output
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    r2 = c.responses.create(model="m", previous_response_id=r1.id, tools=RESPONSE_TOOLS, max_output_tokens=20,
+                            temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                   "output": "sunny"}])
+    stored = asyncio.run(server.app.state.server.response_store.get(r2.id)).messages
+    assert [m["role"] for m in stored] == ["user", "assistant", "tool", "assistant"]
+    assert stored[0] == {"role": "user", "content": "weather? §"}
+    assert stored[1]["tool_calls"] == [{"id": call.call_id, "type": "function",
+                                        "function": {"name": "get_weather", "arguments": call.arguments}}]
+    assert stored[2] == {"role": "tool", "content": "sunny", "tool_call_id": call.call_id}
+    assert stored[3]["content"] == r2.output_text

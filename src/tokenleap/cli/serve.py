@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="origins a browser may call the API from (CORS), e.g. https://app.example or '*' "
                         "(default: none, no CORS headers)")
+    p.add_argument("--responses-store", type=non_negative_int, default=1000, metavar="N",
+                   help="/v1/responses objects kept in memory for previous_response_id and GET /v1/responses/"
+                        "{id}: the N most recently used (0: none kept; default 1000)")
     p.add_argument("--no-docs", action="store_true",
                    help="do not serve /docs and /openapi.json (default: served, behind --api-key when set)")
     from tokenleap.cli.replicas import add_replica_args  # --replicas N: the same server on Ray Serve replicas
@@ -164,7 +167,7 @@ def build_app(args: argparse.Namespace):
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                                                     log_interval=args.log_interval),
                           allowed_origins=tuple(args.allowed_origins), log_prompts=args.log_prompts,
-                          docs=not args.no_docs)
+                          docs=not args.no_docs, responses_store=args.responses_store)
     return create_app(engine, config), engine
 
 

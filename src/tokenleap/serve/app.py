@@ -32,11 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
-                       ResponsesRequest, TokenizeRequest, bad_request, chat_messages, chat_options, check_common,
+                       TokenizeRequest, bad_request, chat_messages, chat_options, check_common,
                        check_logit_bias, check_max_tokens, check_token_ids, parse_body, sampling_params,
                        structured_output)
 from tokenleap.serve.responses import Format, TokenText, chat_delta, new_id, now, sse
-from tokenleap.serve.responses_api import ResponseWriter, chat_request, logprobs_wanted
+from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore
+from tokenleap.serve.responses_routes import ResponsesRoutes
 from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
@@ -55,14 +56,19 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins a browser may call from ("*": any); () sends no CORS headers
     log_prompts: bool = False  # put each request's prompt text in its log line
     docs: bool = True  # serve /docs and /openapi.json (behind the API key when one is set)
+    responses_store: int = DEFAULT_CAPACITY  # Responses API objects kept for previous_response_id (0: none)
 
 
 class OpenAIServer:
     """The request handlers around one engine and its scheduler (``scheduler``: one built elsewhere,
-    by default one from ``config.scheduler``; either way the app's lifespan starts and stops it)."""
+    by default one from ``config.scheduler``; either way the app's lifespan starts and stops it;
+    ``response_store``: where Responses API objects are kept, by default an in-memory one of
+    ``config.responses_store`` entries)."""
 
-    def __init__(self, engine, config: ServerConfig, scheduler: Scheduler | None = None) -> None:
+    def __init__(self, engine, config: ServerConfig, scheduler: Scheduler | None = None,
+                 response_store: ResponseStore | None = None) -> None:
         self.engine, self.cfg = engine, config
+        self.response_store = response_store if response_store is not None else LRUStore(config.responses_store)
         self.tokenizer = engine.tokenizer
         self.scheduler = scheduler if scheduler is not None else Scheduler(engine, config.scheduler)
         self.proposer_name = engine.proposer.name if engine.proposer is not None else "none"
@@ -89,7 +95,7 @@ class OpenAIServer:
                                allow_headers=["*"], allow_credentials="*" not in self.cfg.allowed_origins)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
-        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        ResponsesRoutes(self).add_to(app)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
@@ -130,29 +136,6 @@ class OpenAIServer:
                       include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)),
                       tools=tools)
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
-
-    async def responses(self, request: HTTPRequest) -> Response:
-        """OpenAI's Responses API over the chat path (``responses_api``): one reply, nothing stored."""
-        self._auth(request)
-        req = parse_body(await request.body(), ResponsesRequest)
-        chat = chat_request(req)
-        self._check(chat)
-        tools = self._plan_tools(chat)
-        prompt = self._encode_chat(chat_messages(chat), tools, chat_options(chat))
-        budget = check_max_tokens(req.max_output_tokens, len(prompt), self.engine.max_len, None,
-                                  "max_output_tokens")
-        logprobs = logprobs_wanted(req)
-        writer = ResponseWriter(new_id("resp"), self.cfg.model_name, now(), req, tools,
-                                self._token_text(logprobs is not None))
-        job = await self._start(chat, [prompt], [budget], tools.grammar or structured_output(chat), logprobs)
-        fmt = Format(writer.id, "response", self.cfg.model_name, writer.created, chat=True)
-        if req.stream:
-            return StreamingResponse(self._logged(job, fmt, writer.events(job)), media_type="text/event-stream")
-        try:
-            texts, reasons, scored = await self._collect(request, job, fmt)
-        except ClientGone:
-            return Response(status_code=499)
-        return JSONResponse(writer.final(texts[0], reasons[0], job.usage(), scored[0]))
 
     async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
         """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize."""
@@ -387,8 +370,9 @@ class OpenAIServer:
             raise bad_request(f"the messages could not be tokenized: {e}", "messages") from None
 
 
-def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None) -> FastAPI:
+def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None,
+               response_store: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``Engine`` built on a ``PagedKVCache``); the app's
-    lifespan starts and stops the scheduler (``scheduler``: one given, or one of ``config.scheduler``).
-    The handlers are ``app.state.server`` (an ``OpenAIServer``)."""
-    return OpenAIServer(engine, config, scheduler).app()
+    lifespan starts and stops the scheduler (``scheduler``: one given, or one of ``config.scheduler``;
+    ``response_store``: see ``OpenAIServer``). The handlers are ``app.state.server`` (an ``OpenAIServer``)."""
+    return OpenAIServer(engine, config, scheduler, response_store).app()

@@ -177,11 +177,11 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     max_output_tokens: Int64 | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None  # accepted; nothing is stored
+    store: bool | None = None  # false: the response is not kept (response_store.py)
     tools: list[dict[str, Any]] | None = None  # function tools (others are refused)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    previous_response_id: str | None = None  # refused: this server keeps no responses
+    previous_response_id: str | None = None  # a stored response whose conversation this continues
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: Int64 | None = None  # with it: this many alternatives a token
 

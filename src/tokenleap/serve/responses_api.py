@@ -14,15 +14,16 @@ assistant; content a string or ``input_text`` / ``output_text`` parts), ``functi
 ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (text, json_object,
 json_schema), function ``tools`` with ``tool_choice``, ``stream``, ``metadata``,
 ``include: ["message.output_text.logprobs"]`` with ``top_logprobs``, and the chat endpoint's
-sampling extras (``top_k``, ``seed``, ``stop``, penalties, ``logit_bias``). This server stores
-nothing and hosts no tools, so ``previous_response_id``, item references and tools other than
-functions get a 400 that says so; ``reasoning`` items (this server writes none) are skipped.
+sampling extras (``top_k``, ``seed``, ``stop``, penalties, ``logit_bias``), and ``previous_response_id``
+(the app looks the earlier conversation up in its ``response_store`` and passes it in as
+``earlier``). This server hosts no tools and resolves no item references, so those get a 400 that
+says so; ``reasoning`` items (this server writes none) are skipped.
 """
 from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -39,14 +40,13 @@ _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def chat_request(req: ResponsesRequest) -> ChatRequest:
-    """The chat request that computes ``req``'s reply; a 400 for what this server cannot do."""
-    if req.previous_response_id is not None:
-        raise bad_request("this server stores no responses: send the whole conversation in input",
-                          "previous_response_id")
+def chat_request(req: ResponsesRequest, earlier: list[dict[str, Any]] = ()) -> ChatRequest:
+    """The chat request that computes ``req``'s reply (``earlier``: the conversation of its
+    ``previous_response_id``, as chat messages); a 400 for what this server cannot do."""
     if req.n != 1:
         raise bad_request("n is not a Responses API parameter: a request has one reply", "n")
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    messages += [ChatMessage.model_validate(m) for m in earlier]
     messages += _input_messages(req.input)
     common = sampling_fields(req)
     fmt = _response_format(req.text)
@@ -119,7 +119,8 @@ def _input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
             out.append(ChatMessage(role="tool", content=content, tool_call_id=_text(i, item, "call_id")))
         elif kind != "reasoning":
             raise bad_request(f"input[{i}]: items of type {kind!r} are not supported here (messages, "
-                              "function_call and function_call_output; this server stores no responses)", "input")
+                              "function_call and function_call_output; for an earlier response's items, "
+                              "give its id as previous_response_id)", "input")
     if not out:
         raise bad_request("input holds no message", "input")
     return out
@@ -170,12 +171,14 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
 class ResponseWriter:
     """One reply's Response object and stream events (``id``: the response's, ``created``: seconds;
     ``tools``: the request's tool plan, whose calls become ``function_call`` items; ``tokens``: set
-    when the request asked for logprobs)."""
+    when the request asked for logprobs; ``keep``: awaited with the finished Response object before
+    a stream's last event, when the response is stored)."""
 
     def __init__(self, rid: str, model: str, created: int, req: ResponsesRequest, tools: ToolPlan,
-                 tokens: TokenText | None = None) -> None:
+                 tokens: TokenText | None = None,
+                 keep: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> None:
         self.id, self.model, self.created, self.req, self.tools = rid, model, created, req, tools
-        self.tokens = tokens
+        self.tokens, self.keep = tokens, keep
         self.message_id = new_id("msg")
 
     def final(self, text: str, finish_reason: str | None, usage: dict[str, Any],
@@ -251,7 +254,10 @@ class ResponseWriter:
             yield event("response.function_call_arguments.done", **at, arguments=call["function"]["arguments"])
             items.append(_call_item(call, "completed"))
             yield event("response.output_item.done", output_index=len(items) - 1, item=items[-1])
-        yield event(f"response.{status}", response=self._obj(status, items, _usage(job.usage())))
+        done = self._obj(status, items, _usage(job.usage()))
+        if self.keep is not None:
+            await self.keep(done)
+        yield event(f"response.{status}", response=done)
 
     def _message(self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "role": "assistant", "status": status,
@@ -265,7 +271,7 @@ class ResponseWriter:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": None, "store": False,
+                "previous_response_id": req.previous_response_id, "store": self.keep is not None,
                 "temperature": 1.0 if req.temperature is None else req.temperature,
                 "top_p": 1.0 if req.top_p is None else req.top_p,
                 "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
@@ -295,3 +301,31 @@ def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input as the items ``GET /v1/responses/{id}/input_items`` lists: a string as a
+    user message, message content as text parts, each item with an id of its own."""
+    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    out = []
+    for item in items:
+        item = {"type": "message", **item}
+        if item["type"] == "message":
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": kind, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(item["type"], "item")
+        item.setdefault("id", new_id(prefix))
+        out.append(item)
+    return out
+
+
+def reply_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A Response's output items as the chat turn they continue a conversation with: the message's
+    text and the function calls, one assistant message."""
+    text = "".join(part.get("text", "") for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]

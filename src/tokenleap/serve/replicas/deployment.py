@@ -36,6 +36,8 @@ from tokenleap.serve.replicas.bridge import HTTPCall, ResponseStart, forwarded_h
 from tokenleap.serve.protocol import APIError
 from tokenleap.serve.replicas.metrics import MetricsBoard, board_name, merge_exports
 from tokenleap.serve.replicas.router import AFFINITY_KWARG, LoadAffinityRouter, affinity_key
+from tokenleap.serve.replicas.store import SharedStore, create_store_actor
+from tokenleap.serve.response_store import DEFAULT_CAPACITY
 from tokenleap.cli.replicas import threads_per_replica
 
 log = logging.getLogger("tokenleap.serve.replicas.deployment")
@@ -60,6 +62,7 @@ class ReplicaSettings:
     metrics_period_s: float = 2.0  # how often each replica posts its /metrics export
     health_check_period_s: float = 5.0
     app_factory: Callable[[], FastAPI] | None = None  # builds each replica's app instead of ``args`` (tests)
+    responses_store: int = DEFAULT_CAPACITY  # Responses API objects the replicas' shared store keeps
 
 
 def settings_from_args(args: argparse.Namespace, **overrides: Any) -> ReplicaSettings:
@@ -67,7 +70,8 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> ReplicaSet
     fields: dict[str, Any] = dict(
         args=args, threads=threads_per_replica(args), replicas=args.replicas, autoscale=args.autoscale,
         served_name=args.served_model_name or args.model, max_ongoing_requests=args.max_num_seqs + args.max_waiting,
-        target_ongoing_requests=args.max_num_seqs, affinity_chars=4 * args.prefill_chunk)
+        target_ongoing_requests=args.max_num_seqs, affinity_chars=4 * args.prefill_chunk,
+        responses_store=args.responses_store)
     return ReplicaSettings(**{**fields, **overrides})
 
 
@@ -86,6 +90,9 @@ class Replica:
         else:
             from tokenleap.cli.serve import build_app
             self.app, _ = build_app(settings.args)
+        server = self.app.state.server
+        if server.response_store.capacity > 0:  # one store for all replicas (the ingress holds it)
+            server.response_store = SharedStore(settings.app_name, settings.responses_store)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the scheduler thread
         self.name = serve.get_replica_context().replica_tag
@@ -155,6 +162,7 @@ class Ingress:
         self.replicas, self.settings = replicas, settings
         self.board = ray.remote(MetricsBoard).options(name=board_name(settings.app_name), get_if_exists=True,
                                                       num_cpus=0).remote()
+        self.store = create_store_actor(settings.app_name, settings.responses_store)  # the replicas' Responses
         self.routed: dict[str, int] = {}  # replica -> requests it answered
         self.retries = 0
         self.cut_streams = 0

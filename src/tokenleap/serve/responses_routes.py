@@ -1,0 +1,121 @@
+"""The Responses API's routes: ``POST /v1/responses`` (a reply, over the chat path; stored unless
+``store`` is false), ``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
+and ``POST /v1/responses/{id}/cancel``.
+
+A request with ``previous_response_id`` continues the stored response's conversation: its earlier
+turns, its input and its reply come before the new input (the earlier ``instructions`` do not, as
+with OpenAI). An id the store does not hold (never stored, deleted, or dropped as the least recently
+used past ``--responses-store``) is a 404 that says so.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenleap.serve.jobs import ClientGone
+from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request, chat_messages, chat_options, \
+    check_max_tokens, parse_body, structured_output
+from tokenleap.serve.response_store import ResponseStore, StoredResponse, page
+from tokenleap.serve.responses import Format, new_id, now
+from tokenleap.serve.responses_api import ResponseWriter, chat_request, input_items, logprobs_wanted, reply_messages
+
+
+class ResponsesRoutes:
+    """The routes above for ``server`` (an ``app.OpenAIServer``: its checks, encoding, jobs and
+    ``response_store``, read at each request: replicas swap in one they share)."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    @property
+    def store(self) -> ResponseStore:
+        return self.server.response_store
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/v1/responses", self.create, methods=["POST"])
+        app.add_api_route("/v1/responses/{response_id}", self.retrieve, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}", self.delete, methods=["DELETE"])
+        app.add_api_route("/v1/responses/{response_id}/input_items", self.list_input_items, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"])
+
+    async def create(self, request: HTTPRequest) -> Response:
+        """One reply to the request's input, after its ``previous_response_id``'s conversation."""
+        server = self.server
+        server._auth(request)
+        req = parse_body(await request.body(), ResponsesRequest)
+        earlier = []
+        if req.previous_response_id is not None:
+            earlier = (await self._stored(req.previous_response_id, "previous_response_id")).messages
+        chat = chat_request(req, earlier)
+        server._check(chat)
+        tools = server._plan_tools(chat)
+        prompt = server._encode_chat(chat_messages(chat), tools, chat_options(chat))
+        budget = check_max_tokens(req.max_output_tokens, len(prompt), server.engine.max_len, None,
+                                  "max_output_tokens")
+        logprobs = logprobs_wanted(req)
+        rid = new_id("resp")
+        keep = None
+        if req.store is not False and self.store.capacity > 0:
+            items = input_items(req.input)
+            history = [m.model_dump(exclude_none=True) for m in chat.messages[1 if req.instructions else 0:]]
+
+            async def keep(obj: dict[str, Any]) -> None:
+                await self.store.put(rid, StoredResponse(obj, items, history + reply_messages(obj["output"])))
+
+        writer = ResponseWriter(rid, server.cfg.model_name, now(), req, tools,
+                                server._token_text(logprobs is not None), keep)
+        job = await server._start(chat, [prompt], [budget], tools.grammar or structured_output(chat), logprobs)
+        fmt = Format(writer.id, "response", server.cfg.model_name, writer.created, chat=True)
+        if req.stream:
+            return StreamingResponse(server._logged(job, fmt, writer.events(job)), media_type="text/event-stream")
+        try:
+            texts, reasons, scored = await server._collect(request, job, fmt)
+        except ClientGone:
+            return Response(status_code=499)
+        obj = writer.final(texts[0], reasons[0], job.usage(), scored[0])
+        if keep is not None:
+            await keep(obj)
+        return JSONResponse(obj)
+
+    async def retrieve(self, response_id: str, request: HTTPRequest) -> dict[str, Any]:
+        self.server._auth(request)
+        return (await self._stored(response_id)).response
+
+    async def delete(self, response_id: str, request: HTTPRequest) -> dict[str, Any]:
+        self.server._auth(request)
+        if not await self.store.delete(response_id):
+            raise self._missing(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def list_input_items(self, response_id: str, request: HTTPRequest) -> dict[str, Any]:
+        """The response's input items, newest first by default, as OpenAI pages them (query: ``limit``,
+        ``order``, ``after``)."""
+        self.server._auth(request)
+        query = request.query_params
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            raise bad_request(f"limit must be an integer in [1, 100], got {query['limit']!r}", "limit") from None
+        return page((await self._stored(response_id)).input_items, limit, query.get("order", "desc"),
+                    query.get("after"))
+
+    async def cancel(self, response_id: str, request: HTTPRequest) -> dict[str, Any]:
+        """Only background responses can be cancelled, and this server runs none: every stored one
+        has finished."""
+        self.server._auth(request)
+        await self._stored(response_id)
+        raise bad_request("only a response created with background set to true can be cancelled; this one has "
+                          "finished", "response_id")
+
+    async def _stored(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        entry = await self.store.get(response_id)
+        if entry is None:
+            raise self._missing(response_id, param)
+        return entry
+
+    def _missing(self, response_id: str, param: str = "response_id") -> APIError:
+        return APIError(404, f"no stored response has the id {response_id!r} (this server keeps the last "
+                             f"{self.store.capacity} responses in memory, those sent with store not false)",
+                        "invalid_request_error", param, "response_not_found")
