@@ -139,7 +139,7 @@ def test_serve_defaults_to_auto_marked_as_the_default(tmp_path):
 
 
 def test_stats_line_names_the_proposers():
-    from tokenleap.cli.main import _stats_line
+    from tokenleap.cli.output import stats_line
     from tokenleap.spec.stats import SpecStats
     st = SpecStats()
     for name, acc, kept in (("none", 0, 1), ("ngram", 3, 4), ("draft", 1, 2), ("ngram", 2, 3)):
@@ -147,7 +147,12 @@ def test_stats_line_names_the_proposers():
         st.record_proposer(name, acc, kept)
     shares = st.to_dict()["proposers"]
     assert shares["ngram"] == {"steps": 2, "accepted_tokens": 5, "tokens": 7, "share": 0.7}
-    assert "tokens by proposer: ngram 70%, draft 20%, none 10%" in _stats_line(st.to_dict())
+    assert "tokens by proposer: ngram 70%, draft 20%, none 10%" in stats_line(st.to_dict())
+    one = SpecStats()  # one proposer drafted (auto picked it every step): the line still names it
+    one.record_step(4, 3, 4)
+    one.record_proposer("draft", 3, 4)
+    assert stats_line(one.to_dict()).endswith(", tokens by proposer: draft 100%")
+    assert "by proposer" not in stats_line(SpecStats().to_dict())  # plain decoding
 
 
 def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):

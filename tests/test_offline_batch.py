@@ -16,11 +16,11 @@ SPECS = {None: SpecConfig(), "ngram": SpecConfig(method="ngram"),
          "draft": SpecConfig(method="draft", draft_model="tiny-draft", num_tokens=3)}
 
 
-def make_llm(kind: str | None, max_num_seqs: int = 16) -> LLM:
+def make_llm(kind: str | None, max_num_seqs: int = 16, max_model_len: int = 128) -> LLM:
     def loaded(m):
         return LoadedModel(m, ChatToyTokenizer(VOCAB), torch.float32, "none", "tiny", None)
     draft = loaded(model(77)) if kind == "draft" else None
-    return LLM.from_loaded(loaded(model(1)), SPECS[kind], draft, max_model_len=128, max_num_seqs=max_num_seqs)
+    return LLM.from_loaded(loaded(model(1)), SPECS[kind], draft, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
 
 
 @pytest.fixture
@@ -69,3 +69,30 @@ def test_one_params_for_all_text_prompts_and_bad_lists():
         llm.generate(prompts, [SamplingParams(), SamplingParams()])
     with pytest.raises(ConfigError, match="no prompts"):
         llm.generate([])
+
+
+class EncodeChatToy(ChatToyTokenizer):
+    """The toy chat template behind ``encode_chat`` (what real tokenizers have), tools shown as text."""
+
+    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, tools=None, **kw):
+        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message)
+        return self.encode(("<tools>" + ",".join(t["function"]["name"] for t in tools) if tools else "") + text)
+
+
+def test_chat_renders_each_conversation_and_generates_it():
+    llm = make_llm("ngram")
+    llm.tokenizer = tok = EncodeChatToy(VOCAB)
+    one = [{"role": "system", "content": "be short"}, {"role": "user", "content": "hello there"}]
+    two = [{"role": "user", "content": "abcabc"}, {"role": "assistant", "content": "abc"}]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    [out] = llm.chat(one, params)  # one conversation
+    assert out.prompt == tok.encode("<system>be short<user>hello there<assistant>")
+    assert out.token_ids == llm.generate(out.prompt, params)[0].token_ids
+    outs = llm.chat([one, two], params, continue_final_message=True)  # a batch, the reply continuing each
+    assert [o.prompt for o in outs] == [tok.encode("<system>be short<user>hello there"),
+                                        tok.encode("<user>abcabc<assistant>abc")]
+    assert [o.token_ids for o in outs] == [llm.generate(o.prompt, params)[0].token_ids for o in outs]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert llm.chat(two, params, tools=tools)[0].prompt == tok.encode("<tools>f<user>abcabc<assistant>abc<assistant>")
+    with pytest.raises(ConfigError, match="no messages"):
+        llm.chat([])

@@ -173,6 +173,27 @@ class LLM:
         return generate_batch(self, list(prompts), per_prompt, chat)
 
 
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | list[SamplingParams] | None = None, *,
+             tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Replies to conversations, as vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of
+        ``{"role", "content"}`` dicts) or a list of them; each is rendered with the model's chat
+        template (``tools``: function definitions the template shows the model; ``continue_final_message``:
+        the reply continues the last message instead of opening a new turn; ``chat_template_kwargs``:
+        extra template variables), then generated as ``generate`` does. An output's ``prompt`` is the
+        rendered conversation's token ids."""
+        if not messages:
+            raise ConfigError("no messages given")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+        prompts = [self.tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message, **extra)
+                   for c in conversations]
+        return self.generate(prompts, params)
+
+
 def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> RequestOutput:
     """A finished sequence's ``RequestOutput`` (``prompt``: as the caller gave it)."""
     params = seq.params

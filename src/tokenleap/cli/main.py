@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig, StructuredOutput, default_ngram_min
+from tokenleap.cli.output import stats_line
 from tokenleap.errors import TokenleapError
 
 
@@ -230,15 +231,37 @@ def _read_text(path: str, flag: str) -> str:
         raise UsageError(f"{flag}: cannot read {path}: {e.strerror}") from None
 
 
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The sampling flags of ``generate`` and ``chat`` (``max_tokens``: the default budget)."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (exact argmax)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sample reproducibly: the same tokens with or without speculation")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables it")
+
+
+def sampling_from_args(args: argparse.Namespace, **extra: Any) -> SamplingParams:
+    """``SamplingParams`` of the ``add_sampling_args`` flags (``extra``: further fields)."""
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
+                          ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                          min_tokens=args.min_tokens, **extra)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
     prompts = [args.prompt] if args.prompt is not None else read_prompts_file(args.prompts_file)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
-                            ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                            logprobs=args.logprobs, structured=structured_args(args), min_tokens=args.min_tokens)
+    params = sampling_from_args(args, logprobs=args.logprobs, structured=structured_args(args))
     if params.structured is not None:  # an invalid schema, regex or grammar fails before loading
         from tokenleap.spec.structured import grammar_of
         grammar_of(params.structured)
@@ -259,26 +282,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write("\n")
         if args.stats:
-            print(f"[tokenleap] {_stats_line(out.stats)}", file=sys.stderr)
+            print(f"[tokenleap] {stats_line(out.stats)}", file=sys.stderr)
     return 0
-
-
-def _stats_line(stats: dict[str, Any]) -> str:
-    pos = " ".join(f"{a:.2f}" for a in stats["per_position_acceptance"]) or "-"
-    return (f"{stats['new_tokens']} tokens, {stats['tokens_per_second']:.2f} tok/s, "
-            f"tau {stats['mean_accepted_tokens']:.2f}, acceptance length {stats['acceptance_length']:.2f}, "
-            f"draft acceptance {stats['draft_acceptance_rate']:.1%}, per position [{pos}], "
-            f"draft {stats['draft_seconds']:.2f}s / verify {stats['verify_seconds']:.2f}s "
-            f"/ prefill {stats['prefill_seconds']:.2f}s{_proposer_shares(stats)}")
-
-
-def _proposer_shares(stats: dict[str, Any]) -> str:
-    """``, tokens by proposer: ngram 61%, draft 24%, none 15%`` where several proposers drafted."""
-    shares = stats.get("proposers") or {}
-    if len([n for n in shares if n != "none"]) < 2:
-        return ""
-    ranked = sorted(shares.items(), key=lambda kv: -kv[1]["tokens"])
-    return ", tokens by proposer: " + ", ".join(f"{n} {v['share']:.0%}" for n, v in ranked)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -341,19 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompts-file", help="JSONL file with a \"prompt\" field per line")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (exact argmax)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None,
-                   help="sample reproducibly: the same tokens with or without speculation")
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables it")
+    add_sampling_args(g, max_tokens=128)
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each generated token's logprob and its N most likely alternatives")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of streamed text")
@@ -373,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", default=None)
     m.set_defaults(func=cmd_models)
 
-    from tokenleap.cli import bench, calibrate, serve, verify
-    for module in (bench, serve, verify, calibrate):
+    from tokenleap.cli import bench, calibrate, chat, serve, verify
+    for module in (chat, bench, serve, verify, calibrate):
         module.register(sub)
     return parser
 

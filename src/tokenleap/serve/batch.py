@@ -29,14 +29,31 @@ class BatchRequestError(TokenleapError):
 def batch_engine(llm: "LLM", lengths: list[int]) -> Engine:
     """A paged engine for prompts that may reach ``lengths`` tokens each: cache slots for the batch
     and blocks for its longest sequences (a shortfall only preempts, which is exact)."""
-    base = llm.engine
-    max_len, slots = base.max_len, min(len(lengths), llm.max_num_seqs)
+    max_len, slots = llm.engine.max_len, min(len(lengths), llm.max_num_seqs)
     per_seq = -(-(max_len + 1) // BLOCK_SIZE)
     longest = sorted((min(n, max_len + 1) for n in lengths), reverse=True)[:slots]
-    # a token tree's nodes (and a proposer's auxiliary rows) past the sequence's end
-    scratch = -(-(llm.spec.tree_nodes + getattr(llm.proposer, "aux_rows", 0)) // BLOCK_SIZE)
-    blocks = max(sum(-(-n // BLOCK_SIZE) + 1 + scratch for n in longest), per_seq)
-    model = llm.target.model
+    blocks = max(sum(-(-n // BLOCK_SIZE) + 1 + _scratch_blocks(llm) for n in longest), per_seq)
+    return _paged_engine(llm, blocks, slots)
+
+
+def session_engine(llm: "LLM") -> Engine:
+    """A paged engine for one conversation, a turn at a time: one cache slot, and blocks for two
+    whole contexts -- the turn being generated, and the prompt windows earlier turns computed, which
+    its prefix cache keeps so that the next turn (the same conversation, longer) reuses them."""
+    per_seq = -(-(llm.engine.max_len + 1) // BLOCK_SIZE) + 1 + _scratch_blocks(llm)
+    return _paged_engine(llm, 2 * per_seq, 1)
+
+
+def _scratch_blocks(llm: "LLM") -> int:
+    """Blocks for a token tree's nodes (and a proposer's auxiliary rows) past a sequence's end."""
+    return -(-(llm.spec.tree_nodes + getattr(llm.proposer, "aux_rows", 0)) // BLOCK_SIZE)
+
+
+def _paged_engine(llm: "LLM", blocks: int, slots: int) -> Engine:
+    """An engine on ``llm``'s weights with paged caches of ``blocks`` blocks and ``slots`` slots
+    (the draft model's too, if any)."""
+    base, model = llm.engine, llm.target.model
+    max_len = base.max_len
     cache = PagedKVCache(model.config, blocks, max_len, model.dtype, BLOCK_SIZE, num_slots=slots)
     draft_cache = None
     if llm.draft is not None:  # --spec draft, or auto with a draft model

@@ -1,0 +1,89 @@
+"""``tokenleap chat``: a conversation a turn at a time on a paged engine whose prefix cache keeps the
+earlier turns' prompt windows. Each reply equals the same conversation generated from scratch
+(``LLM.chat``), with or without speculation; the oldest turns go when the context is full; a
+stopped reply stays in the conversation. Then the real command with SmolLM2-135M on piped stdin."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tokenleap.cli.chat import ChatSession
+from tokenleap.config import ConfigError, SamplingParams
+
+from serving_helpers import VOCAB
+from test_offline_batch import EncodeChatToy, make_llm
+
+
+def session_llm(kind, max_model_len: int = 256):
+    llm = make_llm(kind, max_model_len=max_model_len)
+    llm.tokenizer = EncodeChatToy(VOCAB)
+    llm.engine.prefill_chunk = 16  # windows of 16 tokens: short toy turns reach the prefix cache
+    return llm
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "draft"])
+def test_each_turn_equals_the_conversation_generated_from_scratch(kind):
+    llm = session_llm(kind)
+    session = ChatSession(llm, system="sys")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    written = []
+    for n, text in enumerate(["hello there", "abcabc again", "and once more", "last"]):
+        out = session.reply(text, params, written.append)
+        ref = llm.chat([{"role": "system", "content": "sys"}, *session.messages[:-1]], params)[0]
+        assert out.token_ids == ref.token_ids and session.messages[-1]["content"] == ref.text == "".join(written)
+        if n:  # the earlier turns' windows came from the cache
+            assert session.cached_tokens >= 16
+        written.clear()
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] * 4 and session.dropped == 0
+    session.clear()
+    assert session.reply("hi", params, written.append).token_ids == \
+        llm.chat([{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}], params)[0].token_ids
+
+
+def test_the_oldest_turns_go_when_the_context_is_full():
+    llm = session_llm("ngram", 128)  # a 128-token context
+    session = ChatSession(llm)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for text in ["a long first message " * 2, "a second one", "a third one here"]:
+        out = session.reply(text, params, lambda _: None)
+        assert out.prompt_tokens + 16 <= 128
+    assert session.dropped >= 2 and session.messages[0]["role"] == "user"
+    assert session.messages[-2]["content"] == "a third one here"
+    ref = llm.chat(session.messages[:-1], params)[0]  # what is left, from scratch
+    assert session.messages[-1]["content"] == ref.text
+    with pytest.raises(ConfigError, match="context window is 128"):
+        session.reply("x" * 400, params, lambda _: None)
+    assert session.messages[-2]["content"] == "a third one here"  # the refused message was not kept
+
+
+def test_a_stopped_reply_stays_and_the_next_turn_is_exact():
+    llm = session_llm("draft")
+    session = ChatSession(llm)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    pieces = []
+    out = session.reply("talk a lot", params, pieces.append, stop_requested=lambda: len(pieces) >= 2)
+    assert out.finish_reason == "abort" and 0 < out.num_tokens < 30
+    assert session.messages[-1] == {"role": "assistant", "content": out.text}
+    nxt = session.reply("go on", params, lambda _: None)
+    assert nxt.token_ids == llm.chat(session.messages[:-1], params)[0].token_ids
+    assert session.engine.cache.lengths == [0]  # each turn's slot was freed
+
+
+def test_smollm2_chat_on_piped_stdin(smollm2_gguf):
+    cmd = [sys.executable, "-m", "tokenleap.cli.main", "chat", "--model", "smollm2-135m-instruct", "--max-model-len",
+           "512", "--max-tokens", "12", "--spec", "ngram", "--stats"]
+    stdin = "What is the capital of France?\nAnd of Italy?\n/clear\nName a color.\n"
+    run = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    from tokenleap.api import LLM
+    llm = LLM("smollm2-135m-instruct", max_model_len=512)
+    greedy = SamplingParams(max_tokens=12)
+    first = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy)[0].text
+    second = llm.chat([{"role": "user", "content": "What is the capital of France?"},
+                       {"role": "assistant", "content": first}, {"role": "user", "content": "And of Italy?"}],
+                      greedy)[0].text
+    third = llm.chat([{"role": "user", "content": "Name a color."}], greedy)[0].text
+    assert run.stdout == f"{first}\n{second}\n{third}\n" and "Paris" in first
+    assert run.stderr.count("tok/s") == 3 and "new conversation" in run.stderr
