@@ -22,7 +22,7 @@ FIELDS = ["model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n"
           "add_generation_prompt", "continue_final_message", "tokens", "unknown_field",
           # /v1/responses
           "input", "instructions", "max_output_tokens", "text", "metadata", "previous_response_id",
-          "parallel_tool_calls", "store"]
+          "parallel_tool_calls", "store", "suffix"]
 
 
 def value(rng: random.Random, depth: int = 0):

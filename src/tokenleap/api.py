@@ -173,6 +173,22 @@ class LLM:
         return generate_batch(self, list(prompts), per_prompt, chat)
 
 
+    def infill(self, prefix: str, suffix: str, params: SamplingParams | None = None) -> RequestOutput:
+        """The code for the gap between ``prefix`` and ``suffix`` (fill-in-the-middle, for code models
+        with FIM tokens such as Qwen2.5-Coder; a ConfigError for others)."""
+        ids, params = self.infill_request(prefix, suffix, params)
+        *_, last = self.stream(ids, params)
+        last.output.prompt = prefix
+        return last.output
+
+    def infill_request(self, prefix: str, suffix: str,
+                       params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        """The fill-in-the-middle prompt's ids, and ``params`` with the FIM tokens that end a middle."""
+        from tokenleap.text.fim import encode_fim
+        ids, fim = encode_fim(self.tokenizer, prefix, suffix)
+        params = params or SamplingParams()
+        return ids, replace(params, stop_token_ids=params.stop_token_ids + fim.stop_ids)
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | list[SamplingParams] | None = None, *,
              tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,

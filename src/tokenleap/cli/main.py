@@ -261,6 +261,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
     prompts = [args.prompt] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    if args.suffix is not None and args.chat:
+        raise UsageError("--suffix (fill in the middle) takes a plain prompt, not --chat")
     params = sampling_from_args(args, logprobs=args.logprobs, structured=structured_args(args))
     if params.structured is not None:  # an invalid schema, regex or grammar fails before loading
         from tokenleap.spec.structured import grammar_of
@@ -272,11 +274,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
     for prompt in prompts:
-        for chunk in llm.stream(prompt, params, chat=args.chat):
+        ids, fim_params = llm.infill_request(prompt, args.suffix, params) if args.suffix is not None else (prompt, params)
+        for chunk in llm.stream(ids, fim_params, chat=args.chat):
             if not args.json:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
         out = chunk.output
+        out.prompt = prompt  # (a fill-in-the-middle request ran on ids)
         if args.json:
             print(json.dumps(out.to_dict(), ensure_ascii=False))
         else:
@@ -346,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompts-file", help="JSONL file with a \"prompt\" field per line")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--suffix", help="fill in the middle: the prompt is the code before the gap, this the code after")
     add_sampling_args(g, max_tokens=128)
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each generated token's logprob and its N most likely alternatives")

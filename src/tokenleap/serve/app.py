@@ -43,6 +43,7 @@ from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
 from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
+from tokenleap.text.fim import encode_fim
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
@@ -111,7 +112,7 @@ class OpenAIServer:
         self._auth(request)
         req = parse_body(await request.body(), CompletionRequest)
         self._check(req)
-        prompts = self._prompts(req.prompt)
+        prompts = self._prompts(req.prompt) if req.suffix is None else self._fim_prompts(req)
         budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
                       include_usage=self._include_usage(req), tokens=self._token_text(req.logprobs is not None))
@@ -338,6 +339,25 @@ class OpenAIServer:
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         return [self._encode(p) for p in prompt]
+
+    def _fim_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Fill-in-the-middle prompts: each text prompt is the code before the gap, ``suffix`` the code
+        after it; the FIM tokens' stop ids join the request's."""
+        if req.echo:
+            raise bad_request("echo cannot be combined with suffix", "echo")
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise bad_request("with suffix, the prompt must be text (a string or a list of strings)", "prompt")
+        if len(texts) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        try:
+            encoded = [encode_fim(self.tokenizer, t, req.suffix) for t in texts]
+        except ConfigError as e:
+            raise bad_request(str(e), "suffix") from None
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
+        req.stop_token_ids = [*(req.stop_token_ids or []), *encoded[0][1].stop_ids]
+        return [ids for ids, _ in encoded]
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

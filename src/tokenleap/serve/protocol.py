@@ -96,6 +96,7 @@ class CompletionRequest(_Sampling):
     max_tokens: Int64 | None = None  # OpenAI's default is 16
     logprobs: Int64 | None = None
     echo: bool | None = False
+    suffix: str | None = None  # text after the gap: the reply fills in the middle (text/fim.py)
 
 
 class TextPart(_Strict):

@@ -1,0 +1,64 @@
+"""Fill-in-the-middle (FIM) prompts: code before and after a gap, for the model to write the gap, as
+code models are trained to take them (OpenAI's ``suffix``, llama.cpp's ``/infill``).
+
+A model takes FIM prompts when its vocabulary has a known set of FIM tokens:
+
+- ``<|fim_prefix|>`` / ``<|fim_suffix|>`` / ``<|fim_middle|>`` (Qwen2.5-Coder, CodeGemma-style names),
+- ``<fim_prefix>`` / ``<fim_suffix>`` / ``<fim_middle>`` (StarCoder, SantaCoder, Granite code),
+- ``<｜fim▁begin｜>`` / ``<｜fim▁hole｜>`` / ``<｜fim▁end｜>`` (DeepSeek-Coder),
+
+all in prefix-suffix-middle order: ``PRE prefix SUF suffix MID``, the reply being the middle. The
+prefix and suffix are tokenized on their own, with no special tokens added, and the FIM tokens are
+placed between them by id (as llama.cpp builds its infill prompts). A middle ends at the model's end
+of text, or at a FIM bookkeeping token (padding, file or repository separators) where the
+vocabulary has one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenleap.config import ConfigError
+
+_FORMS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+          ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+          ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+_ENDS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<fim_pad>", "<file_sep>", "<reponame>", "<filename>",
+         "<|endoftext|>", "<｜end▁of▁sentence｜>")
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+    stop_ids: tuple[int, ...]  # tokens that end a middle besides the model's EOS
+
+
+def fim_tokens(tokenizer) -> FimTokens | None:
+    """The tokenizer's FIM tokens, or None when it has no known set."""
+    lookup = getattr(tokenizer, "token_to_id", None)
+    if lookup is None:
+        return None
+    for names in _FORMS:
+        ids = [lookup(n) for n in names]
+        if all(i is not None for i in ids):
+            ends = tuple(i for i in (lookup(n) for n in _ENDS) if i is not None)
+            return FimTokens(*ids, stop_ids=ends)
+    return None
+
+
+def encode_fim(tokenizer, prefix: str, suffix: str) -> tuple[list[int], FimTokens]:
+    """The FIM prompt's ids for the gap between ``prefix`` and ``suffix``, and the tokens used (a
+    ConfigError that says so when the model has none)."""
+    fim = fim_tokens(tokenizer)
+    if fim is None:
+        raise ConfigError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <|fim_suffix|>, "
+                          "<|fim_middle|>): use a code model trained for infilling, e.g. Qwen2.5-Coder, or no suffix")
+    ids = [fim.prefix, *_plain(tokenizer, prefix), fim.suffix, *_plain(tokenizer, suffix), fim.middle]
+    if getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token_id is not None:
+        ids.insert(0, tokenizer.bos_token_id)
+    return ids, fim
+
+
+def _plain(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
