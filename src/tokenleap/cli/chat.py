@@ -104,6 +104,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.stats:
         print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
     if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
         print(f"[tokenleap] chatting with {args.model}: {HELP}", file=sys.stderr)
     while True:
         text = _read_message(interactive)
