@@ -87,3 +87,18 @@ def test_smollm2_chat_on_piped_stdin(smollm2_gguf):
     third = llm.chat([{"role": "user", "content": "Name a color."}], greedy)[0].text
     assert run.stdout == f"{first}\n{second}\n{third}\n" and "Paris" in first
     assert run.stderr.count("tok/s") == 3 and "new conversation" in run.stderr
+
+
+def test_a_failed_turn_leaves_the_conversation_as_it_was():
+    llm = session_llm(None)
+    session = ChatSession(llm)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    session.reply("first", params, lambda _: None)
+    before = list(session.messages)
+
+    def broken(_):
+        raise RuntimeError("the terminal went away")
+    with pytest.raises(RuntimeError):
+        session.reply("second", params, broken)
+    assert session.messages == before and session.engine.cache.lengths == [0]
+    assert session.reply("second", params, lambda _: None).token_ids == llm.chat(session.messages[:-1], params)[0].token_ids

@@ -1,7 +1,10 @@
-"""Fill-in-the-middle: the FIM prompt of each known token set, ``suffix`` in /v1/completions (the reply
-equals the FIM prompt generated alone, the FIM bookkeeping tokens end it, clear 400s otherwise),
-``generate --suffix`` and ``LLM.infill``."""
+"""Fill-in-the-middle: the FIM prompt of each known token set (and other files as repository
+context), ``suffix`` in /v1/completions and llama.cpp's /infill (the reply equals the FIM prompt
+generated alone, the FIM bookkeeping tokens end it, clear 400s otherwise), ``generate --suffix`` and
+``LLM.infill``."""
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -99,3 +102,51 @@ def test_llm_infill_and_generate_suffix_refusals():
     assert out.token_ids == llm.generate(ids, params)[0].token_ids
     from tokenleap.cli.main import main
     assert main(["generate", "--model", "x", "--prompt", "a", "--suffix", "b", "--chat"]) == 2
+
+
+class RepoToy(FimToy):
+    """FimToy with Qwen2.5-Coder's repository-level tokens too (ids 94, 95)."""
+
+    SPECIAL = {**FimToy.SPECIAL, "<|file_sep|>": 94, "<|repo_name|>": 95}
+
+
+def test_other_files_come_first_as_repository_context():
+    tok = RepoToy(VOCAB)
+    ids, fim = encode_fim(tok, "p", "s", [("a.py", "x = 1"), (None, "y")], middle="m")
+    plain = tok.encode
+    assert ids == [95, *plain("myproject\n"), 94, *plain("a.py\n"), *plain("x = 1"), 94, *plain("tmp\n"), *plain("y"),
+                   94, *plain("filename\n"), 90, *plain("p"), 91, *plain("s"), 92, *plain("m")]
+    assert (fim.repo, fim.file_sep, fim.stop_ids) == (95, 94, (93, 94, 95))
+    snippets, _ = encode_fim(FimToy(VOCAB), "p", "s", [("a.py", "x")])  # no repository tokens: a text marker
+    assert snippets == [*plain("\n\n--- snippet ---\n\n"), *plain("x"), 90, *plain("p"), 91, *plain("s"), 92]
+
+
+def test_llamacpp_infill_endpoint():
+    tok = RepoToy(VOCAB)
+    body = {"input_prefix": "def fn(", "input_suffix": "):\n    pass", "prompt": "a",
+            "input_extra": [{"filename": "util.py", "text": "def helper(): ..."}], "n_predict": 10, "temperature": 0}
+    ids, fim = encode_fim(tok, "def fn(", "):\n    pass", [("util.py", "def helper(): ...")], "a")
+    with fim_app(tok) as s:
+        r = httpx.post(s.url + "/infill", json=body, timeout=60).json()
+        ref = alone(ids, SamplingParams(max_tokens=10, stop_token_ids=fim.stop_ids))
+        assert r["content"] == ref.text and r["stop"] is True and r["tokens_evaluated"] == len(ids)
+        assert r["tokens_predicted"] == ref.num_generated and r["stop_type"] in ("eos", "limit")
+        events = []
+        with httpx.stream("POST", s.url + "/infill", json={**body, "stream": True}, timeout=60) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+        assert "".join(e["content"] for e in events) == ref.text and events[-1]["stop"] is True
+        assert all(e["stop"] is False for e in events[:-1]) and events[-1]["tokens_predicted"] == ref.num_generated
+        # llama.cpp's sampling defaults where a field is absent (top_k 40, top_p 0.95, min_p 0.05)
+        seeded = httpx.post(s.url + "/infill", json={**body, "temperature": 0.7, "seed": 5}, timeout=60).json()
+        want = alone(ids, SamplingParams(max_tokens=10, temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, seed=5,
+                                         stop_token_ids=fim.stop_ids))
+        assert seeded["content"] == want.text
+        for extra, param in (({"n_predict": 10**6}, "n_predict"), ({"temperature": -1}, "temperature"),
+                             ({"input_extra": [{"text": 5}]}, None)):
+            bad = httpx.post(s.url + "/infill", json={**body, **extra}, timeout=60)
+            assert bad.status_code == 400 and (param is None or bad.json()["error"]["param"] == param), bad.text
+    with fim_app(ChatToyTokenizer(VOCAB)) as s:
+        bad = httpx.post(s.url + "/infill", json=body, timeout=60)
+        assert bad.status_code == 400 and "fill-in-the-middle" in bad.json()["error"]["message"]

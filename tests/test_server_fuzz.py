@@ -22,7 +22,9 @@ FIELDS = ["model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n"
           "add_generation_prompt", "continue_final_message", "tokens", "unknown_field",
           # /v1/responses
           "input", "instructions", "max_output_tokens", "text", "metadata", "previous_response_id",
-          "parallel_tool_calls", "store", "suffix"]
+          "parallel_tool_calls", "store", "suffix",
+          # /infill (llama.cpp's names)
+          "input_prefix", "input_suffix", "input_extra", "n_predict", "repeat_penalty"]
 
 
 def value(rng: random.Random, depth: int = 0):
@@ -65,7 +67,7 @@ def bodies(seed: int = 0):
     rng = random.Random(seed)
     for i in range(ROUNDS):
         path = rng.choice(["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions",
-                           "/v1/responses", "/v1/responses", "/tokenize", "/detokenize"])
+                           "/v1/responses", "/v1/responses", "/tokenize", "/detokenize", "/infill"])
         if path == "/v1/completions":
             body = {"prompt": "fuzz me", "max_tokens": 3}
         elif path == "/v1/chat/completions":
@@ -74,6 +76,8 @@ def bodies(seed: int = 0):
             body = {"input": "fuzz", "max_output_tokens": 3}
         elif path == "/tokenize":
             body = {"prompt": "fuzz"}
+        elif path == "/infill":  # (the toy vocabulary has no FIM tokens: a 400 once the body is valid)
+            body = {"input_prefix": "fu", "input_suffix": "zz", "n_predict": 3}
         else:
             body = {"tokens": [3, 4]}
         for _ in range(rng.randrange(1, 4)):
@@ -85,7 +89,7 @@ def bodies(seed: int = 0):
                 break
             else:
                 body[rng.choice(FIELDS)] = value(rng)
-        for budget in ("max_tokens", "max_output_tokens"):
+        for budget in ("max_tokens", "max_output_tokens", "n_predict"):
             if isinstance(body, dict) and isinstance(body.get(budget), int) and body[budget] > 20:
                 body[budget] = rng.choice([body[budget], 8])  # valid bodies stay quick to serve
         yield path, encode(body)

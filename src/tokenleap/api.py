@@ -172,7 +172,6 @@ class LLM:
         from tokenleap.serve.batch import generate_batch
         return generate_batch(self, list(prompts), per_prompt, chat)
 
-
     def infill(self, prefix: str, suffix: str, params: SamplingParams | None = None) -> RequestOutput:
         """The code for the gap between ``prefix`` and ``suffix`` (fill-in-the-middle, for code models
         with FIM tokens such as Qwen2.5-Coder; a ConfigError for others)."""

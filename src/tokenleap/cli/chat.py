@@ -84,6 +84,9 @@ class ChatSession:
                 write(piece)
                 if stop_requested():
                     break
+        except BaseException:
+            self.messages.pop()  # no reply: the message is not part of the conversation
+            raise
         finally:
             steps.close()  # frees the sequence's slot (its prompt windows stay cached)
         self.messages.append({"role": "assistant", "content": seq.text})

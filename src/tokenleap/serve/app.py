@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models (and
-/v1/models/{id}), /health, /metrics, and vLLM's /tokenize and /detokenize.
+/v1/models/{id}), /health, /metrics, vLLM's /tokenize and /detokenize, and llama.cpp's /infill.
 
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
 background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
@@ -42,6 +42,7 @@ from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
 from tokenleap.serve.error_handlers import add_error_handlers
+from tokenleap.serve.infill import InfillRoute
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
 from tokenleap.text.fim import encode_fim
 
@@ -62,14 +63,13 @@ class ServerConfig:
 
 class OpenAIServer:
     """The request handlers around one engine and its scheduler (``scheduler``: one built elsewhere,
-    by default one from ``config.scheduler``; either way the app's lifespan starts and stops it;
-    ``response_store``: where Responses API objects are kept, by default an in-memory one of
-    ``config.responses_store`` entries)."""
+    by default one from ``config.scheduler``; either way the app's lifespan starts and stops it).
+    ``response_store`` keeps Responses API objects: in memory, ``config.responses_store`` of them
+    (replicas put a store they share in its place)."""
 
-    def __init__(self, engine, config: ServerConfig, scheduler: Scheduler | None = None,
-                 response_store: ResponseStore | None = None) -> None:
+    def __init__(self, engine, config: ServerConfig, scheduler: Scheduler | None = None) -> None:
         self.engine, self.cfg = engine, config
-        self.response_store = response_store if response_store is not None else LRUStore(config.responses_store)
+        self.response_store: ResponseStore = LRUStore(config.responses_store)
         self.tokenizer = engine.tokenizer
         self.scheduler = scheduler if scheduler is not None else Scheduler(engine, config.scheduler)
         self.proposer_name = engine.proposer.name if engine.proposer is not None else "none"
@@ -97,6 +97,7 @@ class OpenAIServer:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         ResponsesRoutes(self).add_to(app)
+        InfillRoute(self).add_to(app)  # llama.cpp's code completion at a cursor
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
@@ -390,9 +391,8 @@ class OpenAIServer:
             raise bad_request(f"the messages could not be tokenized: {e}", "messages") from None
 
 
-def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None,
-               response_store: ResponseStore | None = None) -> FastAPI:
+def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``Engine`` built on a ``PagedKVCache``); the app's
-    lifespan starts and stops the scheduler (``scheduler``: one given, or one of ``config.scheduler``;
-    ``response_store``: see ``OpenAIServer``). The handlers are ``app.state.server`` (an ``OpenAIServer``)."""
-    return OpenAIServer(engine, config, scheduler, response_store).app()
+    lifespan starts and stops the scheduler (``scheduler``: one given, or one of ``config.scheduler``).
+    The handlers are ``app.state.server`` (an ``OpenAIServer``)."""
+    return OpenAIServer(engine, config, scheduler).app()

@@ -22,6 +22,8 @@ from tokenleap.config import ConfigError
 _FORMS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
           ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
           ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+_REPO = ("<|repo_name|>", "<reponame>")  # repository-level context (Qwen2.5-Coder; StarCoder)
+_FILE_SEP = ("<|file_sep|>", "<file_sep>")
 _ENDS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<fim_pad>", "<file_sep>", "<reponame>", "<filename>",
          "<|endoftext|>", "<｜end▁of▁sentence｜>")
 
@@ -32,6 +34,8 @@ class FimTokens:
     suffix: int
     middle: int
     stop_ids: tuple[int, ...]  # tokens that end a middle besides the model's EOS
+    repo: int | None = None  # opens repository-level context, where the vocabulary has it
+    file_sep: int | None = None  # starts each file of that context
 
 
 def fim_tokens(tokenizer) -> FimTokens | None:
@@ -43,21 +47,47 @@ def fim_tokens(tokenizer) -> FimTokens | None:
         ids = [lookup(n) for n in names]
         if all(i is not None for i in ids):
             ends = tuple(i for i in (lookup(n) for n in _ENDS) if i is not None)
-            return FimTokens(*ids, stop_ids=ends)
+            return FimTokens(*ids, stop_ids=ends, repo=_first(lookup, _REPO), file_sep=_first(lookup, _FILE_SEP))
     return None
 
 
-def encode_fim(tokenizer, prefix: str, suffix: str) -> tuple[list[int], FimTokens]:
+def _first(lookup, names: tuple[str, ...]) -> int | None:
+    return next((i for i in map(lookup, names) if i is not None), None)
+
+
+def encode_fim(tokenizer, prefix: str, suffix: str, files: list[tuple[str, str]] = (),
+               middle: str = "") -> tuple[list[int], FimTokens]:
     """The FIM prompt's ids for the gap between ``prefix`` and ``suffix``, and the tokens used (a
-    ConfigError that says so when the model has none)."""
+    ConfigError that says so when the model has none). ``files``: (file name, text) pairs of other
+    code the gap may use, placed first -- as repository-level context where the vocabulary has its
+    tokens (``REPO "myproject\n" SEP name "\n" text ... SEP "filename\n"``, the form Qwen2.5-Coder was
+    trained on), else each after a plain-text snippet marker; ``middle``: text the middle starts with."""
     fim = fim_tokens(tokenizer)
     if fim is None:
         raise ConfigError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <|fim_suffix|>, "
                           "<|fim_middle|>): use a code model trained for infilling, e.g. Qwen2.5-Coder, or no suffix")
-    ids = [fim.prefix, *_plain(tokenizer, prefix), fim.suffix, *_plain(tokenizer, suffix), fim.middle]
+    ids = _context(tokenizer, fim, files) if files else []
+    ids += [fim.prefix, *_plain(tokenizer, prefix), fim.suffix, *_plain(tokenizer, suffix), fim.middle]
+    ids += _plain(tokenizer, middle)
     if getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token_id is not None:
         ids.insert(0, tokenizer.bos_token_id)
     return ids, fim
+
+
+def _context(tokenizer, fim: FimTokens, files: list[tuple[str, str]]) -> list[int]:
+    """Other files' code before the FIM prompt."""
+    ids: list[int] = []
+    if fim.repo is not None:
+        ids += [fim.repo, *_plain(tokenizer, "myproject\n")]
+    for name, text in files:
+        if fim.file_sep is not None:
+            ids += [fim.file_sep, *_plain(tokenizer, (name or "tmp") + "\n")]
+        else:
+            ids += _plain(tokenizer, "\n\n--- snippet ---\n\n")
+        ids += _plain(tokenizer, text)
+    if fim.file_sep is not None:
+        ids += [fim.file_sep, *_plain(tokenizer, "filename\n")]
+    return ids
 
 
 def _plain(tokenizer, text: str) -> list[int]:

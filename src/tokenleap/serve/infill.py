@@ -1,0 +1,125 @@
+"""llama.cpp's ``POST /infill``: code completion at a cursor, as editor plugins written for
+llama.cpp's server call it (``input_prefix`` / ``input_suffix`` around the cursor, ``input_extra``:
+other files' chunks as context, ``prompt``: text the middle starts with).
+
+The prompt is ``text/fim.py``'s (repository-level context where the vocabulary has its tokens), and
+the request runs through the same scheduler, sampling and speculation as ``/v1/completions``. The
+reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type", "tokens_predicted",
+"tokens_evaluated", "model"}``; streamed, one ``data: {"content": ..., "stop": false}`` event a
+piece, then the final object. llama.cpp's sampling names and defaults are taken where a field is
+absent (``n_predict`` -1: up to the context's end; ``temperature`` 0.8, ``top_k`` 40, ``top_p``
+0.95, ``min_p`` 0.05; ``seed`` -1: unseeded; ``repeat_penalty``).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenleap.config import ConfigError
+from tokenleap.serve.jobs import ClientGone, Job
+from tokenleap.serve.protocol import APIError, CompletionRequest, Int64, _Strict, bad_request, check_max_tokens, \
+    parse_body
+from tokenleap.serve.responses import Format, new_id, now
+from tokenleap.text.fim import encode_fim
+
+
+class InputChunk(_Strict):
+    filename: str | None = None
+    text: str = ""
+
+
+class InfillRequest(_Strict):
+    model: str | None = None
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InputChunk] | None = None
+    prompt: str = ""
+    n_predict: Int64 | None = None
+    temperature: float | None = None
+    top_k: Int64 | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: list[str] | None = None
+    stream: bool | None = False
+    ignore_eos: bool | None = False
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def completion(self) -> CompletionRequest:
+        """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in)."""
+        def given(value, default):
+            return default if value is None else value
+        return CompletionRequest.model_construct(**{
+            **{name: field.default for name, field in CompletionRequest.model_fields.items()},
+            "model": self.model, "prompt": "", "temperature": given(self.temperature, 0.8),
+            "top_k": given(self.top_k, 40), "top_p": given(self.top_p, 0.95), "min_p": given(self.min_p, 0.05),
+            "seed": None if self.seed in (None, -1) else self.seed, "stop": self.stop, "stream": bool(self.stream),
+            "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "max_tokens": None if self.n_predict in (None, -1) else self.n_predict})
+
+
+_STOP_TYPES = {"stop": "eos", "length": "limit"}  # (a stop string also ends as "stop": reported as eos)
+
+
+class InfillRoute:
+    """``POST /infill`` for ``server`` (an ``app.OpenAIServer``: its checks, jobs and log)."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/infill", self.infill, methods=["POST"])
+
+    async def infill(self, request: HTTPRequest) -> Response:
+        server = self.server
+        server._auth(request)
+        body = parse_body(await request.body(), InfillRequest)
+        req = body.completion()
+        server._check(req)
+        files = [(c.filename, c.text) for c in body.input_extra or []]
+        try:
+            ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt)
+        except ConfigError as e:
+            raise bad_request(str(e), "input_suffix") from None
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise bad_request(f"the input could not be tokenized: {e}", "input_prefix") from None
+        req.stop_token_ids = list(fim.stop_ids)
+        budget = check_max_tokens(req.max_tokens, len(ids), server.engine.max_len, None, "n_predict")
+        fmt = Format(new_id("cmpl"), "infill", server.cfg.model_name, now(), chat=False)
+        job = await server._start(req, [ids], [budget], None)
+        if req.stream:
+            return StreamingResponse(server._logged(job, fmt, self._events(job)), media_type="text/event-stream")
+        try:
+            texts, reasons, _ = await server._collect(request, job, fmt)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(self._final(texts[0], reasons[0], job))
+
+    async def _events(self, job: Job) -> AsyncIterator[str]:
+        reason = None
+        async for i, out in job.outputs():
+            if out.error:
+                yield _sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
+                return
+            piece, _ = job.piece(i, out)
+            reason = out.finish_reason or reason
+            if piece:
+                yield _sse({"content": piece, "stop": False})
+        yield _sse(self._final("", reason, job))
+
+    def _final(self, text: str, reason: str | None, job: Job) -> dict[str, Any]:
+        usage = job.usage()
+        return {"content": text, "stop": True, "stop_type": _STOP_TYPES.get(reason, "none"),
+                "model": self.server.cfg.model_name, "tokens_predicted": usage["completion_tokens"],
+                "tokens_evaluated": usage["prompt_tokens"], "truncated": False}
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
