@@ -49,6 +49,11 @@ def test_affinity_key_hashes_the_prompt_start():
     assert key({"instructions": "S" * 40, "input": "c"}) == key(chat("a"))
     assert key({"input": "a"}) == key({"messages": [{"role": "user", "content": "a"}]})
     assert key({"input": [{"role": "user", "content": "a"}]}) == key({"input": "a"})
+    # an /infill request by its context files and prefix, not its (usually empty) prompt
+    infill = lambda prefix, files=(): {"input_prefix": prefix, "input_suffix": "x", "prompt": "",  # noqa: E731
+                                        "input_extra": [{"filename": "f", "text": t} for t in files]}
+    assert key(infill(long_a)) == key(infill(long_b)) == key({"prompt": long_a}) != key(infill("T" * 40))
+    assert key(infill("a", ["S" * 40])) == key(infill("b", ["S" * 40])) != key(infill("a"))
     assert affinity_key(b"not json", 40) is None and affinity_key(b'{"model": "m"}', 40) is None
 
 

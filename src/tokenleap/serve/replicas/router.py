@@ -26,7 +26,8 @@ AFFINITY_KWARG = "affinity"
 def affinity_key(body: bytes, chars: int) -> str | None:
     """A hash of the first ``chars`` characters of a completion's prompt or a chat's messages (as
     text; for token-id prompts the first ``chars // 4`` ids; a Responses request's instructions and
-    input as the chat messages they become), or None when the body has none of them."""
+    input as the chat messages they become; an /infill request's context files and prefix), or None
+    when the body has none of them."""
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -34,7 +35,10 @@ def affinity_key(body: bytes, chars: int) -> str | None:
     if not isinstance(req, dict):
         return None
     prompt = req.get("prompt", req.get("messages"))
-    if prompt is None and "input" in req:
+    if isinstance(req.get("input_prefix"), str):  # llama.cpp's /infill: its context files, then the prefix
+        extra = req.get("input_extra") if isinstance(req.get("input_extra"), list) else []
+        prompt = "".join(str(c.get("text", "")) for c in extra if isinstance(c, dict)) + req["input_prefix"]
+    elif prompt is None and "input" in req:
         given = req["input"]
         prompt = ([{"role": "system", "content": req["instructions"]}] if req.get("instructions") else []) + (
             [{"role": "user", "content": given}] if isinstance(given, str) else given if isinstance(given, list) else [])
