@@ -42,9 +42,8 @@ from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
 from tokenleap.serve.error_handlers import add_error_handlers
-from tokenleap.serve.infill import InfillRoute
+from tokenleap.serve.infill import InfillRoute, fim_prompts
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
-from tokenleap.text.fim import encode_fim
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
@@ -113,7 +112,7 @@ class OpenAIServer:
         self._auth(request)
         req = parse_body(await request.body(), CompletionRequest)
         self._check(req)
-        prompts = self._prompts(req.prompt) if req.suffix is None else self._fim_prompts(req)
+        prompts = self._prompts(req.prompt) if req.suffix is None else fim_prompts(self.tokenizer, req)
         budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
                       include_usage=self._include_usage(req), tokens=self._token_text(req.logprobs is not None))
@@ -191,14 +190,23 @@ class OpenAIServer:
                    echo: list[str] | None = None) -> Response:
         job = await self._start(req, prompts, budgets, fmt.tools.grammar or structured_output(req), logprobs,
                                 prompt_logprobs, echo)
-        if req.stream:
-            return StreamingResponse(self._logged(job, fmt, self._chunks(job, fmt)), media_type="text/event-stream")
+
+        async def final(texts, reasons, scored) -> dict[str, Any]:
+            choices = [fmt.choice(i, t, r, s) for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
+            return fmt.obj(choices, usage=job.usage())
+        return await self._answer(http, job, fmt, bool(req.stream), self._chunks(job, fmt), final)
+
+    async def _answer(self, http: HTTPRequest, job: Job, fmt: Format, stream: bool, events: AsyncIterator[str],
+                      final) -> Response:
+        """A started job's response: ``events`` as a server-sent stream, or else the JSON object that
+        ``final(texts, reasons, scored)`` gives for the whole replies (a client gone first: 499)."""
+        if stream:
+            return StreamingResponse(self._logged(job, fmt, events), media_type="text/event-stream")
         try:
             texts, reasons, scored = await self._collect(http, job, fmt)
         except ClientGone:
             return Response(status_code=499)
-        choices = [fmt.choice(i, t, r, s) for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
-        return JSONResponse(fmt.obj(choices, usage=job.usage()))
+        return JSONResponse(await final(texts, reasons, scored))
 
     async def _start(self, req, prompts: list[list[int]], budgets: list[int], spec, logprobs: int | None = None,
                      prompt_logprobs: int | None = None, echo: list[str] | None = None) -> Job:
@@ -340,25 +348,6 @@ class OpenAIServer:
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         return [self._encode(p) for p in prompt]
-
-    def _fim_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """Fill-in-the-middle prompts: each text prompt is the code before the gap, ``suffix`` the code
-        after it; the FIM tokens' stop ids join the request's."""
-        if req.echo:
-            raise bad_request("echo cannot be combined with suffix", "echo")
-        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise bad_request("with suffix, the prompt must be text (a string or a list of strings)", "prompt")
-        if len(texts) > MAX_PROMPTS:
-            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        try:
-            encoded = [encode_fim(self.tokenizer, t, req.suffix) for t in texts]
-        except ConfigError as e:
-            raise bad_request(str(e), "suffix") from None
-        except (ValueError, TypeError, UnicodeError) as e:
-            raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
-        req.stop_token_ids = [*(req.stop_token_ids or []), *encoded[0][1].stop_ids]
-        return [ids for ids, _ in encoded]
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -1,4 +1,5 @@
-"""llama.cpp's ``POST /infill``: code completion at a cursor, as editor plugins written for
+"""Fill in the middle over HTTP: ``/v1/completions``' ``suffix`` (``fim_prompts``), and llama.cpp's
+``POST /infill``: code completion at a cursor, as editor plugins written for
 llama.cpp's server call it (``input_prefix`` / ``input_suffix`` around the cursor, ``input_extra``:
 other files' chunks as context, ``prompt``: text the middle starts with).
 
@@ -17,12 +18,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from tokenleap.config import ConfigError
-from tokenleap.serve.jobs import ClientGone, Job
-from tokenleap.serve.protocol import APIError, CompletionRequest, Int64, _Strict, bad_request, check_max_tokens, \
-    parse_body
+from tokenleap.serve.jobs import Job
+from tokenleap.serve.protocol import MAX_PROMPTS, APIError, CompletionRequest, Int64, _Strict, bad_request, \
+    check_max_tokens, parse_body
 from tokenleap.serve.responses import Format, new_id, now
 from tokenleap.text.fim import encode_fim
 
@@ -94,13 +95,10 @@ class InfillRoute:
         budget = check_max_tokens(req.max_tokens, len(ids), server.engine.max_len, None, "n_predict")
         fmt = Format(new_id("cmpl"), "infill", server.cfg.model_name, now(), chat=False)
         job = await server._start(req, [ids], [budget], None)
-        if req.stream:
-            return StreamingResponse(server._logged(job, fmt, self._events(job)), media_type="text/event-stream")
-        try:
-            texts, reasons, _ = await server._collect(request, job, fmt)
-        except ClientGone:
-            return Response(status_code=499)
-        return JSONResponse(self._final(texts[0], reasons[0], job))
+
+        async def final(texts, reasons, _) -> dict[str, Any]:
+            return self._final(texts[0], reasons[0], job)
+        return await server._answer(request, job, fmt, bool(req.stream), self._events(job), final)
 
     async def _events(self, job: Job) -> AsyncIterator[str]:
         reason = None
@@ -119,6 +117,26 @@ class InfillRoute:
         return {"content": text, "stop": True, "stop_type": _STOP_TYPES.get(reason, "none"),
                 "model": self.server.cfg.model_name, "tokens_predicted": usage["completion_tokens"],
                 "tokens_evaluated": usage["prompt_tokens"], "truncated": False}
+
+
+def fim_prompts(tokenizer, req: CompletionRequest) -> list[list[int]]:
+    """``/v1/completions`` with ``suffix``: each text prompt is the code before the gap, ``suffix`` the
+    code after it; the FIM tokens' stop ids join the request's."""
+    if req.echo:
+        raise bad_request("echo cannot be combined with suffix", "echo")
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise bad_request("with suffix, the prompt must be text (a string or a list of strings)", "prompt")
+    if len(texts) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+    try:
+        encoded = [encode_fim(tokenizer, t, req.suffix) for t in texts]
+    except ConfigError as e:
+        raise bad_request(str(e), "suffix") from None
+    except (ValueError, TypeError, UnicodeError) as e:
+        raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
+    req.stop_token_ids = [*(req.stop_token_ids or []), *encoded[0][1].stop_ids]
+    return [ids for ids, _ in encoded]
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from tokenleap.serve.jobs import ClientGone
 from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request, chat_messages, chat_options, \
     check_max_tokens, parse_body, structured_output
 from tokenleap.serve.response_store import ResponseStore, StoredResponse, page
@@ -68,16 +67,13 @@ class ResponsesRoutes:
                                 server._token_text(logprobs is not None), keep)
         job = await server._start(chat, [prompt], [budget], tools.grammar or structured_output(chat), logprobs)
         fmt = Format(writer.id, "response", server.cfg.model_name, writer.created, chat=True)
-        if req.stream:
-            return StreamingResponse(server._logged(job, fmt, writer.events(job)), media_type="text/event-stream")
-        try:
-            texts, reasons, scored = await server._collect(request, job, fmt)
-        except ClientGone:
-            return Response(status_code=499)
-        obj = writer.final(texts[0], reasons[0], job.usage(), scored[0])
-        if keep is not None:
-            await keep(obj)
-        return JSONResponse(obj)
+
+        async def final(texts, reasons, scored) -> dict[str, Any]:
+            obj = writer.final(texts[0], reasons[0], job.usage(), scored[0])
+            if keep is not None:
+                await keep(obj)
+            return obj
+        return await server._answer(request, job, fmt, bool(req.stream), writer.events(job), final)
 
     async def retrieve(self, response_id: str, request: HTTPRequest) -> dict[str, Any]:
         self.server._auth(request)
