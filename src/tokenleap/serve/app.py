@@ -42,7 +42,7 @@ from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
 from tokenleap.serve.error_handlers import add_error_handlers
-from tokenleap.serve.infill import InfillRoute, fim_prompts
+from tokenleap.serve.infill import InfillRoute, fim_encoder
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
@@ -112,7 +112,7 @@ class OpenAIServer:
         self._auth(request)
         req = parse_body(await request.body(), CompletionRequest)
         self._check(req)
-        prompts = self._prompts(req.prompt) if req.suffix is None else fim_prompts(self.tokenizer, req)
+        prompts = self._prompts(req.prompt, None if req.suffix is None else fim_encoder(self.tokenizer, req))
         budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
                       include_usage=self._include_usage(req), tokens=self._token_text(req.logprobs is not None))
@@ -340,14 +340,15 @@ class OpenAIServer:
     def _include_usage(req) -> bool:
         return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
-    def _prompts(self, prompt: Any) -> list[list[int]]:
+    def _prompts(self, prompt: Any, encode=None) -> list[list[int]]:
+        """A completion request's prompts, each encoded (``encode``: another encoder than ``_encode``)."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        return [self._encode(p) for p in prompt]
+        return [(encode or self._encode)(p) for p in prompt]
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -1,4 +1,4 @@
-"""Fill in the middle over HTTP: ``/v1/completions``' ``suffix`` (``fim_prompts``), and llama.cpp's
+"""Fill in the middle over HTTP: ``/v1/completions``' ``suffix`` (``fim_encoder``), and llama.cpp's
 ``POST /infill``: code completion at a cursor, as editor plugins written for
 llama.cpp's server call it (``input_prefix`` / ``input_suffix`` around the cursor, ``input_extra``:
 other files' chunks as context, ``prompt``: text the middle starts with).
@@ -14,7 +14,7 @@ absent (``n_predict`` -1: up to the context's end; ``temperature`` 0.8, ``top_k`
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -22,10 +22,10 @@ from fastapi.responses import Response
 
 from tokenleap.config import ConfigError
 from tokenleap.serve.jobs import Job
-from tokenleap.serve.protocol import MAX_PROMPTS, APIError, CompletionRequest, Int64, _Strict, bad_request, \
+from tokenleap.serve.protocol import APIError, CompletionRequest, Int64, _Strict, bad_request, \
     check_max_tokens, parse_body
 from tokenleap.serve.responses import Format, new_id, now
-from tokenleap.text.fim import encode_fim
+from tokenleap.text.fim import encode_fim, required_fim_tokens
 
 
 class InputChunk(_Strict):
@@ -119,24 +119,25 @@ class InfillRoute:
                 "tokens_evaluated": usage["prompt_tokens"], "truncated": False}
 
 
-def fim_prompts(tokenizer, req: CompletionRequest) -> list[list[int]]:
-    """``/v1/completions`` with ``suffix``: each text prompt is the code before the gap, ``suffix`` the
-    code after it; the FIM tokens' stop ids join the request's."""
+def fim_encoder(tokenizer, req: CompletionRequest) -> Callable[[Any], list[int]]:
+    """``/v1/completions`` with ``suffix``: what encodes each of its prompts (text only) as the code
+    before the gap, ``suffix`` being the code after it. The FIM tokens' stop ids join the request's."""
     if req.echo:
         raise bad_request("echo cannot be combined with suffix", "echo")
-    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise bad_request("with suffix, the prompt must be text (a string or a list of strings)", "prompt")
-    if len(texts) > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
     try:
-        encoded = [encode_fim(tokenizer, t, req.suffix) for t in texts]
+        fim = required_fim_tokens(tokenizer)
     except ConfigError as e:
         raise bad_request(str(e), "suffix") from None
-    except (ValueError, TypeError, UnicodeError) as e:
-        raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
-    req.stop_token_ids = [*(req.stop_token_ids or []), *encoded[0][1].stop_ids]
-    return [ids for ids, _ in encoded]
+    req.stop_token_ids = [*(req.stop_token_ids or []), *fim.stop_ids]
+
+    def encode(prompt: Any) -> list[int]:
+        if not isinstance(prompt, str):
+            raise bad_request("with suffix, the prompt must be text (a string or a list of strings)", "prompt")
+        try:
+            return encode_fim(tokenizer, prompt, req.suffix)[0]
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
+    return encode
 
 
 def _sse(obj: dict[str, Any]) -> str:

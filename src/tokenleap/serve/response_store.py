@@ -17,6 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tokenleap.serve.protocol import bad_request
+
 DEFAULT_CAPACITY = 1000
 
 
@@ -80,7 +82,6 @@ class LRUStore:
 def page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
     """A list object of ``items`` as OpenAI pages them: ``order`` asc (given order) or desc, starting
     after the item whose id is ``after`` (a 400 when no item has it), at most ``limit`` items."""
-    from tokenleap.serve.protocol import bad_request
     if order not in ("asc", "desc"):
         raise bad_request("order must be asc or desc", "order")
     if not 1 <= limit <= 100:

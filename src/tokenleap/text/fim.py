@@ -55,6 +55,15 @@ def _first(lookup, names: tuple[str, ...]) -> int | None:
     return next((i for i in map(lookup, names) if i is not None), None)
 
 
+def required_fim_tokens(tokenizer) -> FimTokens:
+    """``fim_tokens``, or a ConfigError that says the model has none."""
+    fim = fim_tokens(tokenizer)
+    if fim is None:
+        raise ConfigError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <|fim_suffix|>, "
+                          "<|fim_middle|>): use a code model trained for infilling, e.g. Qwen2.5-Coder, or no suffix")
+    return fim
+
+
 def encode_fim(tokenizer, prefix: str, suffix: str, files: list[tuple[str, str]] = (),
                middle: str = "") -> tuple[list[int], FimTokens]:
     """The FIM prompt's ids for the gap between ``prefix`` and ``suffix``, and the tokens used (a
@@ -62,10 +71,7 @@ def encode_fim(tokenizer, prefix: str, suffix: str, files: list[tuple[str, str]]
     code the gap may use, placed first -- as repository-level context where the vocabulary has its
     tokens (``REPO "myproject\n" SEP name "\n" text ... SEP "filename\n"``, the form Qwen2.5-Coder was
     trained on), else each after a plain-text snippet marker; ``middle``: text the middle starts with."""
-    fim = fim_tokens(tokenizer)
-    if fim is None:
-        raise ConfigError("this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, <|fim_suffix|>, "
-                          "<|fim_middle|>): use a code model trained for infilling, e.g. Qwen2.5-Coder, or no suffix")
+    fim = required_fim_tokens(tokenizer)
     ids = _context(tokenizer, fim, files) if files else []
     ids += [fim.prefix, *_plain(tokenizer, prefix), fim.suffix, *_plain(tokenizer, suffix), fim.middle]
     ids += _plain(tokenizer, middle)
