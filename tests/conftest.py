@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,13 @@ from tokenleap.models.build import build_transformer
 
 # Tiny models are latency-bound: one thread avoids OpenMP hand-offs that dominate their cost.
 torch.set_num_threads(1)
+
+MAX_WORKERS = 4  # each worker may hold a real model; more would crowd a small machine's memory
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker a core, at most MAX_WORKERS (the tests themselves run one thread each)."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
 
 def tiny_config(arch: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 2, heads: int = 4,
