@@ -90,10 +90,12 @@ def test_stop_token_ids_and_min_tokens(target):
         seq = run(engine(target, make(), 4), PROMPTS[1],
                   SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(stop_tok,)))
         assert seq.generated == base[:first + 1] and seq.finish_reason == "stop", name
+        assert seq.stop_reason == stop_tok, name  # vLLM's stop_reason: the stop token id
         # EOS made overwhelmingly likely: without min_tokens the reply is EOS at once, with it
         # exactly min_tokens other tokens come first, then EOS
         params = SamplingParams(max_tokens=30, logit_bias={eos: 60.0})
-        assert run(engine(target, make(), 4), PROMPTS[1], params).generated == [eos], name
+        seq = run(engine(target, make(), 4), PROMPTS[1], params)
+        assert seq.generated == [eos] and seq.stop_reason is None, name  # an EOS token: no stop_reason
         seq = run(engine(target, make(), 4), PROMPTS[1], replace(params, min_tokens=6))
         assert len(seq.generated) == 7 and seq.generated[-1] == eos and eos not in seq.generated[:6], name
         assert seq.generated == run(engine(target), PROMPTS[1], replace(params, min_tokens=6)).generated, name
@@ -112,7 +114,7 @@ def test_stop_string_spanning_tokens(target):
     cut = text.index(stop)
     for name, make in proposers(target):
         seq = run(engine(target, make(), 4), PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)))
-        assert seq.text == text[:cut] and seq.finish_reason == "stop", name
+        assert seq.text == text[:cut] and seq.finish_reason == "stop" and seq.stop_reason == stop, name
         assert seq.generated == ref.generated[: len(seq.generated)]
 
 

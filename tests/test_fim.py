@@ -131,6 +131,12 @@ def test_llamacpp_infill_endpoint():
         ref = alone(ids, SamplingParams(max_tokens=10, stop_token_ids=fim.stop_ids))
         assert r["content"] == ref.text and r["stop"] is True and r["tokens_evaluated"] == len(ids)
         assert r["tokens_predicted"] == ref.num_generated and r["stop_type"] in ("eos", "limit")
+        assert r["stopping_word"] == ""
+        word = ref.text[2:4]  # a stop string: llama.cpp's "word" stop, naming it
+        assert len(word) == 2
+        r = httpx.post(s.url + "/infill", json={**body, "stop": ["@@@", word]}, timeout=60).json()
+        assert r["content"] == ref.text[:ref.text.index(word)]
+        assert (r["stop_type"], r["stopping_word"]) == ("word", word)
         events = []
         with httpx.stream("POST", s.url + "/infill", json={**body, "stream": True}, timeout=60) as stream:
             for line in stream.iter_lines():

@@ -96,3 +96,18 @@ def test_chat_renders_each_conversation_and_generates_it():
     assert llm.chat(two, params, tools=tools)[0].prompt == tok.encode("<tools>f<user>abcabc<assistant>abc<assistant>")
     with pytest.raises(ConfigError, match="no messages"):
         llm.chat([])
+
+
+def test_stop_reason_names_the_stop_string_or_stop_token():
+    """vLLM's ``stop_reason``: the stop string matched or the stop token id, None for any other end."""
+    llm = make_llm("ngram")
+    ref = llm.generate("hello there", SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    word, tok = ref.text[3:5], ref.token_ids[6]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, stop=(word,)),
+              SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(tok,)),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    batched = llm.generate(["hello there"] * 3, params)
+    for outs in (batched, [llm.generate("hello there", p)[0] for p in params]):
+        assert [o.stop_reason for o in outs] == [word, tok, None]
+        assert [o.finish_reason for o in outs] == ["stop", "stop", "length"]
+        assert outs[0].to_dict()["stop_reason"] == word

@@ -87,6 +87,11 @@ def test_n_choices_stop_strings_and_seeds(server):
     r = c.completions.create(model=NAME, prompt="stop test", max_tokens=20, temperature=0, stop=[stop, "zzzz"],
                              extra_body={"ignore_eos": True})
     assert r.choices[0].text == ref[: ref.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop  # vLLM's field: the stop string matched
+    chunks = list(c.completions.create(model=NAME, prompt="stop test", max_tokens=20, temperature=0, stream=True,
+                                       stop=["zzzz", stop], extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == ref[: ref.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == stop
 
 
 def test_auth_model_and_value_errors(server):
@@ -305,9 +310,11 @@ def test_vllm_stop_token_ids_and_min_tokens(server):
     r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
                              extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == ref.generated.index(stop) + 1
+    assert r.choices[0].stop_reason == stop
     r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
                              logit_bias={"2": 60}, extra_body={"min_tokens": 5})
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"  # 5 tokens, then EOS
+    assert r.choices[0].stop_reason is None
     for body, needle in (({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens")):
         with pytest.raises(openai.BadRequestError, match=needle):
             c.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body=body)

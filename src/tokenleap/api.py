@@ -35,6 +35,7 @@ class RequestOutput:
     stats: dict[str, Any] = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +48,7 @@ class RequestOutput:
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "num_tokens": self.num_tokens,
                 "prompt_tokens": self.prompt_tokens, "finish_reason": self.finish_reason,
-                "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
+                "stop_reason": self.stop_reason, "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
                 "stats": self.stats, **self._logprob_fields()}
 
     def _logprob_fields(self) -> dict[str, Any]:
@@ -215,7 +216,8 @@ def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> Re
     return RequestOutput(prompt=prompt, text=seq.text, token_ids=seq.generated, prompt_tokens=len(seq.prompt),
                          finish_reason=seq.finish_reason, seconds=seconds, stats=seq.stats.to_dict(),
                          logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-                         prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None)
+                         prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None,
+                         stop_reason=seq.stop_reason)
 
 
 def load_draft(spec: SpecConfig, target: LoadedModel, cache_dir: str | Path | None) -> LoadedModel:

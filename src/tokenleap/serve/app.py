@@ -192,7 +192,8 @@ class OpenAIServer:
                                 prompt_logprobs, echo)
 
         async def final(texts, reasons, scored) -> dict[str, Any]:
-            choices = [fmt.choice(i, t, r, s) for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
+            choices = [{**fmt.choice(i, t, r, s), "stop_reason": job.stop_reason(i)}
+                       for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
             return fmt.obj(choices, usage=job.usage())
         return await self._answer(http, job, fmt, bool(req.stream), self._chunks(job, fmt), final)
 
@@ -275,10 +276,12 @@ class OpenAIServer:
                 if text or (scored and fmt.tokens):
                     choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
                     yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
-                delta = chat_delta(i, {"tool_calls": call_deltas(calls)}, reason)
+                delta = {**chat_delta(i, {"tool_calls": call_deltas(calls)}, reason), "stop_reason": job.stop_reason(i)}
                 yield sse(chunk_fmt.obj([delta], **fmt.with_usage()))
             elif text or reason or (scored and fmt.tokens):
                 choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
+                if reason is not None:
+                    choice["stop_reason"] = job.stop_reason(i)
                 yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
                 if fmt.tokens:
                     offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)

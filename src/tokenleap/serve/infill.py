@@ -5,11 +5,12 @@ other files' chunks as context, ``prompt``: text the middle starts with).
 
 The prompt is ``text/fim.py``'s (repository-level context where the vocabulary has its tokens), and
 the request runs through the same scheduler, sampling and speculation as ``/v1/completions``. The
-reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type", "tokens_predicted",
-"tokens_evaluated", "model"}``; streamed, one ``data: {"content": ..., "stop": false}`` event a
-piece, then the final object. llama.cpp's sampling names and defaults are taken where a field is
-absent (``n_predict`` -1: up to the context's end; ``temperature`` 0.8, ``top_k`` 40, ``top_p``
-0.95, ``min_p`` 0.05; ``seed`` -1: unseeded; ``repeat_penalty``).
+reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type" ("eos", "word": a stop string,
+"limit"), "stopping_word", "tokens_predicted", "tokens_evaluated", "model"}``; streamed, one
+``data: {"content": ..., "stop": false}`` event a piece, then the final object. llama.cpp's sampling
+names and defaults are taken where a field is absent (``n_predict`` -1: up to the context's end;
+``temperature`` 0.8, ``top_k`` 40, ``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded;
+``repeat_penalty``).
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class InfillRequest(_Strict):
             "max_tokens": None if self.n_predict in (None, -1) else self.n_predict})
 
 
-_STOP_TYPES = {"stop": "eos", "length": "limit"}  # (a stop string also ends as "stop": reported as eos)
+_STOP_TYPES = {"stop": "eos", "length": "limit"}  # a stop string: "word" (with its "stopping_word")
 
 
 class InfillRoute:
@@ -114,9 +115,11 @@ class InfillRoute:
 
     def _final(self, text: str, reason: str | None, job: Job) -> dict[str, Any]:
         usage = job.usage()
-        return {"content": text, "stop": True, "stop_type": _STOP_TYPES.get(reason, "none"),
-                "model": self.server.cfg.model_name, "tokens_predicted": usage["completion_tokens"],
-                "tokens_evaluated": usage["prompt_tokens"], "truncated": False}
+        word = job.stop_reason(0) if isinstance(job.stop_reason(0), str) else ""
+        return {"content": text, "stop": True, "stop_type": "word" if word else _STOP_TYPES.get(reason, "none"),
+                "stopping_word": word, "model": self.server.cfg.model_name,
+                "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
+                "truncated": False}
 
 
 def fim_encoder(tokenizer, req: CompletionRequest) -> Callable[[Any], list[int]]:

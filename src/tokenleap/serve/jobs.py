@@ -52,6 +52,11 @@ class Job:
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, out: Output) -> None:
         loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))  # runs on the scheduler thread
 
+    def stop_reason(self, i: int) -> int | str | None:
+        """What ended choice ``i`` with "stop" (vLLM's field): its stop token id or stop string, or None
+        for an EOS token (and for any other end)."""
+        return self.requests[i].seq.stop_reason
+
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, sum(self.generated), max(r.seq.cached_tokens for r in self.requests))
 

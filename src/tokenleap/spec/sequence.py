@@ -25,6 +25,8 @@ class Sequence:
     text: str = ""  # generated text (stop string removed once matched)
     streamed: int = 0  # characters of ``text`` already handed out
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # what ended a "stop": the stop token id or the stop string matched (None: an EOS token), as vLLM's
+    stop_reason: int | str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # per prompt token
@@ -55,8 +57,10 @@ class Sequence:
                 break
             self.tokens.append(tok)
             kept += 1
-            if (tok in self.eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
+            eos = tok in self.eos_ids and not self.params.ignore_eos
+            if eos or tok in self.params.stop_token_ids:
                 self.finish_reason = "stop"
+                self.stop_reason = None if eos else tok
                 self.text += self.detokenizer.flush()
                 break
             self.text += self.detokenizer.add([tok])
@@ -75,7 +79,8 @@ class Sequence:
         hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(i for i, _ in hits)]
+        i, self.stop_reason = min(hits, key=lambda hit: hit[0])
+        self.text = self.text[:i]
         self.finish_reason = "stop"
         return True
 
