@@ -19,7 +19,7 @@ from test_offline_batch import EncodeChatToy, make_llm
 def session_llm(kind, max_model_len: int = 256):
     llm = make_llm(kind, max_model_len=max_model_len)
     llm.tokenizer = EncodeChatToy(VOCAB)
-    llm.engine.prefill_chunk = 16  # windows of 16 tokens: short toy turns reach the prefix cache
+    llm.prefill_chunk = 16  # windows of 16 tokens: short toy turns reach the prefix cache
     return llm
 
 
@@ -29,6 +29,10 @@ def test_each_turn_equals_the_conversation_generated_from_scratch(kind):
     session = ChatSession(llm, system="sys")
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     written = []
+    session.reply("warm up", params, written.append)
+    assert llm._engine is None  # the LLM's own engine (and its KV cache) is never built for a chat session
+    session.clear()
+    written.clear()
     for n, text in enumerate(["hello there", "abcabc again", "and once more", "last"]):
         out = session.reply(text, params, written.append)
         ref = llm.chat([{"role": "system", "content": "sys"}, *session.messages[:-1]], params)[0]

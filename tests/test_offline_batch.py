@@ -46,6 +46,7 @@ def test_batched_generate_equals_one_at_a_time(kind, seeded, batch_sizes):
               for i, (_, m) in enumerate(jobs)]
     outs = llm.generate(prompts, params)
     assert max(batch_sizes) > 1  # decoded together
+    assert llm._engine is None  # on a paged engine of their own: the one-prompt engine was never built
     batch_sizes.clear()
     alone = [llm.generate(p, sp)[0] for p, sp in zip(prompts, params)]
     assert set(batch_sizes) == {1}

@@ -17,7 +17,7 @@ import torch
 from tokenleap.spec.tree_budget import machine_tree_mode
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig
 from tokenleap.spec.controller import ControllerConfig
-from tokenleap.spec.engine import Engine
+from tokenleap.spec.engine import PREFILL_CHUNK, Engine
 from tokenleap.models.pretrained import LoadedModel, load_model
 from tokenleap.spec.logprobs import TokenLogprob
 from tokenleap.spec.proposers.base import Proposer
@@ -98,10 +98,25 @@ class LLM:
         self.target, self.tokenizer, self.spec, self.draft = target, target.tokenizer, spec, draft
         self.spec_note: str | None = None  # how --spec auto chose its draft model, for --stats
         self.max_num_seqs = max_num_seqs  # prompts decoded together by generate()
-        max_len = min(max_model_len or 4096, target.model.config.max_position_embeddings)
-        self.proposer = self._proposer(max_len, num_slots)
-        self.engine = Engine(target.model, self.tokenizer, max_len=max_len, num_slots=num_slots,
-                             proposer=self.proposer, controller=self._controller(), tree_nodes=spec.tree_nodes)
+        self.max_len = min(max_model_len or 4096, target.model.config.max_position_embeddings)
+        self.prefill_chunk = PREFILL_CHUNK  # of every engine built here
+        self.num_slots = num_slots
+        self._engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine ``stream`` and a one-prompt ``generate`` run on (a contiguous KV cache of
+        ``num_slots`` x ``max_len`` tokens, and its proposer), built on first use: batches and chat
+        sessions run on paged engines of their own, and never pay for this one's cache."""
+        if self._engine is None:
+            self._engine = Engine(self.target.model, self.tokenizer, max_len=self.max_len, num_slots=self.num_slots,
+                                  proposer=self._proposer(self.max_len, self.num_slots), controller=self._controller(),
+                                  prefill_chunk=self.prefill_chunk, tree_nodes=self.spec.tree_nodes)
+        return self._engine
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.engine.proposer
 
     def _controller(self) -> ControllerConfig:
         fixed = None if self.spec.num_tokens == "auto" else int(self.spec.num_tokens)
@@ -113,16 +128,17 @@ class LLM:
         return proposer_for(self.spec, self.target, self.draft, max_len, num_slots, getattr(self, "cache_dir", None),
                             (lambda _: cache) if cache is not None else None)
 
-    def describe(self) -> str:
-        """One line: what was loaded and the memory it holds."""
+    def describe(self, engine: Engine | None = None) -> str:
+        """One line: what was loaded and the memory it holds (the KV cache: ``engine``'s, by default
+        ``self.engine``'s)."""
         from tokenleap.models.quant import weight_bytes
-        t = self.target
+        t, engine = self.target, engine or self.engine
         line = (f"{t.source} ({t.dtype}, quant {t.quant}): weights {weight_bytes(t.model) / 2**30:.2f} GiB, "
-                f"KV cache {self.engine.cache.nbytes / 2**20:.0f} MiB for {self.engine.max_len} tokens; "
+                f"KV cache {engine.cache.nbytes / 2**20:.0f} MiB for {engine.max_len} tokens; "
                 f"decode rows: {t.model.backend.describe()}")
-        if self.proposer is not None:
+        if engine.proposer is not None:
             line += f"; speculation: {self.spec.method}, draft length {self.spec.num_tokens}"
-            arms = getattr(self.proposer, "arms", None)
+            arms = getattr(engine.proposer, "arms", None)
             if arms is not None:
                 line += f" (proposers: {', '.join(arms)})"
         if self.spec_note:

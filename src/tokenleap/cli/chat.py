@@ -105,7 +105,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     session = ChatSession(llm, args.system)
     interactive = sys.stdin.isatty()
     if args.stats:
-        print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
+        print(f"[tokenleap] {llm.describe(session.engine)}", file=sys.stderr)
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())

@@ -14,6 +14,7 @@ from tokenleap.config import SamplingParams
 from tokenleap.spec.engine import Engine
 from tokenleap.errors import TokenleapError
 from tokenleap.cache.paged import PagedKVCache
+from tokenleap.spec.proposers.lookahead import window_rows
 from tokenleap.serve.scheduler import Output, Request, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ class BatchRequestError(TokenleapError):
 def batch_engine(llm: "LLM", lengths: list[int]) -> Engine:
     """A paged engine for prompts that may reach ``lengths`` tokens each: cache slots for the batch
     and blocks for its longest sequences (a shortfall only preempts, which is exact)."""
-    max_len, slots = llm.engine.max_len, min(len(lengths), llm.max_num_seqs)
+    max_len, slots = llm.max_len, min(len(lengths), llm.max_num_seqs)
     per_seq = -(-(max_len + 1) // BLOCK_SIZE)
     longest = sorted((min(n, max_len + 1) for n in lengths), reverse=True)[:slots]
     blocks = max(sum(-(-n // BLOCK_SIZE) + 1 + _scratch_blocks(llm) for n in longest), per_seq)
@@ -40,27 +41,28 @@ def session_engine(llm: "LLM") -> Engine:
     """A paged engine for one conversation, a turn at a time: one cache slot, and blocks for two
     whole contexts -- the turn being generated, and the prompt windows earlier turns computed, which
     its prefix cache keeps so that the next turn (the same conversation, longer) reuses them."""
-    per_seq = -(-(llm.engine.max_len + 1) // BLOCK_SIZE) + 1 + _scratch_blocks(llm)
+    per_seq = -(-(llm.max_len + 1) // BLOCK_SIZE) + 1 + _scratch_blocks(llm)
     return _paged_engine(llm, 2 * per_seq, 1)
 
 
 def _scratch_blocks(llm: "LLM") -> int:
     """Blocks for a token tree's nodes (and a proposer's auxiliary rows) past a sequence's end."""
-    return -(-(llm.spec.tree_nodes + getattr(llm.proposer, "aux_rows", 0)) // BLOCK_SIZE)
+    aux = window_rows(llm.spec.lookahead_window, llm.spec.lookahead_ngram) if llm.spec.method in ("lookahead", "auto") \
+        else 0  # (auto: if lookahead is one of its proposers)
+    return -(-(llm.spec.tree_nodes + aux) // BLOCK_SIZE)
 
 
 def _paged_engine(llm: "LLM", blocks: int, slots: int) -> Engine:
     """An engine on ``llm``'s weights with paged caches of ``blocks`` blocks and ``slots`` slots
     (the draft model's too, if any)."""
-    base, model = llm.engine, llm.target.model
-    max_len = base.max_len
+    model, max_len = llm.target.model, llm.max_len
     cache = PagedKVCache(model.config, blocks, max_len, model.dtype, BLOCK_SIZE, num_slots=slots)
     draft_cache = None
     if llm.draft is not None:  # --spec draft, or auto with a draft model
         draft = llm.draft.model
         draft_cache = PagedKVCache(draft.config, blocks, max_len, draft.dtype, BLOCK_SIZE, num_slots=slots)
     return Engine(model, llm.tokenizer, max_len=max_len, proposer=llm._proposer(max_len, slots, draft_cache),
-                  controller=llm._controller(), prefill_chunk=base.prefill_chunk, cache=cache,
+                  controller=llm._controller(), prefill_chunk=llm.prefill_chunk, cache=cache,
                   tree_nodes=llm.spec.tree_nodes)
 
 

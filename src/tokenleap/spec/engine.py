@@ -40,10 +40,13 @@ from tokenleap.spec.structured import Constraints
 from tokenleap.spec.verify import Verification
 
 
+PREFILL_CHUNK = 256  # prompt tokens a prefill forward takes by default (also the prefix cache's window)
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer, *, max_len: int | None = None, num_slots: int = 1,
                  proposer: Proposer | None = None, controller: ControllerConfig | None = None,
-                 prefill_chunk: int = 256, cache: KVCache | None = None, tree_nodes: int = 0) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None, tree_nodes: int = 0) -> None:
         self.model = model
         self.tree_nodes = tree_nodes  # > 0: proposers may draft token trees of this many nodes
         self.tokenizer = tokenizer

@@ -51,6 +51,11 @@ class _Window:
     pool: dict[int, OrderedDict[tuple[int, ...], None]] = field(default_factory=dict)
 
 
+def window_rows(window: int, ngram: int) -> int:
+    """Auxiliary rows a lookahead step attaches at most: the Jacobi window's ``ngram - 1`` levels."""
+    return window * (ngram - 1)
+
+
 class LookaheadProposer:
     name = "lookahead"
 
@@ -59,7 +64,7 @@ class LookaheadProposer:
         assert window >= 1 and ngram >= 2 and guesses >= 1, (window, ngram, guesses)
         self.window, self.ngram, self.guesses = window, ngram, guesses
         self.pool_per_key = pool_per_key
-        self.aux_rows = window * (ngram - 1)  # the most auxiliary rows a step attaches (Draft.aux)
+        self.aux_rows = window_rows(window, ngram)  # the most auxiliary rows a step attaches (Draft.aux)
         self._lookup = NgramProposer(lookup_max, 1)  # the text's own continuation: the first guess
         self._seqs: dict[int, _Window] = {}
 
