@@ -132,6 +132,9 @@ def test_llamacpp_infill_endpoint():
         assert r["content"] == ref.text and r["stop"] is True and r["tokens_evaluated"] == len(ids)
         assert r["tokens_predicted"] == ref.num_generated and r["stop_type"] in ("eos", "limit")
         assert r["stopping_word"] == ""
+        t = r["timings"]  # llama.cpp's: tokens and milliseconds of the prompt and of the generation
+        assert (t["prompt_n"], t["predicted_n"], t["cache_n"]) == (len(ids), ref.num_generated, 0)
+        assert t["prompt_ms"] > 0 and t["predicted_ms"] >= 0 and t["prompt_per_second"] > 0
         word = ref.text[2:4]  # a stop string: llama.cpp's "word" stop, naming it
         assert len(word) == 2
         r = httpx.post(s.url + "/infill", json={**body, "stop": ["@@@", word]}, timeout=60).json()

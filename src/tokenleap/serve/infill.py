@@ -6,7 +6,7 @@ other files' chunks as context, ``prompt``: text the middle starts with).
 The prompt is ``text/fim.py``'s (repository-level context where the vocabulary has its tokens), and
 the request runs through the same scheduler, sampling and speculation as ``/v1/completions``. The
 reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type" ("eos", "word": a stop string,
-"limit"), "stopping_word", "tokens_predicted", "tokens_evaluated", "model"}``; streamed, one
+"limit"), "stopping_word", "tokens_predicted", "tokens_evaluated", "timings", "model"}``; streamed, one
 ``data: {"content": ..., "stop": false}`` event a piece, then the final object. llama.cpp's sampling
 names and defaults are taken where a field is absent (``n_predict`` -1: up to the context's end;
 ``temperature`` 0.8, ``top_k`` 40, ``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded;
@@ -15,6 +15,7 @@ names and defaults are taken where a field is absent (``n_predict`` -1: up to th
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -119,7 +120,23 @@ class InfillRoute:
         return {"content": text, "stop": True, "stop_type": "word" if word else _STOP_TYPES.get(reason, "none"),
                 "stopping_word": word, "model": self.server.cfg.model_name,
                 "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
-                "truncated": False}
+                "truncated": False, "timings": _timings(job, usage)}
+
+
+def _timings(job: Job, usage: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's ``timings`` of a finished request: the prompt's time (arrival to first token, so a
+    queue wait counts) over the tokens computed (those taken from the prefix cache: ``cache_n``), and
+    the generation's (first token to now) over the tokens generated."""
+    end, first = time.monotonic(), job.requests[0].first_token_time
+    first = end if first is None else first
+    cached = job.requests[0].seq.cached_tokens
+    out: dict[str, Any] = {"cache_n": cached}
+    for name, n, seconds in (("prompt", usage["prompt_tokens"] - cached, first - job.t0),
+                             ("predicted", usage["completion_tokens"], end - first)):
+        ms = 1000.0 * max(seconds, 0.0)
+        out.update({f"{name}_n": n, f"{name}_ms": ms, f"{name}_per_token_ms": ms / n if n else 0.0,
+                    f"{name}_per_second": 1000.0 * n / ms if n and ms > 0 else 0.0})
+    return out
 
 
 def fim_encoder(tokenizer, req: CompletionRequest) -> Callable[[Any], list[int]]:
