@@ -2,6 +2,7 @@
 server on 127.0.0.1 (tiny random model, ToyTokenizer with a chat template)."""
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -397,3 +398,28 @@ def test_penalties_reach_the_engine(server):
                              logit_bias={str(banned): -100})
     ref = expected("again again", 5, temperature=0, logit_bias={banned: -100.0})
     assert r.choices[0].text == ref.text and ref.generated[0] != banned
+
+
+def test_llamacpp_completion_endpoint(server):
+    """llama.cpp's own /completion (and its alias /completions): the reply equals the prompt generated
+    alone -- greedy, and seeded with llama.cpp's sampling defaults -- in llama.cpp's shape, streamed too."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ids = ChatToyTokenizer(VOCAB).encode("hello there")
+    ref = expected("hello there", 10, ignore_eos=True)
+    for path, prompt in (("/completion", "hello there"), ("/completions", ids)):
+        r = httpx.post(server.url + path, headers=auth, timeout=60,
+                       json={"prompt": prompt, "n_predict": 10, "temperature": 0, "ignore_eos": True}).json()
+        assert r["content"] == ref.text and (r["tokens_predicted"], r["tokens_evaluated"]) == (10, len(ids))
+        assert (r["stop"], r["stop_type"], r["stopping_word"]) == (True, "limit", "")
+        assert r["timings"]["predicted_n"] == 10
+    body = {"prompt": "hello there", "n_predict": 10, "seed": 3, "ignore_eos": True}
+    seeded = expected("hello there", 10, ignore_eos=True, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3)
+    assert httpx.post(server.url + "/completion", headers=auth, json=body, timeout=60).json()["content"] == seeded.text
+    with httpx.stream("POST", server.url + "/completion", headers=auth, json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == seeded.text and events[-1]["stop"] is True
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["tokens_predicted"] == 10
+    for bad in ({}, {"prompt": ["a", "b"]}, {"prompt": [VOCAB]}, {"prompt": ""}, {"prompt": "x", "n_predict": "many"}):
+        r = httpx.post(server.url + "/completion", headers=auth, json=bad, timeout=60)
+        assert r.status_code == 400, bad
+    assert httpx.post(server.url + "/completion", json={"prompt": "x"}, timeout=60).status_code == 401

@@ -67,7 +67,8 @@ def bodies(seed: int = 0):
     rng = random.Random(seed)
     for i in range(ROUNDS):
         path = rng.choice(["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions",
-                           "/v1/responses", "/v1/responses", "/tokenize", "/detokenize", "/infill"])
+                           "/v1/responses", "/v1/responses", "/tokenize", "/detokenize", "/infill",
+                           "/completion"])
         if path == "/v1/completions":
             body = {"prompt": "fuzz me", "max_tokens": 3}
         elif path == "/v1/chat/completions":
@@ -78,6 +79,8 @@ def bodies(seed: int = 0):
             body = {"prompt": "fuzz"}
         elif path == "/infill":  # (the toy vocabulary has no FIM tokens: a 400 once the body is valid)
             body = {"input_prefix": "fu", "input_suffix": "zz", "n_predict": 3}
+        elif path == "/completion":  # llama.cpp's
+            body = {"prompt": "fuzz me", "n_predict": 3}
         else:
             body = {"tokens": [3, 4]}
         for _ in range(rng.randrange(1, 4)):

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models (and
-/v1/models/{id}), /health, /metrics, vLLM's /tokenize and /detokenize, and llama.cpp's /infill.
+/v1/models/{id}), /health, /metrics, vLLM's /tokenize and /detokenize, and llama.cpp's /completion and
+/infill.
 
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
 background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
@@ -42,7 +43,8 @@ from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job
 from tokenleap.serve.error_handlers import add_error_handlers
-from tokenleap.serve.infill import InfillRoute, fim_encoder
+from tokenleap.serve.infill import fim_encoder
+from tokenleap.serve.llamacpp import LlamaCppRoutes
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
@@ -96,7 +98,7 @@ class OpenAIServer:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         ResponsesRoutes(self).add_to(app)
-        InfillRoute(self).add_to(app)  # llama.cpp's code completion at a cursor
+        LlamaCppRoutes(self).add_to(app)  # llama.cpp's own /completion and /infill (code at a cursor)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])

@@ -1,142 +1,15 @@
-"""Fill in the middle over HTTP: ``/v1/completions``' ``suffix`` (``fim_encoder``), and llama.cpp's
-``POST /infill``: code completion at a cursor, as editor plugins written for
-llama.cpp's server call it (``input_prefix`` / ``input_suffix`` around the cursor, ``input_extra``:
-other files' chunks as context, ``prompt``: text the middle starts with).
-
-The prompt is ``text/fim.py``'s (repository-level context where the vocabulary has its tokens), and
-the request runs through the same scheduler, sampling and speculation as ``/v1/completions``. The
-reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type" ("eos", "word": a stop string,
-"limit"), "stopping_word", "tokens_predicted", "tokens_evaluated", "timings", "model"}``; streamed, one
-``data: {"content": ..., "stop": false}`` event a piece, then the final object. llama.cpp's sampling
-names and defaults are taken where a field is absent (``n_predict`` -1: up to the context's end;
-``temperature`` 0.8, ``top_k`` 40, ``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded;
-``repeat_penalty``).
+"""Fill in the middle over HTTP for ``/v1/completions``' ``suffix`` (OpenAI's field): the prompts are
+``text/fim.py``'s, the code before the gap being the prompt and ``suffix`` the code after it.
+(llama.cpp's ``/infill`` is in ``llamacpp.py``.)
 """
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import Response
-
 from tokenleap.config import ConfigError
-from tokenleap.serve.jobs import Job
-from tokenleap.serve.protocol import APIError, CompletionRequest, Int64, _Strict, bad_request, \
-    check_max_tokens, parse_body
-from tokenleap.serve.responses import Format, new_id, now
+from tokenleap.serve.protocol import CompletionRequest, bad_request
 from tokenleap.text.fim import encode_fim, required_fim_tokens
-
-
-class InputChunk(_Strict):
-    filename: str | None = None
-    text: str = ""
-
-
-class InfillRequest(_Strict):
-    model: str | None = None
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[InputChunk] | None = None
-    prompt: str = ""
-    n_predict: Int64 | None = None
-    temperature: float | None = None
-    top_k: Int64 | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    seed: Int64 | None = None
-    stop: list[str] | None = None
-    stream: bool | None = False
-    ignore_eos: bool | None = False
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-
-    def completion(self) -> CompletionRequest:
-        """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in)."""
-        def given(value, default):
-            return default if value is None else value
-        return CompletionRequest.model_construct(**{
-            **{name: field.default for name, field in CompletionRequest.model_fields.items()},
-            "model": self.model, "prompt": "", "temperature": given(self.temperature, 0.8),
-            "top_k": given(self.top_k, 40), "top_p": given(self.top_p, 0.95), "min_p": given(self.min_p, 0.05),
-            "seed": None if self.seed in (None, -1) else self.seed, "stop": self.stop, "stream": bool(self.stream),
-            "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "max_tokens": None if self.n_predict in (None, -1) else self.n_predict})
-
-
-_STOP_TYPES = {"stop": "eos", "length": "limit"}  # a stop string: "word" (with its "stopping_word")
-
-
-class InfillRoute:
-    """``POST /infill`` for ``server`` (an ``app.OpenAIServer``: its checks, jobs and log)."""
-
-    def __init__(self, server) -> None:
-        self.server = server
-
-    def add_to(self, app: FastAPI) -> None:
-        app.add_api_route("/infill", self.infill, methods=["POST"])
-
-    async def infill(self, request: HTTPRequest) -> Response:
-        server = self.server
-        server._auth(request)
-        body = parse_body(await request.body(), InfillRequest)
-        req = body.completion()
-        server._check(req)
-        files = [(c.filename, c.text) for c in body.input_extra or []]
-        try:
-            ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt)
-        except ConfigError as e:
-            raise bad_request(str(e), "input_suffix") from None
-        except (ValueError, TypeError, UnicodeError) as e:
-            raise bad_request(f"the input could not be tokenized: {e}", "input_prefix") from None
-        req.stop_token_ids = list(fim.stop_ids)
-        budget = check_max_tokens(req.max_tokens, len(ids), server.engine.max_len, None, "n_predict")
-        fmt = Format(new_id("cmpl"), "infill", server.cfg.model_name, now(), chat=False)
-        job = await server._start(req, [ids], [budget], None)
-
-        async def final(texts, reasons, _) -> dict[str, Any]:
-            return self._final(texts[0], reasons[0], job)
-        return await server._answer(request, job, fmt, bool(req.stream), self._events(job), final)
-
-    async def _events(self, job: Job) -> AsyncIterator[str]:
-        reason = None
-        async for i, out in job.outputs():
-            if out.error:
-                yield _sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
-                return
-            piece, _ = job.piece(i, out)
-            reason = out.finish_reason or reason
-            if piece:
-                yield _sse({"content": piece, "stop": False})
-        yield _sse(self._final("", reason, job))
-
-    def _final(self, text: str, reason: str | None, job: Job) -> dict[str, Any]:
-        usage = job.usage()
-        word = job.stop_reason(0) if isinstance(job.stop_reason(0), str) else ""
-        return {"content": text, "stop": True, "stop_type": "word" if word else _STOP_TYPES.get(reason, "none"),
-                "stopping_word": word, "model": self.server.cfg.model_name,
-                "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
-                "truncated": False, "timings": _timings(job, usage)}
-
-
-def _timings(job: Job, usage: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp's ``timings`` of a finished request: the prompt's time (arrival to first token, so a
-    queue wait counts) over the tokens computed (those taken from the prefix cache: ``cache_n``), and
-    the generation's (first token to now) over the tokens generated."""
-    end, first = time.monotonic(), job.requests[0].first_token_time
-    first = end if first is None else first
-    cached = job.requests[0].seq.cached_tokens
-    out: dict[str, Any] = {"cache_n": cached}
-    for name, n, seconds in (("prompt", usage["prompt_tokens"] - cached, first - job.t0),
-                             ("predicted", usage["completion_tokens"], end - first)):
-        ms = 1000.0 * max(seconds, 0.0)
-        out.update({f"{name}_n": n, f"{name}_ms": ms, f"{name}_per_token_ms": ms / n if n else 0.0,
-                    f"{name}_per_second": 1000.0 * n / ms if n and ms > 0 else 0.0})
-    return out
 
 
 def fim_encoder(tokenizer, req: CompletionRequest) -> Callable[[Any], list[int]]:
@@ -158,7 +31,3 @@ def fim_encoder(tokenizer, req: CompletionRequest) -> Callable[[Any], list[int]]
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
     return encode
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
