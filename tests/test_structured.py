@@ -7,6 +7,7 @@ import itertools
 import json
 import re
 
+import httpx
 import openai
 import pytest
 import torch
@@ -66,7 +67,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enu
 GRAMMARS = {"choice": StructuredOutput(choice=["alpha", "beta", "gamma"]),
             "regex": StructuredOutput(regex="[a-e]{2,5}-[0-9]{1,3}"),
             "json": StructuredOutput(json=SCHEMA),
-            "lark": StructuredOutput(grammar='start: "x" ("+" "x")* "=" /[0-9]/')}
+            "lark": StructuredOutput(grammar='start: "x" ("+" "x")* "=" /[0-9]/'),
+            "gbnf": StructuredOutput(grammar='root ::= "x" ("+" "x")* "=" [0-9]')}  # llama.cpp's grammar syntax
 
 
 def follows(kind: str, text: str) -> bool:
@@ -74,7 +76,7 @@ def follows(kind: str, text: str) -> bool:
         return text in ("alpha", "beta", "gamma")
     if kind == "regex":
         return re.fullmatch("[a-e]{2,5}-[0-9]{1,3}", text) is not None
-    if kind == "lark":
+    if kind in ("lark", "gbnf"):
         return re.fullmatch(r"x(\+x)*=[0-9]", text) is not None
     obj = json.loads(text)
     return set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and obj["n"] in (1, 2, 3)
@@ -155,7 +157,8 @@ def test_invalid_grammars_are_clear_errors():
     eng = engine()
     for bad, message in ((StructuredOutput(regex="(unclosed"), "invalid regex"),
                          (StructuredOutput(json={"type": "object", "properties": 3}), "invalid json"),
-                         (StructuredOutput(grammar="start: ???"), "invalid grammar")):
+                         (StructuredOutput(grammar="start: ???"), "invalid grammar"),
+                         (StructuredOutput(grammar="root ::= ("), "invalid grammar.*GBNF")):
         with pytest.raises(ConfigError, match=message):
             eng.create(TOK.encode("hi"), SamplingParams(structured=bad))
     with pytest.raises(ConfigError, match="exactly one"):
@@ -285,6 +288,18 @@ def test_responses_api_text_format(server):
     events = list(c.responses.create(model="m", input="data?", max_output_tokens=80, temperature=0, stream=True,
                                      text={"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+
+
+def test_llamacpp_completion_json_schema_and_gbnf_grammar(server):
+    r = httpx.post(server.url + "/completion", timeout=60,
+                   json={"prompt": "data:", "n_predict": 80, "temperature": 0, "json_schema": SCHEMA}).json()
+    assert r["stop_type"] == "eos" and follows("json", r["content"])
+    for seed in range(3):
+        r = httpx.post(server.url + "/completion", timeout=60,
+                       json={"prompt": "sum:", "n_predict": 40, "seed": seed, "grammar": GRAMMARS["gbnf"].grammar}).json()
+        assert r["stop_type"] == "eos" and follows("gbnf", r["content"]), r
+    bad = httpx.post(server.url + "/completion", json={"prompt": "x", "grammar": "root ::= ("}, timeout=60)
+    assert bad.status_code == 400 and "invalid grammar" in bad.json()["error"]["message"]
 
 
 def test_server_rejects_bad_constraints(server):

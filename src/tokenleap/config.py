@@ -124,7 +124,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class StructuredOutput:
     """A reply constrained to a grammar (``structured.py``): exactly one of a JSON schema (JSON text
-    or a dict), any JSON object, a regular expression, a choice among strings, or a Lark grammar."""
+    or a dict), any JSON object, a regular expression, a choice among strings, or a grammar (Lark, or
+    llama.cpp's GBNF)."""
 
     json: str | None = None
     json_object: bool = False

@@ -7,8 +7,9 @@ context, ``prompt``: text the middle starts with; the prompt is ``text/fim.py``'
 Both run through the same scheduler, sampling and speculation as ``/v1/completions``. llama.cpp's
 sampling names and defaults are taken where a field is absent (``n_predict`` -1: up to the context's
 end; ``temperature`` 0.8, ``top_k`` 40, ``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded;
-``repeat_penalty``); its other options (``n_probs``, ``cache_prompt``, ``samplers`` ...) are
-ignored. The reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type" ("eos", "word": a
+``repeat_penalty``); ``json_schema`` or ``grammar`` (GBNF) constrain the reply as
+``response_format`` / ``guided_grammar`` do; its other options (``n_probs``, ``cache_prompt``,
+``samplers`` ...) are ignored. The reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type" ("eos", "word": a
 stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated", "timings", "model"}``;
 streamed, one ``data: {"content": ..., "stop": false}`` event a piece, then the final object.
 """
@@ -25,7 +26,7 @@ from fastapi.responses import Response
 from tokenleap.config import ConfigError
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import APIError, CompletionRequest, Int64, _Strict, bad_request, \
-    check_max_tokens, parse_body
+    check_max_tokens, parse_body, structured_output
 from tokenleap.serve.responses import Format, new_id, now
 from tokenleap.text.fim import encode_fim
 
@@ -44,6 +45,8 @@ class _LlamaSampling(_Strict):
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    json_schema: dict[str, Any] | None = None  # the reply follows this JSON schema ...
+    grammar: str | None = None  # ... or this grammar (GBNF, as llama.cpp takes it, or Lark)
 
     def completion(self) -> CompletionRequest:
         """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in)."""
@@ -56,7 +59,8 @@ class _LlamaSampling(_Strict):
             "seed": None if self.seed in (None, -1) else self.seed, "stop": self.stop, "stream": bool(self.stream),
             "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "max_tokens": None if self.n_predict in (None, -1) else self.n_predict})
+            "max_tokens": None if self.n_predict in (None, -1) else self.n_predict,
+            "guided_json": self.json_schema, "guided_grammar": self.grammar})
 
 
 class LlamaCompletionRequest(_LlamaSampling):
@@ -118,7 +122,7 @@ class LlamaCppRoutes:
         server = self.server
         budget = check_max_tokens(req.max_tokens, len(ids), server.engine.max_len, None, "n_predict")
         fmt = Format(new_id("cmpl"), kind, server.cfg.model_name, now(), chat=False)
-        job = await server._start(req, [ids], [budget], None)
+        job = await server._start(req, [ids], [budget], structured_output(req))
 
         async def final(texts, reasons, _) -> dict[str, Any]:
             return self._final(texts[0], reasons[0], job)

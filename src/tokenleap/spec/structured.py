@@ -105,14 +105,23 @@ def grammar_of(spec: StructuredOutput) -> str:
         elif spec.choice is not None:
             grammar = llg.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
-        else:
-            grammar = llg.LLMatcher.grammar_from_lark(spec.grammar)
+        else:  # Lark, or GBNF (llama.cpp's grammars, and vLLM's guided_grammar) converted to Lark
+            grammar = llg.LLMatcher.grammar_from_lark(_lark(spec.grammar))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"invalid {spec.kind} for structured output: {e}") from None
     error = llg.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
         raise ConfigError(f"invalid {spec.kind} for structured output: {error.strip()}")
     return grammar
+
+
+def _lark(grammar: str) -> str:
+    """``grammar`` in Lark syntax: as given, or converted from GBNF (``root ::= ...`` rules)."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+    try:
+        return any_to_lark(grammar)
+    except GbnfToLarkError as e:
+        raise ValueError(f"GBNF: {e}") from None
 
 
 class Constraints:
