@@ -329,8 +329,11 @@ def test_tokenize_and_detokenize(server):
     r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth).json()
     assert r["tokens"] == tok.encode(chat_prompt("hi"))
     r = httpx.post(server.url + "/detokenize", json={"tokens": tok.encode("hello")}, headers=auth).json()
-    assert r["prompt"] == tok.decode(tok.encode("hello"))
+    assert r["prompt"] == r["content"] == tok.decode(tok.encode("hello"))  # (vLLM's name, llama.cpp's)
+    r = httpx.post(server.url + "/tokenize", json={"content": "hello", "with_pieces": True}, headers=auth).json()
+    assert r["tokens"] == [{"id": t, "piece": tok.decode([t])} for t in tok.encode("hello")]  # llama.cpp's form
     for path, body, status in (("/tokenize", {"prompt": "x", "messages": []}, 400), ("/tokenize", {}, 400),
+                               ("/tokenize", {"prompt": "x", "content": "y"}, 400),
                                ("/detokenize", {"tokens": [VOCAB]}, 400), ("/detokenize", {"tokens": "ab"}, 400),
                                ("/tokenize", {"model": "other", "prompt": "x"}, 404)):
         r = httpx.post(server.url + path, json=body, headers=auth)

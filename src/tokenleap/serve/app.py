@@ -141,21 +141,26 @@ class OpenAIServer:
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
 
     async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
-        """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize."""
+        """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize (and as
+        llama.cpp's: the prompt as ``content``, ``with_pieces`` giving each token's text)."""
         self._auth(request)
         req = parse_body(await request.body(), TokenizeRequest)
         self._check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("give exactly one of prompt or messages")
-        ids = self._encode(req.prompt) if req.prompt is not None else self._encode_chat(chat_messages(req), ToolPlan())
-        return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids}
+        given = [v for v in (req.prompt, req.content, req.messages) if v is not None]
+        if len(given) != 1:
+            raise bad_request("give exactly one of prompt (or content) or messages")
+        text = req.prompt if req.prompt is not None else req.content
+        ids = self._encode(text) if text is not None else self._encode_chat(chat_messages(req), ToolPlan())
+        tokens: list[Any] = [{"id": t, "piece": self.tokenizer.decode([t])} for t in ids] if req.with_pieces else ids
+        return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": tokens}
 
     async def detokenize(self, request: HTTPRequest) -> dict[str, Any]:
         self._auth(request)
         req = parse_body(await request.body(), DetokenizeRequest)
         self._check_model(req.model)
         check_token_ids(req.tokens, self.engine.model.config.vocab_size, "tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        text = self.tokenizer.decode(req.tokens)
+        return {"prompt": text, "content": text}  # (vLLM's name, llama.cpp's)
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         self._auth(request)

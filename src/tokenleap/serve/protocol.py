@@ -187,10 +187,12 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     top_logprobs: Int64 | None = None  # with it: this many alternatives a token
 
 
-class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages
+class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; llama.cpp's: content
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    content: str | None = None  # llama.cpp's name for the prompt
+    with_pieces: bool = False  # llama.cpp's: each token as {"id", "piece"}
 
 
 class DetokenizeRequest(_Strict):
