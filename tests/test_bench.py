@@ -375,3 +375,36 @@ def test_a_method_may_name_its_own_draft_model(pool, prompt_ids, capsys):
         parse_methods("draft:model=")
     rc = main(["bench", "--target", SMOL, "--methods", "plain,cascade:model=no-such-model", "--out", "/nonexistent/x"])
     assert rc == 2 and "'no-such-model' is neither a catalog model" in capsys.readouterr().err
+
+
+# -- code completion at a cursor (fill in the middle) ------------------------------------------------
+def test_fim_dataset_gaps_and_scoring():
+    """Each ``fim`` prompt is a HumanEval problem with the middle of its reference body taken out:
+    the reference middle put back passes the tests, a wrong one fails."""
+    ds = load_dataset("fim")
+    assert ds.total == 164 and all(p.category == "fim" and p.extra["middle"].strip() for p in ds.prompts)
+    for p in ds.prompts[:4]:
+        assert passk.run_program(passk.check_program(p, p.extra["middle"], chat=True)) == (True, "passed"), p.id
+    ok, _ = passk.run_program(passk.check_program(ds.prompts[0], "    pass\n", chat=True))
+    assert not ok
+
+
+def test_fim_prompts_encode_as_fim_and_stop_at_its_tokens(tmp_path):
+    from test_fim import FimToy
+    from serving_helpers import VOCAB, ChatToyTokenizer
+    from tokenleap.bench.suite import encode_prompts, stop_ids
+    from tokenleap.text.fim import encode_fim
+    tok = FimToy(VOCAB)
+    prompts = [BenchPrompt("a", "fim", "def f(", extra={"suffix": "): pass"}), BenchPrompt("b", "chat", "hello")]
+    assert encode_prompts(tok, prompts, chat=False) == [encode_fim(tok, "def f(", "): pass")[0], tok.encode("hello")]
+    assert stop_ids(tok, prompts) == [(93,), ()]
+    seen = []
+
+    class Recording(Fake):
+        def generate(self, prompt_ids, params):
+            seen.append((tuple(prompt_ids), params.stop_token_ids))
+            return super().generate(prompt_ids, params)
+    run_bench(settings(tmp_path / "run"), prompts, [[1, 2], [3]], [Recording("plain")], stop_ids=[(93,), ()])
+    assert set(seen) == {((1, 2), (93,)), ((3,), ())}  # the FIM prompt's requests stop at its token, the other's not
+    with pytest.raises(BenchError, match="prompt a fills in the middle"):
+        encode_prompts(ChatToyTokenizer(VOCAB), prompts, chat=False)

@@ -1,9 +1,11 @@
 """Bench prompt sets: ``humaneval``, ``codeedit``, ``chat``, ``mix`` (HumanEval and chat prompts
-alternating: any ``--limit 2n`` is a 50/50 mix), or a user JSONL file.
+alternating: any ``--limit 2n`` is a 50/50 mix), ``fim`` (code completion at a cursor), or a user
+JSONL file.
 
 A prompt has ``text`` (what a base model continues) and ``message`` (what an instruct model gets
 as the user turn of its chat template). They differ only for HumanEval, whose raw form is the
-function stub to complete.
+function stub to complete. A ``fim`` prompt is a fill-in-the-middle request instead, as an editor
+sends it: ``text`` is the code before the cursor and ``extra["suffix"]`` the code after it.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any
 
 from tokenleap.bench.common import BenchError
 
-DATASETS = ("humaneval", "codeedit", "chat", "mix")
+DATASETS = ("humaneval", "codeedit", "chat", "mix", "fim")
 _DATA_DIR = Path(__file__).parent / "data"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n\n"
 
@@ -67,7 +69,8 @@ def load_dataset(name_or_file: str, limit: int | None = None) -> Dataset:
     if limit is not None and limit < 1:
         raise BenchError(f"--limit must be >= 1, got {limit}")
     if name_or_file in DATASETS:
-        prompts = {"humaneval": humaneval, "codeedit": codeedit, "chat": chat, "mix": mix}[name_or_file]()
+        prompts = {"humaneval": humaneval, "codeedit": codeedit, "chat": chat, "mix": mix,
+                   "fim": fim}[name_or_file]()
     elif Path(name_or_file).suffix == ".jsonl" or Path(name_or_file).is_file():
         prompts = read_jsonl(Path(name_or_file))
     else:
@@ -87,8 +90,24 @@ def humaneval() -> list[BenchPrompt]:
         problems = [json.loads(line) for line in f if line.strip()]
     return [BenchPrompt(id=p["task_id"], category="humaneval", text=p["prompt"],
                         message=f"{HUMANEVAL_INSTRUCTION}```python\n{p['prompt']}```",
-                        extra={"test": p["test"], "entry_point": p["entry_point"]})
+                        extra={"test": p["test"], "entry_point": p["entry_point"],
+                               "solution": p["canonical_solution"]})
             for p in problems]
+
+
+def fim() -> list[BenchPrompt]:
+    """HumanEval as code completion at a cursor (multi-line infilling, as in Bavarian et al., 2022):
+    each problem's reference body loses its middle third of lines (at least one line), and the model
+    writes it between the code before (the stub and the lines above) and the lines after. The tests
+    check the whole function (``--pass-at-1``)."""
+    out = []
+    for p in humaneval():
+        body = p.extra["solution"].splitlines(keepends=True)
+        start = len(body) // 3
+        end = max(start + 1, 2 * len(body) // 3)
+        out.append(BenchPrompt(id=p.id, category="fim", text=p.text + "".join(body[:start]),
+                               extra={**p.extra, "suffix": "".join(body[end:]), "middle": "".join(body[start:end])}))
+    return out
 
 
 def codeedit() -> list[BenchPrompt]:

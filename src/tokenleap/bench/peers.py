@@ -101,7 +101,7 @@ class HFMethod:
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         import torch
         ids = torch.tensor([prompt_ids])  # [1, prompt]
-        eos = None if params.ignore_eos else self.eos
+        eos = [*([] if params.ignore_eos else self.eos), *params.stop_token_ids] or None
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_tokens,
@@ -152,7 +152,7 @@ class LlamaCppMethod:
                                      min_p=params.min_p, temp=0.0 if greedy else params.temperature,
                                      repeat_penalty=1.0, reset=True):
             out.append(int(tok))
-            if int(tok) in self.eos and not params.ignore_eos:
+            if (int(tok) in self.eos and not params.ignore_eos) or int(tok) in params.stop_token_ids:
                 reason = "stop"
                 break
             if len(out) >= params.max_tokens:

@@ -144,8 +144,9 @@ class _Run:
     """State of one bench run: methods still active, the log, live equality warnings."""
 
     def __init__(self, settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: list[list[int]],
-                 methods: list[BenchMethod], log: ResultsLog) -> None:
+                 methods: list[BenchMethod], log: ResultsLog, stop_ids: list[tuple[int, ...]] | None = None) -> None:
         self.s, self.prompts, self.prompt_ids, self.log = settings, prompts, prompt_ids, log
+        self.stop_ids = stop_ids or [()] * len(prompts)  # per prompt, tokens besides EOS that end a reply
         self.methods = {m.name: m for m in methods}
         self.failed: dict[str, str] = {}
 
@@ -155,11 +156,15 @@ class _Run:
         self.log.append({"event": "failure", "method": method.name, "prompt_id": prompt_id, "error": reason})
         _say(f"[bench] peer {method.name} failed ({reason}); it is skipped for the rest of the run")
 
+    def params(self, pi: int, max_tokens: int | None = None) -> SamplingParams:
+        params = self.s.params(pi, max_tokens)
+        return replace(params, stop_token_ids=self.stop_ids[pi]) if self.stop_ids[pi] else params
+
     def warm_up(self, names: list[str]) -> None:
         for name in names:
             method = self.methods[name]
             try:
-                method.generate(self.prompt_ids[0], self.s.params(0, min(self.s.warmup_tokens, self.s.max_new_tokens)))
+                method.generate(self.prompt_ids[0], self.params(0, min(self.s.warmup_tokens, self.s.max_new_tokens)))
             except Exception as e:
                 if method.kind != PEER:
                     raise
@@ -168,7 +173,7 @@ class _Run:
     def run_one(self, pi: int, rep: int, name: str) -> None:
         method, prompt = self.methods[name], self.prompts[pi]
         try:
-            g = method.generate(self.prompt_ids[pi], self.s.params(pi))
+            g = method.generate(self.prompt_ids[pi], self.params(pi))
         except Exception as e:
             if method.kind != PEER:
                 raise
@@ -217,8 +222,10 @@ class _Run:
 
 def run_bench(settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: list[list[int]],
               methods: list[BenchMethod], infos: list[MethodInfo] | None = None,
-              context: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run (or resume) a bench and write results.json, report.md and the plots; returns results."""
+              context: dict[str, Any] | None = None,
+              stop_ids: list[tuple[int, ...]] | None = None) -> dict[str, Any]:
+    """Run (or resume) a bench and write results.json, report.md and the plots; returns results.
+    ``stop_ids``: per prompt, tokens besides EOS that end its reply (every method honours them)."""
     if not prompts or len(prompts) != len(prompt_ids):
         raise BenchError("no prompts to run" if not prompts else "prompts and prompt_ids differ in length")
     names = [m.name for m in methods]
@@ -226,7 +233,7 @@ def run_bench(settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: l
         raise BenchError("the method list must include plain: speedups and the equality check need it")
     out = open_out_dir(settings)
     log = ResultsLog(out / RESULTS_LOG)
-    run = _Run(settings, prompts, prompt_ids, methods, log)
+    run = _Run(settings, prompts, prompt_ids, methods, log, stop_ids)
     started = _dt.datetime.now().isoformat(timespec="seconds")
     try:
         run.loop()

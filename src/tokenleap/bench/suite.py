@@ -18,10 +18,29 @@ _NEEDS_DRAFT = ("draft", "draft-tree", "cascade", "hf-assisted")
 
 
 def encode_prompts(tokenizer, prompts: list[BenchPrompt], chat: bool) -> list[list[int]]:
-    """Token ids per prompt: the chat template around the user message, or the raw text."""
-    if chat:
-        return [tokenizer.encode_chat([{"role": "user", "content": p.user_message}]) for p in prompts]
-    return [tokenizer.encode(p.text) for p in prompts]
+    """Token ids per prompt: the chat template around the user message, or the raw text; a
+    fill-in-the-middle prompt (``extra["suffix"]``) as the model's FIM prompt, chat or not."""
+    def encode(p: BenchPrompt) -> list[int]:
+        if "suffix" in p.extra:
+            return fim_prompt(tokenizer, p)[0]
+        if chat:
+            return tokenizer.encode_chat([{"role": "user", "content": p.user_message}])
+        return tokenizer.encode(p.text)
+    return [encode(p) for p in prompts]
+
+
+def stop_ids(tokenizer, prompts: list[BenchPrompt]) -> list[tuple[int, ...]]:
+    """Tokens besides EOS that end each prompt's reply: a FIM prompt's bookkeeping tokens."""
+    return [fim_prompt(tokenizer, p)[1].stop_ids if "suffix" in p.extra else () for p in prompts]
+
+
+def fim_prompt(tokenizer, p: BenchPrompt):
+    from tokenleap.config import ConfigError
+    from tokenleap.text.fim import encode_fim
+    try:
+        return encode_fim(tokenizer, p.text, p.extra["suffix"])
+    except ConfigError as e:
+        raise BenchError(f"prompt {p.id} fills in the middle: {e}") from None
 
 
 def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
@@ -67,7 +86,7 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
                "dataset": ds.describe(), "target_model": describe_target(pool), "threads": threads, "rss_before_load_mb": rss_before,
                "target_load_seconds": target_seconds}
     return run_bench(settings, ds.prompts, prompt_ids, [*built, *extra_methods],
-                     infos + [_info(m) for m in extra_methods], context)
+                     infos + [_info(m) for m in extra_methods], context, stop_ids(tok, ds.prompts))
 
 
 def _info(method: BenchMethod):
