@@ -331,16 +331,16 @@ def _finished(eng, n: int, reason: str) -> None:
 
 def test_expected_remaining_follows_recently_finished_lengths(target):
     """What a catch-up is weighed against: max_tokens left until sequences have finished, then the
-    median length of finished ones that ran longer (the lower middle of an even count), less what
-    was generated (capped by max_tokens)."""
+    median length (the lower middle of an even count) of finished ones that ran longer and of twice
+    what was generated, less what was generated (capped by max_tokens)."""
     eng = engine(target)
     long = eng.create(PROMPTS[0], SamplingParams(max_tokens=100))
     assert eng.expected_remaining(long) == 100  # nothing finished yet
     for n in (6, 10, 12):
         _finished(eng, n, "stop")
     assert eng.expected_remaining(long) == 10
-    long.tokens += [5] * 8  # 8 generated: finished lengths above that are 10 and 12
-    assert eng.expected_remaining(long) == 10 - 8
+    long.tokens += [5] * 8  # 8 generated: finished lengths above that are 10 and 12, and the guess 16
+    assert eng.expected_remaining(long) == 12 - 8
     long.tokens += [5] * 12  # 20 generated, longer than any finished one: as many again, capped
     assert eng.expected_remaining(long) == 20
     assert eng.expected_remaining(eng.create(PROMPTS[0], SamplingParams(max_tokens=4))) == 4
@@ -364,12 +364,15 @@ def test_a_sequence_cut_off_by_max_tokens_counts_as_at_least_that_long(target):
     assert eng.expected_remaining(long) == 40 - 20  # the cut-off one is shorter: ignored
     _finished(eng, 60, "length")
     _finished(eng, 70, "length")
-    assert eng.expected_remaining(long) == 50 - 20  # median of 30, 40, 50, >= 60, >= 70
+    _finished(eng, 80, "length")
+    assert eng.expected_remaining(long) == 50 - 20  # median of 30, 40, 50, >= 60, >= 70, >= 80, the guess 40
     eng = engine(target)
     _finished(eng, 50, "stop")
     _finished(eng, 60, "length")
     short = eng.create(PROMPTS[0], SamplingParams(max_tokens=128))
     assert eng.expected_remaining(short) == 50  # of 50 and one cut off (>= 60): the lower, not unbounded
+    short.tokens += [5] * 55
+    assert eng.expected_remaining(short) == 110 - 55  # only a cut-off one ran longer: the guess, not the limit
 
 
 def test_newcomers_skip_the_draft_prefill_when_their_batch_would_not_speculate(target):

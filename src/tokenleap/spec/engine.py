@@ -126,17 +126,18 @@ class Engine:
     def expected_remaining(self, seq: Sequence) -> float:
         """Tokens ``seq`` may still generate, what a draft's catch-up is weighed against: at most
         ``max_tokens`` left (a chat request without max_tokens: the whole context); with recently
-        finished sequences, the median length of those that ran longer than ``seq`` so far (of an
-        even count, the lower middle one), less what it generated (none ran longer: as many again).
-        A sequence cut off by its max_tokens ran at least that long: past ``seq``'s tokens it counts
-        as running to ``seq``'s limit, short of them it says nothing (a warm-up of 8 tokens must not
-        cap a long request's prediction at 8). The lower middle keeps one cut-off answer among two
-        from predicting the whole limit: a short code completion after one long answer is not
-        judged worth a draft model's catch-up on its prompt."""
+        finished sequences, the median length (of an even count, the lower middle) of those that
+        ran longer than ``seq`` so far and of one more guess, twice what ``seq`` generated, less
+        what it generated (none ran longer: as many again). A sequence cut off by its max_tokens
+        ran at least that long: past ``seq``'s tokens it counts as running to ``seq``'s limit,
+        short of them it says nothing (a warm-up of 8 tokens must not cap a long request's
+        prediction at 8). The guess and the lower middle keep a lone cut-off answer from predicting
+        the whole limit: a short code completion after one long answer is not judged worth a draft
+        model's catch-up on its prompt."""
         done, cap = seq.num_generated, seq.params.max_tokens - seq.num_generated
         longer = [n if stopped else float("inf") for n, stopped in self._lengths if n > done]
         if longer:
-            return min(cap, statistics.median_low(longer) - done)
+            return min(cap, statistics.median_low(longer + ([2 * done] if done else [])) - done)
         if any(stopped for _, stopped in self._lengths):
             return min(cap, max(done, 1))
         return cap
