@@ -48,7 +48,8 @@ class RequestOutput:
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "num_tokens": self.num_tokens,
                 "prompt_tokens": self.prompt_tokens, "finish_reason": self.finish_reason,
-                "stop_reason": self.stop_reason, "seconds": round(self.seconds, 4), "tokens_per_second": round(self.tokens_per_second, 3),
+                "stop_reason": self.stop_reason, "seconds": round(self.seconds, 4),
+                "tokens_per_second": round(self.tokens_per_second, 3),
                 "stats": self.stats, **self._logprob_fields()}
 
     def _logprob_fields(self) -> dict[str, Any]:

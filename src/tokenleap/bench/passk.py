@@ -34,10 +34,10 @@ def check_program(prompt: BenchPrompt, text: str, chat: bool) -> str:
     """The stub (imports, and the docstring-only function), the completion, then the tests. An
     answer that defines the whole function replaces the stub's definition. A fill-in-the-middle
     answer goes between its prompt's code before and after the gap, as it is."""
-    if "suffix" in prompt.extra:
-        return f"{prompt.text}{text}{prompt.extra['suffix']}\n\n{prompt.extra['test']}\n\ncheck({prompt.extra['entry_point']})\n"
-    code = completion_code(text, chat)
     entry = prompt.extra["entry_point"]
+    if "suffix" in prompt.extra:
+        return f"{prompt.text}{text}{prompt.extra['suffix']}\n\n{prompt.extra['test']}\n\ncheck({entry})\n"
+    code = completion_code(text, chat)
     joiner = "\n" if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M) else ""
     return f"{prompt.text}{joiner}{code}\n\n{prompt.extra['test']}\n\ncheck({entry})\n"
 

@@ -71,7 +71,8 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     t0 = time.perf_counter()
     tok = pool.target().tokenizer  # loads the target (shared by every method)
     target_seconds = round(time.perf_counter() - t0, 2)
-    use_chat = chat and bool(tok.chat_template)
+    # (fill-in-the-middle prompts are the model's FIM prompts, never chat)
+    use_chat = chat and bool(tok.chat_template) and not all("suffix" in p.extra for p in ds.prompts)
     prompt_ids = encode_prompts(tok, ds.prompts, use_chat)
     limit_len = pool.target().model.config.max_position_embeddings
     pool.opts.max_len = min(max(map(len, prompt_ids)) + max_new_tokens + 16, limit_len)

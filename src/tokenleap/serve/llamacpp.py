@@ -10,8 +10,8 @@ end; ``temperature`` 0.8, ``top_k`` 40, ``top_p`` 0.95, ``min_p`` 0.05; ``seed``
 ``repeat_penalty``); ``json_schema`` or ``grammar`` (GBNF) constrain the reply as
 ``response_format`` / ``guided_grammar`` do; its other options (``n_probs``, ``cache_prompt``,
 ``samplers`` ...) are ignored. The reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type" ("eos", "word": a
-stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated", "timings", "model"}``;
-streamed, one ``data: {"content": ..., "stop": false}`` event a piece, then the final object.
+stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated", "timings",
+"model"}``; streamed, one ``data: {"content": ..., "stop": false}`` event a piece, then the final object.
 """
 from __future__ import annotations
 
