@@ -47,9 +47,11 @@ def session_engine(llm: "LLM") -> Engine:
 
 def _scratch_blocks(llm: "LLM") -> int:
     """Blocks for a token tree's nodes (and a proposer's auxiliary rows) past a sequence's end."""
-    aux = window_rows(llm.spec.lookahead_window, llm.spec.lookahead_ngram) if llm.spec.method in ("lookahead", "auto") \
-        else 0  # (auto: if lookahead is one of its proposers)
-    return -(-(llm.spec.tree_nodes + aux) // BLOCK_SIZE)
+    from tokenleap.api import lookahead_joins_auto
+    spec = llm.spec  # lookahead's window rows: its own method, or an arm of auto (as auto_proposer decides)
+    lookahead = spec.method == "lookahead" or (spec.method == "auto" and lookahead_joins_auto(llm.draft is not None))
+    aux = window_rows(spec.lookahead_window, spec.lookahead_ngram) if lookahead else 0
+    return -(-(spec.tree_nodes + aux) // BLOCK_SIZE)
 
 
 def _paged_engine(llm: "LLM", blocks: int, slots: int) -> Engine:

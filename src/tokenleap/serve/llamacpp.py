@@ -142,7 +142,8 @@ class LlamaCppRoutes:
 
     def _final(self, text: str, reason: str | None, job: Job) -> dict[str, Any]:
         usage = job.usage()
-        word = job.stop_reason(0) if isinstance(job.stop_reason(0), str) else ""
+        stopped_by = job.stop_reason(0)
+        word = stopped_by if isinstance(stopped_by, str) else ""
         return {"content": text, "stop": True, "stop_type": "word" if word else _STOP_TYPES.get(reason, "none"),
                 "stopping_word": word, "model": self.server.cfg.model_name,
                 "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
