@@ -130,7 +130,8 @@ def test_int6_on_amx_tiles_gives_the_avx2_kernels_bits(n, k):
 @pytest.mark.parametrize("n,k", [(40, 256), (48, 512), (272, 1536)])
 def test_int6_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k):
     """vpdpbusd over a half's two k-steps and int6.cpp's float chain: every row count (tiles of 1-8
-    rows, passes with a tail) gives bitwise the AVX2 kernel's values, bias included."""
+    rows, passes with a tail; one-block tiles below 5 rows, two-block tiles from 5 on, with a last
+    single block where the count is odd) gives bitwise the AVX2 kernel's values, bias included."""
     layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(n, k, seed=k + 1), (n, k)))
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(n + 1))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(k))

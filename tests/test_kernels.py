@@ -349,7 +349,8 @@ def vnni():
 @pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (272, 1536)])  # an odd / even number of 32-input groups
 def test_int4_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k, vnni):
     """vpdpbusd's exact group sums and int4.cpp's float chain: every row count (tiles of 1-8 rows,
-    passes with a tail) gives bitwise the AVX2 kernel's values, bias included."""
+    passes with a tail; one-block tiles below 5 rows, two-block tiles from 5 on, with a last single
+    block where the count is odd) gives bitwise the AVX2 kernel's values, bias included."""
     q, scale, low = _int4_operands(n, k, n * k + 1)
     packed, sm = kernels.pack_int4(q, scale, low)
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(k + 1))

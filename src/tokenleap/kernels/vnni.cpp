@@ -14,6 +14,9 @@
 // work after it is the same 256-bit multiply and two FMAs in the same order, so y is bitwise equal.
 // int6.cpp's tile is carried over the same way: its two k-steps of a 16-input half are one 64-byte
 // load, their top bits one 32-byte load shifted per half as int6.cpp shifts them.
+// From kPairMinRows rows on (prefill windows, long verification steps), two adjacent column blocks
+// are multiplied together, their k-steps regrouped into 16-column vectors so that each row's
+// activations are broadcast operands and the float work is 512 bits wide; bitwise the same again.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -33,6 +36,13 @@
 namespace {
 
 constexpr int64_t kGroup = 32, kSuper = 256, kInt6GroupBytes = 208;
+// 4 activation bytes read as one int32 at any address (an aliasing, unaligned load)
+typedef int32_t Dword __attribute__((may_alias, aligned(1)));
+// From this many rows on, int4 and int6 products take the two-block tiles (int4_pair_tile,
+// int6_pair_tile): fewer instructions a row, but two blocks' weights streamed at once and regrouped
+// per group, which steps of 3-4 rows (memory-bound) do not pay back; from 5 rows on a whole step of
+// the int4 1.5B model ran faster on them (BENCHMARKS.md, "Two column blocks a tile").
+constexpr int64_t kPairMinRows = 5;
 
 // Rows [0, MB) of quantized x times one column block (8 outputs): int4.cpp's int4_tile, layout and
 // arguments included.
@@ -73,6 +83,61 @@ inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t
     }
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+}
+
+// Rows [0, MB) of quantized x times two adjacent column blocks (16 outputs) in one pass: the
+// weights of both blocks' k-steps are regrouped (vshufi64x2) into one 16-column vector per k-step,
+// once per group for all MB rows, so each row's activation dword is a broadcast operand of
+// vpdpbusd: no per-row permutes and no folding of halves, and the float work runs 512 bits wide.
+// The column sums are the same exact integers and each column's float chain is the same multiply
+// and two FMAs in the same order, so y is bitwise int4_tile's (and so the AVX2 kernel's).
+template <int MB>
+inline void int4_pair_tile(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* wb,
+                           const uint16_t* smb, float* y, int64_t ldy) {
+  const int64_t G = K / kGroup;
+  const uint8_t* wb1 = wb + K * 4;     // block b + 1
+  const uint16_t* smb1 = smb + G * 16;
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* p = wb + g * 128;
+    const uint8_t* q = wb1 + g * 128;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q) + 2048 + 64, _MM_HINT_T0);
+    const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64);
+    const __m512i b0 = _mm512_loadu_si512(q), b1 = _mm512_loadu_si512(q + 64);
+    // k-step t of the 16 columns (block b's 8, then block b + 1's): a 64-byte load holds steps
+    // 2i (lower 256 bits) and 2i + 1 (upper); its low nibbles pair with activation dword 2t, its
+    // high nibbles with dword 2t + 1 (int4_tile's lo / hi permutes)
+    const __m512i step[4] = {_mm512_shuffle_i64x2(a0, b0, 0x44), _mm512_shuffle_i64x2(a0, b0, 0xEE),
+                             _mm512_shuffle_i64x2(a1, b1, 0x44), _mm512_shuffle_i64x2(a1, b1, 0xEE)};
+    __m512i w[8];
+    for (int t = 0; t < 4; ++t) {
+      w[2 * t] = _mm512_and_si512(step[t], mask);
+      w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(step[t], 4), mask);
+    }
+    const uint16_t* sp = smb + g * 16;
+    const uint16_t* sq = smb1 + g * 16;
+    const __m512 sc = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sq)), 1));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 8))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(sq + 8)), 1));
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xg = xq + m * K + g * kGroup;
+      const Dword* d4 = reinterpret_cast<const Dword*>(xg);  // broadcast operands straight from memory
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(d4[0]));
+      for (int j = 1; j < 8; ++j) s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(d4[j]));
+      const __m512 d = _mm512_cvtepi32_ps(s);
+      acc[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(sc, _mm512_set1_ps(a[m * G + g])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(as[m * G + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(y + m * ldy, acc[m]);
 }
 
 // Rows [0, MB) of quantized x times one column block of int6.cpp's layout (208 bytes a group).
@@ -119,6 +184,60 @@ inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, in
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
 }
 
+// Rows [0, MB) of quantized x times two adjacent column blocks of int6.cpp's layout, as
+// int4_pair_tile regroups int4_tile: each half's two k-steps become one 16-column vector each, low
+// bits and top bits alike, and each row's activation dwords are broadcast operands. Same integer
+// sums, the same multiply and FMA per column in the same order: bitwise int6_tile's values.
+template <int MB>
+inline void int6_pair_tile(const int8_t* xq, const float* a, const int32_t* sum16, int64_t K, const uint8_t* wb,
+                           const float* db, float* y, int64_t ldy) {
+  const int64_t G = K / kGroup;
+  const uint8_t* wb1 = wb + G * kInt6GroupBytes;  // block b + 1
+  const float* db1 = db + (K / kSuper) * 8;
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x30);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 dv = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* p = wb + g * kInt6GroupBytes;
+    const uint8_t* q = wb1 + g * kInt6GroupBytes;
+    for (int off = 0; off < 192; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q) + 2048 + off, _MM_HINT_T0);
+    }
+    if (g % (kSuper / kGroup) == 0) {
+      const int64_t sup = (g / (kSuper / kGroup)) * 8;
+      dv = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(db + sup))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(db1 + sup)), 1));
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512i vp = _mm512_loadu_si512(p + h * 64), vq = _mm512_loadu_si512(q + h * 64);
+      const __m512i s0 = _mm512_shuffle_i64x2(vp, vq, 0x44), s1 = _mm512_shuffle_i64x2(vp, vq, 0xEE);  // k-steps 2h, 2h + 1
+      const __m512i hb = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + h * 32))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + h * 32)), 1);
+      // int6_tile's top bits: step 2h takes hb << 4 (low nibbles) and hb << 2 (high), step 2h + 1
+      // takes hb and hb >> 2
+      const __m512i w[4] = {
+          _mm512_or_si512(_mm512_and_si512(s0, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m2)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(s0, 4), m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m2)),
+          _mm512_or_si512(_mm512_and_si512(s1, m4), _mm512_and_si512(hb, m2)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(s1, 4), m4), _mm512_and_si512(_mm512_srli_epi16(hb, 2), m2))};
+      const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 192 + h * 8)),
+                                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 192 + h * 8)));
+      const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), dv);  // d * sc, exact
+      for (int m = 0; m < MB; ++m) {
+        const Dword* d4 = reinterpret_cast<const Dword*>(xq + m * K + g * kGroup) + 4 * h;
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(d4[0]));
+        for (int j = 1; j < 4; ++j) s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(d4[j]));
+        const __m512i dot = _mm512_sub_epi32(s, _mm512_set1_epi32(32 * sum16[m * 2 * G + 2 * g + h]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sc, _mm512_set1_ps(a[m * G + g])), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(y + m * ldy, acc[m]);
+}
+
 // Rows [0, M) in tiles of up to 8, each one pass over a column block's weights:
 // tile(std::integral_constant<int, MB>{}, m) for the tile of MB rows starting at row m.
 template <typename Tile>
@@ -146,6 +265,26 @@ namespace tokenleap_ops {
 void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
                        const uint8_t* w, const uint16_t* s, float* y, int64_t N) {
   const int64_t G = K / kGroup, NB8 = N / 8;
+  if (M >= kPairMinRows) {
+    // pairs of column blocks, each thread walking its pairs in memory order
+    at::parallel_for(0, (NB8 + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+      for (int64_t pr = p0; pr < p1; ++pr) {
+        const int64_t b = 2 * pr;
+        const uint8_t* wb = w + b * K * 4;
+        const uint16_t* sb = s + b * G * 16;
+        if (b + 1 < NB8) {
+          in_tiles(M, [&](auto mb, int64_t m) {
+            int4_pair_tile<decltype(mb)::value>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
+          });
+        } else {
+          in_tiles(M, [&](auto mb, int64_t m) {
+            int4_tile<decltype(mb)::value>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
+          });
+        }
+      }
+    });
+    return;
+  }
   // each thread walks its column blocks in memory order, all rows of a block before the next (int4.cpp)
   at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -161,6 +300,25 @@ void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_
 void int6_vnni_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
                        const uint8_t* w, const float* d, float* y, int64_t N) {
   const int64_t G = K / kGroup, NB8 = N / 8;
+  if (M >= kPairMinRows) {
+    at::parallel_for(0, (NB8 + 1) / 2, 4, [&](int64_t p0, int64_t p1) {  // pairs of blocks, in memory order
+      for (int64_t pr = p0; pr < p1; ++pr) {
+        const int64_t b = 2 * pr;
+        const uint8_t* wb = w + b * G * kInt6GroupBytes;
+        const float* db = d + b * (K / kSuper) * 8;
+        if (b + 1 < NB8) {
+          in_tiles(M, [&](auto mb, int64_t m) {
+            int6_pair_tile<decltype(mb)::value>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
+          });
+        } else {
+          in_tiles(M, [&](auto mb, int64_t m) {
+            int6_tile<decltype(mb)::value>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
+          });
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {  // each thread streams its blocks in order
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = w + b * G * kInt6GroupBytes;
