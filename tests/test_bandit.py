@@ -186,6 +186,41 @@ def test_an_arm_gone_stale_across_sequences_is_probed_with_a_larger_share():
     assert stale_probes(stale, feed_seconds=0.02) == []  # a catch-up of most of the answer: still not
 
 
+def stale_probed_sequences(sequences: int, chosen_in: frozenset[int] = frozenset(), **config) -> list[int]:
+    """Which of ``sequences`` lone sequences in a row (of 60 steps, 128 tokens to come) probe the
+    draft arm, whose figures rank it below plain decoding; in the sequences ``chosen_in`` it also
+    drafts once on its merits."""
+    b, target = bandit(draft_cost=0.002, settle_steps=0, **config), costs(FLAT)
+    b.observe_catch_up("draft", 100, 100 * 0.002)
+    old = b.new_sequence()
+    for _ in range(30):
+        b.observe_acceptance(old, "draft", 4, 0)
+        b.observe_acceptance(old, "ngram", 4, 0)
+    probed = []
+    for i in range(sequences):
+        seq = b.new_sequence()
+        for step in range(60):
+            plan = b.plan(seq, 1, target, {"draft": 50 + step}, 128 - step, 4)
+            if plan and plan[0].arm == "draft":
+                assert plan[0].probe
+                b.drafted(seq, "draft", probe=True)
+                probed.append(i)
+                break
+        if i in chosen_in:
+            b.drafted(seq, "draft")
+        b.end_sequence(seq)
+    return probed
+
+
+def test_each_stale_probe_doubles_the_wait_until_the_arm_drafts_on_its_merits_unprobed():
+    assert stale_probed_sequences(16, stale_backoff=0) == [2, 5, 8, 11, 14]  # every third: 2 idle, then a probe
+    assert stale_probed_sequences(40) == [2, 7, 16, 33]  # then 4, 8 and 16 (capped) idle sequences
+    # chosen after its probe in sequence 7 (its catch-up already paid): no reset
+    assert stale_probed_sequences(40, chosen_in=frozenset({7})) == [2, 7, 16, 33]
+    # drafting on its merits in a sequence without a probe (8) resets the wait to 2 sequences
+    assert stale_probed_sequences(20, chosen_in=frozenset({8})) == [2, 7, 11, 16]
+
+
 def test_drafting_for_a_sequence_makes_an_arm_fresh_again():
     b = bandit(draft_cost=0.002)
     for _ in range(3):

@@ -87,6 +87,11 @@ class BanditConfig:
     # predicted time (a long document's prompt is not fed to a stale draft model); 0: never
     stale_sequences: int = 2
     stale_share: float = 0.25
+    # each stale probe doubles the stale wait (up to 2**stale_backoff times stale_sequences); drafting
+    # on its merits for a sequence it was not probed in resets it: on a run of short answers that a
+    # draft model's catch-up on the prompt never pays for (code completions at a cursor), the probes
+    # would otherwise tax every third request
+    stale_backoff: int = 3
 
 
 class SeqAcceptance:
@@ -122,6 +127,7 @@ class Arm:
     costs: DraftLengthController
     aux_rows: int = 0  # rows it adds to each of its steps' target forward beside the draft (lookahead's window)
     idle_sequences: int = 0  # finished sequences in a row it did not draft for
+    stale_misses: int = 0  # stale probes since it last drafted on its merits for a sequence without one
 
 
 @dataclass
@@ -136,6 +142,8 @@ class SeqArmState:
     offers: float = 1.0
     probe_misses: int = 0  # probes in a row none of whose tokens were accepted
     drafted_any: bool = False  # the arm drafted for the sequence at least once
+    chosen: bool = False  # it drafted for the sequence on its merits (not as a probe)
+    stale_probed: bool = False  # it was probed for the sequence as a stale arm
 
 
 @dataclass(frozen=True)
@@ -170,10 +178,15 @@ class Bandit:
                                          depth_seen=[0] * self.cfg.max_k) for a in self.arms})
 
     def end_sequence(self, seq: SeqBandit) -> None:
-        """A sequence finished: each arm that did not draft for it is one sequence staler."""
+        """A sequence finished: each arm that did not draft for it is one sequence staler; a stale
+        probe that did not lead to the arm's choice makes the next one wait longer."""
         for name, state in seq.arms.items():
             a = self.arms[name]
             a.idle_sequences = 0 if state.drafted_any else a.idle_sequences + 1
+            if state.stale_probed:  # (its choice after the probe, the catch-up paid, proves nothing)
+                a.stale_misses = min(a.stale_misses + 1, self.cfg.stale_backoff)
+            elif state.chosen:
+                a.stale_misses = 0
 
     # -- learning ---------------------------------------------------------------------------
     def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
@@ -352,19 +365,23 @@ class Bandit:
                 continue
             catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
             share = self.cfg.explore_share  # of the answer; a stale arm's (one sequence only) is larger
-            if batch == 1 and 0 < self.cfg.stale_sequences <= a.idle_sequences:
+            stale = batch == 1 and 0 < self.cfg.stale_sequences << a.stale_misses <= a.idle_sequences
+            if stale:
                 share = max(share, self.cfg.stale_share)
             affordable = (catch_up <= max(2 * batch / best, self.cfg.explore_share * state.idle_seconds)
                           or seq.explored + catch_up <= share * answer)
             best_case = batch * (k + 1) / target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
             if affordable and best_case > best:
                 seq.explored += catch_up
+                state.stale_probed = state.stale_probed or stale
                 return Choice(name, k, 0.0, probe=True)
         return None
 
-    def drafted(self, seq: SeqBandit, arm: str) -> None:
-        """``arm`` drafted for the sequence: its exploration clock restarts."""
+    def drafted(self, seq: SeqBandit, arm: str, probe: bool = False) -> None:
+        """``arm`` drafted for the sequence (``probe``: an exploratory draft): its exploration clock
+        restarts."""
         state = seq.arms[arm]
         state.idle_steps, state.idle_seconds = 0, 0.0
         state.drafted_any = True
+        state.chosen = state.chosen or not probe
         self.arms[arm].idle_sequences = 0

@@ -197,7 +197,7 @@ class AutoProposer:
                             else:
                                 depth, asked = max(1, len(d.tokens)), req.k
                             self._drafted[requests[i].seq_id] = (name, depth, asked, probe)
-                            self.bandit.drafted(self._seqs[requests[i].seq_id], name)
+                            self.bandit.drafted(self._seqs[requests[i].seq_id], name, probe)
                     else:
                         open_[i] += 1
         return out
