@@ -2,6 +2,8 @@
 that must first catch up is looked at again, and which arms may catch up to fill in for another."""
 from __future__ import annotations
 
+from tokenleap.spec.bandit import Bandit
+
 from bandit_helpers import FLAT, bandit, costs
 
 
@@ -158,15 +160,22 @@ def test_probes_that_keep_missing_come_less_often_and_a_hit_restores_them():
     assert gaps[:3] == [2 * every, 4 * every, every]
 
 
-def stale_probes(finished_without_draft: int, feed_seconds: float = 0.002, steps: int = 60) -> list[int]:
-    """``probes`` (128 tokens to come) with a catch-up over the answer's exploration share -- 2 ms a
-    token to feed -- after ``finished_without_draft`` sequences ended without the draft arm drafting."""
-    b, target = bandit(draft_cost=0.002, settle_steps=0), costs(FLAT)
+def poor_draft(feed_seconds: float = 0.002, **config) -> Bandit:
+    """``bandit`` with a draft arm (2 ms a drafted token, ``feed_seconds`` a token to catch up) whose
+    figures rank it below plain decoding: 30 drafts of each arm with nothing accepted."""
+    b = bandit(draft_cost=0.002, settle_steps=0, **config)
     b.observe_catch_up("draft", 100, 100 * feed_seconds)
     old = b.new_sequence()
     for _ in range(30):
         b.observe_acceptance(old, "draft", 4, 0)
         b.observe_acceptance(old, "ngram", 4, 0)
+    return b
+
+
+def stale_probes(finished_without_draft: int, feed_seconds: float = 0.002, steps: int = 60) -> list[int]:
+    """``probes`` (128 tokens to come) with a catch-up over the answer's exploration share -- 2 ms a
+    token to feed -- after ``finished_without_draft`` sequences ended without the draft arm drafting."""
+    b, target = poor_draft(feed_seconds), costs(FLAT)
     for _ in range(finished_without_draft):
         b.end_sequence(b.new_sequence())
     seq = b.new_sequence()
@@ -190,12 +199,7 @@ def stale_probed_sequences(sequences: int, chosen_in: frozenset[int] = frozenset
     """Which of ``sequences`` lone sequences in a row (of 60 steps, 128 tokens to come) probe the
     draft arm, whose figures rank it below plain decoding; in the sequences ``chosen_in`` it also
     drafts once on its merits."""
-    b, target = bandit(draft_cost=0.002, settle_steps=0, **config), costs(FLAT)
-    b.observe_catch_up("draft", 100, 100 * 0.002)
-    old = b.new_sequence()
-    for _ in range(30):
-        b.observe_acceptance(old, "draft", 4, 0)
-        b.observe_acceptance(old, "ngram", 4, 0)
+    b, target = poor_draft(**config), costs(FLAT)
     probed = []
     for i in range(sequences):
         seq = b.new_sequence()
