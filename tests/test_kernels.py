@@ -2,6 +2,9 @@
 and the torch fallback taken when it is unavailable."""
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,30 @@ def _kernels_loaded():  # the ops register on first use; tests here call them di
 def test_kernel_builds_on_avx2_machines():
     # CI runs on an AVX2 machine: a build failure must show up here, not as a silent slow fallback
     assert kernels.available(), kernels.unavailable_reason()
+
+
+def _compiler_major() -> int:
+    """The major version of the C++ compiler torch's extension builds use (0 where unknown)."""
+    try:
+        out = subprocess.run([os.environ.get("CXX", "c++"), "-dumpversion"], capture_output=True, text=True,
+                             timeout=30).stdout
+        return int(out.strip().split(".")[0])
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
+@needs_kernel
+def test_the_isa_files_are_in_the_build_where_the_compiler_knows_them():
+    """A fault in an ISA file (amx.cpp, amx_int.cpp, vnni.cpp, w8a8.cpp) makes the build fall back to
+    the AVX2 kernels alone, and on a CPU with VNNI or AMX their tests then skip instead of failing.
+    With gcc 11 or newer, which has every intrinsic those files use, the full build must be the one
+    loaded, and on a CPU with AVX-512 VNNI the VNNI tiles must be on."""
+    if _compiler_major() < 11:
+        pytest.skip("a compiler older than gcc 11 may lack the AMX intrinsics: the fallback is expected")
+    assert kernels.available(), kernels.unavailable_reason()
+    assert hasattr(torch.ops.tokenleap, "w8a8_linear"), "the kernels were built without the ISA files"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= kernels.cpu_flags():
+        assert kernels.vnni_supported()
 
 
 def test_pack_unpack_round_trip():
