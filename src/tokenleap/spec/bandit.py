@@ -178,8 +178,9 @@ class Bandit:
                                          depth_seen=[0] * self.cfg.max_k) for a in self.arms})
 
     def end_sequence(self, seq: SeqBandit) -> None:
-        """A sequence finished: each arm that did not draft for it is one sequence staler; a stale
-        probe that did not lead to the arm's choice makes the next one wait longer."""
+        """A sequence finished: each arm that did not draft for it is one sequence staler; an arm
+        probed in it as a stale arm waits twice as long before its next stale probe, and one that
+        drafted on its merits without such a probe waits the least again."""
         for name, state in seq.arms.items():
             a = self.arms[name]
             a.idle_sequences = 0 if state.drafted_any else a.idle_sequences + 1
