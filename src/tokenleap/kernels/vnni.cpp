@@ -258,6 +258,15 @@ inline void in_tiles(int64_t M, Tile&& tile) {
   }
 }
 
+// Column blocks in pairs, each thread walking its pairs in memory order: block(b, true) for the pair
+// of blocks b and b + 1, block(b, false) for a last block of an odd count.
+template <typename Block>
+inline void in_block_pairs(int64_t NB8, Block&& block) {
+  at::parallel_for(0, (NB8 + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t pr = p0; pr < p1; ++pr) block(2 * pr, 2 * pr + 1 < NB8);
+  });
+}
+
 }  // namespace
 
 namespace tokenleap_ops {
@@ -266,22 +275,14 @@ void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_
                        const uint8_t* w, const uint16_t* s, float* y, int64_t N) {
   const int64_t G = K / kGroup, NB8 = N / 8;
   if (M >= kPairMinRows) {
-    // pairs of column blocks, each thread walking its pairs in memory order
-    at::parallel_for(0, (NB8 + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
-      for (int64_t pr = p0; pr < p1; ++pr) {
-        const int64_t b = 2 * pr;
-        const uint8_t* wb = w + b * K * 4;
-        const uint16_t* sb = s + b * G * 16;
-        if (b + 1 < NB8) {
-          in_tiles(M, [&](auto mb, int64_t m) {
-            int4_pair_tile<decltype(mb)::value>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
-          });
-        } else {
-          in_tiles(M, [&](auto mb, int64_t m) {
-            int4_tile<decltype(mb)::value>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
-          });
-        }
-      }
+    in_block_pairs(NB8, [&](int64_t b, bool pair) {
+      const uint8_t* wb = w + b * K * 4;
+      const uint16_t* sb = s + b * G * 16;
+      in_tiles(M, [&](auto mb, int64_t m) {
+        constexpr int MB = decltype(mb)::value;
+        if (pair) int4_pair_tile<MB>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
+        else int4_tile<MB>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
+      });
     });
     return;
   }
@@ -301,21 +302,14 @@ void int6_vnni_product(const int8_t* xq, const float* a, const int32_t* sum16, i
                        const uint8_t* w, const float* d, float* y, int64_t N) {
   const int64_t G = K / kGroup, NB8 = N / 8;
   if (M >= kPairMinRows) {
-    at::parallel_for(0, (NB8 + 1) / 2, 4, [&](int64_t p0, int64_t p1) {  // pairs of blocks, in memory order
-      for (int64_t pr = p0; pr < p1; ++pr) {
-        const int64_t b = 2 * pr;
-        const uint8_t* wb = w + b * G * kInt6GroupBytes;
-        const float* db = d + b * (K / kSuper) * 8;
-        if (b + 1 < NB8) {
-          in_tiles(M, [&](auto mb, int64_t m) {
-            int6_pair_tile<decltype(mb)::value>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
-          });
-        } else {
-          in_tiles(M, [&](auto mb, int64_t m) {
-            int6_tile<decltype(mb)::value>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
-          });
-        }
-      }
+    in_block_pairs(NB8, [&](int64_t b, bool pair) {
+      const uint8_t* wb = w + b * G * kInt6GroupBytes;
+      const float* db = d + b * (K / kSuper) * 8;
+      in_tiles(M, [&](auto mb, int64_t m) {
+        constexpr int MB = decltype(mb)::value;
+        if (pair) int6_pair_tile<MB>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
+        else int6_tile<MB>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
+      });
     });
     return;
   }
