@@ -31,7 +31,14 @@ first ``settle_steps`` steps choose no arm that needs a catch-up (a draft model'
 shadow arm measures the text meanwhile, so that prefill is spent only where this text, not earlier
 ones, says the draft beats the free arm. While a draft model that pays is in step with the sequence,
 any other arm is charged the catch-up its step would leave that draft (one draft forward over the
-tokens it emits): a free arm takes the step only where it gains more than switching costs. When no arm
+tokens it emits): a free arm takes the step only where it gains more than switching costs, and the
+draft model resumes at the next step the free arm has nothing for (its catch-up is that one step's
+tokens, not a reason to leave the step to plain decoding). A plain step is charged alike: it leaves a
+draft model in step with the sequence a token behind, so such a draft keeps drafting while it beats
+plain decoding plus that token's catch-up -- it is not dropped on a slightly low estimate, to pay
+to come back. An arm measured only on the steps it drafts (a draft model) forgets its acceptance
+more slowly and leans on its prior more than a shadow arm (``drafted_ema``): one missed token must
+not take it out of the sequence until the next probe. When no arm
 pays, the step decodes plainly, and every ``probe_every`` steps an arm not tried for that long is
 tried once with a short draft if its catch-up is affordable (for one sequence: also within the
 exploration share of the whole answer), so a change in the text is noticed; a probe none of whose
@@ -51,9 +58,12 @@ greedy, seeded and rejection sampling alike.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
+from tokenleap.spec.bandit_state import Arm, Choice, SeqAcceptance, SeqArmState, SeqBandit
 from tokenleap.spec.controller import ControllerConfig, DraftLengthController
+
+__all__ = ["Bandit", "BanditConfig", "Choice", "SeqBandit"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,12 @@ class BanditConfig:
     initial_k: int = 4  # the first draft of an arm, before anything is measured
     ema: float = 0.2  # forgetting rate of a sequence's acceptance counts (faster than the controller's)
     prior_weight: float = 1.0  # observations' worth of the arm's acceptance over all sequences
+    # the same for an arm measured only on the steps it drafts (a draft model, not shadow-scored):
+    # one estimate too low takes it out of the sequence until a probe (``probe_every`` steps), so
+    # its estimate forgets more slowly and leans on its prior more (one missed first token must not
+    # halve it)
+    drafted_ema: float = 0.1
+    drafted_prior_weight: float = 3.0
     probe_every: int = 16  # plain steps (for this sequence) between tries of an arm that does not pay
     probe_k: int = 2
     explore_share: float = 0.05  # a probe's catch-up may cost at most this share of the time since the last
@@ -94,76 +110,6 @@ class BanditConfig:
     stale_backoff: int = 3
 
 
-class SeqAcceptance:
-    """One sequence's conditional acceptance b_i of one arm's drafts (exponentially forgotten counts)."""
-
-    def __init__(self, max_k: int, ema: float, prior_weight: float) -> None:
-        self.hits, self.trials = [0.0] * max_k, [0.0] * max_k
-        self.ema, self.prior_weight = ema, prior_weight
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        """Positions 1..accepted passed, position accepted + 1 failed (if it was proposed)."""
-        keep = 1.0 - self.ema
-        for i in range(min(proposed, accepted + 1, len(self.hits))):
-            self.hits[i] = self.hits[i] * keep + (1.0 if i < accepted else 0.0)
-            self.trials[i] = self.trials[i] * keep + 1.0
-
-    def expected_tokens(self, k: int, prior: list[float]) -> float:
-        """E(k): tokens a step drafting k is expected to emit (the bonus token included)."""
-        total, run, w = 1.0, 1.0, self.prior_weight
-        for i in range(min(k, len(self.hits))):
-            run *= (self.hits[i] + w * prior[i]) / (self.trials[i] + w)
-            total += run
-        return total
-
-
-@dataclass
-class Arm:
-    """One proposer's figures over every sequence: seconds per drafted token by batch size, catch-up
-    seconds per token, and recent acceptance (the prior of a new sequence's)."""
-
-    name: str
-    shadow: bool  # deterministic and nearly free: scored every step by comparing with what was emitted
-    costs: DraftLengthController
-    aux_rows: int = 0  # rows it adds to each of its steps' target forward beside the draft (lookahead's window)
-    idle_sequences: int = 0  # finished sequences in a row it did not draft for
-    stale_misses: int = 0  # stale probes since it last drafted on its merits for a sequence without one
-
-
-@dataclass
-class SeqArmState:
-    acceptance: SeqAcceptance
-    idle_steps: int = 0  # steps of this sequence since the arm last drafted for it
-    idle_seconds: float = 0.0  # predicted seconds those steps took
-    # step (``SeqBandit.steps``) at which the arm last drafted position i + 1 for the sequence
-    depth_seen: list[int] = field(default_factory=list)
-    # how often the arm had a draft when asked (exponentially forgotten): n-gram lookup often finds
-    # no match, and its steps without one decode plainly, so its rate is weighed by this
-    offers: float = 1.0
-    probe_misses: int = 0  # probes in a row none of whose tokens were accepted
-    drafted_any: bool = False  # the arm drafted for the sequence at least once
-    chosen: bool = False  # it drafted for the sequence on its merits (not as a probe)
-    stale_probed: bool = False  # it was probed for the sequence as a stale arm
-
-
-@dataclass(frozen=True)
-class Choice:
-    arm: str
-    k: int
-    rate: float  # predicted tokens per second (per step of the batch)
-    probe: bool = False  # an exploratory draft by an arm not ranked (``Bandit.observe_probe`` takes its outcome)
-
-
-@dataclass
-class SeqBandit:
-    """A sequence's per-arm acceptance and exploration clocks."""
-
-    arms: dict[str, SeqArmState] = field(default_factory=dict)
-    steps: int = 0  # steps planned for the sequence so far
-    seconds: float = 0.0  # their predicted seconds
-    explored: float = 0.0  # catch-up seconds spent on probes for this sequence
-
-
 class Bandit:
     """The per-arm cost tables and the choice of (arm, k) for each sequence of a step."""
 
@@ -174,8 +120,10 @@ class Bandit:
         self.arms = {a[0]: Arm(a[0], a[1], DraftLengthController(ctl), a[2] if len(a) > 2 else 0) for a in arms}
 
     def new_sequence(self) -> SeqBandit:
-        return SeqBandit({a: SeqArmState(SeqAcceptance(self.cfg.max_k, self.cfg.ema, self.cfg.prior_weight),
-                                         depth_seen=[0] * self.cfg.max_k) for a in self.arms})
+        c = self.cfg
+        return SeqBandit({name: SeqArmState(SeqAcceptance(c.max_k, c.ema, c.prior_weight) if a.shadow
+                                            else SeqAcceptance(c.max_k, c.drafted_ema, c.drafted_prior_weight),
+                                            depth_seen=[0] * c.max_k) for name, a in self.arms.items()})
 
     def end_sequence(self, seq: SeqBandit) -> None:
         """A sequence finished: each arm that did not draft for it is one sequence staler; an arm
@@ -298,7 +246,7 @@ class Bandit:
                             for k in range(1, max_k + 1)), key=lambda kr: kr[1])
                 catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
                 gain = remaining * (1.0 / plain - margin / r) if r > 0 else 0.0
-                if r > plain * margin * 1.0001 and (catch_up <= 0.0 or gain > catch_up):
+                if r > self._plain_bar(seq, name, batch, plain, backlogs) * margin * 1.0001 and (catch_up <= 0.0 or gain > catch_up):
                     out.append(Choice(name, k, r))
             return out
 
@@ -321,8 +269,11 @@ class Bandit:
         # pointless whatever it costs: the step goes to a free arm or decodes plainly
         if ranked and catch_up[ranked[0].arm] > 0.0:
             first = ranked[0]
-            invest = not any(self._long_run_rate(seq, name, batch, target, max_k) * margin >= first.rate
-                             for name, a in self.arms.items() if a.shadow and present.get(name) is False)
+            # (not for an arm that drafted the sequence's last step but one: it has only that step's
+            # tokens to feed, the switch the follower rule above already priced)
+            invest = self._in_step(seq, first.arm, backlogs) or not any(
+                self._long_run_rate(seq, name, batch, target, max_k) * margin >= first.rate
+                for name, a in self.arms.items() if a.shadow and present.get(name) is False)
             if invest and free:
                 c = free[0]
                 long_run = self.rate(seq, c.arm, c.k, batch, target) if present.get(c.arm) else c.rate
@@ -335,6 +286,23 @@ class Bandit:
         # for (n-gram without a match): its catch-up must pay back within that one step, not over
         # the whole answer the first arm is serving
         return ranked[:1] + [c for c in ranked[1:] if self._one_step_gain(seq, c, batch, plain) >= catch_up[c.arm]]
+
+    def _in_step(self, seq: SeqBandit, arm: str, backlogs: dict[str, int]) -> bool:
+        """``arm`` must feed what it did not follow (a draft model) and follows the sequence: nothing
+        to feed, or only what the one step since its last draft emitted."""
+        a, state = self.arms[arm], seq.arms[arm]
+        return (not a.shadow and a.costs.catch_up_cost is not None
+                and (backlogs.get(arm, 0) == 0 or (state.drafted_any and state.idle_steps <= 1)))
+
+    def _plain_bar(self, seq: SeqBandit, arm: str, batch: int, plain: float, backlogs: dict[str, int]) -> float:
+        """Plain decoding's rate as ``arm`` must beat it to draft the step: an arm in step with the
+        sequence (``_in_step``) is left a token behind by a plain step, which its next draft in the
+        sequence pays for at the per-token catch-up cost -- so a draft model that drafts about as
+        fast as plain decoding keeps the sequence rather than dropping it on a slightly low
+        estimate and paying to come back."""
+        if not self._in_step(seq, arm, backlogs) or not self.arms[arm].costs.catch_up_cost:
+            return plain
+        return batch / (batch / plain + self.arms[arm].costs.catch_up_cost)
 
     def _long_run_rate(self, seq: SeqBandit, arm: str, batch: int, target: DraftLengthController,
                        max_k: int) -> float:

@@ -1,0 +1,77 @@
+"""The state ``--spec auto``'s bandit (``bandit.py``) keeps: each arm's figures over every sequence,
+each sequence's acceptance of each arm and its exploration clocks, and a planned choice."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenleap.spec.controller import DraftLengthController
+
+
+class SeqAcceptance:
+    """One sequence's conditional acceptance b_i of one arm's drafts (exponentially forgotten counts)."""
+
+    def __init__(self, max_k: int, ema: float, prior_weight: float) -> None:
+        self.hits, self.trials = [0.0] * max_k, [0.0] * max_k
+        self.ema, self.prior_weight = ema, prior_weight
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Positions 1..accepted passed, position accepted + 1 failed (if it was proposed)."""
+        keep = 1.0 - self.ema
+        for i in range(min(proposed, accepted + 1, len(self.hits))):
+            self.hits[i] = self.hits[i] * keep + (1.0 if i < accepted else 0.0)
+            self.trials[i] = self.trials[i] * keep + 1.0
+
+    def expected_tokens(self, k: int, prior: list[float]) -> float:
+        """E(k): tokens a step drafting k is expected to emit (the bonus token included)."""
+        total, run, w = 1.0, 1.0, self.prior_weight
+        for i in range(min(k, len(self.hits))):
+            run *= (self.hits[i] + w * prior[i]) / (self.trials[i] + w)
+            total += run
+        return total
+
+
+@dataclass
+class Arm:
+    """One proposer's figures over every sequence: seconds per drafted token by batch size, catch-up
+    seconds per token, and recent acceptance (the prior of a new sequence's)."""
+
+    name: str
+    shadow: bool  # deterministic and nearly free: scored every step by comparing with what was emitted
+    costs: DraftLengthController
+    aux_rows: int = 0  # rows it adds to each of its steps' target forward beside the draft (lookahead's window)
+    idle_sequences: int = 0  # finished sequences in a row it did not draft for
+    stale_misses: int = 0  # stale probes since it last drafted on its merits for a sequence without one
+
+
+@dataclass
+class SeqArmState:
+    acceptance: SeqAcceptance
+    idle_steps: int = 0  # steps of this sequence since the arm last drafted for it
+    idle_seconds: float = 0.0  # predicted seconds those steps took
+    # step (``SeqBandit.steps``) at which the arm last drafted position i + 1 for the sequence
+    depth_seen: list[int] = field(default_factory=list)
+    # how often the arm had a draft when asked (exponentially forgotten): n-gram lookup often finds
+    # no match, and its steps without one decode plainly, so its rate is weighed by this
+    offers: float = 1.0
+    probe_misses: int = 0  # probes in a row none of whose tokens were accepted
+    drafted_any: bool = False  # the arm drafted for the sequence at least once
+    chosen: bool = False  # it drafted for the sequence on its merits (not as a probe)
+    stale_probed: bool = False  # it was probed for the sequence as a stale arm
+
+
+@dataclass(frozen=True)
+class Choice:
+    arm: str
+    k: int
+    rate: float  # predicted tokens per second (per step of the batch)
+    probe: bool = False  # an exploratory draft by an arm not ranked (``Bandit.observe_probe`` takes its outcome)
+
+
+@dataclass
+class SeqBandit:
+    """A sequence's per-arm acceptance and exploration clocks."""
+
+    arms: dict[str, SeqArmState] = field(default_factory=dict)
+    steps: int = 0  # steps planned for the sequence so far
+    seconds: float = 0.0  # their predicted seconds
+    explored: float = 0.0  # catch-up seconds spent on probes for this sequence
