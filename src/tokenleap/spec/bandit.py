@@ -21,9 +21,11 @@ sequences) and pays back any catch-up it needs first (a draft model that has not
 sequence while another arm drafted must feed those tokens), best first: a cheap arm that finds
 nothing to propose this step (n-gram without a match) hands the step to the next. A first arm's
 catch-up must pay back against the best arm that needs none (not against plain decoding), and
-is not made at all while a shadow arm with nothing to propose for this one step is still predicted
-to beat it over the answer (on code, one step without an n-gram match is no reason to feed the
-draft model the whole text); an arm
+is not made while a shadow arm with nothing to propose for this one step is still predicted to
+beat it over the answer, unless drafting only the steps that arm leaves (its share of steps without
+a proposal) repays the catch-up and the catch-ups its own steps will cause (on code, one step
+without an n-gram match is no reason to feed the draft model the whole text; on prose where n-gram
+lookup matches now and then, the draft model fills the rest); an arm
 behind the first, which drafts only when the arms before it have nothing, within its one step.
 Acceptance is only seen up to the depth drafted, so the first choice drafts one token deeper when
 that position has gone ``deepen_every`` steps unmeasured for the sequence. A new sequence's
@@ -78,6 +80,9 @@ class BanditConfig:
     # halve it)
     drafted_ema: float = 0.1
     drafted_prior_weight: float = 3.0
+    # that prior: the arm's acceptance over every sequence, forgotten at this rate per draft (about
+    # the last 50 drafts) -- a few poor drafts at the end of one answer must not set the next one's
+    prior_ema: float = 0.02
     probe_every: int = 16  # plain steps (for this sequence) between tries of an arm that does not pay
     probe_k: int = 2
     explore_share: float = 0.05  # a probe's catch-up may cost at most this share of the time since the last
@@ -91,6 +96,10 @@ class BanditConfig:
     # this sequence in this many steps: acceptance is only seen up to the depth drafted, so a position
     # judged poor once (or never tried) would otherwise pin k below what the text now allows
     deepen_every: int = 8
+    # a deepened position that fails doubles the wait before the next deepening (up to
+    # 2**deepen_backoff times deepen_every), one that passes restores it: on int4 targets an extra
+    # row is not free, and a position that keeps failing must not cost a draft token every 8 steps
+    deepen_backoff: int = 3
     # a probe that finds none of its tokens accepted doubles the arm's wait before its next probe in
     # the sequence (up to 2**probe_backoff times probe_every); a draft accepted whole resets it: an arm
     # that keeps missing on this text (lookahead's guesses on prose) stops taxing every 16th step
@@ -117,7 +126,9 @@ class Bandit:
         """``arms``: (name, shadow[, auxiliary rows a step]) each."""
         self.cfg = config or BanditConfig()
         ctl = ControllerConfig(max_k=self.cfg.max_k, ema=0.1)
-        self.arms = {a[0]: Arm(a[0], a[1], DraftLengthController(ctl), a[2] if len(a) > 2 else 0) for a in arms}
+        self.arms = {a[0]: Arm(a[0], a[1], DraftLengthController(ctl), a[2] if len(a) > 2 else 0,
+                               None if a[1] else SeqAcceptance(self.cfg.max_k, self.cfg.prior_ema, 1.0))
+                     for a in arms}
 
     def new_sequence(self) -> SeqBandit:
         c = self.cfg
@@ -139,9 +150,16 @@ class Bandit:
 
     # -- learning ---------------------------------------------------------------------------
     def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
+        state = seq.arms[arm]
+        d = state.deepened
+        if d and proposed >= d and accepted + 1 >= d:  # the deepened position was reached: passed or failed
+            state.deepen_misses = 0 if accepted >= d else min(state.deepen_misses + 1, self.cfg.deepen_backoff)
+        state.deepened = 0
         if proposed > 0:
-            seq.arms[arm].acceptance.observe(proposed, accepted)
+            state.acceptance.observe(proposed, accepted)
             self.arms[arm].costs.observe_acceptance(proposed, accepted)
+            if self.arms[arm].history is not None:
+                self.arms[arm].history.observe(proposed, accepted)
 
     def observe_draft(self, arm: str, tokens: int, seconds: float, batch: int) -> None:
         self.arms[arm].costs.observe_draft(tokens, seconds, batch)
@@ -157,7 +175,7 @@ class Bandit:
         catching up on the tokens it emits (``DraftLengthController.catch_up_seconds``);
         ``proposes``: the arm is known to have a proposal for this step (its offer rate is moot)."""
         a, state = self.arms[arm], seq.arms[arm]
-        tokens = state.acceptance.expected_tokens(k, a.costs.accept)
+        tokens = state.acceptance.expected_tokens(k, a.prior())
         cost = target.spec_step_cost(k, batch, a.costs.predict_draft(batch), a.aux_rows)
         if state.offers < 1.0 and not proposes:  # a step it has nothing for decodes one token plainly
             tokens = state.offers * tokens + (1.0 - state.offers)
@@ -214,8 +232,9 @@ class Bandit:
         seen. A shadow arm that drafts every step is measured only to the depth it drafts."""
         state, k = seq.arms[choice.arm], choice.k
         if (not self.arms[choice.arm].shadow and k < max_k
-                and seq.steps - state.depth_seen[k] >= self.cfg.deepen_every):
+                and seq.steps - state.depth_seen[k] >= self.cfg.deepen_every << state.deepen_misses):
             k += 1
+            state.deepened = k
         state.depth_seen[:k] = [seq.steps] * k
         return choice if k == choice.k else replace(choice, k=k)
 
@@ -265,15 +284,17 @@ class Bandit:
         # drafts first only where the time saved over that arm (not over plain decoding) repays it --
         # over the rest of the answer, so that arm at its rate over every step, those it has nothing
         # for too. A shadow arm with no proposal for this one step (n-gram lookup between matches)
-        # that is still predicted to beat the first arm over the answer makes the investment
-        # pointless whatever it costs: the step goes to a free arm or decodes plainly
+        # that is still predicted to beat the first arm over the answer leaves it only the steps
+        # it has nothing for: the investment must pay on those (``_pays_beside``), or the step goes
+        # to a free arm or decodes plainly
         if ranked and catch_up[ranked[0].arm] > 0.0:
             first = ranked[0]
             # (not for an arm that drafted the sequence's last step but one: it has only that step's
             # tokens to feed, the switch the follower rule above already priced)
-            invest = self._in_step(seq, first.arm, backlogs) or not any(
-                self._long_run_rate(seq, name, batch, target, max_k) * margin >= first.rate
-                for name, a in self.arms.items() if a.shadow and present.get(name) is False)
+            invest = self._in_step(seq, first.arm, backlogs) or all(
+                self._pays_beside(seq, first, name, batch, target, remaining, catch_up[first.arm], max_k)
+                for name, a in self.arms.items() if a.shadow and present.get(name) is False
+                and self._long_run_rate(seq, name, batch, target, max_k) * margin >= first.rate)
             if invest and free:
                 c = free[0]
                 long_run = self.rate(seq, c.arm, c.k, batch, target) if present.get(c.arm) else c.rate
@@ -304,6 +325,24 @@ class Bandit:
             return plain
         return batch / (batch / plain + self.arms[arm].costs.catch_up_cost)
 
+    def _pays_beside(self, seq: SeqBandit, first: Choice, shadow: str, batch: int, target: DraftLengthController,
+                     remaining: float, catch_up: float, max_k: int) -> bool:
+        """Whether ``first``, which must catch up, repays that drafting only the steps ``shadow`` (a
+        free arm predicted to beat it over the answer) has no proposal for: over the ``remaining``
+        tokens the shadow arm proposes on its share of steps (``offers``), each of its steps leaving
+        ``first`` its tokens to feed at the per-token catch-up cost, and ``first`` drafts the rest,
+        each step saving its tokens' time over plain decoding."""
+        margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
+        plain, offers = target.rate(0, batch), seq.arms[shadow].offers
+        k = max(range(1, max_k + 1), key=lambda k: self.rate(seq, shadow, k, batch, target, (), True))
+        shadow_tokens = seq.arms[shadow].acceptance.expected_tokens(k, self.arms[shadow].prior())
+        tokens = seq.arms[first.arm].acceptance.expected_tokens(first.k, self.arms[first.arm].prior())
+        saved = (1.0 - offers) * tokens * (1.0 / plain - margin / first.rate)  # per step, on average
+        fed = offers * shadow_tokens * (self.arms[first.arm].costs.catch_up_cost or 0.0)
+        if saved <= fed:
+            return False
+        return remaining / (offers * shadow_tokens + (1.0 - offers) * tokens) * (saved - fed) > catch_up
+
     def _long_run_rate(self, seq: SeqBandit, arm: str, batch: int, target: DraftLengthController,
                        max_k: int) -> float:
         """``arm``'s best predicted rate over every step of the sequence (those it has nothing for too)."""
@@ -311,7 +350,7 @@ class Bandit:
 
     def _one_step_gain(self, seq: SeqBandit, c: Choice, batch: int, plain: float) -> float:
         """Seconds one step of ``c`` is predicted to save over decoding its tokens plainly."""
-        tokens = seq.arms[c.arm].acceptance.expected_tokens(c.k, self.arms[c.arm].costs.accept)
+        tokens = seq.arms[c.arm].acceptance.expected_tokens(c.k, self.arms[c.arm].prior())
         return batch * tokens * (1.0 / plain - 1.0 / c.rate) if c.rate > 0 else 0.0
 
     def _probe(self, seq: SeqBandit, batch: int, target: DraftLengthController, backlogs: dict[str, int],

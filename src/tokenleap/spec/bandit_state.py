@@ -21,6 +21,11 @@ class SeqAcceptance:
             self.hits[i] = self.hits[i] * keep + (1.0 if i < accepted else 0.0)
             self.trials[i] = self.trials[i] * keep + 1.0
 
+    def estimates(self, prior: list[float]) -> list[float]:
+        """b_i for every position: the counts with ``prior`` worth ``prior_weight`` observations."""
+        w = self.prior_weight
+        return [(h + w * p) / (t + w) for h, t, p in zip(self.hits, self.trials, prior)]
+
     def expected_tokens(self, k: int, prior: list[float]) -> float:
         """E(k): tokens a step drafting k is expected to emit (the bonus token included)."""
         total, run, w = 1.0, 1.0, self.prior_weight
@@ -39,8 +44,17 @@ class Arm:
     shadow: bool  # deterministic and nearly free: scored every step by comparing with what was emitted
     costs: DraftLengthController
     aux_rows: int = 0  # rows it adds to each of its steps' target forward beside the draft (lookahead's window)
+    # an arm measured only when it drafts: its acceptance over every sequence, forgotten slowly -- the
+    # prior a sequence's own acceptance starts from (a shadow arm's is the cost model's recent one)
+    history: SeqAcceptance | None = None
     idle_sequences: int = 0  # finished sequences in a row it did not draft for
     stale_misses: int = 0  # stale probes since it last drafted on its merits for a sequence without one
+
+    def prior(self) -> list[float]:
+        """The acceptance b_i a sequence's own figures for this arm start from."""
+        if self.history is None:
+            return self.costs.accept
+        return self.history.estimates([self.costs.cfg.prior_acceptance] * len(self.history.hits))
 
 
 @dataclass
@@ -54,6 +68,8 @@ class SeqArmState:
     # no match, and its steps without one decode plainly, so its rate is weighed by this
     offers: float = 1.0
     probe_misses: int = 0  # probes in a row none of whose tokens were accepted
+    deepened: int = 0  # the depth of the arm's draft in flight drafted one deeper (``Bandit._deepen``), or 0
+    deepen_misses: int = 0  # deepened positions in a row that failed
     drafted_any: bool = False  # the arm drafted for the sequence at least once
     chosen: bool = False  # it drafted for the sequence on its merits (not as a probe)
     stale_probed: bool = False  # it was probed for the sequence as a stale arm
