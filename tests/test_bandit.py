@@ -2,7 +2,7 @@
 that must first catch up is looked at again, and which arms may catch up to fill in for another."""
 from __future__ import annotations
 
-from tokenleap.spec.bandit import Bandit
+from tokenleap.spec.bandit import Bandit, BanditConfig
 
 from bandit_helpers import FLAT, bandit, costs
 
@@ -53,6 +53,30 @@ def probes(remaining: int | None, steps: int = 60) -> list[int]:
             out.append(step)
             break
     return out
+
+
+def deepenings(deepen_backoff: int, steps: int = 120) -> int:
+    """Steps the draft arm drafts past position 1 on a text that never takes position 2."""
+    b, target = bandit(draft_cost=0.003, settle_steps=0, deepen_backoff=deepen_backoff), costs(FLAT)
+    seq = b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(seq, "ngram", 4, 0)
+    b.observe_acceptance(seq, "draft", 2, 1)
+    for _ in range(6):
+        b.observe_acceptance(seq, "draft", 1, 1)
+    deeper = 0
+    for _ in range(steps):
+        choice = b.plan(seq, 1, target, {}, 100, 4)[0]
+        assert choice.arm == "draft"
+        deeper += choice.k > 1
+        b.observe_acceptance(seq, "draft", choice.k, 1)
+        b.drafted(seq, "draft")
+    return deeper
+
+
+def test_a_deepened_position_that_keeps_failing_is_tried_less_often():
+    assert deepenings(deepen_backoff=0) == 120 // BanditConfig.deepen_every  # every 8 steps
+    assert deepenings(deepen_backoff=3) <= 5  # after 8, 16, 32, 64, 64 steps
 
 
 def test_a_long_catch_up_gets_one_probe_per_answer():
@@ -322,3 +346,18 @@ def test_a_draft_catches_up_where_drafting_the_steps_ngram_leaves_repays_it():
     assert ranked_beside_ngram(60, matches_every=1) == []
     assert ranked_beside_ngram(60, matches_every=2) == ["draft"]
     assert ranked_beside_ngram(60, matches_every=3) == ["draft"]
+
+
+def test_a_draft_models_prior_is_its_acceptance_over_many_drafts():
+    """Five misses after sixty drafts accepted whole: the cost model's recent figure (about the last
+    ten drafts) drops to 0.59, the prior a new sequence starts from (about the last fifty) stays at
+    0.86; a shadow arm's prior is the cost model's figure."""
+    b = bandit(draft_cost=0.003, settle_steps=0)
+    seq = b.new_sequence()
+    for _ in range(60):
+        b.observe_acceptance(seq, "draft", 2, 2)
+    for _ in range(5):
+        b.observe_acceptance(seq, "draft", 2, 0)
+    draft, ngram = b.arms["draft"], b.arms["ngram"]
+    assert draft.costs.accept[0] < 0.6 < 0.85 < draft.prior()[0]
+    assert ngram.prior() is ngram.costs.accept
