@@ -21,9 +21,9 @@ sequences) and pays back any catch-up it needs first (a draft model that has not
 sequence while another arm drafted must feed those tokens), best first: a cheap arm that finds
 nothing to propose this step (n-gram without a match) hands the step to the next. A first arm's
 catch-up must pay back against the best arm that needs none (not against plain decoding), and
-is not made while a shadow arm with nothing to propose for this one step is still predicted to
-beat it over the answer, unless drafting only the steps that arm leaves (its share of steps without
-a proposal) repays the catch-up and the catch-ups its own steps will cause (on code, one step
+is made beside a shadow arm with nothing to propose for this one step, which beats it on the steps
+it has a proposal for, only where drafting the steps that arm leaves (its share of steps without a
+proposal) repays the catch-up and the catch-ups its own steps will cause (on code, one step
 without an n-gram match is no reason to feed the draft model the whole text; on prose where n-gram
 lookup matches now and then, the draft model fills the rest); an arm
 behind the first, which drafts only when the arms before it have nothing, within its one step.
@@ -284,9 +284,9 @@ class Bandit:
         # drafts first only where the time saved over that arm (not over plain decoding) repays it --
         # over the rest of the answer, so that arm at its rate over every step, those it has nothing
         # for too. A shadow arm with no proposal for this one step (n-gram lookup between matches)
-        # that is still predicted to beat the first arm over the answer leaves it only the steps
-        # it has nothing for: the investment must pay on those (``_pays_beside``), or the step goes
-        # to a free arm or decodes plainly
+        # that beats the first arm on the steps it has one takes those steps and leaves it the
+        # rest: the investment must pay on those (``_pays_beside``), or the step goes to a free arm
+        # or decodes plainly
         if ranked and catch_up[ranked[0].arm] > 0.0:
             first = ranked[0]
             # (not for an arm that drafted the sequence's last step but one: it has only that step's
@@ -294,7 +294,7 @@ class Bandit:
             invest = self._in_step(seq, first.arm, backlogs) or all(
                 self._pays_beside(seq, first, name, batch, target, remaining, catch_up[first.arm], max_k)
                 for name, a in self.arms.items() if a.shadow and present.get(name) is False
-                and self._long_run_rate(seq, name, batch, target, max_k) * margin >= first.rate)
+                and self._proposing_rate(seq, name, batch, target, max_k) * margin >= first.rate)
             if invest and free:
                 c = free[0]
                 long_run = self.rate(seq, c.arm, c.k, batch, target) if present.get(c.arm) else c.rate
@@ -328,7 +328,7 @@ class Bandit:
     def _pays_beside(self, seq: SeqBandit, first: Choice, shadow: str, batch: int, target: DraftLengthController,
                      remaining: float, catch_up: float, max_k: int) -> bool:
         """Whether ``first``, which must catch up, repays that drafting only the steps ``shadow`` (a
-        free arm predicted to beat it over the answer) has no proposal for: over the ``remaining``
+        free arm that beats it where it has a proposal) has none for: over the ``remaining``
         tokens the shadow arm proposes on its share of steps (``offers``), each of its steps leaving
         ``first`` its tokens to feed at the per-token catch-up cost, and ``first`` drafts the rest,
         each step saving its tokens' time over plain decoding."""
@@ -343,10 +343,10 @@ class Bandit:
             return False
         return remaining / (offers * shadow_tokens + (1.0 - offers) * tokens) * (saved - fed) > catch_up
 
-    def _long_run_rate(self, seq: SeqBandit, arm: str, batch: int, target: DraftLengthController,
-                       max_k: int) -> float:
-        """``arm``'s best predicted rate over every step of the sequence (those it has nothing for too)."""
-        return max(self.rate(seq, arm, k, batch, target) for k in range(1, max_k + 1))
+    def _proposing_rate(self, seq: SeqBandit, arm: str, batch: int, target: DraftLengthController,
+                        max_k: int) -> float:
+        """``arm``'s best predicted rate on the steps it has a proposal for."""
+        return max(self.rate(seq, arm, k, batch, target, (), True) for k in range(1, max_k + 1))
 
     def _one_step_gain(self, seq: SeqBandit, c: Choice, batch: int, plain: float) -> float:
         """Seconds one step of ``c`` is predicted to save over decoding its tokens plainly."""
