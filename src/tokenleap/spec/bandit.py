@@ -10,8 +10,9 @@ arm a's drafts, c_a the arm's measured seconds per drafted token at that batch s
 draft forward serves every sequence it drafts for), and F / overhead the target's measured forward
 cost by row count and a step's measured overhead -- the engine's own controller's figures, so
 plain decoding (k = 0) is judged by exactly the numbers the controller uses. A sequence's
-acceptance starts from the arm's recent acceptance over all sequences (the prior) and follows the
-sequence's own text with exponential forgetting, so a request that turns from prose to copying
+acceptance starts from the arm's recent acceptance over all sequences (the prior; a draft model's
+over about its last 50 drafts, ``prior_ema``) and follows the sequence's own text with exponential
+forgetting, so a request that turns from prose to copying
 code moves to n-gram lookup within a few steps, and back. An arm that often has nothing to propose
 (n-gram lookup without a match) is weighed by how often it has a draft: its other steps decode one
 token at a plain step's cost -- where it is not known before the step whether it has one (below).
@@ -28,7 +29,8 @@ without an n-gram match is no reason to feed the draft model the whole text; on 
 lookup matches now and then, the draft model fills the rest); an arm
 behind the first, which drafts only when the arms before it have nothing, within its one step.
 Acceptance is only seen up to the depth drafted, so the first choice drafts one token deeper when
-that position has gone ``deepen_every`` steps unmeasured for the sequence. A new sequence's
+that position has gone ``deepen_every`` steps unmeasured for the sequence (each deepened position
+that fails doubles that wait, ``deepen_backoff``). A new sequence's
 first ``settle_steps`` steps choose no arm that needs a catch-up (a draft model's prefill) while a
 shadow arm measures the text meanwhile, so that prefill is spent only where this text, not earlier
 ones, says the draft beats the free arm. While a draft model that pays is in step with the sequence,
@@ -231,6 +233,7 @@ class Bandit:
         proposal is compared with the tokens the step emits); the positions drafted are marked as
         seen. A shadow arm that drafts every step is measured only to the depth it drafts."""
         state, k = seq.arms[choice.arm], choice.k
+        state.deepened = 0
         if (not self.arms[choice.arm].shadow and k < max_k
                 and seq.steps - state.depth_seen[k] >= self.cfg.deepen_every << state.deepen_misses):
             k += 1
@@ -265,7 +268,8 @@ class Bandit:
                             for k in range(1, max_k + 1)), key=lambda kr: kr[1])
                 catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
                 gain = remaining * (1.0 / plain - margin / r) if r > 0 else 0.0
-                if r > self._plain_bar(seq, name, batch, plain, backlogs) * margin * 1.0001 and (catch_up <= 0.0 or gain > catch_up):
+                bar = self._plain_bar(seq, name, batch, plain, backlogs) * margin * 1.0001
+                if r > bar and (catch_up <= 0.0 or gain > catch_up):
                     out.append(Choice(name, k, r))
             return out
 

@@ -38,7 +38,7 @@ class SeqAcceptance:
 @dataclass
 class Arm:
     """One proposer's figures over every sequence: seconds per drafted token by batch size, catch-up
-    seconds per token, and recent acceptance (the prior of a new sequence's)."""
+    seconds per token, and acceptance (``prior``: what a new sequence's starts from)."""
 
     name: str
     shadow: bool  # deterministic and nearly free: scored every step by comparing with what was emitted
