@@ -286,8 +286,8 @@ def test_one_missed_token_does_not_take_a_draft_model_out_of_a_sequence():
 
 def in_step_bandit(draft_cost: float, ngram_accepts: int):
     """A draft model accepting 1 or 2 of 2 (``draft_cost`` seconds a drafted token, 2 ms a token to
-    catch up on) and
-    n-gram lookup accepting ``ngram_accepts`` of 4, with a match on every step so far."""
+    catch up on) and n-gram lookup accepting ``ngram_accepts`` of 4, with a match on every step so
+    far."""
     b, target = bandit(draft_cost=draft_cost, settle_steps=0), costs(FLAT)
     b.observe_catch_up("draft", 100, 0.2)
     seq = b.new_sequence()
