@@ -263,9 +263,7 @@ class Bandit:
             for name, a in self.arms.items():
                 if (settling and backlogs.get(name, 0) > 0) or present.get(name) is False:
                     continue
-                proposes = present.get(name, False)
-                k, r = max(((k, self.rate(seq, name, k, batch, target, followers, proposes))
-                            for k in range(1, max_k + 1)), key=lambda kr: kr[1])
+                k, r = self._best_k(seq, name, batch, target, max_k, followers, present.get(name, False))
                 catch_up = a.costs.catch_up_seconds(backlogs.get(name, 0))
                 gain = remaining * (1.0 / plain - margin / r) if r > 0 else 0.0
                 bar = self._plain_bar(seq, name, batch, plain, backlogs) * margin * 1.0001
@@ -295,10 +293,12 @@ class Bandit:
             first = ranked[0]
             # (not for an arm that drafted the sequence's last step but one: it has only that step's
             # tokens to feed, the switch the follower rule above already priced)
-            invest = self._in_step(seq, first.arm, backlogs) or all(
-                self._pays_beside(seq, first, name, batch, target, remaining, catch_up[first.arm], max_k)
-                for name, a in self.arms.items() if a.shadow and present.get(name) is False
-                and self._proposing_rate(seq, name, batch, target, max_k) * margin >= first.rate)
+            invest = self._in_step(seq, first.arm, backlogs)
+            if not invest:
+                beside = {name: self._best_k(seq, name, batch, target, max_k, (), True)  # (k, rate) proposing
+                          for name, a in self.arms.items() if a.shadow and present.get(name) is False}
+                invest = all(self._pays_beside(seq, first, name, k, plain, margin, remaining, catch_up[first.arm])
+                             for name, (k, r) in beside.items() if r * margin >= first.rate)
             if invest and free:
                 c = free[0]
                 long_run = self.rate(seq, c.arm, c.k, batch, target) if present.get(c.arm) else c.rate
@@ -329,17 +329,15 @@ class Bandit:
             return plain
         return batch / (batch / plain + self.arms[arm].costs.catch_up_cost)
 
-    def _pays_beside(self, seq: SeqBandit, first: Choice, shadow: str, batch: int, target: DraftLengthController,
-                     remaining: float, catch_up: float, max_k: int) -> bool:
+    def _pays_beside(self, seq: SeqBandit, first: Choice, shadow: str, shadow_k: int, plain: float, margin: float,
+                     remaining: float, catch_up: float) -> bool:
         """Whether ``first``, which must catch up, repays that drafting only the steps ``shadow`` (a
-        free arm that beats it where it has a proposal) has none for: over the ``remaining``
-        tokens the shadow arm proposes on its share of steps (``offers``), each of its steps leaving
-        ``first`` its tokens to feed at the per-token catch-up cost, and ``first`` drafts the rest,
-        each step saving its tokens' time over plain decoding."""
-        margin = 1.0 + (self.cfg.batch_margin if batch > 1 else 0.0)
-        plain, offers = target.rate(0, batch), seq.arms[shadow].offers
-        k = max(range(1, max_k + 1), key=lambda k: self.rate(seq, shadow, k, batch, target, (), True))
-        shadow_tokens = seq.arms[shadow].acceptance.expected_tokens(k, self.arms[shadow].prior())
+        free arm that beats it where it has a proposal, drafting ``shadow_k`` there) has none for:
+        over the ``remaining`` tokens the shadow arm proposes on its share of steps (``offers``),
+        each of its steps leaving ``first`` its tokens to feed at the per-token catch-up cost, and
+        ``first`` drafts the rest, each step saving its tokens' time over plain decoding."""
+        offers = seq.arms[shadow].offers
+        shadow_tokens = seq.arms[shadow].acceptance.expected_tokens(shadow_k, self.arms[shadow].prior())
         tokens = seq.arms[first.arm].acceptance.expected_tokens(first.k, self.arms[first.arm].prior())
         saved = (1.0 - offers) * tokens * (1.0 / plain - margin / first.rate)  # per step, on average
         fed = offers * shadow_tokens * (self.arms[first.arm].costs.catch_up_cost or 0.0)
@@ -347,10 +345,11 @@ class Bandit:
             return False
         return remaining / (offers * shadow_tokens + (1.0 - offers) * tokens) * (saved - fed) > catch_up
 
-    def _proposing_rate(self, seq: SeqBandit, arm: str, batch: int, target: DraftLengthController,
-                        max_k: int) -> float:
-        """``arm``'s best predicted rate on the steps it has a proposal for."""
-        return max(self.rate(seq, arm, k, batch, target, (), True) for k in range(1, max_k + 1))
+    def _best_k(self, seq: SeqBandit, arm: str, batch: int, target: DraftLengthController, max_k: int,
+                followers: tuple[str, ...] = (), proposes: bool = False) -> tuple[int, float]:
+        """``arm``'s draft length of the best predicted rate (``rate``'s terms), and that rate."""
+        rates = ((k, self.rate(seq, arm, k, batch, target, followers, proposes)) for k in range(1, max_k + 1))
+        return max(rates, key=lambda kr: kr[1])
 
     def _one_step_gain(self, seq: SeqBandit, c: Choice, batch: int, plain: float) -> float:
         """Seconds one step of ``c`` is predicted to save over decoding its tokens plainly."""
