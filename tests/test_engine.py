@@ -268,8 +268,9 @@ def test_a_request_alone_starts_from_the_prior_acceptance_and_feeds_the_draft(ta
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = plain(target, PROMPTS[0], params).generated
     draft = DraftModelProposer(target, VOCAB, 128, num_slots=2)
+    # (a random toy draft is unsure of every token: no confidence stops, so that its acceptance decides)
     eng = Engine(target, ToyTokenizer(VOCAB, (2,)), max_len=128, num_slots=2, proposer=draft,
-                 controller=ControllerConfig(max_k=6))
+                 controller=ControllerConfig(max_k=6, confidence_stop=False))
     c = eng.controller
     for rows in range(1, 10):
         c.observe_forward(rows, 0.01)

@@ -69,12 +69,12 @@ def exact_distribution(target, penalties: dict | None = None) -> dict[tuple[int,
 
 
 def sample_counts(target, draft, seed: int, monkeypatch, penalties: dict | None = None,
-                  seeded: bool = False) -> dict[tuple[int, ...], int]:
+                  seeded: bool = False, controller: ControllerConfig | None = None) -> dict[tuple[int, ...], int]:
     """Counts of N_SAMPLES continuations, each its own request. Unseeded requests (rejection
     sampling) get generators seeded from this test's stream; seeded ones (noise keyed by position)
-    get seeds from it."""
-    eng = Engine(target, ToyTokenizer(V, eos=()), max_len=32,
-                 proposer=DraftModelProposer(draft, V, 32), controller=ControllerConfig(max_k=3, fixed_k=3))
+    get seeds from it. ``controller``: the engine's (default: chains of 3)."""
+    eng = Engine(target, ToyTokenizer(V, eos=()), max_len=32, proposer=DraftModelProposer(draft, V, 32),
+                 controller=controller or ControllerConfig(max_k=3, fixed_k=3))
     gen = torch.Generator().manual_seed(seed)
 
     def next_seed() -> int:
@@ -129,20 +129,22 @@ def test_engine_sampling_with_penalties_matches_target_distribution(pair, monkey
     assert p_value(counts, exact) > 1e-3
 
 
-def test_same_check_rejects_a_biased_verifier(pair, monkeypatch):
-    def biased(draft_tokens, draft_probs, target_probs, generator=None):
-        k = draft_tokens.shape[0]
-        u = torch.rand(k, generator=generator, dtype=torch.float64)
-        for i in range(k):
-            x = int(draft_tokens[i])
-            if u[i] * float(draft_probs[i, x]) >= float(target_probs[i, x]):  # rejected:
-                tok = int(sample(target_probs[i:i + 1], generator)[0])  # bug: from p, not the residual
-                return Verification(draft_tokens[:i].tolist() + [tok], i)
-        return Verification(draft_tokens.tolist() + [int(sample(target_probs[k:], generator)[0])], k)
+def biased_verifier(draft_tokens, draft_probs, target_probs, generator=None):
+    """Rejection sampling with a bug: a rejected position resamples from p, not the residual."""
+    k = draft_tokens.shape[0]
+    u = torch.rand(k, generator=generator, dtype=torch.float64)
+    for i in range(k):
+        x = int(draft_tokens[i])
+        if u[i] * float(draft_probs[i, x]) >= float(target_probs[i, x]):  # rejected:
+            tok = int(sample(target_probs[i:i + 1], generator)[0])  # bug: from p, not the residual
+            return Verification(draft_tokens[:i].tolist() + [tok], i)
+    return Verification(draft_tokens.tolist() + [int(sample(target_probs[k:], generator)[0])], k)
 
+
+def test_same_check_rejects_a_biased_verifier(pair, monkeypatch):
     target, draft = pair
     exact = exact_distribution(target)
-    monkeypatch.setattr(step_verify, "verify_sampling", biased)
+    monkeypatch.setattr(step_verify, "verify_sampling", biased_verifier)
     counts = sample_counts(target, draft, seed=5, monkeypatch=monkeypatch)
     assert p_value(counts, exact) < 1e-6
 

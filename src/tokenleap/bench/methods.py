@@ -103,9 +103,9 @@ def _parse_option(family: str, text: str) -> tuple[str, int | str]:
         if not value:
             raise BenchError(f"method {family!r}: option model needs a model name or path")
         return key, value
-    if key == "lookup":
+    if key in ("lookup", "stop"):
         if value not in ("on", "off"):
-            raise BenchError(f"method {family!r}: option lookup must be on or off, got {value!r}")
+            raise BenchError(f"method {family!r}: option {key} must be on or off, got {value!r}")
         return key, value
     if key == "tree":
         if value not in TREE_MODES:
@@ -190,7 +190,8 @@ def _controller(spec: MethodSpec) -> ControllerConfig:
     k = spec.get("k", "auto")
     kmax = int(spec.get("kmax", 8))
     fixed = None if k == "auto" else int(k)
-    return ControllerConfig(max_k=max(kmax, fixed or 1), fixed_k=fixed, tree=machine_tree_mode(_tree_mode(spec)))
+    return ControllerConfig(max_k=max(kmax, fixed or 1), fixed_k=fixed, tree=machine_tree_mode(_tree_mode(spec)),
+                            confidence_stop=spec.get("stop", "on") == "on")
 
 
 def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:

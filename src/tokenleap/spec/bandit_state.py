@@ -81,6 +81,9 @@ class Choice:
     k: int
     rate: float  # predicted tokens per second (per step of the batch)
     probe: bool = False  # an exploratory draft by an arm not ranked (``Bandit.observe_probe`` takes its outcome)
+    floors: tuple[float, ...] = ()  # a chain that ends on its draft's confidence (``DraftRequest.stop_below``)
+    draft_floor: float = 0.0  # (``DraftRequest.stop_draft``)
+    planned: int = 0  # ... and the length the bandit chose for it (``DraftRequest.planned``)
 
 
 @dataclass

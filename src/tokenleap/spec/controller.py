@@ -51,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenleap.spec.confidence import thresholds
 from tokenleap.spec.costs import CostTables
 from tokenleap.spec.tree_budget import StepPlan, TreeModel, TreePlanner
 
@@ -90,6 +91,9 @@ class ControllerConfig:
     # a tree replaces the best chain only when predicted this much faster: its figures are noisier
     # (more rows, a shape the proposer decides), and a near tie is not worth a tree's risk
     tree_margin: float = 0.05
+    # a draft model's chain (an adaptive k) stops early where the draft's own confidence says the
+    # next token would not pay for itself (spec/confidence.py); k is then the longest it may run
+    confidence_stop: bool = True
 
 
 class DraftLengthController(CostTables):
@@ -107,6 +111,9 @@ class DraftLengthController(CostTables):
         self._plain_streak = 0
         self._plain_seconds = 0.0  # predicted time decoded plainly since the last step that drafted
         self._spec_streak, self._side = 0, 1
+        # the proposer ends a chain where its draft's confidence no longer pays (``stops_on_confidence``,
+        # set by the engine) and the length adapts: a drafting step's k is then the longest it may run
+        self.cuts_on_confidence = False
         self.trees = TreeModel(config.max_k)  # token trees' acceptance, shape and draft cost
         self.planner = TreePlanner(self.trees, config.tree_margin, config.tree_probe_every, config.tree_explore_share)
 
@@ -145,6 +152,8 @@ class DraftLengthController(CostTables):
                 other = StepPlan(max(1, self.best_chain(batch, 0.0)[0]))
             if self.planner.probe_due(self, best, other, batch):
                 return other
+        if self.cuts_on_confidence and best.nodes == 0 and not on:  # the draft's confidence ends the chain
+            return self.confident_chain(best.k, best_rate, batch)
         if self._spec_streak >= self.cfg.probe_every:  # re-measure a neighbouring length now and
             self._spec_streak = 0  # then, so an early, noisy cost figure cannot lock k in place
             self._side = -self._side
@@ -219,6 +228,17 @@ class DraftLengthController(CostTables):
     def _plan_cost(self, plan: StepPlan, batch: int) -> float:
         """Predicted seconds of a step following ``plan`` (``TreePlanner.plan_cost``)."""
         return self.planner.plan_cost(self, plan, batch)
+
+    def confident_chain(self, k: int, rate: float, batch: int = 1) -> StepPlan:
+        """A chain planned at ``k`` tokens and ``rate`` tokens per second that runs up to ``max_k``
+        while its draft's confidence pays for each further token (``confidence.thresholds`` with
+        this controller's figures; the rest of the batch taken at k tokens each). The draft, not
+        this model's fixed k, then decides where the chain ends -- for a proposer that can
+        (``stops_on_confidence``); any other drafts the k tokens (``Engine._draft_all``)."""
+        cap = max(k, self.cfg.max_k)
+        floors, draft_floor = thresholds(cap, self.predict_draft(batch), self.predict_forward, rate,
+                                         self.chain_acceptance()[0], others=(batch - 1) * (k + 1))
+        return StepPlan(cap, floors=floors, draft_floor=draft_floor, planned=k) if floors else StepPlan(k)
 
     def chain_acceptance(self) -> list[float]:
         """The chain's conditional acceptance by depth; a position never drafted is guessed like the

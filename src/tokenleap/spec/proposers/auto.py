@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 from tokenleap.spec.bandit import Bandit, BanditConfig, Choice, SeqBandit
+from tokenleap.spec.confidence import thresholds
 from tokenleap.spec.controller import DraftLengthController
 from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer
 from tokenleap.spec.report import DraftWork
@@ -119,6 +120,8 @@ class AutoProposer:
             plan = self.bandit.plan(seq, batch, target, backlogs, remaining, max_k, present)
             if target.cfg.fixed_k is not None:  # a fixed draft length: the arm is chosen, k is not
                 plan = [replace(c, k=max_k) for c in plan]
+            else:
+                plan = [self._confident(c, seq, batch, max_k) for c in plan]
             self._plans[seq_id] = plan
             longest = max([longest] + [c.k for c in plan])
             self._shadow_proposals(seq_id, tokens, plan, max_k, shadows)
@@ -179,7 +182,10 @@ class AutoProposer:
             for name, idx in by_arm.items():
                 chains = not self.trees and getattr(self.arms[name], "drafts_trees", False)
                 reqs = [replace(requests[i], k=min(requests[i].k, plans[i][open_[i]].k),
-                                max_nodes=0 if chains else requests[i].max_nodes) for i in idx]
+                                max_nodes=0 if chains else requests[i].max_nodes,
+                                stop_below=plans[i][open_[i]].floors, stop_draft=plans[i][open_[i]].draft_floor,
+                                planned=plans[i][open_[i]].planned)
+                        for i in idx]
                 for i, req, d in zip(idx, reqs, self._draft(name, reqs)):
                     aux = getattr(d, "aux", None) is not None
                     if d is None or d.tokens or aux or not d.catch_up_tokens:  # (not a call that only caught up)
@@ -196,11 +202,27 @@ class AutoProposer:
                                 depth = asked = int(d.tree.depth.max())
                             else:
                                 depth, asked = max(1, len(d.tokens)), req.k
-                            self._drafted[requests[i].seq_id] = (name, depth, asked, probe)
+                            self._drafted[requests[i].seq_id] = (name, depth, asked, probe, d.cut)
                             self.bandit.drafted(self._seqs[requests[i].seq_id], name, probe)
                     else:
                         open_[i] += 1
         return out
+
+    def _confident(self, choice: Choice, seq: SeqBandit, batch: int, max_k: int) -> Choice:
+        """``choice`` -- if its arm ends a chain where the draft's confidence no longer pays
+        (``stops_on_confidence``) -- as a chain of up to ``max_k`` tokens with the floors for its
+        predicted rate, the arm's draft cost and this sequence's acceptance of it
+        (``confidence.thresholds``); a probe, or an arm that drafts otherwise, unchanged."""
+        target = self.target
+        if (choice.probe or choice.rate <= 0.0 or choice.k <= 0 or not target.cfg.confidence_stop
+                or not getattr(self.arms[choice.arm], "stops_on_confidence", False)):
+            return choice
+        arm = self.bandit.arms[choice.arm]
+        cap = max(choice.k, max_k)
+        floors, draft_floor = thresholds(cap, arm.costs.predict_draft(batch), target.predict_forward, choice.rate,
+                                         seq.arms[choice.arm].acceptance.estimates(arm.prior())[0],
+                                         others=(batch - 1) * (choice.k + 1))
+        return replace(choice, k=cap, floors=floors, draft_floor=draft_floor, planned=choice.k) if floors else choice
 
     def _draft(self, name: str, reqs: list[DraftRequest]) -> list[Draft | None]:
         """``name``'s drafts for ``reqs``, timed into the arm's cost tables and labelled with the arm."""
@@ -222,10 +244,11 @@ class AutoProposer:
         drafted = self._drafted.pop(seq_id, None)
         if drafted is None:
             return
-        name, depth, asked, probe = drafted
+        name, depth, asked, probe, cut = drafted
         # a draft shorter than asked for that was accepted whole: the position past its end had no
-        # token, which for the arm's yield per step is a miss (n-gram continuations run out)
-        proposed = depth + 1 if num_accepted >= depth and asked > depth else depth
+        # token, which for the arm's yield per step is a miss (n-gram continuations run out) -- unless
+        # the arm cut it short by its own confidence
+        proposed = depth + 1 if num_accepted >= depth and asked > depth and not cut else depth
         self.bandit.observe_acceptance(self._seqs[seq_id], name, proposed, num_accepted)
         self.bandit.observe_probe(self._seqs[seq_id], name, depth, num_accepted, probe)
         self.arms[name].accept(seq_id, num_accepted, path)

@@ -76,6 +76,9 @@ class Draft:
     # rows computed in the same forward for the proposer's own use (lookahead's Jacobi window); a
     # draft with aux rows but no tokens still runs them
     aux: AuxRows | None = None
+    # the proposer ended the chain before k because its own confidence fell (``DraftRequest.stop_below``),
+    # not for want of a continuation: a short draft accepted whole is then no miss past its end
+    cut: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,14 @@ class DraftRequest:
     max_nodes: int = 0  # > 0: a tree of at most this many drafted nodes (k deep) may be proposed
     max_aux: int = 0  # auxiliary rows (Draft.aux) the step has room for beside max(k, max_nodes) nodes
     slot: int = -1  # the sequence's slot in the target's cache (a self-drafting proposer writes there)
+    # a model drafting a chain stops after i tokens whose confidences multiply to less than
+    # stop_below[i - 1], plus stop_draft where the next token needs a draft forward
+    # (``spec/confidence.py``); empty: always k tokens
+    stop_below: tuple[float, ...] = ()
+    stop_draft: float = 0.0
+    # with stop_below: the length the cost model planned, which a confident chain may run past (work
+    # sized ahead of the draft's confidence -- the cascade's n-gram guesses -- is sized by it; 0: k)
+    planned: int = 0
 
 
 class Proposer(Protocol):

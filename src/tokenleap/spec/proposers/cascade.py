@@ -53,7 +53,9 @@ class CascadeDraftProposer(DraftModelProposer):
     def _guesses(self, lane: _Lane) -> list[int]:
         """Up to the lane's room minus one tokens guessed to follow its drafted tokens: what followed
         the latest earlier occurrence of the longest matching suffix (committed text indexed)."""
-        room = lane.req.k - len(lane.drafted) - 1  # the forward drafts one token past the guesses
+        # the forward drafts one token past the guesses; a chain that may run past its planned length on
+        # its confidence carries guesses up to that length only (rows its confidence may never reach)
+        room = min(lane.req.k, lane.req.planned or lane.req.k) - len(lane.drafted) - 1
         if room <= 0:
             return []
         index = self._index[lane.req.seq_id]
@@ -103,6 +105,10 @@ class CascadeDraftProposer(DraftModelProposer):
             for j in range(len(g) + 1):
                 token = l.take(logits[at + j: at + j + 1], l.pos + j)
                 if j == len(g) or token != g[j]:
+                    break
+                if l.req.stop_below:  # the next token's row is in this forward: only its verification costs
+                    l.check_stop(next_free=True)
+                if l.stopped:  # (its later guesses are dropped)
                     break
                 kept += 1
             at += len(g) + 1

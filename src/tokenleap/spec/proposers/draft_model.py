@@ -16,6 +16,7 @@ from tokenleap.cache.contiguous import CacheFullError, KVCache
 from tokenleap.config import SamplingParams
 from tokenleap.errors import TokenleapError
 from tokenleap.models.transformer import Segment, Transformer
+from tokenleap.spec.confidence import Calibration, ConfidenceLog, should_stop, token_confidence
 from tokenleap.spec.sampling import greedy, logits_to_probs, sample
 from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.proposers.base import Draft, DraftRequest
@@ -36,12 +37,17 @@ class DraftingLane:
     drafted: list[int]
     probs: list[torch.Tensor]  # each [1, vocab]
     pushed: int  # drafted tokens the request's grammar followed
+    confidences: list[float]  # each drafted token's confidence (only with req.stop_below)
+    calibration: Calibration | None = None  # the proposer's confidence -> acceptance (None: identity)
+    confidence: float = 1.0  # the product of the drafted tokens' calibrated confidences
+    stopped: bool = False  # the confidence fell below the request's floor: no further token
 
     def take(self, row: torch.Tensor, pos: int) -> int:
         """Draft the token for sequence position ``pos`` from ``row`` (logits, [1, vocab]) and record
         it with its distribution q. Under a grammar (structured output) the row is masked first: q is
         then the masked distribution, which verification uses, so sampling stays exact; the grammar
-        follows the token until ``rollback``."""
+        follows the token until ``rollback``. With the request's ``stop_below`` the lane stops once
+        its running confidence falls below the floor for its length (``spec/confidence.py``)."""
         constraint = self.req.constraint
         if constraint is not None:
             row = constraint.draft(row)
@@ -51,7 +57,22 @@ class DraftingLane:
         self.drafted.append(token)
         if probs is not None:
             self.probs.append(probs)
+        if self.req.stop_below:
+            raw = token_confidence(row if probs is None else probs, probs is not None)
+            self.confidences.append(raw)
+            self.confidence *= self.calibration(raw) if self.calibration is not None else raw
+            self.check_stop(next_free=False)
         return token
+
+    def check_stop(self, next_free: bool) -> None:
+        """Stop when the running confidence is below the floor for the next token, which costs a draft
+        forward unless ``next_free`` (computed already: a cascade's guess the draft agreed with)."""
+        self.stopped = should_stop(self.confidence, len(self.drafted), self.req.stop_below,
+                                   0.0 if next_free else self.req.stop_draft)
+
+    def wants_more(self) -> bool:
+        """Whether the lane drafts another token: fewer than k so far and not stopped."""
+        return len(self.drafted) < self.req.k and not self.stopped
 
     def rollback(self) -> None:
         """Return the request's grammar to the committed text (verification advances it itself)."""
@@ -79,11 +100,14 @@ class _Lane(DraftingLane):
     catch_up_drafted: int = 0  # drafted by forwards that fed a backlog
     failed: bool = False
     pushed: int = 0  # drafted tokens the request's grammar followed (undone after drafting)
+    confidences: list[float] = field(default_factory=list)
+    calibration: Calibration | None = None
 
 
 class DraftModelProposer:
     name = "draft"
     drafts_trees = True  # a request with max_nodes gets a dynamic tree (draft_tree.py)
+    stops_on_confidence = True  # a chain honours DraftRequest.stop_below
 
     def __init__(self, model: Transformer, target_vocab_size: int, max_len: int, num_slots: int = 1,
                  cache: KVCache | None = None, head: ReducedVocabHead | None = None,
@@ -105,6 +129,7 @@ class DraftModelProposer:
         self._prompt: dict[int, list[int]] = {}
         self._proposal_start: dict[int, int] = {}
         self._grown: dict[int, GrownTree] = {}  # the last proposal of a sequence, when it was a tree
+        self.confidence = ConfidenceLog()  # where a chain asked to stop on confidence learns how far to trust it
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         slot = self._slot[seq_id] = self.cache.allocate()
@@ -135,9 +160,10 @@ class DraftModelProposer:
                 out[i] = self._catch_up_chunk(r.seq_id, r.tokens[fed:fed + self.catch_up_chunk], fed)
                 continue
             self._proposal_start[r.seq_id] = len(r.tokens)
-            lanes.append(_Lane(i, r, self._slot[r.seq_id], r.tokens[fed:], fed))  # pending: at least the last token
+            lanes.append(_Lane(i, r, self._slot[r.seq_id], r.tokens[fed:], fed,  # pending: at least the last token
+                               calibration=self.confidence.calibration))
         active = lanes
-        while active := [l for l in active if len(l.drafted) < l.req.k]:
+        while active := [l for l in active if l.wants_more()]:
             if not self._draft_position(active):  # a paged cache out of blocks: no draft for these
                 for l in active:
                     l.failed = True
@@ -152,10 +178,12 @@ class DraftModelProposer:
                 out[i] = d
         for l in lanes:
             l.rollback()
+            self.confidence.drafted(l.req.seq_id, [] if l.failed else l.confidences)
             if not l.failed:
                 self._fed[l.req.seq_id] = l.pos  # the last drafted token is not fed yet
                 out[l.index] = Draft(tokens=l.drafted, probs=l.q(), catch_up_seconds=l.catch_up,
-                                     catch_up_tokens=l.catch_up_tokens, catch_up_drafted=l.catch_up_drafted)
+                                     catch_up_tokens=l.catch_up_tokens, catch_up_drafted=l.catch_up_drafted,
+                                     cut=l.stopped and len(l.drafted) < l.req.k)
         return out
 
     def _draft_position(self, lanes: list["_Lane"]) -> bool:
@@ -220,6 +248,7 @@ class DraftModelProposer:
 
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
         """``path``: the accepted nodes of a tree proposal (a chain's are 1 .. num_accepted)."""
+        self.confidence.verified(seq_id, num_accepted)
         grown = self._grown.pop(seq_id, None)
         if grown is not None:
             accept_path(self, seq_id, grown, path if path is not None else list(range(1, num_accepted + 1)))
@@ -248,6 +277,7 @@ class DraftModelProposer:
         self._proposal_start.pop(seq_id, None)
         self._heads.pop(seq_id, None)
         self._grown.pop(seq_id, None)
+        self.confidence.end(seq_id)
 
     def _forward(self, slot: int, tokens: list[int], pos: int, head=None) -> torch.Tensor:
         seg = [Segment(slot=slot, pos_start=pos, length=len(tokens))]

@@ -41,6 +41,7 @@ import torch
 from tokenleap.cache.contiguous import CacheFullError
 from tokenleap.config import ConfigError
 from tokenleap.models.transformer import Segment, Transformer
+from tokenleap.spec.confidence import Calibration, ConfidenceLog
 from tokenleap.spec.proposers.base import Draft, DraftRequest
 from tokenleap.spec.proposers.draft_model import DraftingLane
 from tokenleap.spec.proposers.ngram import NgramProposer
@@ -101,6 +102,8 @@ class _Lane(DraftingLane):
     drafted: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # each [1, vocab]
     pushed: int = 0  # drafted tokens the request's grammar followed (undone after drafting)
+    confidences: list[float] = field(default_factory=list)
+    calibration: Calibration | None = None
 
 
 LOOKUP_MIN = 2  # a lookup continuation stands in for the skipped-layer draft only after a match this long
@@ -112,6 +115,7 @@ Calibrate = Callable[[Transformer, list[int]], frozenset[int]]
 
 class LayerSkipProposer:
     name = "layerskip"
+    stops_on_confidence = True  # a chain honours DraftRequest.stop_below
 
     def __init__(self, model: Transformer, skip: frozenset[int] | None, calibrate: Calibrate | None = None,
                  head=None, lookup: NgramProposer | None = None, predicted_speedup: float | None = None) -> None:
@@ -127,6 +131,7 @@ class LayerSkipProposer:
             check_skip(frozenset(skip), model.config.num_hidden_layers)
         self.model = model
         self.head = head
+        self.confidence = ConfidenceLog()  # where a chain asked to stop on confidence learns how far to trust it
         self.skip = frozenset(skip) if skip is not None else None
         self._calibrate = calibrate
         self.lookup = lookup
@@ -149,9 +154,11 @@ class LayerSkipProposer:
         return 0
 
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
-        pass  # the engine truncated (or compacted) the target's cache; nothing of the draft's is left
+        # (the engine truncated or compacted the target's cache: nothing of the draft's is left)
+        self.confidence.verified(seq_id, num_accepted)
 
     def end(self, seq_id: int) -> None:
+        self.confidence.end(seq_id)
         if self.lookup is not None:
             self.lookup.end(seq_id)
 
@@ -178,9 +185,9 @@ class LayerSkipProposer:
             if (copied := self._copied(r)) is not None:
                 out[i] = copied
                 continue
-            lanes.append(_Lane(i, r, committed, committed, r.tokens[-1]))
+            lanes.append(_Lane(i, r, committed, committed, r.tokens[-1], calibration=self.confidence.calibration))
         active = lanes
-        while active := [l for l in active if len(l.drafted) < l.req.k]:
+        while active := [l for l in active if l.wants_more()]:
             if not self._draft_position(active):  # a paged cache out of blocks: no draft for these
                 for l in active:
                     l.drafted, l.probs = [], []
@@ -188,8 +195,9 @@ class LayerSkipProposer:
         for l in lanes:
             self.cache.commit(l.req.slot, l.committed)  # drafts' entries lie past it (blocks kept)
             l.rollback()
+            self.confidence.drafted(l.req.seq_id, l.confidences if l.drafted else [])
             if l.drafted:
-                out[l.index] = Draft(tokens=l.drafted, probs=l.q())
+                out[l.index] = Draft(tokens=l.drafted, probs=l.q(), cut=l.stopped and len(l.drafted) < l.req.k)
         if catch_up:
             first = next((i for i, d in enumerate(out) if d is not None), None)
             d = out[first] if first is not None else Draft(tokens=[], probs=None)
