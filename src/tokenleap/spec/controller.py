@@ -111,9 +111,9 @@ class DraftLengthController(CostTables):
         self._plain_streak = 0
         self._plain_seconds = 0.0  # predicted time decoded plainly since the last step that drafted
         self._spec_streak, self._side = 0, 1
-        # the proposer ends a chain where its draft's confidence no longer pays (``stops_on_confidence``,
-        # set by the engine) and the length adapts: a drafting step's k is then the longest it may run
-        self.cuts_on_confidence = False
+        # the proposer can end a chain where its draft's confidence no longer pays (set by the engine):
+        # with confidence_stop and an adaptive k, a drafting step's k is then the longest it may run
+        self.stops_on_confidence = False
         self.trees = TreeModel(config.max_k)  # token trees' acceptance, shape and draft cost
         self.planner = TreePlanner(self.trees, config.tree_margin, config.tree_probe_every, config.tree_explore_share)
 
@@ -228,6 +228,11 @@ class DraftLengthController(CostTables):
     def _plan_cost(self, plan: StepPlan, batch: int) -> float:
         """Predicted seconds of a step following ``plan`` (``TreePlanner.plan_cost``)."""
         return self.planner.plan_cost(self, plan, batch)
+
+    @property
+    def cuts_on_confidence(self) -> bool:
+        """Whether drafting chains end on the draft's confidence (``confident_chain``)."""
+        return self.stops_on_confidence and self.cfg.confidence_stop and self.cfg.fixed_k is None
 
     def confident_chain(self, k: int, rate: float, batch: int = 1) -> StepPlan:
         """A chain planned at ``k`` tokens and ``rate`` tokens per second that runs up to ``max_k``

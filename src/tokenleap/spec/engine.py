@@ -61,10 +61,7 @@ class Engine:
         self.controller = DraftLengthController(controller or ControllerConfig())
         if not hasattr(proposer, "plan"):  # (a composite, --spec auto, prices each arm's rows itself)
             self.controller.aux_rows = getattr(proposer, "aux_rows", 0)  # e.g. lookahead's window, priced in
-            # a draft model's chain ends where its confidence no longer pays (spec/confidence.py)
-            self.controller.cuts_on_confidence = (getattr(proposer, "stops_on_confidence", False)
-                                                  and self.controller.cfg.confidence_stop
-                                                  and self.controller.cfg.fixed_k is None)
+            self.controller.stops_on_confidence = getattr(proposer, "stops_on_confidence", False)
         self._plan: StepPlan | None = None  # choose_k's plan, for the step it was chosen for
         self._attached: set[int] = set()  # sequences holding a cache slot: the batch a newcomer joins
         self.prefill_chunk = prefill_chunk
@@ -309,13 +306,10 @@ class Engine:
         if not asked:
             return [None] * len(seqs), DraftWork()
         t0 = time.perf_counter()
-        # (a composite sets its arms' own floors)
-        stop, stop_draft, planned = ((plan.floors, plan.draft_floor, plan.planned) if self.controller.cuts_on_confidence
-                                     else ((), 0.0, 0))
         requests = [DraftRequest(s.seq_id, s.tokens, n, s.params, s.generator, s.constraint,
                                  max_nodes=self._tree_budget(s, plan.nodes), slot=s.slot,
-                                 max_aux=self.aux_budget(s, max(k, self._tree_budget(s))), stop_below=stop,
-                                 stop_draft=stop_draft, planned=planned)
+                                 max_aux=self.aux_budget(s, max(k, self._tree_budget(s))),
+                                 stop_below=plan.floors, stop_draft=plan.draft_floor, planned=plan.planned)
                     for s, n in asked]
         got = self.proposer.propose_many(requests)
         elapsed = time.perf_counter() - t0
