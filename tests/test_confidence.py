@@ -162,6 +162,8 @@ def test_no_floors_for_a_fixed_k_switched_off_or_a_proposer_that_cannot_stop(tar
     assert plan.k == 6 and len(plan.floors) == 5 and 1 <= plan.planned < 6  # planned k, run up to max_k
     rows, draft = thresholds(6, 0.003, c.predict_forward, c.rate(plan.planned, 1), c.chain_acceptance()[0])
     assert plan.floors == pytest.approx(rows) and plan.draft_floor == pytest.approx(draft) and draft > 0
+    batched = c.confident_chain(3, 100.0, batch=4)  # a batch keeps its planned k as the bound
+    assert batched.k == 3 and len(batched.floors) == 2
 
 
 def test_sampling_with_confidence_stops_matches_target_distribution(pair, monkeypatch):  # noqa: F811

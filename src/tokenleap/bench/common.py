@@ -21,7 +21,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "lookahead": ("k", "kmax", "window", "ngram", "guesses", "max"),  # max: the text lookup's longest match
     "auto": ("k", "kmax", "max", "min", "vocab", "stop"),  # per request and step: n-gram, the --draft model, ... or plain
     # skip=auto (calibrated, stored per model) or a list like 4-6+10-14; lookup=on|off: copied text by prompt lookup
-    "layerskip": ("k", "kmax", "skip", "lookup", "stop"),
+    "layerskip": ("k", "kmax", "skip", "lookup"),
     "hf-plain": (),
     "hf-assisted": ("k",),
     "hf-prompt-lookup": ("k", "max"),

@@ -3,7 +3,7 @@
 A draft model's probability for the token it drafts predicts whether the target accepts it: on the
 README's pair (int4 Qwen2.5-Coder 0.5B drafting for the 1.5B, greedy, chat answers) drafts whose
 top probability was above 0.9 were accepted 98% of the time, 0.5-0.6 65%, 0.2-0.3 33%
-(BENCHMARKS.md, "A draft model cut short where it is unsure"). A chain's fixed length k spends
+(BENCHMARKS.md, "A draft model's chain cut short where the draft is unsure"). A chain's fixed length k spends
 a draft forward and a verification row on every position whatever the draft thought of it; cutting
 the chain once its running confidence is low saves both where they are likely wasted, and lets a
 confident draft run deep.

@@ -53,10 +53,9 @@ _BUDGETS = (2, 3, 5, 7, 11, 15, 23, 31, 47, 63, 95, 127, 191, 255)
 @dataclass(frozen=True)
 class StepPlan:
     """One step's shape: ``k`` drafted tokens (a tree: levels; 0: plain decoding) and ``nodes`` > 0
-    for a token tree of at most that many drafted nodes (0: a chain). ``floors``: a chain that may
-    stop short of k on its draft's confidence (``DraftRequest.stop_below`` and ``stop_draft``; empty:
-    k tokens), and
-    ``planned`` the length the cost model chose for it (``DraftRequest.planned``)."""
+    for a token tree of at most that many drafted nodes (0: a chain). ``floors``, ``draft_floor``: a
+    chain that may stop short of k on its draft's confidence (``DraftRequest.stop_below``,
+    ``stop_draft``; empty: k tokens), ``planned``: the length the cost model chose for it."""
 
     k: int
     nodes: int = 0

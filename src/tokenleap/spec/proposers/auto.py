@@ -210,15 +210,16 @@ class AutoProposer:
 
     def _confident(self, choice: Choice, seq: SeqBandit, batch: int, max_k: int) -> Choice:
         """``choice`` -- if its arm ends a chain where the draft's confidence no longer pays
-        (``stops_on_confidence``) -- as a chain of up to ``max_k`` tokens with the floors for its
-        predicted rate, the arm's draft cost and this sequence's acceptance of it
-        (``confidence.thresholds``); a probe, or an arm that drafts otherwise, unchanged."""
+        (``stops_on_confidence``) -- as a chain of up to ``max_k`` tokens (in a batch: its k, as
+        ``DraftLengthController.confident_chain``) with the floors for its predicted rate, the arm's
+        draft cost and this sequence's acceptance of it (``confidence.thresholds``); a probe, or an
+        arm that drafts otherwise, unchanged."""
         target = self.target
         if (choice.probe or choice.rate <= 0.0 or choice.k <= 0 or not target.cfg.confidence_stop
                 or not getattr(self.arms[choice.arm], "stops_on_confidence", False)):
             return choice
         arm = self.bandit.arms[choice.arm]
-        cap = max(choice.k, max_k)
+        cap = max(choice.k, max_k) if batch == 1 else choice.k
         floors, draft_floor = thresholds(cap, arm.costs.predict_draft(batch), target.predict_forward, choice.rate,
                                          seq.arms[choice.arm].acceptance.estimates(arm.prior())[0],
                                          others=(batch - 1) * (choice.k + 1))
