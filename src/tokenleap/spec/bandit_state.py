@@ -28,9 +28,9 @@ class SeqAcceptance:
 
     def expected_tokens(self, k: int, prior: list[float]) -> float:
         """E(k): tokens a step drafting k is expected to emit (the bonus token included)."""
-        total, run, w = 1.0, 1.0, self.prior_weight
-        for i in range(min(k, len(self.hits))):
-            run *= (self.hits[i] + w * prior[i]) / (self.trials[i] + w)
+        total, run = 1.0, 1.0
+        for b in self.estimates(prior)[:k]:
+            run *= b
             total += run
         return total
 

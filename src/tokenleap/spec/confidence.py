@@ -121,10 +121,20 @@ def thresholds(k: int, draft_seconds: float, forward: Callable[[int], float], ra
     return tuple(rows), draft_seconds * scale
 
 
+def chain_floors(k: int, max_k: int, batch: int, draft_seconds: float, forward: Callable[[int], float],
+                 rate: float, acceptance: float) -> tuple[int, tuple[float, ...], float]:
+    """For a chain planned at ``k`` tokens: the longest it may run -- alone on the engine ``max_k``,
+    in a batch k (the scheduler reserves cache blocks for k, and deeper chains of several sequences
+    have not been measured) -- and its ``thresholds``, the rest of the batch taken at k tokens each."""
+    cap = max(k, max_k) if batch == 1 else k
+    floors, draft_floor = thresholds(cap, draft_seconds, forward, rate, acceptance, others=(batch - 1) * (k + 1))
+    return cap, floors, draft_floor
+
+
 def should_stop(confidence: float, drafted: int, floors: Sequence[float], draft_floor: float = 0.0) -> bool:
     """After ``drafted`` tokens of running confidence ``confidence``: stop before the next one?
     ``draft_floor``: added where the next token needs a draft forward (``thresholds``)."""
     return 0 < drafted <= len(floors) and confidence < floors[drafted - 1] + draft_floor
 
 
-__all__ = ["Calibration", "ConfidenceLog", "should_stop", "thresholds", "token_confidence"]
+__all__ = ["Calibration", "ConfidenceLog", "chain_floors", "should_stop", "thresholds", "token_confidence"]

@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenleap.spec.confidence import thresholds
+from tokenleap.spec.confidence import chain_floors
 from tokenleap.spec.costs import CostTables
 from tokenleap.spec.tree_budget import StepPlan, TreeModel, TreePlanner
 
@@ -235,15 +235,11 @@ class DraftLengthController(CostTables):
         return self.stops_on_confidence and self.cfg.confidence_stop and self.cfg.fixed_k is None
 
     def confident_chain(self, k: int, rate: float, batch: int = 1) -> StepPlan:
-        """A chain planned at ``k`` tokens and ``rate`` tokens per second that runs -- alone on the
-        engine up to ``max_k``, in a batch up to k -- while its draft's confidence pays for each
-        further token (``confidence.thresholds`` with this controller's figures; the rest of the
-        batch taken at k tokens each). The draft then decides where the chain ends. A batch keeps
-        k as its bound: the scheduler reserves cache blocks for it, and deeper chains of several
-        sequences have not been measured."""
-        cap = max(k, self.cfg.max_k) if batch == 1 else k
-        floors, draft_floor = thresholds(cap, self.predict_draft(batch), self.predict_forward, rate,
-                                         self.chain_acceptance()[0], others=(batch - 1) * (k + 1))
+        """A chain planned at ``k`` tokens and ``rate`` tokens per second that runs as far as
+        ``confidence.chain_floors`` allows while its draft's confidence pays for each further token
+        (with this controller's figures): the draft then decides where the chain ends."""
+        cap, floors, draft_floor = chain_floors(k, self.cfg.max_k, batch, self.predict_draft(batch),
+                                                self.predict_forward, rate, self.chain_acceptance()[0])
         return StepPlan(cap, floors=floors, draft_floor=draft_floor, planned=k) if floors else StepPlan(k)
 
     def chain_acceptance(self) -> list[float]:

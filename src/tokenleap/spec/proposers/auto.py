@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 
 from tokenleap.spec.bandit import Bandit, BanditConfig, Choice, SeqBandit
-from tokenleap.spec.confidence import thresholds
+from tokenleap.spec.confidence import chain_floors
 from tokenleap.spec.controller import DraftLengthController
 from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer
 from tokenleap.spec.report import DraftWork
@@ -210,19 +210,17 @@ class AutoProposer:
 
     def _confident(self, choice: Choice, seq: SeqBandit, batch: int, max_k: int) -> Choice:
         """``choice`` -- if its arm ends a chain where the draft's confidence no longer pays
-        (``stops_on_confidence``) -- as a chain of up to ``max_k`` tokens (in a batch: its k, as
-        ``DraftLengthController.confident_chain``) with the floors for its predicted rate, the arm's
-        draft cost and this sequence's acceptance of it (``confidence.thresholds``); a probe, or an
-        arm that drafts otherwise, unchanged."""
+        (``stops_on_confidence``) -- as a chain of up to ``max_k`` tokens (``confidence.chain_floors``)
+        with the floors for its predicted rate, the arm's draft cost and this sequence's acceptance
+        of it; a probe, or an arm that drafts otherwise, unchanged."""
         target = self.target
         if (choice.probe or choice.rate <= 0.0 or choice.k <= 0 or not target.cfg.confidence_stop
                 or not getattr(self.arms[choice.arm], "stops_on_confidence", False)):
             return choice
         arm = self.bandit.arms[choice.arm]
-        cap = max(choice.k, max_k) if batch == 1 else choice.k
-        floors, draft_floor = thresholds(cap, arm.costs.predict_draft(batch), target.predict_forward, choice.rate,
-                                         seq.arms[choice.arm].acceptance.estimates(arm.prior())[0],
-                                         others=(batch - 1) * (choice.k + 1))
+        cap, floors, draft_floor = chain_floors(choice.k, max_k, batch, arm.costs.predict_draft(batch),
+                                                target.predict_forward, choice.rate,
+                                                seq.arms[choice.arm].acceptance.estimates(arm.prior())[0])
         return replace(choice, k=cap, floors=floors, draft_floor=draft_floor, planned=choice.k) if floors else choice
 
     def _draft(self, name: str, reqs: list[DraftRequest]) -> list[Draft | None]:
