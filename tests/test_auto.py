@@ -304,7 +304,7 @@ def test_shadow_ngram_is_scored_against_the_emitted_tokens():
     tokens = [1, 2, 3, 4, 1, 2]
     drafts = {"ngram": prop.arms["ngram"].propose(0, tokens, 4, None, None)}  # made before the plan
     prop._shadow_proposals(0, tokens, [Choice("draft", 4, 0.0)], 4, drafts)  # n-gram would draft 3 4 1 2
-    assert prop._shadows[0]["ngram"] == (6, [3, 4, 1, 2], 4)
+    assert prop._shadows[0]["ngram"] == (6, [3, 4, 1, 2], 4, None)
     seq = prop._seqs[0]
     prop._score_shadows(0, seq, [1, 2, 3, 4, 1, 2, 3, 4, 9])  # the step emitted 3 4 9: two accepted, third not
     acc = seq.arms["ngram"].acceptance
@@ -317,7 +317,7 @@ def shadow_counts(proposal: list[int], emitted: list[int], asked: int = 4) -> tu
     prop = AutoProposer({"ngram": NgramProposer(4, 1)}, BanditConfig(max_k=4))
     prompt = [1, 2, 3]
     prop.begin(0, prompt)
-    prop._shadows[0]["ngram"] = (len(prompt), proposal, asked)
+    prop._shadows[0]["ngram"] = (len(prompt), proposal, asked, None)
     seq = prop._seqs[0]
     prop._score_shadows(0, seq, prompt + emitted)
     acc = seq.arms["ngram"].acceptance
@@ -330,6 +330,33 @@ def test_a_shadow_proposal_that_runs_out_counts_its_next_position_as_a_miss():
     assert shadow_counts([7, 8], [7, 8, 9]) == ([1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0])
     assert shadow_counts([7, 8], [7, 8]) == ([1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0])  # nothing known past it
     assert shadow_counts([7, 8], [7, 8, 9], asked=2) == ([1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0])  # all it was asked
+
+
+def drafted_counts(depth: int, accepted: int, emitted: list[int]) -> tuple[list[float], list[float]]:
+    """(trials, hits) by position after n-gram, planned first, drafts ``depth`` tokens of its proposal
+    3 4 1 2 and the step accepts ``accepted`` of them and emits ``emitted``."""
+    prop = AutoProposer({"ngram": NgramProposer(4, 1)}, BanditConfig(max_k=4))
+    tokens = [1, 2, 3, 4, 1, 2]
+    prop.begin(0, tokens)
+    drafts = {"ngram": prop.arms["ngram"].propose(0, tokens, 4, None, None)}
+    prop._shadow_proposals(0, tokens, [Choice("ngram", depth, 1.0)], 4, drafts)
+    prop._drafted[0] = ("ngram", depth, depth, False, False)
+    prop.accept(0, accepted)
+    seq = prop._seqs[0]
+    prop._score_shadows(0, seq, tokens + emitted)
+    acc = seq.arms["ngram"].acceptance
+    return acc.trials, acc.hits
+
+
+def test_a_drafting_shadow_arm_is_scored_one_position_past_its_draft():
+    """n-gram drafting one token of its proposal 3 4 1 2 each step would otherwise never measure its
+    second position again: the step's bonus token, after the draft is accepted, is the verified
+    token there. Nothing past what was verified is scored, nor anything after a rejection."""
+    assert drafted_counts(1, 1, [3, 4]) == ([1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0])
+    assert drafted_counts(1, 1, [3, 9]) == ([1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0])
+    assert drafted_counts(2, 2, [3, 4, 1]) == ([1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0])
+    assert drafted_counts(1, 0, [9]) == ([1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0])
+    assert drafted_counts(4, 4, [3, 4, 1, 2, 5]) == ([1.0] * 4, [1.0] * 4)  # nothing past max_k
 
 
 def test_spec_config_auto():

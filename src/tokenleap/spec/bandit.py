@@ -52,7 +52,9 @@ An arm that drafted for none of the last ``stale_sequences`` finished sequences 
 lone sequence with a larger share (``stale_share``), so figures measured on other text cannot rank
 it out for good.
 Arms whose proposals are deterministic and nearly free (``shadow``: n-gram lookup) are scored on
-every step without drafting: their proposal is compared with the tokens the step emitted. Their
+every step without drafting: their proposal is compared with the tokens the step emitted (on a
+step one of them drafts, its proposal's position past the drafted ones is compared with the bonus
+token, so a short draft does not hide how far its proposals run right). Their
 proposal for the coming step is known before the plan (``present``): one without a proposal now
 is left out of it, and one with a proposal is judged by its acceptance when it proposes, not
 weighed down by the steps it has nothing for -- so a draft model that pays is not ranked behind
@@ -151,17 +153,21 @@ class Bandit:
                 a.stale_misses = 0
 
     # -- learning ---------------------------------------------------------------------------
-    def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int) -> None:
+    def observe_acceptance(self, seq: SeqBandit, arm: str, proposed: int, accepted: int, first: int = 0) -> None:
+        """A step's positions 1..accepted of ``arm``'s proposal passed, position accepted + 1 failed
+        (if proposed); ``first`` > 0: positions up to it were observed already (a shadow arm's
+        proposal scored past the depth it drafted), only those after it are new."""
         state = seq.arms[arm]
-        d = state.deepened
-        if d and proposed >= d and accepted + 1 >= d:  # the deepened position was reached: passed or failed
-            state.deepen_misses = 0 if accepted >= d else min(state.deepen_misses + 1, self.cfg.deepen_backoff)
-        state.deepened = 0
-        if proposed > 0:
-            state.acceptance.observe(proposed, accepted)
-            self.arms[arm].costs.observe_acceptance(proposed, accepted)
+        if not first:
+            d = state.deepened
+            if d and proposed >= d and accepted + 1 >= d:  # the deepened position was reached: passed or failed
+                state.deepen_misses = 0 if accepted >= d else min(state.deepen_misses + 1, self.cfg.deepen_backoff)
+            state.deepened = 0
+        if proposed > first:
+            state.acceptance.observe(proposed, accepted, first)
+            self.arms[arm].costs.observe_acceptance(proposed, accepted, first)
             if self.arms[arm].history is not None:
-                self.arms[arm].history.observe(proposed, accepted)
+                self.arms[arm].history.observe(proposed, accepted, first)
 
     def observe_draft(self, arm: str, tokens: int, seconds: float, batch: int) -> None:
         self.arms[arm].costs.observe_draft(tokens, seconds, batch)
@@ -230,8 +236,9 @@ class Bandit:
     def _deepen(self, seq: SeqBandit, choice: Choice, max_k: int) -> Choice:
         """``choice`` one token deeper if the arm has not drafted that position for this sequence in
         ``deepen_every`` steps (not for shadow arms: on the steps they do not draft, their whole
-        proposal is compared with the tokens the step emits); the positions drafted are marked as
-        seen. A shadow arm that drafts every step is measured only to the depth it drafts."""
+        proposal is compared with the tokens the step emits, and on the steps they draft, the
+        position past the drafted ones with the step's bonus token); the positions drafted are
+        marked as seen."""
         state, k = seq.arms[choice.arm], choice.k
         state.deepened = 0
         if (not self.arms[choice.arm].shadow and k < max_k

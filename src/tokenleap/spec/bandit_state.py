@@ -14,10 +14,11 @@ class SeqAcceptance:
         self.hits, self.trials = [0.0] * max_k, [0.0] * max_k
         self.ema, self.prior_weight = ema, prior_weight
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """Positions 1..accepted passed, position accepted + 1 failed (if it was proposed)."""
+    def observe(self, proposed: int, accepted: int, first: int = 0) -> None:
+        """Positions 1..accepted passed, position accepted + 1 failed (if it was proposed); positions
+        up to ``first`` are left alone (already observed)."""
         keep = 1.0 - self.ema
-        for i in range(min(proposed, accepted + 1, len(self.hits))):
+        for i in range(first, min(proposed, accepted + 1, len(self.hits))):
             self.hits[i] = self.hits[i] * keep + (1.0 if i < accepted else 0.0)
             self.trials[i] = self.trials[i] * keep + 1.0
 

@@ -364,9 +364,10 @@ class DraftLengthController(CostTables):
         self._aux_mean = start + self.cfg.ema * (rows - start)
         self.aux_rows = round(self._aux_mean)
 
-    def observe_acceptance(self, proposed: int, accepted: int) -> None:
-        """One sequence's step: positions 1..accepted passed, position accepted+1 failed (if proposed)."""
-        for i in range(min(proposed, accepted + 1)):
+    def observe_acceptance(self, proposed: int, accepted: int, first: int = 0) -> None:
+        """One sequence's step: positions 1..accepted passed, position accepted+1 failed (if proposed);
+        positions up to ``first`` are left alone (already observed)."""
+        for i in range(first, min(proposed, accepted + 1)):
             keep = 1.0 - self.cfg.ema
             self._hits[i] = self._hits[i] * keep + (1.0 if i < accepted else 0.0)
             self._trials[i] = self._trials[i] * keep + 1.0

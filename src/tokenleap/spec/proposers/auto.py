@@ -42,8 +42,11 @@ class AutoProposer:
         self.target: DraftLengthController | None = None  # the engine's controller (target costs), set by plan
         self._seqs: dict[int, SeqBandit] = {}
         self._plans: dict[int, list[Choice]] = {}
-        self._drafted: dict[int, tuple[str, int, int, bool]] = {}  # seq -> (arm, depth proposed, depth asked for, a probe?)
-        self._shadows: dict[int, dict[str, tuple[int, list[int], int]]] = {}  # seq -> arm -> (start, proposal, asked)
+        self._drafted: dict[int, tuple[str, int, int, bool, bool]] = {}  # seq -> (arm, depth proposed, depth asked for, a probe?, cut?)
+        # seq -> arm -> (start, proposal, asked, drafted): a shadow arm's proposal of max_k tokens made
+        # at the plan; ``drafted`` None if another arm drafted the step, else (depth, accepted) once
+        # the verified draft's outcome is known (``accept``), (0, 0) until then
+        self._shadows: dict[int, dict[str, tuple[int, list[int], int, tuple[int, int] | None]]] = {}
 
     @property
     def aux_rows(self) -> int:
@@ -129,20 +132,30 @@ class AutoProposer:
 
     def _shadow_proposals(self, seq_id: int, tokens: list[int], plan: list[Choice], max_k: int,
                           drafts: dict[str, Draft | None]) -> None:
-        """Keep what each shadow arm would draft now (``drafts``, max_k long) for scoring, unless it is
-        the plan's first choice (then its own draft is verified and observed)."""
+        """Keep what each shadow arm would draft now (``drafts``, max_k long) for scoring. The plan's
+        first choice drafts the step itself: its drafted positions are observed through ``accept``,
+        and its proposal past them only if the draft is accepted whole (``_score_shadows``)."""
         first = plan[0].arm if plan else None
         for name, d in drafts.items():
             if name != first:
                 self.bandit.observe_offer(self._seqs[seq_id], name, d is not None and bool(d.tokens))
-                if d is not None and d.tokens:
-                    self._shadows[seq_id][name] = (len(tokens), list(d.tokens), max_k)
+            if d is not None and d.tokens:
+                self._shadows[seq_id][name] = (len(tokens), list(d.tokens), max_k, (0, 0) if name == first else None)
 
     def _score_shadows(self, seq_id: int, seq: SeqBandit, tokens: list[int]) -> None:
-        """Compare the shadow proposals of the last step with the tokens it emitted."""
-        for name, (start, proposal, asked) in self._shadows[seq_id].items():
+        """Compare the shadow proposals of the last step with the tokens it emitted. A proposal whose
+        arm drafted the step is scored only at the position past the depth it drafted, and only if
+        that draft was accepted whole (then the step's bonus token is the verified token there: a
+        deterministic draft token would have been accepted iff it equals it)."""
+        for name, (start, proposal, asked, drafted) in self._shadows[seq_id].items():
             known = tokens[start:start + len(proposal) + 1]
             n = min(len(proposal), len(known))
+            first = 0
+            if drafted is not None:
+                depth, accepted = drafted
+                if not depth or accepted < depth or n <= depth or proposal[:depth] != known[:depth]:
+                    continue
+                first, n = depth, depth + 1
             if not n:
                 continue
             matched = next((i for i in range(n) if proposal[i] != known[i]), n)
@@ -152,7 +165,7 @@ class AutoProposer:
                 proposed = n + 1  # the step went past the proposal's end: a position it had nothing for
             else:
                 proposed = n  # a full match of what is known so far: later positions unknown
-            self.bandit.observe_acceptance(seq, name, proposed, matched)
+            self.bandit.observe_acceptance(seq, name, proposed, matched, first)
         self._shadows[seq_id] = {}
 
     # -- drafting ---------------------------------------------------------------------------
@@ -244,6 +257,9 @@ class AutoProposer:
         if drafted is None:
             return
         name, depth, asked, probe, cut = drafted
+        shadow = self._shadows.get(seq_id, {}).get(name)
+        if shadow is not None and shadow[3] is not None:  # its proposal past the draft is scored next plan
+            self._shadows[seq_id][name] = shadow[:3] + ((depth, num_accepted),)
         # a draft shorter than asked for that was accepted whole: the position past its end had no
         # token, which for the arm's yield per step is a miss (n-gram continuations run out) -- unless
         # the arm cut it short by its own confidence
