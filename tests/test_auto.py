@@ -359,6 +359,32 @@ def test_a_drafting_shadow_arm_is_scored_one_position_past_its_draft():
     assert drafted_counts(4, 4, [3, 4, 1, 2, 5]) == ([1.0] * 4, [1.0] * 4)  # nothing past max_k
 
 
+def test_ngram_judged_poor_past_one_token_recovers_while_it_drafts_one():
+    """n-gram whose second position this sequence once judged poor drafts one token a step; its
+    proposals are right all along. Scoring the position past the draft against each step's bonus
+    token lets its chain grow back -- nothing else would measure that position while it drafts."""
+    prop = AutoProposer({"ngram": NgramProposer(4, 2)}, BanditConfig(max_k=4))
+    target = costs({r: 0.010 + 0.006 * r for r in range(1, 10)})  # each row costs (an int4 target)
+    for _ in range(8):  # a shared history of good first positions, so n-gram beats plain decoding
+        target.observe_acceptance(1, 1)
+    period = [5, 6, 7, 8, 9, 10]
+    tokens = period * 3
+    prop.begin(0, tokens)
+    seq = prop._seqs[0]
+    for _ in range(6):  # position 2 failed several times, position 1 passed
+        seq.arms["ngram"].acceptance.observe(2, 1)
+    ks = []
+    for _ in range(12):
+        prop.plan([(0, tokens, 1000.0)], 1, target)
+        draft = prop.propose_many([DraftRequest(0, tokens, 4, None, None)])[0]
+        ks.append(len(draft.tokens))
+        emitted = [period[(len(tokens) + i) % len(period)] for i in range(len(draft.tokens) + 1)]
+        assert draft.tokens == emitted[:-1]  # the text repeats: every drafted token is accepted
+        prop.accept(0, len(draft.tokens))
+        tokens = tokens + emitted
+    assert ks[0] == 1 and ks[-1] == 4, ks
+
+
 def test_spec_config_auto():
     assert SpecConfig(method="auto").method == "auto"
     assert SpecConfig(method="auto", draft_model="auto").draft_model == "auto"
