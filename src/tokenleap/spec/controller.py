@@ -346,7 +346,7 @@ class DraftLengthController(CostTables):
         if tree:
             self.trees.observe_forward(rows, seconds, self.predict_forward(rows))
         else:
-            self._observe(self._forward_obs, self.forward_cost, rows, seconds)
+            self.observe_forward_seconds(rows, seconds)
 
     def observe_tree(self, parents: list[int], path: list[int], budget: int, depth: int) -> None:
         """One sequence's tree step: the drafted tree's ``parents`` (a chain answered for a tree:

@@ -13,7 +13,12 @@ by the row costs smaller batches measured instead of being tried blind, with eve
 catch-up; beyond 16 rows, where every CPU is compute-bound, at least proportionally to rows.
 Costs are kept monotone in size: a block never costs more than a larger one measured, and a
 batch's draft forward never less than a smaller batch's (one figure caught at a slow or fast
-moment cannot tip the choice).
+moment cannot tip the choice). A forward figure not measured in the last ``STALE_FORWARDS``
+forwards is taken at most at the line through the nearest smaller and larger figures measured
+since: this machine's speed drifts (a shared VM by 5-10% within minutes), and a figure caught in a
+slow spell that nothing re-measures -- the row count of a proposer no longer chosen -- would
+otherwise keep that proposer out for good. The optimistic figure gets its row count tried, which
+measures it again.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import statistics
 from collections import deque
 
 _MEMORY_BOUND_ROWS = 16  # beyond this many rows an unmeasured forward is guessed at least proportional to rows
+STALE_FORWARDS = 32  # a forward figure not measured in this many forwards is bounded by fresher neighbours
 LONG_CATCH_UP = 16  # a catch-up of this many tokens or more measures the draft's cost per prompt token
 
 
@@ -34,6 +40,8 @@ class CostTables:
         self.forward_cost: dict[int, float] = {}  # rows -> seconds
         self._draft_obs: dict[int, deque[float]] = {}
         self._forward_obs: dict[int, deque[float]] = {}
+        self._forwards = 0  # target forwards observed
+        self._forward_seen: dict[int, int] = {}  # rows -> ``_forwards`` at its last observation
         # (speculative?, batch) -> seconds a step spends outside the draft's and the target's
         # forwards (verification, bookkeeping); a catch-up is not part of it (see catch_up_cost)
         self.step_overhead: dict[tuple[bool, int], float] = {}
@@ -84,7 +92,16 @@ class CostTables:
         cannot make plain decoding, which computes the fewest rows, look slow."""
         larger = [c for r, c in self.forward_cost.items() if r > rows]
         guess = self._raw_forward(rows, explore)
-        return min(guess, min(larger)) if larger else guess
+        guess = min(guess, min(larger)) if larger else guess
+        if rows in self.forward_cost and self._stale(rows):
+            fresh = [r for r in self.forward_cost if not self._stale(r)]
+            below, above = [r for r in fresh if r < rows], [r for r in fresh if r > rows]
+            if below and above:
+                guess = min(guess, self._line(max(below), min(above), rows))
+        return guess
+
+    def _stale(self, rows: int) -> bool:
+        return self._forwards - self._forward_seen.get(rows, self._forwards) > STALE_FORWARDS
 
     def _raw_forward(self, rows: int, explore: bool) -> float:
         if rows in self.forward_cost:
@@ -116,6 +133,12 @@ class CostTables:
         return self.forward_cost[r0] + self._slope(r0, r1) * (rows - r0)
 
     # -- learning ---------------------------------------------------------------------------
+    def observe_forward_seconds(self, rows: int, seconds: float) -> None:
+        """A target forward over ``rows`` (a chain's or plain step's) took ``seconds``."""
+        self._forwards += 1
+        self._forward_seen[rows] = self._forwards
+        self._observe(self._forward_obs, self.forward_cost, rows, seconds)
+
     def _observe(self, obs: dict, table: dict, key, value: float) -> None:
         """The median of the last ``cost_window`` observations: one slow step (a page fault, another
         process) moves nothing, and a size measured rarely (a probe) is right after a few visits."""
