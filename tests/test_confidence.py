@@ -9,7 +9,8 @@ import torch
 import tokenleap.spec.step_verify as step_verify
 from tokenleap.config import SamplingParams
 from tokenleap.models.build import build_transformer
-from tokenleap.spec.confidence import Calibration, ConfidenceLog, should_stop, thresholds, token_confidence
+from tokenleap.spec.confidence import (Calibration, ConfidenceLog, chain_floors, decision_acceptance, should_stop,
+                                      thresholds, token_confidence)
 from tokenleap.spec.controller import ControllerConfig, DraftLengthController
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.proposers.auto import AutoProposer
@@ -42,6 +43,17 @@ def test_floors_price_a_draft_token_and_a_row_against_the_step_rate():
     assert thresholds(1, 0.010, forward, 40.0, 0.8) == ((), 0.0)  # one token: nothing to decide
     # the batch's other rows are in the forward: every further row costs
     assert thresholds(2, 0.010, forward, 40.0, 0.8, others=3)[0] == pytest.approx((0.25,))
+
+
+def test_a_decision_expects_position_twos_acceptance_never_below_position_ones():
+    """The first decision a chain makes is whether to draft position 2, and the chains that went on
+    to it measured how often it passes; a low, starved estimate there does not lock it out."""
+    assert decision_acceptance([0.6, 0.9, 0.5]) == 0.9
+    assert decision_acceptance([0.7, 0.3]) == 0.7
+    assert decision_acceptance([0.8]) == 0.8
+    forward = lambda rows: 0.030 + 0.005 * rows  # noqa: E731
+    cap, rows, draft = chain_floors(2, 4, 1, 0.010, forward, 40.0, [0.6, 0.8])
+    assert cap == 4 and draft == pytest.approx(0.010 * 40.0 / 0.8) and rows[0] == pytest.approx(0.005 * 40.0 / 0.8)
 
 
 def test_a_chain_stops_once_its_running_confidence_is_below_the_floor():
@@ -160,7 +172,8 @@ def test_no_floors_for_a_fixed_k_switched_off_or_a_proposer_that_cannot_stop(tar
     c.draft_cost = 0.003
     plan = c.choose_step(1)
     assert plan.k == 6 and len(plan.floors) == 5 and 1 <= plan.planned < 6  # planned k, run up to max_k
-    rows, draft = thresholds(6, 0.003, c.predict_forward, c.rate(plan.planned, 1), c.chain_acceptance()[0])
+    rows, draft = thresholds(6, 0.003, c.predict_forward, c.rate(plan.planned, 1),
+                             decision_acceptance(c.chain_acceptance()))
     assert plan.floors == pytest.approx(rows) and plan.draft_floor == pytest.approx(draft) and draft > 0
     batched = c.confident_chain(3, 100.0, batch=4)  # a batch keeps its planned k as the bound
     assert batched.k == 3 and len(batched.floors) == 2

@@ -110,10 +110,8 @@ def thresholds(k: int, draft_seconds: float, forward: Callable[[int], float], ra
 
     ``draft_seconds``: a drafted token's cost for this sequence; ``forward(rows)``: the target
     forward's predicted seconds; ``rate``: the step's predicted tokens per second (all its
-    sequences); ``acceptance``: the next token's expected acceptance, taken as the first drafted
-    position's (every chain drafts it, so a cut never biases it; deeper positions, reached only by
-    confident chains, are accepted as often or more); ``others``: rows the step's other sequences
-    add to the forward."""
+    sequences); ``acceptance``: the next token's expected acceptance (``decision_acceptance``);
+    ``others``: rows the step's other sequences add to the forward."""
     if k <= 1 or rate <= 0.0:
         return (), 0.0
     scale = rate / max(_MIN_ACCEPTANCE, min(1.0, acceptance))
@@ -122,13 +120,26 @@ def thresholds(k: int, draft_seconds: float, forward: Callable[[int], float], ra
 
 
 def chain_floors(k: int, max_k: int, batch: int, draft_seconds: float, forward: Callable[[int], float],
-                 rate: float, acceptance: float) -> tuple[int, tuple[float, ...], float]:
+                 rate: float, acceptance: Sequence[float]) -> tuple[int, tuple[float, ...], float]:
     """For a chain planned at ``k`` tokens: the longest it may run -- alone on the engine ``max_k``,
     in a batch k (the scheduler reserves cache blocks for k, and deeper chains of several sequences
-    have not been measured) -- and its ``thresholds``, the rest of the batch taken at k tokens each."""
+    have not been measured) -- and its ``thresholds``, the rest of the batch taken at k tokens each.
+    ``acceptance``: the conditional acceptance by position measured for these chains; a decision
+    is priced with the second position's, never below the first's (``decision_acceptance``)."""
     cap = max(k, max_k) if batch == 1 else k
-    floors, draft_floor = thresholds(cap, draft_seconds, forward, rate, acceptance, others=(batch - 1) * (k + 1))
+    floors, draft_floor = thresholds(cap, draft_seconds, forward, rate, decision_acceptance(acceptance),
+                                     others=(batch - 1) * (k + 1))
     return cap, floors, draft_floor
+
+
+def decision_acceptance(acceptance: Sequence[float]) -> float:
+    """The acceptance a chain's decision to draft one more token expects of that token: the
+    measured acceptance of position 2 -- the first position a chain decides about, measured on the
+    chains that went on to it, so on the drafts confident enough to -- but never below position 1's,
+    which every chain drafts: a position-2 estimate starved by chains that stopped before it must
+    not lock it out."""
+    first = acceptance[0]
+    return max(first, acceptance[1]) if len(acceptance) > 1 else first
 
 
 def should_stop(confidence: float, drafted: int, floors: Sequence[float], draft_floor: float = 0.0) -> bool:
@@ -137,4 +148,5 @@ def should_stop(confidence: float, drafted: int, floors: Sequence[float], draft_
     return 0 < drafted <= len(floors) and confidence < floors[drafted - 1] + draft_floor
 
 
-__all__ = ["Calibration", "ConfidenceLog", "chain_floors", "should_stop", "thresholds", "token_confidence"]
+__all__ = ["Calibration", "ConfidenceLog", "chain_floors", "decision_acceptance", "should_stop", "thresholds",
+           "token_confidence"]

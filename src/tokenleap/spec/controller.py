@@ -239,7 +239,7 @@ class DraftLengthController(CostTables):
         ``confidence.chain_floors`` allows while its draft's confidence pays for each further token
         (with this controller's figures): the draft then decides where the chain ends."""
         cap, floors, draft_floor = chain_floors(k, self.cfg.max_k, batch, self.predict_draft(batch),
-                                                self.predict_forward, rate, self.chain_acceptance()[0])
+                                                self.predict_forward, rate, self.chain_acceptance())
         return StepPlan(cap, floors=floors, draft_floor=draft_floor, planned=k) if floors else StepPlan(k)
 
     def chain_acceptance(self) -> list[float]:

@@ -233,7 +233,7 @@ class AutoProposer:
         arm = self.bandit.arms[choice.arm]
         cap, floors, draft_floor = chain_floors(choice.k, max_k, batch, arm.costs.predict_draft(batch),
                                                 target.predict_forward, choice.rate,
-                                                seq.arms[choice.arm].acceptance.estimates(arm.prior())[0])
+                                                seq.arms[choice.arm].acceptance.estimates(arm.prior()))
         return replace(choice, k=cap, floors=floors, draft_floor=draft_floor, planned=choice.k) if floors else choice
 
     def _draft(self, name: str, reqs: list[DraftRequest]) -> list[Draft | None]:
