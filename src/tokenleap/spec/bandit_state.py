@@ -1,10 +1,62 @@
-"""The state ``--spec auto``'s bandit (``bandit.py``) keeps: each arm's figures over every sequence,
-each sequence's acceptance of each arm and its exploration clocks, and a planned choice."""
+"""The state ``--spec auto``'s bandit (``bandit.py``) keeps: its configuration, each arm's figures
+over every sequence, each sequence's acceptance of each arm and its exploration clocks, and a
+planned choice."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from tokenleap.spec.controller import DraftLengthController
+
+
+@dataclass(frozen=True)
+class BanditConfig:
+    max_k: int = 8
+    initial_k: int = 4  # the first draft of an arm, before anything is measured
+    ema: float = 0.2  # forgetting rate of a sequence's acceptance counts (faster than the controller's)
+    prior_weight: float = 1.0  # observations' worth of the arm's acceptance over all sequences
+    # the same for an arm measured only on the steps it drafts (a draft model, not shadow-scored):
+    # one estimate too low takes it out of the sequence until a probe (``probe_every`` steps), so
+    # its estimate forgets more slowly and leans on its prior more (one missed first token must not
+    # halve it)
+    drafted_ema: float = 0.1
+    drafted_prior_weight: float = 3.0
+    # that prior: the arm's acceptance over every sequence, forgotten at this rate per draft (about
+    # the last 50 drafts) -- a few poor drafts at the end of one answer must not set the next one's
+    prior_ema: float = 0.02
+    probe_every: int = 16  # plain steps (for this sequence) between tries of an arm that does not pay
+    probe_k: int = 2
+    explore_share: float = 0.05  # a probe's catch-up may cost at most this share of the time since the last
+    batch_margin: float = 0.15  # with several sequences an arm must beat plain by this much (as the controller)
+    # a new sequence's first steps, while a shadow arm is there to learn its text from, choose no arm
+    # that must catch up first (a draft model's prefill): the catch-up is then judged by this text's
+    # own acceptance of the free arm, not by earlier sequences' (code after prose would prefill a
+    # draft that n-gram lookup then leaves idle)
+    settle_steps: int = 3
+    # the best choice drafts one token deeper when that position has not been drafted by the arm for
+    # this sequence in this many steps: acceptance is only seen up to the depth drafted, so a position
+    # judged poor once (or never tried) would otherwise pin k below what the text now allows
+    deepen_every: int = 8
+    # a deepened position that fails doubles the wait before the next deepening (up to
+    # 2**deepen_backoff times deepen_every), one that passes restores it: on int4 targets an extra
+    # row is not free, and a position that keeps failing must not cost a draft token every 8 steps
+    deepen_backoff: int = 3
+    # a probe that finds none of its tokens accepted doubles the arm's wait before its next probe in
+    # the sequence (up to 2**probe_backoff times probe_every); a draft accepted whole resets it: an arm
+    # that keeps missing on this text (lookahead's guesses on prose) stops taxing every 16th step
+    probe_backoff: int = 3
+    # an arm that drafted for none of the last this many finished sequences is stale: its figures
+    # (the prior acceptance and cost every new sequence starts from) were last measured on other
+    # text, and while they rank it below plain decoding nothing re-measures them -- the arm is not
+    # chosen, and a long prompt's catch-up never fits a probe's share. A lone sequence probes a stale
+    # arm once (``probe_every`` idle steps in) if the catch-up fits ``stale_share`` of its answer's
+    # predicted time (a long document's prompt is not fed to a stale draft model); 0: never
+    stale_sequences: int = 2
+    stale_share: float = 0.25
+    # each stale probe doubles the stale wait (up to 2**stale_backoff times stale_sequences); drafting
+    # on its merits for a sequence it was not probed in resets it: on a run of short answers that a
+    # draft model's catch-up on the prompt never pays for (code completions at a cursor), the probes
+    # would otherwise tax every third request
+    stale_backoff: int = 3
 
 
 class SeqAcceptance:
