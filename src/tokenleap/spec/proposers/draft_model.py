@@ -74,6 +74,11 @@ class DraftingLane:
         """Whether the lane drafts another token: fewer than k so far and not stopped."""
         return len(self.drafted) < self.req.k and not self.stopped
 
+    @property
+    def cut(self) -> bool:
+        """The chain ended short of k on its confidence (``Draft.cut``)."""
+        return self.stopped and len(self.drafted) < self.req.k
+
     def rollback(self) -> None:
         """Return the request's grammar to the committed text (verification advances it itself)."""
         if self.req.constraint is not None:
@@ -183,7 +188,7 @@ class DraftModelProposer:
                 self._fed[l.req.seq_id] = l.pos  # the last drafted token is not fed yet
                 out[l.index] = Draft(tokens=l.drafted, probs=l.q(), catch_up_seconds=l.catch_up,
                                      catch_up_tokens=l.catch_up_tokens, catch_up_drafted=l.catch_up_drafted,
-                                     cut=l.stopped and len(l.drafted) < l.req.k)
+                                     cut=l.cut)
         return out
 
     def _draft_position(self, lanes: list["_Lane"]) -> bool:

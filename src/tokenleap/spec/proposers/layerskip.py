@@ -200,7 +200,7 @@ class LayerSkipProposer:
             l.rollback()
             self.confidence.drafted(l.req.seq_id, l.confidences if l.drafted else [])
             if l.drafted:
-                out[l.index] = Draft(tokens=l.drafted, probs=l.q(), cut=l.stopped and len(l.drafted) < l.req.k)
+                out[l.index] = Draft(tokens=l.drafted, probs=l.q(), cut=l.cut)
         if catch_up:
             first = next((i for i, d in enumerate(out) if d is not None), None)
             d = out[first] if first is not None else Draft(tokens=[], probs=None)
