@@ -7,6 +7,7 @@ VNNI ones), alternating, median ms over repeats.
     python scripts/bench_steps.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --rows 1
     python scripts/bench_steps.py --compare vnni --rows 1 2 4 6 8
     python scripts/bench_steps.py --compare amx --rows 4 6 8 12 16   # an AMX CPU: AMX-INT8 vs VNNI tiles
+    python scripts/bench_steps.py --compare pair --pair-rows 5 --rows 3 4 5   # VNNI two-block tiles from 4 vs 5 rows
     python scripts/bench_steps.py --random-like config.json --quant int4 --rows 1 4 8 16
 
 ``--random-like`` builds the model from a Hugging Face config.json with random weights instead
@@ -59,9 +60,12 @@ def main() -> None:
     ap.add_argument("--random-like", metavar="CONFIG_JSON", help="random weights in this HF config's shape")
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=12)
-    ap.add_argument("--compare", choices=["layers", "vnni", "amx"], default="layers",
+    ap.add_argument("--pair-rows", type=int, default=1000,
+                    help="with --compare pair: the other threshold of the VNNI two-block tiles (default: never)")
+    ap.add_argument("--compare", choices=["layers", "vnni", "amx", "pair"], default="layers",
                     help="layers: compiled vs Python decoder layers; vnni: int4 / int6 on the AVX2 vs the AVX-512 VNNI "
-                         "tiles; amx: int4 / int6 on the AMX-INT8 tiles (from AMX_INT8_MIN_ROWS rows) vs the VNNI tiles")
+                         "tiles; amx: int4 / int6 on the AMX-INT8 tiles (from AMX_INT8_MIN_ROWS rows) vs the VNNI tiles; "
+                         "pair: the VNNI two-block tiles from the built-in row count vs from --pair-rows")
     args = ap.parse_args()
     if args.random_like:
         model = random_model(args.random_like, args.dtype, args.quant)
@@ -72,12 +76,13 @@ def main() -> None:
     slot = cache.allocate()
     model(torch.randint(0, 1000, (args.prompt,), generator=torch.Generator().manual_seed(0)),
           [Segment(slot, 0, args.prompt)], cache)
-    if args.compare in ("vnni", "amx") and not kernels.vnni_supported():
+    if args.compare in ("vnni", "amx", "pair") and not kernels.vnni_supported():
         raise SystemExit(f"--compare {args.compare}: this CPU has no AVX-512 VNNI")
     if args.compare == "amx" and not kernels.w8a8_available():  # (AMX-INT8 tiles granted)
         raise SystemExit("--compare amx: this CPU has no AMX-INT8 tiles")
     labels = {"layers": ("compiled layers", "python layers"), "vnni": ("VNNI tiles", "AVX2 tiles"),
-              "amx": ("AMX-INT8 tiles", "VNNI tiles")}[args.compare]
+              "amx": ("AMX-INT8 tiles", "VNNI tiles"),
+              "pair": ("two-block tiles built-in", f"from {args.pair_rows} rows")}[args.compare]
     times: dict[tuple[bool, int], list[float]] = {}
     for _ in range(args.repeats):
         for fused in (True, False):
@@ -85,6 +90,8 @@ def main() -> None:
                 model.use_fused_layers = fused
             elif args.compare == "vnni":
                 kernels.set_vnni(fused)
+            elif args.compare == "pair":
+                kernels.set_vnni_pair_rows(0 if fused else args.pair_rows)
             else:
                 kernels.set_vnni(True)
                 kernels.set_amx_int8_rows(kernels.AMX_INT8_MIN_ROWS if fused else 0)

@@ -127,11 +127,12 @@ def test_int6_on_amx_tiles_gives_the_avx2_kernels_bits(n, k):
 
 @pytest.mark.skipif(not (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and kernels.vnni_supported()),
                     reason="the CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("n,k", [(40, 256), (48, 512), (272, 1536)])
+@pytest.mark.parametrize("n,k", [(40, 256), (48, 512), (272, 1536), (24, 4096)])
 def test_int6_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k):
     """vpdpbusd over a half's two k-steps and int6.cpp's float chain: every row count (tiles of 1-8
-    rows, passes with a tail; one-block tiles below 5 rows, two-block tiles from 5 on, with a last
-    single block where the count is odd) gives bitwise the AVX2 kernel's values, bias included."""
+    rows, passes with a tail; one-block tiles below 4 rows -- below 3 on rows of 4096 inputs --
+    two-block tiles from there on, with a last single block where the count is odd) gives bitwise
+    the AVX2 kernel's values, bias included."""
     layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(n, k, seed=k + 1), (n, k)))
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(n + 1))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
@@ -145,3 +146,19 @@ def test_int6_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k):
         kernels.set_vnni(before)
     want = w6a8_reference(x, layer.dequantized_weight()) + bias.double()
     assert (avx2.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.skipif(not kernels.vnni_supported(), reason="the CPU has no AVX-512 VNNI")
+def test_two_block_tiles_from_any_row_count_give_the_same_int6_bits():
+    """int6's two-block tiles at 1-3 rows and its one-block tiles at 4-12 rows compute bitwise what
+    the built-in choice of tiles computes."""
+    layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(48, 512, seed=3), (48, 512)))
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
+    builtin = [kernels.int6_linear(x[:m], layer.packed, layer.d) for m in range(1, 13)]
+    try:
+        for rows in (1, 100):
+            kernels.set_vnni_pair_rows(rows)
+            for m in range(1, 13):
+                assert torch.equal(kernels.int6_linear(x[:m], layer.packed, layer.d), builtin[m - 1]), (rows, m)
+    finally:
+        kernels.set_vnni_pair_rows(0)

@@ -372,12 +372,21 @@ def vnni():
     kernels.set_vnni(before)
 
 
+@pytest.fixture
+def pair_rows():
+    """Set the row count from which int4 / int6 products take the two-block VNNI tiles within a test;
+    the built-in threshold comes back after."""
+    yield kernels.set_vnni_pair_rows
+    kernels.set_vnni_pair_rows(0)
+
+
 @needs_vnni
-@pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (272, 1536)])  # an odd / even number of 32-input groups
+@pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (272, 1536), (24, 4096)])  # odd / even group counts; long rows
 def test_int4_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k, vnni):
     """vpdpbusd's exact group sums and int4.cpp's float chain: every row count (tiles of 1-8 rows,
-    passes with a tail; one-block tiles below 5 rows, two-block tiles from 5 on, with a last single
-    block where the count is odd) gives bitwise the AVX2 kernel's values, bias included."""
+    passes with a tail; one-block tiles below 4 rows -- below 3 on rows of 4096 inputs -- two-block
+    tiles from there on, with a last single block where the count is odd) gives bitwise the AVX2
+    kernel's values, bias included."""
     q, scale, low = _int4_operands(n, k, n * k + 1)
     packed, sm = kernels.pack_int4(q, scale, low)
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(k + 1))
@@ -390,6 +399,25 @@ def test_int4_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k, vnni):
         assert torch.equal(kernels.int4_linear(x[:m], packed, sm, bias), avx2[:m]), m
     assert_rows_independent(lambda rows: kernels.int4_linear(rows, packed, sm), x)
     assert vnni(False) is True
+
+
+@needs_vnni
+def test_two_block_tiles_from_any_row_count_give_the_same_int4_bits(pair_rows):
+    """The two-block tiles at 1-3 rows (which the built-in threshold does not give them) and the
+    one-block tiles at 4-12 rows compute bitwise what the built-in choice computes, and the setting
+    round-trips."""
+    q, scale, low = _int4_operands(48, 512, 7)
+    packed, sm = kernels.pack_int4(q, scale, low)
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
+    builtin = [kernels.int4_linear(x[:m], packed, sm) for m in range(1, 13)]
+    assert pair_rows(1) == 4  # the built-in threshold
+    for m in range(1, 13):
+        assert torch.equal(kernels.int4_linear(x[:m], packed, sm), builtin[m - 1]), m
+    assert pair_rows(100) == 1
+    for m in range(1, 13):
+        assert torch.equal(kernels.int4_linear(x[:m], packed, sm), builtin[m - 1]), m
+    assert pair_rows(0) == 100
+    assert pair_rows(0) == 4
 
 
 def test_vnni_setting_is_off_where_the_cpu_lacks_it(vnni):

@@ -136,6 +136,15 @@ def set_vnni(on: bool) -> bool:
     return bool(torch.ops.tokenleap.vnni(1 if on else 0))
 
 
+def set_vnni_pair_rows(rows: int) -> int:
+    """int4 / int6 products of at least ``rows`` rows (of 4096 inputs or more, one row fewer) take
+    the VNNI two-block tiles, fewer rows the one-block tiles (``vnni.cpp``; 0 or less: the built-in
+    threshold, 4); returns the previous threshold. Both tiles compute bitwise the same values, so
+    this changes only speed (benchmarks and tests set it)."""
+    available()
+    return int(torch.ops.tokenleap.vnni_pair_rows(rows))
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
@@ -337,7 +346,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "amx_available", "w8a8_available", "set_amx_int8_rows", "vnni_supported", "set_vnni", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "amx_available", "w8a8_available", "set_amx_int8_rows", "vnni_supported", "set_vnni", "set_vnni_pair_rows", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
 
 

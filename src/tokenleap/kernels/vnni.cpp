@@ -14,7 +14,7 @@
 // work after it is the same 256-bit multiply and two FMAs in the same order, so y is bitwise equal.
 // int6.cpp's tile is carried over the same way: its two k-steps of a 16-input half are one 64-byte
 // load, their top bits one 32-byte load shifted per half as int6.cpp shifts them.
-// From kPairMinRows rows on (prefill windows, long verification steps), two adjacent column blocks
+// From kPairMinRows rows on (prefill windows, verification steps of 4 rows or more), two adjacent column blocks
 // are multiplied together, their k-steps regrouped into 16-column vectors so that each row's
 // activations are broadcast operands and the float work is 512 bits wide; bitwise the same again.
 #include <ATen/ATen.h>
@@ -39,10 +39,18 @@ constexpr int64_t kGroup = 32, kSuper = 256, kInt6GroupBytes = 208;
 // 4 activation bytes read as one int32 at any address (an aliasing, unaligned load)
 typedef int32_t Dword __attribute__((may_alias, aligned(1)));
 // From this many rows on, int4 and int6 products take the two-block tiles (int4_pair_tile,
-// int6_pair_tile): fewer instructions a row, but two blocks' weights streamed at once and regrouped
-// per group, which steps of 3-4 rows (memory-bound) do not pay back; from 5 rows on a whole step of
-// the int4 1.5B model ran faster on them (BENCHMARKS.md, "Two column blocks a tile").
-constexpr int64_t kPairMinRows = 5;
+// int6_pair_tile), and from one row fewer where the rows are long (kPairLongK inputs or more): fewer
+// instructions a row, but two blocks' weights streamed at once and regrouped per group, which does
+// not pay back at 1-2 rows (memory-bound), nor at 3 rows of 1536 inputs, where a block's stream is
+// only 6 KB. Whole steps of the int4 1.5B model and its 0.5B draft set these (BENCHMARKS.md,
+// "Two-block tiles from 4 rows").
+constexpr int64_t kPairMinRows = 4, kPairLongK = 4096;
+std::atomic<int64_t> pair_min_rows{kPairMinRows};  // kPairMinRows unless a benchmark sets another
+
+inline bool pair_tiles(int64_t M, int64_t K) {
+  const int64_t from = pair_min_rows.load(std::memory_order_relaxed);
+  return M >= from || (K >= kPairLongK && M >= from - 1);
+}
 
 // Rows [0, MB) of quantized x times one column block (8 outputs): int4.cpp's int4_tile, layout and
 // arguments included.
@@ -103,10 +111,16 @@ inline void int4_pair_tile(const int8_t* xq, const float* a, const float* as, in
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* p = wb + g * 128;
     const uint8_t* q = wb1 + g * 128;
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q) + 2048, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q) + 2048 + 64, _MM_HINT_T0);
+    // 2 KB ahead in each block's stream; past a block's end, into the same block of the next pair
+    const int64_t ahead = g * 128 + 2048 < K * 4 ? 2048 : 2048 + K * 4;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + ahead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q) + ahead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + 64, _MM_HINT_T0);
+    // and each block's scales (32 bytes a group), as far ahead
+    const int64_t sahead = g * 16 + 256 < G * 16 ? 256 : 256 + G * 16;  // in uint16s
+    _mm_prefetch(reinterpret_cast<const char*>(smb + g * 16 + sahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(smb1 + g * 16 + sahead), _MM_HINT_T0);
     const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64);
     const __m512i b0 = _mm512_loadu_si512(q), b1 = _mm512_loadu_si512(q + 64);
     // k-step t of the 16 columns (block b's 8, then block b + 1's): a 64-byte load holds steps
@@ -201,9 +215,10 @@ inline void int6_pair_tile(const int8_t* xq, const float* a, const int32_t* sum1
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* p = wb + g * kInt6GroupBytes;
     const uint8_t* q = wb1 + g * kInt6GroupBytes;
+    const int64_t ahead = (g + 10) * kInt6GroupBytes < G * kInt6GroupBytes ? 2080 : 2080 + G * kInt6GroupBytes;  // as in int4_pair_tile
     for (int off = 0; off < 192; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + off, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(q) + 2048 + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + off, _MM_HINT_T0);
     }
     if (g % (kSuper / kGroup) == 0) {
       const int64_t sup = (g / (kSuper / kGroup)) * 8;
@@ -274,7 +289,7 @@ namespace tokenleap_ops {
 void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
                        const uint8_t* w, const uint16_t* s, float* y, int64_t N) {
   const int64_t G = K / kGroup, NB8 = N / 8;
-  if (M >= kPairMinRows) {
+  if (pair_tiles(M, K)) {
     in_block_pairs(NB8, [&](int64_t b, bool pair) {
       const uint8_t* wb = w + b * K * 4;
       const uint16_t* sb = s + b * G * 16;
@@ -301,7 +316,7 @@ void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_
 void int6_vnni_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
                        const uint8_t* w, const float* d, float* y, int64_t N) {
   const int64_t G = K / kGroup, NB8 = N / 8;
-  if (M >= kPairMinRows) {
+  if (pair_tiles(M, K)) {
     in_block_pairs(NB8, [&](int64_t b, bool pair) {
       const uint8_t* wb = w + b * G * kInt6GroupBytes;
       const float* db = d + b * (K / kSuper) * 8;
@@ -359,4 +374,9 @@ TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
     return was;
   });
   m.def("vnni_supported() -> bool", []() -> bool { return cpu_has_vnni(); });
+  // products of at least `rows` rows (of long rows, one fewer) take the two-block tiles (rows <= 0:
+  // kPairMinRows); returns the previous setting. Both tiles compute bitwise the same values.
+  m.def("vnni_pair_rows(int rows) -> int", [](int64_t rows) -> int64_t {
+    return pair_min_rows.exchange(rows > 0 ? rows : kPairMinRows);
+  });
 }
