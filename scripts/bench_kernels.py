@@ -2,9 +2,12 @@
 1..8 rows, weights streamed from memory (a rotation of copies larger than the L3 cache); bf16 on AMX
 tiles too where the CPU has them, and int4 / int6 on AMX-INT8 tiles (columns int4-amx, int6-amx) beside the AVX2 kernels, and int4 / int6 on
 the AVX-512 VNNI tiles (int4-vnni, int6-vnni) where the CPU has them (an AMX CPU too: there the
-int4 / int6 columns are the AVX2 tiles its calls of fewer rows take).
+int4 / int6 columns are the AVX2 tiles its calls of fewer rows take); with ``--vnni-tiles`` there,
+the VNNI one-block tiles at every row count (int4-1blk, int6-1blk) and two-block tiles at every row
+count (int4-2blk, int6-2blk) instead of the built-in choice by row count.
 
     python scripts/bench_kernels.py [--n 1536 --k 8960]
+    python scripts/bench_kernels.py --n 151936 --k 1536 --rows 1 3 4 --vnni-tiles   # a Qwen output head
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ def _with_amx_int8_rows(rows: int, fn, vnni: bool = False):
     return product
 
 
-def _with_vnni(on: bool, fn):
+def _with_vnni(on: bool, fn, pair_rows: int = 0):
     def product(x, *w):
         kernels.set_vnni(on)
+        if on:
+            kernels.set_vnni_pair_rows(pair_rows)
         return fn(x, *w)
     return product
 
@@ -37,6 +42,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1536, help="output features")
     ap.add_argument("--k", type=int, default=8960, help="input features")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    ap.add_argument("--vnni-tiles", action="store_true", help="VNNI one-block vs two-block tiles at every row count")
     ap.add_argument("--huge-pages", action="store_true", help="weights on huge pages, as a loaded model keeps them")
     args = ap.parse_args()
     if not kernels.available():
@@ -57,6 +63,9 @@ def main() -> None:
     elif vnni:  # the AVX2 tile and the AVX-512 VNNI one (bitwise the same results)
         kinds["int4"] = (_with_vnni(False, kernels.int4_linear), int4)
         kinds["int4-vnni"] = (_with_vnni(True, kernels.int4_linear), int4)
+        if args.vnni_tiles:
+            kinds["int4-1blk"] = (_with_vnni(True, kernels.int4_linear, 1 << 20), int4)
+            kinds["int4-2blk"] = (_with_vnni(True, kernels.int4_linear, 1), int4)
     else:
         kinds["int4"] = (kernels.int4_linear, int4)
     if k % 256 == 0:  # Q6_K's super-blocks
@@ -71,6 +80,9 @@ def main() -> None:
             kinds["int6-amx"] = (_with_amx_int8_rows(1, kernels.int6_linear), int6)
         elif vnni:
             kinds["int6-vnni"] = (_with_vnni(True, kernels.int6_linear), int6)
+            if args.vnni_tiles:
+                kinds["int6-1blk"] = (_with_vnni(True, kernels.int6_linear, 1 << 20), int6)
+                kinds["int6-2blk"] = (_with_vnni(True, kernels.int6_linear, 1), int6)
     kinds["int8"] = (kernels.int8_linear, (kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)),
                                            torch.rand(n, generator=g)))
     w16 = torch.randn(n, k, generator=g).to(torch.bfloat16)
