@@ -14,9 +14,9 @@
 // work after it is the same 256-bit multiply and two FMAs in the same order, so y is bitwise equal.
 // int6.cpp's tile is carried over the same way: its two k-steps of a 16-input half are one 64-byte
 // load, their top bits one 32-byte load shifted per half as int6.cpp shifts them.
-// From kPairMinRows rows on (prefill windows, verification steps of 4 rows or more), two adjacent column blocks
-// are multiplied together, their k-steps regrouped into 16-column vectors so that each row's
-// activations are broadcast operands and the float work is 512 bits wide; bitwise the same again.
+// From kPairMinRows rows on (prefill windows, verification steps of 4 rows or more), two adjacent
+// column blocks are multiplied together, their k-steps regrouped into 16-column vectors so that each
+// row's activations are broadcast operands and the float work is 512 bits wide; bitwise the same.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -40,10 +40,10 @@ constexpr int64_t kGroup = 32, kSuper = 256, kInt6GroupBytes = 208;
 typedef int32_t Dword __attribute__((may_alias, aligned(1)));
 // From this many rows on, int4 and int6 products take the two-block tiles (int4_pair_tile,
 // int6_pair_tile), and from one row fewer where the rows are long (kPairLongK inputs or more): fewer
-// instructions a row, but two blocks' weights streamed at once and regrouped per group, which does
-// not pay back at 1-2 rows (memory-bound), nor at 3 rows of 1536 inputs, where a block's stream is
-// only 6 KB. Whole steps of the int4 1.5B model and its 0.5B draft set these (BENCHMARKS.md,
-// "Two-block tiles from 4 rows").
+// instructions a row, but two blocks' weights streamed at once and regrouped per group, which did
+// not pay back at 1-2 rows (memory-bound), nor at 3 rows of 1536 inputs (6 KB blocks). Whole steps
+// of the int4 1.5B model and its 0.5B draft set these (BENCHMARKS.md, "Two-block tiles from 4
+// rows").
 constexpr int64_t kPairMinRows = 4, kPairLongK = 4096;
 std::atomic<int64_t> pair_min_rows{kPairMinRows};  // kPairMinRows unless a benchmark sets another
 
@@ -215,7 +215,8 @@ inline void int6_pair_tile(const int8_t* xq, const float* a, const int32_t* sum1
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* p = wb + g * kInt6GroupBytes;
     const uint8_t* q = wb1 + g * kInt6GroupBytes;
-    const int64_t ahead = (g + 10) * kInt6GroupBytes < G * kInt6GroupBytes ? 2080 : 2080 + G * kInt6GroupBytes;  // as in int4_pair_tile
+    // 10 groups ahead in each block's stream; past a block's end, into the same block of the next pair
+    const int64_t ahead = g + 10 < G ? 10 * kInt6GroupBytes : 10 * kInt6GroupBytes + G * kInt6GroupBytes;
     for (int off = 0; off < 192; off += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + off, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + off, _MM_HINT_T0);
