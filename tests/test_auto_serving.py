@@ -120,6 +120,18 @@ def test_cli_spec_auto_picks_a_draft_unless_one_is_named(tmp_path):
     assert spec.draft_model == str(gguf)
 
 
+def test_cli_draft_model_alone_implies_draft_and_spec_none_refuses_one(tmp_path, capsys):
+    from tokenleap.cli.main import main, spec_config
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    assert spec_config(parse(["generate", "--model", str(gguf), "--prompt", "x"])).method is None
+    assert spec_config(parse(["generate", "--model", str(gguf), "--spec", "none", "--prompt", "x"])).method is None
+    spec = spec_config(parse(["generate", "--model", str(gguf), "--draft-model", str(gguf), "--prompt", "x"]))
+    assert spec.method == "draft" and spec.draft_model == str(gguf)
+    assert main(["generate", "--model", str(gguf), "--spec", "none", "--draft-model", str(gguf), "--prompt", "x"]) == 2
+    assert "--spec none decodes plainly" in capsys.readouterr().err
+
+
 def test_cli_draft_model_auto_needs_spec_auto(tmp_path, capsys):
     from tokenleap.cli.main import main
     gguf = tmp_path / "m.gguf"

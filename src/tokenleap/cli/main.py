@@ -57,10 +57,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16")
     p.add_argument("--quant", default="none", help="quantization: none, int8, int4 (weight-only), w8a8 (int8 weights and activations; AMX-INT8 CPUs)")
-    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "auto"], default="none",
-                   help="speculative method; auto: per request and step, the proposer that pays (n-gram, the "
-                        "draft model -- without --draft-model an installed catalog draft of the target's "
-                        "tokenizer, if memory allows --, other methods), else plain decoding")
+    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "auto"], default=None,
+                   help="speculative method (not given: draft with --draft-model, else none; serve: auto); auto: "
+                        "per request and step, the proposer that pays (n-gram, the draft model -- without "
+                        "--draft-model an installed catalog draft of the target's tokenizer, if memory "
+                        "allows --, other methods), else plain decoding")
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
     p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
@@ -100,6 +101,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def spec_config(args: argparse.Namespace) -> SpecConfig:
     """The speculation flags as a SpecConfig, after checking every model flag that can be checked
     without loading (so a bad draft flag fails before the target spends minutes loading)."""
+    if args.spec is None:  # not given: --draft-model alone implies draft-model speculation
+        args.spec = "draft" if args.draft_model else "none"
+    elif args.spec == "none" and args.draft_model:
+        raise UsageError("--spec none decodes plainly: drop --draft-model, or use --spec draft or --spec auto")
     if args.spec == "draft" and not args.draft_model:
         raise UsageError("--spec draft needs --draft-model NAME_OR_PATH")
     if args.spec == "ngram" and args.draft_model:
@@ -121,8 +126,6 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
     if args.spec == "lookahead" and args.draft_model:
         raise UsageError("--spec lookahead needs no draft model (the target drafts its own n-grams): "
                          "drop --draft-model, or use --spec draft")
-    if args.spec != "draft" and args.draft_model and args.spec == "none":
-        args.spec = "draft"  # --draft-model alone implies draft-model speculation
     if args.draft_spec != "none" and args.spec != "draft":
         raise UsageError("--draft-spec ngram speculates a draft model's own steps: use it with "
                          "--spec draft --draft-model M")

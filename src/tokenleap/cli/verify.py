@@ -82,7 +82,7 @@ def register(subparsers) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tokenleap.spec.certify import DEFAULT_PROMPTS, CertifyConfig, certify
 
-    if args.spec == "none" and not args.draft_model:
+    if args.spec in (None, "none") and not args.draft_model:
         raise UsageError("verify compares speculative decoding with plain decoding: "
                          "give --draft-model NAME_OR_PATH or --spec ngram")
     texts = read_prompts_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
