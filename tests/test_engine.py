@@ -276,8 +276,8 @@ def test_a_request_alone_starts_from_the_prior_acceptance_and_feeds_the_draft(ta
         c.observe_forward(rows, 0.01)
     c.draft_cost = 0.001
     # the steps' measured times are left out, so that acceptance alone decides: a toy forward takes
-    # 0.3-10 ms by the machine's load, and a one-row figure measured fast beside seeded multi-row
-    # ones made drafting look dear (tau 1.3 in some runs on a loaded machine)
+    # 0.3-10 ms by the machine's load, and a fast one-row figure beside the seeded multi-row ones
+    # makes drafting look dear
     for timing in ("observe_forward", "observe_draft", "observe_draft_after_catch_up", "observe_catch_up",
                    "observe_step"):
         setattr(c, timing, lambda *args, **kwargs: None)
