@@ -176,10 +176,12 @@ def launch(args, extra: list[str], stack: contextlib.ExitStack) -> str:
 
 
 def variants(args) -> list[tuple[str, list[str]]]:
+    """Plain decoding (``--spec none``: the server's default is ``--spec auto``, which drafts with an
+    installed catalog draft) and the speculative server as a user starts it."""
     on = (["--draft-model", args.draft_model] if args.draft_model else ["--spec", "ngram"])
     if args.num_spec_tokens:
         on += ["--num-spec-tokens", args.num_spec_tokens]
-    return [("plain", []), ("draft" if args.draft_model else "ngram", on)]
+    return [("plain", ["--spec", "none"]), ("draft" if args.draft_model else "ngram", on)]
 
 
 def report(levels: list[Level]) -> None:
