@@ -82,7 +82,8 @@ def register(subparsers) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tokenleap.spec.certify import DEFAULT_PROMPTS, CertifyConfig, certify
 
-    if args.spec in (None, "none") and not args.draft_model:
+    spec = spec_config(args)  # checks the model flags before anything loads
+    if spec.method is None:
         raise UsageError("verify compares speculative decoding with plain decoding: "
                          "give --draft-model NAME_OR_PATH or --spec ngram")
     texts = read_prompts_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
@@ -91,7 +92,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
                             positions=args.positions, alpha=args.alpha, seed=args.seed)
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    spec = spec_config(args)  # checks the model flags before anything loads
     make, encode = engine_factory(args, spec)
     prompts = [encode(t) for t in texts]
     t0 = time.perf_counter()
