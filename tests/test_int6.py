@@ -151,14 +151,14 @@ def test_int6_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k):
 @pytest.mark.skipif(not kernels.vnni_supported(), reason="the CPU has no AVX-512 VNNI")
 def test_two_block_tiles_from_any_row_count_give_the_same_int6_bits():
     """int6's two-block tiles at 1-3 rows and its one-block tiles at 4-12 rows compute bitwise what
-    the built-in choice of tiles computes."""
+    the built-in choice of tiles computes; the setting round-trips."""
     layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(48, 512, seed=3), (48, 512)))
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
     builtin = [kernels.int6_linear(x[:m], layer.packed, layer.d) for m in range(1, 13)]
     try:
-        for rows in (1, 100):
-            kernels.set_vnni_pair_rows(rows)
+        for rows, before in ((1, 4), (100, 1)):  # 4: the built-in threshold
+            assert kernels.set_vnni_pair_rows(rows) == before
             for m in range(1, 13):
                 assert torch.equal(kernels.int6_linear(x[:m], layer.packed, layer.d), builtin[m - 1]), (rows, m)
     finally:
-        kernels.set_vnni_pair_rows(0)
+        assert kernels.set_vnni_pair_rows(0) == 100

@@ -287,16 +287,53 @@ def _w4a8_reference(x: torch.Tensor, q, scale, low) -> torch.Tensor:
 
 def test_int4_pack_unpack_round_trip():
     q, scale, low = _int4_operands(16, 64, 0)
-    packed, sm = kernels.pack_int4(q, scale, low)
+    packed, sm = kernels.pack_int4(q, scale, low, paired=False)
     assert packed.shape == (2, 8, 8, 4) and sm.shape == (2, 2, 2, 8) and sm.dtype == torch.float16
     # byte (column 3, t=1) of k-step 5 in block 1: q[8+3, 41] low nibble, q[8+3, 45] high nibble
     assert int(packed[1, 5, 3, 1]) == int(q[11, 41]) | (int(q[11, 45]) << 4)
     q2, s2, m2 = kernels.unpack_int4(packed, sm)
     assert torch.equal(q2, q) and torch.equal(s2, scale) and torch.equal(m2, low)
+    assert kernels.int4_rows_per_entry(packed) == 8
+
+
+def test_int4_paired_layout_round_trip():
+    """The paired layout: each pair of 8-column blocks' groups alternate (128 bytes of the first
+    block, then of the second); scales and mins likewise."""
+    q, scale, low = _int4_operands(32, 64, 1)
+    packed, sm = kernels.pack_int4(q, scale, low, paired=True)
+    assert packed.shape == (2, 2, 2, 128) and sm.shape == (2, 2, 2, 2, 8) and sm.dtype == torch.float16
+    # pair 1, group 1, its second block (columns 24-31), k-step 1 (inputs 40-47), column 3, t=1:
+    # q[27, 41] in the low nibble, q[27, 45] in the high one
+    assert int(packed[1, 1, 1, 1 * 32 + 3 * 4 + 1]) == int(q[27, 41]) | (int(q[27, 45]) << 4)
+    assert float(sm[1, 1, 1, 0, 3]) == float(scale[27, 1]) and float(sm[1, 1, 1, 1, 3]) == float(low[27, 1])
+    q2, s2, m2 = kernels.unpack_int4(packed, sm)
+    assert torch.equal(q2, q) and torch.equal(s2, scale) and torch.equal(m2, low)
+    assert kernels.int4_rows_per_entry(packed) == 16
+    # the same values as the blocked layout, regrouped
+    blocked, bsm = kernels.pack_int4(q, scale, low, paired=False)
+    assert torch.equal(packed.reshape(2, 2, 2, 128), blocked.reshape(2, 2, 2, 128).transpose(1, 2))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.pack_int4(q[:8], scale[:8], low[:8], paired=True)
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(8, 32), (24, 96), (64, 1024)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_int4_layouts_give_the_same_bits(rows, vnni):
+    """The AVX2 kernel's blocked and paired tiles, and (where the CPU has them) the VNNI tiles on the
+    paired layout, compute bitwise the same values, bias included."""
+    q, scale, low = _int4_operands(48, 160, rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(48))
+    blocked = kernels.int4_linear(x, *kernels.pack_int4(q, scale, low, paired=False), bias)
+    paired = kernels.pack_int4(q, scale, low, paired=True)
+    assert torch.equal(kernels.int4_linear(x, *paired, bias), blocked)  # VNNI off (the fixture)
+    if kernels.vnni_supported():
+        vnni(True)
+        assert torch.equal(kernels.int4_linear(x, *paired, bias), blocked)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (64, 1024)])
 def test_int4_linear_matches_its_formula(n, k):
     q, scale, low = _int4_operands(n, k, n + k)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
@@ -311,9 +348,9 @@ def test_int4_linear_matches_its_formula(n, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("n", [40, 48])  # an odd and an even number of 8-column blocks
-def test_int4_linear_rows_bitwise_independent_of_row_count(n):
-    packed, sm = kernels.pack_int4(*_int4_operands(n, 320, 7))
+@pytest.mark.parametrize("n,paired", [(40, False), (48, False), (16, True), (48, True)])
+def test_int4_linear_rows_bitwise_independent_of_row_count(n, paired):
+    packed, sm = kernels.pack_int4(*_int4_operands(n, 320, 7), paired=paired)
     x = torch.randn(11, 320, generator=torch.Generator().manual_seed(8))  # every tile shape
     assert_rows_independent(lambda rows: kernels.int4_linear(rows, packed, sm), x)
 
@@ -332,13 +369,13 @@ def amx_int8_rows():
 
 
 @needs_amx_int8
-@pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (272, 1536)])  # an odd / even number of 32-input groups
+@pytest.mark.parametrize("n,k", [(48, 96), (64, 160), (272, 1536)])  # an odd / even number of 32-input groups
 def test_int4_on_amx_tiles_gives_the_avx2_kernels_bits(n, k, amx_int8_rows):
     """TDPBSUD's exact group sums and int4.cpp's float chain: every row count (one row, a 16-row
-    pass, passes with a tail) gives bitwise the AVX2 kernel's values; n = 40 has an odd number of
-    8-column blocks, which the tiles (16 columns a pass) leave to the AVX2 kernel."""
+    pass, passes with a tail) gives bitwise the AVX2 kernel's values on the paired layout (a pass
+    takes one pair of 8-column blocks)."""
     q, scale, low = _int4_operands(n, k, n * k)
-    packed, sm = kernels.pack_int4(q, scale, low)
+    packed, sm = kernels.pack_int4(q, scale, low, paired=True)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(k))
     x[3, 32:64] = 0
     amx_int8_rows(0)
@@ -372,23 +409,14 @@ def vnni():
     kernels.set_vnni(before)
 
 
-@pytest.fixture
-def pair_rows():
-    """Set the row count from which int4 / int6 products take the two-block VNNI tiles within a test;
-    the built-in threshold comes back after."""
-    yield kernels.set_vnni_pair_rows
-    kernels.set_vnni_pair_rows(0)
-
-
 @needs_vnni
-@pytest.mark.parametrize("n,k", [(40, 96), (64, 160), (272, 1536), (24, 4096)])  # odd / even group counts; long rows
+@pytest.mark.parametrize("n,k", [(48, 96), (64, 160), (272, 1536), (16, 4096)])  # odd / even group counts; long rows
 def test_int4_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k, vnni):
     """vpdpbusd's exact group sums and int4.cpp's float chain: every row count (tiles of 1-8 rows,
-    passes with a tail; one-block tiles below 4 rows -- below 3 on rows of 4096 inputs -- two-block
-    tiles from there on, with a last single block where the count is odd) gives bitwise the AVX2
-    kernel's values, bias included."""
+    passes with a tail, each over one pair of column blocks) gives bitwise the AVX2 kernel's values
+    on the paired layout, bias included."""
     q, scale, low = _int4_operands(n, k, n * k + 1)
-    packed, sm = kernels.pack_int4(q, scale, low)
+    packed, sm = kernels.pack_int4(q, scale, low, paired=True)
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(k + 1))
     x[3, 32:64] = 0
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -399,25 +427,6 @@ def test_int4_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k, vnni):
         assert torch.equal(kernels.int4_linear(x[:m], packed, sm, bias), avx2[:m]), m
     assert_rows_independent(lambda rows: kernels.int4_linear(rows, packed, sm), x)
     assert vnni(False) is True
-
-
-@needs_vnni
-def test_two_block_tiles_from_any_row_count_give_the_same_int4_bits(pair_rows):
-    """The two-block tiles at 1-3 rows (which the built-in threshold does not give them) and the
-    one-block tiles at 4-12 rows compute bitwise what the built-in choice computes, and the setting
-    round-trips."""
-    q, scale, low = _int4_operands(48, 512, 7)
-    packed, sm = kernels.pack_int4(q, scale, low)
-    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
-    builtin = [kernels.int4_linear(x[:m], packed, sm) for m in range(1, 13)]
-    assert pair_rows(1) == 4  # the built-in threshold
-    for m in range(1, 13):
-        assert torch.equal(kernels.int4_linear(x[:m], packed, sm), builtin[m - 1]), m
-    assert pair_rows(100) == 1
-    for m in range(1, 13):
-        assert torch.equal(kernels.int4_linear(x[:m], packed, sm), builtin[m - 1]), m
-    assert pair_rows(0) == 100
-    assert pair_rows(0) == 4
 
 
 def test_vnni_setting_is_off_where_the_cpu_lacks_it(vnni):

@@ -227,11 +227,26 @@ def unit_scale(n: int) -> torch.Tensor:  # the bfloat16 products' "scale": multi
     return _ONES[n]
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+              paired: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit weights ``W[n, k] = scale[n, k // 32] * q[n, k] + mn[n, k // 32]`` -> ``int4_linear``'s
-    operands: q uint8 [N, K] in 0..15 (N a multiple of 8, K of 32), scale and mn float [N, K/32]
-    (rounded to float16 here). Returns packed uint8 [N/8, K/8, 8, 4] and float16 [N/8, K/32, 2, 8]."""
+    operands: q uint8 [N, K] in 0..15 (N a multiple of 8 -- of 16 when paired -- and K of 32), scale
+    and mn float [N, K/32] (rounded to float16 here). Blocked: packed uint8 [N/8, K/8, 8, 4] and
+    float16 [N/8, K/32, 2, 8]; paired: uint8 [N/16, K/32, 2, 128] and float16 [N/16, K/32, 2, 2, 8],
+    each pair of 8-column blocks' groups alternating (layouts in ``int4.cpp``). ``paired`` None: the
+    layout of this CPU's fastest kernel (paired where AVX-512 VNNI is). Both give the same values."""
     n, k = q.shape
+    if paired is None:
+        paired = vnni_supported()
+    if n % (16 if paired else 8) or k % 32:
+        raise ValueError(f"pack_int4: [{n}, {k}] needs N a multiple of {16 if paired else 8} and K of 32")
+    if paired:
+        q7 = q.to(torch.uint8).reshape(n // 16, 2, 8, k // 32, 4, 2, 4)  # [pairs, block, col, group, kstep, lo/hi, t]
+        byte = q7[..., 0, :] | (q7[..., 1, :] << 4)  # [pairs, block, col, group, kstep, t]
+        packed = byte.permute(0, 3, 1, 4, 2, 5).reshape(n // 16, k // 32, 2, 128).contiguous()
+        sm = torch.stack([scale.half(), mn.half()], dim=-1)  # [N, G, 2]
+        sm = sm.reshape(n // 16, 2, 8, k // 32, 2).permute(0, 3, 1, 4, 2).contiguous()  # [pairs, G, block, 2, col]
+        return packed, sm
     q5 = q.to(torch.uint8).reshape(n // 8, 8, k // 8, 2, 4)  # [blocks, col, kstep, lo/hi, t]
     byte = q5[:, :, :, 0] | (q5[:, :, :, 1] << 4)  # [blocks, col, kstep, t]
     packed = byte.permute(0, 2, 1, 3).contiguous()  # [blocks, kstep, col, t]
@@ -240,8 +255,19 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> tuple[t
     return packed, sm
 
 
+def int4_rows_per_entry(packed: torch.Tensor) -> int:
+    """Weight rows per index of ``pack_int4``'s packed tensor's first dimension (a block: 8; paired: 16)."""
+    return 16 if packed.shape[-1] == 128 else 8
+
+
 def unpack_int4(packed: torch.Tensor, sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of ``pack_int4``: (q uint8 [N, K], scale float32 [N, K/32], mn float32 [N, K/32])."""
+    """Inverse of ``pack_int4`` (either layout): (q uint8 [N, K], scale float32 [N, K/32], mn float32 [N, K/32])."""
+    if int4_rows_per_entry(packed) == 16:
+        npairs, groups = packed.shape[:2]
+        byte = packed.reshape(npairs, groups, 2, 4, 8, 4).permute(0, 2, 4, 1, 3, 5)  # [pairs, block, col, group, kstep, t]
+        q = torch.stack([byte & 0x0F, byte >> 4], dim=-2).reshape(npairs * 16, groups * 32)
+        s = sm.permute(0, 2, 4, 1, 3).reshape(npairs * 16, groups, 2).float()  # [N, G, 2]
+        return q, s[..., 0].contiguous(), s[..., 1].contiguous()
     nb, ks = packed.shape[:2]
     byte = packed.permute(0, 2, 1, 3)  # [blocks, col, kstep, t]
     q = torch.stack([byte & 0x0F, byte >> 4], dim=3).reshape(nb * 8, ks * 8)

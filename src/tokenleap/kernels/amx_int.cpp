@@ -108,28 +108,29 @@ TL_AMX8 inline void group_tiles(bool odd, const int8_t* xq, int64_t K, int64_t g
   }
 }
 
-// Rows [0, MR) of xq (row stride K) times the 16 columns of AVX2 blocks w0 and w0 + K * 4 bytes.
-// In the AVX2 layout a group is 4 k-steps of [8 columns][4 bytes]; the low nibbles of k-step s
-// are inputs 8s..8s+3 and the high ones 8s+4..8s+7 -- VNNI rows 2s and 2s + 1 for 8 columns.
-// Consecutive groups alternate between tiles 0-2 and 3-5.
+// Rows [0, MR) of xq (row stride K) times the 16 columns of one pair of int4.cpp's column blocks at
+// w0 / s0: group g of the pair's first block at w0 + 256 g, of its second 128 bytes on (scales and
+// mins: s0 + 32 g, 16 halves on). In that layout a block's group is 4 k-steps of [8 columns][4
+// bytes]; the low nibbles of k-step s are inputs 8s..8s+3 and the high ones 8s+4..8s+7 -- VNNI
+// rows 2s and 2s + 1 for 8 columns. Consecutive groups alternate between tiles 0-2 and 3-5.
 template <int MR>
 TL_AMX8 void int4_pass(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* w0,
                        const uint16_t* s0, float* y, int64_t ldy) {
   const int64_t G = K / 32;
-  const uint8_t* w1 = w0 + K * 4;
-  const uint16_t* s1 = s0 + G * 16;
+  const uint8_t* w1 = w0 + 128;
+  const uint16_t* s1 = s0 + 16;
   alignas(64) uint8_t bt[kRing][512];
   alignas(64) int32_t ct[kRing][16 * 16];
   __m512 sc[kRing], mn[kRing];
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t u = 0; u < std::min(kAhead, G); ++u)
-    unpack_group(w0 + u * 128, w1 + u * 128, s0 + u * 16, s1 + u * 16, bt[u], sc[u], mn[u]);
+    unpack_group(w0 + u * 256, w1 + u * 256, s0 + u * 32, s1 + u * 32, bt[u], sc[u], mn[u]);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t f = g - kAhead, u = g + kAhead;
     if (f >= 0) finish_group<MR>(ct[f % kRing], sc[f % kRing], mn[f % kRing], a, as, G, f, acc);
     if (u < G)  // into the ring slot group f just left
-      unpack_group(w0 + u * 128, w1 + u * 128, s0 + u * 16, s1 + u * 16, bt[u % kRing], sc[u % kRing], mn[u % kRing]);
+      unpack_group(w0 + u * 256, w1 + u * 256, s0 + u * 32, s1 + u * 32, bt[u % kRing], sc[u % kRing], mn[u % kRing]);
     group_tiles(g & 1, xq, K, g, bt[g % kRing], ct[g % kRing]);
   }
   for (int64_t f = std::max<int64_t>(0, G - kAhead); f < G; ++f)

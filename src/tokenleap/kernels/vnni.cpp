@@ -6,17 +6,18 @@
 // and their int32 sums in one, so a tile of several rows (a verification step) costs far fewer
 // instructions, which is what limits it once the weights stream from memory for all rows at once.
 //
-// Same operands, same results: one 64-byte load holds two k-steps (2 x 32 bytes) of one column
-// block, so its lower 256 bits are multiplied by the activations of the first step and its upper
-// 256 bits by those of the second (a vpermd of the group's 32 activation bytes), and the two halves'
-// int32 sums are added at the end of the group. Every integer sum is exact (no saturation: AVX2's
+// Same operands, same results. int4: the tile takes both column blocks of one pair of int4.cpp's
+// paired layout (16 outputs), whose groups alternate in memory, so it reads one forward stream. Its
+// k-steps are regrouped into 16-column vectors, so each row's activations are broadcast operands of
+// vpdpbusd and the float work is 512 bits wide. Every integer sum is exact (no saturation: AVX2's
 // int16 pairs never overflow either), so each column's group sum equals the AVX2 tile's; the float
-// work after it is the same 256-bit multiply and two FMAs in the same order, so y is bitwise equal.
-// int6.cpp's tile is carried over the same way: its two k-steps of a 16-input half are one 64-byte
-// load, their top bits one 32-byte load shifted per half as int6.cpp shifts them.
-// From kPairMinRows rows on (prefill windows, verification steps of 4 rows or more), two adjacent
-// column blocks are multiplied together, their k-steps regrouped into 16-column vectors so that each
-// row's activations are broadcast operands and the float work is 512 bits wide; bitwise the same.
+// work after it is the same multiply and two FMAs per column in the same order, so y is bitwise
+// equal, at every row count.
+// int6: one 64-byte load holds two k-steps (2 x 32 bytes) of one column block, so its lower 256 bits
+// are multiplied by the activations of the first step and its upper 256 bits by those of the second
+// (a vpermd of the group's 32 activation bytes), their top bits one 32-byte load shifted per half as
+// int6.cpp shifts them, and the two halves' int32 sums are added at the end of the half-group. From
+// kPairMinRows rows on, two adjacent column blocks are multiplied together as int4's are.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -38,12 +39,12 @@ namespace {
 constexpr int64_t kGroup = 32, kSuper = 256, kInt6GroupBytes = 208;
 // 4 activation bytes read as one int32 at any address (an aliasing, unaligned load)
 typedef int32_t Dword __attribute__((may_alias, aligned(1)));
-// From this many rows on, int4 and int6 products take the two-block tiles (int4_pair_tile,
-// int6_pair_tile), and from one row fewer where the rows are long (kPairLongK inputs or more): fewer
-// instructions a row, but two blocks' weights streamed at once and regrouped per group, which did
-// not pay back at 1-2 rows (memory-bound), nor at 3 rows of 1536 inputs (6 KB blocks). Whole steps
-// of the int4 1.5B model and its 0.5B draft set these (BENCHMARKS.md, "Two-block tiles from 4
-// rows").
+// From this many rows on, int6 products take the two-block tile (int6_pair_tile), and from one row
+// fewer where the rows are long (kPairLongK inputs or more): fewer instructions a row, but two
+// blocks' weights streamed at once from two places (int6.cpp's layout keeps a block's groups
+// together) and regrouped per group, which did not pay back at 1-2 rows (memory-bound), nor at 3 rows
+// of 1536 inputs (6 KB blocks). Whole steps of the int4 1.5B model and its 0.5B draft set these
+// (BENCHMARKS.md, "Two-block tiles from 4 rows").
 constexpr int64_t kPairMinRows = 4, kPairLongK = 4096;
 std::atomic<int64_t> pair_min_rows{kPairMinRows};  // kPairMinRows unless a benchmark sets another
 
@@ -52,75 +53,28 @@ inline bool pair_tiles(int64_t M, int64_t K) {
   return M >= from || (K >= kPairLongK && M >= from - 1);
 }
 
-// Rows [0, MB) of quantized x times one column block (8 outputs): int4.cpp's int4_tile, layout and
-// arguments included.
-template <int MB>
-inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* wb,
-                      const uint16_t* smb, float* y, int64_t ldy) {
-  const int64_t G = K / kGroup;
-  const __m512i mask = _mm512_set1_epi8(0x0f);
-  // dwords of a group's 32 activation bytes each half of a load pairs with (see the header comment):
-  // load L holds k-steps 2L and 2L + 1; step s's low nibbles take dword 2s, its high nibbles 2s + 1
-  const __m512i lo0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m512i hi0 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m512i lo1 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-  const __m512i hi1 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* p = wb + g * 128;
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64, _MM_HINT_T0);
-    const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
-    const __m512i w0l = _mm512_and_si512(v0, mask), w0h = _mm512_and_si512(_mm512_srli_epi16(v0, 4), mask);
-    const __m512i w1l = _mm512_and_si512(v1, mask), w1h = _mm512_and_si512(_mm512_srli_epi16(v1, 4), mask);
-    const uint16_t* sp = smb + g * 16;
-    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 8)));
-    for (int m = 0; m < MB; ++m) {
-      const __m512i x = _mm512_castsi256_si512(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + g * kGroup)));
-      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0l, _mm512_permutexvar_epi32(lo0, x));
-      s = _mm512_dpbusd_epi32(s, w0h, _mm512_permutexvar_epi32(hi0, x));
-      s = _mm512_dpbusd_epi32(s, w1l, _mm512_permutexvar_epi32(lo1, x));
-      s = _mm512_dpbusd_epi32(s, w1h, _mm512_permutexvar_epi32(hi1, x));
-      const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-      const __m256 d = _mm256_cvtepi32_ps(s8);
-      acc[m] = _mm256_fmadd_ps(d, _mm256_mul_ps(sc, _mm256_set1_ps(a[m * G + g])), acc[m]);
-      acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(as[m * G + g]), acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
-}
-
-// Rows [0, MB) of quantized x times two adjacent column blocks (16 outputs) in one pass: the
-// weights of both blocks' k-steps are regrouped (vshufi64x2) into one 16-column vector per k-step,
-// once per group for all MB rows, so each row's activation dword is a broadcast operand of
-// vpdpbusd: no per-row permutes and no folding of halves, and the float work runs 512 bits wide.
-// The column sums are the same exact integers and each column's float chain is the same multiply
-// and two FMAs in the same order, so y is bitwise int4_tile's (and so the AVX2 kernel's).
+// Rows [0, MB) of quantized x times one pair of int4.cpp's paired layout (16 outputs) in one pass:
+// the weights of both blocks' k-steps are regrouped (vshufi64x2) into one 16-column vector per
+// k-step, once per group for all MB rows, so each row's activation dword is a broadcast operand of
+// vpdpbusd: no per-row permutes, and the float work runs 512 bits wide. The column sums are the same
+// exact integers and each column's float chain is the same multiply and two FMAs in the same order,
+// so y is bitwise the AVX2 kernel's.
 template <int MB>
 inline void int4_pair_tile(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* wb,
                            const uint16_t* smb, float* y, int64_t ldy) {
   const int64_t G = K / kGroup;
-  const uint8_t* wb1 = wb + K * 4;     // block b + 1
-  const uint16_t* smb1 = smb + G * 16;
+  const uint8_t* wb1 = wb + 128;  // block b + 1: int4.cpp's pair layout alternates the blocks group by group
+  const uint16_t* smb1 = smb + 16;
   const __m512i mask = _mm512_set1_epi8(0x0f);
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* p = wb + g * 128;
-    const uint8_t* q = wb1 + g * 128;
-    // 2 KB ahead in each block's stream; past a block's end, into the same block of the next pair
-    const int64_t ahead = g * 128 + 2048 < K * 4 ? 2048 : 2048 + K * 4;
-    _mm_prefetch(reinterpret_cast<const char*>(p) + ahead, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + 64, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q) + ahead, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + 64, _MM_HINT_T0);
-    // and each block's scales (32 bytes a group), as far ahead
-    const int64_t sahead = g * 16 + 256 < G * 16 ? 256 : 256 + G * 16;  // in uint16s
-    _mm_prefetch(reinterpret_cast<const char*>(smb + g * 16 + sahead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(smb1 + g * 16 + sahead), _MM_HINT_T0);
+    const uint8_t* p = wb + g * 256;
+    const uint8_t* q = p + 128;
+    // one forward stream: 8 groups (2 KB) ahead, past the pair's end into the next pair, which is
+    // the next this thread takes; the scales (64 bytes a group) as many groups ahead
+    for (int off = 0; off < 256; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + off, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(smb + g * 32 + 256), _MM_HINT_T0);
     const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64);
     const __m512i b0 = _mm512_loadu_si512(q), b1 = _mm512_loadu_si512(q + 64);
     // k-step t of the 16 columns (block b's 8, then block b + 1's): a 64-byte load holds steps
@@ -133,8 +87,8 @@ inline void int4_pair_tile(const int8_t* xq, const float* a, const float* as, in
       w[2 * t] = _mm512_and_si512(step[t], mask);
       w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(step[t], 4), mask);
     }
-    const uint16_t* sp = smb + g * 16;
-    const uint16_t* sq = smb1 + g * 16;
+    const uint16_t* sp = smb + g * 32;
+    const uint16_t* sq = smb1 + g * 32;
     const __m512 sc = _mm512_cvtph_ps(_mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp))),
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(sq)), 1));
@@ -289,28 +243,13 @@ namespace tokenleap_ops {
 
 void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
                        const uint8_t* w, const uint16_t* s, float* y, int64_t N) {
-  const int64_t G = K / kGroup, NB8 = N / 8;
-  if (pair_tiles(M, K)) {
-    in_block_pairs(NB8, [&](int64_t b, bool pair) {
-      const uint8_t* wb = w + b * K * 4;
-      const uint16_t* sb = s + b * G * 16;
-      in_tiles(M, [&](auto mb, int64_t m) {
-        constexpr int MB = decltype(mb)::value;
-        if (pair) int4_pair_tile<MB>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
-        else int4_tile<MB>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
-      });
+  // int4.cpp's paired layout: every pair whole, one forward stream a pair, at any row count
+  const int64_t G = K / kGroup;
+  in_block_pairs(N / 8, [&](int64_t b, bool) {
+    in_tiles(M, [&](auto mb, int64_t m) {
+      int4_pair_tile<decltype(mb)::value>(xq + m * K, a + m * G, as + m * G, K, w + b * K * 4, s + b * G * 16,
+                                          y + m * N + b * 8, N);
     });
-    return;
-  }
-  // each thread walks its column blocks in memory order, all rows of a block before the next (int4.cpp)
-  at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = w + b * K * 4;
-      const uint16_t* sb = s + b * G * 16;
-      in_tiles(M, [&](auto mb, int64_t m) {
-        int4_tile<decltype(mb)::value>(xq + m * K, a + m * G, as + m * G, K, wb, sb, y + m * N + b * 8, N);
-      });
-    }
   });
 }
 

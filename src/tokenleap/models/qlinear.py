@@ -202,8 +202,8 @@ class Int4Linear(nn.Module):
             rep = group_size // 32  # the kernel's groups are 32 wide
             packed, sm = kernels.pack_int4(q, scales.float().repeat_interleave(rep, 1),
                                            mins.float().repeat_interleave(rep, 1))
-            self.register_buffer("packed", packed)  # uint8 [out/8, in/8, 8, 4]
-            self.register_buffer("scales_and_mins", sm)  # float16 [out/8, in/32, 2, 8]
+            self.register_buffer("packed", packed)  # uint8 [out/8, in/8, 8, 4] or paired [out/16, in/32, 2, 128]
+            self.register_buffer("scales_and_mins", sm)  # float16 [out/8, in/32, 2, 8] or [out/16, in/32, 2, 2, 8]
             return
         # torch's kernel: w = (q - 8) * scale + zero; row chunks of a multiple of 64 pack like the whole
         pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu

@@ -35,7 +35,8 @@ def _rows(head, lo: int, hi: int) -> Product | None:
         packed, scales = head.packed[lo // 8:hi // 8], head.scales[lo:hi]  # [(hi-lo)/8, in/8, 8, 8], [hi-lo]
         return lambda x, exact: kernels.weight_product(x.float(), packed, scales, exact)
     if isinstance(head, Int4Linear) and head.use_kernel:
-        packed, sm = head.packed[lo // 8:hi // 8], head.scales_and_mins[lo // 8:hi // 8]
+        per = kernels.int4_rows_per_entry(head.packed)  # 8-row blocks, or pairs of them
+        packed, sm = head.packed[lo // per:hi // per], head.scales_and_mins[lo // per:hi // per]
         return lambda x, exact: kernels.int4_linear(x.float(), packed, sm)
     if isinstance(head, Int6Linear):  # a GGUF's Q6_K head kept exactly (int4 targets)
         packed, d = head.packed[lo // 8:hi // 8], head.d[lo // 8:hi // 8]  # [(hi-lo)/8, in/32, 208], [.., in/256, 8]
