@@ -44,10 +44,19 @@ def test_q6k_blocks_repack_exactly():
 
 @needs_kernel
 def test_pack_unpack_round_trip():
-    raw = random_q6k(24, 768, seed=1)
-    q, sc, d = int6_from_gguf_q6k(raw, (24, 768))
-    back = kernels.unpack_int6(*kernels.pack_int6(q, sc, d))
-    assert all(torch.equal(a, b) for a, b in zip(back, (q, sc, d)))
+    raw = random_q6k(32, 768, seed=1)
+    q, sc, d = int6_from_gguf_q6k(raw, (32, 768))
+    for paired in (False, True):
+        packed, dd = kernels.pack_int6(q, sc, d, paired=paired)
+        assert packed.shape == ((2, 24, 2, 208) if paired else (4, 24, 208)), paired
+        assert dd.shape == ((2, 3, 2, 8) if paired else (4, 3, 8)), paired
+        back = kernels.unpack_int6(packed, dd)
+        assert all(torch.equal(a, b) for a, b in zip(back, (q, sc, d))), paired
+    blocked, _ = kernels.pack_int6(q[:16], sc[:16], d[:16], paired=False)
+    paired, _ = kernels.pack_int6(q[:16], sc[:16], d[:16], paired=True)
+    assert torch.equal(paired[0, 5, 1], blocked[1, 5])  # group 5 of the pair's second block
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.pack_int6(q[:24], sc[:24], d[:24], paired=True)
     layer = Int6Linear(q, sc, d)
     np.testing.assert_array_equal(layer.dequantized_weight().numpy(), gguf.quants.dequantize(raw, T.Q6_K))
 
@@ -110,7 +119,8 @@ def test_q6k_layers_become_int6_when_keeping_precision():
 @pytest.mark.parametrize("n,k", [(40, 256), (48, 512), (272, 1536)])
 def test_int6_on_amx_tiles_gives_the_avx2_kernels_bits(n, k):
     """Two TDPBSUD of 16 inputs a group and int6.cpp's float chain: every row count gives bitwise
-    the AVX2 kernel's values (n = 40: an odd number of 8-column blocks stays on the AVX2 kernel)."""
+    the AVX2 kernel's values (n = 40: an odd number of 8-column blocks, packed blocked, stays on the
+    AVX2 kernel; the others are packed paired where the CPU has AVX-512 VNNI, as AMX machines do)."""
     layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(n, k, seed=k), (n, k)))
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(n))
     before = kernels.set_amx_int8_rows(0)
@@ -127,12 +137,13 @@ def test_int6_on_amx_tiles_gives_the_avx2_kernels_bits(n, k):
 
 @pytest.mark.skipif(not (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and kernels.vnni_supported()),
                     reason="the CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("n,k", [(40, 256), (48, 512), (272, 1536), (24, 4096)])
+@pytest.mark.parametrize("n,k", [(40, 256), (48, 512), (272, 1536), (24, 4096), (16, 4096)])
 def test_int6_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k):
     """vpdpbusd over a half's two k-steps and int6.cpp's float chain: every row count (tiles of 1-8
-    rows, passes with a tail; one-block tiles below 4 rows -- below 3 on rows of 4096 inputs --
-    two-block tiles from there on, with a last single block where the count is odd) gives bitwise
-    the AVX2 kernel's values, bias included."""
+    rows, passes with a tail) gives bitwise the AVX2 kernel's values, bias included -- on the paired
+    layout (N a multiple of 16: two-block tiles at every row count) and on the blocked one (n = 40,
+    24: one-block tiles below 4 rows -- below 3 on rows of 4096 inputs -- two-block tiles from there
+    on, with a last single block where the count is odd)."""
     layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(n, k, seed=k + 1), (n, k)))
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(n + 1))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
@@ -152,13 +163,33 @@ def test_int6_on_vnni_tiles_gives_the_avx2_kernels_bits(n, k):
 def test_two_block_tiles_from_any_row_count_give_the_same_int6_bits():
     """int6's two-block tiles at 1-3 rows and its one-block tiles at 4-12 rows compute bitwise what
     the built-in choice of tiles computes; the setting round-trips."""
-    layer = Int6Linear(*int6_from_gguf_q6k(random_q6k(48, 512, seed=3), (48, 512)))
+    packed, d = kernels.pack_int6(*int6_from_gguf_q6k(random_q6k(48, 512, seed=3), (48, 512)), paired=False)
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
-    builtin = [kernels.int6_linear(x[:m], layer.packed, layer.d) for m in range(1, 13)]
+    builtin = [kernels.int6_linear(x[:m], packed, d) for m in range(1, 13)]
     try:
         for rows, before in ((1, 4), (100, 1)):  # 4: the built-in threshold
             assert kernels.set_vnni_pair_rows(rows) == before
             for m in range(1, 13):
-                assert torch.equal(kernels.int6_linear(x[:m], layer.packed, layer.d), builtin[m - 1]), (rows, m)
+                assert torch.equal(kernels.int6_linear(x[:m], packed, d), builtin[m - 1]), (rows, m)
     finally:
         assert kernels.set_vnni_pair_rows(0) == 100
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_int6_layouts_give_the_same_bits(rows):
+    """The AVX2 kernel on the blocked and the paired layout, and (where the CPU has them) the VNNI
+    tiles on the paired layout, compute bitwise the same values, bias included."""
+    q, sc, d = int6_from_gguf_q6k(random_q6k(48, 512, seed=rows), (48, 512))
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(48))
+    before = kernels.set_vnni(False)
+    try:
+        blocked = kernels.int6_linear(x, *kernels.pack_int6(q, sc, d, paired=False), bias)
+        paired = kernels.pack_int6(q, sc, d, paired=True)
+        assert torch.equal(kernels.int6_linear(x, *paired, bias), blocked)
+        if kernels.vnni_supported():
+            kernels.set_vnni(True)
+            assert torch.equal(kernels.int6_linear(x, *paired, bias), blocked)
+    finally:
+        kernels.set_vnni(before)

@@ -283,12 +283,23 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor, bias: t
     return torch.ops.tokenleap.int4_linear(x, packed, sm, bias)
 
 
-def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
+              paired: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """6-bit weights ``W[n, k] = d[n, k // 256] * sc[n, k // 16] * (q[n, k] - 32)`` (a Q6_K tensor) ->
     ``int6_linear``'s operands: q uint8 [N, K] in 0..63 (N a multiple of 8, K of 256), sc int8
-    [N, K/16], d float [N, K/256]. Returns packed uint8 [N/8, K/32, 208] and d float32 [N/8, K/256, 8]
-    (layout in ``int6.cpp``)."""
+    [N, K/16], d float [N, K/256]. Blocked: packed uint8 [N/8, K/32, 208] and d float32
+    [N/8, K/256, 8]; paired (N a multiple of 16): [N/16, K/32, 2, 208] and [N/16, K/256, 2, 8], each
+    pair of 8-column blocks' groups alternating (layouts in ``int6.cpp``). ``paired`` None: paired
+    where the CPU has AVX-512 VNNI and N allows it. Both give the same values."""
     n, k = q.shape
+    if paired is None:
+        paired = n % 16 == 0 and vnni_supported()
+    if paired:
+        if n % 16:
+            raise ValueError(f"pack_int6: the paired layout needs N a multiple of 16, not {n}")
+        packed, dd = pack_int6(q, sc, d, paired=False)  # [N/8, G, 208], [N/8, S, 8]
+        return (packed.reshape(n // 16, 2, k // 32, 208).transpose(1, 2).contiguous(),
+                dd.reshape(n // 16, 2, k // 256, 8).transpose(1, 2).contiguous())
     q6 = q.to(torch.uint8).reshape(n // 8, 8, k // 32, 4, 2, 4)  # [blocks, col, group, kstep, lo/hi, t]
     low = q6 & 0x0F
     lo_plane = (low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [blocks, group, kstep, col, t]
@@ -303,7 +314,10 @@ def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch
 
 
 def unpack_int6(packed: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of ``pack_int6``: (q uint8 [N, K], sc int8 [N, K/16], d float32 [N, K/256])."""
+    """Inverse of ``pack_int6`` (either layout): (q uint8 [N, K], sc int8 [N, K/16], d float32 [N, K/256])."""
+    if packed.dim() == 4:  # paired -> blocked
+        packed = packed.transpose(1, 2).reshape(-1, packed.shape[1], packed.shape[3])
+        d = d.transpose(1, 2).reshape(-1, d.shape[1], d.shape[3])
     nb, groups = packed.shape[:2]
     lo_plane = packed[..., :128].reshape(nb, groups, 4, 8, 4).permute(0, 3, 1, 2, 4)  # [blocks, col, group, kstep, t]
     hi_plane = packed[..., 128:192].reshape(nb, groups, 2, 8, 4).permute(0, 3, 1, 2, 4)  # [blocks, col, group, pair, t]

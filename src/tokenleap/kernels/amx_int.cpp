@@ -208,10 +208,13 @@ TL_AMX8 inline void finish_int6(const int32_t* ct, const __m512* sc, const float
     }
 }
 
-// Rows [0, MR) of xq times the 16 columns of int6.cpp's blocks at w0 and w1, d at d0 and d1.
+// Rows [0, MR) of xq times the 16 columns of int6.cpp's blocks at w0 and w1, d at d0 and d1: a block's
+// groups gs bytes apart, its super-blocks' d ds floats apart (blocked layout: 208 and 8; paired: 416
+// and 16).
 template <int MR>
 TL_AMX8 void int6_pass(const int8_t* xq, const float* a, const int32_t* sum16, int64_t K, const uint8_t* w0,
-                       const uint8_t* w1, const float* d0, const float* d1, float* y, int64_t ldy) {
+                       const uint8_t* w1, const float* d0, const float* d1, int64_t gs, int64_t ds, float* y,
+                       int64_t ldy) {
   const int64_t G = K / 32;
   alignas(64) uint8_t bt[kRing][512];
   alignas(64) int32_t ct[kRing][2 * 16 * 16];
@@ -222,8 +225,7 @@ TL_AMX8 void int6_pass(const int8_t* xq, const float* a, const int32_t* sum16, i
     const int64_t f = g - kAhead, u = g + kAhead;
     if (f >= 0) finish_int6<MR>(ct[f % kRing], sc[f % kRing], a, sum16, G, f, acc);
     if (u < G)
-      unpack_int6(w0 + u * kInt6GroupBytes, w1 + u * kInt6GroupBytes, floats8x2(d0 + u / 8 * 8, d1 + u / 8 * 8),
-                  bt[u % kRing], sc[u % kRing]);
+      unpack_int6(w0 + u * gs, w1 + u * gs, floats8x2(d0 + u / 8 * ds, d1 + u / 8 * ds), bt[u % kRing], sc[u % kRing]);
     if (g >= 0) int6_tiles(xq, K, g, bt[g % kRing], ct[g % kRing]);
   }
   for (int64_t f = std::max<int64_t>(0, G - kAhead); f < G; ++f)
@@ -232,7 +234,7 @@ TL_AMX8 void int6_pass(const int8_t* xq, const float* a, const int32_t* sum16, i
 }
 
 using Int6Pass = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, const uint8_t*,
-                          const float*, const float*, float*, int64_t);
+                          const float*, const float*, int64_t, int64_t, float*, int64_t);
 
 template <int... R>
 constexpr std::array<Int6Pass, sizeof...(R)> int6_passes(std::integer_sequence<int, R...>) {
@@ -261,14 +263,17 @@ void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t
 }
 
 void int6_amx_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
-                      const uint8_t* packed, const float* d, float* y, int64_t N) {
+                      const uint8_t* packed, const float* d, float* y, int64_t N, bool paired) {
   static constexpr auto passes = int6_passes(std::make_integer_sequence<int, 16>{});
   const int64_t G = K / 32, block = G * kInt6GroupBytes, dblock = K / 256 * 8;
+  // the pair's second block: a whole block on (blocked layout) or one group on (paired)
+  const int64_t w_next = paired ? kInt6GroupBytes : block, d_next = paired ? 8 : dblock;
+  const int64_t gs = paired ? 2 * kInt6GroupBytes : kInt6GroupBytes, ds = paired ? 16 : 8;
   at::parallel_for(0, N / 16, 4, [&](int64_t j0, int64_t j1) {
     tokenleap_amx::column_pairs(M, j0, j1, configure_int6, [&](int64_t j, int64_t m0, int mr) {
       const uint8_t* w0 = packed + 2 * j * block;
       const float* d0 = d + 2 * j * dblock;
-      passes[mr - 1](xq + m0 * K, a + m0 * G, sum16 + m0 * 2 * G, K, w0, w0 + block, d0, d0 + dblock,
+      passes[mr - 1](xq + m0 * K, a + m0 * G, sum16 + m0 * 2 * G, K, w0, w0 + w_next, d0, d0 + d_next, gs, ds,
                      y + m0 * N + j * 16, N);
     });
   });

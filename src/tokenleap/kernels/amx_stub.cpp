@@ -19,7 +19,7 @@ void int4_amx_product(const int8_t*, const float*, const float*, int64_t, int64_
 }
 
 void int6_amx_product(const int8_t*, const float*, const int32_t*, int64_t, int64_t, const uint8_t*,
-                      const float*, float*, int64_t) {
+                      const float*, float*, int64_t, bool) {
   TORCH_CHECK(false, "int6 AMX product: tokenleap's kernels were built without AMX");
 }
 
@@ -35,7 +35,7 @@ void int4_vnni_product(const int8_t*, const float*, const float*, int64_t, int64
 }
 
 void int6_vnni_product(const int8_t*, const float*, const int32_t*, int64_t, int64_t, const uint8_t*, const float*,
-                       float*, int64_t) {
+                       float*, int64_t, bool) {
   TORCH_CHECK(false, "int6 VNNI product: tokenleap's kernels were built without vnni.cpp");
 }
 

@@ -20,7 +20,11 @@
 //                   byte (c, t) holds, from bit 0 up: q[c, k0a + t], q[c, k0a + 4 + t],
 //                   q[c, k0b + t], q[c, k0b + 4 + t] >> 4 (k0a / k0b: the pair's first / second step)
 //   bytes 192..207: sc as int8 [2 halves of 16 k][8 columns]
-// and d float32 [N/8][K/256][8].
+// and d float32 [N/8][K/256][8]. That is the blocked layout; the paired one, [N/16 pairs of
+// blocks][K/32][2 blocks][208 bytes] with d [N/16][K/256][2 blocks][8], alternates a pair's two
+// blocks group by group so that vnni.cpp's and amx_int.cpp's two-block tiles read one forward stream
+// (int4.cpp's paired layout, for the same reason). ``pack_int6`` packs paired where the CPU has
+// AVX-512 VNNI and N is a multiple of 16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -57,21 +61,23 @@ inline void quantize_row(const float* x, int64_t K, int8_t* xq, float* a, int32_
   }
 }
 
-// Rows [0, MB) of quantized x times one column block (8 outputs).
+// Rows [0, MB) of quantized x times one column block (8 outputs): its groups gs bytes apart, its
+// super-blocks' d ds floats apart (blocked: 208 and 8; paired: 416 and 16, read only where the VNNI
+// tiles are turned off).
 template <int MB>
 inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, int64_t K, const uint8_t* wb,
-                      const float* db, float* y, int64_t ldy) {
+                      const float* db, float* y, int64_t ldy, int64_t gs = kGroupBytes, int64_t ds = 8) {
   const int64_t G = K / kGroup;
   const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   __m256 dv = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* p = wb + g * kGroupBytes;
+    const uint8_t* p = wb + g * gs;
     _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 64, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + 128, _MM_HINT_T0);
-    if (g % (kSuper / kGroup) == 0) dv = _mm256_loadu_ps(db + (g / (kSuper / kGroup)) * 8);
+    if (g % (kSuper / kGroup) == 0) dv = _mm256_loadu_ps(db + (g / (kSuper / kGroup)) * ds);
     for (int h = 0; h < 2; ++h) {
       __m256i s32[MB];
       for (int m = 0; m < MB; ++m) s32[m] = _mm256_setzero_si256();
@@ -111,13 +117,14 @@ inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, in
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int6_linear: x must be float32 [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kGroupBytes,
-              "int6_linear: packed must be contiguous uint8 [N/8, K/32, 208]");
-  const int64_t M = x.size(0), K = x.size(1), NB8 = packed.size(0), N = NB8 * 8, G = K / kGroup;
+  const bool paired = packed.dim() == 4 && packed.size(2) == 2;
+  TORCH_CHECK(packed.dim() == (paired ? 4 : 3) && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(-1) == kGroupBytes,
+              "int6_linear: packed must be contiguous uint8 [N/8, K/32, 208] or [N/16, K/32, 2, 208]");
+  const int64_t M = x.size(0), K = x.size(1), NB8 = packed.size(0) * (paired ? 2 : 1), N = NB8 * 8, G = K / kGroup;
   TORCH_CHECK(K % kSuper == 0 && packed.size(1) == G, "int6_linear: K must be a multiple of 256 and match packed");
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == NB8 * (K / kSuper) * 8,
-              "int6_linear: d must be contiguous float32 [N/8, K/256, 8]");
+              "int6_linear: d must be contiguous float32 [N/8, K/256, 8] or [N/16, K/256, 2, 8]");
   const float* bp = nullptr;
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
@@ -139,29 +146,31 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* dp = d.data_ptr<float>();
   float* out = y.data_ptr<float>();
   if (tokenleap_ops::amx_int8_takes(M, N)) {  // bitwise the same values
-    tokenleap_ops::int6_amx_product(qp, ap, sp, M, K, w, dp, out, N);
+    tokenleap_ops::int6_amx_product(qp, ap, sp, M, K, w, dp, out, N, paired);
     if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
     return y;
   }
   if (tokenleap_ops::vnni_takes()) {  // bitwise the same values
-    tokenleap_ops::int6_vnni_product(qp, ap, sp, M, K, w, dp, out, N);
+    tokenleap_ops::int6_vnni_product(qp, ap, sp, M, K, w, dp, out, N, paired);
     if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
     return y;
   }
   at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {  // each thread streams its blocks in order
     for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = w + b * G * kGroupBytes;
-      const float* db = dp + b * (K / kSuper) * 8;
+      // paired: block b's groups every other 208 bytes of its pair's, its d every other 8
+      const uint8_t* wb = paired ? w + (b >> 1) * G * 2 * kGroupBytes + (b & 1) * kGroupBytes : w + b * G * kGroupBytes;
+      const float* db = paired ? dp + (b >> 1) * (K / kSuper) * 16 + (b & 1) * 8 : dp + b * (K / kSuper) * 8;
+      const int64_t gs = paired ? 2 * kGroupBytes : kGroupBytes, ds = paired ? 16 : 8;
       for (int64_t m = 0; m < M;) {
         const int8_t* xm = qp + m * K;
         const float* am = ap + m * G;
         const int32_t* sm = sp + m * 2 * G;
         float* ym = out + m * N + b * 8;
         const int64_t take = tokenleap_simd::tile_rows(M - m);
-        if (take == 4) int6_tile<4>(xm, am, sm, K, wb, db, ym, N);
-        else if (take == 3) int6_tile<3>(xm, am, sm, K, wb, db, ym, N);
-        else if (take == 2) int6_tile<2>(xm, am, sm, K, wb, db, ym, N);
-        else int6_tile<1>(xm, am, sm, K, wb, db, ym, N);
+        if (take == 4) int6_tile<4>(xm, am, sm, K, wb, db, ym, N, gs, ds);
+        else if (take == 3) int6_tile<3>(xm, am, sm, K, wb, db, ym, N, gs, ds);
+        else if (take == 2) int6_tile<2>(xm, am, sm, K, wb, db, ym, N, gs, ds);
+        else int6_tile<1>(xm, am, sm, K, wb, db, ym, N, gs, ds);
         m += take;
       }
     }

@@ -21,7 +21,7 @@ bool amx_int8_takes(int64_t rows, int64_t cols);
 void int4_amx_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
                       const uint8_t* packed, const uint16_t* sm, float* y, int64_t N);
 void int6_amx_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
-                      const uint8_t* packed, const float* d, float* y, int64_t N);
+                      const uint8_t* packed, const float* d, float* y, int64_t N, bool paired);
 
 // w8a8.cpp: W8A8 products on AMX-INT8 tiles (models/w8a8.py); x float32 [M, K] -> [M, N]
 at::Tensor w8a8_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
@@ -33,7 +33,7 @@ bool vnni_takes();
 void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_t M, int64_t K,
                        const uint8_t* packed, const uint16_t* sm, float* y, int64_t N);
 void int6_vnni_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
-                       const uint8_t* packed, const float* d, float* y, int64_t N);
+                       const uint8_t* packed, const float* d, float* y, int64_t N, bool paired);
 
 // int6.cpp
 at::Tensor int6_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,

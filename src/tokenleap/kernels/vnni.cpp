@@ -153,30 +153,37 @@ inline void int6_tile(const int8_t* xq, const float* a, const int32_t* sum16, in
 }
 
 // Rows [0, MB) of quantized x times two adjacent column blocks of int6.cpp's layout, as
-// int4_pair_tile regroups int4_tile: each half's two k-steps become one 16-column vector each, low
+// int4_pair_tile regroups its k-steps: each half's two k-steps become one 16-column vector each, low
 // bits and top bits alike, and each row's activation dwords are broadcast operands. Same integer
 // sums, the same multiply and FMA per column in the same order: bitwise int6_tile's values.
-template <int MB>
+// Paired: the pair of int6.cpp's paired layout (its blocks' groups alternating: one stream), else
+// blocks b and b + 1 of the blocked layout.
+template <int MB, bool Paired>
 inline void int6_pair_tile(const int8_t* xq, const float* a, const int32_t* sum16, int64_t K, const uint8_t* wb,
                            const float* db, float* y, int64_t ldy) {
   const int64_t G = K / kGroup;
-  const uint8_t* wb1 = wb + G * kInt6GroupBytes;  // block b + 1
-  const float* db1 = db + (K / kSuper) * 8;
+  const int64_t gs = Paired ? 2 * kInt6GroupBytes : kInt6GroupBytes, ds = Paired ? 16 : 8;  // group / super-block strides
+  const uint8_t* wb1 = wb + (Paired ? kInt6GroupBytes : G * kInt6GroupBytes);  // block b + 1
+  const float* db1 = db + (Paired ? 8 : (K / kSuper) * 8);
   const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x30);
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   __m512 dv = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* p = wb + g * kInt6GroupBytes;
-    const uint8_t* q = wb1 + g * kInt6GroupBytes;
-    // 10 groups ahead in each block's stream; past a block's end, into the same block of the next pair
-    const int64_t ahead = g + 10 < G ? 10 * kInt6GroupBytes : 10 * kInt6GroupBytes + G * kInt6GroupBytes;
-    for (int off = 0; off < 192; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + off, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + off, _MM_HINT_T0);
+    const uint8_t* p = wb + g * gs;
+    const uint8_t* q = wb1 + g * gs;
+    if constexpr (Paired) {  // one stream: 5 groups (2 KB) ahead, past the pair's end into the next pair
+      for (int off = 0; off < 2 * kInt6GroupBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + 2048 + off, _MM_HINT_T0);
+    } else {  // 10 groups ahead in each block's stream; past a block's end, into the same block of the next pair
+      const int64_t ahead = g + 10 < G ? 10 * kInt6GroupBytes : 10 * kInt6GroupBytes + G * kInt6GroupBytes;
+      for (int off = 0; off < 192; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + ahead + off, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + off, _MM_HINT_T0);
+      }
     }
     if (g % (kSuper / kGroup) == 0) {
-      const int64_t sup = (g / (kSuper / kGroup)) * 8;
+      const int64_t sup = (g / (kSuper / kGroup)) * ds;
       dv = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(db + sup))),
                                                _mm256_castps_pd(_mm256_loadu_ps(db1 + sup)), 1));
     }
@@ -254,15 +261,24 @@ void int4_vnni_product(const int8_t* xq, const float* a, const float* as, int64_
 }
 
 void int6_vnni_product(const int8_t* xq, const float* a, const int32_t* sum16, int64_t M, int64_t K,
-                       const uint8_t* w, const float* d, float* y, int64_t N) {
+                       const uint8_t* w, const float* d, float* y, int64_t N, bool paired) {
   const int64_t G = K / kGroup, NB8 = N / 8;
+  if (paired) {  // int6.cpp's paired layout: every pair whole, one forward stream a pair, at any row count
+    in_block_pairs(NB8, [&](int64_t b, bool) {
+      in_tiles(M, [&](auto mb, int64_t m) {
+        int6_pair_tile<decltype(mb)::value, true>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, w + b * G * kInt6GroupBytes,
+                                                  d + b * (K / kSuper) * 8, y + m * N + b * 8, N);
+      });
+    });
+    return;
+  }
   if (pair_tiles(M, K)) {
     in_block_pairs(NB8, [&](int64_t b, bool pair) {
       const uint8_t* wb = w + b * G * kInt6GroupBytes;
       const float* db = d + b * (K / kSuper) * 8;
       in_tiles(M, [&](auto mb, int64_t m) {
         constexpr int MB = decltype(mb)::value;
-        if (pair) int6_pair_tile<MB>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
+        if (pair) int6_pair_tile<MB, false>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
         else int6_tile<MB>(xq + m * K, a + m * G, sum16 + m * 2 * G, K, wb, db, y + m * N + b * 8, N);
       });
     });

@@ -63,8 +63,8 @@ class Int6Linear(nn.Module):
         if reason:
             raise ValueError(f"Int6Linear: {reason}")
         packed, dd = kernels.pack_int6(q, sc, d)
-        self.register_buffer("packed", packed)  # uint8 [out/8, in/32, 208]
-        self.register_buffer("d", dd)  # float32 [out/8, in/256, 8]
+        self.register_buffer("packed", packed)  # uint8 [out/8, in/32, 208] or paired [out/16, in/32, 2, 208]
+        self.register_buffer("d", dd)  # float32 [out/8, in/256, 8] or paired [out/16, in/256, 2, 8]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
     @classmethod
