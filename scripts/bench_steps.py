@@ -7,7 +7,7 @@ VNNI ones), alternating, median ms over repeats.
     python scripts/bench_steps.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --rows 1
     python scripts/bench_steps.py --compare vnni --rows 1 2 4 6 8
     python scripts/bench_steps.py --compare amx --rows 4 6 8 12 16   # an AMX CPU: AMX-INT8 vs VNNI tiles
-    python scripts/bench_steps.py --compare pair --pair-rows 5 --rows 3 4 5   # VNNI two-block tiles from 4 vs 5 rows
+    python scripts/bench_steps.py --compare pair --pair-rows 5 --rows 3 4 5   # blocked int6's VNNI two-block tiles from 4 vs 5 rows
     python scripts/bench_steps.py --random-like config.json --quant int4 --rows 1 4 8 16
 
 ``--random-like`` builds the model from a Hugging Face config.json with random weights instead
@@ -61,7 +61,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--pair-rows", type=int, default=1000,
-                    help="with --compare pair: the other threshold of the VNNI two-block tiles (default: never)")
+                    help="with --compare pair: the other threshold of the VNNI two-block tiles on blocked int6 "
+                         "tensors (default: never; paired tensors take them at every row count)")
     ap.add_argument("--compare", choices=["layers", "vnni", "amx", "pair"], default="layers",
                     help="layers: compiled vs Python decoder layers; vnni: int4 / int6 on the AVX2 vs the AVX-512 VNNI "
                          "tiles; amx: int4 / int6 on the AMX-INT8 tiles (from AMX_INT8_MIN_ROWS rows) vs the VNNI tiles; "

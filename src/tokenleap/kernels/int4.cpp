@@ -66,11 +66,13 @@ inline void quantize_row(const float* x, int64_t K, int8_t* xq, float* a, float*
   }
 }
 
-// Rows [0, MB) of quantized x times one column block (8 outputs) at wb / smb. (Two blocks per tile,
-// sharing each activation broadcast, measured no faster: the accumulators spill.)
+// Rows [0, MB) of quantized x times one column block (8 outputs) at wb / smb, its groups gs bytes
+// apart and their scales and mins ss halves apart (blocked layout: 128 and 16; paired: 256 and 32,
+// read only where a VNNI CPU's tiles are turned off). (Two blocks per tile, sharing each activation
+// broadcast, measured no faster: the accumulators spill.)
 template <int MB>
 inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* wb,
-                      const uint16_t* smb, float* y, int64_t ldy) {
+                      const uint16_t* smb, float* y, int64_t ldy, int64_t gs, int64_t ss) {
   const int64_t G = K / kGroup;
   const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
@@ -79,7 +81,7 @@ inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t
     __m256i s16[MB];
     for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
     const auto step = [&](int st) {
-      const uint8_t* p = wb + g * 128 + st * 32;
+      const uint8_t* p = wb + g * gs + st * 32;
       if (st % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);  // one per line
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -96,7 +98,7 @@ inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t
 #pragma GCC unroll 1
       for (int st = 0; st < 4; ++st) step(st);
     }
-    const uint16_t* sp = smb + g * 16;
+    const uint16_t* sp = smb + g * ss;
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
     const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 8)));
     for (int m = 0; m < MB; ++m) {
@@ -106,46 +108,6 @@ inline void int4_tile(const int8_t* xq, const float* a, const float* as, int64_t
     }
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
-}
-
-// The paired layout's pair of blocks (16 outputs: y for the first block's 8, y + 8 for the
-// second's) at wb / smb, group by group in memory order: each block's sums and float chain are
-// int4_tile's. Both blocks' accumulators stay in registers (up to 4 rows).
-template <int MB>
-inline void int4_pair_tile(const int8_t* xq, const float* a, const float* as, int64_t K, const uint8_t* wb,
-                           const uint16_t* smb, float* y, int64_t ldy) {
-  const int64_t G = K / kGroup;
-  const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  __m256 acc[2][MB];
-  for (int h = 0; h < 2; ++h)
-    for (int m = 0; m < MB; ++m) acc[h][m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    for (int h = 0; h < 2; ++h) {
-      __m256i s16[MB];
-      for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
-      for (int st = 0; st < 4; ++st) {
-        const uint8_t* p = wb + g * 256 + h * 128 + st * 32;
-        if (st % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_T0);  // one per line
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* xp = xq + m * K + g * kGroup + st * 8;
-          s16[m] = _mm256_add_epi16(
-              s16[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)), _mm256_maddubs_epi16(hi, bcast4(xp + 4))));
-        }
-      }
-      const uint16_t* sp = smb + g * 32 + h * 16;
-      const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 8)));
-      for (int m = 0; m < MB; ++m) {
-        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m], ones));
-        acc[h][m] = _mm256_fmadd_ps(d, _mm256_mul_ps(sc, _mm256_set1_ps(a[m * G + g])), acc[h][m]);
-        acc[h][m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(as[m * G + g]), acc[h][m]);
-      }
-    }
-  }
-  for (int h = 0; h < 2; ++h)
-    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(y + m * ldy + h * 8, acc[h][m]);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm,
@@ -189,34 +151,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
     return y;
   }
-  if (paired) {  // the AVX2 tile over both blocks of each pair (where VNNI is turned off)
-    at::parallel_for(0, NB8 / 2, 4, [&](int64_t p0, int64_t p1) {
-      for (int64_t pr = p0; pr < p1; ++pr) {
-        for (int64_t m = 0; m < M;) {
-          const int64_t take = std::min<int64_t>(M - m, 4);
-          const int8_t* xm = qp + m * K;
-          const float *am = scp + m * G, *sm2 = ssp + m * G;
-          const uint8_t* wb = w + pr * K * 8;
-          const uint16_t* sb = s + pr * G * 32;
-          float* ym = out + m * N + pr * 16;
-          if (take == 4) int4_pair_tile<4>(xm, am, sm2, K, wb, sb, ym, N);
-          else if (take == 3) int4_pair_tile<3>(xm, am, sm2, K, wb, sb, ym, N);
-          else if (take == 2) int4_pair_tile<2>(xm, am, sm2, K, wb, sb, ym, N);
-          else int4_pair_tile<1>(xm, am, sm2, K, wb, sb, ym, N);
-          m += take;
-        }
-      }
-    });
-    if (bp != nullptr) tokenleap_simd::add_bias_rows(out, bp, M, N);
-    return y;
-  }
-  // Each thread walks its column blocks in memory order (one block is K*4 contiguous bytes), all
-  // rows of a block before the next: a single forward stream, which the prefetchers keep up with
+  // Each thread walks its column blocks in memory order (blocked: one block is K*4 contiguous bytes),
+  // all rows of a block before the next: a single forward stream, which the prefetchers keep up with
   // (two interleaved streams ran at ~12 GB/s instead of ~18 on short K).
+  const int64_t gs = paired ? 256 : 128, hs = paired ? 32 : 16;  // group strides: bytes, halves
   at::parallel_for(0, NB8, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = w + b * K * 4;
-      const uint16_t* sb = s + b * G * 16;
+      const uint8_t* wb = paired ? w + (b >> 1) * K * 8 + (b & 1) * 128 : w + b * K * 4;
+      const uint16_t* sb = paired ? s + (b >> 1) * G * 32 + (b & 1) * 16 : s + b * G * 16;
       for (int64_t m = 0; m < M;) {
         const int8_t* xm = qp + m * K;
         const float *am = scp + m * G, *sm2 = ssp + m * G;
@@ -226,12 +168,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         // relative to one row, 6 rows of the 1.5B model cost 1.6-1.8x instead of 2.1-2.3x as 3 + 3)
         // and a 5-row tile for 5 (one pass over the weights instead of 3 + 2)
         const int64_t take = left >= 5 ? std::min<int64_t>(left, 6) : tokenleap_simd::tile_rows(left);
-        if (take == 6) int4_tile<6>(xm, am, sm2, K, wb, sb, ym, N);
-        else if (take == 5) int4_tile<5>(xm, am, sm2, K, wb, sb, ym, N);
-        else if (take == 4) int4_tile<4>(xm, am, sm2, K, wb, sb, ym, N);
-        else if (take == 3) int4_tile<3>(xm, am, sm2, K, wb, sb, ym, N);
-        else if (take == 2) int4_tile<2>(xm, am, sm2, K, wb, sb, ym, N);
-        else int4_tile<1>(xm, am, sm2, K, wb, sb, ym, N);
+        if (take == 6) int4_tile<6>(xm, am, sm2, K, wb, sb, ym, N, gs, hs);
+        else if (take == 5) int4_tile<5>(xm, am, sm2, K, wb, sb, ym, N, gs, hs);
+        else if (take == 4) int4_tile<4>(xm, am, sm2, K, wb, sb, ym, N, gs, hs);
+        else if (take == 3) int4_tile<3>(xm, am, sm2, K, wb, sb, ym, N, gs, hs);
+        else if (take == 2) int4_tile<2>(xm, am, sm2, K, wb, sb, ym, N, gs, hs);
+        else int4_tile<1>(xm, am, sm2, K, wb, sb, ym, N, gs, hs);
         m += take;
       }
     }
