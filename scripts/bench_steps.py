@@ -65,7 +65,8 @@ def main() -> None:
                          "tensors (default: never; paired tensors take them at every row count)")
     ap.add_argument("--compare", choices=["layers", "vnni", "amx", "pair"], default="layers",
                     help="layers: compiled vs Python decoder layers; vnni: int4 / int6 on the AVX2 vs the AVX-512 VNNI "
-                         "tiles; amx: int4 / int6 on the AMX-INT8 tiles (from AMX_INT8_MIN_ROWS rows) vs the VNNI tiles; "
+                         "tiles (the AVX2 tiles reading this machine's paired layout, slower than an AVX2 machine's "
+                         "blocked one); amx: int4 / int6 on the AMX-INT8 tiles (from AMX_INT8_MIN_ROWS rows) vs the VNNI tiles; "
                          "pair: the VNNI two-block tiles from the built-in row count vs from --pair-rows")
     args = ap.parse_args()
     if args.random_like:
