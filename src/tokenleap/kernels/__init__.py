@@ -240,13 +240,10 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
         paired = vnni_supported()
     if n % (16 if paired else 8) or k % 32:
         raise ValueError(f"pack_int4: [{n}, {k}] needs N a multiple of {16 if paired else 8} and K of 32")
-    if paired:
-        q7 = q.to(torch.uint8).reshape(n // 16, 2, 8, k // 32, 4, 2, 4)  # [pairs, block, col, group, kstep, lo/hi, t]
-        byte = q7[..., 0, :] | (q7[..., 1, :] << 4)  # [pairs, block, col, group, kstep, t]
-        packed = byte.permute(0, 3, 1, 4, 2, 5).reshape(n // 16, k // 32, 2, 128).contiguous()
-        sm = torch.stack([scale.half(), mn.half()], dim=-1)  # [N, G, 2]
-        sm = sm.reshape(n // 16, 2, 8, k // 32, 2).permute(0, 3, 1, 4, 2).contiguous()  # [pairs, G, block, 2, col]
-        return packed, sm
+    if paired:  # the blocked layout's pairs of blocks, their groups interleaved
+        packed, sm = pack_int4(q, scale, mn, paired=False)  # [N/8, K/8, 8, 4], [N/8, G, 2, 8]
+        return (packed.reshape(n // 16, 2, k // 32, 128).transpose(1, 2).contiguous(),
+                sm.reshape(n // 16, 2, k // 32, 2, 8).transpose(1, 2).contiguous())
     q5 = q.to(torch.uint8).reshape(n // 8, 8, k // 8, 2, 4)  # [blocks, col, kstep, lo/hi, t]
     byte = q5[:, :, :, 0] | (q5[:, :, :, 1] << 4)  # [blocks, col, kstep, t]
     packed = byte.permute(0, 2, 1, 3).contiguous()  # [blocks, kstep, col, t]
@@ -262,12 +259,10 @@ def int4_rows_per_entry(packed: torch.Tensor) -> int:
 
 def unpack_int4(packed: torch.Tensor, sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of ``pack_int4`` (either layout): (q uint8 [N, K], scale float32 [N, K/32], mn float32 [N, K/32])."""
-    if int4_rows_per_entry(packed) == 16:
+    if int4_rows_per_entry(packed) == 16:  # paired -> blocked
         npairs, groups = packed.shape[:2]
-        byte = packed.reshape(npairs, groups, 2, 4, 8, 4).permute(0, 2, 4, 1, 3, 5)  # [pairs, block, col, group, kstep, t]
-        q = torch.stack([byte & 0x0F, byte >> 4], dim=-2).reshape(npairs * 16, groups * 32)
-        s = sm.permute(0, 2, 4, 1, 3).reshape(npairs * 16, groups, 2).float()  # [N, G, 2]
-        return q, s[..., 0].contiguous(), s[..., 1].contiguous()
+        packed = packed.transpose(1, 2).reshape(npairs * 2, groups * 4, 8, 4)
+        sm = sm.transpose(1, 2).reshape(npairs * 2, groups, 2, 8)
     nb, ks = packed.shape[:2]
     byte = packed.permute(0, 2, 1, 3)  # [blocks, col, kstep, t]
     q = torch.stack([byte & 0x0F, byte >> 4], dim=3).reshape(nb * 8, ks * 8)
