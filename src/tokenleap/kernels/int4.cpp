@@ -137,7 +137,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor sc = at::empty({M, G}, x.options()), ss = at::empty({M, G}, x.options());
   float* scp = sc.data_ptr<float>();
   float* ssp = ss.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, scp + m * G, ssp + m * G);
+  // rows on their own (any split, the same values); a few rows stay on one thread
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, qp + m * K, scp + m * G, ssp + m * G);
+  });
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sm.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();

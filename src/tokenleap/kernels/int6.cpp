@@ -141,7 +141,10 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   int8_t* qp = xq.data_ptr<int8_t>();
   float* ap = av.data_ptr<float>();
   int32_t* sp = sums.data_ptr<int32_t>();
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, ap + m * G, sp + m * 2 * G);
+  // rows on their own (any split, the same values); a few rows stay on one thread
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, qp + m * K, ap + m * G, sp + m * 2 * G);
+  });
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
   float* out = y.data_ptr<float>();

@@ -215,11 +215,21 @@ inline void int6_pair_tile(const int8_t* xq, const float* a, const int32_t* sum1
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(y + m * ldy, acc[m]);
 }
 
-// Rows [0, M) in tiles of up to 8, each one pass over a column block's weights:
-// tile(std::integral_constant<int, MB>{}, m) for the tile of MB rows starting at row m.
+// Rows [0, M) in tiles, each one pass over a column block's weights: 16 rows while 16 are left,
+// then one of 12, then up to 8. A tile's shared work (loading and unpacking a group's weights and
+// scales) is spread over its rows, so a prefill's many rows run in the widest tiles the 32 vector
+// registers hold (16 accumulators beside the group's 8 weight vectors); every row's arithmetic is
+// the same in any tile. tile(std::integral_constant<int, MB>{}, m) for the tile of MB rows at row m.
 template <typename Tile>
 inline void in_tiles(int64_t M, Tile&& tile) {
   for (int64_t m = 0; m < M;) {
+    if (M - m >= 12) {
+      const bool wide = M - m >= 16;
+      if (wide) tile(std::integral_constant<int, 16>{}, m);
+      else tile(std::integral_constant<int, 12>{}, m);
+      m += wide ? 16 : 12;
+      continue;
+    }
     const int64_t take = M - m >= 8 ? 8 : M - m;
     switch (take) {
       case 8: tile(std::integral_constant<int, 8>{}, m); break;
