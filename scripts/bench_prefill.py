@@ -1,0 +1,66 @@
+"""Time the prefill of a fresh prompt of N tokens, as the engine runs it: forwards of up to
+``--chunk`` rows (the engine's prefill chunk), logits for the last row only. Prints prompt tokens
+per second, the median over repeats after one warm-up. Compare builds by running the script from
+each (``PYTHONPATH=WORKTREE/src``), alternating: this machine's speed drifts between processes.
+
+    python scripts/bench_prefill.py --tokens 100 160 400
+    python scripts/bench_prefill.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --tokens 160
+
+Token ids are random (a prefill's cost depends on its length, not on which tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from tokenleap.cache.contiguous import KVCache
+from tokenleap.models.pretrained import load_model
+from tokenleap.models.transformer import Segment
+from tokenleap.spec.engine import PREFILL_CHUNK
+
+
+def prefill_seconds(model, tokens: torch.Tensor, cache: KVCache, chunk: int) -> float:
+    """Seconds to prefill ``tokens`` [n] into a fresh slot of ``cache`` in chunks, as the engine does."""
+    slot = cache.allocate()
+    n = tokens.numel()
+    t0 = time.perf_counter()
+    for start in range(0, n, chunk):
+        rows = min(chunk, n - start)
+        model(tokens[start:start + rows], [Segment(slot, start, rows)], cache, logit_rows=torch.tensor([rows - 1]))
+    seconds = time.perf_counter() - t0
+    cache.free(slot)
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--gguf-other", default="int8", help="how a GGUF's non-4-bit tensors load (drafts: int4)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[100, 160, 400])
+    ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--json", action="store_true", help="one JSON line: prompt length -> tokens per second")
+    args = ap.parse_args()
+    model = load_model(args.model, quant=args.quant, gguf_other=args.gguf_other).model
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for n in args.tokens:
+        cache = KVCache(model.config, 1, n + 1, model.dtype)
+        tokens = torch.randint(0, 1000, (n,), generator=gen)
+        times = [prefill_seconds(model, tokens, cache, args.chunk) for _ in range(args.repeats + 1)][1:]
+        out[n] = round(n / statistics.median(times), 1)
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{args.model} ({args.quant}, other {args.gguf_other}), {torch.get_num_threads()} threads, chunk {args.chunk}")
+    for n, rate in out.items():
+        print(f"{n} tokens: {rate} tokens/s")
+
+
+if __name__ == "__main__":
+    main()
