@@ -124,6 +124,13 @@ class Bandit:
     def observe_catch_up(self, arm: str, tokens: int, seconds: float) -> None:
         self.arms[arm].costs.observe_catch_up(tokens, seconds)
 
+    def bind_target(self, target: DraftLengthController) -> None:
+        """Read every arm's draft figures at the drift of ``target``'s forwards since they were
+        measured (``costs.CostTables.drift``): an arm not drafting meanwhile keeps its figures from
+        a faster or slower spell of the machine, which its target left too."""
+        for a in self.arms.values():
+            a.costs.speed_source = target
+
     # -- choosing ---------------------------------------------------------------------------
     def rate(self, seq: SeqBandit, arm: str, k: int, batch: int, target: DraftLengthController,
              followers: tuple[str, ...] = (), proposes: bool = False) -> float:
@@ -281,9 +288,10 @@ class Bandit:
         sequence pays for at the per-token catch-up cost -- so a draft model that drafts about as
         fast as plain decoding keeps the sequence rather than dropping it on a slightly low
         estimate and paying to come back."""
-        if not self._in_step(seq, arm, backlogs) or not self.arms[arm].costs.catch_up_cost:
+        per_token = self.arms[arm].costs.catch_up_per_token()
+        if not self._in_step(seq, arm, backlogs) or not per_token:
             return plain
-        return batch / (batch / plain + self.arms[arm].costs.catch_up_cost)
+        return batch / (batch / plain + per_token)
 
     def _pays_beside(self, seq: SeqBandit, first: Choice, shadow: str, shadow_k: int, plain: float, margin: float,
                      remaining: float, catch_up: float) -> bool:
@@ -296,7 +304,7 @@ class Bandit:
         shadow_tokens = seq.arms[shadow].acceptance.expected_tokens(shadow_k, self.arms[shadow].prior())
         tokens = seq.arms[first.arm].acceptance.expected_tokens(first.k, self.arms[first.arm].prior())
         saved = (1.0 - offers) * tokens * (1.0 / plain - margin / first.rate)  # per step, on average
-        fed = offers * shadow_tokens * (self.arms[first.arm].costs.catch_up_cost or 0.0)
+        fed = offers * shadow_tokens * (self.arms[first.arm].costs.catch_up_per_token() or 0.0)
         if saved <= fed:
             return False
         return remaining / (offers * shadow_tokens + (1.0 - offers) * tokens) * (saved - fed) > catch_up

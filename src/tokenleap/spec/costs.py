@@ -19,6 +19,15 @@ since: this machine's speed drifts (a shared VM by 5-10% within minutes), and a 
 slow spell that nothing re-measures -- the row count of a proposer no longer chosen -- would
 otherwise keep that proposer out for good. The optimistic figure gets its row count tried, which
 measures it again.
+
+The draft's figures (seconds per drafted token, per token caught up) are measured only while the
+draft runs, so they go stale the same way while plain steps or another proposer run. A draft and
+its target slow down and speed up together with the machine, their ratio nearly fixed
+(BENCHMARKS.md, "Draft figures read at the machine's drift"). So each draft figure is read at its
+drift: the target's forward figures now over what they were when the draft figure was last
+measured (``drift``), for the row counts measured again since. The target's figures are those of
+``speed_source``: this table's own for the engine's controller (None), the engine's controller's
+for an arm of ``--spec auto``.
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ from collections import deque
 _MEMORY_BOUND_ROWS = 16  # beyond this many rows an unmeasured forward is guessed at least proportional to rows
 STALE_FORWARDS = 32  # a forward figure not measured in this many forwards is bounded by fresher neighbours
 LONG_CATCH_UP = 16  # a catch-up of this many tokens or more measures the draft's cost per prompt token
+MAX_DRIFT = 2.0  # a draft figure is scaled by the target's drift since it was measured, within [1/this, this]
 
 
 class CostTables:
@@ -51,6 +61,14 @@ class CostTables:
         # fixed cost spread over them, several times a prompt token's); the long ones set the figure
         self._catch_up_obs: deque[float] = deque(maxlen=cost_window)
         self._short_catch_up_obs: deque[float] = deque(maxlen=cost_window)
+        # whose forward figures the draft figures drift with (module docstring; None: this table's own)
+        self.speed_source: CostTables | None = None
+        self.follow_drift = True  # False: draft figures are taken as measured
+        self._forward_count: dict[int, int] = {}  # rows -> forwards of that size observed
+        # the speed source's forward figures (rows -> (seconds, count)) when the draft cost per drafted
+        # token / per token caught up was last observed
+        self._draft_mark: dict[int, tuple[float, int]] | None = None
+        self._catch_up_mark: dict[int, tuple[float, int]] | None = None
 
     @property
     def draft_cost(self) -> float | None:
@@ -61,20 +79,52 @@ class CostTables:
     def draft_cost(self, seconds: float) -> None:
         self._draft_obs.pop(1, None)
         self._observe(self._draft_obs, self.draft_cost_at, 1, seconds)
+        self._draft_mark = self._speed_mark()
 
     def predict_draft(self, batch: int) -> float:
         """Seconds per drafted token at ``batch`` sequences: measured, else the nearest smaller
         batch's figure (batching only makes a token cheaper), else optimistic zero -- and never so
         low that a draft forward for ``batch`` sequences would cost less than one measured for fewer
-        (a figure caught at a fast moment, or a batch measured once, cannot make drafting look cheap)."""
+        (a figure caught at a fast moment, or a batch measured once, cannot make drafting look cheap);
+        read at the target's drift since the draft was last measured (``drift``)."""
         known = self.draft_cost_at
+        if not known:
+            return 0.0
+        drift = self.drift(self._draft_mark)
         if batch in known:
             per = known[batch]
         elif smaller := [b for b in known if b < batch]:
             per = known[max(smaller)]
         else:
-            return known[min(known)] if known else 0.0
-        return max(per, max((known[b] * b for b in known if b < batch), default=0.0) / batch)
+            return known[min(known)] * drift
+        return max(per, max((known[b] * b for b in known if b < batch), default=0.0) / batch) * drift
+
+    def catch_up_per_token(self) -> float | None:
+        """Seconds per token the draft feeds outside drafting, at the target's drift since it was
+        measured (None: never measured)."""
+        if self.catch_up_cost is None:
+            return None
+        return self.catch_up_cost * self.drift(self._catch_up_mark)
+
+    def _speed_mark(self) -> dict[int, tuple[float, int]]:
+        """The speed source's forward figures now, those measured recently only (a figure left from an
+        earlier spell would make the drift since then look like drift since this draft figure)."""
+        src = self.speed_source or self
+        return {r: (c, src._forward_count.get(r, 0)) for r, c in src.forward_cost.items() if not src._stale(r)}
+
+    def drift(self, mark: dict[int, tuple[float, int]] | None) -> float:
+        """How much slower (> 1) or faster (< 1) the target's forwards run now than at ``mark``: over
+        the row counts whose figure has been measured afresh since (``cost_window`` forwards of that
+        size, so the median holds none from before), the median of the figure now over the figure
+        then; 1 where none has (the draft figure is as recent as any), within ``MAX_DRIFT``."""
+        src = self.speed_source or self
+        if not self.follow_drift or not mark:
+            return 1.0
+        ratios = [src.forward_cost[r] / then for r, (then, count) in mark.items()
+                  if then > 0 and r in src.forward_cost and src._forward_count.get(r, 0) - count >= self.cost_window]
+        if not ratios:
+            return 1.0
+        return min(MAX_DRIFT, max(1.0 / MAX_DRIFT, statistics.median(ratios)))
 
     def catch_up_seconds(self, tokens: float) -> float:
         """Predicted seconds for the draft to feed ``tokens`` it has not followed: one forward over
@@ -82,7 +132,7 @@ class CostTables:
         drafted token's time (a forward of one row)."""
         if tokens <= 0:
             return 0.0
-        return max(tokens * (self.catch_up_cost or 0.0), self.predict_draft(1) if self.draft_cost_at else 0.0)
+        return max(tokens * (self.catch_up_per_token() or 0.0), self.predict_draft(1) if self.draft_cost_at else 0.0)
 
     def predict_forward(self, rows: int, explore: bool = False) -> float:
         """Seconds for a target forward over ``rows``. ``explore`` (one sequence): a block larger
@@ -137,6 +187,7 @@ class CostTables:
         """A target forward over ``rows`` (a chain's or plain step's) took ``seconds``."""
         self._forwards += 1
         self._forward_seen[rows] = self._forwards
+        self._forward_count[rows] = self._forward_count.get(rows, 0) + 1
         self._observe(self._forward_obs, self.forward_cost, rows, seconds)
 
     def _observe(self, obs: dict, table: dict, key, value: float) -> None:
@@ -157,9 +208,11 @@ class CostTables:
             return
         (self._catch_up_obs if tokens >= LONG_CATCH_UP else self._short_catch_up_obs).append(seconds / tokens)
         self.catch_up_cost = statistics.median(self._catch_up_obs or self._short_catch_up_obs)
+        self._catch_up_mark = self._speed_mark()
 
     def observe_draft(self, tokens: int, seconds: float, batch: int = 1) -> None:
         """``tokens`` drafted in ``seconds`` for ``batch`` sequences together."""
         if tokens <= 0:
             return
         self._observe(self._draft_obs, self.draft_cost_at, batch, seconds / tokens)
+        self._draft_mark = self._speed_mark()

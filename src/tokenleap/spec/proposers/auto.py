@@ -110,6 +110,8 @@ class AutoProposer:
         (the engine's controller) measures them; returns the longest draft planned (0: every
         sequence decodes plainly). Shadow arms are scored here, and their proposals for the step made
         first: the plan knows which of them has one (``Bandit.rank``'s ``present``)."""
+        if self.target is not target:
+            self.bandit.bind_target(target)
         self.target = target
         max_k = target.cfg.fixed_k or target.cfg.max_k
         longest = 0
