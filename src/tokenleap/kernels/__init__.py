@@ -308,9 +308,14 @@ def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
     return packed, dd
 
 
+def int6_rows_per_entry(packed: torch.Tensor) -> int:
+    """Weight rows per index of ``pack_int6``'s packed tensor's first dimension (a block: 8; paired: 16)."""
+    return 16 if packed.dim() == 4 else 8
+
+
 def unpack_int6(packed: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of ``pack_int6`` (either layout): (q uint8 [N, K], sc int8 [N, K/16], d float32 [N, K/256])."""
-    if packed.dim() == 4:  # paired -> blocked
+    if int6_rows_per_entry(packed) == 16:  # paired -> blocked
         packed = packed.transpose(1, 2).reshape(-1, packed.shape[1], packed.shape[3])
         d = d.transpose(1, 2).reshape(-1, d.shape[1], d.shape[3])
     nb, groups = packed.shape[:2]

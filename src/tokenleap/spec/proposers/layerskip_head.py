@@ -39,8 +39,8 @@ def _rows(head, lo: int, hi: int) -> Product | None:
         packed, sm = head.packed[lo // per:hi // per], head.scales_and_mins[lo // per:hi // per]
         return lambda x, exact: kernels.int4_linear(x.float(), packed, sm)
     if isinstance(head, Int6Linear):  # a GGUF's Q6_K head kept exactly (int4 targets)
-        per = 16 if head.packed.dim() == 4 else 8  # paired: 16 rows an index, [.., in/32, 2, 208]
-        packed, d = head.packed[lo // per:hi // per], head.d[lo // per:hi // per]  # [(hi-lo)/per, in/32, (2,) 208], [.., in/256, (2,) 8]
+        per = kernels.int6_rows_per_entry(head.packed)  # 8-row blocks [.., in/32, 208], or pairs [.., in/32, 2, 208]
+        packed, d = head.packed[lo // per:hi // per], head.d[lo // per:hi // per]  # d: [.., in/256, (2,) 8]
         return lambda x, exact: kernels.int6_linear(x.float(), packed, d, None)
     if isinstance(head, Linear):
         packed = head.__dict__.get("_packed") if head.weight.dtype == torch.bfloat16 and head._bf16_kernel() else None
