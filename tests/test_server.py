@@ -422,7 +422,7 @@ def test_llamacpp_completion_endpoint(server):
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert "".join(e["content"] for e in events) == seeded.text and events[-1]["stop"] is True
     assert all(e["stop"] is False for e in events[:-1]) and events[-1]["tokens_predicted"] == 10
-    for bad in ({}, {"prompt": ["a", "b"]}, {"prompt": [VOCAB]}, {"prompt": ""}, {"prompt": "x", "n_predict": "many"}):
+    for bad in ({}, {"prompt": [["a"], 5]}, {"prompt": [VOCAB]}, {"prompt": ""}, {"prompt": "x", "n_predict": "many"}):
         r = httpx.post(server.url + "/completion", headers=auth, json=bad, timeout=60)
         assert r.status_code == 400, bad
     assert httpx.post(server.url + "/completion", json={"prompt": "x"}, timeout=60).status_code == 401

@@ -45,6 +45,7 @@ from tokenleap.serve.jobs import ClientGone, Job
 from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
+from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
@@ -99,6 +100,7 @@ class OpenAIServer:
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         ResponsesRoutes(self).add_to(app)
         LlamaCppRoutes(self).add_to(app)  # llama.cpp's own /completion and /infill (code at a cursor)
+        LlamaCppInfoRoutes(self).add_to(app)  # ... and its /props, /apply-template
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
@@ -142,7 +144,9 @@ class OpenAIServer:
 
     async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
         """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize (and as
-        llama.cpp's: the prompt as ``content``, ``with_pieces`` giving each token's text)."""
+        llama.cpp's: the prompt as ``content``, ``with_pieces`` giving each token's text). The model's
+        special tokens (a BOS) are added as each API does by default: for a ``prompt``, not for a
+        ``content``, unless ``add_special_tokens`` (vLLM's) or ``add_special`` (llama.cpp's) says."""
         self._auth(request)
         req = parse_body(await request.body(), TokenizeRequest)
         self._check_model(req.model)
@@ -150,7 +154,11 @@ class OpenAIServer:
         if len(given) != 1:
             raise bad_request("give exactly one of prompt (or content) or messages")
         text = req.prompt if req.prompt is not None else req.content
-        ids = self._encode(text) if text is not None else self._encode_chat(chat_messages(req), ToolPlan())
+        flags = {f for f in (req.add_special_tokens, req.add_special) if f is not None}
+        if len(flags) > 1:
+            raise bad_request("add_special_tokens and add_special disagree", "add_special")
+        special = flags.pop() if flags else req.content is None
+        ids = self._encode_chat(chat_messages(req), ToolPlan()) if text is None else self._encode(text, special)
         tokens: list[Any] = [{"id": t, "piece": self.tokenizer.decode([t])} for t in ids] if req.with_pieces else ids
         return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": tokens}
 
@@ -360,14 +368,14 @@ class OpenAIServer:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         return [(encode or self._encode)(p) for p in prompt]
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
             vocab = self.engine.model.config.vocab_size
             if not prompt or not all(0 <= t < vocab for t in prompt):
                 raise bad_request(f"token ids must be non-empty lists of ids in [0, {vocab})", "prompt")
             return prompt
         try:
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
 

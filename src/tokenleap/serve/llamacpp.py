@@ -1,17 +1,27 @@
 """llama.cpp's own server API beside the OpenAI one, for clients written for llama.cpp's server:
-``POST /completion`` (also ``/completions``): a prompt (text or token ids) continued; and
-``POST /infill``: code completion at a cursor, as editor plugins (llama.vscode and others) call it
-(``input_prefix`` / ``input_suffix`` around the cursor, ``input_extra``: other files' chunks as
-context, ``prompt``: text the middle starts with; the prompt is ``text/fim.py``'s).
+``POST /completion`` (also ``/completions``): a prompt continued; and ``POST /infill``: code
+completion at a cursor, as editor plugins (llama.vscode and others) call it (``input_prefix`` /
+``input_suffix`` around the cursor, ``input_extra``: other files' chunks as context, ``prompt``: text
+the middle starts with; the prompt is ``text/fim.py``'s). ``llamacpp_info.py`` serves the rest of
+that API (``/props``, ``/apply-template``).
 
-Both run through the same scheduler, sampling and speculation as ``/v1/completions``. llama.cpp's
-sampling names and defaults are taken where a field is absent (``n_predict`` -1: up to the context's
-end; ``temperature`` 0.8, ``top_k`` 40, ``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded;
-``repeat_penalty``); ``json_schema`` or ``grammar`` (GBNF) constrain the reply as
-``response_format`` / ``guided_grammar`` do; its other options (``n_probs``, ``cache_prompt``,
-``samplers`` ...) are ignored. The reply has llama.cpp's shape: ``{"content", "stop": true, "stop_type" ("eos", "word": a
-stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated", "timings",
-"model"}``; streamed, one ``data: {"content": ..., "stop": false}`` event a piece, then the final object.
+Both run through the same scheduler, sampling and speculation as ``/v1/completions``. A
+``/completion`` prompt is a string, token ids, or a list mixing the two (one prompt); a list of
+strings or of such lists is several prompts, answered with a list of results in order (streamed:
+each event carries its prompt's ``index``). llama.cpp's sampling names and defaults are taken where a
+field is absent (``n_predict`` -1: up to the context's end; ``temperature`` 0.8, ``top_k`` 40,
+``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded; ``repeat_penalty``); ``logit_bias`` as
+``[[token, bias], ...]`` (a token id or a string, whose tokens all get the bias; ``false``: banned) or
+an object; ``json_schema`` or ``grammar`` (GBNF) constrain the reply as ``response_format`` /
+``guided_grammar`` do; ``n_probs`` N > 0 adds ``completion_probabilities``: each generated token's
+log-probability and the N most likely tokens, from the model's raw logits (llama.cpp's form without
+``post_sampling_probs``, which is refused); ``return_tokens`` adds the generated ids. Its other
+options (``cache_prompt``: the prefix cache is always on, ``samplers`` ...) are ignored.
+
+The reply has llama.cpp's shape: ``{"index", "content", "tokens", "stop": true, "stop_type" ("eos",
+"word": a stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated",
+"tokens_cached", "timings", "model"}``; streamed, one ``data: {"index", "content", "tokens", "stop":
+false}`` event a piece, then the final object.
 """
 from __future__ import annotations
 
@@ -23,12 +33,14 @@ from typing import Any
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
-from tokenleap.config import ConfigError
+from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.serve.jobs import Job
-from tokenleap.serve.protocol import APIError, CompletionRequest, Int64, _Strict, bad_request, \
+from tokenleap.serve.protocol import MAX_PROMPTS, APIError, CompletionRequest, Int64, _Strict, bad_request, \
     check_max_tokens, parse_body, structured_output
-from tokenleap.serve.responses import Format, new_id, now
+from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now
 from tokenleap.text.fim import encode_fim
+
+_BiasKey = Int64 | str
 
 
 class _LlamaSampling(_Strict):
@@ -45,13 +57,23 @@ class _LlamaSampling(_Strict):
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: list[list[_BiasKey | float | bool]] | dict[str, float | bool] | None = None
+    n_probs: Int64 | None = None  # the N most likely tokens with each generated one
+    post_sampling_probs: bool | None = None  # probabilities after the samplers: not served (refused)
+    return_tokens: bool | None = False  # the generated ids in "tokens"
     json_schema: dict[str, Any] | None = None  # the reply follows this JSON schema ...
     grammar: str | None = None  # ... or this grammar (GBNF, as llama.cpp takes it, or Lark)
 
-    def completion(self) -> CompletionRequest:
-        """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in)."""
+    def completion(self, tokenizer) -> CompletionRequest:
+        """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in; a string
+        key of ``logit_bias`` tokenized with ``tokenizer``)."""
         def given(value, default):
             return default if value is None else value
+        if self.post_sampling_probs:
+            raise bad_request("post_sampling_probs is not supported: n_probs gives the model's own "
+                              "probabilities (its raw logits)", "post_sampling_probs")
+        if self.n_probs is not None and not 0 <= self.n_probs <= MAX_LOGPROBS:
+            raise bad_request(f"n_probs must be in [0, {MAX_LOGPROBS}], got {self.n_probs}", "n_probs")
         return CompletionRequest.model_construct(**{
             **{name: field.default for name, field in CompletionRequest.model_fields.items()},
             "model": self.model, "prompt": "", "temperature": given(self.temperature, 0.8),
@@ -60,11 +82,42 @@ class _LlamaSampling(_Strict):
             "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "max_tokens": None if self.n_predict in (None, -1) else self.n_predict,
-            "guided_json": self.json_schema, "guided_grammar": self.grammar})
+            "logit_bias": _bias(self.logit_bias, tokenizer) or None,
+            "logprobs": self.n_probs or None, "guided_json": self.json_schema, "guided_grammar": self.grammar})
+
+
+def _bias(given, tokenizer) -> dict[str, float]:
+    """llama.cpp's ``logit_bias`` as OpenAI's {token id: bias}. Pairs ``[key, value]`` or an object;
+    a key is a token id (an integer; in the object, a string of digits) or else text, every token of
+    which gets the bias; a value is a bias or ``false`` (banned: -100)."""
+    pairs = list(given.items()) if isinstance(given, dict) else given or []
+    out: dict[str, float] = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise bad_request("logit_bias entries must be [token id or text, bias or false]", "logit_bias")
+        key, value = pair
+        if value is True or not isinstance(value, (int, float)):
+            raise bad_request(f"a logit_bias value must be a number or false, got {value!r}", "logit_bias")
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise bad_request(f"a logit_bias key must be a token id or text, got {key!r}", "logit_bias")
+        if isinstance(key, int) or (isinstance(given, dict) and key.isdigit()):
+            ids = [int(key)]
+        else:
+            ids = _plain_ids(tokenizer, key, "logit_bias")
+        out.update({str(t): -100.0 if value is False else float(value) for t in ids})
+    return out
+
+
+def _plain_ids(tokenizer, text: str, param: str) -> list[int]:
+    """``text``'s ids with no special tokens added (a 400 naming ``param`` if it cannot be tokenized)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False) if text else []
+    except (ValueError, TypeError, UnicodeError, ConfigError) as e:
+        raise bad_request(f"the text could not be tokenized: {e}", param) from None
 
 
 class LlamaCompletionRequest(_LlamaSampling):
-    prompt: str | list[Int64]
+    prompt: str | list[Int64 | str | list[Int64 | str]]
 
 
 class InputChunk(_Strict):
@@ -95,18 +148,19 @@ class LlamaCppRoutes:
         app.add_api_route("/infill", self.infill, methods=["POST"])
 
     async def complete(self, request: HTTPRequest) -> Response:
-        self.server._auth(request)
+        server = self.server
+        server._auth(request)
         body = parse_body(await request.body(), LlamaCompletionRequest)
-        req = body.completion()
-        self.server._check(req)
-        [ids] = self.server._prompts(body.prompt)
-        return await self._run(request, req, ids, "completion")
+        req = body.completion(server.tokenizer)
+        server._check(req)
+        prompts = [_join(p, server) for p in _prompts(body.prompt)]
+        return await self._run(request, body, req, prompts, "completion", multi=_is_multi(body.prompt))
 
     async def infill(self, request: HTTPRequest) -> Response:
         server = self.server
         server._auth(request)
         body = parse_body(await request.body(), InfillRequest)
-        req = body.completion()
+        req = body.completion(server.tokenizer)
         server._check(req)
         files = [(c.filename, c.text) for c in body.input_extra or []]
         try:
@@ -116,50 +170,112 @@ class LlamaCppRoutes:
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the input could not be tokenized: {e}", "input_prefix") from None
         req.stop_token_ids = list(fim.stop_ids)
-        return await self._run(request, req, ids, "infill")
+        return await self._run(request, body, req, [ids], "infill", multi=False)
 
-    async def _run(self, request: HTTPRequest, req: CompletionRequest, ids: list[int], kind: str) -> Response:
+    async def _run(self, request: HTTPRequest, body: _LlamaSampling, req: CompletionRequest,
+                   prompts: list[list[int]], kind: str, multi: bool) -> Response:
         server = self.server
-        budget = check_max_tokens(req.max_tokens, len(ids), server.engine.max_len, None, "n_predict")
+        budgets = [check_max_tokens(req.max_tokens, len(p), server.engine.max_len, None, "n_predict") for p in prompts]
         fmt = Format(new_id("cmpl"), kind, server.cfg.model_name, now(), chat=False)
-        job = await server._start(req, [ids], [budget], structured_output(req))
+        job = await server._start(req, prompts, budgets, structured_output(req), req.logprobs)
+        shape = _Shape(job, server.cfg.model_name, TokenText(server.tokenizer) if req.logprobs else None,
+                       bool(body.return_tokens))
 
-        async def final(texts, reasons, _) -> dict[str, Any]:
-            return self._final(texts[0], reasons[0], job)
-        return await server._answer(request, job, fmt, bool(req.stream), self._events(job), final)
+        async def final(texts, reasons, scored) -> Any:
+            results = [shape.final(i, texts[i], reasons[i], scored[i]) for i in range(len(texts))]
+            return results if multi else results[0]
+        return await server._answer(request, job, fmt, bool(req.stream), shape.events(), final)
 
-    async def _events(self, job: Job) -> AsyncIterator[str]:
-        reason = None
-        async for i, out in job.outputs():
+
+def _is_multi(prompt) -> bool:
+    """Several prompts: a list of strings, or a list holding lists (llama.cpp's rule)."""
+    return isinstance(prompt, list) and bool(prompt) and (
+        all(isinstance(p, str) for p in prompt) or any(isinstance(p, list) for p in prompt))
+
+
+def _prompts(prompt) -> list:
+    """The request's prompts, each a string or a list mixing token ids and strings."""
+    if not _is_multi(prompt):
+        return [prompt]
+    if not all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("a list of prompts holds strings or lists of token ids and strings, not bare ids",
+                          "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+    return prompt
+
+
+def _join(prompt, server) -> list[int]:
+    """One prompt's ids: a string encoded as ``/v1/completions`` does (a BOS where the model adds
+    one); a list's strings encoded in place between its ids, a BOS only before a leading string (as
+    llama.cpp does)."""
+    if isinstance(prompt, str) or not prompt:
+        return server._prompts(prompt)[0]  # (an empty prompt: refused there)
+    ids: list[int] = []
+    for j, part in enumerate(prompt):
+        if isinstance(part, str):
+            ids += server._encode(part, add_special_tokens=j == 0)
+        else:
+            ids.append(part)
+    return server._encode(ids)  # (checks the ids against the vocabulary)
+
+
+class _Shape:
+    """One job's replies in llama.cpp's shapes: stream events and final objects, per prompt."""
+
+    def __init__(self, job: Job, model: str, tokens: TokenText | None, return_tokens: bool) -> None:
+        self.job, self.model, self.tokens, self.return_tokens = job, model, tokens, return_tokens
+
+    async def events(self) -> AsyncIterator[str]:
+        reasons: dict[int, str | None] = {}
+        async for i, out in self.job.outputs():
             if out.error:
                 yield _sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
                 return
-            piece, _ = job.piece(i, out)
-            reason = out.finish_reason or reason
-            if piece:
-                yield _sse({"content": piece, "stop": False})
-        yield _sse(self._final("", reason, job))
+            piece, scored = self.job.piece(i, out)
+            reasons[i] = out.finish_reason or reasons.get(i)
+            if piece or out.token_ids:
+                event: dict[str, Any] = {"index": i, "content": piece, "tokens": list(out.token_ids), "stop": False}
+                if self.tokens is not None:
+                    event["completion_probabilities"] = self._probs(scored)
+                yield _sse(event)
+            if out.finish_reason is not None:
+                yield _sse(self.final(i, "", out.finish_reason, [], whole=False))
 
-    def _final(self, text: str, reason: str | None, job: Job) -> dict[str, Any]:
-        usage = job.usage()
-        stopped_by = job.stop_reason(0)
+    def final(self, i: int, text: str, reason: str | None, scored: list[Scored], whole: bool = True) -> dict[str, Any]:
+        """Prompt ``i``'s final object: the whole reply, or (``whole`` false) a stream's last event."""
+        job = self.job
+        stopped_by = job.stop_reason(i)
         word = stopped_by if isinstance(stopped_by, str) else ""
-        return {"content": text, "stop": True, "stop_type": "word" if word else _STOP_TYPES.get(reason, "none"),
-                "stopping_word": word, "model": self.server.cfg.model_name,
-                "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
-                "truncated": False, "timings": _timings(job, usage)}
+        seq = job.requests[i].seq
+        out = {"index": i, "content": text, "tokens": list(seq.generated) if self.return_tokens and whole else [],
+               "stop": True, "stop_type": "word" if word else _STOP_TYPES.get(reason, "none"),
+               "stopping_word": word, "model": self.model, "tokens_predicted": job.generated[i],
+               "tokens_evaluated": len(seq.prompt), "tokens_cached": seq.cached_tokens, "truncated": False,
+               "timings": _timings(job, i)}
+        if self.tokens is not None and whole:
+            out["completion_probabilities"] = self._probs(scored)
+        return out
+
+    def _probs(self, scored: list[Scored]) -> list[dict[str, Any]]:
+        tt = self.tokens
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            return {"id": token_id, "token": tt.text(token_id), "bytes": tt.bytes(token_id), "logprob": logprob}
+        return [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
+                for t, lp in scored if lp is not None]
 
 
-def _timings(job: Job, usage: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp's ``timings`` of a finished request: the prompt's time (arrival to first token, so a
-    queue wait counts) over the tokens computed (those taken from the prefix cache: ``cache_n``), and
-    the generation's (first token to now) over the tokens generated."""
-    end, first = time.monotonic(), job.requests[0].first_token_time
+def _timings(job: Job, i: int) -> dict[str, Any]:
+    """llama.cpp's ``timings`` of prompt ``i``'s finished reply: the prompt's time (arrival to first
+    token, so a queue wait counts) over the tokens computed (those taken from the prefix cache:
+    ``cache_n``), and the generation's (first token to now) over the tokens generated."""
+    request = job.requests[i]
+    end, first = time.monotonic(), request.first_token_time
     first = end if first is None else first
-    cached = job.requests[0].seq.cached_tokens
+    cached = request.seq.cached_tokens
     out: dict[str, Any] = {"cache_n": cached}
-    for name, n, seconds in (("prompt", usage["prompt_tokens"] - cached, first - job.t0),
-                             ("predicted", usage["completion_tokens"], end - first)):
+    for name, n, seconds in (("prompt", len(request.seq.prompt) - cached, first - job.t0),
+                             ("predicted", job.generated[i], end - first)):
         ms = 1000.0 * max(seconds, 0.0)
         out.update({f"{name}_n": n, f"{name}_ms": ms, f"{name}_per_token_ms": ms / n if n else 0.0,
                     f"{name}_per_second": 1000.0 * n / ms if n and ms > 0 else 0.0})

@@ -193,6 +193,10 @@ class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; 
     messages: list[ChatMessage] | None = None
     content: str | None = None  # llama.cpp's name for the prompt
     with_pieces: bool = False  # llama.cpp's: each token as {"id", "piece"}
+    # a BOS (or other special tokens the model adds) before the text: vLLM's name (default true) or
+    # llama.cpp's (default false, as is its default for a "content" request)
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
 
 
 class DetokenizeRequest(_Strict):

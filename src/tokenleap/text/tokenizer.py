@@ -371,12 +371,11 @@ class Tokenizer:
         except Exception as e:  # jinja2 errors, or a template indexing a field a message lacks
             raise ChatTemplateError(f"the model's chat template failed on these messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    reply_prefix: str = "", continue_final_message: bool = False, **kwargs: Any) -> list[int]:
-        """Token ids of a rendered conversation (followed by ``reply_prefix``, text the reply is
-        made to start with; with ``continue_final_message`` the rendering stops right after the
-        final message's content, so the reply continues it); BOS is added only if the model wants
-        one and the template did not already write it."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    reply_prefix: str = "", continue_final_message: bool = False, **kwargs: Any) -> str:
+        """A conversation's prompt text, followed by ``reply_prefix`` (text the reply is made to start
+        with); with ``continue_final_message`` the rendering stops right after the final message's
+        content, so the reply continues it."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
                                         **kwargs)
         if continue_final_message:
@@ -386,7 +385,13 @@ class Tokenizer:
                 raise ChatTemplateError("continue_final_message: the final message's content (non-empty) "
                                         "is not in the rendered conversation")
             text = text[:at + len(final)]
-        text += reply_prefix
+        return text + reply_prefix
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    reply_prefix: str = "", continue_final_message: bool = False, **kwargs: Any) -> list[int]:
+        """Token ids of ``render_chat``'s text; BOS is added only if the model wants one and the
+        template did not already write it."""
+        text = self.render_chat(messages, add_generation_prompt, reply_prefix, continue_final_message, **kwargs)
         ids = self.encode(text, add_special_tokens=False)
         if self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)

@@ -1,0 +1,77 @@
+"""The rest of llama.cpp's server API that its clients read (its web UI, editor plugins, scripts):
+
+- ``GET /props``: the server's properties -- the context length (``n_ctx``), the default sampling
+  settings of ``/completion`` (llama.cpp's, which ``llamacpp.py`` applies), the slots (sequences
+  served at once), the chat template, BOS / EOS tokens, and whether speculation is on;
+- ``POST /apply-template``: chat messages (with ``tools`` and ``chat_template_kwargs``, as
+  ``/v1/chat/completions`` takes them) rendered into the prompt text the model would be given,
+  returned as ``{"prompt"}`` for the client to edit and send to ``/completion``;
+- ``GET /v1/health``, the same as ``/health``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+
+from tokenleap import __version__
+from tokenleap.config import ConfigError
+from tokenleap.serve.protocol import ChatRequest, bad_request, chat_messages, chat_options, parse_body
+from tokenleap.serve.tools import ToolPlan
+
+# /completion's defaults where a request leaves a field out (llama.cpp's; llamacpp.py applies them)
+DEFAULT_PARAMS: dict[str, Any] = {
+    "n_predict": -1, "seed": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+    "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": [], "max_tokens": -1,
+    "ignore_eos": False, "stream": False, "n_probs": 0, "grammar": ""}
+
+
+class LlamaCppInfoRoutes:
+    """``/props``, ``/apply-template`` and ``/v1/health`` for ``server`` (an ``app.OpenAIServer``)."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/props", self.props, methods=["GET"])
+        app.add_api_route("/apply-template", self.apply_template, methods=["POST"])
+        app.add_api_route("/v1/health", self.server.health, methods=["GET"])
+
+    async def props(self, request: HTTPRequest) -> dict[str, Any]:
+        server = self.server
+        server._auth(request)
+        tok, cfg = server.tokenizer, server.cfg
+        settings = {"id": 0, "id_task": -1, "n_ctx": server.engine.max_len,
+                    "speculative": server.engine.proposer is not None, "is_processing": False,
+                    "params": dict(DEFAULT_PARAMS), "prompt": ""}
+        return {"default_generation_settings": settings, "total_slots": server.scheduler.max_seqs,
+                "model_alias": cfg.model_name, "model_path": (cfg.model_aliases or (cfg.model_name,))[0],
+                "chat_template": getattr(tok, "chat_template", None) or "",
+                "bos_token": getattr(tok, "bos_token", None) or "", "eos_token": getattr(tok, "eos_token", None) or "",
+                "modalities": {"vision": False, "audio": False}, "build_info": f"tokenleap {__version__}",
+                "speculative_method": server.proposer_name, "is_sleeping": False}
+
+    async def apply_template(self, request: HTTPRequest) -> dict[str, str]:
+        server = self.server
+        server._auth(request)
+        req = parse_body(await request.body(), ChatRequest)
+        server._check_model(req.model)
+        tools = server._plan_tools(req)
+        return {"prompt": render_chat(server.tokenizer, chat_messages(req), tools, chat_options(req))}
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], tools: ToolPlan, options: dict[str, Any]) -> str:
+    """The conversation's prompt text as ``/v1/chat/completions`` would give it to the model (up to
+    the opening of a forced tool call), or a 400 that says why it cannot be rendered."""
+    extra = {**options, **({"tools": tools.tools} if tools.tools is not None else {})}
+    try:
+        render = getattr(tokenizer, "render_chat", None)
+        if render is not None:
+            return render(messages, reply_prefix=tools.prefix, **extra)
+        if extra.pop("continue_final_message", False):
+            raise bad_request("this tokenizer cannot continue a final message", "continue_final_message")
+        return tokenizer.apply_chat_template(messages, **extra) + tools.prefix
+    except ConfigError as e:
+        raise bad_request(str(e), "messages") from None
+    except (ValueError, TypeError, UnicodeError) as e:
+        raise bad_request(f"the messages could not be rendered: {e}", "messages") from None

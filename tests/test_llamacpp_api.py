@@ -1,0 +1,165 @@
+"""llama.cpp's own server API against a live server (tiny random model, toy tokenizer): /completion's
+prompt shapes (several prompts, ids mixed with text), n_probs, return_tokens and logit_bias;
+/props, /apply-template and /tokenize's add_special. Every reply is compared with the same prompt
+generated alone by a plain engine."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tokenleap.config import SamplingParams
+from tokenleap.serve.app import ServerConfig, create_app
+from tokenleap.serve.scheduler import SchedulerConfig
+
+from serving_helpers import MAX_LEN, VOCAB, ChatToyTokenizer, LiveServer, alone, paged_engine
+
+NAME = "tiny-qwen2"
+BOS = 1
+
+
+class BosToyTokenizer(ChatToyTokenizer):
+    """The toy tokenizer with a BOS before encoded text, as Llama's and Gemma's tokenizers add one."""
+
+    bos_token_id = BOS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + super().encode(text)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = paged_engine("ngram")
+    config = ServerConfig(model_name=NAME, model_aliases=("/models/tiny.gguf",),
+                          scheduler=SchedulerConfig(log_interval=0))
+    with LiveServer(create_app(engine, config)) as s:
+        yield s
+
+
+def ids_of(text: str) -> list[int]:
+    return ChatToyTokenizer(VOCAB).encode(text)
+
+
+def ref(ids: list[int], n: int, **kw):
+    return alone(ids, SamplingParams(max_tokens=n, **kw))
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def events(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+
+
+def test_several_prompts_and_mixed_ids(server):
+    """A list of prompts gets a list of results in order, each the prompt generated alone; a list of
+    ids and text is one prompt (the text's ids in place); streamed events carry their prompt's index."""
+    greedy = {"n_predict": 8, "temperature": 0, "ignore_eos": True}
+    prompts = ["hello there", [5, 6, 7, 8, 9], [11, 12, "abc", 13]]
+    wanted = [ids_of("hello there"), [5, 6, 7, 8, 9], [11, 12, *ids_of("abc"), 13]]
+    refs = [ref(ids, 8, temperature=0, ignore_eos=True) for ids in wanted]
+    results = post(server, "/completion", {**greedy, "prompt": prompts}).json()
+    assert isinstance(results, list) and [r["index"] for r in results] == [0, 1, 2]
+    assert [r["content"] for r in results] == [r.text for r in refs]
+    assert [r["tokens_evaluated"] for r in results] == [len(ids) for ids in wanted]
+    assert all(r["tokens_predicted"] == 8 and r["stop_type"] == "limit" for r in results)
+    one = post(server, "/completion", {**greedy, "prompt": prompts[2]}).json()
+    assert isinstance(one, dict) and one["content"] == refs[2].text and one["index"] == 0
+    streamed = events(server, "/completion", {**greedy, "prompt": prompts})
+    for i, r in enumerate(refs):
+        mine = [e for e in streamed if e["index"] == i]
+        assert "".join(e["content"] for e in mine) == r.text
+        assert [t for e in mine for t in e["tokens"]] == r.generated  # stream events carry their ids
+        assert mine[-1]["stop"] is True and all(e["stop"] is False for e in mine[:-1])
+    for bad in ({"prompt": [[5, 6], 7]}, {"prompt": ["x"] * 17}, {"prompt": [[]]}, {"prompt": [5, VOCAB]},
+                {"prompt": [["a", VOCAB]]}):
+        assert post(server, "/completion", {**greedy, **bad}).status_code == 400, bad
+
+
+def test_n_probs_and_return_tokens(server):
+    """n_probs: each generated token's logprob and its N most likely alternatives, the same figures
+    as /v1/completions' logprobs (the model's raw logits); return_tokens: the generated ids."""
+    body = {"prompt": "score me", "n_predict": 10, "temperature": 0, "ignore_eos": True, "n_probs": 3,
+            "return_tokens": True}
+    r = ref(ids_of("score me"), 10, temperature=0, ignore_eos=True, logprobs=3)
+    out = post(server, "/completion", body).json()
+    assert out["tokens"] == r.generated
+    probs = out["completion_probabilities"]
+    assert [p["id"] for p in probs] == r.generated
+    assert [p["logprob"] for p in probs] == pytest.approx([t.logprob for t in r.logprobs], abs=1e-6)
+    tok = ChatToyTokenizer(VOCAB)
+    for p, t in zip(probs, r.logprobs):
+        assert p["token"] == tok.piece(p["id"]) and p["bytes"] == list(p["token"].encode())
+        assert [a["id"] for a in p["top_logprobs"]] == [a for a, _ in t.top] and len(p["top_logprobs"]) == 3
+        assert p["top_logprobs"][0]["id"] == p["id"]  # greedy: the most likely token was chosen
+    streamed = events(server, "/completion", body)
+    assert [p for e in streamed if not e["stop"] for p in e["completion_probabilities"]] == probs
+    assert "completion_probabilities" not in post(server, "/completion", {**body, "n_probs": 0}).json()
+    assert post(server, "/completion", {**body, "return_tokens": False}).json()["tokens"] == []
+    for bad in ({"n_probs": -1}, {"n_probs": 21}, {"post_sampling_probs": True}, {"n_probs": "3"}):
+        assert post(server, "/completion", {**body, **bad}).status_code == 400, bad
+
+
+def test_logit_bias_forms(server):
+    """llama.cpp's logit_bias: [id, bias] pairs, [text, bias] (every token of the text), false to
+    ban, or an object; the reply equals the plain engine's under the same biases."""
+    greedy = {"prompt": "again again", "n_predict": 5, "temperature": 0, "ignore_eos": True}
+    first = ref(ids_of("again again"), 5, temperature=0, ignore_eos=True).generated[0]
+    banned = ref(ids_of("again again"), 5, temperature=0, ignore_eos=True, logit_bias={first: -100.0})
+    assert banned.generated[0] != first
+    for bias in ([[first, False]], [[first, -100]], {str(first): False}, [[chr(first), False]]):
+        out = post(server, "/completion", {**greedy, "logit_bias": bias}).json()
+        assert out["content"] == banned.text, bias
+    two = ids_of("ab")  # text: each of its tokens gets the bias
+    both = ref(ids_of("again again"), 5, temperature=0, ignore_eos=True, logit_bias={t: 7.5 for t in two})
+    assert post(server, "/completion", {**greedy, "logit_bias": [["ab", 7.5]]}).json()["content"] == both.text
+    for bad in ([[first, 1, 2]], [[first, "x"]], [[first, True]], [[first, 500]], [[VOCAB, 1.0]], {"x": "y"}):
+        assert post(server, "/completion", {**greedy, "logit_bias": bad}).status_code == 400, bad
+
+
+def test_props_and_apply_template(server):
+    props = httpx.get(server.url + "/props", timeout=30).json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == MAX_LEN and settings["speculative"] is True
+    assert settings["params"]["temperature"] == 0.8 and settings["params"]["top_k"] == 40
+    assert props["total_slots"] == 16 and props["model_alias"] == NAME and props["model_path"] == "/models/tiny.gguf"
+    assert httpx.get(server.url + "/v1/health", timeout=30).json() == {"status": "ok"}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    tok = ChatToyTokenizer(VOCAB)
+    out = post(server, "/apply-template", {"messages": messages}).json()
+    assert out == {"prompt": tok.apply_chat_template(messages)}
+    out = post(server, "/apply-template", {"messages": messages, "add_generation_prompt": False}).json()
+    assert out["prompt"] == tok.apply_chat_template(messages, add_generation_prompt=False)
+    # the rendered prompt sent to /completion gives the chat endpoint's reply
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": NAME, "messages": messages, "max_tokens": 6, "temperature": 0}).json()
+    done = post(server, "/completion", {"prompt": tok.apply_chat_template(messages), "n_predict": 6,
+                                        "temperature": 0}).json()
+    assert done["content"] == chat["choices"][0]["message"]["content"]
+    for bad in ({}, {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]}, {"messages": "hi"}):
+        assert post(server, "/apply-template", bad).status_code == 400, bad
+    assert post(server, "/apply-template", {"model": "other", "messages": messages}).status_code == 404
+
+
+def test_tokenize_add_special():
+    """vLLM's /tokenize adds the model's special tokens by default (add_special_tokens); llama.cpp's
+    does not (add_special), and a "content" request takes llama.cpp's default."""
+    engine = paged_engine()
+    engine.tokenizer = BosToyTokenizer(VOCAB)
+    with LiveServer(create_app(engine, ServerConfig(model_name=NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
+        plain = ids_of("hello")
+        for body, want in (({"prompt": "hello"}, [BOS, *plain]), ({"content": "hello"}, plain),
+                           ({"content": "hello", "add_special": True}, [BOS, *plain]),
+                           ({"prompt": "hello", "add_special_tokens": False}, plain),
+                           ({"prompt": "hello", "add_special": False}, plain)):
+            assert post(s, "/tokenize", body).json()["tokens"] == want, body
+        bad = post(s, "/tokenize", {"prompt": "x", "add_special": True, "add_special_tokens": False})
+        assert bad.status_code == 400
+        # /completion: a BOS before a prompt that starts with text, none before text between ids
+        greedy = {"n_predict": 4, "temperature": 0, "ignore_eos": True}
+        assert post(s, "/completion", {**greedy, "prompt": "ab"}).json()["tokens_evaluated"] == 3
+        assert post(s, "/completion", {**greedy, "prompt": [7, "ab"]}).json()["tokens_evaluated"] == 3
