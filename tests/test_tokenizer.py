@@ -10,6 +10,7 @@ import pytest
 
 from tokenleap.config import ConfigError
 from tokenleap.errors import ModelFormatError, ModelNotFoundError, TokenleapError
+from tokenleap.text.fim import encode_fim, fim_tokens
 from tokenleap.text.tokenizer import (
     ChatTemplateError,
     IncrementalDetokenizer,
@@ -345,3 +346,27 @@ def test_smollm2_token_bytes_are_exact(smol):
     split = [i for i in smol.encode("世界", add_special_tokens=False) if "\ufffd" in smol.decode([i])]
     assert split and all(smol.token_bytes(i)[0] >= 0x80 for i in split)
     assert smol.token_bytes(smol.eos_token_id) == b"<|im_end|>"
+
+
+def test_gguf_fim_token_keys_name_the_fim_tokens(tmp_path):
+    """A GGUF's tokenizer.ggml.fim_*_token_id keys name its FIM tokens (here CodeLlama-style names
+    text/fim.py does not know), through the written tokenizer files too; they come before the
+    known names."""
+    extra = ["<PRE>", "<SUF>", "<MID>", "<EOT>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+    base = tiny_metadata()
+    tokens = base["tokenizer.ggml.tokens"] + extra
+    at = {t: tokens.index(t) for t in extra}
+    md = tiny_metadata(**{"tokenizer.ggml.tokens": tokens,
+                          "tokenizer.ggml.token_type": base["tokenizer.ggml.token_type"] + [3] * len(extra),
+                          "tokenizer.ggml.fim_pre_token_id": at["<PRE>"], "tokenizer.ggml.fim_suf_token_id": at["<SUF>"],
+                          "tokenizer.ggml.fim_mid_token_id": at["<MID>"], "tokenizer.ggml.fim_pad_token_id": at["<EOT>"]})
+    write_tokenizer_files(md, tmp_path / "tok")
+    for tok in (Tokenizer.from_gguf_metadata(md), Tokenizer.from_dir(tmp_path / "tok")):
+        ids, fim = encode_fim(tok, " the", "x")
+        assert ids == [at["<PRE>"], *tok.encode(" the"), at["<SUF>"], *tok.encode("x"), at["<MID>"]]
+        assert fim.stop_ids[0] == at["<EOT>"] and tok.eos_token_id not in ids
+    without = tiny_metadata(**{"tokenizer.ggml.tokens": tokens,
+                               "tokenizer.ggml.token_type": base["tokenizer.ggml.token_type"] + [3] * len(extra)})
+    assert fim_tokens(Tokenizer.from_gguf_metadata(without)).prefix == at["<|fim_prefix|>"]  # the known names
+    broken = {**md, "tokenizer.ggml.fim_mid_token_id": len(tokens) + 5}  # an id outside the vocabulary
+    assert fim_tokens(Tokenizer.from_gguf_metadata(broken)).prefix == at["<|fim_prefix|>"]

@@ -7,7 +7,9 @@ A model takes FIM prompts when its vocabulary has a known set of FIM tokens:
 - ``<fim_prefix>`` / ``<fim_suffix>`` / ``<fim_middle>`` (StarCoder, SantaCoder, Granite code),
 - ``<｜fim▁begin｜>`` / ``<｜fim▁hole｜>`` / ``<｜fim▁end｜>`` (DeepSeek-Coder),
 
-all in prefix-suffix-middle order: ``PRE prefix SUF suffix MID``, the reply being the middle. The
+or the FIM tokens a GGUF file names (``tokenizer.ggml.fim_pre_token_id`` / ``fim_suf`` / ``fim_mid``,
+with ``fim_pad`` / ``fim_rep`` / ``fim_sep``), which are taken first, as llama.cpp takes them; all in
+prefix-suffix-middle order: ``PRE prefix SUF suffix MID``, the reply being the middle. The
 prefix and suffix are tokenized on their own, with no special tokens added, and the FIM tokens are
 placed between them by id (as llama.cpp builds its infill prompts). A middle ends at the model's end
 of text, or at a FIM bookkeeping token (padding, file or repository separators) where the
@@ -43,12 +45,30 @@ def fim_tokens(tokenizer) -> FimTokens | None:
     lookup = getattr(tokenizer, "token_to_id", None)
     if lookup is None:
         return None
+    named = _named(tokenizer, lookup)
+    if named is not None:
+        return named
     for names in _FORMS:
         ids = [lookup(n) for n in names]
         if all(i is not None for i in ids):
             ends = tuple(i for i in (lookup(n) for n in _ENDS) if i is not None)
             return FimTokens(*ids, stop_ids=ends, repo=_first(lookup, _REPO), file_sep=_first(lookup, _FILE_SEP))
     return None
+
+
+def _named(tokenizer, lookup) -> FimTokens | None:
+    """The FIM tokens the model file names (``Tokenizer.fim_token_names``: role -> token), if it
+    names a whole set that the vocabulary has."""
+    names = getattr(tokenizer, "fim_token_names", None) or {}
+    ids = {role: lookup(name) for role, name in names.items()}
+    if any(ids.get(role) is None for role in ("prefix", "suffix", "middle")):
+        return None
+    own = tuple(ids[r] for r in ("pad", "file_sep", "repo") if ids.get(r) is not None)
+    ends = tuple(dict.fromkeys(own + tuple(i for i in map(lookup, _ENDS) if i is not None)))
+    def given(role: str, names: tuple[str, ...]) -> int | None:
+        return ids[role] if ids.get(role) is not None else _first(lookup, names)
+    return FimTokens(ids["prefix"], ids["suffix"], ids["middle"], stop_ids=ends, repo=given("repo", _REPO),
+                     file_sep=given("file_sep", _FILE_SEP))
 
 
 def _first(lookup, names: tuple[str, ...]) -> int | None:

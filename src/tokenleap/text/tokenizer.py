@@ -171,6 +171,10 @@ def _set_post_processor(backend: _Backend, metadata: dict[str, Any], tokens: lis
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
+_GGUF_FIM = (("prefix", "pre"), ("suffix", "suf"), ("middle", "mid"), ("pad", "pad"), ("repo", "rep"),
+             ("file_sep", "sep"))  # FimTokens' roles and GGUF's tokenizer.ggml.fim_*_token_id keys
+
+
 def tokenizer_config_from_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     """The ``tokenizer_config.json`` content Hugging Face uses, from GGUF metadata."""
     tokens = [str(t) for t in metadata.get("tokenizer.ggml.tokens", [])]
@@ -182,6 +186,9 @@ def tokenizer_config_from_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     config["add_eos_token"] = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     if metadata.get("tokenizer.chat_template"):
         config["chat_template"] = metadata["tokenizer.chat_template"]
+    fim = {role: _special(metadata, tokens, f"fim_{key}") for role, key in _GGUF_FIM}
+    if any(fim.values()):  # the FIM tokens the file names (text/fim.py prefers them to its known names)
+        config["fim_tokens"] = {role: name for role, name in fim.items() if name}
     return config
 
 
@@ -255,6 +262,7 @@ class Tokenizer:
         self.eos_token = _token_content(config.get("eos_token"))
         self.pad_token = _token_content(config.get("pad_token"))
         self.unk_token = _token_content(config.get("unk_token"))
+        self.fim_token_names: dict[str, str] = dict(config.get("fim_tokens") or {})  # role -> token
         self.bos_token_id = self.token_to_id(self.bos_token)
         self.eos_token_id = self.token_to_id(self.eos_token)
         with_specials = backend.encode("a", add_special_tokens=True).ids
