@@ -146,3 +146,60 @@ def test_server_reports_cached_prompt_tokens_and_prefix_metrics():
     assert second.choices[0].message.content == alone(prompts[1], SamplingParams(max_tokens=6), chunk=WINDOW).text
     assert f'tokenleap:prefix_cache_hits_total{{model_name="tiny"}} {float(shared // WINDOW * WINDOW)}' in metrics
     assert "tokenleap:prefix_cache_queries_total" in metrics
+
+
+needs_kernel = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                  reason="the kernels need AVX2 + FMA")
+
+
+def _int4_engine(kind, prefix_caching: bool = True, blocks: int = 64):
+    """An engine over a tiny int4 model whose layers all run fused: prompt windows are row-exact
+    at no cost, so the prefix cache shares single blocks, replies included."""
+    from tokenleap.models.quant import quantize_
+    from tokenleap.spec.engine import Engine
+    from tokenleap.spec.controller import ControllerConfig
+    from tokenleap.spec.proposers.ngram import NgramProposer
+    from conftest import tiny_model
+    from serving_helpers import ChatToyTokenizer
+
+    target = tiny_model("qwen2", seed=5, hidden=64, intermediate=256, layers=2)
+    quantize_(target, "int4")
+    cache = PagedKVCache(target.config, blocks, 128, torch.float32, block_size=BLOCK, num_slots=4,
+                         prefix_caching=prefix_caching)
+    return Engine(target, ChatToyTokenizer(96), max_len=128, prefill_chunk=WINDOW, cache=cache,
+                  proposer=NgramProposer(3, 1) if kind == "ngram" else None, controller=ControllerConfig(max_k=4))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [None, "ngram"])
+def test_row_exact_prefill_shares_blocks_of_prompts_and_replies(kind):
+    """With an int4 model on the fused layers every position's keys and values are what any split of
+    the prompt (or decoding) writes: a follow-up turn takes the whole conversation so far, block by
+    block -- the previous prompt and reply, not only whole prefill windows -- and the entries it takes
+    are bitwise those a cache without prefix caching computes; outputs equal."""
+    from tokenleap.models.backend import exact_prefill_is_free
+
+    eng, ref = _int4_engine(kind), _int4_engine(kind, prefix_caching=False)
+    assert exact_prefill_is_free(eng.model, eng.cache)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    turn1 = list(range(10, 51))  # 41 tokens: 2 whole prefill windows and 9 tokens more
+    *_, (seq1, _) = eng.generate(turn1, params)
+    turn2 = turn1 + seq1.generated + [7, 8, 9]  # 64 tokens; 41 + 20 - 1 = 60 positions were computed
+    seq2 = eng.add(turn2, params)
+    assert seq2.cached_tokens == 60 // BLOCK * BLOCK  # 56: within turn 1's reply, past its windows
+    fresh = ref.add(turn2, params)
+    assert fresh.cached_tokens == 0
+    n = len(turn2) - 1
+    for layer in range(eng.model.config.num_hidden_layers):
+        for mine, theirs in zip(eng.cache.read(layer, seq2.slot, n), ref.cache.read(layer, fresh.slot, n)):
+            assert torch.equal(mine, theirs), layer
+    while not seq2.finished:
+        eng.step([seq2])
+    while not fresh.finished:
+        ref.step([fresh])
+    assert seq2.generated == fresh.generated
+    eng.release(seq2)
+    ref.release(fresh)
+    # a shared system prompt: a later request takes every whole block of it, past the prefill windows
+    third = eng.add(turn1 + [90, 91], params)
+    assert third.cached_tokens == 40  # blocks 0-4 (whole prefill windows alone: 32)

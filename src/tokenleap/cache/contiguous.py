@@ -93,11 +93,14 @@ class KVCache:
         """Record that positions 0 .. length-1 of ``slot`` now hold valid entries."""
         self.lengths[slot] = length
 
-    def attach_prompt(self, slot: int, prompt: list[int], window: int) -> int:
+    def attach_prompt(self, slot: int, prompt: list[int], window: int, salt: bytes = b"") -> int:
         """Prefix caching is the paged cache's (see ``PagedKVCache``): nothing is cached here."""
         return 0
 
     def register_window(self, slot: int, prompt: list[int], start: int, end: int, window: int) -> None:
+        pass
+
+    def register_computed(self, slot: int, tokens: list[int], end: int, window: int, salt: bytes = b"") -> None:
         pass
 
     @property

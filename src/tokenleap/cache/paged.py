@@ -6,13 +6,16 @@ Storage per layer: keys and values ``# [kv_heads, num_blocks, block_size, head_d
 sequence is freed or truncated below them, so memory follows the tokens actually held, not the
 context window.
 
-Prefix caching: a prompt window the engine computed (``register_prefix``: a fixed window of the
-prompt, whole blocks) stays cached under a key naming every token up to its end; a later sequence
-whose prompt starts with the same windows takes those blocks instead of computing them
-(``attach_prefix``). A window's keys and values depend only on the tokens up to its end and are
-computed by the same call whoever computes them, so a reused window is bitwise what prefill would
-write. Blocks are reference-counted; a cached window no sequence holds is kept, least recently
-used first out, until a block is needed -- so it counts as free.
+Prefix caching: a window the engine computed (``register_prefix``: whole blocks) stays cached under
+a key naming every token up to its end; a later sequence whose prompt starts with the same windows
+takes those blocks instead of computing them (``attach_prefix``). A reused window must be bitwise
+what prefill would write, so what a window is depends on how entries are computed
+(``backend.prefix_windows``): where prompt windows are computed by a batched path, a fixed prefill
+window of the prompt, computed by the same call whoever computes it (``register_window``); where
+every position's entries are row-exact, single blocks of the prompt and the reply alike, whichever
+calls computed them (``register_computed``), so a follow-up turn takes the whole conversation so far.
+Blocks are reference-counted; a cached window no sequence holds is kept, least recently used first
+out, until a block is needed -- so it counts as free.
 
 The interface is ``KVCache``'s (``write``, ``read``, ``commit``, ``truncate``, ``allocate``,
 ``free``, ``lengths``, ``max_len``, ``nbytes``), so the Transformer and the proposers use either.
@@ -186,10 +189,11 @@ class PagedKVCache:
         self.prefix_hits += n * window
         return n * window
 
-    def attach_prompt(self, slot: int, prompt: list[int], window: int) -> int:
+    def attach_prompt(self, slot: int, prompt: list[int], window: int, salt: bytes = b"") -> int:
         """``attach_prefix`` for the windows of ``prompt`` before the one holding its last token (that
-        one is always computed: its last row's logits are wanted); returns the tokens attached."""
-        return self.attach_prefix(slot, prefix_keys(prompt, window, (len(prompt) - 1) // window), window)
+        one is always computed: its last row's logits are wanted); returns the tokens attached.
+        ``salt`` starts the keys' chain: entries computed one way are never taken for another."""
+        return self.attach_prefix(slot, prefix_keys(prompt, window, (len(prompt) - 1) // window, salt), window)
 
     def register_window(self, slot: int, prompt: list[int], start: int, end: int, window: int) -> None:
         """``slot`` has computed positions ``start .. end - 1``: if that is a whole window of
@@ -197,6 +201,16 @@ class PagedKVCache:
         if start % window == 0 and end - start == window and end <= len(prompt):
             w = start // window
             self.register_prefix(slot, w, prefix_keys(prompt, window, w + 1)[w], window)
+
+    def register_computed(self, slot: int, tokens: list[int], end: int, window: int, salt: bytes = b"") -> None:
+        """Cache every whole window of ``tokens`` below position ``end`` that ``slot`` holds -- for
+        entries that do not depend on how the positions were split into calls (row-exact ones), so
+        windows computed across calls, or decoded, are what a prefill of them would write."""
+        n = min(end, self.lengths[slot], len(tokens)) // window
+        if not self.prefix_caching or window % self.block_size or n == 0:
+            return
+        for w, key in enumerate(prefix_keys(tokens, window, n, salt)):
+            self.register_prefix(slot, w, key, window)
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached window (blocks a sequence holds stay its own until released)."""
@@ -281,10 +295,10 @@ class PagedKVCache:
         return self.nbytes // self.num_blocks
 
 
-def prefix_keys(tokens: list[int], window: int, n: int) -> list[bytes]:
+def prefix_keys(tokens: list[int], window: int, n: int, salt: bytes = b"") -> list[bytes]:
     """Prefix-cache keys of the first ``n`` windows of ``tokens``: each names every token up to its
-    window's end (a sha256 chain)."""
-    keys, key = [], b""
+    window's end (a sha256 chain from ``salt``)."""
+    keys, key = [], salt
     for w in range(n):
         chunk = torch.tensor(tokens[w * window:(w + 1) * window], dtype=torch.int64).numpy().tobytes()
         key = hashlib.sha256(key + chunk).digest()

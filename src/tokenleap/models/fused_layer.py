@@ -84,4 +84,12 @@ def _build(block, attn_in, o_proj, mlp_in, down, norm1, norm2) -> LayerPlan | No
     return LayerPlan(tuple(weights), tuple(ints), float(norm1.eps), attn.hd ** -0.5)
 
 
-__all__ = ["LayerPlan", "layer_plan"]
+def products_ignore_row_exact(plan: LayerPlan) -> bool:
+    """Whether every product of ``plan`` runs one kernel whatever the rows (int4, int6, W8A8): then a
+    prefill window computed row-exact costs what the window's own path costs. int8 and bf16 weights
+    have a faster blocked GEMM for a window's many rows, which a row-exact call gives up."""
+    kinds = plan.ints[5::3]  # (kind, out, param) per product after the five shape ints
+    return all(kind in (_INT4, _INT6, _W8A8) for kind in kinds)
+
+
+__all__ = ["LayerPlan", "layer_plan", "products_ignore_row_exact"]

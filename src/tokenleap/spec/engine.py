@@ -13,9 +13,7 @@ is what makes greedy speculative output token-identical to plain greedy output.
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -26,8 +24,10 @@ from tokenleap.config import SamplingParams
 from tokenleap.spec.controller import ControllerConfig, DraftLengthController, StepPlan
 from tokenleap.errors import PromptTooLongError
 from tokenleap.heap import freeze_long_lived
+from tokenleap.spec.lengths import LengthHistory
 from tokenleap.spec.logprobs import token_logprobs
 from tokenleap.spec.stats import SpecStats
+from tokenleap.models.backend import prefix_windows
 from tokenleap.models.transformer import Segment, Transformer
 from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer
 from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport, outcome, record_stats
@@ -40,7 +40,8 @@ from tokenleap.spec.structured import Constraints
 from tokenleap.spec.verify import Verification
 
 
-PREFILL_CHUNK = 256  # prompt tokens a prefill forward takes by default (also the prefix cache's window)
+PREFILL_CHUNK = 256  # prompt tokens a prefill forward takes by default (and the prefix cache's window
+# where prompt windows are not computed row-exact)
 
 
 class Engine:
@@ -69,9 +70,7 @@ class Engine:
         self.eos_ids = frozenset(eos)
         self.constraints = Constraints(tokenizer, model.config.vocab_size, eos)  # structured output
         self._ids = itertools.count()
-        # recently finished sequences: (tokens generated, stopped by itself?); one cut off by its
-        # max_tokens or the context only says it would have run at least that long
-        self._lengths: deque[tuple[int, bool]] = deque(maxlen=64)
+        self.lengths = LengthHistory()  # recently finished sequences' lengths
         freeze_long_lived()  # the loaded models', proposers' and cache's objects: kept out of collections
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -103,14 +102,19 @@ class Engine:
         cache keeps them -- and start its proposer state (``prefill_step`` fills the rest)."""
         seq.slot = self.cache.allocate()
         if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
-            seq.cached_tokens = self.cache.attach_prompt(seq.slot, seq.prompt, self.prefill_chunk)
+            seq.cached_tokens = self.cache.attach_prompt(seq.slot, seq.prompt, *self._prefix_windows())
         self._attached.add(seq.seq_id)
         if self.proposer is not None:
             self.proposer.begin(seq.seq_id, seq.prompt)
 
     def detach(self, seq: Sequence) -> None:
-        """Free ``seq``'s cache and proposer state but keep its tokens (preemption; ``attach`` resumes)."""
+        """Free ``seq``'s cache and proposer state but keep its tokens (preemption; ``attach`` resumes).
+        Where entries are row-exact, its whole windows stay cached: a follow-up turn's prompt (this
+        one, its reply and more) takes them."""
         if seq.slot >= 0:
+            window, salt = self._prefix_windows()
+            if salt:
+                self.cache.register_computed(seq.slot, seq.tokens, len(seq.tokens), window, salt)
             self.cache.free(seq.slot)
             seq.slot = -1
         self._attached.discard(seq.seq_id)
@@ -122,26 +126,11 @@ class Engine:
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
         else:
-            self._lengths.append((seq.num_generated, seq.finish_reason != "length"))
+            self.lengths.finished(seq)
 
     def expected_remaining(self, seq: Sequence) -> float:
-        """Tokens ``seq`` may still generate, what a draft's catch-up is weighed against: at most
-        ``max_tokens`` left (a chat request without max_tokens: the whole context); with recently
-        finished sequences, the median length (of an even count, the lower middle) of those that
-        ran longer than ``seq`` so far and of one more guess, twice what ``seq`` generated, less
-        what it generated (none ran longer: as many again). A sequence cut off by its max_tokens
-        ran at least that long: past ``seq``'s tokens it counts as running to ``seq``'s limit,
-        short of them it says nothing (a warm-up of 8 tokens must not cap a long request's
-        prediction at 8). The guess and the lower middle keep a lone cut-off answer from predicting
-        the whole limit: a short code completion after one long answer is not judged worth a draft
-        model's catch-up on its prompt."""
-        done, cap = seq.num_generated, seq.params.max_tokens - seq.num_generated
-        longer = [n if stopped else float("inf") for n, stopped in self._lengths if n > done]
-        if longer:
-            return min(cap, statistics.median_low(longer + ([2 * done] if done else [])) - done)
-        if any(stopped for _, stopped in self._lengths):
-            return min(cap, max(done, 1))
-        return cap
+        """Tokens ``seq`` may still generate, what a draft's catch-up is weighed against (``lengths.py``)."""
+        return self.lengths.expected_remaining(seq)
 
     def ready(self, seq: Sequence) -> bool:
         """Prefilled: the cache holds every token but the last, which the next step feeds."""
@@ -166,9 +155,10 @@ class Engine:
         With ``draft_alongside`` a draft model may prefill the chunk too; without, it catches up at
         the first step that drafts for ``seq`` (a server: only then is the batch known).
 
-        Prompt chunks are the fixed windows [i*chunk, (i+1)*chunk), computed with fast GEMMs; the last
-        one yields the first token. After a preemption the same call recomputes the cache bitwise: the
-        prompt in the same windows, then the generated tokens row-exact, as decoding computed them."""
+        Prompt chunks are the fixed windows [i*chunk, (i+1)*chunk), computed with fast GEMMs -- or
+        row-exact where that costs nothing (``backend.exact_prefill_is_free``); the last one yields the
+        first token. After a preemption the same call recomputes the cache bitwise: the prompt in the
+        same windows, then the generated tokens row-exact, as decoding computed them."""
         done, end, exact = self.prefill_window(seq)
         if end <= done:
             return 0
@@ -186,7 +176,11 @@ class Engine:
             if done < first <= end:
                 seq.prompt_logprobs += token_logprobs(out.logits[first - done - 1:last - done - 1],
                                                       seq.tokens[first:last], seq.params.prompt_logprobs)
-        self.cache.register_window(seq.slot, seq.prompt, done, end, self.prefill_chunk)  # others may reuse it
+        window, salt = self._prefix_windows()  # others may reuse what was computed
+        if salt:
+            self.cache.register_computed(seq.slot, seq.tokens, end, window, salt)
+        else:
+            self.cache.register_window(seq.slot, seq.prompt, done, end, window)
         if self.proposer is not None and draft_alongside:
             self._prefill_proposer(seq, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:
@@ -245,8 +239,12 @@ class Engine:
         """(start, end, row_exact) of the next ``prefill_step``; start == end when nothing is missing."""
         done, n_prompt = self.cache.lengths[seq.slot], len(seq.prompt)
         if done < n_prompt:
-            return done, min((done // self.prefill_chunk + 1) * self.prefill_chunk, n_prompt), False
+            exact = bool(self._prefix_windows()[1])
+            return done, min((done // self.prefill_chunk + 1) * self.prefill_chunk, n_prompt), exact
         return done, max(done, min(done + self.prefill_chunk, len(seq.tokens) - 1)), True
+
+    def _prefix_windows(self) -> tuple[int, bytes]:
+        return prefix_windows(self.model, self.cache, self.prefill_chunk)
 
     def step(self, seqs: list[Sequence], k: int | None = None) -> StepReport | None:
         """One decoding step for every unfinished sequence in ``seqs`` (one target forward); returns
