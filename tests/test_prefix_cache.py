@@ -162,16 +162,28 @@ def _int4_engine(kind, prefix_caching: bool = True, blocks: int = 64):
     from conftest import tiny_model
     from serving_helpers import ChatToyTokenizer
 
-    target = tiny_model("qwen2", seed=5, hidden=64, intermediate=256, layers=2)
-    quantize_(target, "int4")
-    cache = PagedKVCache(target.config, blocks, 128, torch.float32, block_size=BLOCK, num_slots=4,
-                         prefix_caching=prefix_caching)
-    return Engine(target, ChatToyTokenizer(96), max_len=128, prefill_chunk=WINDOW, cache=cache,
-                  proposer=NgramProposer(3, 1) if kind == "ngram" else None, controller=ControllerConfig(max_k=4))
+    from tokenleap.spec.proposers.draft_model import DraftModelProposer
+
+    def int4_model(seed):
+        m = tiny_model("qwen2", seed=seed, hidden=64, intermediate=256, layers=2)
+        quantize_(m, "int4")
+        return m
+
+    def paged(m):
+        return PagedKVCache(m.config, blocks, 128, torch.float32, block_size=BLOCK, num_slots=4,
+                            prefix_caching=prefix_caching)
+
+    target = int4_model(5)
+    proposer = NgramProposer(3, 1) if kind == "ngram" else None
+    if kind == "draft":  # the draft caches its blocks the same way (its entries steer proposals only)
+        draft = int4_model(77)
+        proposer = DraftModelProposer(draft, 96, 128, cache=paged(draft), catch_up_chunk=WINDOW)
+    return Engine(target, ChatToyTokenizer(96), max_len=128, prefill_chunk=WINDOW, cache=paged(target),
+                  proposer=proposer, controller=ControllerConfig(max_k=4, fixed_k=2 if kind == "draft" else None))
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", [None, "ngram"])
+@pytest.mark.parametrize("kind", [None, "ngram", "draft"])
 def test_row_exact_prefill_shares_blocks_of_prompts_and_replies(kind):
     """With an int4 model on the fused layers every position's keys and values are what any split of
     the prompt (or decoding) writes: a follow-up turn takes the whole conversation so far, block by
@@ -187,6 +199,8 @@ def test_row_exact_prefill_shares_blocks_of_prompts_and_replies(kind):
     turn2 = turn1 + seq1.generated + [7, 8, 9]  # 64 tokens; 41 + 20 - 1 = 60 positions were computed
     seq2 = eng.add(turn2, params)
     assert seq2.cached_tokens == 60 // BLOCK * BLOCK  # 56: within turn 1's reply, past its windows
+    if kind == "draft":  # the draft took as much of its own cache: the prompt and the reply it drafted for
+        assert eng.proposer.cache.prefix_hits == 56
     fresh = ref.add(turn2, params)
     assert fresh.cached_tokens == 0
     n = len(turn2) - 1

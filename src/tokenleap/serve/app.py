@@ -375,7 +375,9 @@ class OpenAIServer:
                 raise bad_request(f"token ids must be non-empty lists of ids in [0, {vocab})", "prompt")
             return prompt
         try:
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if add_special_tokens:  # (a tokenizer's encode may take no such option)
+                return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
 

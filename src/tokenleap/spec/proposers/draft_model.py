@@ -15,6 +15,7 @@ import torch
 from tokenleap.cache.contiguous import CacheFullError, KVCache
 from tokenleap.config import SamplingParams
 from tokenleap.errors import TokenleapError
+from tokenleap.models.backend import prefix_windows
 from tokenleap.models.transformer import Segment, Transformer
 from tokenleap.spec.confidence import Calibration, ConfidenceLog, should_stop, token_confidence
 from tokenleap.spec.sampling import greedy, logits_to_probs, sample
@@ -132,15 +133,16 @@ class DraftModelProposer:
         self._slot: dict[int, int] = {}
         self._fed: dict[int, int] = {}
         self._prompt: dict[int, list[int]] = {}
+        self._tokens: dict[int, list[int]] = {}  # the sequence's tokens as last seen (for the prefix cache)
         self._proposal_start: dict[int, int] = {}
         self._grown: dict[int, GrownTree] = {}  # the last proposal of a sequence, when it was a tree
         self.confidence = ConfidenceLog()  # where a chain asked to stop on confidence learns how far to trust it
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         slot = self._slot[seq_id] = self.cache.allocate()
-        self._prompt[seq_id] = prompt
+        self._prompt[seq_id] = self._tokens[seq_id] = prompt
         # a paged cache may hold the prompt's first windows already (prefix caching): fed without work
-        self._fed[seq_id] = self.cache.attach_prompt(slot, prompt, self.catch_up_chunk)
+        self._fed[seq_id] = self.cache.attach_prompt(slot, prompt, *self._windows())
         if self.head is not None:
             self._heads[seq_id] = self.head.for_prompt(prompt)
 
@@ -155,6 +157,7 @@ class DraftModelProposer:
         out: list[Draft | None] = [None] * len(requests)
         for i, r in enumerate(requests):
             self._grown.pop(r.seq_id, None)
+            self._tokens[r.seq_id] = r.tokens
             if r.k <= 0 or len(r.tokens) + r.k > self.cache.max_len:
                 continue
             fed = min(self._fed[r.seq_id], len(r.tokens) - 1)
@@ -200,7 +203,7 @@ class DraftModelProposer:
             last.append(len(tokens) - 1)
         t0 = time.perf_counter()
         # a few rows a lane: the decode path (row-exact kernels, one compiled call a layer); a backlog: prefill
-        few = all(len(l.pending) <= _STEP_TOKENS for l in lanes)
+        few = all(len(l.pending) <= _STEP_TOKENS for l in lanes) or bool(self._windows()[1])
         try:
             logits = self.model(torch.tensor(tokens), segments, self.cache, logit_rows=torch.tensor(last),
                                 row_exact=few, head=self._head_for([l.req.seq_id for l in lanes])).logits  # [lanes, vocab]
@@ -237,6 +240,7 @@ class DraftModelProposer:
         """Feed ``tokens`` not yet fed, alongside the target's chunked prefill, so the first
         proposal does not stall on a long prompt (nor count the prompt as drafting time)."""
         fed = self._fed[seq_id]
+        self._tokens[seq_id] = tokens
         if fed < len(tokens):
             self._feed(seq_id, tokens[fed:], fed)
 
@@ -249,7 +253,11 @@ class DraftModelProposer:
             self.cache.truncate(slot, pos)
             return
         self._fed[seq_id] = pos + len(tokens)
-        self.cache.register_window(slot, self._prompt[seq_id], pos, pos + len(tokens), self.catch_up_chunk)
+        window, salt = self._windows()
+        if salt:
+            self.cache.register_computed(slot, self._tokens[seq_id], pos + len(tokens), window, salt)
+        else:
+            self.cache.register_window(slot, self._prompt[seq_id], pos, pos + len(tokens), window)
 
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
         """``path``: the accepted nodes of a tree proposal (a chain's are 1 .. num_accepted)."""
@@ -276,7 +284,11 @@ class DraftModelProposer:
     def end(self, seq_id: int) -> None:
         slot = self._slot.pop(seq_id, None)
         if slot is not None:
+            window, salt = self._windows()
+            if salt:  # row-exact entries: the reply's whole blocks too, for a follow-up turn
+                self.cache.register_computed(slot, self._tokens[seq_id], self._fed[seq_id], window, salt)
             self.cache.free(slot)
+        self._tokens.pop(seq_id, None)
         self._fed.pop(seq_id, None)
         self._prompt.pop(seq_id, None)
         self._proposal_start.pop(seq_id, None)
@@ -287,7 +299,13 @@ class DraftModelProposer:
     def _forward(self, slot: int, tokens: list[int], pos: int, head=None) -> torch.Tensor:
         seg = [Segment(slot=slot, pos_start=pos, length=len(tokens))]
         last = torch.tensor([len(tokens) - 1])
-        return self.model(torch.tensor(tokens), seg, self.cache, logit_rows=last, head=head).logits
+        return self.model(torch.tensor(tokens), seg, self.cache, logit_rows=last, head=head,
+                          row_exact=bool(self._windows()[1])).logits
+
+    def _windows(self) -> tuple[int, bytes]:
+        """(window, salt) of the draft cache's prefix entries (``backend.prefix_windows``): single
+        blocks where this draft computes every row row-exact at no cost, else its catch-up chunks."""
+        return prefix_windows(self.model, self.cache, self.catch_up_chunk)
 
     @staticmethod
     def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | SeededNoise | None,
