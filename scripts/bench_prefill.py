@@ -5,6 +5,7 @@ each (``PYTHONPATH=WORKTREE/src``), alternating: this machine's speed drifts bet
 
     python scripts/bench_prefill.py --tokens 100 160 400
     python scripts/bench_prefill.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --tokens 160
+    python scripts/bench_prefill.py --compare-row-exact   # windows computed batched vs row-exact, taking turns
 
 Token ids are random (a prefill's cost depends on its length, not on which tokens).
 """
@@ -23,14 +24,16 @@ from tokenleap.models.transformer import Segment
 from tokenleap.spec.engine import PREFILL_CHUNK
 
 
-def prefill_seconds(model, tokens: torch.Tensor, cache: KVCache, chunk: int) -> float:
-    """Seconds to prefill ``tokens`` [n] into a fresh slot of ``cache`` in chunks, as the engine does."""
+def prefill_seconds(model, tokens: torch.Tensor, cache: KVCache, chunk: int, row_exact: bool = False) -> float:
+    """Seconds to prefill ``tokens`` [n] into a fresh slot of ``cache`` in chunks, as the engine does
+    (``row_exact``: as it does where that costs nothing, ``backend.exact_prefill_is_free``)."""
     slot = cache.allocate()
     n = tokens.numel()
     t0 = time.perf_counter()
     for start in range(0, n, chunk):
         rows = min(chunk, n - start)
-        model(tokens[start:start + rows], [Segment(slot, start, rows)], cache, logit_rows=torch.tensor([rows - 1]))
+        model(tokens[start:start + rows], [Segment(slot, start, rows)], cache, logit_rows=torch.tensor([rows - 1]),
+              row_exact=row_exact)
     seconds = time.perf_counter() - t0
     cache.free(slot)
     return seconds
@@ -45,6 +48,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--json", action="store_true", help="one JSON line: prompt length -> tokens per second")
+    ap.add_argument("--compare-row-exact", action="store_true",
+                    help="time each length both ways, batched and row-exact windows, taking turns")
     args = ap.parse_args()
     model = load_model(args.model, quant=args.quant, gguf_other=args.gguf_other).model
     gen = torch.Generator().manual_seed(0)
@@ -52,14 +57,22 @@ def main() -> None:
     for n in args.tokens:
         cache = KVCache(model.config, 1, n + 1, model.dtype)
         tokens = torch.randint(0, 1000, (n,), generator=gen)
-        times = [prefill_seconds(model, tokens, cache, args.chunk) for _ in range(args.repeats + 1)][1:]
-        out[n] = round(n / statistics.median(times), 1)
+        modes = (False, True) if args.compare_row_exact else (False,)
+        times = {m: [] for m in modes}
+        for _ in range(args.repeats + 1):
+            for m in modes:
+                times[m].append(prefill_seconds(model, tokens, cache, args.chunk, m))
+        rates = [round(n / statistics.median(times[m][1:]), 1) for m in modes]
+        out[n] = rates if args.compare_row_exact else rates[0]
     if args.json:
         print(json.dumps(out))
         return
     print(f"{args.model} ({args.quant}, other {args.gguf_other}), {torch.get_num_threads()} threads, chunk {args.chunk}")
     for n, rate in out.items():
-        print(f"{n} tokens: {rate} tokens/s")
+        if args.compare_row_exact:
+            print(f"{n} tokens: batched {rate[0]} tokens/s, row-exact {rate[1]} tokens/s ({rate[1] / rate[0]:.3f}x)")
+        else:
+            print(f"{n} tokens: {rate} tokens/s")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 speculation, sampling and model flags as ``generate``.
 
 Every turn renders the whole conversation with the model's chat template and decodes it on a paged
-engine of one slot whose prefix cache keeps the prompt windows earlier turns computed, so a turn
-computes only what is new since (about the last reply and the new message). A conversation that
+engine of one slot whose prefix cache keeps what earlier turns computed, so a turn computes only what
+is new since: the new message, where the cache keeps single blocks of prompts and replies (an int4 /
+int6 model on the compiled layers); else about the last reply too (whole prefill windows of prompts). A conversation that
 outgrows the context window loses its oldest turns (the system prompt stays). Ctrl-C stops a reply
 where it is (what was written stays in the conversation); at the prompt, Ctrl-C or Ctrl-D ends the
 session. Lines ending in a backslash continue on the next line.
