@@ -28,6 +28,7 @@ gathering ``[num_blocks, kv_heads, ...]`` blocks and transposing them.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 
 import torch
@@ -298,10 +299,11 @@ class PagedKVCache:
 def prefix_keys(tokens: list[int], window: int, n: int, salt: bytes = b"") -> list[bytes]:
     """Prefix-cache keys of the first ``n`` windows of ``tokens``: each names every token up to its
     window's end (a sha256 chain from ``salt``)."""
+    data = array("q", tokens[:n * window]).tobytes()  # int64s, converted once (block windows are many)
+    step = 8 * window
     keys, key = [], salt
     for w in range(n):
-        chunk = torch.tensor(tokens[w * window:(w + 1) * window], dtype=torch.int64).numpy().tobytes()
-        key = hashlib.sha256(key + chunk).digest()
+        key = hashlib.sha256(key + data[w * step:(w + 1) * step]).digest()
         keys.append(key)
     return keys
 
