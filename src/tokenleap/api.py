@@ -106,13 +106,14 @@ class LLM:
 
     @property
     def engine(self) -> Engine:
-        """The engine ``stream`` and a one-prompt ``generate`` run on (a contiguous KV cache of
-        ``num_slots`` x ``max_len`` tokens, and its proposer), built on first use: batches and chat
+        """The engine ``stream``, a one-prompt ``generate`` and a one-conversation ``chat`` run on,
+        built on first use: a paged KV cache of ``num_slots`` slots and a whole context of blocks
+        each, and its proposer. Its prefix cache keeps what earlier requests computed, so the next
+        turn of a conversation (or the same system prompt again) starts from it. Batches and chat
         sessions run on paged engines of their own, and never pay for this one's cache."""
         if self._engine is None:
-            self._engine = Engine(self.target.model, self.tokenizer, max_len=self.max_len, num_slots=self.num_slots,
-                                  proposer=self._proposer(self.max_len, self.num_slots), controller=self._controller(),
-                                  prefill_chunk=self.prefill_chunk, tree_nodes=self.spec.tree_nodes)
+            from tokenleap.serve.batch import request_engine
+            self._engine = request_engine(self)
         return self._engine
 
     @property
