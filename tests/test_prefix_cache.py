@@ -31,6 +31,9 @@ def test_windows_are_shared_counted_free_when_idle_and_evicted_lru():
     assert cache.num_used_blocks == 4 and cache.num_cached_blocks == 4
     cache.free(a)  # nobody holds the windows: cached, yet free for reservations
     assert cache.num_free_blocks == 8 and cache.num_cached_blocks == 4
+    spare = cache.allocate()
+    assert cache.can_reserve(spare, 32)  # all 8 blocks: 4 never used, 4 of idle windows (evicted by reserve)
+    cache.free(spare)
     b, c = cache.allocate(), cache.allocate()
     assert cache.attach_prefix(b, keys(2), 8) == 16 and cache.lengths[b] == 16
     assert cache.attach_prefix(c, keys(1) + [b"miss"], 8) == 8  # stops at the first window not cached
@@ -217,3 +220,40 @@ def test_row_exact_prefill_shares_blocks_of_prompts_and_replies(kind):
     # a shared system prompt: a later request takes every whole block of it, past the prefill windows
     third = eng.add(turn1 + [90, 91], params)
     assert third.cached_tokens == 40  # blocks 0-4 (whole prefill windows alone: 32)
+
+
+@needs_kernel
+def test_row_exact_preempted_sequences_resume_from_their_blocks():
+    """A preempted sequence's whole blocks, reply included, stay cached: resumed while they are, it
+    takes them back instead of recomputing them; under a small pool (blocks evicted meanwhile) it
+    recomputes. Either way the output equals the prompt alone."""
+    eng, ref = _int4_engine("ngram"), _int4_engine("ngram", prefix_caching=False)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = list(range(20, 50))
+    seq = eng.add(prompt, params)
+    for _ in range(12):
+        eng.step([seq])
+    eng.detach(seq)  # as the scheduler preempts
+    eng.attach(seq)
+    held = eng.cache.lengths[seq.slot]
+    assert held == (len(seq.tokens) - 1) // BLOCK * BLOCK > len(prompt) and seq.cached_tokens == len(prompt)
+    while not eng.prefill_step(seq) == 0:
+        pass
+    while not seq.finished:
+        eng.step([seq])
+    assert seq.generated == _alone(ref, prompt, params)
+    eng.release(seq)
+    small = _int4_engine("ngram", blocks=17)
+    sched = Scheduler(small, SchedulerConfig(max_num_seqs=4, log_interval=0))
+    g = torch.Generator().manual_seed(3)
+    jobs = [(torch.randint(3, 96, (int(n),), generator=g).tolist(), params) for n in (30, 26, 34, 22)]
+    sinks = [submit(sched, p, params) for p, params in jobs]
+    sched.run_until_idle()
+    assert sched.stats.preemptions > 0
+    for (p, params), sink in zip(jobs, sinks):
+        assert sink.tokens == _alone(ref, p, params)
+
+
+def _alone(engine, prompt, params):
+    *_, (seq, _) = engine.generate(prompt, params)
+    return seq.generated

@@ -115,7 +115,8 @@ class PagedKVCache:
         return max(0, self.blocks_for(length) - len(self.tables[slot]))
 
     def can_reserve(self, slot: int, length: int) -> bool:
-        return self.blocks_needed(slot, length) <= len(self._free_blocks)
+        """Whether ``reserve`` would succeed: cached windows nobody holds count as free (it evicts them)."""
+        return self.blocks_needed(slot, length) <= self.num_free_blocks
 
     def reserve(self, slot: int, length: int) -> None:
         """Give ``slot`` blocks for ``length`` tokens, all or none (CacheFullError)."""

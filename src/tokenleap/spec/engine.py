@@ -102,7 +102,10 @@ class Engine:
         cache keeps them -- and start its proposer state (``prefill_step`` fills the rest)."""
         seq.slot = self.cache.allocate()
         if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
-            seq.cached_tokens = self.cache.attach_prompt(seq.slot, seq.prompt, *self._prefix_windows())
+            window, salt = self._prefix_windows()
+            # row-exact entries: a preempted sequence resumes from its generated blocks too
+            attached = self.cache.attach_prompt(seq.slot, seq.tokens if salt else seq.prompt, window, salt)
+            seq.cached_tokens = min(attached, len(seq.prompt))
         self._attached.add(seq.seq_id)
         if self.proposer is not None:
             self.proposer.begin(seq.seq_id, seq.prompt)
