@@ -110,8 +110,13 @@ def _bias(given, tokenizer) -> dict[str, float]:
 
 def _plain_ids(tokenizer, text: str, param: str) -> list[int]:
     """``text``'s ids with no special tokens added (a 400 naming ``param`` if it cannot be tokenized)."""
+    if not text:
+        return []
     try:
-        return tokenizer.encode(text, add_special_tokens=False) if text else []
+        try:
+            return tokenizer.encode(text, add_special_tokens=False)
+        except TypeError:  # a tokenizer whose encode takes no such option (adds none)
+            return tokenizer.encode(text)
     except (ValueError, TypeError, UnicodeError, ConfigError) as e:
         raise bad_request(f"the text could not be tokenized: {e}", param) from None
 

@@ -139,7 +139,8 @@ def _feed_roots(proposer, lanes: list[_Growth]) -> list[torch.Tensor | None]:
         last.append(len(tokens) - 1)
         if proposer.backlog(g.req.seq_id, g.req.tokens) > 0:
             backlog.append((g, len(pending)))
-    few = all(s.length <= FEW_ROWS for s in segments)  # a backlog goes through the prefill path
+    # a backlog goes through the prefill path, unless row-exact costs nothing there (prefix_windows)
+    few = all(s.length <= FEW_ROWS for s in segments) or bool(proposer._windows()[1])
     t0 = time.perf_counter()
     try:
         logits = proposer.model(torch.tensor(tokens), segments, proposer.cache, logit_rows=torch.tensor(last),
