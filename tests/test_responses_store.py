@@ -14,7 +14,7 @@ from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.response_store import LRUStore, StoredResponse, page
 from tokenleap.serve.scheduler import SchedulerConfig
 
-from serving_helpers import LiveServer, paged_engine
+from serving_helpers import LiveServer, paged_engine, wait_until
 from test_responses_api import check_status, reference
 from test_server import KEY, NAME, client, start
 
@@ -130,3 +130,54 @@ def test_lru_store_and_paging_units():
     assert page(items, 20, "asc", "i3")["data"] == [{"id": "i4"}]
     assert page([], 20, "desc", None) == {"object": "list", "data": [], "first_id": None, "last_id": None,
                                           "has_more": False}
+
+
+class SlowProposer:
+    """An n-gram proposer that takes 50 ms a step: a background reply of 100 tokens runs for seconds."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose_many(self, requests):
+        import time
+        time.sleep(0.05)
+        return self.inner.propose_many(requests)
+
+
+def test_background_responses_run_on_and_can_be_cancelled(server):
+    """background: the response comes back at once, in_progress and empty; it is stored completed
+    (the reply equal to the conversation run alone) when done. A running one can be cancelled (stored
+    cancelled) or deleted; what cannot be done is a 400 that says why."""
+    c = client(server)
+    _, ref = reference([{"role": "user", "content": "hello there"}], 12, temperature=0)
+    r = c.responses.create(model=NAME, input="hello there", max_output_tokens=12, temperature=0, background=True)
+    assert (r.status, r.output, r.background) == ("in_progress", [], True)
+    assert wait_until(lambda: c.responses.retrieve(r.id).status != "in_progress")
+    done = c.responses.retrieve(r.id)
+    check_status(done, ref)
+    assert done.output_text == ref.text and done.usage.output_tokens == len(ref.generated)
+    for extra, message in (({"store": False}, "must be stored"), ({"stream": True}, "not streamed")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            c.responses.create(model=NAME, input="x", background=True, **extra)
+
+    eng = paged_engine("ngram")
+    eng.proposer = SlowProposer(eng.proposer)
+    with LiveServer(create_app(eng, ServerConfig(NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
+        slow = client(s)
+        long = dict(model=NAME, input="hello there", max_output_tokens=100, temperature=0, background=True,
+                    extra_body={"ignore_eos": True})
+        r = slow.responses.create(**long)
+        cancelled = slow.responses.cancel(r.id)
+        assert cancelled.status == "cancelled" and slow.responses.retrieve(r.id).status == "cancelled"
+        again = httpx.post(f"{s.url}/v1/responses/{r.id}/cancel")
+        assert again.status_code == 400 and "has ended (cancelled)" in again.json()["error"]["message"]
+        running = slow.responses.create(**long)
+        with pytest.raises(openai.BadRequestError, match="still running"):
+            slow.responses.create(model=NAME, input="more", previous_response_id=running.id)
+        slow.responses.delete(running.id)  # stops it first
+        with pytest.raises(openai.NotFoundError):
+            slow.responses.retrieve(running.id)
+        assert wait_until(lambda: eng.cache.num_used_blocks == 0)  # the cancelled sequences were let go

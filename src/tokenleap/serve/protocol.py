@@ -185,6 +185,7 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     previous_response_id: str | None = None  # a stored response whose conversation this continues
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: Int64 | None = None  # with it: this many alternatives a token
+    background: bool | None = None  # answer at once; the reply runs on (responses_background.py)
 
 
 class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; llama.cpp's: content

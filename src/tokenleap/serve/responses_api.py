@@ -190,6 +190,17 @@ class ResponseWriter:
         items = [message] if content is not None or not calls else []
         return self._obj(status, items + [_call_item(c, "completed") for c in calls], _usage(usage))
 
+    def pending(self) -> dict[str, Any]:
+        """The response while it runs in the background: ``in_progress``, no output yet."""
+        return self._obj("in_progress", [], None)
+
+    def ended(self, status: str, text: str, error: dict[str, str] | None = None) -> dict[str, Any]:
+        """A background response stopped before its end (``cancelled``, or ``failed`` with ``error``):
+        the text generated so far, as an incomplete message."""
+        obj = self._obj(status, [self._message(text, "incomplete")] if text else [], None)
+        obj["error"] = error
+        return obj
+
     def _logprobs(self, scored: list[Scored]) -> list[dict[str, Any]]:
         return chat_logprobs(scored, self.tokens)["content"] if self.tokens else []
 
@@ -272,6 +283,7 @@ class ResponseWriter:
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": req.previous_response_id, "store": self.keep is not None,
+                "background": bool(req.background),
                 "temperature": 1.0 if req.temperature is None else req.temperature,
                 "top_p": 1.0 if req.top_p is None else req.top_p,
                 "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],

@@ -1,6 +1,7 @@
 """The Responses API's routes: ``POST /v1/responses`` (a reply, over the chat path; stored unless
-``store`` is false), ``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``
-and ``POST /v1/responses/{id}/cancel``.
+``store`` is false; ``background``: answered at once, see ``responses_background.py``), ``GET`` and
+``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` and
+``POST /v1/responses/{id}/cancel`` (a background response still running).
 
 A request with ``previous_response_id`` continues the stored response's conversation: its earlier
 turns, its input and its reply come before the new input (the earlier ``instructions`` do not, as
@@ -12,11 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request, chat_messages, chat_options, \
     check_max_tokens, parse_body, structured_output
 from tokenleap.serve.response_store import ResponseStore, StoredResponse, page
+from tokenleap.serve.responses_background import BackgroundResponses
 from tokenleap.serve.responses import Format, new_id, now
 from tokenleap.serve.responses_api import ResponseWriter, chat_request, input_items, logprobs_wanted, reply_messages
 
@@ -27,6 +29,7 @@ class ResponsesRoutes:
 
     def __init__(self, server) -> None:
         self.server = server
+        self.background = BackgroundResponses()
 
     @property
     def store(self) -> ResponseStore:
@@ -46,7 +49,11 @@ class ResponsesRoutes:
         req = parse_body(await request.body(), ResponsesRequest)
         earlier = []
         if req.previous_response_id is not None:
-            earlier = (await self._stored(req.previous_response_id, "previous_response_id")).messages
+            before = await self._stored(req.previous_response_id, "previous_response_id")
+            if before.response.get("status") == "in_progress":
+                raise bad_request("previous_response_id names a background response still running: wait for "
+                                  "it to end", "previous_response_id")
+            earlier = before.messages
         chat = chat_request(req, earlier)
         server._check(chat)
         tools = server._plan_tools(chat)
@@ -56,6 +63,12 @@ class ResponsesRoutes:
         logprobs = logprobs_wanted(req)
         rid = new_id("resp")
         keep = None
+        if req.background and (req.store is False or self.store.capacity == 0):
+            raise bad_request("a background response must be stored: leave store unset or true (and run the "
+                              "server with --responses-store above 0)", "background")
+        if req.background and req.stream:
+            raise bad_request("background responses are not streamed here: send stream false and poll "
+                              "GET /v1/responses/{id}", "stream")
         if req.store is not False and self.store.capacity > 0:
             items = input_items(req.input)
             history = [m.model_dump(exclude_none=True) for m in chat.messages[1 if req.instructions else 0:]]
@@ -67,6 +80,11 @@ class ResponsesRoutes:
                                 server._token_text(logprobs is not None), keep)
         job = await server._start(chat, [prompt], [budget], tools.grammar or structured_output(chat), logprobs)
         fmt = Format(writer.id, "response", server.cfg.model_name, writer.created, chat=True)
+        if req.background:
+            pending = writer.pending()
+            await keep(pending)
+            self.background.start(job, writer, keep, lambda: server._log(job, fmt))
+            return JSONResponse(pending)
 
         async def final(texts, reasons, scored) -> dict[str, Any]:
             obj = writer.final(texts[0], reasons[0], job.usage(), scored[0])
@@ -81,6 +99,7 @@ class ResponsesRoutes:
 
     async def delete(self, response_id: str, request: HTTPRequest) -> dict[str, Any]:
         self.server._auth(request)
+        await self.background.cancel(response_id)  # a background response still running stops first
         if not await self.store.delete(response_id):
             raise self._missing(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
@@ -98,12 +117,16 @@ class ResponsesRoutes:
                     query.get("after"))
 
     async def cancel(self, response_id: str, request: HTTPRequest) -> dict[str, Any]:
-        """Only background responses can be cancelled, and this server runs none: every stored one
-        has finished."""
+        """Stop a background response still running here (it is stored ``cancelled``)."""
         self.server._auth(request)
-        await self._stored(response_id)
-        raise bad_request("only a response created with background set to true can be cancelled; this one has "
-                          "finished", "response_id")
+        if await self.background.cancel(response_id):
+            return (await self._stored(response_id)).response
+        entry = await self._stored(response_id)
+        if entry.response.get("status") == "in_progress":
+            raise APIError(409, "this background response runs in another process of this server (a replica); "
+                                "send the cancel again to reach it", "invalid_request_error", "response_id")
+        raise bad_request("only a background response still running can be cancelled; this one has ended "
+                          f"({entry.response.get('status')})", "response_id")
 
     async def _stored(self, response_id: str, param: str = "response_id") -> StoredResponse:
         entry = await self.store.get(response_id)
