@@ -22,9 +22,11 @@ FIELDS = ["model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n"
           "add_generation_prompt", "continue_final_message", "tokens", "unknown_field",
           # /v1/responses
           "input", "instructions", "max_output_tokens", "text", "metadata", "previous_response_id",
-          "parallel_tool_calls", "store", "suffix",
+          "parallel_tool_calls", "store", "suffix", "background",
           # /infill (llama.cpp's names)
-          "input_prefix", "input_suffix", "input_extra", "n_predict", "repeat_penalty"]
+          "input_prefix", "input_suffix", "input_extra", "n_predict", "repeat_penalty",
+          # /completion and /tokenize (llama.cpp's)
+          "n_probs", "post_sampling_probs", "return_tokens", "add_special", "add_special_tokens", "content"]
 
 
 def value(rng: random.Random, depth: int = 0):
@@ -68,7 +70,7 @@ def bodies(seed: int = 0):
     for i in range(ROUNDS):
         path = rng.choice(["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions",
                            "/v1/responses", "/v1/responses", "/tokenize", "/detokenize", "/infill",
-                           "/completion"])
+                           "/completion", "/apply-template"])
         if path == "/v1/completions":
             body = {"prompt": "fuzz me", "max_tokens": 3}
         elif path == "/v1/chat/completions":
@@ -81,6 +83,8 @@ def bodies(seed: int = 0):
             body = {"input_prefix": "fu", "input_suffix": "zz", "n_predict": 3}
         elif path == "/completion":  # llama.cpp's
             body = {"prompt": "fuzz me", "n_predict": 3}
+        elif path == "/apply-template":
+            body = {"messages": [{"role": "user", "content": "fuzz"}]}
         else:
             body = {"tokens": [3, 4]}
         for _ in range(rng.randrange(1, 4)):
