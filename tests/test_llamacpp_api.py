@@ -163,3 +163,17 @@ def test_tokenize_add_special():
         greedy = {"n_predict": 4, "temperature": 0, "ignore_eos": True}
         assert post(s, "/completion", {**greedy, "prompt": "ab"}).json()["tokens_evaluated"] == 3
         assert post(s, "/completion", {**greedy, "prompt": [7, "ab"]}).json()["tokens_evaluated"] == 3
+
+
+def test_n_cmpl_completions_of_each_prompt(server):
+    """n_cmpl: that many completions of each prompt, prompt by prompt; seeded ones at seed + i, each
+    equal to its prompt sampled alone with that seed."""
+    body = {"prompt": ["hello there", [5, 6, 7]], "n_predict": 6, "seed": 3, "n_cmpl": 2, "ignore_eos": True}
+    out = post(server, "/completion", body).json()
+    sampled = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, ignore_eos=True)
+    want = [ref(ids, 6, seed=3 + c, **sampled).text for ids in (ids_of("hello there"), [5, 6, 7]) for c in range(2)]
+    assert [r["index"] for r in out] == [0, 1, 2, 3] and [r["content"] for r in out] == want
+    one = post(server, "/completion", {**body, "prompt": "hello there"}).json()
+    assert [r["content"] for r in one] == want[:2]
+    for bad in (0, 17, "2"):
+        assert post(server, "/completion", {**body, "n_cmpl": bad}).status_code == 400, bad

@@ -15,8 +15,9 @@ field is absent (``n_predict`` -1: up to the context's end; ``temperature`` 0.8,
 an object; ``json_schema`` or ``grammar`` (GBNF) constrain the reply as ``response_format`` /
 ``guided_grammar`` do; ``n_probs`` N > 0 adds ``completion_probabilities``: each generated token's
 log-probability and the N most likely tokens, from the model's raw logits (llama.cpp's form without
-``post_sampling_probs``, which is refused); ``return_tokens`` adds the generated ids. Its other
-options (``cache_prompt``: the prefix cache is always on, ``samplers`` ...) are ignored.
+``post_sampling_probs``, which is refused); ``return_tokens`` adds the generated ids; ``n_cmpl``
+completions of each prompt (a list: each prompt's in turn, seeded ones at seed, seed + 1, ...). Its
+other options (``cache_prompt``: the prefix cache is always on, ``samplers`` ...) are ignored.
 
 The reply has llama.cpp's shape: ``{"index", "content", "tokens", "stop": true, "stop_type" ("eos",
 "word": a stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated",
@@ -61,6 +62,7 @@ class _LlamaSampling(_Strict):
     n_probs: Int64 | None = None  # the N most likely tokens with each generated one
     post_sampling_probs: bool | None = None  # probabilities after the samplers: not served (refused)
     return_tokens: bool | None = False  # the generated ids in "tokens"
+    n_cmpl: Int64 | None = None  # completions of each prompt (OpenAI's n)
     json_schema: dict[str, Any] | None = None  # the reply follows this JSON schema ...
     grammar: str | None = None  # ... or this grammar (GBNF, as llama.cpp takes it, or Lark)
 
@@ -81,7 +83,7 @@ class _LlamaSampling(_Strict):
             "seed": None if self.seed in (None, -1) else self.seed, "stop": self.stop, "stream": bool(self.stream),
             "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "max_tokens": None if self.n_predict in (None, -1) else self.n_predict,
+            "max_tokens": None if self.n_predict in (None, -1) else self.n_predict, "n": given(self.n_cmpl, 1),
             "logit_bias": _bias(self.logit_bias, tokenizer) or None,
             "logprobs": self.n_probs or None, "guided_json": self.json_schema, "guided_grammar": self.grammar})
 
@@ -159,7 +161,7 @@ class LlamaCppRoutes:
         req = body.completion(server.tokenizer)
         server._check(req)
         prompts = [_join(p, server) for p in _prompts(body.prompt)]
-        return await self._run(request, body, req, prompts, "completion", multi=_is_multi(body.prompt))
+        return await self._run(request, body, req, prompts, "completion", multi=_is_multi(body.prompt) or req.n > 1)
 
     async def infill(self, request: HTTPRequest) -> Response:
         server = self.server
@@ -175,7 +177,7 @@ class LlamaCppRoutes:
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the input could not be tokenized: {e}", "input_prefix") from None
         req.stop_token_ids = list(fim.stop_ids)
-        return await self._run(request, body, req, [ids], "infill", multi=False)
+        return await self._run(request, body, req, [ids], "infill", multi=req.n > 1)
 
     async def _run(self, request: HTTPRequest, body: _LlamaSampling, req: CompletionRequest,
                    prompts: list[list[int]], kind: str, multi: bool) -> Response:
