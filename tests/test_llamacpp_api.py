@@ -177,3 +177,35 @@ def test_n_cmpl_completions_of_each_prompt(server):
     assert [r["content"] for r in one] == want[:2]
     for bad in (0, 17, "2"):
         assert post(server, "/completion", {**body, "n_cmpl": bad}).status_code == 400, bad
+
+
+def test_slots_show_the_requests_running():
+    """/slots: total_slots entries; a running request's slot is processing, with its limit and the
+    tokens decoded so far; fail_on_no_slot is a 503 only when every slot is busy."""
+    import time
+
+    engine = paged_engine()
+    step = engine.step
+
+    def slow_step(*args, **kwargs):  # 0.1 s a token: the requests are still running below
+        time.sleep(0.1)
+        return step(*args, **kwargs)
+    engine.step = slow_step
+    config = ServerConfig(model_name=NAME, scheduler=SchedulerConfig(max_num_seqs=2, log_interval=0))
+    with LiveServer(create_app(engine, config)) as s:
+        idle = httpx.get(s.url + "/slots", timeout=30).json()
+        assert [(e["id"], e["is_processing"]) for e in idle] == [(0, False), (1, False)]
+        body = {"prompt": "hello there", "n_predict": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/completion", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()  # (kept: a dropped line iterator closes the stream)
+            next(line for line in lines if line.startswith("data: "))
+            busy = httpx.get(s.url + "/slots", timeout=30).json()
+            assert busy[0]["is_processing"] and not busy[1]["is_processing"]
+            assert busy[0]["params"]["n_predict"] == 60 and busy[0]["params"]["temperature"] == 0
+            assert 1 <= busy[0]["next_token"]["n_decoded"] < 60 and busy[0]["n_ctx"] == MAX_LEN
+            assert httpx.get(s.url + "/slots?fail_on_no_slot=1", timeout=30).status_code == 200  # one is free
+            with httpx.stream("POST", s.url + "/completion", json=body, timeout=60) as second:
+                more = second.iter_lines()
+                next(line for line in more if line.startswith("data: "))
+                full = httpx.get(s.url + "/slots?fail_on_no_slot=1", timeout=30)
+                assert full.status_code == 503 and "no slot" in full.json()["error"]["message"]

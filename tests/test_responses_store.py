@@ -133,17 +133,17 @@ def test_lru_store_and_paging_units():
 
 
 class SlowProposer:
-    """An n-gram proposer that takes 50 ms a step: a background reply of 100 tokens runs for seconds."""
+    """An n-gram proposer that takes ``delay`` seconds a step: a reply of 100 tokens runs for seconds."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.name = inner, inner.name
+    def __init__(self, inner, delay: float = 0.05) -> None:
+        self.inner, self.name, self.delay = inner, inner.name, delay
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def propose_many(self, requests):
         import time
-        time.sleep(0.05)
+        time.sleep(self.delay)
         return self.inner.propose_many(requests)
 
 
