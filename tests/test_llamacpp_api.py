@@ -209,3 +209,11 @@ def test_slots_show_the_requests_running():
                 next(line for line in more if line.startswith("data: "))
                 full = httpx.get(s.url + "/slots?fail_on_no_slot=1", timeout=30)
                 assert full.status_code == 503 and "no slot" in full.json()["error"]["message"]
+
+
+def test_version_and_ping(server):
+    """vLLM's probes: the version, and 200 while the scheduler runs."""
+    from tokenleap import __version__
+    assert httpx.get(server.url + "/version", timeout=30).json() == {"version": __version__}
+    assert httpx.get(server.url + "/ping", timeout=30).status_code == 200
+    assert httpx.post(server.url + "/ping", timeout=30).status_code == 200

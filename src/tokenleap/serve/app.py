@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models (and
-/v1/models/{id}), /health, /metrics, vLLM's /tokenize and /detokenize, and llama.cpp's /completion and
-/infill.
+/v1/models/{id}), /health, /metrics, vLLM's /tokenize, /detokenize, /version and /ping
+(``token_routes.py``), and llama.cpp's /completion, /infill, /props, /slots and /apply-template.
 
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
 background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
@@ -32,10 +32,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
-from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
-                       TokenizeRequest, bad_request, chat_messages, chat_options, check_common,
-                       check_logit_bias, check_max_tokens, check_token_ids, parse_body, sampling_params,
-                       structured_output)
+from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
+                       chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
+                       check_token_ids, parse_body, sampling_params, structured_output)
 from tokenleap.serve.responses import Format, TokenText, chat_delta, new_id, now, sse
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore
 from tokenleap.serve.responses_routes import ResponsesRoutes
@@ -46,6 +45,7 @@ from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
 from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
+from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
@@ -103,8 +103,7 @@ class OpenAIServer:
         LlamaCppInfoRoutes(self).add_to(app)  # ... and its /props, /apply-template
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
-        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
-        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        TokenRoutes(self).add_to(app)  # /tokenize, /detokenize, /version, /ping
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         add_error_handlers(app)
@@ -141,34 +140,6 @@ class OpenAIServer:
                       include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)),
                       tools=tools)
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
-
-    async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
-        """A prompt's (or a conversation's, as chat renders it) token ids, as vLLM's /tokenize (and as
-        llama.cpp's: the prompt as ``content``, ``with_pieces`` giving each token's text). The model's
-        special tokens (a BOS) are added as each API does by default: for a ``prompt``, not for a
-        ``content``, unless ``add_special_tokens`` (vLLM's) or ``add_special`` (llama.cpp's) says."""
-        self._auth(request)
-        req = parse_body(await request.body(), TokenizeRequest)
-        self._check_model(req.model)
-        given = [v for v in (req.prompt, req.content, req.messages) if v is not None]
-        if len(given) != 1:
-            raise bad_request("give exactly one of prompt (or content) or messages")
-        text = req.prompt if req.prompt is not None else req.content
-        flags = {f for f in (req.add_special_tokens, req.add_special) if f is not None}
-        if len(flags) > 1:
-            raise bad_request("add_special_tokens and add_special disagree", "add_special")
-        special = flags.pop() if flags else req.content is None
-        ids = self._encode_chat(chat_messages(req), ToolPlan()) if text is None else self._encode(text, special)
-        tokens: list[Any] = [{"id": t, "piece": self.tokenizer.decode([t])} for t in ids] if req.with_pieces else ids
-        return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": tokens}
-
-    async def detokenize(self, request: HTTPRequest) -> dict[str, Any]:
-        self._auth(request)
-        req = parse_body(await request.body(), DetokenizeRequest)
-        self._check_model(req.model)
-        check_token_ids(req.tokens, self.engine.model.config.vocab_size, "tokens")
-        text = self.tokenizer.decode(req.tokens)
-        return {"prompt": text, "content": text}  # (vLLM's name, llama.cpp's)
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         self._auth(request)

@@ -1,0 +1,67 @@
+"""Text <-> token ids over HTTP, as vLLM and llama.cpp serve them, and vLLM's small probes:
+
+- ``POST /tokenize``: a prompt's (or a conversation's, as chat renders it) token ids. vLLM's form
+  (``prompt`` or ``messages``; ``add_special_tokens``, default true) and llama.cpp's (``content``;
+  ``add_special``, default false; ``with_pieces``: each token's text beside its id);
+- ``POST /detokenize``: token ids to text (``prompt``, vLLM's name, and ``content``, llama.cpp's);
+- ``GET /version`` (tokenleap's version) and ``GET /ping`` (200 while the scheduler runs), as vLLM
+  answers them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import Response
+
+from tokenleap import __version__
+from tokenleap.serve.protocol import DetokenizeRequest, TokenizeRequest, bad_request, chat_messages, \
+    check_token_ids, parse_body
+from tokenleap.serve.tools import ToolPlan
+
+
+class TokenRoutes:
+    """The routes above for ``server`` (an ``app.OpenAIServer``: its checks and encoding)."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_api_route("/version", self.version, methods=["GET"])
+        app.add_api_route("/ping", self.ping, methods=["GET", "POST"])
+
+    async def tokenize(self, request: HTTPRequest) -> dict[str, Any]:
+        """The model's special tokens (a BOS) are added as each API does by default: for a
+        ``prompt``, not for a ``content``, unless ``add_special_tokens`` or ``add_special`` says."""
+        server = self.server
+        server._auth(request)
+        req = parse_body(await request.body(), TokenizeRequest)
+        server._check_model(req.model)
+        given = [v for v in (req.prompt, req.content, req.messages) if v is not None]
+        if len(given) != 1:
+            raise bad_request("give exactly one of prompt (or content) or messages")
+        text = req.prompt if req.prompt is not None else req.content
+        flags = {f for f in (req.add_special_tokens, req.add_special) if f is not None}
+        if len(flags) > 1:
+            raise bad_request("add_special_tokens and add_special disagree", "add_special")
+        special = flags.pop() if flags else req.content is None
+        ids = server._encode_chat(chat_messages(req), ToolPlan()) if text is None else server._encode(text, special)
+        tokens: list[Any] = [{"id": t, "piece": server.tokenizer.decode([t])} for t in ids] if req.with_pieces else ids
+        return {"count": len(ids), "max_model_len": server.engine.max_len, "tokens": tokens}
+
+    async def detokenize(self, request: HTTPRequest) -> dict[str, Any]:
+        server = self.server
+        server._auth(request)
+        req = parse_body(await request.body(), DetokenizeRequest)
+        server._check_model(req.model)
+        check_token_ids(req.tokens, server.engine.model.config.vocab_size, "tokens")
+        text = server.tokenizer.decode(req.tokens)
+        return {"prompt": text, "content": text}  # (vLLM's name, llama.cpp's)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
+
+    async def ping(self) -> Response:
+        return await self.server.health()
