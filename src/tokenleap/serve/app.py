@@ -339,38 +339,56 @@ class OpenAIServer:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         return [(encode or self._encode)(p) for p in prompt]
 
-    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """A prompt's ids (token ids: checked against the vocabulary); a 400 naming ``param`` when it
+        cannot be tokenized. ``add_special_tokens`` false: none added (a tokenizer whose encode
+        takes no such option adds none)."""
         if isinstance(prompt, list):
             vocab = self.engine.model.config.vocab_size
             if not prompt or not all(0 <= t < vocab for t in prompt):
-                raise bad_request(f"token ids must be non-empty lists of ids in [0, {vocab})", "prompt")
+                raise bad_request(f"token ids must be non-empty lists of ids in [0, {vocab})", param)
             return prompt
         try:
-            if add_special_tokens:  # (a tokenizer's encode may take no such option)
+            if add_special_tokens:
                 return self.tokenizer.encode(prompt)
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            try:
+                return self.tokenizer.encode(prompt, add_special_tokens=False)
+            except TypeError:  # an encode without the option
+                return self.tokenizer.encode(prompt)
         except (ValueError, TypeError, UnicodeError) as e:
-            raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
+            raise bad_request(f"the {param} could not be tokenized: {e}", param) from None
 
     def _encode_chat(self, messages: list[dict[str, Any]], tools: ToolPlan,
                      options: dict[str, Any] | None = None) -> list[int]:
         """The rendered conversation's ids, ending with the start of the reply (and the opening of
         a tool call when ``tool_choice`` forces one); ``options``: ``chat_options``."""
+        return self._chat(messages, tools, options, encode=True)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: ToolPlan,
+                    options: dict[str, Any] | None = None) -> str:
+        """The same conversation's prompt text (llama.cpp's /apply-template)."""
+        return self._chat(messages, tools, options, encode=False)
+
+    def _chat(self, messages: list[dict[str, Any]], tools: ToolPlan, options: dict[str, Any] | None,
+              encode: bool) -> list[int] | str:
+        """``_encode_chat`` (``encode``) or ``render_chat``: the tokenizer's own ``encode_chat`` /
+        ``render_chat`` where it has them, else its chat template's text (then encoded); a 400 that
+        says why the messages cannot be rendered."""
         extra = {**(options or {}), **({"tools": tools.tools} if tools.tools is not None else {})}
         try:
-            encode_chat = getattr(self.tokenizer, "encode_chat", None)
-            if encode_chat is not None:
-                return encode_chat(messages, reply_prefix=tools.prefix, **extra)
+            native = getattr(self.tokenizer, "encode_chat" if encode else "render_chat", None)
+            if native is not None:
+                return native(messages, reply_prefix=tools.prefix, **extra)
             if extra.pop("continue_final_message", False):
                 raise bad_request("this tokenizer cannot continue a final message", "continue_final_message")
             extra.setdefault("add_generation_prompt", True)
-            text = self.tokenizer.apply_chat_template(messages, **extra)
-            return self.tokenizer.encode(text + tools.prefix)
+            text = self.tokenizer.apply_chat_template(messages, **extra) + tools.prefix
+            return self.tokenizer.encode(text) if encode else text
         except ConfigError as e:
             raise bad_request(str(e), "messages") from None
         except (ValueError, TypeError, UnicodeError) as e:
-            raise bad_request(f"the messages could not be tokenized: {e}", "messages") from None
-
+            raise bad_request(f"the messages could not be {'tokenized' if encode else 'rendered'}: {e}",
+                              "messages") from None
 
 def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``Engine`` built on a ``PagedKVCache``); the app's

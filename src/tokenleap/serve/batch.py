@@ -41,16 +41,19 @@ def request_engine(llm: "LLM") -> Engine:
     """``LLM.engine``: ``llm.num_slots`` slots and a whole context of blocks each. A finished
     request's cached blocks count as free, and a later prompt that starts the same way (a
     conversation's next turn) shares them rather than needing blocks of its own for them."""
-    per_seq = -(-(llm.max_len + 1) // BLOCK_SIZE) + 1 + _scratch_blocks(llm)
-    return _paged_engine(llm, llm.num_slots * per_seq, llm.num_slots)
+    return _paged_engine(llm, llm.num_slots * _context_blocks(llm), llm.num_slots)
 
 
 def session_engine(llm: "LLM") -> Engine:
     """A paged engine for one conversation, a turn at a time: one cache slot, and blocks for two
     whole contexts -- the turn being generated, and the prompt windows earlier turns computed, which
     its prefix cache keeps so that the next turn (the same conversation, longer) reuses them."""
-    per_seq = -(-(llm.max_len + 1) // BLOCK_SIZE) + 1 + _scratch_blocks(llm)
-    return _paged_engine(llm, 2 * per_seq, 1)
+    return _paged_engine(llm, 2 * _context_blocks(llm), 1)
+
+
+def _context_blocks(llm: "LLM") -> int:
+    """Blocks for one sequence of the whole context, with a step's scratch rows past its end."""
+    return -(-(llm.max_len + 1) // BLOCK_SIZE) + 1 + _scratch_blocks(llm)
 
 
 def _scratch_blocks(llm: "LLM") -> int:

@@ -38,7 +38,7 @@ from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import MAX_PROMPTS, APIError, CompletionRequest, Int64, _Strict, bad_request, \
     check_max_tokens, parse_body, structured_output
-from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now
+from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now, token_logprob_entries
 from tokenleap.text.fim import encode_fim
 
 _BiasKey = Int64 | str
@@ -66,9 +66,9 @@ class _LlamaSampling(_Strict):
     json_schema: dict[str, Any] | None = None  # the reply follows this JSON schema ...
     grammar: str | None = None  # ... or this grammar (GBNF, as llama.cpp takes it, or Lark)
 
-    def completion(self, tokenizer) -> CompletionRequest:
-        """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in; a string
-        key of ``logit_bias`` tokenized with ``tokenizer``)."""
+    def completion(self, server) -> CompletionRequest:
+        """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in; a text key
+        of ``logit_bias`` tokenized by ``server``, an ``app.OpenAIServer``, with no special tokens)."""
         def given(value, default):
             return default if value is None else value
         if self.post_sampling_probs:
@@ -84,14 +84,15 @@ class _LlamaSampling(_Strict):
             "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "max_tokens": None if self.n_predict in (None, -1) else self.n_predict, "n": given(self.n_cmpl, 1),
-            "logit_bias": _bias(self.logit_bias, tokenizer) or None,
+            "logit_bias": _bias(self.logit_bias, lambda text: server._encode(text, False, "logit_bias")) or None,
             "logprobs": self.n_probs or None, "guided_json": self.json_schema, "guided_grammar": self.grammar})
 
 
-def _bias(given, tokenizer) -> dict[str, float]:
+def _bias(given, encode) -> dict[str, float]:
     """llama.cpp's ``logit_bias`` as OpenAI's {token id: bias}. Pairs ``[key, value]`` or an object;
     a key is a token id (an integer; in the object, a string of digits) or else text, every token of
-    which gets the bias; a value is a bias or ``false`` (banned: -100)."""
+    which gets the bias (``encode``: text -> ids, no special tokens added); a value is a bias or
+    ``false`` (banned: -100)."""
     pairs = list(given.items()) if isinstance(given, dict) else given or []
     out: dict[str, float] = {}
     for pair in pairs:
@@ -105,22 +106,9 @@ def _bias(given, tokenizer) -> dict[str, float]:
         if isinstance(key, int) or (isinstance(given, dict) and key.isdigit()):
             ids = [int(key)]
         else:
-            ids = _plain_ids(tokenizer, key, "logit_bias")
+            ids = encode(key)
         out.update({str(t): -100.0 if value is False else float(value) for t in ids})
     return out
-
-
-def _plain_ids(tokenizer, text: str, param: str) -> list[int]:
-    """``text``'s ids with no special tokens added (a 400 naming ``param`` if it cannot be tokenized)."""
-    if not text:
-        return []
-    try:
-        try:
-            return tokenizer.encode(text, add_special_tokens=False)
-        except TypeError:  # a tokenizer whose encode takes no such option (adds none)
-            return tokenizer.encode(text)
-    except (ValueError, TypeError, UnicodeError, ConfigError) as e:
-        raise bad_request(f"the text could not be tokenized: {e}", param) from None
 
 
 class LlamaCompletionRequest(_LlamaSampling):
@@ -158,7 +146,7 @@ class LlamaCppRoutes:
         server = self.server
         server._auth(request)
         body = parse_body(await request.body(), LlamaCompletionRequest)
-        req = body.completion(server.tokenizer)
+        req = body.completion(server)
         server._check(req)
         prompts = [_join(p, server) for p in _prompts(body.prompt)]
         return await self._run(request, body, req, prompts, "completion", multi=_is_multi(body.prompt) or req.n > 1)
@@ -167,7 +155,7 @@ class LlamaCppRoutes:
         server = self.server
         server._auth(request)
         body = parse_body(await request.body(), InfillRequest)
-        req = body.completion(server.tokenizer)
+        req = body.completion(server)
         server._check(req)
         files = [(c.filename, c.text) for c in body.input_extra or []]
         try:
@@ -244,7 +232,7 @@ class _Shape:
             if piece or out.token_ids:
                 event: dict[str, Any] = {"index": i, "content": piece, "tokens": list(out.token_ids), "stop": False}
                 if self.tokens is not None:
-                    event["completion_probabilities"] = self._probs(scored)
+                    event["completion_probabilities"] = token_logprob_entries(scored, self.tokens, ids=True)
                 yield _sse(event)
             if out.finish_reason is not None:
                 yield _sse(self.final(i, "", out.finish_reason, [], whole=False))
@@ -261,15 +249,9 @@ class _Shape:
                "tokens_evaluated": len(seq.prompt), "tokens_cached": seq.cached_tokens, "truncated": False,
                "timings": _timings(job, i)}
         if self.tokens is not None and whole:
-            out["completion_probabilities"] = self._probs(scored)
+            out["completion_probabilities"] = token_logprob_entries(scored, self.tokens, ids=True)
         return out
 
-    def _probs(self, scored: list[Scored]) -> list[dict[str, Any]]:
-        tt = self.tokens
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            return {"id": token_id, "token": tt.text(token_id), "bytes": tt.bytes(token_id), "logprob": logprob}
-        return [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
-                for t, lp in scored if lp is not None]
 
 
 def _timings(job: Job, i: int) -> dict[str, Any]:

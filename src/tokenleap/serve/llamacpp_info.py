@@ -19,9 +19,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from tokenleap import __version__
-from tokenleap.config import ConfigError
-from tokenleap.serve.protocol import APIError, ChatRequest, bad_request, chat_messages, chat_options, parse_body
-from tokenleap.serve.tools import ToolPlan
+from tokenleap.serve.protocol import APIError, ChatRequest, chat_messages, chat_options, parse_body
 
 # /completion's defaults where a request leaves a field out (llama.cpp's; llamacpp.py applies them)
 DEFAULT_PARAMS: dict[str, Any] = {
@@ -86,21 +84,5 @@ class LlamaCppInfoRoutes:
         req = parse_body(await request.body(), ChatRequest)
         server._check_model(req.model)
         tools = server._plan_tools(req)
-        return {"prompt": render_chat(server.tokenizer, chat_messages(req), tools, chat_options(req))}
+        return {"prompt": server.render_chat(chat_messages(req), tools, chat_options(req))}
 
-
-def render_chat(tokenizer, messages: list[dict[str, Any]], tools: ToolPlan, options: dict[str, Any]) -> str:
-    """The conversation's prompt text as ``/v1/chat/completions`` would give it to the model (up to
-    the opening of a forced tool call), or a 400 that says why it cannot be rendered."""
-    extra = {**options, **({"tools": tools.tools} if tools.tools is not None else {})}
-    try:
-        render = getattr(tokenizer, "render_chat", None)
-        if render is not None:
-            return render(messages, reply_prefix=tools.prefix, **extra)
-        if extra.pop("continue_final_message", False):
-            raise bad_request("this tokenizer cannot continue a final message", "continue_final_message")
-        return tokenizer.apply_chat_template(messages, **extra) + tools.prefix
-    except ConfigError as e:
-        raise bad_request(str(e), "messages") from None
-    except (ValueError, TypeError, UnicodeError) as e:
-        raise bad_request(f"the messages could not be rendered: {e}", "messages") from None

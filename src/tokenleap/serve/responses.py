@@ -90,13 +90,19 @@ def completion_logprobs(scored: list[Scored], tt: TokenText, offset: int) -> dic
     return out
 
 
+def token_logprob_entries(scored: list[Scored], tt: TokenText, ids: bool = False) -> list[dict[str, Any]]:
+    """One entry per scored token: its text, logprob and bytes, and its ``top_logprobs`` alike
+    (``ids``: each with its token id too, as llama.cpp's ``completion_probabilities`` has them)."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        out = {"id": token_id} if ids else {}
+        return {**out, "token": tt.text(token_id), "logprob": logprob, "bytes": tt.bytes(token_id)}
+    return [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
+            for t, lp in scored if lp is not None]
+
+
 def chat_logprobs(scored: list[Scored], tt: TokenText) -> dict[str, Any]:
     """The chat completions ``logprobs`` object (``content``: one entry per generated token)."""
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": tt.text(token_id), "logprob": logprob, "bytes": tt.bytes(token_id)}
-    content = [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
-               for t, lp in scored if lp is not None]
-    return {"content": content, "refusal": None}
+    return {"content": token_logprob_entries(scored, tt), "refusal": None}
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,6 @@ class BackgroundResponses:
         self._tasks[writer.id] = task
         task.add_done_callback(lambda _: self._tasks.pop(writer.id, None))
 
-    def running(self, response_id: str) -> bool:
-        return response_id in self._tasks
-
     async def cancel(self, response_id: str) -> bool:
         """Stop a running response (stored ``cancelled``); False if this process runs none by that id."""
         task = self._tasks.get(response_id)
