@@ -6,6 +6,10 @@ each (``PYTHONPATH=WORKTREE/src``), alternating: this machine's speed drifts bet
     python scripts/bench_prefill.py --tokens 100 160 400
     python scripts/bench_prefill.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --tokens 160
     python scripts/bench_prefill.py --compare-row-exact   # windows computed batched vs row-exact, taking turns
+    python scripts/bench_prefill.py --random-like config.json --quant w8a8 --compare-row-exact
+
+``--random-like`` builds the model from a Hugging Face config.json with random weights (as
+``bench_steps.py`` does), for machines that hold no checkpoint.
 
 Token ids are random (a prefill's cost depends on its length, not on which tokens).
 """
@@ -22,6 +26,8 @@ from tokenleap.cache.contiguous import KVCache
 from tokenleap.models.pretrained import load_model
 from tokenleap.models.transformer import Segment
 from tokenleap.spec.engine import PREFILL_CHUNK
+
+from bench_steps import random_model
 
 
 def prefill_seconds(model, tokens: torch.Tensor, cache: KVCache, chunk: int, row_exact: bool = False) -> float:
@@ -47,11 +53,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[100, 160, 400])
     ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--random-like", metavar="CONFIG_JSON", help="random weights in this HF config's shape")
     ap.add_argument("--json", action="store_true", help="one JSON line: prompt length -> tokens per second")
     ap.add_argument("--compare-row-exact", action="store_true",
                     help="time each length both ways, batched and row-exact windows, taking turns")
     args = ap.parse_args()
-    model = load_model(args.model, quant=args.quant, gguf_other=args.gguf_other).model
+    if args.random_like:
+        model = random_model(args.random_like, "auto", args.quant)
+        args.model = f"random weights shaped like {args.random_like}"
+    else:
+        model = load_model(args.model, quant=args.quant, gguf_other=args.gguf_other).model
     gen = torch.Generator().manual_seed(0)
     out = {}
     for n in args.tokens:
