@@ -8,6 +8,7 @@ VNNI ones), alternating, median ms over repeats.
     python scripts/bench_steps.py --compare vnni --rows 1 2 4 6 8
     python scripts/bench_steps.py --compare amx --rows 4 6 8 12 16   # an AMX CPU: AMX-INT8 vs VNNI tiles
     python scripts/bench_steps.py --compare pair --pair-rows 5 --rows 3 4 5   # blocked int6's VNNI two-block tiles from 4 vs 5 rows
+    python scripts/bench_steps.py --compare attention512 --prompt 2000 --rows 1 4   # AVX-512 vs AVX2 attention
     python scripts/bench_steps.py --random-like config.json --quant int4 --rows 1 4 8 16
 
 ``--random-like`` builds the model from a Hugging Face config.json with random weights instead
@@ -63,11 +64,12 @@ def main() -> None:
     ap.add_argument("--pair-rows", type=int, default=1000,
                     help="with --compare pair: the other threshold of the VNNI two-block tiles on blocked int6 "
                          "tensors (default: never; paired tensors take them at every row count)")
-    ap.add_argument("--compare", choices=["layers", "vnni", "amx", "pair"], default="layers",
+    ap.add_argument("--compare", choices=["layers", "vnni", "amx", "pair", "attention512"], default="layers",
                     help="layers: compiled vs Python decoder layers; vnni: int4 / int6 on the AVX2 vs the AVX-512 VNNI "
                          "tiles (the AVX2 tiles reading this machine's paired layout, slower than an AVX2 machine's "
                          "blocked one); amx: int4 / int6 on the AMX-INT8 tiles (from AMX_INT8_MIN_ROWS rows) vs the VNNI tiles; "
-                         "pair: the VNNI two-block tiles from the built-in row count vs from --pair-rows")
+                         "pair: the VNNI two-block tiles from the built-in row count vs from --pair-rows; "
+                         "attention512: the AVX-512 attention kernel vs the AVX2 one")
     args = ap.parse_args()
     if args.random_like:
         model = random_model(args.random_like, args.dtype, args.quant)
@@ -80,10 +82,12 @@ def main() -> None:
           [Segment(slot, 0, args.prompt)], cache)
     if args.compare in ("vnni", "amx", "pair") and not kernels.vnni_supported():
         raise SystemExit(f"--compare {args.compare}: this CPU has no AVX-512 VNNI")
+    if args.compare == "attention512" and not kernels.attention512_supported():
+        raise SystemExit("--compare attention512: this CPU has no AVX-512")
     if args.compare == "amx" and not kernels.w8a8_available():  # (AMX-INT8 tiles granted)
         raise SystemExit("--compare amx: this CPU has no AMX-INT8 tiles")
     labels = {"layers": ("compiled layers", "python layers"), "vnni": ("VNNI tiles", "AVX2 tiles"),
-              "amx": ("AMX-INT8 tiles", "VNNI tiles"),
+              "amx": ("AMX-INT8 tiles", "VNNI tiles"), "attention512": ("AVX-512 attention", "AVX2 attention"),
               "pair": ("two-block tiles built-in", f"from {args.pair_rows} rows")}[args.compare]
     times: dict[tuple[bool, int], list[float]] = {}
     for _ in range(args.repeats):
@@ -92,6 +96,8 @@ def main() -> None:
                 model.use_fused_layers = fused
             elif args.compare == "vnni":
                 kernels.set_vnni(fused)
+            elif args.compare == "attention512":
+                kernels.set_attention512(fused)
             elif args.compare == "pair":
                 kernels.set_vnni_pair_rows(0 if fused else args.pair_rows)
             else:

@@ -457,9 +457,23 @@ def test_int4_layer_on_kernel_and_float32_reference_on_torch():
 # ------------------------------------------------------------------------------ attention rows
 
 
+@pytest.fixture(params=[False, True], ids=["avx2", "avx512"])
+def attention_kernel(request):
+    """Each attention test once on the AVX2 kernel and once on the AVX-512 one (where the CPU has
+    it); the loaded setting comes back after."""
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    if request.param and not kernels.attention512_supported():
+        pytest.skip("the CPU has no AVX-512")
+    before = kernels.set_attention512(request.param)
+    yield request.param
+    kernels.set_attention512(before)
+
+
 @needs_kernel
-@pytest.mark.parametrize("heads,kv,hd,pos0,rows", [(12, 2, 128, 37, 6), (4, 4, 24, 0, 9), (6, 3, 64, 13, 1)])
-def test_attend_rows_matches_sdpa_and_is_row_invariant(heads, kv, hd, pos0, rows):
+@pytest.mark.parametrize("heads,kv,hd,pos0,rows", [(12, 2, 128, 37, 6), (4, 4, 24, 0, 9), (6, 3, 64, 13, 1),
+                                                   (2, 1, 256, 21, 17)])
+def test_attend_rows_matches_sdpa_and_is_row_invariant(heads, kv, hd, pos0, rows, attention_kernel):
     g = torch.Generator().manual_seed(hd + rows)
     length = pos0 + rows
     q = torch.randn(rows, heads, hd, generator=g)
@@ -476,7 +490,7 @@ def test_attend_rows_matches_sdpa_and_is_row_invariant(heads, kv, hd, pos0, rows
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv,hd", [(12, 2, 128), (7, 1, 64), (4, 4, 32)])
-def test_attend_rows_shared_keys_give_each_row_its_own_result_at_any_thread_count(heads, kv, hd):
+def test_attend_rows_shared_keys_give_each_row_its_own_result_at_any_thread_count(heads, kv, hd, attention_kernel):
     """Rows of one call share their common keys (read once for all rows and heads of a unit; units
     split by thread count): every row and thread count gives the row's result alone, bitwise."""
     g = torch.Generator().manual_seed(heads * hd)
@@ -495,6 +509,31 @@ def test_attend_rows_shared_keys_give_each_row_its_own_result_at_any_thread_coun
                 assert torch.equal(out[t], alone[t]), (n, t)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_attention_kernels_agree_and_the_avx512_setting_is_off_where_the_cpu_lacks_it():
+    """The AVX-512 kernel sums a score's products in another order than the AVX2 one: the two agree
+    to float rounding, and only where the CPU has AVX-512 (and the head a multiple of 16 floats)
+    does the setting take effect."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(5, 12, 128, generator=g), torch.randn(2, 305, 128, generator=g), torch.randn(2, 305, 128, generator=g)
+    before = kernels.set_attention512(False)
+    try:
+        avx2 = kernels.attend_rows(q, k, v, 300, 128 ** -0.5)
+        assert kernels.set_attention512(True) is False
+        wide = kernels.attend_rows(q, k, v, 300, 128 ** -0.5)
+        assert kernels.set_attention512(False) is kernels.attention512_supported()
+        torch.testing.assert_close(wide, avx2, rtol=1e-5, atol=1e-6)
+        if kernels.attention512_supported():
+            assert not torch.equal(wide, avx2)  # the setting took effect: another summation order
+            kernels.set_attention512(True)  # a head of 24 floats: the AVX2 kernel either way
+            q24, k24, v24 = q[..., :24].contiguous(), k[..., :24].contiguous(), v[..., :24].contiguous()
+            on = kernels.attend_rows(q24, k24, v24, 300, 24 ** -0.5)
+            kernels.set_attention512(False)
+            assert torch.equal(on, kernels.attend_rows(q24, k24, v24, 300, 24 ** -0.5))
+    finally:
+        kernels.set_attention512(before)
 
 
 @needs_kernel

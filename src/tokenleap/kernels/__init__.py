@@ -7,7 +7,8 @@ one row on this project's AVX2 machine, 1.5x for 2-8 rows), ``bf16_linear``, ``i
 time), and ``*_gemm`` blocked variants for prefill windows. ``int6.cpp``: ``int6_linear``, a GGUF's
 Q6_K weights exactly (W6A8). ``attention.cpp``: the attention of decode / verification / tree
 rows over their keys, every (row, head) on its own in a fixed order, the keys the rows share read
-once for all of a kv head's query heads and rows. ``decoder.cpp``: ``attend_rows`` (causal
+once for all of a kv head's query heads and rows (``attention512.cpp``: the same on AVX-512
+vectors, where the CPU has them). ``decoder.cpp``: ``attend_rows`` (causal
 attention for decode / verification rows), ``rope_store_attend`` (rotate, store into the cache,
 attend in one call), and fused ``rms_norm``, ``rope_``, ``silu_mul``; every row on its own.
 ``layer.cpp``: ``decoder_layer``, a whole decoder layer for a decode / verification step in one
@@ -134,6 +135,21 @@ def set_vnni(on: bool) -> bool:
     changes only speed; ``on`` has no effect where the CPU lacks VNNI."""
     available()
     return bool(torch.ops.tokenleap.vnni(1 if on else 0))
+
+
+def attention512_supported() -> bool:
+    """True where attention can take the AVX-512 kernel (``attention512.cpp``): the kernels are loaded
+    and the CPU has AVX-512 F / DQ / VL."""
+    return available() and bool(torch.ops.tokenleap.attention512_supported())
+
+
+def set_attention512(on: bool) -> bool:
+    """Attention (``attend_rows`` and the fused layers' attention) takes the AVX-512 kernel (``on``,
+    the default where the CPU has it) or the AVX2 one, for heads of a multiple of 16 floats; returns
+    the previous setting. The two sum a score's products in different orders, so a row's bits
+    depend on the setting: set it before a model runs, not between steps (benchmarks and tests)."""
+    available()
+    return bool(torch.ops.tokenleap.attention512(1 if on else 0))
 
 
 def set_vnni_pair_rows(rows: int) -> int:
@@ -386,7 +402,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     return x
 
 
-__all__ = ["available", "unavailable_reason", "amx_available", "w8a8_available", "set_amx_int8_rows", "vnni_supported", "set_vnni", "set_vnni_pair_rows", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
+__all__ = ["available", "unavailable_reason", "amx_available", "w8a8_available", "set_amx_int8_rows", "vnni_supported", "set_vnni", "set_vnni_pair_rows", "attention512_supported", "set_attention512", "AMX_INT8_MIN_ROWS", "cpu_flags", "pack_bf16_amx", "pack_bf16", "pack_int8", "unpack_int8", "int8_linear", "int8_gemm", "bf16_linear",
            "bf16_gemm", "weight_product", "pack_int4", "unpack_int4", "int4_linear", "pack_int6", "unpack_int6", "int6_linear", "attend_rows", "silu_mul", "rope_store_attend", "rope_store_attend_paged", "decoder_layer", "GEMM_MIN_ROWS", "rms_norm", "rope_"]
 
 

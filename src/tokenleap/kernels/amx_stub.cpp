@@ -1,4 +1,4 @@
-// Stand-ins for amx.cpp, amx_int.cpp, vnni.cpp and w8a8.cpp in a build without them (a compiler that
+// Stand-ins for amx.cpp, amx_int.cpp, vnni.cpp, w8a8.cpp and attention512.cpp in a build without them (a compiler that
 // cannot compile AMX or AVX-512 intrinsics): the same symbols and ops, reporting that no tile may
 // run, so the AVX2 kernels take every product. kernels/__init__.py builds with this file only when the AMX files fail.
 #include <torch/library.h>
@@ -39,6 +39,13 @@ void int6_vnni_product(const int8_t*, const float*, const int32_t*, int64_t, int
   TORCH_CHECK(false, "int6 VNNI product: tokenleap's kernels were built without vnni.cpp");
 }
 
+bool attention512_takes(int64_t) { return false; }
+
+at::Tensor attend_keys_512(const at::Tensor&, const float*, const float*, int64_t, int64_t, const std::vector<RowKeys>&,
+                           int64_t, double) {
+  TORCH_CHECK(false, "AVX-512 attention: tokenleap's kernels were built without attention512.cpp");
+}
+
 }  // namespace tokenleap_ops
 
 namespace {
@@ -53,6 +60,8 @@ TORCH_LIBRARY_FRAGMENT(tokenleap, m) {
   m.def("amx_init() -> bool", &no_tiles);
   m.def("vnni(int mode) -> bool", [](int64_t) -> bool { return false; });
   m.def("vnni_supported() -> bool", &no_tiles);
+  m.def("attention512(int mode) -> bool", [](int64_t) -> bool { return false; });
+  m.def("attention512_supported() -> bool", &no_tiles);
   m.def("amx_int8_rows(int rows) -> int", [](int64_t rows) -> int64_t {
     TORCH_CHECK(rows <= 0, "amx_int8_rows: tokenleap's kernels were built without AMX");
     return 0;

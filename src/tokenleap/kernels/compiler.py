@@ -19,11 +19,11 @@ import torch
 log = logging.getLogger(__name__)
 
 DIR = Path(__file__).parent
-AMX_SOURCES = [DIR / "amx.cpp", DIR / "amx_int.cpp", DIR / "vnni.cpp", DIR / "w8a8.cpp"]  # ISA extensions; stubbed by amx_stub.cpp
+AMX_SOURCES = [DIR / "amx.cpp", DIR / "amx_int.cpp", DIR / "vnni.cpp", DIR / "w8a8.cpp", DIR / "attention512.cpp"]  # ISA extensions; stubbed by amx_stub.cpp
 SOURCES = [DIR / "products.cpp", DIR / "int4.cpp", DIR / "int6.cpp", DIR / "attention.cpp", DIR / "decoder.cpp",
            DIR / "layer.cpp", DIR / "tree.cpp", *AMX_SOURCES]
 AVX2_ONLY = [p for p in SOURCES if p not in AMX_SOURCES] + [DIR / "amx_stub.cpp"]
-HEADERS = [DIR / "simd.h", DIR / "ops.h", DIR / "amx.h"]
+HEADERS = [DIR / "simd.h", DIR / "ops.h", DIR / "amx.h", DIR / "attention_unit.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 

@@ -47,6 +47,11 @@ struct RowKeys {  // one attention row's keys: n offsets of keys (ko) and of val
 };
 at::Tensor attend_keys(const at::Tensor& q, const float* kp, const float* vp, int64_t ks0, int64_t vs0,
                        const std::vector<RowKeys>& keys, int64_t nkv, double scale);
+// attention512.cpp: attend_keys on AVX-512 vectors, for heads of hd floats where attention512_takes(hd):
+// the CPU has AVX-512 F / DQ / VL, hd % 16 == 0, and the op attention512 has not turned it off
+bool attention512_takes(int64_t hd);
+at::Tensor attend_keys_512(const at::Tensor& q, const float* kp, const float* vp, int64_t ks0, int64_t vs0,
+                           const std::vector<RowKeys>& keys, int64_t nkv, double scale);
 // One head's rotation, in place: v[i], v[i + half] by the angle whose cos / sin rows are c, s.
 inline void rope_vec(float* v, const float* c, const float* s, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
