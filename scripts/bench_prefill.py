@@ -7,6 +7,7 @@ each (``PYTHONPATH=WORKTREE/src``), alternating: this machine's speed drifts bet
     python scripts/bench_prefill.py --model qwen2.5-coder-0.5b-instruct --gguf-other int4 --tokens 160
     python scripts/bench_prefill.py --compare-row-exact   # windows computed batched vs row-exact, taking turns
     python scripts/bench_prefill.py --random-like config.json --quant w8a8 --compare-row-exact
+    python scripts/bench_prefill.py --compare-attention512 --tokens 1000 3000   # row-exact windows, AVX2 vs AVX-512 attention
 
 ``--random-like`` builds the model from a Hugging Face config.json with random weights (as
 ``bench_steps.py`` does), for machines that hold no checkpoint.
@@ -22,6 +23,7 @@ import time
 
 import torch
 
+from tokenleap import kernels
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.models.pretrained import load_model
 from tokenleap.models.transformer import Segment
@@ -57,7 +59,18 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON line: prompt length -> tokens per second")
     ap.add_argument("--compare-row-exact", action="store_true",
                     help="time each length both ways, batched and row-exact windows, taking turns")
+    ap.add_argument("--compare-attention512", action="store_true",
+                    help="time row-exact windows with the AVX2 and the AVX-512 attention kernel, taking turns")
     args = ap.parse_args()
+    # (label, row_exact, AVX-512 attention or None: as loaded) of each way timed
+    if args.compare_attention512:
+        if not kernels.attention512_supported():
+            raise SystemExit("--compare-attention512: this CPU has no AVX-512")
+        modes = [("row-exact AVX2 attention", True, False), ("row-exact AVX-512 attention", True, True)]
+    elif args.compare_row_exact:
+        modes = [("batched", False, None), ("row-exact", True, None)]
+    else:
+        modes = [("batched", False, None)]
     if args.random_like:
         model = random_model(args.random_like, "auto", args.quant)
         args.model = f"random weights shaped like {args.random_like}"
@@ -68,20 +81,22 @@ def main() -> None:
     for n in args.tokens:
         cache = KVCache(model.config, 1, n + 1, model.dtype)
         tokens = torch.randint(0, 1000, (n,), generator=gen)
-        modes = (False, True) if args.compare_row_exact else (False,)
         times = {m: [] for m in modes}
         for _ in range(args.repeats + 1):
             for m in modes:
-                times[m].append(prefill_seconds(model, tokens, cache, args.chunk, m))
+                if m[2] is not None:
+                    kernels.set_attention512(m[2])
+                times[m].append(prefill_seconds(model, tokens, cache, args.chunk, m[1]))
         rates = [round(n / statistics.median(times[m][1:]), 1) for m in modes]
-        out[n] = rates if args.compare_row_exact else rates[0]
+        out[n] = rates if len(modes) > 1 else rates[0]
     if args.json:
         print(json.dumps(out))
         return
     print(f"{args.model} ({args.quant}, other {args.gguf_other}), {torch.get_num_threads()} threads, chunk {args.chunk}")
     for n, rate in out.items():
-        if args.compare_row_exact:
-            print(f"{n} tokens: batched {rate[0]} tokens/s, row-exact {rate[1]} tokens/s ({rate[1] / rate[0]:.3f}x)")
+        if len(modes) > 1:
+            print(f"{n} tokens: {modes[0][0]} {rate[0]} tokens/s, {modes[1][0]} {rate[1]} tokens/s "
+                  f"({rate[1] / rate[0]:.3f}x)")
         else:
             print(f"{n} tokens: {rate} tokens/s")
 
