@@ -65,6 +65,12 @@ def test_bare_json_calls_need_a_known_name():
     assert parse_tool_calls(fenced, ("other",)) == (fenced, [])  # not an offered function
     assert parse_tool_calls('{"name": "add"}', ("add",)) == ('{"name": "add"}', [])  # no arguments
     assert parse_tool_calls(fenced) == (fenced, [])  # no functions offered
+    for fence in ("```JSON\n", "```\n", "``` json \n"):  # other spellings small models write
+        text = fence + '{\n  "name": "add",\n  "arguments": {"a": 1}\n}\n```'
+        assert parse_tool_calls(text, ("add",))[0] is None, fence
+        assert names(parse_tool_calls(text, ("add",))[1]) == [("add", {"a": 1})], fence
+    python = '```python\n{"name": "add", "arguments": {}}\n```'  # code in another language is content
+    assert parse_tool_calls(python, ("add",)) == (python, [])
 
 
 def stream(pieces, prefix="", offered=("add", "get_weather")):
@@ -93,6 +99,13 @@ def test_stream_of_a_bare_json_call_and_of_code():
     assert sent == ["", "", ""] and rest == "" and names(calls) == [("add", {"a": 1})]
     sent, rest, calls = stream(["```", "python\nprint(1)", "\n```"])  # code is streamed once it differs
     assert sent[0] == "" and "".join(sent) + rest == "```python\nprint(1)\n```" and calls == []
+    assert sent[1] == "```python\nprint(1)"
+    sent, rest, calls = stream(["```J", "SON\n{\"name\": \"add\", \"arguments\": {}}\n", "```"])
+    assert sent == ["", "", ""] and rest == "" and names(calls) == [("add", {})]
+    sent, rest, calls = stream(["```\n", "{\"name\": \"add\", \"arguments\": {}}\n```"])
+    assert sent == ["", ""] and rest == "" and names(calls) == [("add", {})]
+    sent, rest, calls = stream(["``", "`js", "on5"])  # not json after all: sent once that shows
+    assert sent == ["", "", "```json5"] and rest == "" and calls == []
 
 
 def test_a_forced_opening_is_part_of_the_reply():

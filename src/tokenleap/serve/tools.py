@@ -16,6 +16,7 @@ any end of the text that could be the start of one) until the reply is complete.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,9 @@ from tokenleap.serve.protocol import ChatRequest, NamedToolChoice, bad_request
 from tokenleap.spec.structured import grammar_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-FENCE = "```json"
+FENCE = "```"
+# a reply that is one fenced block, ```json or bare ``` (any case: small models write ```JSON too)
+_FENCED = re.compile(r"```[ \t]*(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.IGNORECASE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,8 @@ def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None
     closing tag: the reply ended inside it) must hold a JSON object with a string "name"; the
     content is the text before the first block (None when only whitespace). A block that does
     not parse means no calls: the whole text is the content, unchanged. Without blocks, a reply
-    that is nothing but a JSON object (or a list of them), bare or in a ```json fence, naming one
-    of ``names`` with "arguments", is a call too: coder models often answer so."""
+    that is nothing but a JSON object (or a list of them), bare or in a ```json (or bare ```)
+    fence, naming one of ``names`` with "arguments", is a call too: coder models often answer so."""
     start = text.find(OPEN)
     if start < 0:
         return _bare_calls(text, names)
@@ -103,9 +106,8 @@ def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None
 
 def _bare_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dict[str, Any]]]:
     body = text.strip()
-    if body.startswith(FENCE) and body.endswith("```"):
-        body = body[len(FENCE):-3]
-    obj = _loads(body)
+    fenced = _FENCED.fullmatch(body)
+    obj = _loads(fenced.group(1) if fenced else body)
     if obj is None:
         return text, []
     objs = obj if isinstance(obj, list) else [obj]
@@ -181,8 +183,16 @@ class ToolStream:
 
 
 def _may_be_bare_call(text: str) -> bool:
+    """Whether a reply that begins with ``text`` may still turn out a bare JSON call: it opens an
+    object, a list, or a fence whose language is json or none (other code streams at once)."""
     head = text.lstrip()
-    return head.startswith(("{", "[", FENCE)) or FENCE.startswith(head)
+    if head.startswith(("{", "[")):
+        return True
+    if not head.startswith(FENCE):
+        return FENCE.startswith(head)
+    info = head[len(FENCE):].split("\n", 1)
+    tag = info[0].strip().lower()
+    return tag in ("", "json") if len(info) > 1 else "json".startswith(tag)
 
 
 def _partial_open(text: str) -> int:
