@@ -55,6 +55,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--responses-store", type=non_negative_int, default=1000, metavar="N",
                    help="/v1/responses objects kept in memory for previous_response_id and GET /v1/responses/"
                         "{id}: the N most recently used (0: none kept; default 1000)")
+    p.add_argument("--embeddings", "--embedding", action="store_true",
+                   help="serve POST /v1/embeddings: vectors pooled from the model's final hidden states "
+                        "(default: not served, a 501, as llama.cpp)")
+    p.add_argument("--pooling", choices=["last", "mean"], default="last",
+                   help="with --embeddings: the last token's hidden state (default) or the mean over the tokens")
     p.add_argument("--no-docs", action="store_true",
                    help="do not serve /docs and /openapi.json (default: served, behind --api-key when set)")
     from tokenleap.cli.replicas import add_replica_args  # --replicas N: the same server on Ray Serve replicas
@@ -167,7 +172,8 @@ def build_app(args: argparse.Namespace):
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                                                     log_interval=args.log_interval),
                           allowed_origins=tuple(args.allowed_origins), log_prompts=args.log_prompts,
-                          docs=not args.no_docs, responses_store=args.responses_store)
+                          docs=not args.no_docs, responses_store=args.responses_store,
+                          embeddings=args.pooling if args.embeddings else None)
     return create_app(engine, config), engine
 
 

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models (and
 /v1/models/{id}), /health, /metrics, vLLM's /tokenize, /detokenize, /version and /ping
-(``token_routes.py``), and llama.cpp's /completion, /infill, /props, /slots and /apply-template.
+(``token_routes.py``), /v1/embeddings with ``--embeddings`` (``embedding_routes.py``), and llama.cpp's
+/completion, /infill, /props, /slots and /apply-template.
 
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
 background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
@@ -46,6 +47,7 @@ from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
 from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
 from tokenleap.serve.token_routes import TokenRoutes
+from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
@@ -61,6 +63,7 @@ class ServerConfig:
     log_prompts: bool = False  # put each request's prompt text in its log line
     docs: bool = True  # serve /docs and /openapi.json (behind the API key when one is set)
     responses_store: int = DEFAULT_CAPACITY  # Responses API objects kept for previous_response_id (0: none)
+    embeddings: str | None = None  # /v1/embeddings' pooling ("last", "mean"); None: not served (501)
 
 
 class OpenAIServer:
@@ -104,6 +107,7 @@ class OpenAIServer:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
         TokenRoutes(self).add_to(app)  # /tokenize, /detokenize, /version, /ping
+        EmbeddingRoutes(self).add_to(app)  # /v1/embeddings (with --embeddings)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         add_error_handlers(app)

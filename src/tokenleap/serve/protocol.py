@@ -200,6 +200,14 @@ class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; 
     add_special: bool | None = None
 
 
+class EmbeddingRequest(_Strict):  # OpenAI's /v1/embeddings
+    model: str | None = None
+    input: str | list[str] | list[Int64] | list[list[Int64]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[Int64]

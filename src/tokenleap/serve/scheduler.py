@@ -11,6 +11,9 @@ its blocks are freed and it is recomputed later) -> ONE ``engine.step`` over eve
 sequence with the draft length the controller picks for the batch size about to run (ready,
 prefilling, waiting and just-submitted sequences) -> hand out new text.
 
+Other work on the model (``call``: embeddings) runs on the same thread, between iterations, so it
+never overlaps a step.
+
 A request that fails (an exception in its prefill, its draft or its verification) is finished with
 an error; the others go on. The batch step that raised is retried one sequence at a time, which
 is exact: every row of a step is computed as if alone.
@@ -22,7 +25,10 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from tokenleap.config import ConfigError
 from tokenleap.cache.paged import PagedKVCache
@@ -60,6 +66,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by arrival
         self._inbox: list[Request] = []
         self._cancelled: list[Request] = []
+        self._calls: list[tuple[Callable[[], Any], Future]] = []
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
         self._thread: threading.Thread | None = None
@@ -93,6 +100,17 @@ class Scheduler:
             self._cancelled.append(request)
             self._cond.notify()
 
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the scheduler's thread between two iterations (it may use the engine's
+        model, never at the same time as a step); its result or exception arrives on the future."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise QueueFullError("the server is shutting down")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
     def start(self) -> None:
         """Run the loop on a background thread (again after ``shutdown``: an app's lifespan restarts it)."""
         self._stopping = False
@@ -107,6 +125,9 @@ class Scheduler:
             self._thread.join()
         for r in self.running + self.waiting + self._inbox:
             self._fail(r, "the server is shutting down")
+        calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(QueueFullError("the server is shutting down"))
 
     @property
     def alive(self) -> bool:
@@ -114,7 +135,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.running or self.waiting or self._inbox or self._cancelled)
+        return not (self.running or self.waiting or self._inbox or self._cancelled or self._calls)
 
     def snapshot(self) -> ServeSnapshot:
         t = self.engine.totals
@@ -157,6 +178,13 @@ class Scheduler:
         with self._cond:
             inbox, self._inbox = self._inbox, []
             cancelled, self._cancelled = self._cancelled, []
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # the caller's to report
+                    future.set_exception(e)
         for r in inbox:
             bisect.insort(self.waiting, r, key=lambda q: q.arrival)
         for r in cancelled:

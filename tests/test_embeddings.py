@@ -1,0 +1,114 @@
+"""/v1/embeddings (``--embeddings``): vectors pooled from the final hidden states, the OpenAI
+response format, its input forms and errors, and ``Scheduler.call`` that runs the work between steps."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from tokenleap.cache.contiguous import KVCache
+from tokenleap.models.embed import embed
+from tokenleap.models.transformer import Segment
+from tokenleap.serve.app import ServerConfig, create_app
+from tokenleap.serve.scheduler import Scheduler, SchedulerConfig
+
+from serving_helpers import VOCAB, ChatToyTokenizer, LiveServer, model, paged_engine
+
+NAME = "tiny-qwen2"
+
+
+def final_hidden(ids: list[int]) -> torch.Tensor:  # [len(ids), hidden]: the final norm's output, one forward
+    m = model()
+    cache = KVCache(m.config, 1, len(ids), m.dtype)
+    return m(torch.tensor(ids), [Segment(cache.allocate(), 0, len(ids))], cache).hidden[-1].float()
+
+
+def test_pooling_last_and_mean_of_the_final_hidden_states():
+    ids = [5, 9, 14, 3, 22, 7, 31, 8, 11, 40, 2, 17]
+    h = final_hidden(ids)
+    last, mean = embed(model(), [ids], "last", chunk=5)[0], embed(model(), [ids], "mean", chunk=5)[0]
+    torch.testing.assert_close(last, h[-1] / h[-1].norm(), rtol=1e-4, atol=1e-5)  # windows of 5 vs one forward
+    torch.testing.assert_close(mean, h.mean(0) / h.mean(0).norm(), rtol=1e-4, atol=1e-5)
+    assert abs(float(last.norm()) - 1) < 1e-5 and not torch.allclose(last, mean)
+    raw = embed(model(), [ids], "mean", normalize=False)[0]
+    torch.testing.assert_close(raw, h.mean(0), rtol=1e-4, atol=1e-5)
+    a, b, a2 = embed(model(), [ids, ids[:6], ids], "last")
+    assert torch.equal(a, a2) and not torch.allclose(a, b)
+    with pytest.raises(ValueError, match="pooling"):
+        embed(model(), [ids], "cls")
+    with pytest.raises(ValueError, match="empty"):
+        embed(model(), [[]])
+
+
+def test_scheduler_call_runs_between_iterations_and_passes_errors_on():
+    sched = Scheduler(paged_engine(), SchedulerConfig(log_interval=0))
+    ok = sched.call(lambda: 41 + 1)
+    bad = sched.call(lambda: 1 / 0)
+    assert not sched.idle and not ok.done()
+    sched.run_until_idle()
+    assert ok.result() == 42 and isinstance(bad.exception(), ZeroDivisionError) and sched.idle
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServerConfig(model_name=NAME, scheduler=SchedulerConfig(log_interval=0), embeddings="mean")
+    with LiveServer(create_app(paged_engine("ngram"), config)) as s:
+        yield s
+
+
+def post(server, body: dict, path: str = "/v1/embeddings") -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_embeddings_of_texts_and_token_ids(server):
+    r = post(server, {"model": NAME, "input": ["hello there", "bye"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == NAME and body["id"].startswith("embd")
+    assert [d["index"] for d in body["data"]] == [0, 1] and all(d["object"] == "embedding" for d in body["data"])
+    ids = [ChatToyTokenizer(VOCAB).encode(t) for t in ("hello there", "bye")]
+    assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids))}
+    want = embed(model(), ids, "mean")
+    for d, w in zip(body["data"], want):
+        assert len(d["embedding"]) == model().config.hidden_size
+        np.testing.assert_allclose(d["embedding"], w.numpy(), rtol=1e-6, atol=1e-6)
+    one = post(server, {"input": ids[1]}).json()["data"][0]["embedding"]  # token ids, model left out
+    assert one == body["data"][1]["embedding"]
+    assert post(server, {"input": ids}).json()["data"][0]["embedding"] == body["data"][0]["embedding"]
+    b64 = post(server, {"input": "bye", "encoding_format": "base64"}).json()["data"][0]["embedding"]
+    assert np.frombuffer(base64.b64decode(b64), dtype="<f4").tolist() == one
+    same = post(server, {"input": "bye", "dimensions": model().config.hidden_size}).json()["data"][0]["embedding"]
+    assert same == one
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["ok", ""]}, "input"),
+    ({"input": [1, VOCAB + 3]}, "input"), ({"input": "x" * 200}, "input"),  # past the 128-token context
+    ({"input": "ok", "dimensions": 3}, "dimensions"), ({"input": "ok", "encoding_format": "int8"}, None),
+    ({"input": "ok", "model": "other"}, None), ({"input": 5}, None),
+])
+def test_bad_embedding_requests_get_4xx(server, body, param):
+    r = post(server, body)
+    assert 400 <= r.status_code < 500, (body, r.status_code)
+    if param:
+        assert r.json()["error"]["param"] == param
+
+
+def test_generation_goes_on_beside_embeddings(server):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        gen = [pool.submit(httpx.post, server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 8},
+                           timeout=60) for _ in range(2)]
+        emb = [pool.submit(post, server, {"input": ["abc", "defg"]}) for _ in range(2)]
+        assert all(f.result().status_code == 200 for f in gen + emb)
+    assert emb[0].result().json()["data"] == emb[1].result().json()["data"]
+
+
+def test_embeddings_are_off_unless_asked_for():
+    config = ServerConfig(model_name=NAME, scheduler=SchedulerConfig(log_interval=0))
+    with LiveServer(create_app(paged_engine(), config)) as s:
+        r = post(s, {"input": "hello"})
+        assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]
