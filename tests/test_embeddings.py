@@ -112,3 +112,22 @@ def test_embeddings_are_off_unless_asked_for():
     with LiveServer(create_app(paged_engine(), config)) as s:
         r = post(s, {"input": "hello"})
         assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]
+
+
+def test_llm_embed_takes_texts_and_ids_in_order():
+    from tokenleap.api import LLM
+    from tokenleap.config import ConfigError
+    from tokenleap.models.pretrained import LoadedModel
+
+    llm = LLM.from_loaded(LoadedModel(model(), ChatToyTokenizer(VOCAB), torch.float32, "none", "tiny", None),
+                          max_model_len=64)
+    ids = ChatToyTokenizer(VOCAB).encode("hello")
+    one, two = llm.embed(["hello", "bye"], pooling="mean")
+    assert one == llm.embed(ids, pooling="mean")[0] == llm.embed("hello", pooling="mean")[0]
+    assert torch.allclose(torch.tensor(one), embed(model(), [ids], "mean")[0]) and one != two
+    assert abs(sum(x * x for x in llm.embed("hello", normalize=False)[0]) - 1) > 1e-3
+    for bad in ([], "", "x" * 65):
+        with pytest.raises(ConfigError):
+            llm.embed(bad)
+    with pytest.raises(ConfigError, match="pooling"):
+        llm.embed("hello", pooling="cls")

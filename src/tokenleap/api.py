@@ -228,6 +228,27 @@ class LLM:
         return self.generate(prompts, params)
 
 
+    def embed(self, prompts: str | list[int] | list[str] | list[list[int]], pooling: str = "last",
+              normalize: bool = True) -> list[list[float]]:
+        """One embedding per prompt, in order: the target's final hidden state at the last token
+        (``pooling="mean"``: averaged over the tokens), L2-normalized unless ``normalize`` is false
+        (``models/embed.py``; the server's ``--embeddings``)."""
+        from tokenleap.models.embed import embed
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            raise ConfigError("no prompts given")
+        ids = [self.encode(p) for p in prompts]
+        for x in ids:
+            if not x or len(x) > self.max_len:
+                raise ConfigError(f"a prompt of {len(x)} tokens cannot be embedded: give 1 to {self.max_len}")
+        try:
+            vectors = embed(self.target.model, ids, pooling, normalize, self.prefill_chunk)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return [v.tolist() for v in vectors]
+
+
 def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> RequestOutput:
     """A finished sequence's ``RequestOutput`` (``prompt``: as the caller gave it)."""
     params = seq.params
