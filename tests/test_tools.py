@@ -65,7 +65,7 @@ def test_bare_json_calls_need_a_known_name():
     assert parse_tool_calls(fenced, ("other",)) == (fenced, [])  # not an offered function
     assert parse_tool_calls('{"name": "add"}', ("add",)) == ('{"name": "add"}', [])  # no arguments
     assert parse_tool_calls(fenced) == (fenced, [])  # no functions offered
-    for fence in ("```JSON\n", "```\n", "``` json \n"):  # other spellings small models write
+    for fence in ("```JSON\n", "```\n", "``` json \n", "```json "):  # other spellings small models write
         text = fence + '{\n  "name": "add",\n  "arguments": {"a": 1}\n}\n```'
         assert parse_tool_calls(text, ("add",))[0] is None, fence
         assert names(parse_tool_calls(text, ("add",))[1]) == [("add", {"a": 1})], fence
@@ -103,6 +103,8 @@ def test_stream_of_a_bare_json_call_and_of_code():
     sent, rest, calls = stream(["```J", "SON\n{\"name\": \"add\", \"arguments\": {}}\n", "```"])
     assert sent == ["", "", ""] and rest == "" and names(calls) == [("add", {})]
     sent, rest, calls = stream(["```\n", "{\"name\": \"add\", \"arguments\": {}}\n```"])
+    assert sent == ["", ""] and rest == "" and names(calls) == [("add", {})]
+    sent, rest, calls = stream(['```json {"name": "add", ', '"arguments": {}}```'])  # the object on the fence's line
     assert sent == ["", ""] and rest == "" and names(calls) == [("add", {})]
     sent, rest, calls = stream(["``", "`js", "on5"])  # not json after all: sent once that shows
     assert sent == ["", "", "```json5"] and rest == "" and calls == []

@@ -28,7 +28,7 @@ from tokenleap.spec.structured import grammar_of
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```"
 # a reply that is one fenced block, ```json or bare ``` (any case: small models write ```JSON too)
-_FENCED = re.compile(r"```[ \t]*(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.IGNORECASE | re.DOTALL)
+_FENCED = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```", re.IGNORECASE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -190,9 +190,13 @@ def _may_be_bare_call(text: str) -> bool:
         return True
     if not head.startswith(FENCE):
         return FENCE.startswith(head)
-    info = head[len(FENCE):].split("\n", 1)
-    tag = info[0].strip().lower()
-    return tag in ("", "json") if len(info) > 1 else "json".startswith(tag)
+    info, newline, _ = head[len(FENCE):].partition("\n")
+    tag = info.strip().lower()
+    if tag[:4] == "json":
+        tag = tag[4:].lstrip()
+    if not tag or tag[0] in "{[":  # json (or no language), or the object on the fence's line
+        return True
+    return not newline and "json".startswith(tag)
 
 
 def _partial_open(text: str) -> int:
