@@ -97,7 +97,8 @@ class KVCache:
         """Prefix caching is the paged cache's (see ``PagedKVCache``): nothing is cached here."""
         return 0
 
-    def register_window(self, slot: int, prompt: list[int], start: int, end: int, window: int) -> None:
+    def register_prefill(self, slot: int, prompt: list[int], tokens: list[int], start: int, end: int, window: int,
+                         salt: bytes) -> None:
         pass
 
     def register_computed(self, slot: int, tokens: list[int], end: int, window: int, salt: bytes = b"") -> None:

@@ -204,6 +204,16 @@ class PagedKVCache:
             w = start // window
             self.register_prefix(slot, w, prefix_keys(prompt, window, w + 1)[w], window)
 
+    def register_prefill(self, slot: int, prompt: list[int], tokens: list[int], start: int, end: int, window: int,
+                         salt: bytes) -> None:
+        """``slot`` has just computed positions ``start .. end - 1`` of ``tokens`` (``prompt`` first):
+        with ``salt`` (row-exact entries, ``backend.prefix_windows``) cache every whole window below
+        ``end`` (``register_computed``), else the prompt window the call completed (``register_window``)."""
+        if salt:
+            self.register_computed(slot, tokens, end, window, salt)
+        else:
+            self.register_window(slot, prompt, start, end, window)
+
     def register_computed(self, slot: int, tokens: list[int], end: int, window: int, salt: bytes = b"") -> None:
         """Cache every whole window of ``tokens`` below position ``end`` that ``slot`` holds -- for
         entries that do not depend on how the positions were split into calls (row-exact ones), so

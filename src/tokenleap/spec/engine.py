@@ -179,11 +179,7 @@ class Engine:
             if done < first <= end:
                 seq.prompt_logprobs += token_logprobs(out.logits[first - done - 1:last - done - 1],
                                                       seq.tokens[first:last], seq.params.prompt_logprobs)
-        window, salt = self._prefix_windows()  # others may reuse what was computed
-        if salt:
-            self.cache.register_computed(seq.slot, seq.tokens, end, window, salt)
-        else:
-            self.cache.register_window(seq.slot, seq.prompt, done, end, window)
+        self.cache.register_prefill(seq.slot, seq.prompt, seq.tokens, done, end, *self._prefix_windows())  # for reuse
         if self.proposer is not None and draft_alongside:
             self._prefill_proposer(seq, seq.tokens[:end])
         if end == len(seq.prompt) and seq.num_generated == 0:

@@ -253,11 +253,8 @@ class DraftModelProposer:
             self.cache.truncate(slot, pos)
             return
         self._fed[seq_id] = pos + len(tokens)
-        window, salt = self._windows()
-        if salt:
-            self.cache.register_computed(slot, self._tokens[seq_id], pos + len(tokens), window, salt)
-        else:
-            self.cache.register_window(slot, self._prompt[seq_id], pos, pos + len(tokens), window)
+        self.cache.register_prefill(slot, self._prompt[seq_id], self._tokens[seq_id], pos, pos + len(tokens),
+                                    *self._windows())
 
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
         """``path``: the accepted nodes of a tree proposal (a chain's are 1 .. num_accepted)."""
