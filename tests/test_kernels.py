@@ -517,7 +517,8 @@ def test_attention_kernels_agree_and_the_avx512_setting_is_off_where_the_cpu_lac
     to float rounding, and only where the CPU has AVX-512 (and the head a multiple of 16 floats)
     does the setting take effect."""
     g = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(5, 12, 128, generator=g), torch.randn(2, 305, 128, generator=g), torch.randn(2, 305, 128, generator=g)
+    q = torch.randn(5, 12, 128, generator=g)
+    k, v = torch.randn(2, 305, 128, generator=g), torch.randn(2, 305, 128, generator=g)
     before = kernels.set_attention512(False)
     try:
         avx2 = kernels.attend_rows(q, k, v, 300, 128 ** -0.5)
