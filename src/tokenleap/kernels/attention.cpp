@@ -9,8 +9,20 @@
 
 namespace {
 
+// 8-float vectors for ValueSums (two (row, head)s keep 4 vectors of sums each: AVX2 has 16 registers)
+struct F8 {
+  using T = __m256;
+  static constexpr int kWidth = 8, kPairVectors = 4;
+  static T loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
 // attention_unit.h's vector arithmetic on 8-float vectors (hd a multiple of 8).
 struct Avx2 {
+  using Values = ValueSums<F8>;
+
   // Scaled scores of the 8 keys at kb + ko[0 .. 8) against the query qv [hd]: lane i = sc * q . k_i.
   static __m256 scores8(const float* qv, const float* kb, const int64_t* ko, int64_t hd, __m256 sc) {
     __m256 acc[8];
@@ -55,76 +67,6 @@ struct Avx2 {
     }
     sa = _mm256_mul_ps(_mm256_set_m128(half[0][1], half[0][0]), sc);
     sb = _mm256_mul_ps(_mm256_set_m128(half[1][1], half[1][0]), sc);
-  }
-
-  // acc[c .. c + 8R) += w[i] * v_i[c .. c + 8R) for i in [i0, i1), ascending (acc kept in memory
-  // between calls: the same chain of FMAs per element as one pass over every key)
-  template <int R>
-  static void add_values(const float* w, int64_t i0, int64_t i1, const float* vb, const int64_t* voff, int64_t c,
-                         float* acc_mem) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(acc_mem + c + 8 * r);
-    for (int64_t i = i0; i < i1; ++i) {
-      const __m256 p = _mm256_set1_ps(w[i]);
-      const float* vv = vb + voff[i] + c;
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + 8 * r), acc[r]);
-    }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc_mem + c + 8 * r, acc[r]);
-  }
-
-  static void add_values_all(const float* w, int64_t i0, int64_t i1, const float* vb, const int64_t* voff, int64_t hd,
-                             float* acc) {
-    if (i1 <= i0) return;
-    for (int64_t c = 0; c < hd; c += 64) {
-      switch (std::min<int64_t>(8, (hd - c) / 8)) {
-        case 8: add_values<8>(w, i0, i1, vb, voff, c, acc); break;
-        case 7: add_values<7>(w, i0, i1, vb, voff, c, acc); break;
-        case 6: add_values<6>(w, i0, i1, vb, voff, c, acc); break;
-        case 5: add_values<5>(w, i0, i1, vb, voff, c, acc); break;
-        case 4: add_values<4>(w, i0, i1, vb, voff, c, acc); break;
-        case 3: add_values<3>(w, i0, i1, vb, voff, c, acc); break;
-        case 2: add_values<2>(w, i0, i1, vb, voff, c, acc); break;
-        default: add_values<1>(w, i0, i1, vb, voff, c, acc); break;
-      }
-    }
-  }
-
-  // add_values for two (row, head)s at once (weights wa, wb; sums acc_a, acc_b): each value vector
-  // is loaded once for both. Per element the same ascending chain of FMAs as add_values.
-  template <int R>
-  static void add_values2(const float* wa, const float* wb, int64_t i0, int64_t i1, const float* vb,
-                          const int64_t* voff, int64_t c, float* acc_a, float* acc_b) {
-    __m256 a[R], b[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = _mm256_loadu_ps(acc_a + c + 8 * r);
-      b[r] = _mm256_loadu_ps(acc_b + c + 8 * r);
-    }
-    for (int64_t i = i0; i < i1; ++i) {
-      const __m256 pa = _mm256_set1_ps(wa[i]), pb = _mm256_set1_ps(wb[i]);
-      const float* vv = vb + voff[i] + c;
-      for (int r = 0; r < R; ++r) {
-        const __m256 v = _mm256_loadu_ps(vv + 8 * r);
-        a[r] = _mm256_fmadd_ps(pa, v, a[r]);
-        b[r] = _mm256_fmadd_ps(pb, v, b[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(acc_a + c + 8 * r, a[r]);
-      _mm256_storeu_ps(acc_b + c + 8 * r, b[r]);
-    }
-  }
-
-  static void add_values_all2(const float* wa, const float* wb, int64_t i0, int64_t i1, const float* vb,
-                              const int64_t* voff, int64_t hd, float* acc_a, float* acc_b) {
-    if (i1 <= i0) return;
-    for (int64_t c = 0; c < hd; c += 32) {
-      switch (std::min<int64_t>(4, (hd - c) / 8)) {
-        case 4: add_values2<4>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        case 3: add_values2<3>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        case 2: add_values2<2>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        default: add_values2<1>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-      }
-    }
   }
 
   // q . k for one key: 8-wide FMAs along the head, then one sum of the lanes

@@ -29,8 +29,20 @@
 
 namespace {
 
+// 16-float vectors for ValueSums (two (row, head)s keep all 8 vectors of a 128-float head's sums each)
+struct F16 {
+  using T = __m512;
+  static constexpr int kWidth = 16, kPairVectors = 8;
+  static T loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
 // attention_unit.h's vector arithmetic on 16-float vectors (hd a multiple of 16).
 struct Avx512 {
+  using Values = ValueSums<F16>;
+
   // The 16 lanes of a partial dot product folded to 8 (lane i + lane i + 8)
   static __m256 fold(__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
 
@@ -77,78 +89,6 @@ struct Avx512 {
     __m512 a = _mm512_setzero_ps();
     for (int64_t d = 0; d < hd; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(kv + d), a);
     return hsum8(fold(a));
-  }
-
-  // acc[c .. c + 16R) += w[i] * v_i[c .. c + 16R) for i in [i0, i1), ascending
-  template <int R>
-  static void add_values(const float* w, int64_t i0, int64_t i1, const float* vb, const int64_t* voff, int64_t c,
-                         float* acc_mem) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_loadu_ps(acc_mem + c + 16 * r);
-    for (int64_t i = i0; i < i1; ++i) {
-      const __m512 p = _mm512_set1_ps(w[i]);
-      const float* vv = vb + voff[i] + c;
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vv + 16 * r), acc[r]);
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_mem + c + 16 * r, acc[r]);
-  }
-
-  static void add_values_all(const float* w, int64_t i0, int64_t i1, const float* vb, const int64_t* voff, int64_t hd,
-                             float* acc) {
-    if (i1 <= i0) return;
-    for (int64_t c = 0; c < hd; c += 128) {
-      switch (std::min<int64_t>(8, (hd - c) / 16)) {
-        case 8: add_values<8>(w, i0, i1, vb, voff, c, acc); break;
-        case 7: add_values<7>(w, i0, i1, vb, voff, c, acc); break;
-        case 6: add_values<6>(w, i0, i1, vb, voff, c, acc); break;
-        case 5: add_values<5>(w, i0, i1, vb, voff, c, acc); break;
-        case 4: add_values<4>(w, i0, i1, vb, voff, c, acc); break;
-        case 3: add_values<3>(w, i0, i1, vb, voff, c, acc); break;
-        case 2: add_values<2>(w, i0, i1, vb, voff, c, acc); break;
-        default: add_values<1>(w, i0, i1, vb, voff, c, acc); break;
-      }
-    }
-  }
-
-  // add_values for two (row, head)s at once, each value vector loaded once for both
-  template <int R>
-  static void add_values2(const float* wa, const float* wb, int64_t i0, int64_t i1, const float* vb,
-                          const int64_t* voff, int64_t c, float* acc_a, float* acc_b) {
-    __m512 a[R], b[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = _mm512_loadu_ps(acc_a + c + 16 * r);
-      b[r] = _mm512_loadu_ps(acc_b + c + 16 * r);
-    }
-    for (int64_t i = i0; i < i1; ++i) {
-      const __m512 pa = _mm512_set1_ps(wa[i]), pb = _mm512_set1_ps(wb[i]);
-      const float* vv = vb + voff[i] + c;
-      for (int r = 0; r < R; ++r) {
-        const __m512 v = _mm512_loadu_ps(vv + 16 * r);
-        a[r] = _mm512_fmadd_ps(pa, v, a[r]);
-        b[r] = _mm512_fmadd_ps(pb, v, b[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(acc_a + c + 16 * r, a[r]);
-      _mm512_storeu_ps(acc_b + c + 16 * r, b[r]);
-    }
-  }
-
-  static void add_values_all2(const float* wa, const float* wb, int64_t i0, int64_t i1, const float* vb,
-                              const int64_t* voff, int64_t hd, float* acc_a, float* acc_b) {
-    if (i1 <= i0) return;
-    for (int64_t c = 0; c < hd; c += 128) {
-      switch (std::min<int64_t>(8, (hd - c) / 16)) {
-        case 8: add_values2<8>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        case 7: add_values2<7>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        case 6: add_values2<6>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        case 5: add_values2<5>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        case 4: add_values2<4>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        case 3: add_values2<3>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        case 2: add_values2<2>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-        default: add_values2<1>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b); break;
-      }
-    }
   }
 };
 

@@ -18,8 +18,7 @@
 //   __m256 scores8(q, kb, ko, hd, sc)        lane i = sc * q . k_i for the 8 keys at kb + ko[0 .. 8)
 //   void scores8x2(qa, qb, kb, ko, hd, sc, sa, sb)   scores8 for two queries, the same bits
 //   float dot(q, k, hd)                      q . k for one key (a row's last keys, past its 8-blocks)
-//   void add_values_all(w, i0, i1, vb, voff, hd, acc)     acc[0 .. hd) += w[i] * v_i, i ascending
-//   void add_values_all2(wa, wb, ..., acc_a, acc_b)       the same for two (row, head)s at once
+//   Values                                   ValueSums<its vector type>: the weighted value sums
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -55,6 +55,79 @@ inline __m128 hsum4x8(const __m256* a) {
   const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
+
+// fn(std::integral_constant<int, min(n, R)>) for 1 <= n: a run-time count of vectors as a template's
+template <int R, class Fn>
+inline void with_count(int64_t n, Fn&& fn) {
+  if constexpr (R > 1) {
+    if (n < R) return with_count<R - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, R>{});
+}
+
+// The weighted value sums on vectors of F::kWidth floats (F: the vector type T and its loadu, storeu,
+// set1 and fmadd; F::kPairVectors: the vectors of sums two (row, head)s keep in registers together).
+// acc[0 .. hd) += w[i] * v_i for i ascending, kept in memory between calls: per float the same
+// chain of FMAs as one pass over every key, whatever the vector width.
+template <class F>
+struct ValueSums {
+  static constexpr int W = F::kWidth;
+
+  // acc[c .. c + W * R) for one (row, head)
+  template <int R>
+  static void one(const float* w, int64_t i0, int64_t i1, const float* vb, const int64_t* voff, int64_t c,
+                  float* acc_mem) {
+    typename F::T acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = F::loadu(acc_mem + c + W * r);
+    for (int64_t i = i0; i < i1; ++i) {
+      const typename F::T p = F::set1(w[i]);
+      const float* vv = vb + voff[i] + c;
+      for (int r = 0; r < R; ++r) acc[r] = F::fmadd(p, F::loadu(vv + W * r), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) F::storeu(acc_mem + c + W * r, acc[r]);
+  }
+
+  static void all(const float* w, int64_t i0, int64_t i1, const float* vb, const int64_t* voff, int64_t hd,
+                  float* acc) {
+    if (i1 <= i0) return;
+    for (int64_t c = 0; c < hd; c += 8 * W)
+      with_count<8>((hd - c) / W, [&](auto r) { one<decltype(r)::value>(w, i0, i1, vb, voff, c, acc); });
+  }
+
+  // one() for two (row, head)s at once (weights wa, wb; sums acc_a, acc_b): each value vector loaded
+  // once for both, the same chain of FMAs per float
+  template <int R>
+  static void two(const float* wa, const float* wb, int64_t i0, int64_t i1, const float* vb, const int64_t* voff,
+                  int64_t c, float* acc_a, float* acc_b) {
+    typename F::T a[R], b[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = F::loadu(acc_a + c + W * r);
+      b[r] = F::loadu(acc_b + c + W * r);
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      const typename F::T pa = F::set1(wa[i]), pb = F::set1(wb[i]);
+      const float* vv = vb + voff[i] + c;
+      for (int r = 0; r < R; ++r) {
+        const typename F::T v = F::loadu(vv + W * r);
+        a[r] = F::fmadd(pa, v, a[r]);
+        b[r] = F::fmadd(pb, v, b[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      F::storeu(acc_a + c + W * r, a[r]);
+      F::storeu(acc_b + c + W * r, b[r]);
+    }
+  }
+
+  static void all2(const float* wa, const float* wb, int64_t i0, int64_t i1, const float* vb, const int64_t* voff,
+                   int64_t hd, float* acc_a, float* acc_b) {
+    if (i1 <= i0) return;
+    for (int64_t c = 0; c < hd; c += F::kPairVectors * W)
+      with_count<F::kPairVectors>((hd - c) / W, [&](auto r) {
+        two<decltype(r)::value>(wa, wb, i0, i1, vb, voff, c, acc_a, acc_b);
+      });
+  }
+};
 
 struct Unit {
   int64_t t0, t1, h0, h1;  // rows [t0, t1) and query heads [h0, h1), all of one kv head
@@ -142,14 +215,14 @@ void attend_unit(const Unit& u, const float* qp, float* op, const float* kb, con
     const int64_t i1 = std::min(shared, i0 + kValueBlock);
     int64_t p = 0;
     for (; p + 2 <= P; p += 2)
-      V::add_values_all2(s.w.data() + p * stride, s.w.data() + (p + 1) * stride, i0, i1, vb, first.vo, hd,
+      V::Values::all2(s.w.data() + p * stride, s.w.data() + (p + 1) * stride, i0, i1, vb, first.vo, hd,
                       s.acc.data() + p * hd, s.acc.data() + (p + 1) * hd);
-    if (p < P) V::add_values_all(s.w.data() + p * stride, i0, i1, vb, first.vo, hd, s.acc.data() + p * hd);
+    if (p < P) V::Values::all(s.w.data() + p * stride, i0, i1, vb, first.vo, hd, s.acc.data() + p * hd);
   }
   for (int64_t p = 0; p < P; ++p) {
     const int64_t t = u.t0 + p / nh;
     float* acc = s.acc.data() + p * hd;
-    V::add_values_all(s.w.data() + p * stride, shared, keys[t].n, vb, keys[t].vo, hd, acc);
+    V::Values::all(s.w.data() + p * stride, shared, keys[t].n, vb, keys[t].vo, hd, acc);
     float* o = op + (t * H + u.h0 + p % nh) * hd;
     const __m256 iv = _mm256_set1_ps(s.inv[p]);
     for (int64_t c = 0; c < hd; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), iv));
