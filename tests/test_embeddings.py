@@ -44,13 +44,17 @@ def test_pooling_last_and_mean_of_the_final_hidden_states():
         embed(model(), [[]])
 
 
-def test_scheduler_call_runs_between_iterations_and_passes_errors_on():
+def test_scheduler_call_runs_one_call_an_iteration_and_passes_errors_on():
     sched = Scheduler(paged_engine(), SchedulerConfig(log_interval=0))
     ok = sched.call(lambda: 41 + 1)
     bad = sched.call(lambda: 1 / 0)
+    skipped = sched.call(lambda: 7)
+    skipped.cancel()  # a caller that went away before its call ran
     assert not sched.idle and not ok.done()
+    sched.iterate()
+    assert ok.result() == 42 and not bad.done()  # one call, then the step; the next call after it
     sched.run_until_idle()
-    assert ok.result() == 42 and isinstance(bad.exception(), ZeroDivisionError) and sched.idle
+    assert isinstance(bad.exception(), ZeroDivisionError) and skipped.cancelled() and sched.idle
 
 
 @pytest.fixture(scope="module")

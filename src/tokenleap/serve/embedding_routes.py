@@ -2,11 +2,13 @@
 input text (or token id list), pooled from the model's final hidden states (``models/embed.py``),
 as float lists or base64 of little-endian float32. Served only when the server was started with
 ``--embeddings`` (``ServerConfig.embeddings``: the pooling), as llama.cpp does; otherwise a 501 says
-so. The vectors are computed on the scheduler's thread between steps (``Scheduler.call``)."""
+so. The vectors are computed on the scheduler's thread, one input per call (``Scheduler.call``), so
+decoding goes on between the inputs of a long request."""
 from __future__ import annotations
 
 import asyncio
 import base64
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -54,11 +56,17 @@ class EmbeddingRoutes:
             if len(ids[-1]) > server.engine.max_len:
                 raise bad_request(f"this model's maximum context length is {server.engine.max_len} tokens; an input "
                                   f"has {len(ids[-1])}", "input")
+        futures = []
         try:
-            future = server.scheduler.call(lambda: embed(model, ids, pooling, chunk=server.engine.prefill_chunk))
+            for x in ids:
+                futures.append(server.scheduler.call(partial(embed, model, [x], pooling,
+                                                             chunk=server.engine.prefill_chunk)))
+            vectors = [(await asyncio.wrap_future(f))[0] for f in futures]
         except QueueFullError as e:
             raise APIError(503, str(e), "server_busy", None, "shutting_down") from None
-        vectors = await asyncio.wrap_future(future)
+        finally:
+            for f in futures:
+                f.cancel()  # those not run yet (the client went away, or the server is stopping)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
                 for i, v in enumerate(vectors)]
         tokens = sum(len(x) for x in ids)

@@ -11,8 +11,8 @@ its blocks are freed and it is recomputed later) -> ONE ``engine.step`` over eve
 sequence with the draft length the controller picks for the batch size about to run (ready,
 prefilling, waiting and just-submitted sequences) -> hand out new text.
 
-Other work on the model (``call``: embeddings) runs on the same thread, between iterations, so it
-never overlaps a step.
+Other work on the model (``call``: embeddings) runs on the same thread, one call before each
+iteration, so it never overlaps a step and a queue of calls does not hold decoding up.
 
 A request that fails (an exception in its prefill, its draft or its verification) is finished with
 an error; the others go on. The batch step that raised is retried one sequence at a time, which
@@ -101,8 +101,9 @@ class Scheduler:
             self._cond.notify()
 
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the scheduler's thread between two iterations (it may use the engine's
-        model, never at the same time as a step); its result or exception arrives on the future."""
+        """Run ``fn`` on the scheduler's thread before an iteration, one call per iteration (it may
+        use the engine's model, never at the same time as a step); its result or exception arrives
+        on the future. Split long work into several calls: steps go on between them."""
         future: Future = Future()
         with self._cond:
             if self._stopping:
@@ -178,7 +179,7 @@ class Scheduler:
         with self._cond:
             inbox, self._inbox = self._inbox, []
             cancelled, self._cancelled = self._cancelled, []
-            calls, self._calls = self._calls, []
+            calls, self._calls = self._calls[:1], self._calls[1:]  # one a step: the rest after it
         for fn, future in calls:
             if future.set_running_or_notify_cancel():
                 try:
