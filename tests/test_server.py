@@ -75,6 +75,20 @@ def test_streaming_with_usage(server):
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    c = client(server)
+    for make, kw in ((c.completions.create, {"prompt": "stream me"}),
+                     (c.chat.completions.create, {"messages": [{"role": "user", "content": "abc"}]})):
+        chunks = list(make(model=NAME, max_tokens=12, temperature=0, stream=True,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+        counts = [ch.usage.completion_tokens for ch in chunks]  # every chunk has one (AttributeError if not)
+        assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.total_tokens - chunks[-1].usage.prompt_tokens
+        assert counts[-1] > counts[0] and len({ch.usage.prompt_tokens for ch in chunks}) == 1
+        plain = list(make(model=NAME, max_tokens=12, temperature=0, stream=True,
+                          stream_options={"include_usage": True}, **kw))
+        assert all(ch.usage is None for ch in plain[:-1]) and plain[-1].usage.completion_tokens == counts[-1]
+
+
 def test_n_choices_stop_strings_and_seeds(server):
     c = client(server)
     r = c.completions.create(model=NAME, prompt="several", n=3, max_tokens=8, temperature=0.9, seed=7,

@@ -22,7 +22,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -122,7 +122,8 @@ class OpenAIServer:
         prompts = self._prompts(req.prompt, None if req.suffix is None else fim_encoder(self.tokenizer, req))
         budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
-                      include_usage=self._include_usage(req), tokens=self._token_text(req.logprobs is not None))
+                      include_usage=self._include_usage(req), continuous_usage=self._continuous_usage(req),
+                      tokens=self._token_text(req.logprobs is not None))
         echo = None
         if req.echo:  # the prompt as given (token ids: decoded) starts each choice
             texts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
@@ -141,8 +142,8 @@ class OpenAIServer:
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
-                      include_usage=self._include_usage(req), tokens=self._token_text(bool(req.logprobs)),
-                      tools=tools)
+                      include_usage=self._include_usage(req), continuous_usage=self._continuous_usage(req),
+                      tokens=self._token_text(bool(req.logprobs)), tools=tools)
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
@@ -243,14 +244,13 @@ class OpenAIServer:
 
     async def _chunks(self, job: Job, fmt: Format) -> AsyncIterator[str]:
         """A streamed completion's or chat reply's events (``_logged`` ends the job)."""
-        chunk_fmt = Format(fmt.id, fmt.object + (".chunk" if fmt.chat else ""), fmt.model, fmt.created,
-                            fmt.chat, fmt.include_usage, fmt.tokens)
+        chunk_fmt = replace(fmt, object=fmt.object + (".chunk" if fmt.chat else ""), tools=ToolPlan())
         offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
         # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
         calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
         if fmt.chat:
             first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
-            yield sse(chunk_fmt.obj(first, **fmt.with_usage()))
+            yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage())))
         async for i, out in job.outputs():
             if out.error:
                 yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
@@ -265,14 +265,14 @@ class OpenAIServer:
             if calls:  # the content first, then the calls with the finish reason
                 if text or (scored and fmt.tokens):
                     choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
-                    yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                    yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage())))
                 delta = {**chat_delta(i, {"tool_calls": call_deltas(calls)}, reason), "stop_reason": job.stop_reason(i)}
-                yield sse(chunk_fmt.obj([delta], **fmt.with_usage()))
+                yield sse(chunk_fmt.obj([delta], **fmt.with_usage(job.usage())))
             elif text or reason or (scored and fmt.tokens):
                 choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
                 if reason is not None:
                     choice["stop_reason"] = job.stop_reason(i)
-                yield sse(chunk_fmt.obj([choice], **fmt.with_usage()))
+                yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage())))
                 if fmt.tokens:
                     offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
         else:
@@ -332,6 +332,10 @@ class OpenAIServer:
     @staticmethod
     def _include_usage(req) -> bool:
         return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    @classmethod
+    def _continuous_usage(cls, req) -> bool:
+        return cls._include_usage(req) and bool(req.stream_options.continuous_usage_stats)
 
     def _prompts(self, prompt: Any, encode=None) -> list[list[int]]:
         """A completion request's prompts, each encoded (``encode``: another encoder than ``_encode``)."""

@@ -50,6 +50,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
 class JsonSchemaFormat(_Strict):

@@ -115,6 +115,7 @@ class Format:
     created: int
     chat: bool
     include_usage: bool = False
+    continuous_usage: bool = False  # the usage so far in every chunk (vLLM's continuous_usage_stats)
     tokens: TokenText | None = None  # set when the request asked for logprobs
     tools: ToolPlan = ToolPlan()  # a chat request's tool calling
 
@@ -136,8 +137,12 @@ class Format:
         return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
                                  if self.tokens else None)
 
-    def with_usage(self) -> dict[str, Any]:
-        return {"usage": None} if self.include_usage else {}
+    def with_usage(self, so_far: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A streamed chunk's usage field: none without include_usage, else null (the last chunk
+        carries it) or, with continuous usage, ``so_far``."""
+        if not self.include_usage:
+            return {}
+        return {"usage": so_far if self.continuous_usage else None}
 
 
 def sse(data: dict[str, Any] | str) -> str:
