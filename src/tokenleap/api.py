@@ -174,10 +174,7 @@ class LLM:
                  params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False) -> list[RequestOutput]:
         """One output per prompt, in order. ``params``: one for all, or a list with one per prompt (as
         vLLM takes them). Several prompts are decoded together, up to ``max_num_seqs`` at a time."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        if not prompts:
-            raise ConfigError("no prompts given")
+        prompts = _prompt_list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, "
@@ -234,19 +231,23 @@ class LLM:
         (``pooling="mean"``: averaged over the tokens), L2-normalized unless ``normalize`` is false
         (``models/embed.py``; the server's ``--embeddings``)."""
         from tokenleap.models.embed import embed
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        if not prompts:
-            raise ConfigError("no prompts given")
-        ids = [self.encode(p) for p in prompts]
-        for x in ids:
-            if not x or len(x) > self.max_len:
-                raise ConfigError(f"a prompt of {len(x)} tokens cannot be embedded: give 1 to {self.max_len}")
+        ids = [self.encode(p) for p in _prompt_list(prompts)]
+        if not all(0 < len(x) <= self.max_len for x in ids):
+            raise ConfigError(f"prompts to embed must have 1 to {self.max_len} tokens")
         try:
             vectors = embed(self.target.model, ids, pooling, normalize, self.prefill_chunk)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return [v.tolist() for v in vectors]
+
+
+def _prompt_list(prompts: str | list[int] | list[str] | list[list[int]]) -> list:
+    """One prompt (text or token ids) as a list of one; a ConfigError for none."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if not prompts:
+        raise ConfigError("no prompts given")
+    return list(prompts)
 
 
 def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> RequestOutput:

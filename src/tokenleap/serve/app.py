@@ -36,7 +36,7 @@ from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
                        chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
                        check_token_ids, parse_body, sampling_params, structured_output)
-from tokenleap.serve.responses import Format, TokenText, chat_delta, new_id, now, sse
+from tokenleap.serve.responses import Format, TokenText, chat_delta, new_id, now, sse, usage_options
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore
 from tokenleap.serve.responses_routes import ResponsesRoutes
 from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
@@ -122,8 +122,7 @@ class OpenAIServer:
         prompts = self._prompts(req.prompt, None if req.suffix is None else fim_encoder(self.tokenizer, req))
         budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
-                      include_usage=self._include_usage(req), continuous_usage=self._continuous_usage(req),
-                      tokens=self._token_text(req.logprobs is not None))
+                      **usage_options(req), tokens=self._token_text(req.logprobs is not None))
         echo = None
         if req.echo:  # the prompt as given (token ids: decoded) starts each choice
             texts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
@@ -142,8 +141,7 @@ class OpenAIServer:
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
-                      include_usage=self._include_usage(req), continuous_usage=self._continuous_usage(req),
-                      tokens=self._token_text(bool(req.logprobs)), tools=tools)
+                      **usage_options(req), tokens=self._token_text(bool(req.logprobs)), tools=tools)
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
@@ -328,14 +326,6 @@ class OpenAIServer:
         if self._tokens is None:
             self._tokens = TokenText(self.tokenizer)
         return self._tokens
-
-    @staticmethod
-    def _include_usage(req) -> bool:
-        return bool(req.stream and req.stream_options and req.stream_options.include_usage)
-
-    @classmethod
-    def _continuous_usage(cls, req) -> bool:
-        return cls._include_usage(req) and bool(req.stream_options.continuous_usage_stats)
 
     def _prompts(self, prompt: Any, encode=None) -> list[list[int]]:
         """A completion request's prompts, each encoded (``encode``: another encoder than ``_encode``)."""

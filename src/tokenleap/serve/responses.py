@@ -145,6 +145,13 @@ class Format:
         return {"usage": so_far if self.continuous_usage else None}
 
 
+def usage_options(req) -> dict[str, bool]:
+    """``Format``'s usage fields from a request's ``stream_options`` (they apply to streams only)."""
+    opts = req.stream_options if req.stream else None
+    include = bool(opts and opts.include_usage)
+    return {"include_usage": include, "continuous_usage": include and bool(opts.continuous_usage_stats)}
+
+
 def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event carrying ``data`` (a JSON object, or text such as ``[DONE]``)."""
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
