@@ -92,7 +92,7 @@ def test_pick_draft_on_a_fresh_machine_names_the_install(monkeypatch):
 
 
 def test_resolve_auto_draft(monkeypatch):
-    from tokenleap.api import resolve_auto_draft
+    from tokenleap.spec.proposers.factory import resolve_auto_draft
     from tokenleap.config import SpecConfig
     from tokenleap.models import pairing
     monkeypatch.setattr(pairing, "_installed", lambda name, cache_dir: True)
@@ -170,7 +170,7 @@ def test_stats_line_names_the_proposers():
 def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
     """Other methods join auto by name when proposer_for builds them; layer skip only with its skipped
     set known (a calibration stored or --skip-layers), so no search runs inside a user's request."""
-    import tokenleap.api as api
+    import tokenleap.spec.proposers.factory as factory
     from tokenleap.config import ConfigError, SpecConfig
 
     class Arm:
@@ -186,23 +186,23 @@ def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
             return Arm(spec.method, None)
         raise ConfigError("unknown")
 
-    monkeypatch.setattr(api, "proposer_for", build)
-    assert list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == ["lookahead", "ngram"]
+    monkeypatch.setattr(factory, "proposer_for", build)
+    assert list(factory.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == ["lookahead", "ngram"]
     calibrated["value"] = frozenset({3})
-    assert list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == \
+    assert list(factory.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms) == \
         ["layerskip", "lookahead", "ngram"]
     # a calibration that predicted no gain on this machine keeps it out; one that did, or a skipped
     # set given without a prediction (--skip-layers), lets it in
-    for speedup, joins in ((0.0, False), (0.999, False), (api.LAYERSKIP_MIN_SPEEDUP, True), (1.4, True), (None, True)):
+    for speedup, joins in ((0.0, False), (0.999, False), (factory.LAYERSKIP_MIN_SPEEDUP, True), (1.4, True), (None, True)):
         calibrated["speedup"] = speedup
-        arms = list(api.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms)
+        arms = list(factory.auto_proposer(SpecConfig(method="auto"), None, None, 64, 1, None).arms)
         assert arms == (["layerskip"] if joins else []) + ["lookahead", "ngram"], speedup
 
 
 def test_lookahead_joins_auto_only_without_a_draft_model(monkeypatch):
     """Beside a draft model, auto's arms are the draft (a cascade), n-gram lookup and a layer skip that
     pays; lookahead joins only where no draft model is loaded."""
-    import tokenleap.api as api
+    import tokenleap.spec.proposers.factory as factory
     from tokenleap.config import ConfigError, SpecConfig
 
     class Arm:
@@ -220,10 +220,10 @@ def test_lookahead_joins_auto_only_without_a_draft_model(monkeypatch):
         raise ConfigError("unknown")
 
     fed = []
-    monkeypatch.setattr(api, "proposer_for", build)
-    monkeypatch.setattr(api, "draft_proposer", lambda draft, *a, **k: fed.append((draft, a[-2])) or Arm())
-    assert api.lookahead_joins_auto(False) and not api.lookahead_joins_auto(True)
-    assert list(api.auto_proposer(SpecConfig(method="auto"), Target, None, 64, 1, None).arms) == ["lookahead", "ngram"]
+    monkeypatch.setattr(factory, "proposer_for", build)
+    monkeypatch.setattr(factory, "draft_proposer", lambda draft, *a, **k: fed.append((draft, a[-2])) or Arm())
+    assert factory.lookahead_joins_auto(False) and not factory.lookahead_joins_auto(True)
+    assert list(factory.auto_proposer(SpecConfig(method="auto"), Target, None, 64, 1, None).arms) == ["lookahead", "ngram"]
     draft = object()
-    assert list(api.auto_proposer(SpecConfig(method="auto"), Target, draft, 64, 1, None).arms) == ["draft", "ngram"]
+    assert list(factory.auto_proposer(SpecConfig(method="auto"), Target, draft, 64, 1, None).arms) == ["draft", "ngram"]
     assert fed == [(draft, "ngram")]  # the draft arm drafts as a cascade

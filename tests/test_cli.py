@@ -248,6 +248,7 @@ def no_model_loads(monkeypatch):
         raise AssertionError("a model was loaded for a command line that should have been refused")
     monkeypatch.setattr(tokenleap.models.pretrained, "load_model", refuse)
     monkeypatch.setattr("tokenleap.api.load_model", refuse)
+    monkeypatch.setattr("tokenleap.spec.proposers.factory.load_model", refuse)  # a draft model
 
 
 @pytest.mark.parametrize("argv", BAD_FLAGS, ids=[" ".join(a) for a in BAD_FLAGS])

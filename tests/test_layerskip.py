@@ -289,12 +289,14 @@ def test_bad_layerskip_flags_give_one_line_and_exit_2(capsys, tmp_path, monkeypa
     import tokenleap.api
     import tokenleap.bench.methods
     import tokenleap.models.pretrained
+    import tokenleap.spec.proposers.factory
     from tokenleap.cli.main import main
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded for a command line that should have been refused")
     # every module that binds load_model by name, imported before the patch so none keeps ``refuse``
-    for module in (tokenleap.models.pretrained, tokenleap.api, tokenleap.bench.methods):
+    for module in (tokenleap.models.pretrained, tokenleap.api, tokenleap.spec.proposers.factory,
+                   tokenleap.bench.methods):
         monkeypatch.setattr(module, "load_model", refuse)
     model = a_model_file(tmp_path)
     argv = [model if a == "MODEL" else a for a in argv]

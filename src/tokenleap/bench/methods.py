@@ -202,7 +202,7 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
         from tokenleap.spec.proposers.ngram import NgramProposer
         proposer = NgramProposer(int(spec.get("max", 4)), ngram_min(spec))
     elif family in ("draft", "cascade"):  # a draft of another tokenizer drafts through text (cross_tokenizer.py)
-        from tokenleap.api import draft_proposer
+        from tokenleap.spec.proposers.factory import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
         draft = pool.draft(spec.name, spec.get("model"))
         proposer = draft_proposer(draft, target.model.config.vocab_size, max_len, draft_vocab=vocab,
@@ -210,7 +210,7 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
                                   target_tokenizer=target.tokenizer)
     nodes = int(spec.get("nodes", TREE_NODES)) if _tree_mode(spec) != "off" else 0
     if family == "lookahead":
-        from tokenleap.api import lookahead_proposer
+        from tokenleap.spec.proposers.factory import lookahead_proposer
         k = spec.get("k", "auto")
         la = SpecConfig(method="lookahead", num_tokens=k, max_num_tokens=int(spec.get("kmax", 8)),
                         ngram_max=int(spec.get("max", 4)),
@@ -221,7 +221,7 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     if family == "auto":
         proposer = _auto(spec, pool)
     if family == "layerskip":  # the target drafts for itself (skip=auto: the stored calibration, else made once)
-        from tokenleap.api import build_proposer
+        from tokenleap.spec.proposers.factory import build_proposer
         ls = SpecConfig(method="layerskip", skip_layers=str(spec.get("skip", "auto")),
                         layerskip_lookup=spec.get("lookup", "on") == "on")
         proposer = build_proposer(ls, target, max_len, 1, pool.opts.cache_dir)
@@ -233,7 +233,7 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
 def _auto(spec: MethodSpec, pool: ModelPool):
     """``auto``: n-gram lookup, the --draft model when given, and the other methods this build has,
     chosen per request and step (``spec/proposers/auto.py``)."""
-    from tokenleap.api import auto_proposer
+    from tokenleap.spec.proposers.factory import auto_proposer
     o = pool.opts
     k = spec.get("k", "auto")
     cfg = SpecConfig(method="auto", draft_model=o.draft, num_tokens=k, max_num_tokens=int(spec.get("kmax", 8)),

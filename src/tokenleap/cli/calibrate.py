@@ -49,7 +49,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_quant_dtype({"--quant": args.quant}, {"--dtype": args.dtype})
     check_model_ref("--model", args.model, args.cache_dir)
     prompts = read_prompts_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
-    from tokenleap.api import LAYERSKIP_MIN_SPEEDUP, layerskip_joins_auto
+    from tokenleap.spec.proposers.factory import LAYERSKIP_MIN_SPEEDUP, layerskip_joins_auto
     from tokenleap.config import SamplingParams
     from tokenleap.models.pretrained import load_model
     from tokenleap.spec.engine import Engine

@@ -105,7 +105,7 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
 
 def _proposer(spec: SpecConfig, target, max_len: int, blocks: int, block_size: int, slots: int,
               cache_dir: str | None, prefix_caching: bool):
-    from tokenleap.api import build_proposer
+    from tokenleap.spec.proposers.factory import build_proposer
     from tokenleap.cache.paged import PagedKVCache
 
     def paged(draft):  # as many blocks as the target: a draft never holds more tokens of a sequence

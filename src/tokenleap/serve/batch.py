@@ -58,7 +58,7 @@ def _context_blocks(llm: "LLM") -> int:
 
 def _scratch_blocks(llm: "LLM") -> int:
     """Blocks for a token tree's nodes (and a proposer's auxiliary rows) past a sequence's end."""
-    from tokenleap.api import lookahead_joins_auto
+    from tokenleap.spec.proposers.factory import lookahead_joins_auto
     spec = llm.spec  # lookahead's window rows: its own method, or an arm of auto (as auto_proposer decides)
     lookahead = spec.method == "lookahead" or (spec.method == "auto" and lookahead_joins_auto(llm.draft is not None))
     aux = window_rows(spec.lookahead_window, spec.lookahead_ngram) if lookahead else 0

@@ -28,7 +28,7 @@ text as layer skip does, with still no second model.
 
 ``skip="auto"`` picks the skipped set at the first proposal by a short calibration on that
 request's own tokens (``layerskip_search.py``), unless one is given up front (cached on disk by
-``api.build_proposer``).
+``proposers.factory.build_proposer``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,164 @@
+"""Proposers from a ``SpecConfig``: the draft model loaded beside a target, each method's proposer,
+and ``--spec auto``'s arms (which methods join it, and when). The Python API, the CLI, the server
+and the benchmark build their proposers here."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from tokenleap.config import ConfigError, SpecConfig
+from tokenleap.models.pretrained import LoadedModel, load_model
+from tokenleap.spec.proposers.base import Proposer
+
+
+def load_draft(spec: SpecConfig, target: LoadedModel, cache_dir: str | Path | None) -> LoadedModel:
+    """``spec``'s draft model, in the target's dtype unless ``spec.draft_dtype`` says otherwise."""
+    return load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
+                      cache_dir=cache_dir, gguf_other="int4")
+
+
+def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slots: int,
+                   cache_dir: str | Path | None, draft_cache=None) -> Proposer | None:
+    """The proposer ``spec`` asks for, its draft model (if any) loaded here. ``draft_cache(draft_model)``
+    may supply the draft's KV cache (a server passes a paged one); by default the draft gets a
+    contiguous cache of ``num_slots``."""
+    note = None
+    if spec.method == "auto":
+        spec, note = resolve_auto_draft(spec, target.source, cache_dir)
+    draft = load_draft(spec, target, cache_dir) if uses_draft(spec) else None
+    proposer = proposer_for(spec, target, draft, max_len, num_slots, cache_dir, draft_cache)
+    if note is not None:
+        proposer.note = note  # what was picked and why, for the server's startup line
+    return proposer
+
+
+def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, num_slots: int,
+                 cache_dir: str | Path | None = None, draft_cache=None) -> Proposer | None:
+    """The proposer ``spec`` asks for, with its draft model (method "draft", or "auto" with one) already
+    loaded as ``draft``; ``cache_dir`` holds layer-skip calibrations, ``draft_cache`` as in
+    :func:`build_proposer`."""
+    if spec.method is None:
+        return None
+    if spec.method == "ngram":
+        from tokenleap.spec.proposers.ngram import NgramProposer
+        return NgramProposer(spec.ngram_max, spec.ngram_min)
+    if spec.method == "lookahead":
+        return lookahead_proposer(spec)
+    if spec.method == "layerskip":  # the target drafts for itself: no draft model, no extra weights
+        from tokenleap.spec.proposers.layerskip import layerskip_proposer
+        return layerskip_proposer(target, spec.skip_layers, cache_dir,
+                                  lookup=spec.ngram_max if spec.layerskip_lookup else 0)
+    if spec.method == "auto":
+        return auto_proposer(spec, target, draft, max_len, num_slots, cache_dir, draft_cache)
+    if spec.method != "draft":
+        raise ConfigError(f"no proposer is built for speculative method {spec.method!r}")
+    if draft is None:
+        raise ConfigError("speculative method 'draft' needs the draft model loaded")
+    cache = draft_cache(draft) if draft_cache is not None else None
+    return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache,
+                          spec.draft_spec, target.tokenizer)
+
+
+def lookahead_proposer(spec: SpecConfig) -> Proposer:
+    """Lookahead decoding's proposer (its guesses' trie budget is ``spec.tree_nodes``)."""
+    from tokenleap.spec.proposers.lookahead import LookaheadProposer
+    return LookaheadProposer(spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_guesses,
+                             lookup_max=spec.ngram_max)
+
+
+def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num_slots: int = 1,
+                   draft_vocab: int | None = SpecConfig.draft_vocab, cache=None, draft_spec: str | None = None,
+                   target_tokenizer=None) -> Proposer:
+    """A draft-model proposer for a loaded draft; with ``draft_vocab`` (and a vocabulary over twice
+    that) the draft scores only a reduced vocabulary (see ``proposers.draft_head``); with
+    ``draft_spec="ngram"`` n-gram lookup speculates the draft's own steps (``proposers.cascade``).
+    Given the target's tokenizer, a draft of another tokenizer drafts through text
+    (``proposers.cross_tokenizer``); without it, a vocabulary mismatch is refused."""
+    from tokenleap.spec.proposers.cascade import CascadeDraftProposer
+    from tokenleap.spec.proposers.cross_tokenizer import CrossTokenizerProposer, same_tokenizer
+    from tokenleap.spec.proposers.draft_model import DraftModelProposer
+
+    head = None
+    if draft_vocab and draft.model.config.vocab_size > 2 * draft_vocab:
+        from tokenleap.spec.proposers.draft_head import ReducedVocabHead
+        specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
+        head = ReducedVocabHead(draft.model.lm_head, draft_vocab, specials)
+    kind = CascadeDraftProposer if draft_spec == "ngram" else DraftModelProposer
+    if target_tokenizer is not None and not same_tokenizer(target_tokenizer, draft.tokenizer):
+        inner = kind(draft.model, draft.model.config.vocab_size, max_len, num_slots, cache=cache, head=head)
+        return CrossTokenizerProposer(inner, target_tokenizer, draft.tokenizer)
+    return kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head)
+
+
+def uses_draft(spec: SpecConfig) -> bool:
+    """Whether ``spec`` needs a draft model loaded (auto: when one is named or was picked)."""
+    return spec.method == "draft" or (spec.method == "auto" and bool(spec.draft_model))
+
+
+def resolve_auto_draft(spec: SpecConfig, model: str, cache_dir: str | Path | None) -> tuple[SpecConfig, str | None]:
+    """``spec`` with ``draft_model="auto"`` replaced by the draft ``models.pairing`` picks (or none),
+    and a sentence saying what was picked and why; other specs unchanged (no sentence)."""
+    if spec.method != "auto" or spec.draft_model != "auto":
+        return spec, None
+    from tokenleap.models.pairing import pick_draft
+    pick = pick_draft(model.removeprefix("catalog:"), cache_dir, quant=None if spec.draft_quant == "none" else spec.draft_quant)
+    return replace(spec, draft_model=pick.name, draft_quant=pick.quant if pick.name else spec.draft_quant), pick.reason
+
+
+# --spec auto's candidate proposers, in order (ties go to the first). Other methods join by name as
+# soon as SpecConfig accepts them and proposer_for builds them (no change to spec/proposers/auto.py).
+AUTO_ARMS = ("draft", "layerskip", "lookahead", "ngram")
+# a layer-skip calibration predicting less than this speed-up on this machine keeps the arm out of
+# --spec auto: where drafting by most of the target's layers costs most of a target step (a
+# memory-bound bf16 target on AMX: 0.999x), its probes only cost time
+LAYERSKIP_MIN_SPEEDUP = 1.05
+
+
+def lookahead_joins_auto(has_draft_model: bool) -> bool:
+    """Whether the lookahead arm joins --spec auto: only without a draft model. Beside one, n-gram
+    lookup (free) and the draft's cascade already serve the repeated text lookahead's guesses come
+    from, and its probes were measured to cost steps for next to no tokens (BENCHMARKS, "Lookahead
+    out of --spec auto beside a draft model")."""
+    return not has_draft_model
+
+
+def layerskip_joins_auto(predicted_speedup: float | None) -> bool:
+    """Whether a layer-skip arm with this calibration prediction joins --spec auto (None: a skipped
+    set given without a prediction, which joins)."""
+    return predicted_speedup is None or predicted_speedup >= LAYERSKIP_MIN_SPEEDUP
+
+
+def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, num_slots: int,
+                  cache_dir: str | Path | None, draft_cache=None) -> Proposer:
+    """``--spec auto``: every proposer this configuration has -- n-gram always, the draft model when
+    one is loaded, the other methods when this build has them (lookahead only without a draft model,
+    layer skip once calibrated to pay) -- behind one that picks per sequence."""
+    from tokenleap.errors import TokenleapError
+    from tokenleap.spec.bandit import BanditConfig
+    from tokenleap.spec.proposers.auto import AutoProposer
+    arms: dict[str, Proposer] = {}
+    # the draft arm drafts chains (trees only with --spec-tree on), so it is a cascade: n-gram lookup
+    # speculates the draft model's own steps, which changes no drafted token and saves draft forwards
+    draft_spec = spec.draft_spec or (None if spec.tree == "on" else "ngram")
+    for name in AUTO_ARMS:
+        if name == "draft":
+            if draft is not None:
+                arms[name] = draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots,
+                                            spec.draft_vocab, draft_cache(draft) if draft_cache else None,
+                                            draft_spec, target.tokenizer)
+            continue
+        if name == "lookahead" and not lookahead_joins_auto(draft is not None):
+            continue
+        try:
+            # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only)
+            arm = proposer_for(replace(spec, method=name, draft_model=None, layerskip_lookup=False), target,
+                               None, max_len, num_slots, cache_dir)
+        except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
+            continue
+        if name == "layerskip" and getattr(arm, "skip", None) is None:
+            continue  # joins once calibrated (tokenleap calibrate): no search inside a user's request
+        if name == "layerskip" and not layerskip_joins_auto(getattr(arm, "predicted_speedup", None)):
+            continue  # calibrated here, and predicted not to pay
+        arms[name] = arm
+    fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
+    return AutoProposer(arms, BanditConfig(max_k=max(spec.max_num_tokens, fixed or 1)), trees=spec.tree == "on")
