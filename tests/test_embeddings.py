@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenleap.cache.contiguous import KVCache
-from tokenleap.models.embed import embed
+from tokenleap.models.embed import embed, embed_windows
 from tokenleap.models.transformer import Segment
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.scheduler import Scheduler, SchedulerConfig
@@ -42,6 +42,13 @@ def test_pooling_last_and_mean_of_the_final_hidden_states():
         embed(model(), [ids], "cls")
     with pytest.raises(ValueError, match="empty"):
         embed(model(), [[]])
+
+
+def test_embed_windows_yields_after_each_window_then_the_vector():
+    ids = list(range(3, 23))  # 20 tokens: windows of 8, 8 and 4
+    out = list(embed_windows(model(), ids, "mean", chunk=8))
+    assert out[:2] == [None, None] and len(out) == 3
+    assert torch.equal(out[2], embed(model(), [ids], "mean", chunk=8)[0])
 
 
 def test_scheduler_call_runs_one_call_an_iteration_and_passes_errors_on():

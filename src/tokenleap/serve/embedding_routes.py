@@ -2,8 +2,8 @@
 input text (or token id list), pooled from the model's final hidden states (``models/embed.py``),
 as float lists or base64 of little-endian float32. Served only when the server was started with
 ``--embeddings`` (``ServerConfig.embeddings``: the pooling), as llama.cpp does; otherwise a 501 says
-so. The vectors are computed on the scheduler's thread, one input per call (``Scheduler.call``), so
-decoding goes on between the inputs of a long request."""
+so. The vectors are computed on the scheduler's thread, one prefill window per call
+(``Scheduler.call``), so decoding goes on between the windows of a long input and between inputs."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request as HTTPRequest
 
-from tokenleap.models.embed import embed
+from tokenleap.models.embed import embed_windows
 from tokenleap.serve.protocol import APIError, EmbeddingRequest, bad_request, parse_body
 from tokenleap.serve.request import QueueFullError
 from tokenleap.serve.responses import new_id, now
@@ -56,17 +56,16 @@ class EmbeddingRoutes:
             if len(ids[-1]) > server.engine.max_len:
                 raise bad_request(f"this model's maximum context length is {server.engine.max_len} tokens; an input "
                                   f"has {len(ids[-1])}", "input")
-        futures = []
+        vectors = []
         try:
-            for x in ids:
-                futures.append(server.scheduler.call(partial(embed, model, [x], pooling,
-                                                             chunk=server.engine.prefill_chunk)))
-            vectors = [(await asyncio.wrap_future(f))[0] for f in futures]
+            for x in ids:  # a prefill window per scheduler call: decoding goes on between them
+                steps = embed_windows(model, x, pooling, chunk=server.engine.prefill_chunk)
+                vec = None
+                while vec is None:
+                    vec = await asyncio.wrap_future(server.scheduler.call(partial(next, steps)))
+                vectors.append(vec)
         except QueueFullError as e:
             raise APIError(503, str(e), "server_busy", None, "shutting_down") from None
-        finally:
-            for f in futures:
-                f.cancel()  # those not run yet (the client went away, or the server is stopping)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
                 for i, v in enumerate(vectors)]
         tokens = sum(len(x) for x in ids)
