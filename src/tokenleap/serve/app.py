@@ -248,7 +248,7 @@ class OpenAIServer:
         calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
         if fmt.chat:
             first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
-            yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage())))
+            yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage)))
         async for i, out in job.outputs():
             if out.error:
                 yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
@@ -263,14 +263,14 @@ class OpenAIServer:
             if calls:  # the content first, then the calls with the finish reason
                 if text or (scored and fmt.tokens):
                     choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
-                    yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage())))
+                    yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))
                 delta = {**chat_delta(i, {"tool_calls": call_deltas(calls)}, reason), "stop_reason": job.stop_reason(i)}
-                yield sse(chunk_fmt.obj([delta], **fmt.with_usage(job.usage())))
+                yield sse(chunk_fmt.obj([delta], **fmt.with_usage(job.usage)))
             elif text or reason or (scored and fmt.tokens):
                 choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
                 if reason is not None:
                     choice["stop_reason"] = job.stop_reason(i)
-                yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage())))
+                yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))
                 if fmt.tokens:
                     offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
         else:

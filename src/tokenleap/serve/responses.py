@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,12 +138,12 @@ class Format:
         return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
                                  if self.tokens else None)
 
-    def with_usage(self, so_far: dict[str, Any] | None = None) -> dict[str, Any]:
+    def with_usage(self, so_far: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
         """A streamed chunk's usage field: none without include_usage, else null (the last chunk
-        carries it) or, with continuous usage, ``so_far``."""
+        carries it) or, with continuous usage, ``so_far()`` (counted only then)."""
         if not self.include_usage:
             return {}
-        return {"usage": so_far if self.continuous_usage else None}
+        return {"usage": so_far() if self.continuous_usage and so_far is not None else None}
 
 
 def usage_options(req) -> dict[str, bool]:
