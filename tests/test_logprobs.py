@@ -48,6 +48,7 @@ def test_token_logprobs_against_log_softmax():
         assert lp.token_id == tok and lp.logprob == pytest.approx(float(ref[i, tok]), abs=1e-6)
         assert [t for t, _ in lp.top] == ref[i].topk(5).indices.tolist()
         assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert lp.rank == 1 + int((ref[i] > ref[i, tok]).sum())  # vLLM's rank: 1 for the likeliest
     assert all(lp.top == () for lp in token_logprobs(logits, [1, 2, 3], 0))
 
 

@@ -35,13 +35,14 @@ from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
                        chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
-                       check_token_ids, parse_body, sampling_params, structured_output)
-from tokenleap.serve.responses import Format, TokenText, chat_delta, new_id, now, sse, usage_options
+                       check_prompt_logprobs, check_token_ids, parse_body, sampling_params, structured_output)
+from tokenleap.serve.responses import (Format, TokenText, add_prompt_logprobs, chat_delta, new_id, now, sse,
+                                       usage_options)
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore
 from tokenleap.serve.responses_routes import ResponsesRoutes
 from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
-from tokenleap.serve.jobs import ClientGone, Job
+from tokenleap.serve.jobs import ClientGone, Job, PromptView
 from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
@@ -120,15 +121,19 @@ class OpenAIServer:
         req = parse_body(await request.body(), CompletionRequest)
         self._check(req)
         prompts = self._prompts(req.prompt, None if req.suffix is None else fim_encoder(self.tokenizer, req))
-        budgets = [check_max_tokens(req.max_tokens, len(p), self.engine.max_len, 16) for p in prompts]
+        echo_only = req.max_tokens == 0  # the prompt (and its logprobs) alone, as vLLM and OpenAI answer it
+        if echo_only and not req.echo:
+            raise bad_request("max_tokens 0 returns the prompt alone: it needs echo set to true", "max_tokens")
+        budgets = [check_max_tokens(1 if echo_only else req.max_tokens, len(p), self.engine.max_len, 16)
+                   for p in prompts]
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
                       **usage_options(req), tokens=self._token_text(req.logprobs is not None))
         echo = None
         if req.echo:  # the prompt as given (token ids: decoded) starts each choice
             texts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
             echo = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts for _ in range(req.n)]
-        return await self._run(request, req, prompts, budgets, fmt, req.logprobs,
-                               req.logprobs if req.echo else None, echo)
+        view = PromptView(echo, req.logprobs if req.echo else None, echo_only, check_prompt_logprobs(req))
+        return await self._run(request, req, prompts, budgets, fmt, req.logprobs, view)
 
     async def chat(self, request: HTTPRequest) -> Response:
         self._auth(request)
@@ -142,7 +147,8 @@ class OpenAIServer:
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
                       **usage_options(req), tokens=self._token_text(bool(req.logprobs)), tools=tools)
-        return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None)
+        return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
+                               PromptView(prompt_logprobs=check_prompt_logprobs(req)))
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         self._auth(request)
@@ -175,15 +181,16 @@ class OpenAIServer:
 
     # -- running a request ------------------------------------------------------------------
     async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: Format,
-                   logprobs: int | None = None, prompt_logprobs: int | None = None,
-                   echo: list[str] | None = None) -> Response:
-        job = await self._start(req, prompts, budgets, fmt.tools.grammar or structured_output(req), logprobs,
-                                prompt_logprobs, echo)
+                   logprobs: int | None = None, view: PromptView = PromptView()) -> Response:
+        job = await self._start(req, prompts, budgets, fmt.tools.grammar or structured_output(req), logprobs, view)
 
         async def final(texts, reasons, scored) -> dict[str, Any]:
             choices = [{**fmt.choice(i, t, r, s), "stop_reason": job.stop_reason(i)}
                        for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
-            return fmt.obj(choices, usage=job.usage())
+            body = fmt.obj(choices, usage=job.usage())
+            if view.prompt_logprobs is not None:
+                add_prompt_logprobs(body, job.prompt_scored, view.prompt_logprobs, self._token_text(True), fmt.chat)
+            return body
         return await self._answer(http, job, fmt, bool(req.stream), self._chunks(job, fmt), final)
 
     async def _answer(self, http: HTTPRequest, job: Job, fmt: Format, stream: bool, events: AsyncIterator[str],
@@ -199,14 +206,14 @@ class OpenAIServer:
         return JSONResponse(await final(texts, reasons, scored))
 
     async def _start(self, req, prompts: list[list[int]], budgets: list[int], spec, logprobs: int | None = None,
-                     prompt_logprobs: int | None = None, echo: list[str] | None = None) -> Job:
+                     view: PromptView = PromptView()) -> Job:
         """The request's sequences submitted (``spec``: the grammar its replies follow, if any)."""
         if spec is not None:  # the first structured request builds the grammar tokenizer (~1 s): off the loop
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.engine.constraints.prepare, spec)
             except ConfigError as e:
                 raise bad_request(str(e), "response_format") from None
-        job = self._submit(req, prompts, budgets, logprobs, prompt_logprobs, echo, spec)
+        job = self._submit(req, prompts, budgets, logprobs, view, spec)
         if self.cfg.log_prompts:  # as the client sent it: a completion's prompt, or the chat messages
             job.prompt_text = req.prompt if isinstance(getattr(req, "prompt", None), str) else json.dumps(
                 req.prompt if hasattr(req, "prompt") else [m.model_dump(exclude_none=True) for m in req.messages],
@@ -222,18 +229,18 @@ class OpenAIServer:
             self._log(job, fmt)
 
     def _submit(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
-                prompt_logprobs: int | None, echo: list[str] | None, structured=None) -> Job:
+                view: PromptView, structured=None) -> Job:
         seqs = []
         for prompt, budget in zip(prompts, budgets):
             for choice in range(req.n):
-                params = sampling_params(req, budget, choice, logprobs, prompt_logprobs, structured)
+                params = sampling_params(req, budget, choice, logprobs, view.engine_logprobs, structured)
                 try:
                     seqs.append(self.engine.create(prompt, params))
                 except PromptTooLongError as e:
                     raise bad_request(str(e), "prompt", "context_length_exceeded") from None
                 except ConfigError as e:  # a schema, regex or grammar that does not compile
                     raise bad_request(str(e), "response_format") from None
-        job = Job(self.scheduler, seqs, sum(len(p) for p in prompts), echo)
+        job = Job(self.scheduler, seqs, sum(len(p) for p in prompts), view)
         try:
             self.scheduler.submit(job.requests)
         except QueueFullError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -22,17 +23,34 @@ class ClientGone(Exception):
     """The client of a non-streaming request went away."""
 
 
+@dataclass(frozen=True)
+class PromptView:
+    """What a job's replies show of their prompts."""
+
+    echo: list[str] | None = None  # per choice, the prompt text that starts it (completions' echo)
+    echo_logprobs: int | None = None  # the echoed tokens' logprobs, with this many alternatives each
+    echo_only: bool = False  # max_tokens 0: the echoed prompt is the whole reply (one token is decoded, unseen)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: alternatives per prompt token
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """The alternatives the engine computes per prompt token (None: no prompt logprobs)."""
+        asked = [k for k in (self.echo_logprobs, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
+
+
 class Job:
     """One HTTP request's choices and the queue their outputs arrive on."""
 
-    def __init__(self, scheduler: Scheduler, seqs: list, prompt_tokens: int, echo: list[str] | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, seqs: list, prompt_tokens: int, view: PromptView = PromptView()) -> None:
         loop = asyncio.get_running_loop()
         self.scheduler, self.prompt_tokens = scheduler, prompt_tokens
         self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
         self.requests = [Request(s, partial(self._deliver, loop, i)) for i, s in enumerate(seqs)]
         self.pending = set(range(len(seqs)))
         self.generated = [0] * len(seqs)
-        self.echo = echo  # per choice, the prompt text that starts it (completions' echo)
+        self.view = view
+        self.prompt_scored: list[list[Scored]] = [[] for _ in seqs]  # per choice, when the engine scores prompts
         self.started = [False] * len(seqs)
         self.reasons: list[str] = ["abort"] * len(seqs)  # until a choice finishes: abort (cancelled, client gone)
         self.t0 = time.monotonic()
@@ -40,22 +58,30 @@ class Job:
 
     def piece(self, i: int, out: Output) -> tuple[str, list[Scored]]:
         """Choice ``i``'s new text and scored tokens in ``out`` (the echoed prompt before the first)."""
+        view = self.view
         text, scored = out.text, [(lp.token_id, lp) for lp in out.logprobs]
         if not self.started[i]:
             self.started[i] = True
-            if self.echo is not None:
-                text = self.echo[i] + text
-                if out.prompt_logprobs is not None:
-                    scored = list(zip(self.requests[i].seq.prompt, out.prompt_logprobs)) + scored
+            if out.prompt_logprobs is not None:
+                self.prompt_scored[i] = list(zip(self.requests[i].seq.prompt, out.prompt_logprobs))
+            if view.echo is not None:
+                text = view.echo[i] + text
+                if view.echo_logprobs is not None:
+                    k = view.echo_logprobs
+                    scored = [(t, lp if lp is None else replace(lp, top=lp.top[:k]))
+                              for t, lp in self.prompt_scored[i]] + scored
         return text, scored
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, out: Output) -> None:
+        if self.view.echo_only:  # the one decoded token stays unseen: max_tokens (0) ended the reply
+            out = replace(out, text="", token_ids=[], num_generated=0, logprobs=[],
+                          finish_reason="length" if out.finish_reason in ("stop", "length") else out.finish_reason)
         loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))  # runs on the scheduler thread
 
     def stop_reason(self, i: int) -> int | str | None:
         """What ended choice ``i`` with "stop" (vLLM's field): its stop token id or stop string, or None
         for an EOS token (and for any other end)."""
-        return self.requests[i].seq.stop_reason
+        return None if self.view.echo_only else self.requests[i].seq.stop_reason
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, sum(self.generated), max(r.seq.cached_tokens for r in self.requests))

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenleap.config import ConfigError, SamplingParams, StructuredOutput
+from tokenleap.config import MAX_LOGPROBS, ConfigError, SamplingParams, StructuredOutput
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -96,8 +96,9 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     max_tokens: Int64 | None = None  # OpenAI's default is 16
     logprobs: Int64 | None = None
-    echo: bool | None = False
+    echo: bool | None = False  # the prompt starts the text (with max_tokens 0: nothing else)
     suffix: str | None = None  # text after the gap: the reply fills in the middle (text/fim.py)
+    prompt_logprobs: Int64 | None = None  # vLLM's: each prompt token's logprob and this many alternatives
 
 
 class TextPart(_Strict):
@@ -151,6 +152,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
+    prompt_logprobs: Int64 | None = None  # vLLM's, as on completions (of the rendered conversation)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -258,6 +260,18 @@ def check_common(req: _Sampling) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP:
         raise bad_request(f"at most {MAX_STOP} stop strings", "stop")
+
+
+def check_prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
+    """vLLM's ``prompt_logprobs``: alternatives per prompt token, in [0, MAX_LOGPROBS]; not on streams."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}", "prompt_logprobs")
+    if req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    return k
 
 
 def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None = None,

@@ -101,6 +101,34 @@ def token_logprob_entries(scored: list[Scored], tt: TokenText, ids: bool = False
             for t, lp in scored if lp is not None]
 
 
+def prompt_logprob_dicts(scored: list[Scored], k: int, tt: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first: None), the token and its ``k`` likeliest
+    alternatives by id, each with its logprob, rank and text."""
+    def entry(logprob: float, rank: int, token_id: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tt.text(token_id)}
+    out: list[dict[str, Any] | None] = []
+    for token_id, lp in scored:
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {str(token_id): entry(lp.logprob, lp.rank, token_id)}
+        for r, (alt, v) in enumerate(lp.top[:k], 1):
+            entries.setdefault(str(alt), entry(v, r, alt))
+        out.append(entries)
+    return out
+
+
+def add_prompt_logprobs(body: dict[str, Any], prompts: list[list[Scored]], k: int, tt: TokenText,
+                        chat: bool) -> None:
+    """vLLM's ``prompt_logprobs`` put where vLLM puts them: beside a chat reply's choices (its one
+    conversation), in each completion choice (``prompts``: choice i's scored prompt)."""
+    if chat:
+        body["prompt_logprobs"] = prompt_logprob_dicts(prompts[0], k, tt)
+    else:
+        for choice, scored in zip(body["choices"], prompts):
+            choice["prompt_logprobs"] = prompt_logprob_dicts(scored, k, tt)
+
+
 def chat_logprobs(scored: list[Scored], tt: TokenText) -> dict[str, Any]:
     """The chat completions ``logprobs`` object (``content``: one entry per generated token)."""
     return {"content": token_logprob_entries(scored, tt), "refusal": None}

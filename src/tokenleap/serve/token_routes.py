@@ -4,6 +4,9 @@
   (``prompt`` or ``messages``; ``add_special_tokens``, default true) and llama.cpp's (``content``;
   ``add_special``, default false; ``with_pieces``: each token's text beside its id);
 - ``POST /detokenize``: token ids to text (``prompt``, vLLM's name, and ``content``, llama.cpp's);
+- ``GET /tokenizer_info``: the tokenizer's settings (special tokens, chat template, context length),
+  as vLLM serves them -- enough for a client such as lm-evaluation-harness to tokenize through the
+  server with no tokenizer files of its own;
 - ``GET /version`` (tokenleap's version) and ``GET /ping`` (200 while the scheduler runs), as vLLM
   answers them.
 """
@@ -29,6 +32,7 @@ class TokenRoutes:
     def add_to(self, app: FastAPI) -> None:
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_api_route("/tokenizer_info", self.tokenizer_info, methods=["GET"])
         app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/ping", self.ping, methods=["GET", "POST"])
 
@@ -60,8 +64,21 @@ class TokenRoutes:
         text = server.tokenizer.decode(req.tokens)
         return {"prompt": text, "content": text}  # (vLLM's name, llama.cpp's)
 
+    async def tokenizer_info(self, request: HTTPRequest) -> dict[str, Any]:
+        server = self.server
+        server._auth(request)
+        tok = server.tokenizer
+        info: dict[str, Any] = dict(getattr(tok, "config", {}))
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
+            info[name] = getattr(tok, name, None)  # special tokens by their text (not {"content": ...})
+        info["add_bos_token"] = bool(getattr(tok, "add_bos_token", False))
+        info["model_max_length"] = server.engine.max_len
+        return info
+
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
 
     async def ping(self) -> Response:
         return await self.server.health()
+

@@ -17,9 +17,11 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the most likely tokens, best first
+    rank: int = 1  # 1 + the number of tokens more likely than this one (vLLM's "rank")
 
     def to_dict(self) -> dict:
-        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+        return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
+                "top": [list(t) for t in self.top]}
 
 
 def token_logprobs(
@@ -32,13 +34,15 @@ def token_logprobs(
     if not tokens:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
-    chosen = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()  # [n]
+    chosen = lp.gather(1, torch.tensor(tokens)[:, None])  # [n, 1]
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()  # [n]
+    chosen = chosen[:, 0].tolist()  # [n]
     if num_top > 0:
         values, indices = lp.topk(min(num_top, lp.shape[-1]), dim=-1)  # [n, num_top] each
         tops = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
     else:
         tops = [()] * len(tokens)
-    return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
+    return [TokenLogprob(t, c, top, r) for t, c, top, r in zip(tokens, chosen, tops, ranks)]
 
 
 __all__ = ["TokenLogprob", "token_logprobs"]

@@ -257,6 +257,8 @@ class Tokenizer:
                  generation_config: dict[str, Any] | None = None) -> None:
         self._backend = backend
         config = dict(config or {})
+        # tokenizer_config.json's settings, as vLLM's /tokenizer_info shows them (the added tokens' table left out)
+        self.config = {k: v for k, v in config.items() if k != "added_tokens_decoder"}
         self.chat_template: str | None = _pick_template(config.get("chat_template"))
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
