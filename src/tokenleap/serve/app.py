@@ -46,6 +46,7 @@ from tokenleap.serve.jobs import ClientGone, Job, PromptView
 from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
+from tokenleap.serve.messages_routes import MessagesRoutes
 from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
 from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
@@ -103,6 +104,7 @@ class OpenAIServer:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         ResponsesRoutes(self).add_to(app)
+        MessagesRoutes(self).add_to(app)  # Anthropic's /v1/messages
         LlamaCppRoutes(self).add_to(app)  # llama.cpp's own /completion and /infill (code at a cursor)
         LlamaCppInfoRoutes(self).add_to(app)  # ... and its /props, /apply-template
         app.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -305,9 +307,11 @@ class OpenAIServer:
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                           "authentication_error", None, "invalid_api_key")
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>')", "authentication_error", None, "invalid_api_key")
 
     def _check(self, req) -> None:
         self._check_model(req.model)

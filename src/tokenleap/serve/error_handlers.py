@@ -1,6 +1,7 @@
-"""The server's error bodies: every failure answers with OpenAI's error object -- an ``APIError``
-as raised, Starlette's own HTTP errors (404, 405) in the same form, a client that left before
-sending its whole body as 499 (logged, nothing sent), anything else as a logged 500."""
+"""The server's error bodies: every failure answers with OpenAI's error object (Anthropic's on the
+Messages API's routes) -- an ``APIError`` as raised, Starlette's own HTTP errors (404, 405) in the
+same form, a client that left before sending its whole body as 499 (logged, nothing sent), anything
+else as a logged 500."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tokenleap.serve.messages_api import anthropic_error
+from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
 from tokenleap.serve.protocol import APIError
 
 log = logging.getLogger("tokenleap.serve")
@@ -22,14 +25,19 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _internal_error)
 
 
-async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 503 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+def _response(request: HTTPRequest, exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    anthropic = request.url.path.startswith(MESSAGES_PATH)
+    body = anthropic_error(exc.status, exc.message) if anthropic else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
-async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+async def _api_error(request: HTTPRequest, exc: APIError) -> JSONResponse:
+    return _response(request, exc, {"Retry-After": "1"} if exc.status == 503 else None)
+
+
+async def _http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+    return _response(request, APIError(exc.status_code, str(exc.detail), kind))
 
 
 async def _client_disconnect(request: HTTPRequest, _: ClientDisconnect) -> Response:
@@ -37,6 +45,6 @@ async def _client_disconnect(request: HTTPRequest, _: ClientDisconnect) -> Respo
     return Response(status_code=499)
 
 
-async def _internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
+async def _internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
-    return JSONResponse(APIError(500, "internal server error", "server_error").body(), status_code=500)
+    return _response(request, APIError(500, "internal server error", "server_error"))

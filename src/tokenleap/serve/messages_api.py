@@ -1,0 +1,290 @@
+"""Anthropic's Messages API (``POST /v1/messages``, as vLLM and llama.cpp serve it) as a form of the
+chat path.
+
+A request becomes a ``ChatRequest``: ``system`` (a string or text blocks) as a system message, each
+turn's content blocks as chat messages -- ``text`` blocks joined, an assistant turn's ``tool_use``
+blocks as its tool calls, a user turn's ``tool_result`` blocks as tool messages before its text --
+``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice`` (auto, any, tool, none)
+in the chat forms, ``stop_sequences`` as stop strings, ``output_config.format`` (a JSON schema) as
+``response_format``; the sampling fields the chat endpoint takes (``temperature``, ``top_p``,
+``top_k``, ``seed``, penalties) may come as extra body fields. A conversation that ends with an assistant turn
+is continued (the reply goes on from that text, as Anthropic's prefill does). So it runs through the
+same template, sampling, tool calling and speculation as /v1/chat/completions.
+
+``MessageWriter`` writes the reply as a Message (``content``: a text block and ``tool_use`` blocks;
+``stop_reason``: end_turn, max_tokens, stop_sequence or tool_use) or, streamed, as the API's events
+(``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
+``message_stop``). ``thinking`` and ``metadata`` are accepted and unused (these models write no
+thinking blocks); images, documents and server tools get a 400 that says so. Errors on these routes
+take Anthropic's form (``anthropic_error``).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from tokenleap.serve.jobs import Job
+from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDef, Int64, JsonSchemaFormat,
+                                      NamedFunction, NamedToolChoice, ResponseFormat, ToolCall, ToolDef, _Strict,
+                                      bad_request)
+from tokenleap.serve.tools import ToolPlan, ToolStream, parse_tool_calls
+
+
+class CountTokensRequest(_Strict):  # POST /v1/messages/count_tokens
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # accepted, unused
+
+
+class MessagesRequest(CountTokensRequest):  # POST /v1/messages
+    max_tokens: Int64
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    output_config: dict[str, Any] | None = None  # format: {"type": "json_schema", "schema": ...}; effort unused
+    metadata: dict[str, Any] | None = None  # accepted, unused
+    # sampling, as the chat endpoint takes it (Anthropic's clients send these as extra body fields)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = False
+
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "ignore_eos", "stream")
+
+
+def chat_request(req: CountTokensRequest) -> ChatRequest:
+    """The chat request that computes ``req``'s reply; a 400 for what this server cannot do."""
+    messages = [ChatMessage(role="system", content=_joined(req.system, "system"))] if req.system else []
+    if not req.messages:
+        raise bad_request("messages: at least one message is required", "messages")
+    for i, turn in enumerate(req.messages):
+        messages += _turn(i, turn)
+    last = messages[-1]
+    prefill = last.role == "assistant" and not last.tool_calls
+    fields: dict[str, Any] = {}
+    if isinstance(req, MessagesRequest):
+        fields = {name: getattr(req, name) for name in _SAMPLING}
+        fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
+                      response_format=_response_format(req.output_config))
+    return ChatRequest.model_construct(model=req.model, messages=messages, n=1, tools=_tools(req.tools),
+                                       tool_choice=_tool_choice(req.tool_choice), continue_final_message=prefill,
+                                       add_generation_prompt=not prefill, **fields)
+
+
+def _turn(i: int, turn: dict[str, Any]) -> list[ChatMessage]:
+    """One Messages turn as chat messages."""
+    role, content = turn.get("role"), turn.get("content")
+    if role not in ("user", "assistant"):
+        raise bad_request(f"messages.{i}.role must be user or assistant (the system prompt is the system "
+                          "parameter)", "messages")
+    if isinstance(content, str):
+        return [ChatMessage(role=role, content=content)]
+    if not isinstance(content, list):
+        raise bad_request(f"messages.{i}.content must be a string or a list of content blocks", "messages")
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        where = f"messages.{i}.content.{j}"
+        if kind == "text":
+            texts.append(_string(block, "text", where))
+        elif kind == "tool_use" and role == "assistant":
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                raise bad_request(f"{where}.input must be an object", "messages")
+            calls.append(ToolCall(id=_string(block, "id", where), function=FunctionCall(
+                name=_string(block, "name", where), arguments=json.dumps(arguments, ensure_ascii=False))))
+        elif kind == "tool_result" and role == "user":
+            value = block.get("content", "")
+            text = value if isinstance(value, str) else _joined(value, f"{where}.content")
+            results.append(ChatMessage(role="tool", content=text, tool_call_id=_string(block, "tool_use_id", where)))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # an earlier reply's reasoning: not shown to the model again
+        else:
+            raise bad_request(f"{where}: blocks of type {kind!r} are not supported in a {role} turn here (text, "
+                              "tool_use in assistant turns, tool_result in user turns; images and documents "
+                              "cannot be read by this server's models)", "messages")
+    if role == "assistant":
+        return [ChatMessage(role="assistant", content="".join(texts), tool_calls=calls or None)]
+    return results + ([ChatMessage(role="user", content="".join(texts))] if texts or not results else [])
+
+
+def _joined(value: Any, where: str) -> str:
+    """The text of a string or a list of text blocks."""
+    if isinstance(value, str):
+        return value
+    texts = []
+    for j, block in enumerate(value if isinstance(value, list) else [value]):
+        if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
+            raise bad_request(f"{where}.{j} must be a text block (images and documents are not supported)",
+                              where.split(".")[0])
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _string(block: dict[str, Any], field: str, where: str) -> str:
+    value = block.get(field)
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{field} must be a string", "messages")
+    return value
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef] | None:
+    out = []
+    for i, tool in enumerate(tools or []):
+        if tool.get("type", "custom") != "custom" or not isinstance(tool.get("name"), str):
+            raise bad_request(f"tools.{i}: only client tools (a name and an input_schema) run here; this server "
+                              "hosts no server tools", "tools")
+        fields = {"name": tool["name"], "description": tool.get("description"),
+                  "parameters": tool.get("input_schema")}
+        try:
+            out.append(ToolDef(type="function", function=FunctionDef.model_validate(fields)))
+        except ValidationError as e:
+            raise bad_request(f"tools.{i}: {e.errors()[0]['msg']} ({'.'.join(map(str, e.errors()[0]['loc']))})",
+                              "tools") from None
+    return out or None
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> str | NamedToolChoice | None:
+    kind = None if choice is None else choice.get("type")
+    if kind in (None, "auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice["name"]))
+    raise bad_request("tool_choice must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"none\"} or "
+                      "{\"type\": \"tool\", \"name\": ...}", "tool_choice")
+
+
+def _response_format(config: dict[str, Any] | None) -> ResponseFormat | None:
+    """``output_config.format`` (a JSON schema the reply must follow) as the chat's response_format."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
+        raise bad_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                          "output_config")
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat.model_validate({"schema": fmt["schema"]}))
+
+
+class MessageWriter:
+    """One reply's Message object and stream events (``tools``: the request's tool plan, whose calls
+    become ``tool_use`` blocks)."""
+
+    def __init__(self, model: str, tools: ToolPlan) -> None:
+        self.id, self.model, self.tools = "msg_" + uuid.uuid4().hex, model, tools
+
+    def final(self, text: str, finish_reason: str | None, stop: int | str | None,
+              usage: dict[str, Any]) -> dict[str, Any]:
+        content, calls = (parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse
+                          else (text, []))
+        blocks = [_text_block(content or "")] if content or not calls else []
+        return self._obj(blocks + [_tool_use(c) for c in calls], *_stop(finish_reason, stop, calls),
+                         _usage(usage))
+
+    async def events(self, job: Job) -> AsyncIterator[str]:
+        """The stream of ``job``'s reply: its text block as the text comes (held back from where a tool
+        call may begin), then a block a call; an ``error`` event if it fails."""
+        yield _event("message_start", message=self._obj([], None, None, {**_usage(job.usage()), "output_tokens": 0}))
+        yield _event("ping")
+        stream = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
+        opened, calls, reason = False, [], None
+        async for i, out in job.outputs():
+            if out.error:
+                yield _event("error", error={"type": "api_error", "message": f"the request failed: {out.error}"})
+                return
+            piece, _ = job.piece(i, out)
+            reason = out.finish_reason or reason
+            if stream is not None:
+                piece = stream.feed(piece)
+                if out.finish_reason is not None:
+                    rest, calls = stream.finish()
+                    piece += rest
+            if piece:
+                if not opened:
+                    yield _event("content_block_start", index=0, content_block=_text_block(""))
+                    opened = True
+                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+        if not opened and not calls:  # an empty reply still has its (empty) text block
+            yield _event("content_block_start", index=0, content_block=_text_block(""))
+            opened = True
+        if opened:
+            yield _event("content_block_stop", index=0)
+        for index, call in enumerate(calls, int(opened)):
+            block = _tool_use(call)
+            yield _event("content_block_start", index=index, content_block={**block, "input": {}})
+            yield _event("content_block_delta", index=index,
+                         delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)})
+            yield _event("content_block_stop", index=index)
+        stop_reason, stop_sequence = _stop(reason, job.stop_reason(0), calls)
+        yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                     usage=_usage(job.usage()))
+        yield _event("message_stop")
+
+    def _obj(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
+             usage: dict[str, Any] | None) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+
+def _event(kind: str, **fields: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+
+def _text_block(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool call (``tools.parse_tool_calls``) as a tool_use block."""
+    fn = call["function"]
+    try:
+        arguments = json.loads(fn["arguments"] or "{}")
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):  # a model that wrote its arguments as other than an object: kept as text
+        arguments = {"arguments": fn["arguments"]}
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": fn["name"],
+            "input": arguments}
+
+
+def _stop(finish_reason: str | None, stop: int | str | None, calls: list) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a reply that ended with ``finish_reason``; ``stop``: the stop
+    string or token that ended it (``Job.stop_reason``)."""
+    if calls:
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """The chat usage in Anthropic's names: input tokens not read from the prefix cache, and those read."""
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"] - cached, "output_tokens": chat_usage["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body for an HTTP status."""
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "invalid_request_error" if status < 500
+                                                                 else "api_error"), "message": message}}
