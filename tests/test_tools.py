@@ -9,9 +9,7 @@ import openai
 import pytest
 import torch
 
-from tokenleap.config import ModelConfig
 from tokenleap.spec.engine import Engine
-from tokenleap.models.build import build_transformer
 from tokenleap.cache.paged import PagedKVCache
 from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.serve.protocol import APIError, ChatRequest, chat_messages
@@ -19,6 +17,7 @@ from tokenleap.serve.scheduler import SchedulerConfig
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.tools import ToolStream, parse_tool_calls, plan_tools
 
+from script_helpers import ScriptTokenizer, script_model
 from serving_helpers import LiveServer
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -186,69 +185,13 @@ def test_messages_carry_tool_calls_and_results():
 
 
 # -- a server whose model writes a script ---------------------------------------------------------
-VOCAB = 320
-EOS, FILLER = 2, VOCAB - 1
 STARTS = {"§": (3, CALL), "¶": (100, TWO)}  # a prompt ending with this character -> the model writes that
-
-
-class ScriptTokenizer:
-    """A character per token: each script's characters have ids of their own, following its start."""
-
-    eos_token_ids = (EOS,)
-    vocab_size = VOCAB
-    chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}"  # takes tools
-
-    def __init__(self) -> None:
-        self.pieces = {EOS: "", FILLER: "?"}
-        for mark, (start, script) in STARTS.items():
-            self.pieces[start] = mark
-            for j, ch in enumerate(script, start + 1):
-                self.pieces[j] = ch
-        self.seen_tools: list = []
-
-    def piece(self, i: int) -> str:
-        return self.pieces.get(i, "?")
-
-    def encode(self, text: str) -> list[int]:
-        return [STARTS[c][0] if c in STARTS else FILLER for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.piece(i) for i in ids)
-
-    def detokenizer(self):
-        from conftest import ToyDetokenizer
-        return ToyDetokenizer(self)
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
-        self.seen_tools.append(tools)
-        return "".join(m["content"] for m in messages)
-
-
-def script_model():
-    """Token t is followed by the next token of its script (the last by EOS): one-hot embeddings,
-    layers that add nothing (zero output projections), a head that maps each token to its successor."""
-    cfg = ModelConfig(architecture="qwen2", vocab_size=VOCAB, hidden_size=VOCAB, intermediate_size=64,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=VOCAB // 4,
-                      max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                      attention_bias=True, bos_token_id=1, eos_token_ids=(EOS,))
-    from conftest import random_weights
-    w = {k: torch.zeros_like(v) if ("o_proj" in k or "down_proj" in k) else v for k, v in random_weights(cfg).items()}
-    w["model.embed_tokens.weight"] = torch.eye(VOCAB)
-    w["model.norm.weight"] = torch.ones(VOCAB)
-    head = torch.zeros(VOCAB, VOCAB)
-    for start, script in STARTS.values():
-        for t in range(start, start + len(script)):
-            head[t + 1, t] = 1.0  # logit of t + 1 when the current token is t
-        head[EOS, start + len(script)] = 1.0
-    w["lm_head.weight"] = head
-    assert 3 + len(CALL) < 100 and 100 + len(TWO) < FILLER
-    return build_transformer(cfg, w, torch.float32)
 
 
 @pytest.fixture(scope="module")
 def scripted():
-    tok = ScriptTokenizer()
-    model = script_model()
+    tok = ScriptTokenizer(STARTS)
+    model = script_model(STARTS)
     cache = PagedKVCache(model.config, 64, 256, torch.float32, block_size=16, num_slots=4)
     eng = Engine(model, tok, max_len=256, prefill_chunk=8, cache=cache, proposer=NgramProposer(3, 1))
     with LiveServer(create_app(eng, ServerConfig("m", scheduler=SchedulerConfig(log_interval=0)))) as s:

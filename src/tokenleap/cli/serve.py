@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--responses-store", type=non_negative_int, default=1000, metavar="N",
                    help="/v1/responses objects kept in memory for previous_response_id and GET /v1/responses/"
                         "{id}: the N most recently used (0: none kept; default 1000)")
+    p.add_argument("--reasoning-format", choices=("auto", "none"), default="auto",
+                   help="auto: a thinking model's <think> block (Qwen3, DeepSeek-R1 distills) comes back as "
+                        "reasoning_content, apart from the content; none: it stays in the content")
     p.add_argument("--embeddings", "--embedding", action="store_true",
                    help="serve POST /v1/embeddings: vectors pooled from the model's final hidden states "
                         "(default: not served, a 501, as llama.cpp)")
@@ -173,7 +176,8 @@ def build_app(args: argparse.Namespace):
                                                     log_interval=args.log_interval),
                           allowed_origins=tuple(args.allowed_origins), log_prompts=args.log_prompts,
                           docs=not args.no_docs, responses_store=args.responses_store,
-                          embeddings=args.pooling if args.embeddings else None)
+                          embeddings=args.pooling if args.embeddings else None,
+                          reasoning=args.reasoning_format == "auto")
     return create_app(engine, config), engine
 
 

@@ -47,6 +47,7 @@ from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
 from tokenleap.serve.messages_routes import MessagesRoutes
+from tokenleap.serve.reasoning import Reasoning, opened_by, template_thinks
 from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
 from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
@@ -66,6 +67,7 @@ class ServerConfig:
     docs: bool = True  # serve /docs and /openapi.json (behind the API key when one is set)
     responses_store: int = DEFAULT_CAPACITY  # Responses API objects kept for previous_response_id (0: none)
     embeddings: str | None = None  # /v1/embeddings' pooling ("last", "mean"); None: not served (501)
+    reasoning: bool = True  # a thinking model's <think> block as reasoning_content (--reasoning-format auto)
 
 
 class OpenAIServer:
@@ -148,7 +150,8 @@ class OpenAIServer:
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
-                      **usage_options(req), tokens=self._token_text(bool(req.logprobs)), tools=tools)
+                      **usage_options(req), tokens=self._token_text(bool(req.logprobs)), tools=tools,
+                      reasoning=self._reasoning(req, prompt))
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
                                PromptView(prompt_logprobs=check_prompt_logprobs(req)))
 
@@ -255,6 +258,7 @@ class OpenAIServer:
         offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
         # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
         calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
+        thinking = [fmt.reasoning.stream() for _ in job.requests] if fmt.reasoning is not None else None
         if fmt.chat:
             first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
             yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage)))
@@ -264,6 +268,13 @@ class OpenAIServer:
                 break
             text, scored = job.piece(i, out)
             reason, calls = out.finish_reason, []
+            if thinking is not None:  # the thinking first, in a delta of its own
+                thought, text = thinking[i].feed(text)
+                if reason is not None:
+                    thought, text = (a + b for a, b in zip((thought, text), thinking[i].finish()))
+                if thought and fmt.reasoning.include:
+                    yield sse(chunk_fmt.obj([chat_delta(i, {"reasoning_content": thought}, None)],
+                                            **fmt.with_usage(job.usage)))
             if calling is not None:
                 text = calling[i].feed(text)
                 if reason is not None:
@@ -325,6 +336,15 @@ class OpenAIServer:
             raise bad_request("a forced tool call (tool_choice required or named) cannot take response_format "
                               "or guided_* as well", "tool_choice")
         return tools
+
+    def _reasoning(self, req: ChatRequest, prompt: list[int]) -> Reasoning | None:
+        """How the replies' thinking is split from their content: where the chat template writes
+        thinking blocks, unless the server or the request (llama.cpp's reasoning_format) says none."""
+        if not self.cfg.reasoning or req.reasoning_format == "none":
+            return None
+        if not template_thinks(getattr(self.tokenizer, "chat_template", None)):
+            return None
+        return Reasoning(opened_by(self._token_text(True).joined(prompt[-8:])), req.include_reasoning is not False)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.cfg.model_name, *self.cfg.model_aliases):

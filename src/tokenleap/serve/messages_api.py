@@ -14,9 +14,10 @@ same template, sampling, tool calling and speculation as /v1/chat/completions.
 ``MessageWriter`` writes the reply as a Message (``content``: a text block and ``tool_use`` blocks;
 ``stop_reason``: end_turn, max_tokens, stop_sequence or tool_use) or, streamed, as the API's events
 (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
-``message_stop``). ``thinking`` and ``metadata`` are accepted and unused (these models write no
-thinking blocks); images, documents and server tools get a 400 that says so. Errors on these routes
-take Anthropic's form (``anthropic_error``).
+``message_stop``). A thinking model's ``<think>`` block (``reasoning.py``) is a ``thinking`` block
+before the text; the request's ``thinking`` (enabled / disabled) reaches the chat template as its
+``enable_thinking`` (Qwen3's switch). ``metadata`` is accepted and unused; images, documents and
+server tools get a 400 that says so. Errors on these routes take Anthropic's form (``anthropic_error``).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDef, Int64, JsonSchemaFormat,
                                       NamedFunction, NamedToolChoice, ResponseFormat, ToolCall, ToolDef, _Strict,
                                       bad_request)
+from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.tools import ToolPlan, ToolStream, parse_tool_calls
 
 
@@ -40,7 +42,7 @@ class CountTokensRequest(_Strict):  # POST /v1/messages/count_tokens
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # accepted, unused
+    thinking: dict[str, Any] | None = None  # {"type": "enabled" | "disabled"}: the template's enable_thinking
 
 
 class MessagesRequest(CountTokensRequest):  # POST /v1/messages
@@ -79,6 +81,9 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
         fields = {name: getattr(req, name) for name in _SAMPLING}
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       response_format=_response_format(req.output_config))
+    kind = (req.thinking or {}).get("type")
+    if kind in ("enabled", "disabled"):
+        fields["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
     return ChatRequest.model_construct(model=req.model, messages=messages, n=1, tools=_tools(req.tools),
                                        tool_choice=_tool_choice(req.tool_choice), continue_final_message=prefill,
                                        add_generation_prompt=not prefill, **fields)
@@ -182,53 +187,59 @@ def _response_format(config: dict[str, Any] | None) -> ResponseFormat | None:
 
 class MessageWriter:
     """One reply's Message object and stream events (``tools``: the request's tool plan, whose calls
-    become ``tool_use`` blocks)."""
+    become ``tool_use`` blocks; ``reasoning``: how a thinking model's block is split off, as a
+    ``thinking`` block before the text)."""
 
-    def __init__(self, model: str, tools: ToolPlan) -> None:
-        self.id, self.model, self.tools = "msg_" + uuid.uuid4().hex, model, tools
+    def __init__(self, model: str, tools: ToolPlan, reasoning: Reasoning | None = None) -> None:
+        self.id, self.model, self.tools, self.reasoning = "msg_" + uuid.uuid4().hex, model, tools, reasoning
 
     def final(self, text: str, finish_reason: str | None, stop: int | str | None,
               usage: dict[str, Any]) -> dict[str, Any]:
+        thought = None
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
         content, calls = (parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse
                           else (text, []))
-        blocks = [_text_block(content or "")] if content or not calls else []
+        blocks = [_thinking_block(thought)] if thought and self.reasoning.include else []
+        blocks += [_text_block(content or "")] if content or not (calls or blocks) else []
         return self._obj(blocks + [_tool_use(c) for c in calls], *_stop(finish_reason, stop, calls),
                          _usage(usage))
 
     async def events(self, job: Job) -> AsyncIterator[str]:
-        """The stream of ``job``'s reply: its text block as the text comes (held back from where a tool
-        call may begin), then a block a call; an ``error`` event if it fails."""
+        """The stream of ``job``'s reply: its thinking block and its text block as the text comes (held
+        back from where a tool call may begin), then a block a call; an ``error`` event if it fails."""
         yield _event("message_start", message=self._obj([], None, None, {**_usage(job.usage()), "output_tokens": 0}))
         yield _event("ping")
-        stream = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
-        opened, calls, reason = False, [], None
+        calling = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
+        thinking = self.reasoning.stream() if self.reasoning is not None else None
+        blocks, calls, reason = _Blocks(), [], None
         async for i, out in job.outputs():
             if out.error:
                 yield _event("error", error={"type": "api_error", "message": f"the request failed: {out.error}"})
                 return
             piece, _ = job.piece(i, out)
             reason = out.finish_reason or reason
-            if stream is not None:
-                piece = stream.feed(piece)
+            thought = ""
+            if thinking is not None:
+                thought, piece = thinking.feed(piece)
                 if out.finish_reason is not None:
-                    rest, calls = stream.finish()
+                    thought, piece = (a + b for a, b in zip((thought, piece), thinking.finish()))
+            if thought and self.reasoning.include:
+                yield blocks.delta(_thinking_block(""), {"type": "thinking_delta", "thinking": thought})
+            if calling is not None:
+                piece = calling.feed(piece)
+                if out.finish_reason is not None:
+                    rest, calls = calling.finish()
                     piece += rest
             if piece:
-                if not opened:
-                    yield _event("content_block_start", index=0, content_block=_text_block(""))
-                    opened = True
-                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
-        if not opened and not calls:  # an empty reply still has its (empty) text block
-            yield _event("content_block_start", index=0, content_block=_text_block(""))
-            opened = True
-        if opened:
-            yield _event("content_block_stop", index=0)
-        for index, call in enumerate(calls, int(opened)):
+                yield blocks.delta(_text_block(""), {"type": "text_delta", "text": piece})
+        if not blocks.count and not calls:  # an empty reply still has its (empty) text block
+            yield blocks.delta(_text_block(""), None)
+        for call in calls:
             block = _tool_use(call)
-            yield _event("content_block_start", index=index, content_block={**block, "input": {}})
-            yield _event("content_block_delta", index=index,
-                         delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)})
-            yield _event("content_block_stop", index=index)
+            yield blocks.delta({**block, "input": {}}, {"type": "input_json_delta",
+                                                        "partial_json": json.dumps(block["input"], ensure_ascii=False)})
+        yield blocks.close()
         stop_reason, stop_sequence = _stop(reason, job.stop_reason(0), calls)
         yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                      usage=_usage(job.usage()))
@@ -240,12 +251,39 @@ class MessageWriter:
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
 
+class _Blocks:
+    """A streamed message's content blocks: a delta goes to the open block of its kind, or opens the
+    next one (closing the one before)."""
+
+    def __init__(self) -> None:
+        self.count, self.open = 0, None  # blocks opened; the open block's type
+
+    def delta(self, start: dict[str, Any], delta: dict[str, Any] | None) -> str:
+        events = ""
+        if self.open != start["type"] or start["type"] == "tool_use":
+            events = self.close() + _event("content_block_start", index=self.count, content_block=start)
+            self.count, self.open = self.count + 1, start["type"]
+        if delta is not None:
+            events += _event("content_block_delta", index=self.count - 1, delta=delta)
+        return events
+
+    def close(self) -> str:
+        if self.open is None:
+            return ""
+        self.open = None
+        return _event("content_block_stop", index=self.count - 1)
+
+
 def _event(kind: str, **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
 
 def _text_block(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
+
+
+def _thinking_block(thinking: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": thinking, "signature": ""}  # (no signature: nothing to verify here)
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ class MessagesRoutes:
         req = parse_body(await request.body(), MessagesRequest)
         chat, tools, prompt = self._prompt(req)
         budget = check_max_tokens(req.max_tokens, len(prompt), server.engine.max_len, None)
-        writer = MessageWriter(server.cfg.model_name, tools)
+        writer = MessageWriter(server.cfg.model_name, tools, server._reasoning(chat, prompt))
         job = await server._start(chat, [prompt], [budget], tools.grammar or structured_output(chat))
         fmt = Format(writer.id, "message", server.cfg.model_name, now(), chat=True)
 

@@ -161,6 +161,10 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = False
+    # a thinking model's reply: its <think> block returned (vLLM's include_reasoning) or, with llama.cpp's
+    # reasoning_format "none", left in the content
+    include_reasoning: bool | None = None
+    reasoning_format: Literal["none", "auto", "deepseek"] | None = None
 
 
 class TextFormat(_Strict):

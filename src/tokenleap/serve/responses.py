@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenleap.spec.logprobs import TokenLogprob
+from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.tools import ToolPlan, parse_tool_calls
 
 
@@ -36,8 +37,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None,
-                logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+                reasoning: tuple[str | None] = ()) -> dict[str, Any]:
+    """``reasoning``: (the reply's thinking or None,) where the request's replies are split, else ()."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning[0]
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -61,11 +66,15 @@ class TokenText:
 
     def text(self, token_id: int) -> str:
         if token_id not in self._text:
-            try:
-                self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            except TypeError:  # a tokenizer without the option
-                self._text[token_id] = self.tokenizer.decode([token_id])
+            self._text[token_id] = self.joined([token_id])
         return self._text[token_id]
+
+    def joined(self, token_ids: list[int]) -> str:
+        """Several tokens' text together, special tokens spelled out."""
+        try:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        except TypeError:  # a tokenizer without the option
+            return self.tokenizer.decode(token_ids)
 
     def bytes(self, token_id: int) -> list[int]:
         if token_id not in self._bytes:
@@ -147,6 +156,7 @@ class Format:
     continuous_usage: bool = False  # the usage so far in every chunk (vLLM's continuous_usage_stats)
     tokens: TokenText | None = None  # set when the request asked for logprobs
     tools: ToolPlan = ToolPlan()  # a chat request's tool calling
+    reasoning: Reasoning | None = None  # a chat reply's thinking split from its content (reasoning.py)
 
     def obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
@@ -159,10 +169,15 @@ class Format:
             lp = chat_logprobs(scored, self.tokens) if self.tokens else None
             if delta:
                 return chat_delta(i, {"content": text} if text else {}, reason, lp)
+            thought: tuple[str | None] = ()
+            if self.reasoning is not None:
+                found, text = self.reasoning.split(text)
+                thought = ((found or None) if self.reasoning.include else None,)
+            content: str | None = text if text or not thought or thought[0] is None else None
             if self.tools.parse:
                 content, calls = parse_tool_calls(self.tools.prefix + text, self.tools.names)
-                return chat_choice(i, content, "tool_calls" if calls else reason, lp, calls)
-            return chat_choice(i, text, reason, lp)
+                return chat_choice(i, content, "tool_calls" if calls else reason, lp, calls, thought)
+            return chat_choice(i, content, reason, lp, reasoning=thought)
         return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
                                  if self.tokens else None)
 

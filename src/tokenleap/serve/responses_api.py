@@ -33,6 +33,7 @@ from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDef, JsonSchemaFormat,
                                       NamedFunction, NamedToolChoice, ResponseFormat, ResponsesRequest, TextConfig,
                                       ToolCall, ToolDef, bad_request, sampling_fields)
+from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.responses import Scored, TokenText, chat_logprobs, new_id
 from tokenleap.serve.tools import ToolPlan, ToolStream, parse_tool_calls
 
@@ -176,18 +177,23 @@ class ResponseWriter:
 
     def __init__(self, rid: str, model: str, created: int, req: ResponsesRequest, tools: ToolPlan,
                  tokens: TokenText | None = None,
-                 keep: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> None:
+                 keep: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+                 reasoning: Reasoning | None = None) -> None:
         self.id, self.model, self.created, self.req, self.tools = rid, model, created, req, tools
-        self.tokens, self.keep = tokens, keep
-        self.message_id = new_id("msg")
+        self.tokens, self.keep, self.reasoning = tokens, keep, reasoning
+        self.message_id, self.reasoning_id = new_id("msg"), new_id("rs")
 
     def final(self, text: str, finish_reason: str | None, usage: dict[str, Any],
               scored: list[Scored]) -> dict[str, Any]:
         status = _status(finish_reason)
+        thought = None
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
         content, calls = (parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse
                           else (text, []))
-        message = self._message(content or "", status, self._logprobs(scored))
-        items = [message] if content is not None or not calls else []
+        items = [self._reasoning_item(thought, "completed")] if thought and self.reasoning.include else []
+        if content or not (calls or items):
+            items.append(self._message(content or "", status, self._logprobs(scored)))
         return self._obj(status, items + [_call_item(c, "completed") for c in calls], _usage(usage))
 
     def pending(self) -> dict[str, Any]:
@@ -205,25 +211,36 @@ class ResponseWriter:
         return chat_logprobs(scored, self.tokens)["content"] if self.tokens else []
 
     async def events(self, job: Job) -> AsyncIterator[str]:
-        """The stream of ``job``'s reply: the message's text as it comes (held back from where a tool
-        call may begin), then its calls; ``response.failed`` after an ``error`` event if it fails."""
+        """The stream of ``job``'s reply: a thinking model's reasoning item, the message's text as it
+        comes (held back from where a tool call may begin), then its calls; ``response.failed`` after
+        an ``error`` event if it fails."""
         counter = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
             data = {"type": kind, "sequence_number": next(counter), **fields}
             return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        thinking = self.reasoning.stream() if self.reasoning is not None else None
+        stream = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
+        text, thought, reason, calls, logprobs, items = "", "", None, [], [], []
+        opened = None  # the item being written: "reasoning", "message" (or None)
 
-        def opening() -> str:  # the message item, opened when its first text is sent
-            return (event("response.output_item.added", output_index=0,
+        def where() -> dict[str, Any]:
+            item_id = self.message_id if opened == "message" else self.reasoning_id
+            return {"item_id": item_id, "output_index": len(items), "content_index": 0}
+
+        def open_message() -> str:  # the message item, opened when its first text is sent
+            return (event("response.output_item.added", output_index=len(items),
                           item={**self._message("", "in_progress"), "content": []})
-                    + event("response.content_part.added", **where, part=_part("")))
+                    + event("response.content_part.added", **where(), part=_part("")))
+
+        def close_reasoning() -> str:
+            items.append(self._reasoning_item(thought, "completed"))
+            return (event("response.reasoning_text.done", **where(), text=thought)
+                    + event("response.output_item.done", output_index=len(items) - 1, item=items[-1]))
 
         yield event("response.created", response=self._obj("in_progress", [], None))
         yield event("response.in_progress", response=self._obj("in_progress", [], None))
-        stream = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
-        text, reason, opened, calls, logprobs = "", None, False, [], []
         async for i, out in job.outputs():
             if out.error:
                 message = f"the request failed: {out.error}"
@@ -236,27 +253,43 @@ class ResponseWriter:
             reason = out.finish_reason or reason
             lp = self._logprobs(scored)
             logprobs += lp
+            if thinking is not None:
+                more, piece = thinking.feed(piece)
+                if out.finish_reason is not None:
+                    more, piece = (a + b for a, b in zip((more, piece), thinking.finish()))
+                if more and self.reasoning.include:
+                    if opened is None:
+                        yield event("response.output_item.added", output_index=0,
+                                    item={**self._reasoning_item("", "in_progress"), "content": []})
+                        opened = "reasoning"
+                    thought += more
+                    yield event("response.reasoning_text.delta", **where(), delta=more)
             if stream is not None:
                 piece = stream.feed(piece)
                 if out.finish_reason is not None:
                     rest, calls = stream.finish()
                     piece += rest
             if piece:
-                if not opened:
-                    yield opening()
-                    opened = True
+                if opened != "message":
+                    if opened == "reasoning":
+                        yield close_reasoning()
+                    opened = "message"
+                    yield open_message()
                 text += piece
                 # (text held back where a call may begin is sent later: its logprobs come with the done events)
-                yield event("response.output_text.delta", **where, delta=piece, logprobs=lp if stream is None else [])
+                yield event("response.output_text.delta", **where(), delta=piece, logprobs=lp if stream is None else [])
         status = _status(reason)
-        items = []
-        if opened or not calls:
-            if not opened:
-                yield opening()
-            yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
-            yield event("response.content_part.done", **where, part=_part(text, logprobs))
+        if opened == "reasoning":
+            yield close_reasoning()
+            opened = None
+        if opened == "message" or not (calls or items):
+            if opened != "message":
+                opened = "message"
+                yield open_message()
+            yield event("response.output_text.done", **where(), text=text, logprobs=logprobs)
+            yield event("response.content_part.done", **where(), part=_part(text, logprobs))
             items.append(self._message(text, status, logprobs))
-            yield event("response.output_item.done", output_index=0, item=items[-1])
+            yield event("response.output_item.done", output_index=len(items) - 1, item=items[-1])
         for call in calls:
             added = _call_item(call, "in_progress", "")
             at = {"item_id": added["id"], "output_index": len(items)}
@@ -269,6 +302,10 @@ class ResponseWriter:
         if self.keep is not None:
             await self.keep(done)
         yield event(f"response.{status}", response=done)
+
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"id": self.reasoning_id, "type": "reasoning", "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
 
     def _message(self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "role": "assistant", "status": status,

@@ -77,7 +77,7 @@ class ResponsesRoutes:
                 await self.store.put(rid, StoredResponse(obj, items, history + reply_messages(obj["output"])))
 
         writer = ResponseWriter(rid, server.cfg.model_name, now(), req, tools,
-                                server._token_text(logprobs is not None), keep)
+                                server._token_text(logprobs is not None), keep, server._reasoning(chat, prompt))
         job = await server._start(chat, [prompt], [budget], tools.grammar or structured_output(chat), logprobs)
         fmt = Format(writer.id, "response", server.cfg.model_name, writer.created, chat=True)
         if req.background:
