@@ -213,6 +213,18 @@ def test_openai_client_against_the_ingress(ingress):
     assert httpx.get(ingress + "/health", timeout=30).status_code == 200
     with pytest.raises(openai.NotFoundError):  # the replica's own checks answer through the ingress
         client.completions.create(model="other", prompt="x", max_tokens=2)
+    import anthropic  # Anthropic's Messages API, streamed through the ingress too
+    claude = anthropic.Anthropic(base_url=ingress, api_key="unused", max_retries=0, timeout=120)
+    with claude.messages.stream(model=MODEL, max_tokens=8, messages=messages, extra_body={"temperature": 0}) as s:
+        assert "".join(s.text_stream) == want
+
+
+def test_a_cut_stream_ends_in_its_routes_form():
+    from tokenleap.serve.replicas.deployment import stream_cut
+    kind, data = stream_cut("/v1/messages").decode().split("\n")[:2]
+    assert kind == "event: error" and json.loads(data[6:])["error"]["type"] == "api_error"
+    events = stream_cut("/v1/chat/completions").decode().split("\n\n")
+    assert json.loads(events[0][6:])["error"]["type"] == "server_error" and events[1] == "data: [DONE]"
 
 
 def test_responses_are_stored_once_for_all_replicas(ingress):

@@ -33,6 +33,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from tokenleap.serve.replicas.bridge import HTTPCall, ResponseStart, forwarded_headers, run_asgi
+from tokenleap.serve.messages_api import anthropic_error
+from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
 from tokenleap.serve.protocol import APIError
 from tokenleap.serve.replicas.metrics import MetricsBoard, board_name, merge_exports
 from tokenleap.serve.replicas.router import AFFINITY_KWARG, LoadAffinityRouter, affinity_key
@@ -207,7 +209,7 @@ class Ingress:
                 if start.streamed:
                     self.routed[start.replica] = self.routed.get(start.replica, 0) + 1
                     # the background task also runs when the client left before the body started
-                    return StreamingResponse(self._relay(gen), start.status, headers=dict(start.headers),
+                    return StreamingResponse(self._relay(gen, path), start.status, headers=dict(start.headers),
                                              background=BackgroundTask(gen.cancel))
                 content = b"".join([piece async for piece in gen])
             except asyncio.CancelledError:  # the client went away: so does the replica's work
@@ -219,21 +221,32 @@ class Ingress:
                 continue
             self.routed[start.replica] = self.routed.get(start.replica, 0) + 1
             return Response(content, start.status, headers=dict(start.headers))
-        err = APIError(503, f"no replica could serve the request ({failure}); retry later", "server_busy")
-        return JSONResponse(err.body(), status_code=503, headers={"Retry-After": "1"})
+        message = f"no replica could serve the request ({failure}); retry later"
+        body = anthropic_error(503, message) if path.startswith(MESSAGES_PATH) else \
+            APIError(503, message, "server_busy").body()
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
-    async def _relay(self, gen) -> AsyncIterator[bytes]:
-        """A streamed body as the replica sends it; an error event and ``[DONE]`` if the replica fails."""
+    async def _relay(self, gen, path: str) -> AsyncIterator[bytes]:
+        """A streamed body as the replica sends it; an error event (``stream_cut``) if the replica fails."""
         try:
             async for piece in gen:
                 yield piece
         except Exception as e:  # the replica died (or failed) mid-stream: end the stream cleanly
             self.cut_streams += 1
             log.warning("stream cut: %s: %s", type(e).__name__, e)
-            err = APIError(500, "the replica serving this request failed; retry the request", "server_error")
-            yield f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
+            yield stream_cut(path)
         finally:
             gen.cancel()  # the client left (or the stream ended): stop the replica's work
+
+
+def stream_cut(path: str) -> bytes:
+    """The end of a stream whose replica failed, in the form of the route's events: Anthropic's error
+    event on /v1/messages, else an OpenAI error object and ``[DONE]``."""
+    message = "the replica serving this request failed; retry the request"
+    if path.startswith(MESSAGES_PATH):
+        return f"event: error\ndata: {json.dumps(anthropic_error(500, message))}\n\n".encode()
+    err = APIError(500, message, "server_error")
+    return f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
 
 
 def replica_options(settings: ReplicaSettings) -> dict[str, Any]:
