@@ -150,6 +150,16 @@ class Replica:
             await asyncio.sleep(self.settings.metrics_period_s)
 
 
+def stream_cut(path: str) -> bytes:  # (defined before Ingress: Ray Serve pickles the class where it is decorated)
+    """The end of a stream whose replica failed, in the form of the route's events: Anthropic's error
+    event on /v1/messages, else an OpenAI error object and ``[DONE]``."""
+    message = "the replica serving this request failed; retry the request"
+    if path.startswith(MESSAGES_PATH):
+        return f"event: error\ndata: {json.dumps(anthropic_error(500, message))}\n\n".encode()
+    err = APIError(500, message, "server_error")
+    return f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
+
+
 ingress_app = FastAPI(title="tokenleap (replicas)", docs_url=None, redoc_url=None, openapi_url=None)
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
@@ -237,16 +247,6 @@ class Ingress:
             yield stream_cut(path)
         finally:
             gen.cancel()  # the client left (or the stream ended): stop the replica's work
-
-
-def stream_cut(path: str) -> bytes:
-    """The end of a stream whose replica failed, in the form of the route's events: Anthropic's error
-    event on /v1/messages, else an OpenAI error object and ``[DONE]``."""
-    message = "the replica serving this request failed; retry the request"
-    if path.startswith(MESSAGES_PATH):
-        return f"event: error\ndata: {json.dumps(anthropic_error(500, message))}\n\n".encode()
-    err = APIError(500, message, "server_error")
-    return f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
 
 
 def replica_options(settings: ReplicaSettings) -> dict[str, Any]:
