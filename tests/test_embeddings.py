@@ -38,8 +38,12 @@ def test_pooling_last_and_mean_of_the_final_hidden_states():
     torch.testing.assert_close(raw, h.mean(0), rtol=1e-4, atol=1e-5)
     a, b, a2 = embed(model(), [ids, ids[:6], ids], "last")
     assert torch.equal(a, a2) and not torch.allclose(a, b)
+    # llama.cpp's other poolings: the first token's state, and one normalized row a token
+    cls, rows = embed(model(), [ids], "cls")[0], embed(model(), [ids], "none", chunk=5)[0]
+    torch.testing.assert_close(cls, h[0] / h[0].norm(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rows, h / h.norm(dim=-1, keepdim=True), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="pooling"):
-        embed(model(), [ids], "cls")
+        embed(model(), [ids], "max")
     with pytest.raises(ValueError, match="empty"):
         embed(model(), [[]])
 
@@ -141,4 +145,35 @@ def test_llm_embed_takes_texts_and_ids_in_order():
         with pytest.raises(ConfigError):
             llm.embed(bad)
     with pytest.raises(ConfigError, match="pooling"):
-        llm.embed("hello", pooling="cls")
+        llm.embed("hello", pooling="max")
+
+
+def test_llamacpp_embedding_form_and_normalizations(server):
+    ids = ChatToyTokenizer(VOCAB).encode("hello there")
+    raw = embed(model(), [ids], "mean", normalize=False)[0]
+    r = post(server, {"content": "hello there"}, "/embedding")
+    assert r.status_code == 200, r.text
+    [entry] = r.json()
+    assert entry["index"] == 0 and len(entry["embedding"]) == 1  # one pooled vector, in a list
+    np.testing.assert_allclose(entry["embedding"][0], (raw / raw.norm()).numpy(), rtol=1e-5, atol=1e-6)
+    assert entry["embedding"][0] == post(server, {"input": "hello there"}).json()["data"][0]["embedding"]
+    for norm, want in ((-1, raw), (1, raw / raw.abs().sum()), (0, raw * 32760 / raw.abs().max()),
+                       (3, raw / raw.abs().pow(3).sum().pow(1 / 3))):
+        got = post(server, {"content": ids, "embd_normalize": norm}, "/embeddings").json()[0]["embedding"][0]
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+    two = post(server, {"content": ["hello there", "bye"]}, "/embedding").json()
+    assert [e["index"] for e in two] == [0, 1] and two[0]["embedding"] == entry["embedding"]
+    for body in ({}, {"content": "a", "input": "a"}, {"content": ""}):
+        assert post(server, body, "/embedding").status_code == 400
+
+
+def test_pooling_none_gives_a_vector_a_token_on_llamacpps_route_only():
+    config = ServerConfig(model_name=NAME, scheduler=SchedulerConfig(log_interval=0), embeddings="none")
+    with LiveServer(create_app(paged_engine(), config)) as s:
+        ids = ChatToyTokenizer(VOCAB).encode("per token")
+        [entry] = post(s, {"content": "per token"}, "/embedding").json()
+        h = final_hidden(ids)
+        np.testing.assert_allclose(entry["embedding"], (h / h.norm(dim=-1, keepdim=True)).numpy(), rtol=1e-4,
+                                   atol=1e-5)
+        r = post(s, {"input": "per token"})
+        assert r.status_code == 400 and "/embedding" in r.json()["error"]["message"]

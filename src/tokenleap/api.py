@@ -229,8 +229,9 @@ class LLM:
     def embed(self, prompts: str | list[int] | list[str] | list[list[int]], pooling: str = "last",
               normalize: bool = True) -> list[list[float]]:
         """One embedding per prompt, in order: the target's final hidden state at the last token
-        (``pooling="mean"``: averaged over the tokens), L2-normalized unless ``normalize`` is false
-        (``models/embed.py``; the server's ``--embeddings``)."""
+        (``pooling="mean"``: averaged over the tokens; ``"cls"``: the first token's; ``"none"``: a
+        vector a token), L2-normalized unless ``normalize`` is false (``models/embed.py``; the
+        server's ``--embeddings``)."""
         from tokenleap.models.embed import embed
         ids = [self.encode(p) for p in _prompt_list(prompts)]
         if not all(0 < len(x) <= self.max_len for x in ids):

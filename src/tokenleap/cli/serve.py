@@ -61,8 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--embeddings", "--embedding", action="store_true",
                    help="serve POST /v1/embeddings: vectors pooled from the model's final hidden states "
                         "(default: not served, a 501, as llama.cpp)")
-    p.add_argument("--pooling", choices=["last", "mean"], default="last",
-                   help="with --embeddings: the last token's hidden state (default) or the mean over the tokens")
+    p.add_argument("--pooling", choices=["last", "mean", "cls", "none"], default="last",
+                   help="with --embeddings: the last token's hidden state (default), the mean over the tokens, "
+                        "the first token's (cls), or none: a vector a token (llama.cpp's /embedding only)")
     p.add_argument("--no-docs", action="store_true",
                    help="do not serve /docs and /openapi.json (default: served, behind --api-key when set)")
     from tokenleap.cli.replicas import add_replica_args  # --replicas N: the same server on Ray Serve replicas

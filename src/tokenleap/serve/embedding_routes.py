@@ -1,9 +1,11 @@
 """``POST /v1/embeddings`` as OpenAI, vLLM and llama.cpp (``--embeddings``) serve it: one vector per
 input text (or token id list), pooled from the model's final hidden states (``models/embed.py``),
-as float lists or base64 of little-endian float32. Served only when the server was started with
-``--embeddings`` (``ServerConfig.embeddings``: the pooling), as llama.cpp does; otherwise a 501 says
-so. The vectors are computed on the scheduler's thread, one prefill window per call
-(``Scheduler.call``), so decoding goes on between the windows of a long input and between inputs."""
+L2-normalized, as float lists or base64 of little-endian float32; and llama.cpp's own
+``POST /embedding`` (``content``, ``embd_normalize``; with ``--pooling none`` a vector a token).
+Served only when the server was started with ``--embeddings`` (``ServerConfig.embeddings``: the
+pooling), as llama.cpp does; otherwise a 501 says so. The vectors are computed on the scheduler's
+thread, one prefill window per call (``Scheduler.call``), so decoding goes on between the windows of
+a long input and between inputs."""
 from __future__ import annotations
 
 import asyncio
@@ -12,10 +14,11 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import torch
 from fastapi import FastAPI, Request as HTTPRequest
 
-from tokenleap.models.embed import embed_windows
-from tokenleap.serve.protocol import APIError, EmbeddingRequest, bad_request, parse_body
+from tokenleap.models.embed import embed_windows, normalize_embedding
+from tokenleap.serve.protocol import APIError, EmbeddingRequest, LlamaEmbeddingRequest, bad_request, parse_body
 from tokenleap.serve.request import QueueFullError
 from tokenleap.serve.responses import new_id, now
 
@@ -30,22 +33,56 @@ class EmbeddingRoutes:
 
     def add_to(self, app: FastAPI) -> None:
         app.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
+        app.add_api_route("/embedding", self.llamacpp_embedding, methods=["POST"])  # llama.cpp's (both names)
+        app.add_api_route("/embeddings", self.llamacpp_embedding, methods=["POST"])
 
     async def embeddings(self, request: HTTPRequest) -> dict[str, Any]:
         server = self.server
         server._auth(request)
-        pooling = server.cfg.embeddings
+        pooling = self._pooling()
+        if pooling == "none":
+            raise bad_request("this server pools no embeddings (--pooling none): per-token vectors are not "
+                              "OpenAI-compatible; ask llama.cpp's POST /embedding for them", "input")
+        req = parse_body(await request.body(), EmbeddingRequest)
+        server._check_model(req.model)
+        hidden = server.engine.model.config.hidden_size
+        if req.dimensions is not None and req.dimensions != hidden:
+            raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
+                              "shortened", "dimensions")
+        ids = self._token_lists(req.input)
+        vectors = await self._vectors(ids, pooling)
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(normalize_embedding(v, 2),
+                                                                          req.encoding_format)}
+                for i, v in enumerate(vectors)]
+        tokens = sum(len(x) for x in ids)
+        return {"id": new_id("embd"), "object": "list", "created": now(), "model": server.cfg.model_name,
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def llamacpp_embedding(self, request: HTTPRequest) -> list[dict[str, Any]]:
+        """llama.cpp's own form: ``[{"index": i, "embedding": [[...]]}]`` -- one pooled vector in a
+        list, or (``--pooling none``) one vector a token -- normalized as ``embd_normalize`` says."""
+        server = self.server
+        server._auth(request)
+        pooling = self._pooling()
+        req = parse_body(await request.body(), LlamaEmbeddingRequest)
+        server._check_model(req.model)
+        given = [v for v in (req.content, req.input) if v is not None]
+        if len(given) != 1:
+            raise bad_request("give the text to embed as content (or input)", "content")
+        vectors = await self._vectors(self._token_lists(given[0]), pooling)
+        return [{"index": i, "embedding": normalize_embedding(v.reshape(-1, v.shape[-1]), req.embd_normalize).tolist()}
+                for i, v in enumerate(vectors)]
+
+    def _pooling(self) -> str:
+        pooling = self.server.cfg.embeddings
         if pooling is None:
             raise APIError(501, "this server does not serve embeddings: start it with --embeddings",
                            "not_implemented_error", None, "embeddings_off")
-        req = parse_body(await request.body(), EmbeddingRequest)
-        server._check_model(req.model)
-        model = server.engine.model
-        if req.dimensions is not None and req.dimensions != model.config.hidden_size:
-            raise bad_request(f"dimensions: this model's embeddings have {model.config.hidden_size} dimensions "
-                              "and cannot be shortened", "dimensions")
-        texts = [req.input] if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)) \
-            else req.input
+        return pooling
+
+    def _token_lists(self, value) -> list[list[int]]:
+        server = self.server
+        texts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
         if not texts or len(texts) > MAX_INPUTS:
             raise bad_request(f"input must hold 1 to {MAX_INPUTS} texts or token id lists", "input")
         ids = []
@@ -56,21 +93,23 @@ class EmbeddingRoutes:
             if len(ids[-1]) > server.engine.max_len:
                 raise bad_request(f"this model's maximum context length is {server.engine.max_len} tokens; an input "
                                   f"has {len(ids[-1])}", "input")
+        return ids
+
+    async def _vectors(self, ids: list[list[int]], pooling: str) -> list[torch.Tensor]:
+        """Each token list's embedding, unnormalized: [hidden] (pooling none: [tokens, hidden])."""
+        server = self.server
         vectors = []
         try:
             for x in ids:  # a prefill window per scheduler call: decoding goes on between them
-                steps = embed_windows(model, x, pooling, chunk=server.engine.prefill_chunk)
+                steps = embed_windows(server.engine.model, x, pooling, normalize=False,
+                                      chunk=server.engine.prefill_chunk)
                 vec = None
                 while vec is None:
                     vec = await asyncio.wrap_future(server.scheduler.call(partial(next, steps)))
                 vectors.append(vec)
         except QueueFullError as e:
             raise APIError(503, str(e), "server_busy", None, "shutting_down") from None
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
-                for i, v in enumerate(vectors)]
-        tokens = sum(len(x) for x in ids)
-        return {"id": new_id("embd"), "object": "list", "created": now(), "model": server.cfg.model_name,
-                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return vectors
 
 
 def _encoded(v, encoding_format: str) -> list[float] | str:

@@ -215,6 +215,13 @@ class EmbeddingRequest(_Strict):  # OpenAI's /v1/embeddings
     user: str | None = None
 
 
+class LlamaEmbeddingRequest(_Strict):  # llama.cpp's /embedding: content (or input), embd_normalize
+    model: str | None = None
+    content: str | list[str] | list[Int64] | list[list[Int64]] | None = None
+    input: str | list[str] | list[Int64] | list[list[Int64]] | None = None
+    embd_normalize: int = 2
+
+
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[Int64]
