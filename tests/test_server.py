@@ -57,6 +57,11 @@ def test_completion_and_chat(server):
     ref = expected(chat_prompt("hi there"), 9)
     assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
     assert r.usage.completion_tokens == ref.num_generated and r.object == "chat.completion"
+    # a client given the server's root (no /v1), as llama.cpp also answers it: chat and models
+    root = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    again = root.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi there"}],
+                                         max_completion_tokens=9, temperature=0)
+    assert again.choices[0].message.content == ref.text and [m.id for m in root.models.list()] == [NAME]
 
 
 def test_streaming_with_usage(server):

@@ -105,11 +105,13 @@ class OpenAIServer:
                                allow_headers=["*"], allow_credentials="*" not in self.cfg.allowed_origins)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        app.add_api_route("/chat/completions", self.chat, methods=["POST"])  # (llama.cpp serves both paths)
         ResponsesRoutes(self).add_to(app)
         MessagesRoutes(self).add_to(app)  # Anthropic's /v1/messages
         LlamaCppRoutes(self).add_to(app)  # llama.cpp's own /completion and /infill (code at a cursor)
         LlamaCppInfoRoutes(self).add_to(app)  # ... and its /props, /apply-template
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
         TokenRoutes(self).add_to(app)  # /tokenize, /detokenize, /version, /ping
         EmbeddingRoutes(self).add_to(app)  # /v1/embeddings (with --embeddings)
