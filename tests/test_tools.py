@@ -149,7 +149,7 @@ def test_plan_follows_tool_choice():
 def test_a_forced_call_follows_the_functions_schema():
     """tool_choice required on a random model: the grammar makes its reply one call of an offered
     function with arguments by that function's schema."""
-    from test_structured import TOK, engine, run
+    from test_structured import engine, run
     from tokenleap.config import SamplingParams
     pick = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
             "required": ["color"], "additionalProperties": False}

@@ -26,14 +26,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
-
 from tokenleap.serve.jobs import Job
-from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDef, Int64, JsonSchemaFormat,
-                                      NamedFunction, NamedToolChoice, ResponseFormat, ToolCall, ToolDef, _Strict,
-                                      bad_request)
+from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, Int64, JsonSchemaFormat, NamedFunction,
+                                      NamedToolChoice, ResponseFormat, ToolCall, ToolDef, _Strict, bad_request)
 from tokenleap.serve.reasoning import Reasoning
-from tokenleap.serve.tools import ToolPlan, ToolStream, parse_tool_calls
+from tokenleap.serve.tools import ToolPlan, ToolStream, function_tool, parse_tool_calls
 
 
 class CountTokensRequest(_Strict):  # POST /v1/messages/count_tokens
@@ -152,13 +149,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef] | None:
         if tool.get("type", "custom") != "custom" or not isinstance(tool.get("name"), str):
             raise bad_request(f"tools.{i}: only client tools (a name and an input_schema) run here; this server "
                               "hosts no server tools", "tools")
-        fields = {"name": tool["name"], "description": tool.get("description"),
-                  "parameters": tool.get("input_schema")}
-        try:
-            out.append(ToolDef(type="function", function=FunctionDef.model_validate(fields)))
-        except ValidationError as e:
-            raise bad_request(f"tools.{i}: {e.errors()[0]['msg']} ({'.'.join(map(str, e.errors()[0]['loc']))})",
-                              "tools") from None
+        out.append(function_tool(f"tools.{i}", {"name": tool["name"], "description": tool.get("description"),
+                                                 "parameters": tool.get("input_schema")}))
     return out or None
 
 

@@ -26,16 +26,14 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from pydantic import ValidationError
-
 from tokenleap.config import MAX_LOGPROBS
 from tokenleap.serve.jobs import Job
-from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDef, JsonSchemaFormat,
-                                      NamedFunction, NamedToolChoice, ResponseFormat, ResponsesRequest, TextConfig,
-                                      ToolCall, ToolDef, bad_request, sampling_fields)
+from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, JsonSchemaFormat, NamedFunction,
+                                      NamedToolChoice, ResponseFormat, ResponsesRequest, TextConfig, ToolCall, ToolDef,
+                                      bad_request, sampling_fields)
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.responses import Scored, TokenText, chat_logprobs, new_id
-from tokenleap.serve.tools import ToolPlan, ToolStream, parse_tool_calls
+from tokenleap.serve.tools import ToolPlan, ToolStream, function_tool, parse_tool_calls
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -77,12 +75,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef] | None:
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
             raise bad_request(f"tools[{i}]: only function tools (type function, with a name) run here; this "
                               "server hosts no built-in tools", "tools")
-        fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        try:
-            out.append(ToolDef(type="function", function=FunctionDef.model_validate(fields)))
-        except ValidationError as e:
-            raise bad_request(f"tools[{i}]: {e.errors()[0]['msg']} ({'.'.join(map(str, e.errors()[0]['loc']))})",
-                              "tools") from None
+        out.append(function_tool(f"tools[{i}]", {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                                                  if tool.get(k) is not None}))
     return out or None
 
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenleap.config import ConfigError, StructuredOutput
-from tokenleap.serve.protocol import ChatRequest, NamedToolChoice, bad_request
+from pydantic import ValidationError
+
+from tokenleap.serve.protocol import ChatRequest, FunctionDef, NamedToolChoice, ToolDef, bad_request
 from tokenleap.spec.structured import grammar_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -41,6 +43,16 @@ class ToolPlan:
     parse: bool = False
     names: tuple[str, ...] = ()  # the functions offered
     grammar: StructuredOutput | None = None  # what a forced call must look like (required / named)
+
+
+def function_tool(where: str, fields: dict[str, Any]) -> ToolDef:
+    """A function tool from another API's spelling of it (``fields``: FunctionDef's); a 400 that names
+    ``where`` (the tool's place in the request) when the fields do not make one."""
+    try:
+        return ToolDef(type="function", function=FunctionDef.model_validate(fields))
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise bad_request(f"{where}: {err['msg']} ({'.'.join(map(str, err['loc']))})", "tools") from None
 
 
 def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
