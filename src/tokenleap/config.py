@@ -174,6 +174,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # constrain the reply to a grammar (JSON schema, regex, ...)
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: tokens that end the reply (kept in its token ids)
+    # OpenAI's Predicted Outputs: token ids the reply is expected to resemble; lookup drafters propose
+    # from them too (output unchanged, only faster where the reply follows them)
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -182,6 +185,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.prediction, tuple):
+            object.__setattr__(self, "prediction", tuple(self.prediction))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -212,6 +217,8 @@ class SamplingParams:
         _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
                and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction),
+               "prediction must be token ids (integers >= 0)")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be token ids >= 0")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),

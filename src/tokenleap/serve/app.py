@@ -155,7 +155,7 @@ class OpenAIServer:
                       **usage_options(req), tokens=self._token_text(bool(req.logprobs)), tools=tools,
                       reasoning=self._reasoning(req, prompt))
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
-                               PromptView(prompt_logprobs=check_prompt_logprobs(req)))
+                               PromptView(prompt_logprobs=check_prompt_logprobs(req)), self._prediction(req))
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         self._auth(request)
@@ -188,8 +188,10 @@ class OpenAIServer:
 
     # -- running a request ------------------------------------------------------------------
     async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: Format,
-                   logprobs: int | None = None, view: PromptView = PromptView()) -> Response:
-        job = await self._start(req, prompts, budgets, fmt.tools.grammar or structured_output(req), logprobs, view)
+                   logprobs: int | None = None, view: PromptView = PromptView(),
+                   prediction: tuple[int, ...] = ()) -> Response:
+        job = await self._start(req, prompts, budgets, fmt.tools.grammar or structured_output(req), logprobs, view,
+                                prediction)
 
         async def final(texts, reasons, scored) -> dict[str, Any]:
             choices = [{**fmt.choice(i, t, r, s), "stop_reason": job.stop_reason(i)}
@@ -213,14 +215,15 @@ class OpenAIServer:
         return JSONResponse(await final(texts, reasons, scored))
 
     async def _start(self, req, prompts: list[list[int]], budgets: list[int], spec, logprobs: int | None = None,
-                     view: PromptView = PromptView()) -> Job:
-        """The request's sequences submitted (``spec``: the grammar its replies follow, if any)."""
+                     view: PromptView = PromptView(), prediction: tuple[int, ...] = ()) -> Job:
+        """The request's sequences submitted (``spec``: the grammar its replies follow, if any;
+        ``prediction``: token ids the replies are expected to resemble)."""
         if spec is not None:  # the first structured request builds the grammar tokenizer (~1 s): off the loop
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.engine.constraints.prepare, spec)
             except ConfigError as e:
                 raise bad_request(str(e), "response_format") from None
-        job = self._submit(req, prompts, budgets, logprobs, view, spec)
+        job = self._submit(req, prompts, budgets, logprobs, view, spec, prediction)
         if self.cfg.log_prompts:  # as the client sent it: a completion's prompt, or the chat messages
             job.prompt_text = req.prompt if isinstance(getattr(req, "prompt", None), str) else json.dumps(
                 req.prompt if hasattr(req, "prompt") else [m.model_dump(exclude_none=True) for m in req.messages],
@@ -236,11 +239,11 @@ class OpenAIServer:
             self._log(job, fmt)
 
     def _submit(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
-                view: PromptView, structured=None) -> Job:
+                view: PromptView, structured=None, prediction: tuple[int, ...] = ()) -> Job:
         seqs = []
         for prompt, budget in zip(prompts, budgets):
             for choice in range(req.n):
-                params = sampling_params(req, budget, choice, logprobs, view.engine_logprobs, structured)
+                params = sampling_params(req, budget, choice, logprobs, view.engine_logprobs, structured, prediction)
                 try:
                     seqs.append(self.engine.create(prompt, params))
                 except PromptTooLongError as e:
@@ -338,6 +341,14 @@ class OpenAIServer:
             raise bad_request("a forced tool call (tool_choice required or named) cannot take response_format "
                               "or guided_* as well", "tool_choice")
         return tools
+
+    def _prediction(self, req: ChatRequest) -> tuple[int, ...]:
+        """OpenAI's ``prediction`` (its text's token ids): the lookup drafters propose from it too."""
+        if req.prediction is None:
+            return ()
+        content = req.prediction.content
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        return tuple(self._encode(text, False, "prediction")) if text else ()
 
     def _reasoning(self, req: ChatRequest, prompt: list[int]) -> Reasoning | None:
         """How the replies' thinking is split from their content: where the chat template writes

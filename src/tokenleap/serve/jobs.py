@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 
 from tokenleap.serve.protocol import APIError
-from tokenleap.serve.responses import Scored, usage
+from tokenleap.serve.responses import Scored, prediction_tokens_kept, usage
 from tokenleap.serve.scheduler import Output, Request, Scheduler
 from tokenleap.serve.metrics import request_log_line
 
@@ -84,7 +84,13 @@ class Job:
         return None if self.view.echo_only else self.requests[i].seq.stop_reason
 
     def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, sum(self.generated), max(r.seq.cached_tokens for r in self.requests))
+        out = usage(self.prompt_tokens, sum(self.generated), max(r.seq.cached_tokens for r in self.requests))
+        prediction = self.requests[0].seq.params.prediction
+        if prediction:  # OpenAI's: the predicted tokens the replies contain, and the rest
+            kept = sum(prediction_tokens_kept(prediction, r.seq.generated) for r in self.requests)
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": kept,
+                                                "rejected_prediction_tokens": len(prediction) * len(self.requests) - kept}
+        return out
 
     async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
         while self.pending:

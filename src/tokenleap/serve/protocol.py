@@ -146,8 +146,14 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
+class Prediction(_Strict):  # OpenAI's Predicted Outputs: text the reply is expected to resemble
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
+    prediction: Prediction | None = None
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
@@ -286,9 +292,11 @@ def check_prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
 
 
 def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, structured: StructuredOutput | None = None,
+                    prediction: tuple[int, ...] = ()) -> SamplingParams:
     """``SamplingParams`` for choice ``choice`` of ``req`` (seeded choices get seed + choice);
-    ``structured``: the reply's grammar when the caller has it (the request's, or a forced tool call's)."""
+    ``structured``: the reply's grammar when the caller has it (the request's, or a forced tool call's);
+    ``prediction``: the predicted output's token ids."""
     top_k = req.top_k if req.top_k is not None else 0
     try:
         return SamplingParams(
@@ -300,7 +308,8 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
-            min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()))
+            min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()),
+            prediction=prediction)
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

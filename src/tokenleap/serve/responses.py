@@ -2,6 +2,7 @@
 completions and chat forms of ``logprobs``, and ``Format``, one request's response envelope."""
 from __future__ import annotations
 
+import difflib
 import json
 import time
 import uuid
@@ -29,6 +30,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     if cached_tokens:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
+
+
+def prediction_tokens_kept(prediction: tuple[int, ...], generated: list[int]) -> int:
+    """How many of a predicted output's tokens the reply contains, in order (the matching blocks of
+    a diff of the two token lists)."""
+    matcher = difflib.SequenceMatcher(None, prediction, generated, autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks())
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None,

@@ -34,6 +34,7 @@ from tokenleap.config import ConfigError
 from tokenleap.cache.paged import PagedKVCache
 from tokenleap.serve.request import Output, QueueFullError, Request
 from tokenleap.serve.metrics import RequestTiming, ServeSnapshot, ServeStats, log_line
+from tokenleap.spec.proposers.base import begin_sequence
 
 log = logging.getLogger("tokenleap.serve")
 
@@ -327,7 +328,7 @@ class Scheduler:
         self.cache.truncate(seq.slot, min(self.cache.lengths[seq.slot], len(seq.tokens) - 1))
         if eng.proposer is not None:
             eng.proposer.end(seq.seq_id)
-            eng.proposer.begin(seq.seq_id, seq.prompt)
+            begin_sequence(eng.proposer, seq.seq_id, seq.prompt, seq.params.prediction)
 
     # -- handing out results ----------------------------------------------------------------
     def _count_prompt(self, req: Request) -> None:

@@ -29,7 +29,7 @@ from tokenleap.spec.logprobs import token_logprobs
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.backend import prefix_windows
 from tokenleap.models.transformer import Segment, Transformer
-from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer
+from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer, begin_sequence
 from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport, outcome, record_stats
 from tokenleap.spec.sampling import request_randomness
 from tokenleap.spec.sequence import Sequence
@@ -108,7 +108,7 @@ class Engine:
             seq.cached_tokens = min(attached, len(seq.prompt))
         self._attached.add(seq.seq_id)
         if self.proposer is not None:
-            self.proposer.begin(seq.seq_id, seq.prompt)
+            begin_sequence(self.proposer, seq.seq_id, seq.prompt, seq.params.prediction)
 
     def detach(self, seq: Sequence) -> None:
         """Free ``seq``'s cache and proposer state but keep its tokens (preemption; ``attach`` resumes).

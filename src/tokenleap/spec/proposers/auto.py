@@ -53,6 +53,10 @@ class AutoProposer:
         """The most auxiliary rows (``Draft.aux``) any arm attaches to a step (lookahead's window)."""
         return max(getattr(p, "aux_rows", 0) for p in self.arms.values())
 
+    @property
+    def parts(self) -> list:
+        return list(self.arms.values())
+
     def bind_cache(self, cache) -> None:
         """Hand the target's cache to the arms that draft in it (layer-skip self-speculation)."""
         for p in self.arms.values():

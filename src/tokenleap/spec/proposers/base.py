@@ -22,6 +22,11 @@ the controller then chooses per step between plain decoding, a chain and a tree 
 from measured costs (``spec/controller.py``); the engine asks any other proposer with the whole
 budget, as with ``tree="on"``.
 
+A request may carry a **predicted output** (``SamplingParams.prediction``, OpenAI's Predicted
+Outputs): ``begin_sequence`` hands it to every proposer in the engine's (composites list theirs as
+``parts``) that has a ``predict(seq_id, tokens)`` -- the lookup drafters, which then propose from it
+as from the text itself. Output is unchanged; only what gets drafted.
+
 A proposer may also attach **auxiliary rows** to its proposal (``Draft.aux``, see :class:`AuxRows`):
 rows of the same target forward that are no verification candidates -- lookahead decoding's Jacobi
 window. It then declares ``aux_rows`` (the most it attaches a step) so a scheduler can reserve the
@@ -121,3 +126,18 @@ class Proposer(Protocol):
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None: ...
 
     def end(self, seq_id: int) -> None: ...
+
+
+def begin_sequence(proposer: Proposer, seq_id: int, prompt: list[int], prediction: tuple[int, ...] = ()) -> None:
+    """``proposer.begin``, then the predicted output to each part of it that looks text up."""
+    proposer.begin(seq_id, prompt)
+    if prediction:
+        for part in _parts(proposer):
+            predict = getattr(part, "predict", None)
+            if predict is not None:
+                predict(seq_id, list(prediction))
+
+
+def _parts(proposer) -> list:
+    """The proposer and, recursively, the proposers it is made of (``parts``)."""
+    return [proposer] + [q for p in getattr(proposer, "parts", ()) for q in _parts(p)]

@@ -46,6 +46,10 @@ class CascadeDraftProposer(DraftModelProposer):
         super().begin(seq_id, prompt)
         self._index[seq_id] = _Index(self.ngram_min, self.ngram_max)
 
+    def predict(self, seq_id: int, prediction: list[int]) -> None:
+        """The request's predicted output (OpenAI's ``prediction``): guesses come from it too."""
+        self._index[seq_id].set_reference(prediction)
+
     def end(self, seq_id: int) -> None:
         super().end(seq_id)
         self._index.pop(seq_id, None)
@@ -62,12 +66,7 @@ class CascadeDraftProposer(DraftModelProposer):
         committed = lane.req.tokens
         index.truncate(len(committed))
         index.extend(committed)  # incremental: committed tokens only grow
-        context = committed + lane.drafted if lane.drafted else committed
-        for n in range(min(self.ngram_max, len(context) - 1), self.ngram_min - 1, -1):
-            follows = index.tables[n].get(tuple(context[-n:]))
-            if follows:
-                return context[follows[-1]: follows[-1] + room]
-        return []
+        return index.continuation(committed + lane.drafted if lane.drafted else committed, room)
 
     def _draft_position(self, lanes: list[_Lane]) -> bool:
         """Feed every lane's pending tokens and its n-gram guesses in one forward; each lane drafts

@@ -145,6 +145,10 @@ class LayerSkipProposer:
         """The engine hands over its cache: drafts read the committed entries and write their rows there."""
         self.cache = cache
 
+    @property
+    def parts(self) -> list:
+        return [self.lookup] if self.lookup is not None else []
+
     # -- lifecycle: the target's cache holds everything the draft needs --------------------------
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         if self.lookup is not None:

@@ -68,6 +68,10 @@ class LookaheadProposer:
         self._lookup = NgramProposer(lookup_max, 1)  # the text's own continuation: the first guess
         self._seqs: dict[int, _Window] = {}
 
+    @property
+    def parts(self) -> list:
+        return [self._lookup]
+
     # -- lifecycle --------------------------------------------------------------------------
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         self._lookup.begin(seq_id, prompt)

@@ -28,6 +28,33 @@ class _Index:
         self.indexed = 0  # tokens[:indexed] are in the tables
         # n -> n-gram -> positions right after its occurrences, oldest first
         self.tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(n_min, n_max + 1)}
+        # a predicted output (OpenAI's prediction): its n-grams likewise, read in order (``ref_at``)
+        self.reference: list[int] = []
+        self.ref_tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.tables}
+        self.ref_at = 0  # where in the reference the last continuation taken from it started
+
+    def set_reference(self, reference: list[int]) -> None:
+        self.reference = list(reference)
+        for end in range(len(self.reference) - 1):
+            for n, table in self.ref_tables.items():
+                if end + 1 >= n:
+                    table.setdefault(tuple(self.reference[end + 1 - n : end + 1]), []).append(end + 1)
+
+    def continuation(self, context: list[int], length: int) -> list[int]:
+        """What follows the longest suffix of ``context`` (n_max down to n_min long) that occurred
+        before: in the reference, at its first occurrence from where the last one taken started, or
+        in the indexed text, at its latest occurrence (the reference first at equal n: the client
+        said the reply will read so). Empty when nothing matches."""
+        for n in range(min(self.n_max, len(context) - 1), self.n_min - 1, -1):
+            key = tuple(context[-n:])
+            ahead = [f for f in self.ref_tables[n].get(key, ()) if f >= self.ref_at]
+            if ahead:
+                self.ref_at = ahead[0]
+                return self.reference[ahead[0]: ahead[0] + length]
+            follows = self.tables[n].get(key)
+            if follows:
+                return context[follows[-1]: follows[-1] + length]
+        return []
 
     def extend(self, tokens: list[int]) -> None:
         """Index every n-gram ending before the last token (the suffix itself must not match itself)."""
@@ -61,6 +88,10 @@ class NgramProposer:
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         self._seqs[seq_id] = _Index(self.ngram_min, self.ngram_max)
 
+    def predict(self, seq_id: int, prediction: list[int]) -> None:
+        """The request's predicted output (OpenAI's ``prediction``): looked up beside the text."""
+        self._seqs[seq_id].set_reference(prediction)
+
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
         pass  # the index is built lazily from the tokens at the first proposal
 
@@ -73,20 +104,9 @@ class NgramProposer:
         index.extend(tokens)
         return index
 
-    def match(self, seq_id: int, tokens: list[int]) -> tuple[int, int] | None:
-        """The longest suffix of ``tokens`` (ngram_max down to ngram_min long) that occurred before:
-        (its length n, the position right after its latest earlier occurrence); None if none did."""
-        index = self._index(seq_id, tokens)
-        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            follows = index.tables[n].get(tuple(tokens[-n:]))
-            if follows:
-                return n, follows[-1]
-        return None
-
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
-        found = self.match(seq_id, tokens)
-        proposal = tokens[found[1] : found[1] + k] if found else []
+        proposal = self._index(seq_id, tokens).continuation(tokens, k)
         return Draft(tokens=proposal, probs=None) if proposal else None
 
     def propose_tree(self, seq_id: int, tokens: list[int], max_nodes: int, max_depth: int) -> TokenTree | None:
@@ -95,8 +115,13 @@ class NgramProposer:
         index = self._index(seq_id, tokens)
         support: dict[tuple[int, ...], tuple[int, int, int]] = {}  # path -> (longest n, occurrences, latest)
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            for follow in (index.tables[n].get(tuple(tokens[-n:])) or [])[-MAX_OCCURRENCES:]:
-                cont = tuple(tokens[follow : follow + max_depth])
+            key = tuple(tokens[-n:])
+            # (follow, continuation): a reference occurrence ranks as more recent than any of the text's
+            occurrences = [(len(tokens) + f, index.reference[f: f + max_depth])
+                           for f in index.ref_tables[n].get(key, ())[:MAX_OCCURRENCES]]
+            occurrences += [(f, tokens[f: f + max_depth]) for f in (index.tables[n].get(key) or [])[-MAX_OCCURRENCES:]]
+            for follow, cont in occurrences:
+                cont = tuple(cont)
                 for d in range(1, len(cont) + 1):
                     best_n, count, latest = support.get(cont[:d], (n, 0, follow))
                     support[cont[:d]] = (best_n, count + 1, max(latest, follow))
