@@ -22,7 +22,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -36,8 +36,8 @@ from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
                        chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
                        check_prompt_logprobs, check_token_ids, parse_body, sampling_params, structured_output)
-from tokenleap.serve.responses import (Format, TokenText, add_prompt_logprobs, chat_delta, new_id, now, sse,
-                                       usage_options)
+from tokenleap.serve.responses import Format, TokenText, add_prompt_logprobs, new_id, now, usage_options
+from tokenleap.serve.chunks import openai_chunks
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore
 from tokenleap.serve.responses_routes import ResponsesRoutes
 from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
@@ -51,7 +51,7 @@ from tokenleap.serve.reasoning import Reasoning, opened_by, template_thinks
 from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
 from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
-from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas, plan_tools
+from tokenleap.serve.tools import ToolPlan, plan_tools
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
@@ -200,7 +200,7 @@ class OpenAIServer:
             if view.prompt_logprobs is not None:
                 add_prompt_logprobs(body, job.prompt_scored, view.prompt_logprobs, self._token_text(True), fmt.chat)
             return body
-        return await self._answer(http, job, fmt, bool(req.stream), self._chunks(job, fmt), final)
+        return await self._answer(http, job, fmt, bool(req.stream), openai_chunks(job, fmt), final)
 
     async def _answer(self, http: HTTPRequest, job: Job, fmt: Format, stream: bool, events: AsyncIterator[str],
                       final) -> Response:
@@ -256,52 +256,6 @@ class OpenAIServer:
         except QueueFullError as e:
             raise APIError(503, f"the server is busy: {e}", "server_busy", None, "queue_full") from None
         return job
-
-    async def _chunks(self, job: Job, fmt: Format) -> AsyncIterator[str]:
-        """A streamed completion's or chat reply's events (``_logged`` ends the job)."""
-        chunk_fmt = replace(fmt, object=fmt.object + (".chunk" if fmt.chat else ""), tools=ToolPlan())
-        offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
-        # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
-        calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
-        thinking = [fmt.reasoning.stream() for _ in job.requests] if fmt.reasoning is not None else None
-        if fmt.chat:
-            first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
-            yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage)))
-        async for i, out in job.outputs():
-            if out.error:
-                yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
-                break
-            text, scored = job.piece(i, out)
-            reason, calls = out.finish_reason, []
-            if thinking is not None:  # the thinking first, in a delta of its own
-                thought, text = thinking[i].feed(text)
-                if reason is not None:
-                    thought, text = (a + b for a, b in zip((thought, text), thinking[i].finish()))
-                if thought and fmt.reasoning.include:
-                    yield sse(chunk_fmt.obj([chat_delta(i, {"reasoning_content": thought}, None)],
-                                            **fmt.with_usage(job.usage)))
-            if calling is not None:
-                text = calling[i].feed(text)
-                if reason is not None:
-                    rest, calls = calling[i].finish()
-                    text, reason = text + rest, "tool_calls" if calls else reason
-            if calls:  # the content first, then the calls with the finish reason
-                if text or (scored and fmt.tokens):
-                    choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
-                    yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))
-                delta = {**chat_delta(i, {"tool_calls": call_deltas(calls)}, reason), "stop_reason": job.stop_reason(i)}
-                yield sse(chunk_fmt.obj([delta], **fmt.with_usage(job.usage)))
-            elif text or reason or (scored and fmt.tokens):
-                choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
-                if reason is not None:
-                    choice["stop_reason"] = job.stop_reason(i)
-                yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))
-                if fmt.tokens:
-                    offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
-        else:
-            if fmt.include_usage:
-                yield sse(chunk_fmt.obj([], usage=job.usage()))
-        yield sse("[DONE]")
 
     async def _logged(self, job: Job, fmt: Format, events: AsyncIterator[str]) -> AsyncIterator[str]:
         """``events`` as they come; then, however the stream ends (the client gone too), the job's

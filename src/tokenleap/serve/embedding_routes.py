@@ -11,22 +11,38 @@ from __future__ import annotations
 import asyncio
 import base64
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from fastapi import FastAPI, Request as HTTPRequest
 
 from tokenleap.models.embed import embed_windows, normalize_embedding
-from tokenleap.serve.protocol import APIError, EmbeddingRequest, LlamaEmbeddingRequest, bad_request, parse_body
+from tokenleap.serve.protocol import APIError, Int64, _Strict, bad_request, parse_body
 from tokenleap.serve.request import QueueFullError
 from tokenleap.serve.responses import new_id, now
+
+
+class EmbeddingRequest(_Strict):  # OpenAI's /v1/embeddings
+    model: str | None = None
+    input: str | list[str] | list[Int64] | list[list[Int64]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class LlamaEmbeddingRequest(_Strict):  # llama.cpp's /embedding: content (or input), embd_normalize
+    model: str | None = None
+    content: str | list[str] | list[Int64] | list[list[Int64]] | None = None
+    input: str | list[str] | list[Int64] | list[list[Int64]] | None = None
+    embd_normalize: int = 2
+
 
 MAX_INPUTS = 2048  # OpenAI's limit on the texts of one request
 
 
 class EmbeddingRoutes:
-    """The route above for ``server`` (an ``app.OpenAIServer``: its checks, encoding and scheduler)."""
+    """The routes above for ``server`` (an ``app.OpenAIServer``: its checks, encoding and scheduler)."""
 
     def __init__(self, server) -> None:
         self.server = server

@@ -201,38 +201,6 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     background: bool | None = None  # answer at once; the reply runs on (responses_background.py)
 
 
-class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; llama.cpp's: content
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    content: str | None = None  # llama.cpp's name for the prompt
-    with_pieces: bool = False  # llama.cpp's: each token as {"id", "piece"}
-    # a BOS (or other special tokens the model adds) before the text: vLLM's name (default true) or
-    # llama.cpp's (default false, as is its default for a "content" request)
-    add_special_tokens: bool | None = None
-    add_special: bool | None = None
-
-
-class EmbeddingRequest(_Strict):  # OpenAI's /v1/embeddings
-    model: str | None = None
-    input: str | list[str] | list[Int64] | list[list[Int64]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
-
-
-class LlamaEmbeddingRequest(_Strict):  # llama.cpp's /embedding: content (or input), embd_normalize
-    model: str | None = None
-    content: str | list[str] | list[Int64] | list[list[Int64]] | None = None
-    input: str | list[str] | list[Int64] | list[list[Int64]] | None = None
-    embd_normalize: int = 2
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[Int64]
-
-
 def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     """JSON bytes -> a validated request model, or a 400 that says what is wrong."""
     if len(raw) > MAX_BODY_BYTES:

@@ -18,9 +18,26 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
 from tokenleap import __version__
-from tokenleap.serve.protocol import DetokenizeRequest, TokenizeRequest, bad_request, chat_messages, \
+from tokenleap.serve.protocol import ChatMessage, Int64, _Strict, bad_request, chat_messages, \
     check_token_ids, parse_body
 from tokenleap.serve.tools import ToolPlan
+
+
+class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; llama.cpp's: content
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    content: str | None = None  # llama.cpp's name for the prompt
+    with_pieces: bool = False  # llama.cpp's: each token as {"id", "piece"}
+    # a BOS (or other special tokens the model adds) before the text: vLLM's name (default true) or
+    # llama.cpp's (default false, as is its default for a "content" request)
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Int64]
 
 
 class TokenRoutes:

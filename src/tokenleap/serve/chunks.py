@@ -1,0 +1,60 @@
+"""A streamed completion's or chat reply's server-sent events, in OpenAI's chunk form: each choice's
+new text (a chat reply's thinking in deltas of its own, its content held back from where a tool call
+may begin, the calls at the end), logprobs, finish reasons, usage as the request's stream_options
+ask, then ``[DONE]``."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from tokenleap.serve.jobs import Job
+from tokenleap.serve.protocol import APIError
+from tokenleap.serve.responses import Format, chat_delta, sse
+from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas
+
+
+async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
+    """The events of ``job``'s replies (the server's ``_logged`` ends the job, however the stream ends)."""
+    chunk_fmt = replace(fmt, object=fmt.object + (".chunk" if fmt.chat else ""), tools=ToolPlan())
+    offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
+    # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
+    calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
+    thinking = [fmt.reasoning.stream() for _ in job.requests] if fmt.reasoning is not None else None
+    if fmt.chat:
+        first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
+        yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage)))
+    async for i, out in job.outputs():
+        if out.error:
+            yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
+            break
+        text, scored = job.piece(i, out)
+        reason, calls = out.finish_reason, []
+        if thinking is not None:  # the thinking first, in a delta of its own
+            thought, text = thinking[i].feed(text)
+            if reason is not None:
+                thought, text = (a + b for a, b in zip((thought, text), thinking[i].finish()))
+            if thought and fmt.reasoning.include:
+                yield sse(chunk_fmt.obj([chat_delta(i, {"reasoning_content": thought}, None)],
+                                        **fmt.with_usage(job.usage)))
+        if calling is not None:
+            text = calling[i].feed(text)
+            if reason is not None:
+                rest, calls = calling[i].finish()
+                text, reason = text + rest, "tool_calls" if calls else reason
+        if calls:  # the content first, then the calls with the finish reason
+            if text or (scored and fmt.tokens):
+                choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
+                yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))
+            delta = {**chat_delta(i, {"tool_calls": call_deltas(calls)}, reason), "stop_reason": job.stop_reason(i)}
+            yield sse(chunk_fmt.obj([delta], **fmt.with_usage(job.usage)))
+        elif text or reason or (scored and fmt.tokens):
+            choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
+            if reason is not None:
+                choice["stop_reason"] = job.stop_reason(i)
+            yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))
+            if fmt.tokens:
+                offsets[i] += sum(len(fmt.tokens.text(t)) for t, _ in scored)
+    else:
+        if fmt.include_usage:
+            yield sse(chunk_fmt.obj([], usage=job.usage()))
+    yield sse("[DONE]")
