@@ -42,15 +42,16 @@ class _Index:
 
     def continuation(self, context: list[int], length: int) -> list[int]:
         """What follows the longest suffix of ``context`` (n_max down to n_min long) that occurred
-        before: in the reference, at its first occurrence from where the last one taken started, or
-        in the indexed text, at its latest occurrence (the reference first at equal n: the client
-        said the reply will read so). Empty when nothing matches."""
+        before: in the reference, at its first occurrence from where the last one taken started (else
+        its last one before), or in the indexed text, at its latest occurrence (the reference first at
+        equal n: the client said the reply will read so). Empty when nothing matches."""
         for n in range(min(self.n_max, len(context) - 1), self.n_min - 1, -1):
             key = tuple(context[-n:])
-            ahead = [f for f in self.ref_tables[n].get(key, ()) if f >= self.ref_at]
-            if ahead:
-                self.ref_at = ahead[0]
-                return self.reference[ahead[0]: ahead[0] + length]
+            refs = self.ref_tables[n].get(key)
+            if refs:
+                at = next((f for f in refs if f >= self.ref_at), refs[-1])
+                self.ref_at = at
+                return self.reference[at: at + length]
             follows = self.tables[n].get(key)
             if follows:
                 return context[follows[-1]: follows[-1] + length]
