@@ -293,3 +293,19 @@ def test_models_shows_converted_state(capsys, smollm2_gguf, tmp_path):
     convert_gguf(smollm2_gguf, torch.float32, tmp_path)
     code, out, _ = run_cli(capsys, "models", "--cache-dir", str(tmp_path))
     assert "installed, converted (float32)" in out.split("smollm2-135m-instruct")[1].splitlines()[0]
+
+
+def test_a_prediction_file_drafts_from_its_text_on_real_model(capsys, tmp_path, smollm2_gguf):
+    """--prediction FILE: the reply predicted by an earlier run's text is drafted from it -- the same
+    tokens, in fewer target forwards than prompt lookup alone."""
+    prompt = "Write three short sentences about the sea."
+    plain = cli_json(capsys, "--prompt", prompt, "--chat", "--max-tokens", "40")[0]
+    f = tmp_path / "prediction.txt"
+    f.write_text(plain["text"], encoding="utf-8")
+    without = cli_json(capsys, "--prompt", prompt, "--chat", "--max-tokens", "40", "--spec", "ngram")[0]
+    with_it = cli_json(capsys, "--prompt", prompt, "--chat", "--max-tokens", "40", "--spec", "ngram",
+                       "--prediction", str(f))[0]
+    assert with_it["token_ids"] == without["token_ids"] == plain["token_ids"]
+    assert with_it["stats"]["accepted_tokens"] > without["stats"]["accepted_tokens"] + 10
+    assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "x", "--prediction",
+                          str(tmp_path / "missing.txt")], "--prediction", "cannot read")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -271,9 +272,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from tokenleap.spec.structured import grammar_of
         grammar_of(params.structured)
     spec = spec_config(args)
+    predicted = _read_text(args.prediction, "--prediction") if args.prediction is not None else None
     from tokenleap.api import LLM
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
               max_model_len=args.max_model_len, cache_dir=args.cache_dir)
+    if predicted:  # the reply's expected text: the lookup drafters propose from it too
+        params = replace(params, prediction=tuple(llm.tokenizer.encode(predicted, add_special_tokens=False)))
     if args.stats:
         print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
     for prompt in prompts:
@@ -357,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, max_tokens=128)
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each generated token's logprob and its N most likely alternatives")
+    g.add_argument("--prediction", metavar="FILE",
+                   help="text the reply is expected to resemble (e.g. the file being edited, or a previous reply): "
+                        "n-gram drafting proposes from it too (OpenAI's Predicted Outputs; output unchanged)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of streamed text")
     so = g.add_mutually_exclusive_group()  # structured output: the reply follows a grammar
     so.add_argument("--json-schema", metavar="SCHEMA", help="reply is JSON matching this schema (JSON text or a file)")
