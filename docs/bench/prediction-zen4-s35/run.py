@@ -117,9 +117,10 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in runs.items()}
         ratios.append(med["with"] / med["without"])
         kept = prediction_tokens_kept(prediction, outputs["with"]) / len(prediction)
+        spread = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in runs.items()}
         print(f"{second[:60]!r}: {len(outputs['with'])} tokens, {kept:.0%} of the prediction kept; tok/s "
-              f"without {med['without']:.2f} ({', '.join(f'{x:.1f}' for x in runs['without'])}), with "
-              f"{med['with']:.2f} ({', '.join(f'{x:.1f}' for x in runs['with'])}): {ratios[-1]:.2f}x; outputs identical")
+              f"without {med['without']:.2f} ({spread['without']}), with {med['with']:.2f} ({spread['with']}): "
+              f"{ratios[-1]:.2f}x; outputs identical")
     print(f"spec {args.spec}: median ratio {statistics.median(ratios):.2f}x over {len(ratios[:4])} regenerations "
           f"and {len(ratios[4:])} code edits (regenerations {statistics.median(ratios[:4]):.2f}x)")
 

@@ -88,8 +88,9 @@ class Job:
         prediction = self.requests[0].seq.params.prediction
         if prediction:  # OpenAI's: the predicted tokens the replies contain, and the rest
             kept = sum(prediction_tokens_kept(prediction, r.seq.generated) for r in self.requests)
+            rejected = len(prediction) * len(self.requests) - kept
             out["completion_tokens_details"] = {"accepted_prediction_tokens": kept,
-                                                "rejected_prediction_tokens": len(prediction) * len(self.requests) - kept}
+                                                "rejected_prediction_tokens": rejected}
         return out
 
     async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
