@@ -10,16 +10,16 @@ from dataclasses import replace
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import APIError
 from tokenleap.serve.responses import Format, chat_delta, sse
-from tokenleap.serve.tools import ToolPlan, ToolStream, call_deltas
+from tokenleap.serve.reply_stream import ReplyStream
+from tokenleap.serve.tools import ToolPlan, call_deltas
 
 
 async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
     """The events of ``job``'s replies (the server's ``_logged`` ends the job, however the stream ends)."""
     chunk_fmt = replace(fmt, object=fmt.object + (".chunk" if fmt.chat else ""), tools=ToolPlan())
     offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
-    # a reply that may call tools: content held back from a <tool_call> on, the calls at the end
-    calling = [ToolStream(fmt.tools.prefix, fmt.tools.names) for _ in job.requests] if fmt.tools.parse else None
-    thinking = [fmt.reasoning.stream() for _ in job.requests] if fmt.reasoning is not None else None
+    # a thinking model's reasoning apart; content held back from a <tool_call> on, the calls at the end
+    splits = [ReplyStream(fmt.reasoning, fmt.tools) for _ in job.requests]
     if fmt.chat:
         first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
         yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage)))
@@ -28,19 +28,12 @@ async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
             yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
             break
         text, scored = job.piece(i, out)
-        reason, calls = out.finish_reason, []
-        if thinking is not None:  # the thinking first, in a delta of its own
-            thought, text = thinking[i].feed(text)
-            if reason is not None:
-                thought, text = (a + b for a, b in zip((thought, text), thinking[i].finish()))
-            if thought and fmt.reasoning.include:
-                yield sse(chunk_fmt.obj([chat_delta(i, {"reasoning_content": thought}, None)],
-                                        **fmt.with_usage(job.usage)))
-        if calling is not None:
-            text = calling[i].feed(text)
-            if reason is not None:
-                rest, calls = calling[i].finish()
-                text, reason = text + rest, "tool_calls" if calls else reason
+        reason = out.finish_reason
+        thought, text, calls = splits[i].feed(text, reason is not None)
+        if thought:  # the thinking first, in a delta of its own
+            yield sse(chunk_fmt.obj([chat_delta(i, {"reasoning_content": thought}, None)], **fmt.with_usage(job.usage)))
+        if calls:
+            reason = "tool_calls"
         if calls:  # the content first, then the calls with the finish reason
             if text or (scored and fmt.tokens):
                 choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)

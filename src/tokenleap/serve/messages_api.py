@@ -30,7 +30,8 @@ from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, Int64, JsonSchemaFormat, NamedFunction,
                                       NamedToolChoice, ResponseFormat, ToolCall, ToolDef, _Strict, bad_request)
 from tokenleap.serve.reasoning import Reasoning
-from tokenleap.serve.tools import ToolPlan, ToolStream, function_tool, parse_tool_calls
+from tokenleap.serve.reply_stream import ReplyStream
+from tokenleap.serve.tools import ToolPlan, function_tool, parse_tool_calls
 
 
 class CountTokensRequest(_Strict):  # POST /v1/messages/count_tokens
@@ -202,8 +203,7 @@ class MessageWriter:
         back from where a tool call may begin), then a block a call; an ``error`` event if it fails."""
         yield _event("message_start", message=self._obj([], None, None, {**_usage(job.usage()), "output_tokens": 0}))
         yield _event("ping")
-        calling = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
-        thinking = self.reasoning.stream() if self.reasoning is not None else None
+        split = ReplyStream(self.reasoning, self.tools)
         blocks, calls, reason = _Blocks(), [], None
         async for i, out in job.outputs():
             if out.error:
@@ -211,18 +211,9 @@ class MessageWriter:
                 return
             piece, _ = job.piece(i, out)
             reason = out.finish_reason or reason
-            thought = ""
-            if thinking is not None:
-                thought, piece = thinking.feed(piece)
-                if out.finish_reason is not None:
-                    thought, piece = (a + b for a, b in zip((thought, piece), thinking.finish()))
-            if thought and self.reasoning.include:
+            thought, piece, calls = split.feed(piece, out.finish_reason is not None)
+            if thought:
                 yield blocks.delta(_thinking_block(""), {"type": "thinking_delta", "thinking": thought})
-            if calling is not None:
-                piece = calling.feed(piece)
-                if out.finish_reason is not None:
-                    rest, calls = calling.finish()
-                    piece += rest
             if piece:
                 yield blocks.delta(_text_block(""), {"type": "text_delta", "text": piece})
         if not blocks.count and not calls:  # an empty reply still has its (empty) text block

@@ -33,7 +33,8 @@ from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, Js
                                       bad_request, sampling_fields)
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.responses import Scored, TokenText, chat_logprobs, new_id
-from tokenleap.serve.tools import ToolPlan, ToolStream, function_tool, parse_tool_calls
+from tokenleap.serve.reply_stream import ReplyStream
+from tokenleap.serve.tools import ToolPlan, function_tool, parse_tool_calls
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -214,8 +215,7 @@ class ResponseWriter:
             data = {"type": kind, "sequence_number": next(counter), **fields}
             return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        thinking = self.reasoning.stream() if self.reasoning is not None else None
-        stream = ToolStream(self.tools.prefix, self.tools.names) if self.tools.parse else None
+        split = ReplyStream(self.reasoning, self.tools)
         text, thought, reason, calls, logprobs, items = "", "", None, [], [], []
         opened = None  # the item being written: "reasoning", "message" (or None)
 
@@ -247,22 +247,14 @@ class ResponseWriter:
             reason = out.finish_reason or reason
             lp = self._logprobs(scored)
             logprobs += lp
-            if thinking is not None:
-                more, piece = thinking.feed(piece)
-                if out.finish_reason is not None:
-                    more, piece = (a + b for a, b in zip((more, piece), thinking.finish()))
-                if more and self.reasoning.include:
-                    if opened is None:
-                        yield event("response.output_item.added", output_index=0,
-                                    item={**self._reasoning_item("", "in_progress"), "content": []})
-                        opened = "reasoning"
-                    thought += more
-                    yield event("response.reasoning_text.delta", **where(), delta=more)
-            if stream is not None:
-                piece = stream.feed(piece)
-                if out.finish_reason is not None:
-                    rest, calls = stream.finish()
-                    piece += rest
+            more, piece, calls = split.feed(piece, out.finish_reason is not None)
+            if more:
+                if opened is None:
+                    yield event("response.output_item.added", output_index=0,
+                                item={**self._reasoning_item("", "in_progress"), "content": []})
+                    opened = "reasoning"
+                thought += more
+                yield event("response.reasoning_text.delta", **where(), delta=more)
             if piece:
                 if opened != "message":
                     if opened == "reasoning":
@@ -271,7 +263,8 @@ class ResponseWriter:
                     yield open_message()
                 text += piece
                 # (text held back where a call may begin is sent later: its logprobs come with the done events)
-                yield event("response.output_text.delta", **where(), delta=piece, logprobs=lp if stream is None else [])
+                yield event("response.output_text.delta", **where(), delta=piece,
+                            logprobs=lp if split.calling is None else [])
         status = _status(reason)
         if opened == "reasoning":
             yield close_reasoning()

@@ -1,0 +1,34 @@
+"""A streamed reply's text as the API writers need it, whatever their event format: a thinking
+model's reasoning split off (``reasoning.py``), the content held back from where a tool call may
+begin (``tools.ToolStream``), and the calls once the reply is complete."""
+from __future__ import annotations
+
+from tokenleap.serve.reasoning import Reasoning
+from tokenleap.serve.tools import ToolPlan, ToolStream
+
+
+class ReplyStream:
+    """One reply's splitter (``reasoning``: how the request's replies are split, or None; ``tools``:
+    its tool plan)."""
+
+    def __init__(self, reasoning: Reasoning | None, tools: ToolPlan) -> None:
+        self.thinking = reasoning.stream() if reasoning is not None else None
+        self.include = reasoning is not None and reasoning.include
+        self.calling = ToolStream(tools.prefix, tools.names) if tools.parse else None
+
+    def feed(self, piece: str, last: bool) -> tuple[str, str, list[dict]]:
+        """(reasoning to send, content to send, the calls: only with ``last``) for the reply's next
+        ``piece`` of text (``last``: the reply ends with it)."""
+        thought = ""
+        if self.thinking is not None:
+            thought, piece = self.thinking.feed(piece)
+            if last:
+                more, rest = self.thinking.finish()
+                thought, piece = thought + more, piece + rest
+        calls: list[dict] = []
+        if self.calling is not None:
+            piece = self.calling.feed(piece)
+            if last:
+                rest, calls = self.calling.finish()
+                piece += rest
+        return (thought if self.include else ""), piece, calls
