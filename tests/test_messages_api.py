@@ -4,7 +4,6 @@ not; tool calls come back as tool_use blocks (a scripted model writes them); wha
 do is a 400 in Anthropic's error form."""
 from __future__ import annotations
 
-
 import anthropic
 import httpx
 import pytest
