@@ -2,8 +2,9 @@
 import glob, json, sys
 
 def load(d, task):
-    [f] = glob.glob(f"{d}/**/samples_{task}_*.jsonl", recursive=True)
-    return [json.loads(l) for l in open(f)]
+    """The newest samples file of ``task`` under ``d`` (names carry their run's time)."""
+    f = max(glob.glob(f"{d}/**/samples_{task}_*.jsonl", recursive=True))
+    return [json.loads(line) for line in open(f)]
 
 a_dir, b_dir = sys.argv[1], sys.argv[2]
 diffs, same_pick, n = [], 0, 0

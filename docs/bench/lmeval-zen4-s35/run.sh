@@ -4,7 +4,7 @@
 # compared. Run from the repository root; OUT (default /tmp/lmeval-out) gets the runs.
 set -euo pipefail
 D=docs/bench/lmeval-zen4-s35
-OUT=${OUT:-/tmp/lmeval-out}
+OUT=${OUT:-/tmp/lmeval-out/$(date +%Y%m%d-%H%M%S)}
 MODEL=qwen2.5-coder-0.5b-instruct
 GGUF=$(python -c "from tokenleap.models.catalog import resolve_gguf; print(resolve_gguf('$MODEL'))")
 mkdir -p "$OUT"
@@ -14,10 +14,10 @@ for dtype in float32 auto; do
   until curl -sf localhost:8123/health > /dev/null; do sleep 2; done
   lm_eval --model local-completions \
     --model_args model=qwen,base_url=http://127.0.0.1:8123/v1/completions,num_concurrent=1,max_retries=1,tokenized_requests=True \
-    --tasks tl_mc,tl_gen --include_path $D/tasks --output_path "$OUT/tokenleap-$dtype" --log_samples 2>&1 | tail -7
+    --tasks tl_mc,tl_gen,tl_ppl --include_path $D/tasks --output_path "$OUT/tokenleap-$dtype" --log_samples 2>&1 | tail -10
   kill $pid; wait $pid || true
 done
 lm_eval --model hf --model_args "pretrained=$(dirname "$GGUF"),gguf_file=$(basename "$GGUF"),dtype=float32" --device cpu \
-  --tasks tl_mc,tl_gen --include_path $D/tasks --output_path "$OUT/transformers" --log_samples 2>&1 | tail -7
+  --tasks tl_mc,tl_gen,tl_ppl --include_path $D/tasks --output_path "$OUT/transformers" --log_samples 2>&1 | tail -10
 echo "tokenleap float32 vs transformers float32:"; python $D/compare.py "$OUT/tokenleap-float32" "$OUT/transformers"
 echo "tokenleap auto (bf16 here) vs transformers float32:"; python $D/compare.py "$OUT/tokenleap-auto" "$OUT/transformers"
