@@ -47,10 +47,10 @@ class ReasoningStream:
     certain so far, holding back what could still be part of a tag or trailing whitespace."""
 
     def __init__(self, opened: bool = False) -> None:
-        self.state = "think" if opened else "start"  # start -> think -> answer, or start -> plain
+        self.state = "think" if opened else "start"  # start -> think -> answer -> plain, or start -> plain
         self.buf = ""
         self.thought = False  # some reasoning text was given out (leading whitespace is dropped before it)
-        self.saw_block = opened
+        self.has_reasoning = opened  # a thinking block opened (by the prompt or the reply)
 
     def feed(self, piece: str) -> tuple[str, str]:
         self.buf += piece
@@ -59,7 +59,7 @@ class ReasoningStream:
             if self.state == "start":
                 head = self.buf.lstrip()
                 if head.startswith(OPEN):
-                    self.state, self.buf, self.saw_block = "think", head[len(OPEN):], True
+                    self.state, self.buf, self.has_reasoning = "think", head[len(OPEN):], True
                     continue
                 if OPEN.startswith(head):  # (empty or a prefix of the tag: not decided yet)
                     return reasoning, content
@@ -91,10 +91,6 @@ class ReasoningStream:
         if self.state == "answer":
             return "", rest.lstrip()
         return "", rest
-
-    @property
-    def has_reasoning(self) -> bool:
-        return self.saw_block
 
     def _thought(self, text: str) -> str:
         if not self.thought:
