@@ -121,6 +121,22 @@ def test_logit_bias_forms(server):
         assert post(server, "/completion", {**greedy, "logit_bias": bad}).status_code == 400, bad
 
 
+def test_repeat_penalty_over_the_last_n_tokens(server):
+    """``repeat_penalty`` looks back ``repeat_last_n`` tokens (64 by default, -1: all, 0: off), as the
+    plain engine's ``repetition_last_n`` does."""
+    prompt = "abcabcabcabcabcabcabcabc"
+    body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "ignore_eos": True, "repeat_penalty": 1.8}
+    for last_n, want in ((3, dict(repetition_penalty=1.8, repetition_last_n=3)),
+                         (None, dict(repetition_penalty=1.8, repetition_last_n=64)),
+                         (-1, dict(repetition_penalty=1.8)), (0, {})):
+        expected = ref(ids_of(prompt), 12, temperature=0, ignore_eos=True, **want).text
+        sent = body if last_n is None else {**body, "repeat_last_n": last_n}
+        assert post(server, "/completion", sent).json()["content"] == expected, last_n
+    assert ref(ids_of(prompt), 12, temperature=0, ignore_eos=True, repetition_penalty=1.8, repetition_last_n=3).text \
+        != ref(ids_of(prompt), 12, temperature=0, ignore_eos=True, repetition_penalty=1.8).text  # the window acts
+    assert post(server, "/completion", {**body, "repeat_last_n": -2}).status_code == 400
+
+
 def test_props_and_apply_template(server):
     props = httpx.get(server.url + "/props", timeout=30).json()
     settings = props["default_generation_settings"]

@@ -19,9 +19,11 @@ VOCAB = 96
 
 def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history: list[int]) -> torch.Tensor:
     out = row.clone()
+    n = params.repetition_last_n
+    recent = (prompt + history)[-n:] if n else prompt + history  # what the repetition penalty sees
     for t in range(out.shape[0]):
         c = history.count(t)
-        if params.repetition_penalty != 1 and (c or t in prompt):
+        if params.repetition_penalty != 1 and t in recent:
             out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
         out[t] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
         out[t] += dict(params.logit_bias).get(t, 0.0)
@@ -31,7 +33,9 @@ def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history:
 @pytest.mark.parametrize("kw", [dict(presence_penalty=0.7), dict(frequency_penalty=-1.3),
                                 dict(repetition_penalty=1.8), dict(repetition_penalty=0.6, presence_penalty=2.0,
                                                                    frequency_penalty=0.4),
-                                dict(logit_bias={3: -100.0, 11: 5.5}, presence_penalty=0.3)])
+                                dict(logit_bias={3: -100.0, 11: 5.5}, presence_penalty=0.3),
+                                dict(repetition_penalty=1.8, repetition_last_n=3),
+                                dict(repetition_penalty=0.6, repetition_last_n=6, frequency_penalty=0.4)])
 def test_penalties_match_a_per_token_loop(kw):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 20, generator=g) * 3  # [k+1, vocab]
@@ -57,11 +61,15 @@ def run(target, params, proposer=None, k=None):
 
 
 @pytest.mark.parametrize("kw", [dict(frequency_penalty=1.5), dict(repetition_penalty=1.3, presence_penalty=0.5),
-                                dict(logit_bias={40: 3.0, 41: -100.0})])
+                                dict(logit_bias={40: 3.0, 41: -100.0}),
+                                dict(repetition_penalty=1.5, repetition_last_n=5)])
 def test_greedy_speculation_with_penalties_equals_plain(target, kw):
     params = SamplingParams(max_tokens=30, ignore_eos=True, **kw)
     want = run(target, params).generated
     assert want != run(target, SamplingParams(max_tokens=30, ignore_eos=True)).generated  # the penalty acts
+    if "repetition_last_n" in kw:  # the window acts: the same penalty over everything chooses otherwise
+        whole = {**kw, "repetition_last_n": 0}
+        assert want != run(target, SamplingParams(max_tokens=30, ignore_eos=True, **whole)).generated
     for k in (3, None):
         for proposer in (DraftModelProposer(target, VOCAB, 128), NgramProposer(3, 1),
                          DraftModelProposer(tiny_model("qwen2", seed=77, vocab=VOCAB), VOCAB, 128)):
@@ -70,6 +78,7 @@ def test_greedy_speculation_with_penalties_equals_plain(target, kw):
 
 def test_penalty_values_are_checked():
     for kw in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-               dict(presence_penalty=float("nan")), dict(logit_bias={5: 101.0}), dict(logit_bias={-1: 1.0})):
-        with pytest.raises(ConfigError, match="penalty|logit_bias"):
+               dict(presence_penalty=float("nan")), dict(logit_bias={5: 101.0}), dict(logit_bias={-1: 1.0}),
+               dict(repetition_last_n=-1), dict(repetition_last_n=2.5)):
+        with pytest.raises(ConfigError, match="penalty|logit_bias|repetition_last_n"):
             SamplingParams(**kw)

@@ -170,6 +170,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtract once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtract per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # HF / vLLM's: shrink the logits of tokens seen in prompt or output
+    repetition_last_n: int = 0  # llama.cpp / Ollama's window: only the last n tokens count as seen (0: all)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
     structured: StructuredOutput | None = None  # constrain the reply to a grammar (JSON schema, regex, ...)
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
@@ -211,6 +212,10 @@ class SamplingParams:
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
                f"repetition_penalty must be in (0, 100] (1 disables it), got {self.repetition_penalty!r}")
+        _check(isinstance(self.repetition_last_n, int) and not isinstance(self.repetition_last_n, bool)
+               and self.repetition_last_n >= 0,
+               f"repetition_last_n must be an integer >= 0 (0: the whole prompt and output), "
+               f"got {self.repetition_last_n!r}")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b) and -100 <= b <= 100
                    for t, b in self.logit_bias),
                "logit_bias must map token ids >= 0 to biases in [-100, 100]")

@@ -10,7 +10,8 @@ Both run through the same scheduler, sampling and speculation as ``/v1/completio
 strings or of such lists is several prompts, answered with a list of results in order (streamed:
 each event carries its prompt's ``index``). llama.cpp's sampling names and defaults are taken where a
 field is absent (``n_predict`` -1: up to the context's end; ``temperature`` 0.8, ``top_k`` 40,
-``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded; ``repeat_penalty``); ``logit_bias`` as
+``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded; ``repeat_penalty`` over the last
+``repeat_last_n`` 64 tokens, -1: all, 0: off); ``logit_bias`` as
 ``[[token, bias], ...]`` (a token id or a string, whose tokens all get the bias; ``false``: banned) or
 an object; ``json_schema`` or ``grammar`` (GBNF) constrain the reply as ``response_format`` /
 ``guided_grammar`` do; ``n_probs`` N > 0 adds ``completion_probabilities``: each generated token's
@@ -56,6 +57,7 @@ class _LlamaSampling(_Strict):
     stream: bool | None = False
     ignore_eos: bool | None = False
     repeat_penalty: float | None = None
+    repeat_last_n: Int64 | None = None  # the penalty's window: 64 by default, -1 the whole context, 0 off
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: list[list[_BiasKey | float | bool]] | dict[str, float | bool] | None = None
@@ -76,12 +78,17 @@ class _LlamaSampling(_Strict):
                               "probabilities (its raw logits)", "post_sampling_probs")
         if self.n_probs is not None and not 0 <= self.n_probs <= MAX_LOGPROBS:
             raise bad_request(f"n_probs must be in [0, {MAX_LOGPROBS}], got {self.n_probs}", "n_probs")
+        last_n = given(self.repeat_last_n, 64)
+        if last_n < -1:
+            raise bad_request(f"repeat_last_n must be -1 (the whole context), 0 (off) or more, got {last_n}",
+                              "repeat_last_n")
         return CompletionRequest.model_construct(**{
             **{name: field.default for name, field in CompletionRequest.model_fields.items()},
             "model": self.model, "prompt": "", "temperature": given(self.temperature, 0.8),
             "top_k": given(self.top_k, 40), "top_p": given(self.top_p, 0.95), "min_p": given(self.min_p, 0.05),
             "seed": None if self.seed in (None, -1) else self.seed, "stop": self.stop, "stream": bool(self.stream),
-            "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty,
+            "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty if last_n else None,
+            "repetition_last_n": max(last_n, 0),
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "max_tokens": None if self.n_predict in (None, -1) else self.n_predict, "n": given(self.n_cmpl, 1),
             "logit_bias": _bias(self.logit_bias, lambda text: server._encode(text, False, "logit_bias")) or None,

@@ -24,7 +24,7 @@ from tokenleap.serve.protocol import APIError, ChatRequest, chat_messages, chat_
 # /completion's defaults where a request leaves a field out (llama.cpp's; llamacpp.py applies them)
 DEFAULT_PARAMS: dict[str, Any] = {
     "n_predict": -1, "seed": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
-    "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": [], "max_tokens": -1,
+    "repeat_penalty": 1.0, "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": [], "max_tokens": -1,
     "ignore_eos": False, "stream": False, "n_probs": 0, "grammar": ""}
 
 

@@ -82,6 +82,7 @@ class _Sampling(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    repetition_last_n: Int64 | None = None  # llama.cpp's repeat_last_n: the penalty's window (0 / absent: all)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # structured output: OpenAI's response_format, or vLLM's guided_* fields
@@ -275,6 +276,7 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_last_n=req.repetition_last_n or 0,
             logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
             min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()),
             prediction=prediction)

@@ -5,7 +5,8 @@ speculation reproduces exactly.
 * ``presence_penalty`` / ``frequency_penalty`` (OpenAI): subtract ``presence`` once from every token
   that occurs in the generated text and ``frequency`` once per occurrence.
 * ``repetition_penalty`` (Hugging Face / vLLM): a token seen in the prompt or the generated text has
-  its logit divided by the penalty when positive and multiplied by it when negative.
+  its logit divided by the penalty when positive and multiplied by it when negative; with
+  ``repetition_last_n`` (llama.cpp / Ollama), only the last n tokens before the row count as seen.
 * ``logit_bias`` (OpenAI): a fixed amount added to the logits of given tokens.
 
 In a verification step, row ``i`` of the logits is the distribution after the generated tokens and
@@ -45,9 +46,12 @@ def _penalize(out: torch.Tensor, params: SamplingParams, prompt: list[int], gene
     for i, tok in enumerate(draft):
         counts[i + 1:, tok] += 1
     if params.repetition_penalty != 1:
-        seen = counts > 0  # [k+1, vocab]
-        if prompt:
-            seen[:, torch.tensor(prompt)] = True
+        if params.repetition_last_n:
+            seen = _recent(prompt + generated, draft, params.repetition_last_n, vocab)
+        else:
+            seen = counts > 0  # [k+1, vocab]
+            if prompt:
+                seen[:, torch.tensor(prompt)] = True
         r = params.repetition_penalty
         out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
     if params.frequency_penalty:
@@ -55,6 +59,18 @@ def _penalize(out: torch.Tensor, params: SamplingParams, prompt: list[int], gene
     if params.presence_penalty:
         out -= params.presence_penalty * (counts > 0).float()
     return out
+
+
+def _recent(history: list[int], draft: list[int], n: int, vocab: int) -> torch.Tensor:
+    """[k+1, vocab] bool: the tokens among the last ``n`` before each row (row i follows
+    ``history`` and ``draft[:i]``)."""
+    seen = torch.zeros(len(draft) + 1, vocab, dtype=torch.bool)
+    tail = history[-n:]
+    for i in range(len(draft) + 1):
+        window = [t for t in (tail + draft[:i])[-n:] if t < vocab]
+        if window:
+            seen[i, torch.tensor(window)] = True
+    return seen
 
 
 def suppress_early_stops(logits: torch.Tensor, params: SamplingParams, generated: int,
