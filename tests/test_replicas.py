@@ -217,6 +217,11 @@ def test_openai_client_against_the_ingress(ingress):
     claude = anthropic.Anthropic(base_url=ingress, api_key="unused", max_retries=0, timeout=120)
     with claude.messages.stream(model=MODEL, max_tokens=8, messages=messages, extra_body={"temperature": 0}) as s:
         assert "".join(s.text_stream) == want
+    import ollama  # and Ollama's chat, whose stream is JSON lines
+    parts = ollama.Client(host=ingress, timeout=120).chat(model=MODEL, messages=messages, stream=True,
+                                                          options={"temperature": 0, "num_predict": 8,
+                                                                   "repeat_last_n": 0})
+    assert "".join(p.message.content for p in parts) == want
 
 
 def test_a_cut_stream_ends_in_its_routes_form():
@@ -225,6 +230,8 @@ def test_a_cut_stream_ends_in_its_routes_form():
     assert kind == "event: error" and json.loads(data[6:])["error"]["type"] == "api_error"
     events = stream_cut("/v1/chat/completions").decode().split("\n\n")
     assert json.loads(events[0][6:])["error"]["type"] == "server_error" and events[1] == "data: [DONE]"
+    line = stream_cut("/api/chat").decode()
+    assert line.endswith("\n") and list(json.loads(line)) == ["error"]
 
 
 def test_responses_are_stored_once_for_all_replicas(ingress):

@@ -178,7 +178,8 @@ def build_app(args: argparse.Namespace):
                           allowed_origins=tuple(args.allowed_origins), log_prompts=args.log_prompts,
                           docs=not args.no_docs, responses_store=args.responses_store,
                           embeddings=args.pooling if args.embeddings else None,
-                          reasoning=args.reasoning_format == "auto")
+                          reasoning=args.reasoning_format == "auto",
+                          quantization=None if args.quant == "none" else args.quant.upper())
     return create_app(engine, config), engine
 
 

@@ -51,6 +51,7 @@ from tokenleap.serve.reasoning import Reasoning, opened_by, template_thinks
 from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
 from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
+from tokenleap.serve.ollama_routes import OllamaRoutes
 from tokenleap.serve.tools import ToolPlan, plan_tools
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
@@ -68,6 +69,7 @@ class ServerConfig:
     responses_store: int = DEFAULT_CAPACITY  # Responses API objects kept for previous_response_id (0: none)
     embeddings: str | None = None  # /v1/embeddings' pooling ("last", "mean"); None: not served (501)
     reasoning: bool = True  # a thinking model's <think> block as reasoning_content (--reasoning-format auto)
+    quantization: str | None = None  # how the weights are stored, as Ollama's /api/tags shows it (None: the dtype)
 
 
 class OpenAIServer:
@@ -115,6 +117,7 @@ class OpenAIServer:
         app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
         TokenRoutes(self).add_to(app)  # /tokenize, /detokenize, /version, /ping
         EmbeddingRoutes(self).add_to(app)  # /v1/embeddings (with --embeddings)
+        OllamaRoutes(self).add_to(app)  # Ollama's /api/chat, /api/generate, /api/tags ...
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         add_error_handlers(app)
@@ -203,11 +206,12 @@ class OpenAIServer:
         return await self._answer(http, job, fmt, bool(req.stream), openai_chunks(job, fmt), final)
 
     async def _answer(self, http: HTTPRequest, job: Job, fmt: Format, stream: bool, events: AsyncIterator[str],
-                      final) -> Response:
-        """A started job's response: ``events`` as a server-sent stream, or else the JSON object that
-        ``final(texts, reasons, scored)`` gives for the whole replies (a client gone first: 499)."""
+                      final, media_type: str = "text/event-stream") -> Response:
+        """A started job's response: ``events`` as a stream (server-sent events, or another
+        ``media_type``), or else the JSON object that ``final(texts, reasons, scored)`` gives for the
+        whole replies (a client gone first: 499)."""
         if stream:
-            return StreamingResponse(self._logged(job, fmt, events), media_type="text/event-stream")
+            return StreamingResponse(self._logged(job, fmt, events), media_type=media_type)
         try:
             texts, reasons, scored = await self._collect(http, job, fmt)
         except ClientGone:

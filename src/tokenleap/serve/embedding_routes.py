@@ -55,7 +55,7 @@ class EmbeddingRoutes:
     async def embeddings(self, request: HTTPRequest) -> dict[str, Any]:
         server = self.server
         server._auth(request)
-        pooling = self._pooling()
+        pooling = self.pooling()
         if pooling == "none":
             raise bad_request("this server pools no embeddings (--pooling none): per-token vectors are not "
                               "OpenAI-compatible; ask llama.cpp's POST /embedding for them", "input")
@@ -65,8 +65,8 @@ class EmbeddingRoutes:
         if req.dimensions is not None and req.dimensions != hidden:
             raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
                               "shortened", "dimensions")
-        ids = self._token_lists(req.input)
-        vectors = await self._vectors(ids, pooling)
+        ids = self.token_lists(req.input)
+        vectors = await self.vectors(ids, pooling)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(normalize_embedding(v, 2),
                                                                           req.encoding_format)}
                 for i, v in enumerate(vectors)]
@@ -79,24 +79,24 @@ class EmbeddingRoutes:
         list, or (``--pooling none``) one vector a token -- normalized as ``embd_normalize`` says."""
         server = self.server
         server._auth(request)
-        pooling = self._pooling()
+        pooling = self.pooling()
         req = parse_body(await request.body(), LlamaEmbeddingRequest)
         server._check_model(req.model)
         given = [v for v in (req.content, req.input) if v is not None]
         if len(given) != 1:
             raise bad_request("give the text to embed as content (or input)", "content")
-        vectors = await self._vectors(self._token_lists(given[0]), pooling)
+        vectors = await self.vectors(self.token_lists(given[0]), pooling)
         return [{"index": i, "embedding": normalize_embedding(v.reshape(-1, v.shape[-1]), req.embd_normalize).tolist()}
                 for i, v in enumerate(vectors)]
 
-    def _pooling(self) -> str:
+    def pooling(self) -> str:
         pooling = self.server.cfg.embeddings
         if pooling is None:
             raise APIError(501, "this server does not serve embeddings: start it with --embeddings",
                            "not_implemented_error", None, "embeddings_off")
         return pooling
 
-    def _token_lists(self, value) -> list[list[int]]:
+    def token_lists(self, value, truncate: bool = False) -> list[list[int]]:
         server = self.server
         texts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
         if not texts or len(texts) > MAX_INPUTS:
@@ -106,12 +106,14 @@ class EmbeddingRoutes:
             if isinstance(t, str) and not t:
                 raise bad_request("input must not contain empty strings", "input")
             ids.append(server._encode(t, True, "input"))
+            if truncate:  # (Ollama's default: the input's first tokens, as many as the context holds)
+                ids[-1] = ids[-1][:server.engine.max_len]
             if len(ids[-1]) > server.engine.max_len:
                 raise bad_request(f"this model's maximum context length is {server.engine.max_len} tokens; an input "
                                   f"has {len(ids[-1])}", "input")
         return ids
 
-    async def _vectors(self, ids: list[list[int]], pooling: str) -> list[torch.Tensor]:
+    async def vectors(self, ids: list[list[int]], pooling: str) -> list[torch.Tensor]:
         """Each token list's embedding, unnormalized: [hidden] (pooling none: [tokens, hidden])."""
         server = self.server
         vectors = []

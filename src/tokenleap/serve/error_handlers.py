@@ -1,5 +1,5 @@
 """The server's error bodies: every failure answers with OpenAI's error object (Anthropic's on the
-Messages API's routes) -- an ``APIError`` as raised, Starlette's own HTTP errors (404, 405) in the
+Messages API's routes, Ollama's ``{"error": message}`` on its ``/api/`` routes) -- an ``APIError`` as raised, Starlette's own HTTP errors (404, 405) in the
 same form, a client that left before sending its whole body as 499 (logged, nothing sent), anything
 else as a logged 500."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect
 
 from tokenleap.serve.messages_api import anthropic_error
 from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
+from tokenleap.serve.ollama_routes import PREFIX as OLLAMA_PREFIX
 from tokenleap.serve.protocol import APIError
 
 log = logging.getLogger("tokenleap.serve")
@@ -25,10 +26,17 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _internal_error)
 
 
+def error_body(path: str, exc: APIError) -> dict:
+    """``exc`` as the error object of the API that ``path`` belongs to."""
+    if path.startswith(OLLAMA_PREFIX):
+        return {"error": exc.message}
+    if path.startswith(MESSAGES_PATH):
+        return anthropic_error(exc.status, exc.message)
+    return exc.body()
+
+
 def _response(request: HTTPRequest, exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    anthropic = request.url.path.startswith(MESSAGES_PATH)
-    body = anthropic_error(exc.status, exc.message) if anthropic else exc.body()
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+    return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=headers)
 
 
 async def _api_error(request: HTTPRequest, exc: APIError) -> JSONResponse:

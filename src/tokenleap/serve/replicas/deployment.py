@@ -33,8 +33,9 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from tokenleap.serve.replicas.bridge import HTTPCall, ResponseStart, forwarded_headers, run_asgi
-from tokenleap.serve.messages_api import anthropic_error
+from tokenleap.serve.error_handlers import error_body
 from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
+from tokenleap.serve.ollama_routes import PREFIX as OLLAMA_PREFIX
 from tokenleap.serve.protocol import APIError
 from tokenleap.serve.replicas.metrics import MetricsBoard, board_name, merge_exports
 from tokenleap.serve.replicas.router import AFFINITY_KWARG, LoadAffinityRouter, affinity_key
@@ -152,12 +153,15 @@ class Replica:
 
 def stream_cut(path: str) -> bytes:  # (defined before Ingress: Ray Serve pickles the class where it is decorated)
     """The end of a stream whose replica failed, in the form of the route's events: Anthropic's error
-    event on /v1/messages, else an OpenAI error object and ``[DONE]``."""
-    message = "the replica serving this request failed; retry the request"
+    event on /v1/messages, an error line on Ollama's /api/ routes, else an OpenAI error object and
+    ``[DONE]``."""
+    err = APIError(500, "the replica serving this request failed; retry the request", "server_error")
+    body = json.dumps(error_body(path, err), ensure_ascii=False)
     if path.startswith(MESSAGES_PATH):
-        return f"event: error\ndata: {json.dumps(anthropic_error(500, message))}\n\n".encode()
-    err = APIError(500, message, "server_error")
-    return f"data: {json.dumps(err.body(), ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
+        return f"event: error\ndata: {body}\n\n".encode()
+    if path.startswith(OLLAMA_PREFIX):
+        return f"{body}\n".encode()
+    return f"data: {body}\n\ndata: [DONE]\n\n".encode()
 
 
 ingress_app = FastAPI(title="tokenleap (replicas)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -232,9 +236,8 @@ class Ingress:
             self.routed[start.replica] = self.routed.get(start.replica, 0) + 1
             return Response(content, start.status, headers=dict(start.headers))
         message = f"no replica could serve the request ({failure}); retry later"
-        body = anthropic_error(503, message) if path.startswith(MESSAGES_PATH) else \
-            APIError(503, message, "server_busy").body()
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(error_body(path, APIError(503, message, "server_busy")), status_code=503,
+                            headers={"Retry-After": "1"})
 
     async def _relay(self, gen, path: str) -> AsyncIterator[bytes]:
         """A streamed body as the replica sends it; an error event (``stream_cut``) if the replica fails."""
