@@ -82,6 +82,7 @@ def test_generate_continues_its_context_and_stops_where_asked(server):
     assert "".join(p.response for p in streamed) == ref.text and streamed[-1].context == r.context
     # nothing to generate from: the model is loaded, as Ollama answers it
     assert c.generate(model=NAME).done_reason == "load" and c.chat(model=NAME, messages=[]).done_reason == "load"
+    assert c.generate(model=NAME, keep_alive=0).done_reason == "unload"
 
 
 def test_logprobs_come_with_each_token(server):
@@ -141,6 +142,9 @@ def test_errors_take_ollamas_form(server):
             ("chat", {"messages": user, "options": {"typical_p": 0.5}}, "typical_p"),
             ("chat", {"messages": [{"role": "user", "content": "x", "images": ["AAAA"]}]}, "text only"),
             ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "role"),
+            ("chat", {"messages": ["hi"]}, "messages.0"),
+            ("chat", {"messages": user, "tools": ["get_weather"]}, "tools.0"),
+            ("chat", {"messages": user, "tools": [{"type": "function"}]}, "tools.0 must be"),
             ("chat", {"messages": user, "format": "yaml"}, "format"),
             ("chat", {"messages": user, "think": "very"}, "think"),
             ("chat", {"messages": user, "options": {"num_predict": 0}}, "num_predict"),

@@ -186,8 +186,8 @@ def _message(i: int, m: dict[str, Any], calls: list[tuple[str, str]]) -> ChatMes
 
 
 def _function(i: int, tool: dict[str, Any]) -> dict[str, Any]:
-    fn = tool.get("function") if isinstance(tool, dict) else None
-    if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+    fn = tool.get("function")
+    if not isinstance(fn, dict) or tool.get("type", "function") != "function":
         raise bad_request(f"tools.{i} must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
     return {"name": fn.get("name"), "description": fn.get("description"), "parameters": fn.get("parameters")}
 
@@ -284,12 +284,13 @@ class ReplyWriter:
         return out
 
 
-def load_reply(model: str, chat: bool) -> dict[str, Any]:
+def load_reply(model: str, chat: bool, keep_alive: str | float | None) -> dict[str, Any]:
     """Ollama's answer to a request with nothing to generate from (no prompt, no messages): the model
-    is loaded (here: always)."""
+    is loaded, or with ``keep_alive`` 0 unloaded (here it stays loaded: the server serves it)."""
     obj: dict[str, Any] = {"model": model, "created_at": created_at()}
     obj.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-    return {**obj, "done": True, "done_reason": "load"}
+    unload = keep_alive in (0, "0", "0s", "0m")
+    return {**obj, "done": True, "done_reason": "unload" if unload else "load"}
 
 
 def _tool_call(j: int, call: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
@@ -35,6 +36,7 @@ from tokenleap.serve.tools import ToolPlan
 from tokenleap.text.fim import encode_fim, fim_tokens
 
 PREFIX = "/api/"
+_DTYPE_LABELS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}  # unquantized weights
 # the Ollama release whose API these routes follow (clients check it before using newer fields)
 OLLAMA_VERSION = "0.13.0"
 NDJSON = "application/x-ndjson"
@@ -73,7 +75,8 @@ class OllamaRoutes:
         self.server = server
         self.embeddings = EmbeddingRoutes(server)
         self.started = created_at()
-        self._details: dict[str, Any] | None = None
+        self._details: dict[str, Any] | None = None  # the model's details and weight bytes, found once
+        self._size = 0
 
     def add_to(self, app: FastAPI) -> None:
         for path, handler, method in (("chat", self.chat, "POST"), ("generate", self.generate, "POST"),
@@ -91,7 +94,7 @@ class OllamaRoutes:
         body = parse_body(await request.body(), ChatBody)
         name = self._check_model(body.model)
         if not body.messages:
-            return JSONResponse(load_reply(name, chat=True))
+            return JSONResponse(load_reply(name, True, body.keep_alive))
         chat = chat_request(body)
         chat.model = None  # (checked above, with Ollama's tag)
         server._check(chat)
@@ -110,7 +113,7 @@ class OllamaRoutes:
         body = parse_body(await request.body(), GenerateBody)
         name = self._check_model(body.model)
         if not (body.prompt or body.suffix or body.system):
-            return JSONResponse(load_reply(name, chat=False))
+            return JSONResponse(load_reply(name, False, body.keep_alive))
         req = generate_request(body)
         req.model = None
         server._check(req)
@@ -264,9 +267,7 @@ class OllamaRoutes:
             server = self.server
             model = server.engine.model
             gguf = any(a.endswith(".gguf") for a in (server.cfg.model_name, *server.cfg.model_aliases))
-            quant = server.cfg.quantization or {torch_name: label for torch_name, label in
-                                                 (("torch.bfloat16", "BF16"), ("torch.float16", "F16"),
-                                                  ("torch.float32", "F32"))}.get(str(model.dtype), str(model.dtype))
+            quant = server.cfg.quantization or _DTYPE_LABELS.get(model.dtype, str(model.dtype))
             self._size = weight_bytes(model)
             self._details = {"parent_model": "", "format": "gguf" if gguf else "safetensors",
                              "family": model.config.architecture, "families": [model.config.architecture],
