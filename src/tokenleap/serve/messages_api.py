@@ -31,7 +31,7 @@ from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, In
                                       NamedToolChoice, ResponseFormat, ToolCall, ToolDef, _Strict, bad_request)
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.reply_stream import ReplyStream
-from tokenleap.serve.tools import ToolPlan, function_tool, parse_tool_calls
+from tokenleap.serve.tools import ToolPlan, arguments_object, function_tool, parse_tool_calls
 
 
 class CountTokensRequest(_Strict):  # POST /v1/messages/count_tokens
@@ -271,15 +271,8 @@ def _thinking_block(thinking: str) -> dict[str, Any]:
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     """A chat tool call (``tools.parse_tool_calls``) as a tool_use block."""
-    fn = call["function"]
-    try:
-        arguments = json.loads(fn["arguments"] or "{}")
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):  # a model that wrote its arguments as other than an object: kept as text
-        arguments = {"arguments": fn["arguments"]}
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": fn["name"],
-            "input": arguments}
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+            "input": arguments_object(call)}
 
 
 def _stop(finish_reason: str | None, stop: int | str | None, calls: list) -> tuple[str, str | None]:

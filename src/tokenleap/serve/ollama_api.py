@@ -40,7 +40,7 @@ from tokenleap.serve.protocol import (ChatMessage, ChatRequest, CompletionReques
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.reply_stream import ReplyStream
 from tokenleap.serve.responses import Scored, TokenText, token_logprob_entries
-from tokenleap.serve.tools import ToolPlan, function_tool, parse_tool_calls
+from tokenleap.serve.tools import ToolPlan, arguments_object, function_tool, parse_tool_calls
 
 # Ollama's defaults for the options a request leaves out
 DEFAULT_OPTIONS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1,
@@ -295,14 +295,7 @@ def load_reply(model: str, chat: bool, keep_alive: str | float | None) -> dict[s
 
 def _tool_call(j: int, call: dict[str, Any]) -> dict[str, Any]:
     """A chat tool call (``tools.parse_tool_calls``) in Ollama's form: the arguments as an object."""
-    fn = call["function"]
-    try:
-        arguments = json.loads(fn["arguments"] or "{}")
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):  # a model that wrote its arguments as other than an object: kept as text
-        arguments = {"arguments": fn["arguments"]}
-    return {"function": {"index": j, "name": fn["name"], "arguments": arguments}}
+    return {"function": {"index": j, "name": call["function"]["name"], "arguments": arguments_object(call)}}
 
 
 def _ns(seconds: float) -> int:

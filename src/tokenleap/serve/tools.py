@@ -45,6 +45,18 @@ class ToolPlan:
     grammar: StructuredOutput | None = None  # what a forced call must look like (required / named)
 
 
+def arguments_object(call: dict[str, Any]) -> dict[str, Any]:
+    """A parsed tool call's arguments (``parse_tool_calls``: JSON text) as an object, for the APIs that
+    send them as one (Anthropic's tool_use input, Ollama's tool_calls); a model that wrote them as
+    other than a JSON object keeps its text, under "arguments"."""
+    text = call["function"]["arguments"]
+    try:
+        arguments = json.loads(text or "{}")
+    except ValueError:
+        arguments = None
+    return arguments if isinstance(arguments, dict) else {"arguments": text}
+
+
 def function_tool(where: str, fields: dict[str, Any]) -> ToolDef:
     """A function tool from another API's spelling of it (``fields``: FunctionDef's); a 400 that names
     ``where`` (the tool's place in the request) when the fields do not make one."""
