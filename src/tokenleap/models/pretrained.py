@@ -11,6 +11,7 @@ from tokenleap import kernels
 from tokenleap.config import ConfigError
 from tokenleap.models.build import build_transformer, float32_activations_, pack_bf16_weights_
 from tokenleap.models.changes import modules_changed
+from tokenleap.models import packed_cache
 from tokenleap.models.hugepages import move_weights_
 from tokenleap.models.checkpoint import Checkpoint, as_dtype, load_checkpoint
 from tokenleap.models.transformer import Transformer
@@ -81,8 +82,27 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
         raise ConfigError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
     dt = resolve_dtype(dtype)
     ckpt = load_checkpoint(str(name_or_path), dt, Path(cache_dir) if cache_dir else None)
-    model = build_transformer(ckpt.config, ckpt.weights, dt)
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
+    keyed = ckpt.gguf_path is not None or ckpt.source.startswith("hf:")  # (model_key names its weight files)
+    if quant in ("none", "w8a8") or not keyed or not packed_cache.enabled():
+        model = _quantized(ckpt, tokenizer, dt, quant, cache_dir, gguf_other)
+    else:  # quantized once, then memory-mapped from the cache (models/packed_cache.py)
+        from tokenleap.models.checkpoint import model_key
+        from tokenleap.models.catalog import default_cache_dir
+        key = model_key(ckpt.source, ckpt.gguf_path, dt, quant) + (f"-{gguf_other}" if ckpt.gguf_path else "")
+        path = packed_cache.path_for(Path(cache_dir) if cache_dir else default_cache_dir(), key)
+        model = packed_cache.load(path)
+        if model is None:
+            model = _quantized(ckpt, tokenizer, dt, quant, cache_dir, gguf_other)
+            packed_cache.store(model, path)
+    prepare_for_kernels_(model, dt, quant)
+    return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)
+
+
+def _quantized(ckpt: Checkpoint, tokenizer: Tokenizer, dt: torch.dtype, quant: str, cache_dir: str | Path | None,
+               gguf_other: str) -> Transformer:
+    """The checkpoint's model built and quantized with ``quant`` (see ``load_model``)."""
+    model = build_transformer(ckpt.config, ckpt.weights, dt)
     if quant == "int4" and ckpt.gguf_path is not None:
         # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other
         from tokenleap.models.quant import quantize_from_gguf_
@@ -92,8 +112,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     elif quant != "none":
         from tokenleap.models.quant import quantize_
         quantize_(model, quant)
-    prepare_for_kernels_(model, dt, quant)
-    return LoadedModel(model, tokenizer, dt, quant, ckpt.source, ckpt.gguf_path)
+    return model
 
 
 def prepare_for_kernels_(model: Transformer, dt: torch.dtype, quant: str) -> None:

@@ -1,0 +1,102 @@
+"""Quantized models kept on disk between runs, so a model loads in seconds after its first load.
+
+Quantizing at load -- re-packing a GGUF's 4-bit blocks, quantizing its 6-bit tensors, or quantizing
+float weights -- takes most of a load (about 6 of 10 s for Qwen2.5-Coder-1.5B at int4 on a 2-core
+EPYC). The quantized model (before ``prepare_for_kernels_``, which adapts it to this machine and
+process) is saved with ``torch.save`` under the cache directory's ``packed/`` on the first load and
+memory-mapped from there on the next ones: the same tensors, so the same outputs, bit for bit.
+
+A file's name holds what made it: the model's key (``checkpoint.model_key``: the weights' file,
+dtype and quantization), how a GGUF's other tensors were quantized, and a digest of the code that
+builds and quantizes models (``tokenleap/models`` and ``tokenleap/kernels``, tokenleap's and
+torch's versions) and of what decides the packed layouts on this machine (whether the compiled
+kernels run, the CPU's flags, ``TOKENLEAP_AMX``) -- a changed quantizer, or a cache directory shared
+with another kind of machine, never reads a file made otherwise. One file is kept per model key:
+storing a new one removes the others. A file that cannot be read is removed and rebuilt. The files
+are tokenleap's own, written to the user's cache; they are unpickled (``weights_only=False``: the
+modules are tokenleap's classes), so the cache directory must be the user's. ``TOKENLEAP_PACKED_CACHE=0``
+turns the cache off.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+import tokenleap
+from tokenleap import kernels
+from tokenleap.models.transformer import Transformer
+
+log = logging.getLogger("tokenleap.models")
+_SUFFIX = ".pt"
+
+
+def enabled() -> bool:
+    return os.environ.get("TOKENLEAP_PACKED_CACHE", "1") not in ("0", "false", "no", "off")
+
+
+@lru_cache(maxsize=1)
+def _code_hash() -> str:
+    """A digest of the code a packed model's tensors and classes come from."""
+    root = Path(tokenleap.__file__).parent
+    h = hashlib.sha256(f"{tokenleap.__version__}:{torch.__version__}".encode())
+    for sub in ("models", "kernels"):
+        for f in sorted((root / sub).iterdir()):
+            if f.suffix in (".py", ".cpp", ".h"):
+                h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def build_digest() -> str:
+    """The code's digest and what chooses the packed layouts here (read each time: tests turn the
+    kernels off within a process)."""
+    on = kernels.available()
+    machine = (on, on and kernels.vnni_supported(), on and kernels.amx_available(),
+               torch.backends.cpu.get_cpu_capability(), sorted(kernels.cpu_flags()), os.environ.get("TOKENLEAP_AMX", "1"))
+    return hashlib.sha256(f"{_code_hash()}:{machine}".encode()).hexdigest()[:16]
+
+
+def path_for(cache_dir: Path, key: str) -> Path:
+    return cache_dir / "packed" / f"{key}-{build_digest()}{_SUFFIX}"
+
+
+def load(path: Path) -> Transformer | None:
+    """The model stored at ``path`` (its tensors memory-mapped), or None: none there, or unreadable
+    (then removed, to be stored again)."""
+    if not path.is_file():
+        return None
+    try:
+        model = torch.load(path, mmap=True, weights_only=False)
+    except Exception as e:  # a torn or foreign file: rebuilt by the caller
+        log.warning("packed model %s could not be read (%s); quantizing again", path, e)
+        path.unlink(missing_ok=True)
+        return None
+    if not isinstance(model, Transformer):
+        path.unlink(missing_ok=True)
+        return None
+    model.__dict__.pop("_backend", None)  # (a choice made in another process: chosen again here)
+    return model
+
+
+def store(model: Transformer, path: Path) -> None:
+    """Save ``model`` at ``path`` (written aside, then renamed into place: a reader never sees half a
+    file) and remove the files of the same model made by other code; a failure (a full disk) only
+    loses the cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    model.__dict__.pop("_backend", None)  # (this process's choice: not stored)
+    try:
+        torch.save(model, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not keep the quantized model in %s (%s)", path.parent, e)
+        tmp.unlink(missing_ok=True)
+        return
+    stem = path.name.removesuffix(f"-{build_digest()}{_SUFFIX}")
+    for old in path.parent.glob(f"{stem}-*{_SUFFIX}"):
+        if old != path and len(old.name) == len(path.name):  # (same key, another code digest)
+            old.unlink(missing_ok=True)

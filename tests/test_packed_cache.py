@@ -1,0 +1,62 @@
+"""Quantized models kept on disk (``models/packed_cache.py``): the second load of a model reads the
+file the first one stored instead of quantizing again, and computes bitwise the same logits; a file
+made by other code or for another kernel setup is not read, an unreadable one is rebuilt, and
+``TOKENLEAP_PACKED_CACHE=0`` stores nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap import kernels
+from tokenleap.cache.contiguous import KVCache
+from tokenleap.models import packed_cache, pretrained, quant
+from tokenleap.models.transformer import Segment
+
+IDS = [1, 504, 3458, 28, 1669, 314, 2114, 30, 198, 57]
+
+
+def logits(model) -> torch.Tensor:  # [len(IDS), vocab]
+    cache = KVCache(model.config, 1, len(IDS), model.dtype)
+    return model(torch.tensor(IDS), [Segment(cache.allocate(), 0, len(IDS))], cache).logits.float()
+
+
+def packed_files(tmp_path):
+    return sorted((tmp_path / "packed").glob("*.pt"))
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])  # a GGUF's own 4-bit blocks re-packed; float weights quantized
+def test_the_second_load_reads_the_first_ones_file(smollm2_gguf, tmp_path, monkeypatch, mode):
+    first = pretrained.load_model(smollm2_gguf, quant=mode, cache_dir=tmp_path)
+    [stored] = packed_files(tmp_path)
+    assert mode in stored.name
+
+    def refused(*a, **k):
+        raise AssertionError("quantized again")
+    monkeypatch.setattr(quant, "quantize_from_gguf_", refused)
+    monkeypatch.setattr(quant, "quantize_", refused)
+    second = pretrained.load_model(smollm2_gguf, quant=mode, cache_dir=tmp_path)
+    assert torch.equal(logits(first.model), logits(second.model))
+    monkeypatch.undo()
+    monkeypatch.setenv("TOKENLEAP_PACKED_CACHE", "0")  # quantized afresh, nothing stored
+    fresh = pretrained.load_model(smollm2_gguf, quant=mode, cache_dir=tmp_path / "off")
+    assert torch.equal(logits(fresh.model), logits(second.model)) and not packed_files(tmp_path / "off")
+
+
+def test_files_of_other_code_or_kernels_are_not_read_and_a_torn_one_is_rebuilt(smollm2_gguf, tmp_path, monkeypatch,
+                                                                              caplog):
+    ref = logits(pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path).model)
+    [old] = packed_files(tmp_path)
+    monkeypatch.setattr(packed_cache, "_code_hash", lambda: "other code")
+    pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path)
+    [new] = packed_files(tmp_path)  # the other code's file replaced it
+    assert new != old
+    if kernels.available():  # the kernels off: another layout, another file
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "available", lambda: False)
+            off = packed_cache.build_digest()
+        assert off != packed_cache.build_digest()
+    new.write_bytes(b"not a model")
+    again = pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path)
+    assert "could not be read" in caplog.text and torch.equal(logits(again.model), ref)
+    [rebuilt] = packed_files(tmp_path)
+    assert rebuilt.stat().st_size > 1000
