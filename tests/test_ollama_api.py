@@ -106,6 +106,7 @@ def test_the_model_routes_describe_the_served_model(server):
     [running] = c.ps().models
     assert running.model == m.model and running.context_length == MAX_LEN
     assert httpx.get(server.url + "/api/version").json()["version"]
+    assert httpx.get(server.url + "/").text == "tokenleap is running" and httpx.head(server.url + "/").status_code == 200
     assert c.pull(NAME).status == "success"
     with pytest.raises(ollama.ResponseError) as e:
         c.pull("llama3.2")

@@ -9,7 +9,8 @@
   capabilities -- completion, tools, insert, thinking, embedding, as this model and server have them);
 - ``POST /api/pull`` of the served model: success, with nothing to download (another model: 404);
   ``/api/create``, ``/api/copy``, ``/api/push``, ``DELETE /api/delete``: a 501, since the server serves
-  the one model it was started with.
+  the one model it was started with;
+- ``GET /`` (and ``HEAD``): "tokenleap is running", where Ollama's clients check that a server is up.
 
 A request names the model as served, as one of its aliases, or either with ``:latest``; another name
 is a 404. Errors take Ollama's form, ``{"error": "..."}`` (``error_handlers.py``).
@@ -86,6 +87,7 @@ class OllamaRoutes:
                                       ("create", self.not_served, "POST"), ("copy", self.not_served, "POST"),
                                       ("push", self.not_served, "POST"), ("delete", self.not_served, "DELETE")):
             app.add_api_route(PREFIX + path, handler, methods=[method])
+        app.add_api_route("/", self.root, methods=["GET", "HEAD"], include_in_schema=False)
 
     # -- replies ----------------------------------------------------------------------------
     async def chat(self, request: HTTPRequest) -> Response:
@@ -223,6 +225,10 @@ class OllamaRoutes:
                 f"{arch}.feed_forward_length": cfg.intermediate_size, "tokenizer.ggml.model": "gpt2"}
         return {"modelfile": "", "parameters": "", "template": template, "details": details, "model_info": info,
                 "capabilities": self._capabilities(template), "modified_at": self.started}
+
+    async def root(self) -> Response:
+        """A liveness line at the root, where Ollama's clients look for their server."""
+        return Response("tokenleap is running", media_type="text/plain")
 
     async def version(self, request: HTTPRequest) -> dict[str, str]:
         self.server._auth(request)
