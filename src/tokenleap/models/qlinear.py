@@ -278,7 +278,8 @@ class Int4Linear(nn.Module):
         int8-quantized activations)."""
         if self.use_kernel:
             q, s, m = kernels.unpack_int4(self.packed, self.scales_and_mins)  # [out, in], [out, in/32] x2
-            return q.float() * s.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+            groups = q.float().view(q.shape[0], -1, 32)  # [out, in/32, 32]
+            return (groups * s.unsqueeze(-1) + m.unsqueeze(-1)).view(q.shape[0], -1)
         eye = torch.eye(self.in_features, dtype=torch.float32)  # [in, in]: run torch's kernel on an identity
         sz = self.scales_and_zeros.float()  # exact widening of bf16
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).T.contiguous()
