@@ -32,7 +32,7 @@ def server():
 
 
 def client(server) -> ollama.Client:
-    return ollama.Client(host=server.url, timeout=60)
+    return ollama.Client(host=server.url, timeout=180)
 
 
 def chat_reference(messages: list[dict], **kw):
@@ -153,6 +153,7 @@ def test_errors_take_ollamas_form(server):
             ("chat", {"messages": user, "options": {"temperature": "hot"}}, "temperature"),
             ("generate", {"prompt": "x", "template": "{{ .Prompt }}"}, "Go templates"),
             ("generate", {"prompt": "x", "images": ["AAAA"]}, "text only"),
+            ("generate", {"prompt": "x", "think": "very"}, "think"),
             ("generate", {"prompt": "x" * (MAX_LEN + 1)}, "maximum context length"),
             ("generate", {"prompt": "x", "suffix": "y"}, "fill-in-the-middle")):
         r = httpx.post(f"{server.url}/api/{path}", json={"model": NAME, "stream": False, **body}, timeout=30)
@@ -166,7 +167,7 @@ def test_errors_take_ollamas_form(server):
 
 def test_tool_calls_and_thinking_come_back_in_ollamas_fields(thinking):  # noqa: F811
     on, _ = thinking
-    c = ollama.Client(host=on.url, timeout=60)
+    c = ollama.Client(host=on.url, timeout=180)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     r = c.chat(model="m", messages=[{"role": "user", "content": "q §"}], tools=tools, options={"temperature": 0})
     assert r.message.thinking == "I need the weather." and r.message.content == "" and r.done_reason == "stop"

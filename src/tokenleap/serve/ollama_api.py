@@ -31,7 +31,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 from tokenleap.config import MAX_LOGPROBS
 from tokenleap.serve.jobs import Job
@@ -72,7 +72,7 @@ class _Body(_Strict):
     format: str | dict[str, Any] | None = None
     stream: bool | None = None  # absent: true (Ollama streams by default)
     keep_alive: str | float | None = None  # accepted, unused: the model stays loaded
-    think: bool | str | None = None  # true / false, or an effort ("low", "medium", "high"): thinking on
+    think: bool | Literal["low", "medium", "high"] | None = None  # true / false, or an effort: thinking on
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
 
@@ -136,13 +136,9 @@ def logprobs_wanted(body: _Body) -> int | None:
     return k
 
 
-def _thinking(body: _Body) -> dict[str, Any]:
-    """The chat template's thinking switch for ``think`` (absent: the template's own default)."""
-    if body.think is None:
-        return {}
-    if isinstance(body.think, str) and body.think not in ("low", "medium", "high"):
-        raise bad_request("think must be true, false, \"low\", \"medium\" or \"high\"", "think")
-    return {"chat_template_kwargs": {"enable_thinking": body.think is not False}}
+def thinking_kwargs(body: _Body) -> dict[str, Any]:
+    """The chat template's thinking switch for ``think`` (absent: none, the template's own default)."""
+    return {} if body.think is None else {"enable_thinking": body.think is not False}
 
 
 def chat_request(body: ChatBody) -> ChatRequest:
@@ -154,7 +150,7 @@ def chat_request(body: ChatBody) -> ChatRequest:
     return ChatRequest.model_construct(model=body.model, messages=messages, n=1, tools=tools or None,
                                        logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs,
                                        add_generation_prompt=True, continue_final_message=False,
-                                       **_thinking(body), **sampling_fields(body))
+                                       chat_template_kwargs=thinking_kwargs(body) or None, **sampling_fields(body))
 
 
 def _message(i: int, m: dict[str, Any], calls: list[tuple[str, str]]) -> ChatMessage:

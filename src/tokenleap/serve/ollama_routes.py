@@ -28,7 +28,7 @@ from tokenleap.config import ConfigError
 from tokenleap.models.embed import normalize_embedding
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_api import (ChatBody, GenerateBody, ReplyWriter, chat_request, created_at,
-                                        generate_request, load_reply, logprobs_wanted)
+                                        generate_request, load_reply, logprobs_wanted, thinking_kwargs)
 from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, Int64, _Strict, bad_request, chat_messages, chat_options,
                                       parse_body, structured_output)
 from tokenleap.serve.reasoning import template_thinks
@@ -144,9 +144,7 @@ class OllamaRoutes:
         if body.raw or not getattr(server.tokenizer, "chat_template", None):
             return server._encode(body.prompt or ""), False
         messages = [{"role": "system", "content": body.system}] if body.system else []
-        options: dict[str, Any] = {"add_generation_prompt": True}
-        if body.think is not None:
-            options["enable_thinking"] = body.think is not False
+        options = {"add_generation_prompt": True, **thinking_kwargs(body)}
         return server._encode_chat(messages + [{"role": "user", "content": body.prompt or ""}], ToolPlan(),
                                    options), True
 
