@@ -18,6 +18,7 @@ is a 404. Errors take Ollama's form, ``{"error": "..."}`` (``error_handlers.py``
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import torch
@@ -170,6 +171,7 @@ class OllamaRoutes:
     async def embed(self, request: HTTPRequest) -> dict[str, Any]:
         server = self.server
         server._auth(request)
+        t0 = time.monotonic()
         pooling = self.embeddings.pooling()
         body = parse_body(await request.body(), EmbedBody)
         name = self._check_model(body.model)
@@ -182,7 +184,8 @@ class OllamaRoutes:
         ids = self.embeddings.token_lists(body.input, truncate=body.truncate is not False)
         vectors = await self.embeddings.vectors(ids, pooling)
         return {"model": name, "embeddings": [normalize_embedding(v.float(), 2).tolist() for v in vectors],
-                "total_duration": 0, "load_duration": 0, "prompt_eval_count": sum(len(x) for x in ids)}
+                "total_duration": int((time.monotonic() - t0) * 1e9), "load_duration": 0,
+                "prompt_eval_count": sum(len(x) for x in ids)}
 
     async def embed_one(self, request: HTTPRequest) -> dict[str, Any]:
         server = self.server
@@ -220,7 +223,7 @@ class OllamaRoutes:
                 f"{arch}.context_length": server.engine.max_len, f"{arch}.embedding_length": cfg.hidden_size,
                 f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.attention.head_count": cfg.num_attention_heads,
                 f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-                f"{arch}.feed_forward_length": cfg.intermediate_size, "tokenizer.ggml.model": "gpt2"}
+                f"{arch}.feed_forward_length": cfg.intermediate_size}
         return {"modelfile": "", "parameters": "", "template": template, "details": details, "model_info": info,
                 "capabilities": self._capabilities(template), "modified_at": self.started}
 
