@@ -60,3 +60,15 @@ def test_files_of_other_code_or_kernels_are_not_read_and_a_torn_one_is_rebuilt(s
     assert "could not be read" in caplog.text and torch.equal(logits(again.model), ref)
     [rebuilt] = packed_files(tmp_path)
     assert rebuilt.stat().st_size > 1000
+
+
+def test_a_model_that_cannot_be_stored_still_loads(smollm2_gguf, tmp_path, monkeypatch, caplog):
+    def unpicklable(*a, **k):
+        raise TypeError("cannot pickle 'CDLL' object")
+    monkeypatch.setattr(torch, "save", unpicklable)
+    loaded = pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path)
+    assert "could not keep the quantized model" in caplog.text and not packed_files(tmp_path)
+    assert not list((tmp_path / "packed").glob("*.tmp"))
+    monkeypatch.undo()
+    assert torch.equal(logits(loaded.model), logits(pretrained.load_model(smollm2_gguf, quant="int4",
+                                                                          cache_dir=tmp_path).model))

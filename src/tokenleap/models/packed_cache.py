@@ -56,7 +56,8 @@ def build_digest() -> str:
     kernels off within a process)."""
     on = kernels.available()
     machine = (on, on and kernels.vnni_supported(), on and kernels.amx_available(),
-               torch.backends.cpu.get_cpu_capability(), sorted(kernels.cpu_flags()), os.environ.get("TOKENLEAP_AMX", "1"))
+               torch.backends.cpu.get_cpu_capability(), sorted(kernels.cpu_flags()),
+               os.environ.get("TOKENLEAP_AMX", "1"))
     return hashlib.sha256(f"{_code_hash()}:{machine}".encode()).hexdigest()[:16]
 
 
@@ -84,15 +85,15 @@ def load(path: Path) -> Transformer | None:
 
 def store(model: Transformer, path: Path) -> None:
     """Save ``model`` at ``path`` (written aside, then renamed into place: a reader never sees half a
-    file) and remove the files of the same model made by other code; a failure (a full disk) only
-    loses the cache."""
+    file) and remove the files of the same model made by other code; a failure (a full disk, a module
+    that cannot be pickled) only loses the cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     model.__dict__.pop("_backend", None)  # (this process's choice: not stored)
     try:
         torch.save(model, tmp)
         os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:  # a full disk, or a module that cannot be pickled: the load goes on uncached
         log.warning("could not keep the quantized model in %s (%s)", path.parent, e)
         tmp.unlink(missing_ok=True)
         return
