@@ -106,7 +106,8 @@ def test_the_model_routes_describe_the_served_model(server):
     [running] = c.ps().models
     assert running.model == m.model and running.context_length == MAX_LEN
     assert httpx.get(server.url + "/api/version").json()["version"]
-    assert httpx.get(server.url + "/").text == "tokenleap is running" and httpx.head(server.url + "/").status_code == 200
+    assert httpx.get(server.url + "/").text == "tokenleap is running"
+    assert httpx.head(server.url + "/").status_code == 200
     assert c.pull(NAME).status == "success"
     with pytest.raises(ollama.ResponseError) as e:
         c.pull("llama3.2")
@@ -213,6 +214,13 @@ def test_ollama_bodies_become_chat_and_completion_requests():
     assert (params.repetition_penalty, params.repetition_last_n, params.temperature) == (1.1, 64, 0.8)
     assert chat_options(chat_request(ChatBody.model_validate({"model": NAME, "messages": [], "think": False}))) == {
         "enable_thinking": False, "add_generation_prompt": True}
+    # two calls of one function: their results answer them in order
+    twice = chat_messages(chat_request(ChatBody.model_validate({"model": NAME, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}},
+                                                            {"function": {"name": "f", "arguments": {"a": 2}}}]},
+        {"role": "tool", "content": "one", "tool_name": "f"}, {"role": "tool", "content": "two", "tool_name": "f"}]})))
+    assert [m["tool_call_id"] for m in twice[2:]] == [c["id"] for c in twice[1]["tool_calls"]]
     with pytest.raises(APIError, match="only assistant messages"):
         chat_request(ChatBody.model_validate({"model": NAME, "messages": [
             {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]}))

@@ -161,9 +161,9 @@ def _message(i: int, m: dict[str, Any], calls: list[tuple[str, str]]) -> ChatMes
         raise bad_request(f"messages[{i}].content must be a string", "messages")
     if m.get("images"):
         raise bad_request(f"messages[{i}].images: this server's model reads text only", "messages")
-    if role == "tool":  # the reply to the latest call of that function (or to the earliest unanswered)
+    if role == "tool":  # the reply to the earliest unanswered call of that function (else the earliest unanswered)
         name = m.get("tool_name") or m.get("name")
-        at = next((j for j in range(len(calls) - 1, -1, -1) if calls[j][1] == name), 0 if calls else None)
+        at = next((j for j, (_, fn) in enumerate(calls) if fn == name), 0 if calls else None)
         call_id = calls.pop(at)[0] if at is not None else f"call_{i}"
         return ChatMessage(role="tool", content=content or "", tool_call_id=call_id, name=name)
     made = []
