@@ -29,6 +29,8 @@ def test_the_second_load_reads_the_first_ones_file(smollm2_gguf, tmp_path, monke
     first = pretrained.load_model(smollm2_gguf, quant=mode, cache_dir=tmp_path)
     [stored] = packed_files(tmp_path)
     assert mode in stored.name
+    [listed] = packed_cache.stored(smollm2_gguf, tmp_path)  # what `tokenleap models` shows
+    assert (listed["quant"], listed["bytes"], listed["path"]) == (mode, stored.stat().st_size, str(stored))
 
     def refused(*a, **k):
         raise AssertionError("quantized again")

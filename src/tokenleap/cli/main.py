@@ -298,7 +298,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from tokenleap.models import packed_cache
     from tokenleap.models.catalog import get_entry, list_models
+    from tokenleap.models.checkpoint import converted_dtypes
     if args.action == "install":
         if not args.name:
             raise UsageError("name the model to install: tokenleap models install NAME (see: tokenleap models)")
@@ -313,7 +315,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     for r in rows:
         size = get_entry(r["name"]).size
         r["size_bytes"] = size
-        r["converted"] = _converted_dtypes(Path(r["path"]), cache_dir) if r.get("path") else []
+        r["converted"] = converted_dtypes(Path(r["path"]), cache_dir) if r.get("path") else []
+        r["packed"] = packed_cache.stored(Path(r["path"]), cache_dir) if r.get("path") else []
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
@@ -324,26 +327,12 @@ def cmd_models(args: argparse.Namespace) -> int:
             state += ", converted (" + ", ".join(r["converted"]) + ")"
         elif r.get("installed"):
             state += ", not converted yet (the first use converts it)"
+        if r["packed"]:
+            state += ", packed (" + ", ".join(f"{p['quant']} {p['bytes'] / 2**30:.2f} GiB" for p in r["packed"]) + ")"
         print(f"{r['name']:32s} {r.get('architecture', ''):7s} {str(r.get('params', '')):>6s} {size:>9s}  {state}")
         if not r.get("installed"):
             print(f"{'':32s} install: tokenleap models install {r['name']}")
     return 0
-
-
-def _converted_dtypes(gguf: Path, cache_dir: Path | None) -> list[str]:
-    """The dtypes this GGUF has been converted to in the cache (what loads in about a second)."""
-    from tokenleap.models.catalog import default_cache_dir
-    from tokenleap.models.checkpoint import conversion_key
-    root = (cache_dir or default_cache_dir()) / "converted"
-    found = []
-    for name in ("float32", "bfloat16"):
-        try:
-            import torch
-            if (root / conversion_key(gguf, getattr(torch, name)) / "model.safetensors").is_file():
-                found.append(name)
-        except OSError:
-            pass
-    return found
 
 
 def build_parser() -> argparse.ArgumentParser:

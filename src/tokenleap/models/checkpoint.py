@@ -113,6 +113,19 @@ def model_key(source: str, gguf_path: Path | None, dtype: torch.dtype, quant: st
     return f"{path.name}-{str(dtype).removeprefix('torch.')}-{h.hexdigest()[:16]}-{quant}"
 
 
+def converted_dtypes(gguf: Path, cache_dir: Path | None = None) -> list[str]:
+    """The dtypes this GGUF has been converted to in the cache (what loads in about a second)."""
+    root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "converted"
+    found = []
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        try:
+            if (root / conversion_key(gguf, dtype) / "model.safetensors").is_file():
+                found.append(name)
+        except OSError:  # the GGUF itself unreadable
+            pass
+    return found
+
+
 def _is_complete(out: Path) -> bool:
     return all((out / n).is_file() for n in ("model.safetensors", hf.CONFIG_FILE, hf.TOKENIZER_FILE))
 

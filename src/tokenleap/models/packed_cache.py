@@ -101,3 +101,22 @@ def store(model: Transformer, path: Path) -> None:
     for old in path.parent.glob(f"{stem}-*{_SUFFIX}"):
         if old != path and len(old.name) == len(path.name):  # (same key, another code digest)
             old.unlink(missing_ok=True)
+
+
+def stored(gguf: Path, cache_dir: Path | None = None) -> list[dict]:
+    """The packed copies of this GGUF's model in the cache that this build reads: per copy its
+    quantization, dtype and size in bytes (``tokenleap models`` lists them)."""
+    from tokenleap.models.catalog import default_cache_dir
+    from tokenleap.models.checkpoint import conversion_key
+    root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "packed"
+    digest, out = build_digest(), []
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            prefix = conversion_key(gguf, dtype) + "-"
+        except OSError:
+            return out
+        for f in sorted(root.glob(f"{prefix}*-{digest}{_SUFFIX}")):
+            quant = f.name[len(prefix):].split("-", 1)[0]
+            out.append({"quant": quant, "dtype": str(dtype).removeprefix("torch."), "bytes": f.stat().st_size,
+                        "path": str(f)})
+    return out
