@@ -90,6 +90,7 @@ class EmbeddingRoutes:
                 for i, v in enumerate(vectors)]
 
     def pooling(self) -> str:
+        """The server's pooling (``--pooling``); a 501 when it serves no embeddings."""
         pooling = self.server.cfg.embeddings
         if pooling is None:
             raise APIError(501, "this server does not serve embeddings: start it with --embeddings",
@@ -97,6 +98,8 @@ class EmbeddingRoutes:
         return pooling
 
     def token_lists(self, value, truncate: bool = False) -> list[list[int]]:
+        """The inputs' token ids (a text, token ids, or a list of either); one over the context is a 400,
+        or with ``truncate`` cut to the context's length."""
         server = self.server
         texts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
         if not texts or len(texts) > MAX_INPUTS:
