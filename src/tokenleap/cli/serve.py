@@ -142,7 +142,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
     cache = engine.cache
-    print(f"tokenleap: serving {name} on http://{args.host}:{args.port}/v1 -- {cache.num_blocks} KV blocks of "
+    print(f"tokenleap: serving {name} on http://{args.host}:{args.port}/v1 (Ollama's API at /api, Anthropic's at "
+          f"/v1/messages) -- {cache.num_blocks} KV blocks of "
           f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
           f"speculation: {_speculation(engine.proposer)}, "
           f"prefix caching: {'on' if cache.prefix_caching else 'off'}", file=sys.stderr)
