@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from tokenleap.config import ConfigError
+from tokenleap.models.catalog import CATALOG
 from tokenleap.models.embed import normalize_embedding
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_api import (ChatBody, GenerateBody, ReplyWriter, chat_request, created_at,
@@ -273,7 +274,8 @@ class OllamaRoutes:
             from tokenleap.models.quant import weight_bytes
             server = self.server
             model = server.engine.model
-            gguf = any(a.endswith(".gguf") for a in (server.cfg.model_name, *server.cfg.model_aliases))
+            names = (server.cfg.model_name, *server.cfg.model_aliases)
+            gguf = any(a.endswith(".gguf") or a in CATALOG for a in names)  # (the catalog's models are GGUFs)
             quant = server.cfg.quantization or _DTYPE_LABELS.get(model.dtype, str(model.dtype))
             self._size = weight_bytes(model)
             self._details = {"parent_model": "", "format": "gguf" if gguf else "safetensors",
