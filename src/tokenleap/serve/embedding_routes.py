@@ -55,16 +55,10 @@ class EmbeddingRoutes:
     async def embeddings(self, request: HTTPRequest) -> dict[str, Any]:
         server = self.server
         server._auth(request)
-        pooling = self.pooling()
-        if pooling == "none":
-            raise bad_request("this server pools no embeddings (--pooling none): per-token vectors are not "
-                              "OpenAI-compatible; ask llama.cpp's POST /embedding for them", "input")
+        pooling = self.pooled("input")
         req = parse_body(await request.body(), EmbeddingRequest)
         server._check_model(req.model)
-        hidden = server.engine.model.config.hidden_size
-        if req.dimensions is not None and req.dimensions != hidden:
-            raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
-                              "shortened", "dimensions")
+        self.check_dimensions(req.dimensions)
         ids = self.token_lists(req.input)
         vectors = await self.vectors(ids, pooling)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(normalize_embedding(v, 2),
@@ -96,6 +90,22 @@ class EmbeddingRoutes:
             raise APIError(501, "this server does not serve embeddings: start it with --embeddings",
                            "not_implemented_error", None, "embeddings_off")
         return pooling
+
+    def pooled(self, param: str) -> str:
+        """``pooling()``, refusing ``--pooling none``: the routes that answer one vector an input
+        (``param``: the input's field, named in the 400)."""
+        pooling = self.pooling()
+        if pooling == "none":
+            raise bad_request("this server pools no embeddings (--pooling none): per-token vectors are not "
+                              "OpenAI-compatible; ask llama.cpp's POST /embedding for them", param)
+        return pooling
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """A request's ``dimensions``: the model's own, or none given (vectors are not shortened)."""
+        hidden = self.server.engine.model.config.hidden_size
+        if dimensions is not None and dimensions != hidden:
+            raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
+                              "shortened", "dimensions")
 
     def token_lists(self, value, truncate: bool = False) -> list[list[int]]:
         """The inputs' token ids (a text, token ids, or a list of either); one over the context is a 400,

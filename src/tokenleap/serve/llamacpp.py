@@ -38,7 +38,7 @@ from fastapi.responses import Response
 from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import MAX_PROMPTS, APIError, CompletionRequest, Int64, _Strict, bad_request, \
-    check_max_tokens, parse_body, structured_output
+    check_max_tokens, parse_body, repeat_window, structured_output
 from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now, token_logprob_entries
 from tokenleap.text.fim import encode_fim
 
@@ -78,17 +78,13 @@ class _LlamaSampling(_Strict):
                               "probabilities (its raw logits)", "post_sampling_probs")
         if self.n_probs is not None and not 0 <= self.n_probs <= MAX_LOGPROBS:
             raise bad_request(f"n_probs must be in [0, {MAX_LOGPROBS}], got {self.n_probs}", "n_probs")
-        last_n = given(self.repeat_last_n, 64)
-        if last_n < -1:
-            raise bad_request(f"repeat_last_n must be -1 (the whole context), 0 (off) or more, got {last_n}",
-                              "repeat_last_n")
         return CompletionRequest.model_construct(**{
             **{name: field.default for name, field in CompletionRequest.model_fields.items()},
             "model": self.model, "prompt": "", "temperature": given(self.temperature, 0.8),
             "top_k": given(self.top_k, 40), "top_p": given(self.top_p, 0.95), "min_p": given(self.min_p, 0.05),
             "seed": None if self.seed in (None, -1) else self.seed, "stop": self.stop, "stream": bool(self.stream),
-            "ignore_eos": bool(self.ignore_eos), "repetition_penalty": self.repeat_penalty if last_n else None,
-            "repetition_last_n": max(last_n, 0),
+            "ignore_eos": bool(self.ignore_eos),
+            **repeat_window(self.repeat_penalty, given(self.repeat_last_n, 64), "repeat_last_n"),
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "max_tokens": None if self.n_predict in (None, -1) else self.n_predict, "n": given(self.n_cmpl, 1),
             "logit_bias": _bias(self.logit_bias, lambda text: server._encode(text, False, "logit_bias")) or None,

@@ -36,7 +36,7 @@ from typing import Any, Literal
 from tokenleap.config import MAX_LOGPROBS
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import (ChatMessage, ChatRequest, CompletionRequest, FunctionCall, Int64,
-                                      ResponseFormat, ToolCall, _Strict, bad_request)
+                                      ResponseFormat, ToolCall, _Strict, bad_request, repeat_window)
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.reply_stream import ReplyStream
 from tokenleap.serve.responses import Scored, TokenText, token_logprob_entries
@@ -103,15 +103,10 @@ def sampling_fields(body: _Body) -> dict[str, Any]:
     def given(name: str) -> Any:
         value = getattr(o, name)
         return DEFAULT_OPTIONS[name] if value is None else value
-    last_n = given("repeat_last_n")
-    if last_n < -1:
-        raise bad_request(f"options.repeat_last_n must be -1 (the whole context), 0 (off) or more, got {last_n}",
-                          "options")
-    penalty = given("repeat_penalty") if last_n else 1.0
     return {"temperature": given("temperature"), "top_k": given("top_k"), "top_p": given("top_p"),
             "min_p": o.min_p, "seed": None if o.seed is None or o.seed < 0 else o.seed,
             "stop": o.stop, "presence_penalty": o.presence_penalty, "frequency_penalty": o.frequency_penalty,
-            "repetition_penalty": penalty, "repetition_last_n": max(last_n, 0),
+            **repeat_window(given("repeat_penalty"), given("repeat_last_n"), "options.repeat_last_n"),
             "max_tokens": None if o.num_predict is None or o.num_predict < 0 else o.num_predict,
             "response_format": _response_format(body.format), "stream": body.stream is not False}
 

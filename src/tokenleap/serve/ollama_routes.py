@@ -173,15 +173,10 @@ class OllamaRoutes:
         server = self.server
         server._auth(request)
         t0 = time.monotonic()
-        pooling = self.embeddings.pooling()
+        pooling = self.embeddings.pooled("input")
         body = parse_body(await request.body(), EmbedBody)
         name = self._check_model(body.model)
-        hidden = server.engine.model.config.hidden_size
-        if body.dimensions is not None and body.dimensions != hidden:
-            raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
-                              "shortened", "dimensions")
-        if pooling == "none":
-            raise bad_request("this server pools no embeddings (--pooling none)", "input")
+        self.embeddings.check_dimensions(body.dimensions)
         ids = self.embeddings.token_lists(body.input, truncate=body.truncate is not False)
         vectors = await self.embeddings.vectors(ids, pooling)
         return {"model": name, "embeddings": [normalize_embedding(v.float(), 2).tolist() for v in vectors],
@@ -191,11 +186,9 @@ class OllamaRoutes:
     async def embed_one(self, request: HTTPRequest) -> dict[str, Any]:
         server = self.server
         server._auth(request)
-        pooling = self.embeddings.pooling()
+        pooling = self.embeddings.pooled("prompt")
         body = parse_body(await request.body(), EmbeddingsBody)
         self._check_model(body.model)
-        if pooling == "none":
-            raise bad_request("this server pools no embeddings (--pooling none)", "prompt")
         if not body.prompt:
             return {"embedding": []}
         vector, = await self.embeddings.vectors(self.embeddings.token_lists(body.prompt, truncate=True), pooling)

@@ -286,6 +286,16 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
         raise bad_request(message, param if param.isidentifier() else None) from None
 
 
+def repeat_window(penalty: float | None, last_n: int, param: str) -> dict[str, Any]:
+    """llama.cpp's and Ollama's repeat penalty over the last ``last_n`` tokens (-1: the whole context,
+    0: no penalty) as the ``repetition_penalty`` / ``repetition_last_n`` fields; a 400 naming
+    ``param`` for another negative window."""
+    if last_n < -1:
+        raise bad_request(f"{param} must be -1 (the whole context), 0 (off) or more, got {last_n}",
+                          param.split(".")[0])
+    return {"repetition_penalty": penalty if last_n else None, "repetition_last_n": max(last_n, 0)}
+
+
 def sampling_fields(req: _Sampling) -> dict[str, Any]:
     """``req``'s sampling fields by name (to carry them into another request type)."""
     return {name: getattr(req, name) for name in _Sampling.model_fields}
