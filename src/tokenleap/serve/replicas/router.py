@@ -7,15 +7,24 @@ replicas instead of always going to the first one listed.
 deployment handle that calls the replicas). A replica's load is its number of ongoing requests:
 Ray's live count for the handle (incremented as requests are sent, corrected by probing the
 replicas), or, where that count is missing or stale, what the replica last reported in its
-routing stats. The ingress passes each request's ``affinity`` key (``affinity_key``: a hash of
-the prompt's first window of text) as a keyword argument of the replica call.
+routing stats; plus the requests this router has just picked it for that Ray has not yet counted
+(``PickLedger``). Ray routes a burst of requests before it counts the first one sent, so without
+those picks every request of the burst would see the same loads and go to the same replica.
+
+The router hands Ray one replica per rank, in its own order, so that Ray takes its first pick
+rather than re-deciding among equals by its own count (which lacks the pending picks). A replica
+whose live count has lapsed is given its last report as its count, since otherwise Ray would probe
+it with a 0.1 s deadline that a busy machine misses, and route to the next replica every time.
+The ingress passes each request's ``affinity`` key (``affinity_key``: a hash of the prompt's
+first window of text) as a keyword argument of the replica call.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
-from collections.abc import Hashable
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -73,6 +82,34 @@ def rank_by_load(loads: dict[Hashable, int], preferred: Hashable | None,
     return ordered
 
 
+class PickLedger:
+    """Replicas picked for requests that Ray has not yet counted as sent to them. ``sent`` drops a
+    replica's oldest pick; a pick Ray never sends (it routed elsewhere, or the request was
+    cancelled) lapses after ``ttl_s``."""
+
+    def __init__(self, ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._picks: dict[Hashable, deque[float]] = {}  # replica -> times it was picked, oldest first
+
+    def pick(self, replica: Hashable) -> None:
+        self._picks.setdefault(replica, deque()).append(self._clock())
+
+    def sent(self, replica: Hashable) -> None:
+        picks = self._picks.get(replica)
+        if picks:
+            picks.popleft()
+
+    def pending(self, replica: Hashable) -> int:
+        picks = self._picks.get(replica)
+        if not picks:
+            return 0
+        oldest = self._clock() - self._ttl_s
+        while picks and picks[0] < oldest:
+            picks.popleft()
+        return len(picks)
+
+
 class LoadAffinityRouter(FIFOMixin, RequestRouter):
     """Least ongoing requests first; ties go to the replica that served the same prompt start."""
 
@@ -82,12 +119,15 @@ class LoadAffinityRouter(FIFOMixin, RequestRouter):
         self._max_keys = max_keys
         self._routed = 0  # requests routed so far
         self._last_routed: dict[ReplicaID, int] = {}  # replica -> value of _routed when last chosen
+        self._picks = PickLedger()
 
     def _load(self, replica: RunningReplica) -> int:
-        live = self.replica_queue_len_cache.get(replica.replica_id)
-        if live is not None:
-            return live
-        return int((replica.routing_stats or {}).get("requests", 0))
+        cache = self.replica_queue_len_cache
+        live = cache.get(replica.replica_id)
+        if live is None:
+            live = int((replica.routing_stats or {}).get("requests", 0))
+            cache.update(replica.replica_id, live)
+        return live + self._picks.pending(replica.replica_id)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -97,7 +137,13 @@ class LoadAffinityRouter(FIFOMixin, RequestRouter):
         key = _key(pending_request)
         preferred = self._last.get(key) if key is not None else None
         ranks = rank_by_load({rid: self._load(r) for rid, r in by_id.items()}, preferred, self._last_routed)
-        return [[by_id[rid] for rid in rank] for rank in ranks]
+        order = [rid for rank in ranks for rid in rank]
+        self._picks.pick(order[0])
+        return [[by_id[rid]] for rid in order]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self._picks.sent(replica_id)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._routed += 1
