@@ -11,7 +11,7 @@ import torch
 
 from tokenleap.config import SamplingParams
 from tokenleap.serve.app import ServerConfig, create_app
-from tokenleap.serve.ollama_api import ChatBody, GenerateBody, chat_request, generate_request
+from tokenleap.serve.ollama_api import ChatBody, GenerateBody, chat_request, fit_history, generate_request
 from tokenleap.serve.protocol import APIError, chat_messages, chat_options, sampling_params
 from tokenleap.serve.scheduler import SchedulerConfig
 
@@ -83,6 +83,52 @@ def test_generate_continues_its_context_and_stops_where_asked(server):
     # nothing to generate from: the model is loaded, as Ollama answers it
     assert c.generate(model=NAME).done_reason == "load" and c.chat(model=NAME, messages=[]).done_reason == "load"
     assert c.generate(model=NAME, keep_alive=0).done_reason == "unload"
+
+
+def test_a_conversation_over_the_window_loses_its_oldest_turns(server):
+    c = client(server)
+    turns = [{"role": "system", "content": "be brief"}]
+    for i in range(6):
+        turns += [{"role": "user", "content": f"question {i} " + "q" * 12}, {"role": "assistant", "content": "a" * 14}]
+    turns.append({"role": "user", "content": "and the last one?"})
+    tok = ChatToyTokenizer(VOCAB)
+    length = lambda messages: len(tok.encode(tok.apply_chat_template(messages)))  # noqa: E731
+    assert length(turns) > 300
+    # num_ctx 100: the system message, then the latest turns that fit with room for the reply
+    r = c.chat(model=NAME, messages=turns, options={"temperature": 0, "num_ctx": 100, "num_predict": 6})
+    kept = next(turns[:1] + turns[i:] for i in range(1, len(turns), 2) if length(turns[:1] + turns[i:]) < 100)
+    assert kept != turns and kept[-1] == turns[-1]
+    prompt, ref = chat_reference(kept, max_tokens=6, temperature=0, repetition_penalty=1.1, repetition_last_n=64)
+    assert r.prompt_eval_count == len(prompt) and r.message.content == ref.text
+    # without num_predict the reply may fill the window's room, and no more
+    r = c.chat(model=NAME, messages=kept, options={"temperature": 0, "num_ctx": len(prompt) + 3})
+    assert r.eval_count <= 3 and (r.eval_count < 3 or r.done_reason == "length")
+    # truncate false, or a last message that alone overflows the window: a 400
+    for body in ({"messages": turns, "options": {"num_ctx": 100}, "truncate": False},
+                 {"messages": turns[-1:], "options": {"num_ctx": 10}}, {"messages": turns, "options": {"num_ctx": 0}}):
+        r = httpx.post(f"{server.url}/api/chat", json={"model": NAME, "stream": False, **body}, timeout=30)
+        assert r.status_code == 400 and "num_ctx" in r.json()["error"], r.text
+    # generate: the oldest tokens of the context go
+    context = tok.encode("0123456789" * 8)
+    r = c.generate(model=NAME, prompt="abc", raw=True, context=context,
+                   options={"temperature": 0, "num_ctx": 60, "num_predict": 4})
+    cut = context[len(context) + 3 + 1 - 60:] + tok.encode("abc")
+    assert r.prompt_eval_count == len(cut) == 59
+    assert r.response == alone(cut, SamplingParams(max_tokens=1, repetition_penalty=1.1, repetition_last_n=64)).text
+
+
+def test_fit_history_keeps_the_system_message_and_the_latest_turns():
+    encode = lambda ms: [0] * sum(len(m["content"]) for m in ms)  # noqa: E731 (a token a character)
+    turns = [{"role": "system", "content": "S" * 10}, {"role": "user", "content": "u" * 20},
+             {"role": "assistant", "content": "a" * 20}, {"role": "user", "content": "v" * 20},
+             {"role": "assistant", "content": "b" * 20}, {"role": "user", "content": "w" * 5}]
+    assert len(fit_history(turns, encode, 96)) == 95  # everything fits
+    assert len(fit_history(turns, encode, 95)) == 55  # the first turn goes: system, then from the 2nd user
+    assert len(fit_history(turns, encode, 55)) == 15  # system and the last message
+    assert len(fit_history(turns, encode, 10)) == 15  # nothing fits: the shortest (a 400 for the caller)
+    # a system message anywhere stays
+    mid = turns[:3] + [{"role": "system", "content": "T" * 3}] + turns[3:]
+    assert len(fit_history(mid, encode, 60)) == 58
 
 
 def test_logprobs_come_with_each_token(server):

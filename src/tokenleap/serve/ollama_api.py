@@ -17,8 +17,14 @@ scheduler, sampling and speculation as ``/v1/chat/completions`` and ``/v1/comple
 (-1: the whole context, 0: none); ``num_predict`` (-1 or -2: up to the context's end), ``seed``
 (negative: unseeded), ``stop``, ``min_p``, ``presence_penalty``, ``frequency_penalty``. Samplers
 tokenleap does not have (``mirostat``, ``typical_p`` and ``tfs_z`` away from their neutral values)
-get a 400; load-time options (``num_ctx``, ``num_gpu``, ``num_thread`` ...) and ``keep_alive``
-are accepted and unused: the model and its context are the server's. Images get a 400.
+get a 400; load-time options (``num_gpu``, ``num_thread`` ...) and ``keep_alive`` are accepted and
+unused: the model is the server's. Images get a 400.
+
+``num_ctx`` is the request's context window (at most the server's ``--max-model-len``; absent: that
+length): a prompt that does not fit loses its oldest turns, as Ollama drops them -- system messages
+and the last message stay, the rest kept from the latest user turn back as far as the window allows
+(generate: the oldest tokens of ``context``) -- unless ``truncate`` is false, which makes it a 400; so
+does a prompt that still does not fit. The reply may fill what the window leaves.
 
 Replies stream by default (``stream`` absent or true), as Ollama's do: one JSON object a line, each
 piece of the reply with ``done: false``, then a last object with ``done: true``, ``done_reason``
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -50,6 +56,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9
 class Options(_Strict):
     """The runtime options tokenleap honours or checks; others (load-time ones) are ignored."""
 
+    num_ctx: Int64 | None = None
     num_predict: Int64 | None = None
     temperature: float | None = None
     top_k: Int64 | None = None
@@ -75,6 +82,7 @@ class _Body(_Strict):
     think: bool | Literal["low", "medium", "high"] | None = None  # true / false, or an effort: thinking on
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
+    truncate: bool | None = None  # absent: true (a prompt over the window loses its oldest turns)
 
 
 class ChatBody(_Body):  # POST /api/chat
@@ -134,6 +142,39 @@ def logprobs_wanted(body: _Body) -> int | None:
 def thinking_kwargs(body: _Body) -> dict[str, Any]:
     """The chat template's thinking switch for ``think`` (absent: none, the template's own default)."""
     return {} if body.think is None else {"enable_thinking": body.think is not False}
+
+
+def context_window(body: _Body, max_len: int) -> int:
+    """The tokens prompt and reply may fill: ``options.num_ctx`` up to ``max_len`` (absent: ``max_len``)."""
+    n = (body.options or Options()).num_ctx
+    if n is None:
+        return max_len
+    if n < 1:
+        raise bad_request(f"options.num_ctx must be >= 1, got {n}", "options")
+    return min(n, max_len)
+
+
+def fit_history(messages: list[dict[str, Any]], encode: Callable[[list[dict[str, Any]]], list[int]],
+                window: int) -> list[int]:
+    """The ids of the most of the conversation that fits ``window`` with room for a reply token:
+    every system message and the last message, and the other messages from the latest user turn
+    (or the last message) that fits back; all of them when they fit. Ollama drops the oldest turns
+    the same way. Fewer kept messages never render longer, so the cut is found by bisection."""
+    ids = encode(messages)
+    if len(ids) < window:
+        return ids
+    last = len(messages) - 1
+    starts = [i for i, m in enumerate(messages) if 0 < i < last and m.get("role") == "user"] + [last]
+    best, lo, hi = None, 0, len(starts) - 1
+    while lo <= hi:  # the earliest start whose rendering fits
+        mid = (lo + hi) // 2
+        kept = [m for i, m in enumerate(messages) if i >= starts[mid] or m.get("role") == "system"]
+        candidate = encode(kept)
+        if len(candidate) < window:
+            best, hi = candidate, mid - 1
+        else:
+            lo = mid + 1
+    return best if best is not None else candidate  # none fits: the last tried, the shortest
 
 
 def chat_request(body: ChatBody) -> ChatRequest:

@@ -29,8 +29,9 @@ from tokenleap.config import ConfigError
 from tokenleap.models.catalog import CATALOG
 from tokenleap.models.embed import normalize_embedding
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
-from tokenleap.serve.ollama_api import (ChatBody, GenerateBody, ReplyWriter, chat_request, created_at,
-                                        generate_request, load_reply, logprobs_wanted, thinking_kwargs)
+from tokenleap.serve.ollama_api import (ChatBody, GenerateBody, ReplyWriter, chat_request, context_window,
+                                        created_at, fit_history, generate_request, load_reply, logprobs_wanted,
+                                        thinking_kwargs)
 from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, Int64, _Strict, bad_request, chat_messages, chat_options,
                                       parse_body, structured_output)
 from tokenleap.serve.reasoning import template_thinks
@@ -104,8 +105,11 @@ class OllamaRoutes:
         server._check(chat)
         logprobs = logprobs_wanted(body)
         tools = server._plan_tools(chat)
-        prompt = server._encode_chat(chat_messages(chat), tools, chat_options(chat))
-        job = await server._start(chat, [prompt], [self._budget(chat.max_tokens, len(prompt))],
+        window = context_window(body, server.engine.max_len)
+        messages, options = chat_messages(chat), chat_options(chat)
+        encode = lambda kept: server._encode_chat(kept, tools, options)  # noqa: E731
+        prompt = fit_history(messages, encode, window) if body.truncate is not False else encode(messages)
+        job = await server._start(chat, [prompt], [self._budget(chat.max_tokens, len(prompt), window)],
                                   tools.grammar or structured_output(chat), logprobs)
         writer = ReplyWriter(name, True, job, tools, server._reasoning(chat, prompt),
                              server._token_text(logprobs is not None))
@@ -122,12 +126,16 @@ class OllamaRoutes:
         req.model = None
         server._check(req)
         logprobs = logprobs_wanted(body)
+        window = context_window(body, server.engine.max_len)
         ids, templated = self._prompt(body, req)
         if body.context:
-            ids = server._encode(list(body.context), param="context") + ids
+            context = server._encode(list(body.context), param="context")
+            if body.truncate is not False:  # the oldest tokens go where the window is short of room
+                context = context[max(0, len(context) + len(ids) + 1 - window):]
+            ids = context + ids
         reasoning = server._reasoning(ChatRequest.model_construct(), ids) if templated else None
-        job = await server._start(req, [ids], [self._budget(req.max_tokens, len(ids))], structured_output(req),
-                                  logprobs)
+        job = await server._start(req, [ids], [self._budget(req.max_tokens, len(ids), window)],
+                                  structured_output(req), logprobs)
         writer = ReplyWriter(name, False, job, ToolPlan(), reasoning, server._token_text(logprobs is not None),
                              context=ids)
         return await self._answer(request, job, writer, req.stream, "generate")
@@ -150,13 +158,15 @@ class OllamaRoutes:
         return server._encode_chat(messages + [{"role": "user", "content": body.prompt or ""}], ToolPlan(),
                                    options), True
 
-    def _budget(self, requested: int | None, prompt_len: int) -> int:
-        """Tokens the reply may have: ``num_predict`` (None: up to the context's end), cut to the room
-        the context leaves, as Ollama stops there; a 400 when the prompt leaves none."""
-        room = self.server.engine.max_len - prompt_len
+    def _budget(self, requested: int | None, prompt_len: int, window: int) -> int:
+        """Tokens the reply may have: ``num_predict`` (None: up to the window's end), cut to the room
+        the ``window`` leaves, as Ollama stops there; a 400 when the prompt leaves none."""
+        room = window - prompt_len
         if room < 1:
-            raise bad_request(f"this model's maximum context length is {self.server.engine.max_len} tokens; the "
-                              f"prompt has {prompt_len}", "prompt", "context_length_exceeded")
+            limit = ("this model's maximum context length" if window == self.server.engine.max_len
+                     else "the context window (options.num_ctx)")
+            raise bad_request(f"{limit} is {window} tokens; the prompt has {prompt_len}", "prompt",
+                              "context_length_exceeded")
         if requested is not None and requested < 1:
             raise bad_request(f"options.num_predict must be -1, -2 or >= 1, got {requested}", "options")
         return min(requested or room, room)
