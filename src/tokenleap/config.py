@@ -256,6 +256,9 @@ class SpecConfig:
     # 2: a one-token match rarely predicts what follows (replayed on Qwen2.5-Coder's outputs, 10-27%
     # of their first guesses right, against 43-58% after two-token matches and 57-94% after four)
     ngram_min: int = 2
+    # n-gram lookup (and a cascade's guesses) also in the last N tokens of earlier outputs (0: off;
+    # spec/proposers/output_pool.py): text the target wrote for other requests, matched 3-8 tokens long
+    ngram_pool: int = 0
     # token trees (draft model: dynamic trees; n-gram: tries): "auto" the controller chooses plain, a chain or
     # a tree (budget <= max_tree_nodes, depth) per step from measured costs | "on": always trees | "off": chains
     tree: str = "auto"
@@ -289,6 +292,8 @@ class SpecConfig:
                f"num_tokens must be 'auto' or an integer >= 1, got {self.num_tokens!r}")
         _check(isinstance(self.max_num_tokens, int) and self.max_num_tokens >= 1,
                f"max_num_tokens must be an integer >= 1, got {self.max_num_tokens!r}")
+        _check(isinstance(self.ngram_pool, int) and not isinstance(self.ngram_pool, bool) and self.ngram_pool >= 0,
+               f"ngram_pool must be an integer >= 0 (tokens of earlier outputs; 0: off), got {self.ngram_pool!r}")
         _check(1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         _check(self.tree in ("auto", "on", "off"), f"tree must be 'auto', 'on' or 'off', got {self.tree!r}")

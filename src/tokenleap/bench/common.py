@@ -14,12 +14,13 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     # tree=auto|on|off (default off: chains), nodes: its budget; model=NAME: this method's draft instead of --draft;
     # stop=on|off: a chain cut short where the draft is unsure (default on, with an adaptive k)
     "draft": ("k", "kmax", "vocab", "tree", "nodes", "model", "stop"),
-    "ngram": ("k", "kmax", "max", "min", "tree", "nodes"),
+    # pool=N: n-gram lookup also in the last N tokens of the earlier prompts' outputs (--ngram-pool)
+    "ngram": ("k", "kmax", "max", "min", "tree", "nodes", "pool"),
     "draft-tree": ("k", "kmax", "vocab", "nodes"),  # token trees of at most `nodes` drafted nodes, k deep
     "ngram-tree": ("k", "kmax", "max", "min", "nodes"),
-    "cascade": ("k", "kmax", "vocab", "model", "stop"),  # draft, its own steps speculated by n-gram lookup (--draft-spec ngram)
+    "cascade": ("k", "kmax", "vocab", "model", "stop", "pool"),  # draft, its own steps speculated by n-gram lookup (--draft-spec ngram)
     "lookahead": ("k", "kmax", "window", "ngram", "guesses", "max"),  # max: the text lookup's longest match
-    "auto": ("k", "kmax", "max", "min", "vocab", "stop"),  # per request and step: n-gram, the --draft model, ... or plain
+    "auto": ("k", "kmax", "max", "min", "vocab", "stop", "pool"),  # per request and step: n-gram, the --draft model, ... or plain
     # skip=auto (calibrated, stored per model) or a list like 4-6+10-14; lookup=on|off: copied text by prompt lookup
     "layerskip": ("k", "kmax", "skip", "lookup"),
     "hf-plain": (),

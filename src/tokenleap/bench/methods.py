@@ -18,6 +18,8 @@ from tokenleap.models.pretrained import LoadedModel, load_model, resolve_dtype
 from tokenleap.bench.common import (AUTO_K_FAMILIES, FAMILIES, PEER, TOKENLEAP, TREE_MODES, TREE_NODES, BenchError,
                                     BenchMethod, Generation, MethodInfo)
 from tokenleap.bench.machine import memory_status
+from tokenleap.spec.proposers.base import forget_outputs
+from tokenleap.spec.proposers.factory import output_pool
 
 @dataclass(frozen=True)
 class MethodSpec:
@@ -169,6 +171,11 @@ class TokenleapMethod:
         self.name = name
         self.engine = engine
 
+    def forget_outputs(self) -> None:
+        """Empty the proposer's pools of earlier outputs (after the warm-up, whose prompt is measured)."""
+        if self.engine.proposer is not None:
+            forget_outputs(self.engine.proposer)
+
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         t0 = time.perf_counter()
         seq = None
@@ -179,6 +186,10 @@ class TokenleapMethod:
         stats = {**st.to_dict(), "position_proposed": list(st.position_proposed),
                  "position_accepted": list(st.position_accepted)}
         return Generation(list(seq.generated), seq.text, seconds, seq.finish_reason, stats)
+
+
+def _pool_spec(spec: MethodSpec) -> SpecConfig:
+    return SpecConfig(ngram_pool=int(spec.get("pool", 0)))
 
 
 def _tree_mode(spec: MethodSpec) -> str:
@@ -200,14 +211,14 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     family = spec.family.removesuffix("-tree")  # a tree method drafts like its chain family
     if family == "ngram":
         from tokenleap.spec.proposers.ngram import NgramProposer
-        proposer = NgramProposer(int(spec.get("max", 4)), ngram_min(spec))
+        proposer = NgramProposer(int(spec.get("max", 4)), ngram_min(spec), output_pool(_pool_spec(spec)))
     elif family in ("draft", "cascade"):  # a draft of another tokenizer drafts through text (cross_tokenizer.py)
         from tokenleap.spec.proposers.factory import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
         draft = pool.draft(spec.name, spec.get("model"))
         proposer = draft_proposer(draft, target.model.config.vocab_size, max_len, draft_vocab=vocab,
                                   draft_spec="ngram" if family == "cascade" else None,
-                                  target_tokenizer=target.tokenizer)
+                                  target_tokenizer=target.tokenizer, pool=output_pool(_pool_spec(spec)))
     nodes = int(spec.get("nodes", TREE_NODES)) if _tree_mode(spec) != "off" else 0
     if family == "lookahead":
         from tokenleap.spec.proposers.factory import lookahead_proposer
@@ -237,7 +248,7 @@ def _auto(spec: MethodSpec, pool: ModelPool):
     o = pool.opts
     k = spec.get("k", "auto")
     cfg = SpecConfig(method="auto", draft_model=o.draft, num_tokens=k, max_num_tokens=int(spec.get("kmax", 8)),
-                     ngram_max=int(spec.get("max", 4)), ngram_min=ngram_min(spec),
+                     ngram_max=int(spec.get("max", 4)), ngram_min=ngram_min(spec), ngram_pool=int(spec.get("pool", 0)),
                      draft_vocab=int(spec.get("vocab", SpecConfig.draft_vocab)) or None)
     draft = pool.draft(spec.name) if o.draft else None
     return auto_proposer(cfg, pool.target(), draft, o.max_len, 1, o.cache_dir)

@@ -165,6 +165,7 @@ class _Run:
             method = self.methods[name]
             try:
                 method.generate(self.prompt_ids[0], self.params(0, min(self.s.warmup_tokens, self.s.max_new_tokens)))
+                getattr(method, "forget_outputs", lambda: None)()  # (prompt 0 is measured next)
             except Exception as e:
                 if method.kind != PEER:
                     raise

@@ -61,6 +61,9 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     missing_draft = [s.name for s in specs if s.family in _NEEDS_DRAFT]
     if missing_draft and not draft:
         raise BenchError(f"method(s) {', '.join(missing_draft)} need a draft model: pass --draft MODEL")
+    pooled = [s.name for s in specs if s.get("pool")]
+    if pooled and repeats > 1:  # a repeat would draft from the output of the one before it
+        raise BenchError(f"method(s) {', '.join(pooled)} keep earlier outputs (pool=N): run them with --repeats 1")
     ds = load_dataset(dataset, limit)
     check_out_dir(Path(out), resume)  # before any model loads
     threads = threads or torch.get_num_threads()

@@ -82,6 +82,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=positive_int, default=None,
                    help=f"shortest suffix match n-gram lookup drafts from (default {SpecConfig.ngram_min}, "
                         "at most --ngram-max)")
+    p.add_argument("--ngram-pool", type=non_negative_int, default=SpecConfig.ngram_pool, metavar="TOKENS",
+                   help="n-gram lookup (and a cascade's guesses) also in the last TOKENS tokens of earlier "
+                        "requests' outputs: text the target wrote before (0: off)")
     p.add_argument("--spec-tree", choices=["auto", "on", "off"], default="auto",
                    help="token trees (a draft model's dynamic trees, n-gram tries): auto (default) a tree where "
                         "the measured costs say it pays, a chain or plain decoding where not; on: always trees; "
@@ -141,7 +144,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       draft_vocab=args.draft_vocab or None,
                       num_tokens=args.num_spec_tokens, max_num_tokens=args.max_spec_tokens,
                       ngram_max=args.ngram_max,
-                      ngram_min=args.ngram_min or default_ngram_min(args.ngram_max), tree=args.spec_tree,
+                      ngram_min=args.ngram_min or default_ngram_min(args.ngram_max), ngram_pool=args.ngram_pool,
+                      tree=args.spec_tree,
                       max_tree_nodes=args.max_tree_nodes, lookahead_window=args.lookahead_window,
                       lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses,
                       skip_layers=args.skip_layers or "auto", layerskip_lookup=args.skip_lookup == "on")

@@ -29,7 +29,7 @@ from tokenleap.spec.logprobs import token_logprobs
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.backend import prefix_windows
 from tokenleap.models.transformer import Segment, Transformer
-from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer, begin_sequence
+from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer, begin_sequence, remember_output
 from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport, outcome, record_stats
 from tokenleap.spec.sampling import request_randomness
 from tokenleap.spec.sequence import Sequence
@@ -130,6 +130,8 @@ class Engine:
             seq.finish_reason = "abort"
         else:
             self.lengths.finished(seq)
+            if self.proposer is not None:
+                remember_output(self.proposer, seq.generated)
 
     def expected_remaining(self, seq: Sequence) -> float:
         """Tokens ``seq`` may still generate, what a draft's catch-up is weighed against (``lengths.py``)."""

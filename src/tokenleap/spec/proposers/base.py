@@ -138,6 +138,24 @@ def begin_sequence(proposer: Proposer, seq_id: int, prompt: list[int], predictio
                 predict(seq_id, list(prediction))
 
 
+def remember_output(proposer: Proposer, output: list[int]) -> None:
+    """A finished sequence's output to the output pool (``output_pool.py``) of each part of the
+    proposer that looks text up in one -- once per pool, however many parts share it."""
+    for pool in _pools(proposer):
+        pool.add(output)
+
+
+def forget_outputs(proposer: Proposer) -> None:
+    """Empty every output pool the proposer's parts look text up in."""
+    for pool in _pools(proposer):
+        pool.clear()
+
+
+def _pools(proposer) -> list:
+    pools = {id(pool): pool for part in _parts(proposer) if (pool := getattr(part, "output_pool", None)) is not None}
+    return list(pools.values())
+
+
 def _parts(proposer) -> list:
     """The proposer and, recursively, the proposers it is made of (``parts``)."""
     return [proposer] + [q for p in getattr(proposer, "parts", ()) for q in _parts(p)]

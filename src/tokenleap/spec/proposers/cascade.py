@@ -25,6 +25,7 @@ from tokenleap.models.transformer import Segment
 from tokenleap.spec.proposers.draft_head import BatchHead
 from tokenleap.spec.proposers.draft_model import _STEP_TOKENS, DraftModelProposer, _Lane
 from tokenleap.spec.proposers.ngram import _Index
+from tokenleap.spec.proposers.output_pool import OutputPool
 
 
 class CascadeDraftProposer(DraftModelProposer):
@@ -33,11 +34,13 @@ class CascadeDraftProposer(DraftModelProposer):
 
     name = "cascade"
 
-    def __init__(self, *args, ngram_max: int = 4, ngram_min: int = 2, **kwargs) -> None:
+    def __init__(self, *args, ngram_max: int = 4, ngram_min: int = 2, pool: OutputPool | None = None,
+                 **kwargs) -> None:
         # ngram_min 2: one-token matches guessed poorly on Qwen (a fifth to a quarter of the guessed
         # rows kept with them allowed), and every guessed row costs draft compute
         super().__init__(*args, **kwargs)
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.output_pool = pool  # earlier outputs: guesses where the text has none (``ngram.py``)
         self._index: dict[int, _Index] = {}
         # draft forwards run, guessed rows fed, guesses the draft kept (for stats and tests)
         self.stats = {"forwards": 0, "guessed": 0, "kept": 0}
@@ -66,7 +69,7 @@ class CascadeDraftProposer(DraftModelProposer):
         committed = lane.req.tokens
         index.truncate(len(committed))
         index.extend(committed)  # incremental: committed tokens only grow
-        return index.continuation(committed + lane.drafted if lane.drafted else committed, room)
+        return index.continuation(committed + lane.drafted if lane.drafted else committed, room, self.output_pool)
 
     def _draft_position(self, lanes: list[_Lane]) -> bool:
         """Feed every lane's pending tokens and its n-gram guesses in one forward; each lane drafts

@@ -41,7 +41,7 @@ def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | Non
         return None
     if spec.method == "ngram":
         from tokenleap.spec.proposers.ngram import NgramProposer
-        return NgramProposer(spec.ngram_max, spec.ngram_min)
+        return NgramProposer(spec.ngram_max, spec.ngram_min, output_pool(spec))
     if spec.method == "lookahead":
         return lookahead_proposer(spec)
     if spec.method == "layerskip":  # the target drafts for itself: no draft model, no extra weights
@@ -56,7 +56,15 @@ def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | Non
         raise ConfigError("speculative method 'draft' needs the draft model loaded")
     cache = draft_cache(draft) if draft_cache is not None else None
     return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache,
-                          spec.draft_spec, target.tokenizer)
+                          spec.draft_spec, target.tokenizer, output_pool(spec))
+
+
+def output_pool(spec: SpecConfig):
+    """A pool of earlier outputs of ``spec.ngram_pool`` tokens for an engine's lookup drafters (None: off)."""
+    if not spec.ngram_pool:
+        return None
+    from tokenleap.spec.proposers.output_pool import OutputPool
+    return OutputPool(spec.ngram_pool)
 
 
 def lookahead_proposer(spec: SpecConfig) -> Proposer:
@@ -68,10 +76,11 @@ def lookahead_proposer(spec: SpecConfig) -> Proposer:
 
 def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num_slots: int = 1,
                    draft_vocab: int | None = SpecConfig.draft_vocab, cache=None, draft_spec: str | None = None,
-                   target_tokenizer=None) -> Proposer:
+                   target_tokenizer=None, pool=None) -> Proposer:
     """A draft-model proposer for a loaded draft; with ``draft_vocab`` (and a vocabulary over twice
     that) the draft scores only a reduced vocabulary (see ``proposers.draft_head``); with
-    ``draft_spec="ngram"`` n-gram lookup speculates the draft's own steps (``proposers.cascade``).
+    ``draft_spec="ngram"`` n-gram lookup speculates the draft's own steps (``proposers.cascade``;
+    also in the earlier outputs of ``pool``, an ``OutputPool``, for a draft of the target's tokenizer).
     Given the target's tokenizer, a draft of another tokenizer drafts through text
     (``proposers.cross_tokenizer``); without it, a vocabulary mismatch is refused."""
     from tokenleap.spec.proposers.cascade import CascadeDraftProposer
@@ -87,7 +96,8 @@ def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num
     if target_tokenizer is not None and not same_tokenizer(target_tokenizer, draft.tokenizer):
         inner = kind(draft.model, draft.model.config.vocab_size, max_len, num_slots, cache=cache, head=head)
         return CrossTokenizerProposer(inner, target_tokenizer, draft.tokenizer)
-    return kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head)
+    extra = {"pool": pool} if kind is CascadeDraftProposer else {}
+    return kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head, **extra)
 
 
 def uses_draft(spec: SpecConfig) -> bool:
@@ -137,6 +147,7 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
     from tokenleap.spec.bandit import BanditConfig
     from tokenleap.spec.proposers.auto import AutoProposer
     arms: dict[str, Proposer] = {}
+    pool = output_pool(spec)  # one pool for the n-gram arm and the cascade's guesses
     # the draft arm drafts chains (trees only with --spec-tree on), so it is a cascade: n-gram lookup
     # speculates the draft model's own steps, which changes no drafted token and saves draft forwards
     draft_spec = spec.draft_spec or (None if spec.tree == "on" else "ngram")
@@ -145,7 +156,7 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
             if draft is not None:
                 arms[name] = draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots,
                                             spec.draft_vocab, draft_cache(draft) if draft_cache else None,
-                                            draft_spec, target.tokenizer)
+                                            draft_spec, target.tokenizer, pool)
             continue
         if name == "lookahead" and not lookahead_joins_auto(draft is not None):
             continue
@@ -155,6 +166,8 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
                                None, max_len, num_slots, cache_dir)
         except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
             continue
+        if name == "ngram" and pool is not None:
+            arm.output_pool = pool
         if name == "layerskip" and getattr(arm, "skip", None) is None:
             continue  # joins once calibrated (tokenleap calibrate): no search inside a user's request
         if name == "layerskip" and not layerskip_joins_auto(getattr(arm, "predicted_speedup", None)):

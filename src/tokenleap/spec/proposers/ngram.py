@@ -8,6 +8,10 @@ A tree proposal (:meth:`NgramProposer.propose_tree`) merges *every* continuation
 for the suffix -- each earlier occurrence of the longest matching n-gram, then of shorter ones --
 into a trie, and keeps the nodes the most occurrences agree on (longer matches first) under a
 node budget.
+
+With an ``OutputPool`` (``output_pool.py``) the suffix is also looked up in the outputs of earlier
+sequences, for n up to the pool's longest: at each n, longest first, the predicted output and the
+text come before the pool, so a longer match in earlier outputs wins over a shorter one here.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 from tokenleap.config import SamplingParams, default_ngram_min
 from tokenleap.spec.tree import TokenTree
 from tokenleap.spec.proposers.base import Draft, DraftRequest
+from tokenleap.spec.proposers.output_pool import OutputPool
 
 MAX_OCCURRENCES = 32  # most recent occurrences of an n-gram a tree proposal reads
 
@@ -40,22 +45,32 @@ class _Index:
                 if end + 1 >= n:
                     table.setdefault(tuple(self.reference[end + 1 - n : end + 1]), []).append(end + 1)
 
-    def continuation(self, context: list[int], length: int) -> list[int]:
-        """What follows the longest suffix of ``context`` (n_max down to n_min long) that occurred
-        before: in the reference, at its first occurrence from where the last one taken started (else
-        its last one before), or in the indexed text, at its latest occurrence (the reference first at
-        equal n: the client said the reply will read so). Empty when nothing matches."""
-        for n in range(min(self.n_max, len(context) - 1), self.n_min - 1, -1):
-            key = tuple(context[-n:])
-            refs = self.ref_tables[n].get(key)
-            if refs:
-                at = next((f for f in refs if f >= self.ref_at), refs[-1])
-                self.ref_at = at
-                return self.reference[at: at + length]
-            follows = self.tables[n].get(key)
-            if follows:
-                return context[follows[-1]: follows[-1] + length]
+    def continuation(self, context: list[int], length: int, pool: OutputPool | None = None) -> list[int]:
+        """What follows the longest suffix of ``context`` (n_max, or the ``pool``'s longest, down to
+        n_min long) that occurred before: in the reference, at its first occurrence from where the last
+        one taken started (else its last one before), or in the indexed text, at its latest occurrence
+        (the reference first at equal n: the client said the reply will read so), or in the pool's
+        outputs. Empty when nothing matches."""
+        for n in range(min(self.top(pool), len(context) - 1), self.n_min - 1, -1):
+            if n <= self.n_max:
+                key = tuple(context[-n:])
+                refs = self.ref_tables[n].get(key)
+                if refs:
+                    at = next((f for f in refs if f >= self.ref_at), refs[-1])
+                    self.ref_at = at
+                    return self.reference[at: at + length]
+                follows = self.tables[n].get(key)
+                if follows:
+                    return context[follows[-1]: follows[-1] + length]
+            if pool is not None:
+                cont = pool.continuation(context, n, length)
+                if cont:
+                    return cont
         return []
+
+    def top(self, pool: OutputPool | None) -> int:
+        """The longest suffix looked up: n_max, or the pool's longest n-gram if longer."""
+        return max(self.n_max, pool.n_max) if pool is not None else self.n_max
 
     def extend(self, tokens: list[int]) -> None:
         """Index every n-gram ending before the last token (the suffix itself must not match itself)."""
@@ -80,10 +95,11 @@ class NgramProposer:
     # does not verify and score it against the tokens the step emitted
     shadow = True
 
-    def __init__(self, ngram_max: int = 4, ngram_min: int | None = None) -> None:
+    def __init__(self, ngram_max: int = 4, ngram_min: int | None = None, pool: OutputPool | None = None) -> None:
         # (by default SpecConfig's: a one-token match rarely predicts what follows; never above ngram_max)
         self.ngram_max = ngram_max
         self.ngram_min = default_ngram_min(ngram_max) if ngram_min is None else min(ngram_min, ngram_max)
+        self.output_pool = pool  # earlier sequences' outputs, looked up after the text (``remember_output`` fills it)
         self._seqs: dict[int, _Index] = {}
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
@@ -107,7 +123,7 @@ class NgramProposer:
 
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
-        proposal = self._index(seq_id, tokens).continuation(tokens, k)
+        proposal = self._index(seq_id, tokens).continuation(tokens, k, self.output_pool)
         return Draft(tokens=proposal, probs=None) if proposal else None
 
     def propose_tree(self, seq_id: int, tokens: list[int], max_nodes: int, max_depth: int) -> TokenTree | None:
@@ -115,12 +131,19 @@ class NgramProposer:
         ``max_nodes`` drafted nodes and ``max_depth`` deep; None when nothing matches."""
         index = self._index(seq_id, tokens)
         support: dict[tuple[int, ...], tuple[int, int, int]] = {}  # path -> (longest n, occurrences, latest)
-        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
+        for n in range(min(index.top(self.output_pool), len(tokens) - 1), self.ngram_min - 1, -1):
             key = tuple(tokens[-n:])
-            # (follow, continuation): a reference occurrence ranks as more recent than any of the text's
-            occurrences = [(len(tokens) + f, index.reference[f: f + max_depth])
-                           for f in index.ref_tables[n].get(key, ())[:MAX_OCCURRENCES]]
-            occurrences += [(f, tokens[f: f + max_depth]) for f in (index.tables[n].get(key) or [])[-MAX_OCCURRENCES:]]
+            # (follow, continuation): a reference occurrence ranks as more recent than any of the text's,
+            # an earlier output's as older (negative, the latest closest to 0)
+            occurrences = []
+            if n <= self.ngram_max:
+                occurrences += [(len(tokens) + f, index.reference[f: f + max_depth])
+                                for f in index.ref_tables[n].get(key, ())[:MAX_OCCURRENCES]]
+                occurrences += [(f, tokens[f: f + max_depth]) for f in (index.tables[n].get(key) or [])[-MAX_OCCURRENCES:]]
+            if self.output_pool is not None:
+                found = self.output_pool.occurrences(tokens, n)
+                occurrences += [(i - len(found), self.output_pool.following(oid, f, max_depth))
+                                for i, (oid, f) in enumerate(found)]
             for follow, cont in occurrences:
                 cont = tuple(cont)
                 for d in range(1, len(cont) + 1):
