@@ -221,9 +221,45 @@ def test_lookahead_joins_auto_only_without_a_draft_model(monkeypatch):
 
     fed = []
     monkeypatch.setattr(factory, "proposer_for", build)
-    monkeypatch.setattr(factory, "draft_proposer", lambda draft, *a, **k: fed.append((draft, a[-2])) or Arm())
+    # (draft_proposer's arguments after the draft: vocabulary, max_len, slots, draft vocab, cache, draft_spec, ...)
+    monkeypatch.setattr(factory, "draft_proposer", lambda draft, *a, **k: fed.append((draft, a[5])) or Arm())
     assert factory.lookahead_joins_auto(False) and not factory.lookahead_joins_auto(True)
     assert list(factory.auto_proposer(SpecConfig(method="auto"), Target, None, 64, 1, None).arms) == ["lookahead", "ngram"]
     draft = object()
     assert list(factory.auto_proposer(SpecConfig(method="auto"), Target, draft, 64, 1, None).arms) == ["draft", "ngram"]
     assert fed == [(draft, "ngram")]  # the draft arm drafts as a cascade
+
+
+def test_auto_shares_one_output_pool_between_its_ngram_arm_and_the_cascade(monkeypatch, tmp_path):
+    """--ngram-pool: the n-gram arm and the draft's cascade look up the same earlier outputs."""
+    import tokenleap.spec.proposers.factory as factory
+    from tokenleap.cli.main import spec_config
+    from tokenleap.config import ConfigError, SpecConfig
+    from tokenleap.spec.proposers.output_pool import OutputPool
+
+    class Arm:
+        skip, predicted_speedup, output_pool = None, None, None
+
+    class Target:
+        class model:
+            class config:
+                vocab_size = 64
+        tokenizer = None
+
+    def build(spec, *a, **k):
+        if spec.method == "ngram":
+            return Arm()
+        raise ConfigError("unknown")
+
+    fed = []
+    monkeypatch.setattr(factory, "proposer_for", build)
+    monkeypatch.setattr(factory, "draft_proposer", lambda draft, *a, **k: fed.append(a[-1]) or Arm())
+    arms = factory.auto_proposer(SpecConfig(method="auto", ngram_pool=1000), Target, object(), 64, 1, None).arms
+    assert isinstance(fed[0], OutputPool) and arms["ngram"].output_pool is fed[0] and fed[0].max_tokens == 1000
+    arms = factory.auto_proposer(SpecConfig(method="auto", ngram_pool=0), Target, object(), 64, 1, None).arms
+    assert fed[1] is None and arms["ngram"].output_pool is None  # 0: off
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    argv = ["generate", "--model", str(gguf), "--spec", "ngram", "--prompt", "x"]
+    assert spec_config(parse(argv + ["--ngram-pool", "4096"])).ngram_pool == 4096
+    assert spec_config(parse(argv)).ngram_pool == SpecConfig.ngram_pool

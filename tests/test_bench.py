@@ -408,3 +408,14 @@ def test_fim_prompts_encode_as_fim_and_stop_at_its_tokens(tmp_path):
     assert set(seen) == {((1, 2), (93,)), ((3,), ())}  # the FIM prompt's requests stop at its token, the other's not
     with pytest.raises(BenchError, match="prompt a fills in the middle"):
         encode_prompts(ChatToyTokenizer(VOCAB), prompts, chat=False)
+
+
+def test_a_pooled_method_forgets_its_warm_up_and_refuses_repeats(pool, methods, prompt_ids, tmp_path, capsys):
+    [pooled], _ = build_methods(parse_methods("ngram:k=3,max=3,min=1,pool=4096", add_plain=False), pool)
+    store = pooled.engine.proposer.output_pool
+    results = run_bench(settings(tmp_path / "run"), PROMPTS, prompt_ids, [methods[0], pooled])
+    assert store.outputs == len(PROMPTS)  # the replies to the prompts, not the warm-up's (prompt 0 again)
+    assert results["equality"]["by_method"]["ngram:k=3,max=3,min=1,pool=4096"]["identical"] == len(PROMPTS)
+    rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--methods", "ngram:pool=100", "--repeats", "2",
+               "--out", str(tmp_path / "again")])
+    assert rc == 2 and "--repeats 1" in capsys.readouterr().err

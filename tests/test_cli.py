@@ -192,6 +192,7 @@ BAD_FLAGS = [
     ["generate", "--model", SMOL, "--prompt", "x", "--spec", "draft"],
     ["generate", "--model", SMOL, "--prompt", "x", "--spec", "medusa"],
     ["generate", "--model", SMOL, "--prompt", "x", "--ngram-min", "0"],
+    ["generate", "--model", SMOL, "--prompt", "x", "--spec", "ngram", "--ngram-pool", "-1"],
     ["generate", "--model", SMOL, "--prompt", "x", "--max-tokens", "abc"],
     ["generate", "--model", SMOL, "--prompt", "x", "--top-p", "2"],
     ["generate", "--model", SMOL, "--prompt", "x", "--no-such-flag"],

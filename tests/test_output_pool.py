@@ -45,11 +45,11 @@ def test_the_oldest_outputs_leave_and_their_entries_with_them():
     assert (len(pool), pool.outputs) == (11, 2)
     assert pool.continuation([1, 2, 3], 3, 2) == []  # only the first output had (1, 2, 3)
     assert pool.continuation([0, 1, 2], 2, 2) == [30, 31]
-    for i in range(40):  # many outputs through a small pool: the tables are rebuilt, lookups stay right
+    for i in range(40):  # many outputs through a small pool: lookups stay right
         pool.add([100 + i, 101 + i, 102 + i, 103 + i])
     assert len(pool) <= 12 and pool.continuation([139, 140], 2, 3) == [141, 142]
     assert pool.continuation([100, 101], 2, 3) == []
-    assert sum(len(v) for t in pool._tables.values() for v in t.values()) < 40  # rebuilt: no dead entries pile up
+    assert sum(len(v) for t in pool._tables.values() for v in t.values()) < 40  # entries leave with their output
     pool.clear()
     assert len(pool) == 0 and pool.continuation([139, 140], 2, 3) == []
 

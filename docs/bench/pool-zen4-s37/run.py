@@ -24,6 +24,7 @@ from tokenleap.api import LLM
 from tokenleap.bench.datasets import load_dataset
 from tokenleap.bench.suite import encode_prompts
 from tokenleap.config import SamplingParams, SpecConfig
+from tokenleap.spec.proposers.base import forget_outputs
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "prediction-zen4-s35"))
 from run import TASKS  # noqa: E402 (the regenerations of the Predicted Outputs run)
@@ -74,6 +75,9 @@ def main() -> None:
                "pool": LLM(args.model, quant=args.quant, speculative=SpecConfig(**{**spec.__dict__,
                                                                                    "ngram_pool": args.pool}))}
     tok = engines["none"].tokenizer
+    for llm in engines.values():  # a warm-up each (first-call costs), its output then forgotten
+        llm.generate([tok.encode("def add(a, b):")], SamplingParams(max_tokens=16))
+        forget_outputs(llm.engine.proposer)
     prompts = load_dataset("mix", 16).prompts
     ids = encode_prompts(tok, prompts, chat=True)
     print(f"1. fresh traffic ({len(ids)} prompts, {args.max_tokens} tokens, greedy)")

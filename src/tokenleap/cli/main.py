@@ -84,7 +84,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "at most --ngram-max)")
     p.add_argument("--ngram-pool", type=non_negative_int, default=SpecConfig.ngram_pool, metavar="TOKENS",
                    help="n-gram lookup (and a cascade's guesses) also in the last TOKENS tokens of earlier "
-                        "requests' outputs: text the target wrote before (0: off)")
+                        f"requests' outputs: text the target wrote before (default {SpecConfig.ngram_pool}; 0: off)")
     p.add_argument("--spec-tree", choices=["auto", "on", "off"], default="auto",
                    help="token trees (a draft model's dynamic trees, n-gram tries): auto (default) a tree where "
                         "the measured costs say it pays, a chain or plain decoding where not; on: always trees; "
