@@ -577,3 +577,33 @@ def test_rope_store_attend_equals_rope_cache_write_and_attend_rows():
     want = kernels.attend_rows(kernels.rope_(q.contiguous(), cos, sin, positions), k_ref[:, : pos0 + rows],
                                v_ref[:, : pos0 + rows], pos0, hd ** -0.5)
     assert torch.equal(ks, k_ref) and torch.equal(vs, v_ref) and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_dequantized_rows_are_the_weights_rows_and_the_draft_head_reads_only_those(kernel, monkeypatch):
+    """``dequantized_rows`` unpacks only the blocks holding the rows asked for, bitwise the rows of
+    ``dequantized_weight``; the draft's reduced head built from them equals one built from the
+    whole head (its shared subset at int4, a prompt's extra rows at int8)."""
+    from tokenleap.models.quant import Int4Linear
+    from tokenleap.spec.proposers.draft_head import ReducedVocabHead
+    if kernel and not HAS_AVX2:
+        pytest.skip("the kernel needs AVX2 + FMA")
+    if not kernel:
+        monkeypatch.setitem(kernels._state, "reason", "disabled in this test")
+    g = torch.Generator().manual_seed(9)
+    ids = torch.tensor([37, 0, 5, 5, 36, 17])  # repeats, several rows of one block, unsorted
+    for layer in (Int8Linear.from_float(torch.randn(38, 64, generator=g)),
+                  Int4Linear.from_float(torch.randn(48, 64, generator=g))):
+        assert layer.use_kernel == kernel
+        assert torch.equal(layer.dequantized_rows(ids), layer.dequantized_weight()[ids])
+    head = Int8Linear.from_float(torch.randn(80, 64, generator=g))
+    reduced = ReducedVocabHead(head, static_size=24, special_ids=[79])
+    full = Int8Linear.from_float(head.dequantized_weight())  # the whole head at int8, then the subset
+    static = torch.tensor(list(range(24)) + [79])
+    w = full.qweight[static].float() * full.weight_scales()[static].float()[:, None]
+    x = torch.randn(3, 64, generator=g)
+    want = Int4Linear.from_float(F.pad(w, (0, 0, 0, -25 % 16)))(x)[:, :25] if kernel else \
+        Int8Linear(full.qweight[static], full.weight_scales()[static])(x)
+    assert torch.equal(reduced._static(x), want)
+    extra = torch.tensor([40, 60])
+    assert torch.equal(reduced._rows(extra)(x), Int8Linear(full.qweight[extra], full.weight_scales()[extra])(x))

@@ -170,6 +170,15 @@ class Int8Linear(nn.Module):
         """The weight the kernel multiplies by, [out, in] float32."""
         return self.qweight.float() * self.weight_scales().float()[:, None]
 
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``dequantized_weight()``, [len(ids), in] float32, bitwise the same: only
+        the 8-row blocks holding them are unpacked."""
+        if not self.use_kernel:
+            return self._qweight[ids].float() * self.scales[ids].float()[:, None]
+        blocks, where = torch.unique(ids // 8, return_inverse=True)  # [b], [len(ids)]
+        q = kernels.unpack_int8(self.packed[blocks])  # [b * 8, in]
+        return q[where * 8 + ids % 8].float() * self.scales[ids].float()[:, None]
+
     def extra_repr(self) -> str:
         compute = "float32 (tokenleap kernel)" if self.use_kernel else self.compute_dtype
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, compute={compute}"
@@ -277,17 +286,32 @@ class Int4Linear(nn.Module):
         """The weight the kernel multiplies by, [out, in] float32 (the W4A8 kernel multiplies it by
         int8-quantized activations)."""
         if self.use_kernel:
-            q, s, m = kernels.unpack_int4(self.packed, self.scales_and_mins)  # [out, in], [out, in/32] x2
-            groups = q.float().view(q.shape[0], -1, 32)  # [out, in/32, 32]
-            return (groups * s.unsqueeze(-1) + m.unsqueeze(-1)).view(q.shape[0], -1)
+            return _dequantize_int4(self.packed, self.scales_and_mins)
         eye = torch.eye(self.in_features, dtype=torch.float32)  # [in, in]: run torch's kernel on an identity
         sz = self.scales_and_zeros.float()  # exact widening of bf16
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).T.contiguous()
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``dequantized_weight()``, [len(ids), in] float32, bitwise the same: only
+        the blocks holding them are unpacked (a few of a 151,936-row LM head, not all of it)."""
+        if not self.use_kernel:
+            return self.dequantized_weight()[ids]
+        per = kernels.int4_rows_per_entry(self.packed)
+        blocks, where = torch.unique(ids // per, return_inverse=True)  # [b], [len(ids)]
+        w = _dequantize_int4(self.packed[blocks], self.scales_and_mins[blocks])  # [b * per, in]
+        return w[where * per + ids % per]
 
     def extra_repr(self) -> str:
         compute = "W4A8 (tokenleap kernel)" if self.use_kernel else self.compute_dtype
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
                 f"group_size={self.group_size}, compute={compute}")
+
+
+def _dequantize_int4(packed: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """``pack_int4``'s operands back to float32 weights [rows, in]."""
+    q, s, m = kernels.unpack_int4(packed, sm)  # [rows, in], [rows, in/32] x2
+    groups = q.float().view(q.shape[0], -1, 32)  # [rows, in/32, 32]
+    return (groups * s.unsqueeze(-1) + m.unsqueeze(-1)).view(q.shape[0], -1)
 
 
 QuantLinear = (Int8Linear, Int4Linear)

@@ -20,32 +20,36 @@ from tokenleap.models.hugepages import move_weights_
 from tokenleap.models.quant import Int4Linear, Int8Linear
 
 
-def _float_weight(head: nn.Module) -> torch.Tensor:  # [vocab, hidden]
+def _float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [len(ids), hidden]
+    if hasattr(head, "dequantized_rows"):
+        return head.dequantized_rows(ids)
     if hasattr(head, "dequantized_weight"):
-        return head.dequantized_weight()
-    return head.weight.detach().float()
+        return head.dequantized_weight()[ids]
+    return head.weight.detach()[ids].float()
 
 
 class ReducedVocabHead:
     def __init__(self, lm_head: nn.Module, static_size: int = 32768, special_ids: Iterable[int] = ()) -> None:
-        full = Int8Linear.from_float(_float_weight(lm_head))  # [vocab, hidden] int8 + per-row scale
-        self.vocab = full.out_features
+        self._head = lm_head
+        self.vocab = lm_head.out_features
         ids = sorted(set(range(min(static_size, self.vocab))) | {i for i in special_ids if 0 <= i < self.vocab})
-        self._q, self._scales = full.qweight, full.weight_scales()  # [vocab, hidden], [vocab]
         self.static_ids = torch.tensor(ids, dtype=torch.long)  # [s]
         self._static = self._static_rows(self.static_ids)
         self._in_static = torch.zeros(self.vocab, dtype=torch.bool)
         self._in_static[self.static_ids] = True
 
     def _rows(self, ids: torch.Tensor) -> Int8Linear:
-        return Int8Linear(self._q[ids], self._scales[ids])
+        """The head's rows ``ids`` at int8, a scale a row (so a row's values do not depend on which
+        rows are asked for with it); only those rows are dequantized."""
+        return Int8Linear.from_float(_float_rows(self._head, ids))
 
     def _static_rows(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The shared subset, read for every drafted token: 4-bit on tokenleap's kernel (half the
         bytes of int8; a draft's precision moves only acceptance), padded to the kernel's 16 rows."""
-        if not kernels.available() or self._q.shape[1] % 32:
-            return self._rows(ids)
-        w = self._q[ids].float() * self._scales[ids].float()[:, None]  # [s, hidden]
+        rows = self._rows(ids)
+        if not kernels.available() or rows.in_features % 32:
+            return rows
+        w = rows.qweight.float() * rows.weight_scales().float()[:, None]  # [s, hidden]
         layer = Int4Linear.from_float(torch.nn.functional.pad(w, (0, 0, 0, -len(ids) % 16)))
         move_weights_(layer)  # read for every drafted token: huge pages, like the model's own weights
         n = len(ids)
