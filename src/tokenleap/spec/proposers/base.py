@@ -141,17 +141,18 @@ def begin_sequence(proposer: Proposer, seq_id: int, prompt: list[int], predictio
 def remember_output(proposer: Proposer, output: list[int]) -> None:
     """A finished sequence's output to the output pool (``output_pool.py``) of each part of the
     proposer that looks text up in one -- once per pool, however many parts share it."""
-    for pool in _pools(proposer):
+    for pool in output_pools(proposer):
         pool.add(output)
 
 
 def forget_outputs(proposer: Proposer) -> None:
     """Empty every output pool the proposer's parts look text up in."""
-    for pool in _pools(proposer):
+    for pool in output_pools(proposer):
         pool.clear()
 
 
-def _pools(proposer) -> list:
+def output_pools(proposer) -> list:
+    """The distinct output pools the proposer's parts look text up in."""
     pools = {id(pool): pool for part in _parts(proposer) if (pool := getattr(part, "output_pool", None)) is not None}
     return list(pools.values())
 
