@@ -119,3 +119,25 @@ def test_an_output_written_before_is_drafted_from_the_pool_and_the_output_is_unc
     other = OutputPool(n_min=2, n_max=6)
     other.add([(t * 7 + 3) % VOCAB for t in plain])  # an unrelated earlier output: proposals that miss
     assert run(engine(target, NgramProposer(4, 2, other)), params).generated == plain
+
+
+def test_the_default_engine_keeps_its_outputs_and_drafts_from_them(models):
+    """Through the Python API (the scheduler's path, as the server's): the pool is on by default, a
+    request asked again drafts its earlier reply, and the reply is unchanged; ngram_pool=0 keeps none."""
+    import torch
+
+    from tokenleap.api import LLM
+    from tokenleap.config import SpecConfig
+    from tokenleap.models.pretrained import LoadedModel
+    target, _ = models
+    loaded = LoadedModel(target, ToyTokenizer(VOCAB, (2,)), torch.float32, "none", "tiny", None)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    runs = {}
+    for size in (SpecConfig.ngram_pool, 0):
+        spec = SpecConfig(method="ngram", ngram_pool=size, num_tokens=6, tree="off")  # (fixed: no timed choices)
+        llm = LLM.from_loaded(loaded, spec, max_model_len=160)
+        runs[size] = [llm.generate([PROMPT], params)[0] for _ in range(2)]
+    (first, again), (bare, bare_again) = runs[SpecConfig.ngram_pool], runs[0]
+    assert SpecConfig.ngram_pool > 0 and first.token_ids == again.token_ids == bare.token_ids == bare_again.token_ids
+    assert again.stats["accepted_tokens"] >= first.stats["accepted_tokens"] + 20
+    assert bare_again.stats["accepted_tokens"] == bare.stats["accepted_tokens"]
