@@ -199,30 +199,40 @@ def test_auto_arms_by_name_and_an_uncalibrated_layer_skip_left_out(monkeypatch):
         assert arms == (["layerskip"] if joins else []) + ["lookahead", "ngram"], speedup
 
 
+class FakeArm:
+    """An arm as auto_proposer reads it: no layer-skip calibration, no output pool."""
+    skip, predicted_speedup, output_pool = None, None, None
+
+
+class FakeTarget:
+    """What auto_proposer reads of a loaded target."""
+    class model:
+        class config:
+            vocab_size = 64
+    tokenizer = None
+
+
+def fake_builder(*methods: str):
+    """A ``proposer_for`` that builds a FakeArm for ``methods`` and refuses the others."""
+    def build(spec, *a, **k):
+        from tokenleap.config import ConfigError
+        if spec.method in methods:
+            return FakeArm()
+        raise ConfigError("unknown")
+    return build
+
+
 def test_lookahead_joins_auto_only_without_a_draft_model(monkeypatch):
     """Beside a draft model, auto's arms are the draft (a cascade), n-gram lookup and a layer skip that
     pays; lookahead joins only where no draft model is loaded."""
     import tokenleap.spec.proposers.factory as factory
-    from tokenleap.config import ConfigError, SpecConfig
-
-    class Arm:
-        skip, predicted_speedup = None, None
-
-    class Target:
-        class model:
-            class config:
-                vocab_size = 64
-        tokenizer = None
-
-    def build(spec, *a, **k):
-        if spec.method in ("lookahead", "ngram"):
-            return Arm()
-        raise ConfigError("unknown")
+    from tokenleap.config import SpecConfig
+    Target = FakeTarget
 
     fed = []
-    monkeypatch.setattr(factory, "proposer_for", build)
+    monkeypatch.setattr(factory, "proposer_for", fake_builder("lookahead", "ngram"))
     # (draft_proposer's arguments after the draft: vocabulary, max_len, slots, draft vocab, cache, draft_spec, ...)
-    monkeypatch.setattr(factory, "draft_proposer", lambda draft, *a, **k: fed.append((draft, a[5])) or Arm())
+    monkeypatch.setattr(factory, "draft_proposer", lambda draft, *a, **k: fed.append((draft, a[5])) or FakeArm())
     assert factory.lookahead_joins_auto(False) and not factory.lookahead_joins_auto(True)
     assert list(factory.auto_proposer(SpecConfig(method="auto"), Target, None, 64, 1, None).arms) == ["lookahead", "ngram"]
     draft = object()
@@ -234,26 +244,13 @@ def test_auto_shares_one_output_pool_between_its_ngram_arm_and_the_cascade(monke
     """--ngram-pool: the n-gram arm and the draft's cascade look up the same earlier outputs."""
     import tokenleap.spec.proposers.factory as factory
     from tokenleap.cli.main import spec_config
-    from tokenleap.config import ConfigError, SpecConfig
+    from tokenleap.config import SpecConfig
     from tokenleap.spec.proposers.output_pool import OutputPool
-
-    class Arm:
-        skip, predicted_speedup, output_pool = None, None, None
-
-    class Target:
-        class model:
-            class config:
-                vocab_size = 64
-        tokenizer = None
-
-    def build(spec, *a, **k):
-        if spec.method == "ngram":
-            return Arm()
-        raise ConfigError("unknown")
+    Target = FakeTarget
 
     fed = []
-    monkeypatch.setattr(factory, "proposer_for", build)
-    monkeypatch.setattr(factory, "draft_proposer", lambda draft, *a, **k: fed.append(a[-1]) or Arm())
+    monkeypatch.setattr(factory, "proposer_for", fake_builder("ngram"))
+    monkeypatch.setattr(factory, "draft_proposer", lambda draft, *a, **k: fed.append(a[-1]) or FakeArm())
     arms = factory.auto_proposer(SpecConfig(method="auto", ngram_pool=1000), Target, object(), 64, 1, None).arms
     assert isinstance(fed[0], OutputPool) and arms["ngram"].output_pool is fed[0] and fed[0].max_tokens == 1000
     arms = factory.auto_proposer(SpecConfig(method="auto", ngram_pool=0), Target, object(), 64, 1, None).arms
