@@ -98,6 +98,13 @@ def test_embeddings_of_texts_and_token_ids(server):
     assert np.frombuffer(base64.b64decode(b64), dtype="<f4").tolist() == one
     same = post(server, {"input": "bye", "dimensions": model().config.hidden_size}).json()["data"][0]["embedding"]
     assert same == one
+    # vLLM's truncate_prompt_tokens: each input's last N tokens, even one past the context
+    long = ChatToyTokenizer(VOCAB).encode("x" * 150 + "the end")
+    cut = post(server, {"input": "x" * 150 + "the end", "truncate_prompt_tokens": 12}).json()
+    assert cut["usage"]["prompt_tokens"] == 12
+    np.testing.assert_allclose(cut["data"][0]["embedding"], embed(model(), [long[-12:]], "mean")[0].numpy(),
+                               rtol=1e-6, atol=1e-6)
+    assert post(server, {"input": "ok", "truncate_prompt_tokens": 0}).json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 @pytest.mark.parametrize("body,param", [

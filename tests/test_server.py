@@ -340,6 +340,32 @@ def test_vllm_stop_token_ids_and_min_tokens(server):
             c.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body=body)
 
 
+def test_vllm_truncate_prompt_tokens_keeps_the_prompts_end(server):
+    c = client(server)
+    tok = ChatToyTokenizer(VOCAB)
+    long = "the start that goes " * 12 + "and the end"  # more than the tiny model's 128-token context
+    ids = tok.encode(long)
+    assert len(ids) > 128
+    kept = ids[-20:]
+    ref = alone(kept, SamplingParams(max_tokens=8))
+    r = c.completions.create(model=NAME, prompt=long, max_tokens=8, temperature=0, echo=True,
+                             extra_body={"truncate_prompt_tokens": 20})
+    assert r.choices[0].text == tok.decode(kept) + ref.text and r.usage.prompt_tokens == 20
+    chat_ids = tok.encode(chat_prompt(long))
+    ref = alone(chat_ids[-30:], SamplingParams(max_tokens=6))
+    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": long}], max_tokens=6,
+                                  temperature=0, extra_body={"truncate_prompt_tokens": 30})
+    assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == 30
+    # -1: as much of the prompt as the context holds (then max_tokens must fit beside it)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        c.completions.create(model=NAME, prompt=long, max_tokens=8, extra_body={"truncate_prompt_tokens": -1})
+    for value in (0, -2, 129):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            c.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body={"truncate_prompt_tokens": value})
+    with pytest.raises(openai.BadRequestError, match="would cut a fill-in-the-middle"):
+        c.completions.create(model=NAME, prompt="x", suffix="y", max_tokens=5, extra_body={"truncate_prompt_tokens": 3})
+
+
 def test_tokenize_and_detokenize(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     tok = ChatToyTokenizer(VOCAB)

@@ -33,9 +33,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
-from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
-                       chat_messages, chat_options, check_common, check_logit_bias, check_max_tokens,
-                       check_prompt_logprobs, check_token_ids, parse_body, sampling_params, structured_output)
+from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
+from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request, chat_messages,
+                                      chat_options, check_common, check_logit_bias, check_prompt_logprobs, check_token_ids,
+                                      parse_body, sampling_params, structured_output)
 from tokenleap.serve.responses import Format, TokenText, add_prompt_logprobs, new_id, now, usage_options
 from tokenleap.serve.chunks import openai_chunks
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore
@@ -129,7 +130,11 @@ class OpenAIServer:
         self._auth(request)
         req = parse_body(await request.body(), CompletionRequest)
         self._check(req)
-        prompts = self._prompts(req.prompt, None if req.suffix is None else fim_encoder(self.tokenizer, req))
+        if req.truncate_prompt_tokens is not None and req.suffix is not None:
+            raise bad_request("truncate_prompt_tokens would cut a fill-in-the-middle prompt's start: leave it "
+                              "out with suffix", "truncate_prompt_tokens")
+        prompts = [truncate_prompt(p, req.truncate_prompt_tokens, self.engine.max_len) for p in
+                   self._prompts(req.prompt, None if req.suffix is None else fim_encoder(self.tokenizer, req))]
         echo_only = req.max_tokens == 0  # the prompt (and its logprobs) alone, as vLLM and OpenAI answer it
         if echo_only and not req.echo:
             raise bad_request("max_tokens 0 returns the prompt alone: it needs echo set to true", "max_tokens")
@@ -138,8 +143,9 @@ class OpenAIServer:
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
                       **usage_options(req), tokens=self._token_text(req.logprobs is not None))
         echo = None
-        if req.echo:  # the prompt as given (token ids: decoded) starts each choice
+        if req.echo:  # the prompt as given (token ids, or one truncated: decoded) starts each choice
             texts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+            texts = prompts if req.truncate_prompt_tokens is not None else texts
             echo = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts for _ in range(req.n)]
         view = PromptView(echo, req.logprobs if req.echo else None, echo_only, check_prompt_logprobs(req))
         return await self._run(request, req, prompts, budgets, fmt, req.logprobs, view)
@@ -151,7 +157,8 @@ class OpenAIServer:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         tools = self._plan_tools(req)
-        prompt = self._encode_chat(chat_messages(req), tools, chat_options(req))
+        prompt = truncate_prompt(self._encode_chat(chat_messages(req), tools, chat_options(req)),
+                                 req.truncate_prompt_tokens, self.engine.max_len)
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,

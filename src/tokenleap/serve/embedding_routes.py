@@ -18,6 +18,7 @@ import torch
 from fastapi import FastAPI, Request as HTTPRequest
 
 from tokenleap.models.embed import embed_windows, normalize_embedding
+from tokenleap.serve.context_window import truncate_prompt
 from tokenleap.serve.protocol import APIError, Int64, _Strict, bad_request, parse_body
 from tokenleap.serve.request import QueueFullError
 from tokenleap.serve.responses import new_id, now
@@ -29,6 +30,7 @@ class EmbeddingRequest(_Strict):  # OpenAI's /v1/embeddings
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: each input's last N tokens (-1: the context's length)
 
 
 class LlamaEmbeddingRequest(_Strict):  # llama.cpp's /embedding: content (or input), embd_normalize
@@ -59,7 +61,8 @@ class EmbeddingRoutes:
         req = parse_body(await request.body(), EmbeddingRequest)
         server._check_model(req.model)
         self.check_dimensions(req.dimensions)
-        ids = self.token_lists(req.input)
+        ids = [truncate_prompt(x, req.truncate_prompt_tokens, self.server.engine.max_len)
+               for x in self.token_lists(req.input, over_ok=req.truncate_prompt_tokens is not None)]
         vectors = await self.vectors(ids, pooling)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(normalize_embedding(v, 2),
                                                                           req.encoding_format)}
@@ -107,9 +110,10 @@ class EmbeddingRoutes:
             raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
                               "shortened", "dimensions")
 
-    def token_lists(self, value, truncate: bool = False) -> list[list[int]]:
+    def token_lists(self, value, truncate: bool = False, over_ok: bool = False) -> list[list[int]]:
         """The inputs' token ids (a text, token ids, or a list of either); one over the context is a 400,
-        or with ``truncate`` cut to the context's length."""
+        or with ``truncate`` cut to the context's length (its first tokens; ``over_ok``: left whole, for
+        the caller to cut)."""
         server = self.server
         texts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
         if not texts or len(texts) > MAX_INPUTS:
@@ -121,7 +125,7 @@ class EmbeddingRoutes:
             ids.append(server._encode(t, True, "input"))
             if truncate:  # (Ollama's default: the input's first tokens, as many as the context holds)
                 ids[-1] = ids[-1][:server.engine.max_len]
-            if len(ids[-1]) > server.engine.max_len:
+            if len(ids[-1]) > server.engine.max_len and not over_ok:
                 raise bad_request(f"this model's maximum context length is {server.engine.max_len} tokens; an input "
                                   f"has {len(ids[-1])}", "input")
         return ids

@@ -37,8 +37,9 @@ from fastapi.responses import Response
 
 from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.serve.jobs import Job
+from tokenleap.serve.context_window import check_max_tokens
 from tokenleap.serve.protocol import MAX_PROMPTS, APIError, CompletionRequest, Int64, _Strict, bad_request, \
-    check_max_tokens, parse_body, repeat_window, structured_output
+    parse_body, repeat_window, structured_output
 from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now, token_logprob_entries
 from tokenleap.text.fim import encode_fim
 

@@ -10,7 +10,8 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
 from tokenleap.serve.messages_api import CountTokensRequest, MessagesRequest, MessageWriter, chat_request
-from tokenleap.serve.protocol import chat_messages, chat_options, check_max_tokens, parse_body, structured_output
+from tokenleap.serve.context_window import check_max_tokens
+from tokenleap.serve.protocol import chat_messages, chat_options, parse_body, structured_output
 from tokenleap.serve.responses import Format, now
 
 PATH = "/v1/messages"

@@ -78,6 +78,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
     min_tokens: Int64 | None = None  # vLLM's
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: the prompt's last N tokens only (-1: the context's length)
     stop_token_ids: list[Int64] | None = None  # vLLM's
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -403,20 +404,3 @@ def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
         raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
                           "messages") from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
-
-
-def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None,
-                     param: str = "max_tokens") -> int:
-    """The completion budget: an explicit value (``param``: its name in the request) must be at least
-    1 and fit the context; a default is cut to fit."""
-    room = max_model_len - prompt_len
-    if requested is None:
-        return max(1, min(default or room, room))
-    if requested < 1:
-        raise bad_request(f"{param} must be an integer >= 1, got {requested}", param)
-    if prompt_len + requested > max_model_len:
-        raise bad_request(f"this model's maximum context length is {max_model_len} tokens; you requested "
-                          f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the "
-                          f"completion): lower {param} or shorten the prompt", param,
-                          "context_length_exceeded")
-    return requested

@@ -15,8 +15,9 @@ from typing import Any
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
+from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request, chat_messages, chat_options, \
-    check_max_tokens, parse_body, structured_output
+    parse_body, structured_output
 from tokenleap.serve.response_store import ResponseStore, StoredResponse, page
 from tokenleap.serve.responses_background import BackgroundResponses
 from tokenleap.serve.responses import Format, new_id, now
@@ -57,7 +58,8 @@ class ResponsesRoutes:
         chat = chat_request(req, earlier)
         server._check(chat)
         tools = server._plan_tools(chat)
-        prompt = server._encode_chat(chat_messages(chat), tools, chat_options(chat))
+        prompt = truncate_prompt(server._encode_chat(chat_messages(chat), tools, chat_options(chat)),
+                                 req.truncate_prompt_tokens, server.engine.max_len)
         budget = check_max_tokens(req.max_output_tokens, len(prompt), server.engine.max_len, None,
                                   "max_output_tokens")
         logprobs = logprobs_wanted(req)
