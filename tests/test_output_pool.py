@@ -141,3 +141,15 @@ def test_the_default_engine_keeps_its_outputs_and_drafts_from_them(models):
     assert SpecConfig.ngram_pool > 0 and first.token_ids == again.token_ids == bare.token_ids == bare_again.token_ids
     assert again.stats["accepted_tokens"] >= first.stats["accepted_tokens"] + 20
     assert bare_again.stats["accepted_tokens"] == bare.stats["accepted_tokens"]
+
+
+def test_startup_lines_say_when_earlier_outputs_are_read():
+    from tokenleap.cli.serve import _speculation
+    from tokenleap.spec.proposers.base import output_pool_note
+    pooled = NgramProposer(4, 2, OutputPool(1000))
+    words = "n-gram lookup in the last 1000 tokens of earlier outputs too"
+    assert output_pool_note(NgramProposer(4, 2)) is None and output_pool_note(pooled) == words
+    assert _speculation(pooled) == f"ngram ({words})" and _speculation(NgramProposer(4, 2)) == "ngram"
+    auto = AutoProposer({"ngram": pooled}, BanditConfig(max_k=4))
+    auto.note = "a draft picked"
+    assert _speculation(auto) == f"auto (ngram; a draft picked; {words})" and _speculation(None) == "off"

@@ -20,7 +20,7 @@ from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import PREFILL_CHUNK, Engine
 from tokenleap.models.pretrained import LoadedModel, load_model
 from tokenleap.spec.logprobs import TokenLogprob
-from tokenleap.spec.proposers.base import Proposer, output_pools
+from tokenleap.spec.proposers.base import Proposer, output_pool_note
 from tokenleap.spec.proposers.factory import load_draft, proposer_for, resolve_auto_draft, uses_draft
 from tokenleap.spec.sequence import Sequence
 
@@ -144,9 +144,8 @@ class LLM:
             arms = getattr(engine.proposer, "arms", None)
             if arms is not None:
                 line += f" (proposers: {', '.join(arms)})"
-            pools = output_pools(engine.proposer)
-            if pools:
-                line += f"; n-gram lookup in the last {pools[0].max_tokens} tokens of earlier outputs too"
+            pool = output_pool_note(engine.proposer)
+            line += f"; {pool}" if pool else ""
         if self.spec_note:
             line += f"; {self.spec_note}"
         return line

@@ -155,11 +155,11 @@ def _speculation(proposer) -> str:
     """The startup line's speculation: off, a method, or auto with its proposers and how its draft was chosen."""
     if proposer is None:
         return "off"
+    from tokenleap.spec.proposers.base import output_pool_note
     arms = getattr(proposer, "arms", None)
-    if arms is None:
-        return proposer.name
-    note = getattr(proposer, "note", None)
-    return f"{proposer.name} ({', '.join(arms)}{'; ' + note if note else ''})"
+    notes = [", ".join(arms)] if arms is not None else []
+    notes += [n for n in (getattr(proposer, "note", None), output_pool_note(proposer)) if n]
+    return f"{proposer.name} ({'; '.join(notes)})" if notes else proposer.name
 
 
 def build_app(args: argparse.Namespace):

@@ -151,6 +151,12 @@ def forget_outputs(proposer: Proposer) -> None:
         pool.clear()
 
 
+def output_pool_note(proposer) -> str | None:
+    """A startup line's words for the earlier outputs n-gram lookup reads (None: it reads none)."""
+    pools = output_pools(proposer)
+    return f"n-gram lookup in the last {pools[0].max_tokens} tokens of earlier outputs too" if pools else None
+
+
 def output_pools(proposer) -> list:
     """The distinct output pools the proposer's parts look text up in."""
     pools = {id(pool): pool for part in _parts(proposer) if (pool := getattr(part, "output_pool", None)) is not None}
