@@ -27,6 +27,8 @@ def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history:
             out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
         out[t] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
         out[t] += dict(params.logit_bias).get(t, 0.0)
+        if params.allowed_token_ids and t not in params.allowed_token_ids:
+            out[t] = float("-inf")
     return out
 
 
@@ -35,7 +37,8 @@ def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history:
                                                                    frequency_penalty=0.4),
                                 dict(logit_bias={3: -100.0, 11: 5.5}, presence_penalty=0.3),
                                 dict(repetition_penalty=1.8, repetition_last_n=3),
-                                dict(repetition_penalty=0.6, repetition_last_n=6, frequency_penalty=0.4)])
+                                dict(repetition_penalty=0.6, repetition_last_n=6, frequency_penalty=0.4),
+                                dict(allowed_token_ids=(2, 3, 17, 40), logit_bias={3: 2.0})])
 def test_penalties_match_a_per_token_loop(kw):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 20, generator=g) * 3  # [k+1, vocab]
@@ -62,11 +65,13 @@ def run(target, params, proposer=None, k=None):
 
 @pytest.mark.parametrize("kw", [dict(frequency_penalty=1.5), dict(repetition_penalty=1.3, presence_penalty=0.5),
                                 dict(logit_bias={40: 3.0, 41: -100.0}),
-                                dict(repetition_penalty=1.5, repetition_last_n=5)])
+                                dict(repetition_penalty=1.5, repetition_last_n=5),
+                                dict(allowed_token_ids=(9, 14, 40, 41, 50, 61))])
 def test_greedy_speculation_with_penalties_equals_plain(target, kw):
     params = SamplingParams(max_tokens=30, ignore_eos=True, **kw)
     want = run(target, params).generated
     assert want != run(target, SamplingParams(max_tokens=30, ignore_eos=True)).generated  # the penalty acts
+    assert set(want) <= set(kw.get("allowed_token_ids", range(VOCAB)))
     if "repetition_last_n" in kw:  # the window acts: the same penalty over everything chooses otherwise
         whole = {**kw, "repetition_last_n": 0}
         assert want != run(target, SamplingParams(max_tokens=30, ignore_eos=True, **whole)).generated

@@ -335,7 +335,20 @@ def test_vllm_stop_token_ids_and_min_tokens(server):
                              logit_bias={"2": 60}, extra_body={"min_tokens": 5})
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"  # 5 tokens, then EOS
     assert r.choices[0].stop_reason is None
-    for body, needle in (({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens")):
+    # include_stop_str_in_output: the stop string stays in the text; allowed_token_ids: the only choices
+    stop_text = ref.text[3:5]
+    for include in (False, True):
+        r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                                 stop=[stop_text], extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+        cut = ref.text.index(stop_text) + (len(stop_text) if include else 0)
+        assert r.choices[0].text == ref.text[:cut] and r.choices[0].finish_reason == "stop"
+    allowed = sorted(set(ref.generated[::2]))
+    want = expected("hello world", 12, ignore_eos=True, allowed_token_ids=tuple(allowed))
+    r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                             extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert r.choices[0].text == want.text and set(want.generated) <= set(allowed)
+    for body, needle in (({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens"),
+                         ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids")):
         with pytest.raises(openai.BadRequestError, match=needle):
             c.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body=body)
 

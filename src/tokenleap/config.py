@@ -175,6 +175,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # constrain the reply to a grammar (JSON schema, regex, ...)
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: tokens that end the reply (kept in its token ids)
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string that ended the reply stays in its text
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the reply's tokens are chosen among these only (empty: all)
     # OpenAI's Predicted Outputs: token ids the reply is expected to resemble; lookup drafters propose
     # from them too (output unchanged, only faster where the reply follows them)
     prediction: tuple[int, ...] = ()
@@ -186,8 +188,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.prediction, tuple):
-            object.__setattr__(self, "prediction", tuple(self.prediction))
+        for name in ("prediction", "allowed_token_ids"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -224,8 +227,9 @@ class SamplingParams:
                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction),
                "prediction must be token ids (integers >= 0)")
-        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be token ids >= 0")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in getattr(self, name)),
+                   f"{name} must be token ids >= 0")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
 
@@ -235,9 +239,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a logit bias change the target's logits before choosing (``penalties.py``)."""
+        """Penalties, a logit bias or allowed tokens change the target's logits before choosing (``penalties.py``)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias)
+                    or self.logit_bias or self.allowed_token_ids)
 
 
 @dataclass(frozen=True)

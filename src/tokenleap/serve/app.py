@@ -298,7 +298,8 @@ class OpenAIServer:
         self._check_model(req.model)
         check_common(req)
         check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
-        check_token_ids(req.stop_token_ids, self.engine.model.config.vocab_size, "stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            check_token_ids(getattr(req, name), self.engine.model.config.vocab_size, name)
 
     def _plan_tools(self, req: ChatRequest) -> ToolPlan:
         tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))

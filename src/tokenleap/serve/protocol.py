@@ -80,6 +80,8 @@ class _Sampling(_Strict):
     min_tokens: Int64 | None = None  # vLLM's
     truncate_prompt_tokens: Int64 | None = None  # vLLM's: the prompt's last N tokens only (-1: the context's length)
     stop_token_ids: list[Int64] | None = None  # vLLM's
+    include_stop_str_in_output: bool | None = False  # vLLM's
+    allowed_token_ids: list[Int64] | None = None  # vLLM's
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -280,7 +282,8 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             repetition_last_n=req.repetition_last_n or 0,
             logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
             min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()),
-            prediction=prediction)
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            allowed_token_ids=tuple(req.allowed_token_ids or ()), prediction=prediction)
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

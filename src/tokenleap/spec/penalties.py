@@ -8,6 +8,7 @@ speculation reproduces exactly.
   its logit divided by the penalty when positive and multiplied by it when negative; with
   ``repetition_last_n`` (llama.cpp / Ollama), only the last n tokens before the row count as seen.
 * ``logit_bias`` (OpenAI): a fixed amount added to the logits of given tokens.
+* ``allowed_token_ids`` (vLLM): every other token's logit at -inf.
 
 In a verification step, row ``i`` of the logits is the distribution after the generated tokens and
 the first ``i`` drafted tokens, so each row is penalized for its own history.
@@ -34,6 +35,11 @@ def apply_penalties(
     for tok, bias in params.logit_bias:
         if tok < vocab:
             out[:, tok] += bias
+    if params.allowed_token_ids:
+        allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
+        masked = torch.full_like(out, float("-inf"))
+        masked[:, allowed] = out[:, allowed]
+        out = masked
     return out
 
 

@@ -80,7 +80,7 @@ class Sequence:
         if not hits:
             return False
         i, self.stop_reason = min(hits, key=lambda hit: hit[0])
-        self.text = self.text[:i]
+        self.text = self.text[:i + (len(self.stop_reason) if self.params.include_stop_str_in_output else 0)]
         self.finish_reason = "stop"
         return True
 
