@@ -10,7 +10,8 @@ import pytest
 
 from tokenleap.config import SamplingParams
 from tokenleap.serve.messages_api import MessagesRequest, chat_request
-from tokenleap.serve.protocol import APIError, chat_messages, chat_options
+from tokenleap.serve.chat_render import chat_messages, chat_options
+from tokenleap.serve.protocol import APIError
 
 from serving_helpers import VOCAB, ChatToyTokenizer, alone
 from test_server import KEY, NAME, start

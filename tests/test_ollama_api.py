@@ -12,7 +12,8 @@ import torch
 from tokenleap.config import SamplingParams
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.ollama_api import ChatBody, GenerateBody, chat_request, fit_history, generate_request
-from tokenleap.serve.protocol import APIError, chat_messages, chat_options, sampling_params
+from tokenleap.serve.chat_render import chat_messages, chat_options
+from tokenleap.serve.protocol import APIError, sampling_params
 from tokenleap.serve.scheduler import SchedulerConfig
 
 from serving_helpers import MAX_LEN, VOCAB, ChatToyTokenizer, LiveServer, alone, paged_engine

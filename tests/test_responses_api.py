@@ -152,7 +152,8 @@ def test_what_cannot_be_done_is_a_clear_400(server):
 
 
 def test_function_call_items_become_the_chat_turns_of_a_tool_call():
-    from tokenleap.serve.protocol import ResponsesRequest, chat_messages
+    from tokenleap.serve.chat_render import chat_messages
+    from tokenleap.serve.protocol import ResponsesRequest
     from tokenleap.serve.responses_api import chat_request
 
     req = ResponsesRequest.model_validate({"input": [

@@ -379,6 +379,12 @@ def test_vllm_truncate_prompt_tokens_keeps_the_prompts_end(server):
         c.completions.create(model=NAME, prompt="x", suffix="y", max_tokens=5, extra_body={"truncate_prompt_tokens": 3})
 
 
+def test_a_requests_own_chat_template_is_refused(server):
+    with pytest.raises(openai.BadRequestError, match="chat_template"):
+        client(server).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                               extra_body={"chat_template": "{{ messages }}"})
+
+
 def test_tokenize_and_detokenize(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     tok = ChatToyTokenizer(VOCAB)

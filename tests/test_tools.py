@@ -12,7 +12,8 @@ import torch
 from tokenleap.spec.engine import Engine
 from tokenleap.cache.paged import PagedKVCache
 from tokenleap.spec.proposers.ngram import NgramProposer
-from tokenleap.serve.protocol import APIError, ChatRequest, chat_messages
+from tokenleap.serve.chat_render import chat_messages
+from tokenleap.serve.protocol import APIError, ChatRequest
 from tokenleap.serve.scheduler import SchedulerConfig
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.tools import ToolStream, parse_tool_calls, plan_tools

@@ -34,8 +34,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
-from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request, chat_messages,
-                                      chat_options, check_common, check_logit_bias, check_prompt_logprobs, check_token_ids,
+from tokenleap.serve.chat_render import chat_messages, chat_options
+from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
+                                      check_common, check_logit_bias, check_prompt_logprobs, check_token_ids,
                                       parse_body, sampling_params, structured_output)
 from tokenleap.serve.responses import Format, TokenText, add_prompt_logprobs, new_id, now, usage_options
 from tokenleap.serve.chunks import openai_chunks

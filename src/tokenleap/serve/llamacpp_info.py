@@ -19,7 +19,8 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from tokenleap import __version__
-from tokenleap.serve.protocol import APIError, ChatRequest, chat_messages, chat_options, parse_body
+from tokenleap.serve.chat_render import chat_messages, chat_options
+from tokenleap.serve.protocol import APIError, ChatRequest, parse_body
 
 # /completion's defaults where a request leaves a field out (llama.cpp's; llamacpp.py applies them)
 DEFAULT_PARAMS: dict[str, Any] = {

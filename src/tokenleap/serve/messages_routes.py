@@ -11,7 +11,8 @@ from fastapi.responses import Response
 
 from tokenleap.serve.messages_api import CountTokensRequest, MessagesRequest, MessageWriter, chat_request
 from tokenleap.serve.context_window import check_max_tokens
-from tokenleap.serve.protocol import chat_messages, chat_options, parse_body, structured_output
+from tokenleap.serve.chat_render import chat_messages, chat_options
+from tokenleap.serve.protocol import parse_body, structured_output
 from tokenleap.serve.responses import Format, now
 
 PATH = "/v1/messages"

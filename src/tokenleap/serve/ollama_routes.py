@@ -32,7 +32,8 @@ from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_api import (ChatBody, GenerateBody, ReplyWriter, chat_request, context_window,
                                         created_at, fit_history, generate_request, load_reply, logprobs_wanted,
                                         thinking_kwargs)
-from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, Int64, _Strict, bad_request, chat_messages, chat_options,
+from tokenleap.serve.chat_render import chat_messages, chat_options
+from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, Int64, _Strict, bad_request,
                                       parse_body, structured_output)
 from tokenleap.serve.reasoning import template_thinks
 from tokenleap.serve.responses import Format, new_id, now

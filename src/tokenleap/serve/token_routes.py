@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
 from tokenleap import __version__
-from tokenleap.serve.protocol import ChatMessage, Int64, _Strict, bad_request, chat_messages, \
-    check_token_ids, parse_body
+from tokenleap.serve.chat_render import chat_messages
+from tokenleap.serve.protocol import ChatMessage, Int64, _Strict, bad_request, check_token_ids, parse_body
 from tokenleap.serve.tools import ToolPlan
 
 
