@@ -188,10 +188,6 @@ class TokenleapMethod:
         return Generation(list(seq.generated), seq.text, seconds, seq.finish_reason, stats)
 
 
-def _pool_spec(spec: MethodSpec) -> SpecConfig:
-    return SpecConfig(ngram_pool=int(spec.get("pool", 0)))
-
-
 def _tree_mode(spec: MethodSpec) -> str:
     """A ``-tree`` family always drafts trees; ``draft`` / ``ngram`` take ``tree=auto|on|off`` (default off)."""
     return "on" if spec.family.endswith("-tree") else str(spec.get("tree", "off"))
@@ -211,14 +207,14 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
     family = spec.family.removesuffix("-tree")  # a tree method drafts like its chain family
     if family == "ngram":
         from tokenleap.spec.proposers.ngram import NgramProposer
-        proposer = NgramProposer(int(spec.get("max", 4)), ngram_min(spec), output_pool(_pool_spec(spec)))
+        proposer = NgramProposer(int(spec.get("max", 4)), ngram_min(spec), output_pool(int(spec.get("pool", 0))))
     elif family in ("draft", "cascade"):  # a draft of another tokenizer drafts through text (cross_tokenizer.py)
         from tokenleap.spec.proposers.factory import draft_proposer
         vocab = int(spec.get("vocab", SpecConfig.draft_vocab))  # vocab=0: the draft's full head
         draft = pool.draft(spec.name, spec.get("model"))
         proposer = draft_proposer(draft, target.model.config.vocab_size, max_len, draft_vocab=vocab,
                                   draft_spec="ngram" if family == "cascade" else None,
-                                  target_tokenizer=target.tokenizer, pool=output_pool(_pool_spec(spec)))
+                                  target_tokenizer=target.tokenizer, pool=output_pool(int(spec.get("pool", 0))))
     nodes = int(spec.get("nodes", TREE_NODES)) if _tree_mode(spec) != "off" else 0
     if family == "lookahead":
         from tokenleap.spec.proposers.factory import lookahead_proposer

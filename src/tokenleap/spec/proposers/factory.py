@@ -41,7 +41,7 @@ def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | Non
         return None
     if spec.method == "ngram":
         from tokenleap.spec.proposers.ngram import NgramProposer
-        return NgramProposer(spec.ngram_max, spec.ngram_min, output_pool(spec))
+        return NgramProposer(spec.ngram_max, spec.ngram_min, output_pool(spec.ngram_pool))
     if spec.method == "lookahead":
         return lookahead_proposer(spec)
     if spec.method == "layerskip":  # the target drafts for itself: no draft model, no extra weights
@@ -56,15 +56,16 @@ def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | Non
         raise ConfigError("speculative method 'draft' needs the draft model loaded")
     cache = draft_cache(draft) if draft_cache is not None else None
     return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache,
-                          spec.draft_spec, target.tokenizer, output_pool(spec))
+                          spec.draft_spec, target.tokenizer, output_pool(spec.ngram_pool))
 
 
-def output_pool(spec: SpecConfig):
-    """A pool of earlier outputs of ``spec.ngram_pool`` tokens for an engine's lookup drafters (None: off)."""
-    if not spec.ngram_pool:
+def output_pool(tokens: int):
+    """A pool of earlier outputs of ``tokens`` tokens (``SpecConfig.ngram_pool``) for an engine's lookup
+    drafters (None: 0, off)."""
+    if not tokens:
         return None
     from tokenleap.spec.proposers.output_pool import OutputPool
-    return OutputPool(spec.ngram_pool)
+    return OutputPool(tokens)
 
 
 def lookahead_proposer(spec: SpecConfig) -> Proposer:
@@ -147,7 +148,7 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
     from tokenleap.spec.bandit import BanditConfig
     from tokenleap.spec.proposers.auto import AutoProposer
     arms: dict[str, Proposer] = {}
-    pool = output_pool(spec)  # one pool for the n-gram arm and the cascade's guesses
+    pool = output_pool(spec.ngram_pool)  # one pool for the n-gram arm and the cascade's guesses
     # the draft arm drafts chains (trees only with --spec-tree on), so it is a cascade: n-gram lookup
     # speculates the draft model's own steps, which changes no drafted token and saves draft forwards
     draft_spec = spec.draft_spec or (None if spec.tree == "on" else "ngram")
@@ -162,8 +163,8 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
             continue
         try:
             # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only)
-            arm = proposer_for(replace(spec, method=name, draft_model=None, layerskip_lookup=False), target,
-                               None, max_len, num_slots, cache_dir)
+            arm = proposer_for(replace(spec, method=name, draft_model=None, layerskip_lookup=False, ngram_pool=0),
+                               target, None, max_len, num_slots, cache_dir)
         except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
             continue
         if name == "ngram" and pool is not None:
