@@ -149,6 +149,19 @@ def test_from_dir_errors(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+def test_identical_vocabulary_files_share_one_backend(tmp_path):
+    """A draft of the target's family has the same tokenizer.json: its backend is built once, while
+    each directory keeps its own configuration (chat template)."""
+    for name, template in (("a", "{{ 'A' }}"), ("b", "{{ 'B' }}")):
+        write_tokenizer_files(tiny_metadata(**{"tokenizer.chat_template": template}), tmp_path / name)
+    a, b = Tokenizer.from_dir(tmp_path / "a"), Tokenizer.from_dir(tmp_path / "b")
+    assert a.backend is b.backend and a.chat_template != b.chat_template
+    write_tokenizer_files(tiny_metadata(), tmp_path / "c")
+    (tmp_path / "c" / "tokenizer.json").write_text((tmp_path / "a" / "tokenizer.json").read_text() + "\n")
+    c = Tokenizer.from_dir(tmp_path / "c")  # other bytes (the same vocabulary): a backend of its own
+    assert c.backend is not a.backend and a.encode("ab") == b.encode("ab") == c.encode("ab")
+
+
 def test_hf_style_config_and_generation_config(tmp_path):
     write_tokenizer_files(tiny_metadata(**{"tokenizer.chat_template": None}), tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(

@@ -6,6 +6,7 @@ the same pair a Hugging Face model directory has, so ``Tokenizer.from_dir`` serv
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from datetime import datetime
@@ -282,10 +283,7 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise ModelNotFoundError(f"no tokenizer.json in {path}; the model directory is incomplete")
-        try:
-            backend = _Backend.from_file(str(path / "tokenizer.json"))
-        except Exception as e:
-            raise ModelFormatError(f"{path / 'tokenizer.json'} could not be read: {e}") from e
+        backend = _backend_of(path / "tokenizer.json")
         config = _read_json(path / "tokenizer_config.json")
         if not _pick_template(config.get("chat_template")) and (path / "chat_template.jinja").is_file():
             config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
@@ -406,6 +404,25 @@ class Tokenizer:
         if self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+
+_BACKENDS: dict[str, _Backend] = {}  # digest of a tokenizer.json -> its backend (read-only once built)
+_BACKENDS_MAX = 8
+
+
+def _backend_of(path: Path) -> _Backend:
+    """``tokenizer.json``'s backend; a file with the bytes of one read before gives the same backend
+    (a draft model of the target's family does not build its vocabulary a second time)."""
+    data = path.read_bytes()
+    key = hashlib.sha256(data).hexdigest()
+    if key not in _BACKENDS:
+        try:
+            _BACKENDS[key] = _Backend.from_str(data.decode("utf-8"))
+        except Exception as e:
+            raise ModelFormatError(f"{path} could not be read: {e}") from e
+        while len(_BACKENDS) > _BACKENDS_MAX:
+            _BACKENDS.pop(next(iter(_BACKENDS)))
+    return _BACKENDS[key]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
