@@ -15,8 +15,8 @@ Prints tok/s per request, and per part the median and total-time ratios (pool / 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -26,8 +26,16 @@ from tokenleap.bench.suite import encode_prompts
 from tokenleap.config import SamplingParams, SpecConfig
 from tokenleap.spec.proposers.base import forget_outputs
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "prediction-zen4-s35"))
-from run import TASKS  # noqa: E402 (the regenerations of the Predicted Outputs run)
+def _prediction_tasks() -> list[tuple[str, str]]:
+    """The regenerations of the Predicted Outputs run (its script, loaded by path)."""
+    path = Path(__file__).parent.parent / "prediction-zen4-s35" / "run.py"
+    spec = importlib.util.spec_from_file_location("prediction_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TASKS
+
+
+TASKS = _prediction_tasks()
 
 CHAT_AGAIN = 4  # chat prompts of the mix sampled a second time with another seed
 
