@@ -12,7 +12,7 @@ from tokenleap.spec.bandit import BanditConfig
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.proposers.auto import AutoProposer
-from tokenleap.spec.proposers.base import remember_output
+from tokenleap.spec.proposers.base import output_pools, remember_output
 from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.proposers.output_pool import OutputPool
@@ -78,8 +78,8 @@ def test_remember_output_fills_each_shared_pool_once():
     pool = OutputPool(max_tokens=100, n_min=2, n_max=4)
     auto = AutoProposer({"ngram": NgramProposer(4, 2, pool), "other": NgramProposer(3, 2, pool)}, BanditConfig(max_k=4))
     remember_output(auto, [1, 2, 3, 4, 5])
-    assert pool.outputs == 1
-    remember_output(NgramProposer(4, 2), [1, 2, 3, 4, 5])  # no pool: nothing to do
+    assert pool.outputs == 1 and output_pools(auto) == [pool]
+    assert output_pools(NgramProposer(4, 2)) == []  # no pool: remember_output has nothing to fill
 
 
 @pytest.fixture(scope="module")
