@@ -111,11 +111,18 @@ def test_an_output_written_before_is_drafted_from_the_pool_and_the_output_is_unc
     again = run(eng, params)  # the same request again (a regeneration): its reply is in the pool
     assert again.generated == plain
     assert again.stats.accepted_tokens >= 45 and again.stats.target_forwards < first.stats.target_forwards
+    # its drafts are counted apart: n-gram from earlier outputs
+    assert "ngram-pool" not in first.stats.proposer_tokens and again.stats.proposer_tokens["ngram-pool"] >= 45
     # the same with --spec auto's n-gram arm beside a draft model, and on a fresh engine with other text
     auto_pool = OutputPool(n_min=2, n_max=6)
     auto = engine(target, AutoProposer({"draft": DraftModelProposer(draft, VOCAB, 160),
                                         "ngram": NgramProposer(4, 2, auto_pool)}, BanditConfig(max_k=6)))
     assert run(auto, params).generated == plain and run(auto, params).generated == plain
+    solo = engine(target, AutoProposer({"ngram": NgramProposer(4, 2, OutputPool(n_min=2, n_max=6))},
+                                       BanditConfig(max_k=6)))
+    solo_first, solo_again = run(solo, params), run(solo, params)
+    assert solo_first.generated == solo_again.generated == plain
+    assert solo_again.stats.proposer_tokens.get("ngram-pool", 0) > 0  # auto keeps the arm's finer label
     other = OutputPool(n_min=2, n_max=6)
     other.add([(t * 7 + 3) % VOCAB for t in plain])  # an unrelated earlier output: proposals that miss
     assert run(engine(target, NgramProposer(4, 2, other)), params).generated == plain

@@ -256,7 +256,9 @@ class AutoProposer:
             caught = sum(d.catch_up_drafted for d in got if d is not None)
             self.bandit.arms[name].costs.observe_draft_after_catch_up(
                 DraftWork(drafted, 0, len(reqs), seconds - catch_up, 0, catch_up, caught))
-        return [replace(d, proposer=name) if d is not None else None for d in got]
+        # each draft labelled with its arm (or the arm's own finer label, e.g. n-gram from earlier outputs)
+        return [replace(d, proposer=d.proposer if d.proposer and d.proposer.startswith(name) else name)
+                if d is not None else None for d in got]
 
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
         drafted = self._drafted.pop(seq_id, None)

@@ -25,6 +25,7 @@ from tokenleap.spec.proposers.base import Draft, DraftRequest
 from tokenleap.spec.proposers.output_pool import OutputPool
 
 MAX_OCCURRENCES = 32  # most recent occurrences of an n-gram a tree proposal reads
+POOL_LABEL = "ngram-pool"  # a chain drafted from earlier outputs, as SpecStats and /metrics count it
 
 
 class _Index:
@@ -37,6 +38,7 @@ class _Index:
         self.reference: list[int] = []
         self.ref_tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.tables}
         self.ref_at = 0  # where in the reference the last continuation taken from it started
+        self.from_pool = False  # whether the last continuation came from the output pool
 
     def set_reference(self, reference: list[int]) -> None:
         self.reference = list(reference)
@@ -51,6 +53,7 @@ class _Index:
         one taken started (else its last one before), or in the indexed text, at its latest occurrence
         (the reference first at equal n: the client said the reply will read so), or in the pool's
         outputs. Empty when nothing matches."""
+        self.from_pool = False
         for n in range(min(self.top(pool), len(context) - 1), self.n_min - 1, -1):
             if n <= self.n_max:
                 key = tuple(context[-n:])
@@ -65,6 +68,7 @@ class _Index:
             if pool is not None:
                 cont = pool.continuation(context, n, length)
                 if cont:
+                    self.from_pool = True
                     return cont
         return []
 
@@ -123,8 +127,11 @@ class NgramProposer:
 
     def propose(self, seq_id: int, tokens: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
-        proposal = self._index(seq_id, tokens).continuation(tokens, k, self.output_pool)
-        return Draft(tokens=proposal, probs=None) if proposal else None
+        index = self._index(seq_id, tokens)
+        proposal = index.continuation(tokens, k, self.output_pool)
+        if not proposal:
+            return None
+        return Draft(tokens=proposal, probs=None, proposer=POOL_LABEL if index.from_pool else None)
 
     def propose_tree(self, seq_id: int, tokens: list[int], max_nodes: int, max_depth: int) -> TokenTree | None:
         """A trie of what followed earlier occurrences of the suffix (root: ``tokens[-1]``), at most
