@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenleap.config import ConfigError
 from tokenleap.spec.penalties import apply_penalties, suppress_early_stops
 from tokenleap.spec.proposers.base import Draft
 from tokenleap.spec.sampling import argmax_rows, logits_to_probs
@@ -88,6 +89,8 @@ def target_logits(seq: Sequence, logits: torch.Tensor, drafted: list[int]) -> to
         logits = seq.constraint.mask(logits, drafted)
     if p.min_tokens > seq.num_generated:
         logits = suppress_early_stops(logits, p, seq.num_generated, seq.eos_ids)
+    if p.allowed_token_ids and not bool(torch.isfinite(logits).any(dim=-1).all()):
+        raise ConfigError("allowed_token_ids leave no token that the reply's grammar (or min_tokens) allows here")
     return logits
 
 
