@@ -64,7 +64,7 @@ class OutputPool:
         """Up to ``length`` tokens that followed the latest kept occurrence of ``context``'s last ``n``
         tokens in an earlier output; empty when none did (or n is outside the pool's range)."""
         for oid, follow in reversed(self.occurrences(context, n)):
-            cont = self._outputs[oid][follow: follow + length]
+            cont = self.following(oid, follow, length)
             if cont:
                 return cont
         return []
@@ -81,24 +81,26 @@ class OutputPool:
         """The tokens of output ``oid`` from ``follow``, at most ``length``."""
         return self._outputs[oid][follow: follow + length]
 
-    def _index(self, oid: int, tokens: list[int]) -> None:
-        for end in range(len(tokens) - 1):  # an n-gram with something after it
-            for n, table in self._tables.items():
-                if end + 1 >= n:
-                    at = table.setdefault(tuple(tokens[end + 1 - n: end + 1]), [])
-                    at.append((oid, end + 1))
-                    if len(at) > PER_KEY:
-                        del at[0]
-
-    def _unindex(self, oid: int, tokens: list[int]) -> None:
+    def _ngrams(self, tokens: list[int]):
+        """(table, n-gram, position right after it) for every n-gram of ``tokens`` with a token after it."""
         for end in range(len(tokens) - 1):
             for n, table in self._tables.items():
                 if end + 1 >= n:
-                    key = tuple(tokens[end + 1 - n: end + 1])
-                    at = table.get(key)
-                    if at is not None:
-                        kept = [e for e in at if e[0] != oid]
-                        if kept:
-                            table[key] = kept
-                        else:
-                            del table[key]
+                    yield table, tuple(tokens[end + 1 - n: end + 1]), end + 1
+
+    def _index(self, oid: int, tokens: list[int]) -> None:
+        for table, key, follow in self._ngrams(tokens):
+            at = table.setdefault(key, [])
+            at.append((oid, follow))
+            if len(at) > PER_KEY:
+                del at[0]
+
+    def _unindex(self, oid: int, tokens: list[int]) -> None:
+        for table, key, _ in self._ngrams(tokens):
+            at = table.get(key)
+            if at is not None:
+                kept = [e for e in at if e[0] != oid]
+                if kept:
+                    table[key] = kept
+                else:
+                    del table[key]
