@@ -61,8 +61,7 @@ class EmbeddingRoutes:
         req = parse_body(await request.body(), EmbeddingRequest)
         server._check_model(req.model)
         self.check_dimensions(req.dimensions)
-        ids = [truncate_prompt(x, req.truncate_prompt_tokens, self.server.engine.max_len)
-               for x in self.token_lists(req.input, over_ok=req.truncate_prompt_tokens is not None)]
+        ids = self.token_lists(req.input, keep_last=req.truncate_prompt_tokens)
         vectors = await self.vectors(ids, pooling)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(normalize_embedding(v, 2),
                                                                           req.encoding_format)}
@@ -110,10 +109,10 @@ class EmbeddingRoutes:
             raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
                               "shortened", "dimensions")
 
-    def token_lists(self, value, truncate: bool = False, over_ok: bool = False) -> list[list[int]]:
+    def token_lists(self, value, truncate: bool = False, keep_last: int | None = None) -> list[list[int]]:
         """The inputs' token ids (a text, token ids, or a list of either); one over the context is a 400,
-        or with ``truncate`` cut to the context's length (its first tokens; ``over_ok``: left whole, for
-        the caller to cut)."""
+        or with ``truncate`` cut to the context's length (its first tokens), or with ``keep_last``
+        (vLLM's truncate_prompt_tokens) to its last tokens."""
         server = self.server
         texts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
         if not texts or len(texts) > MAX_INPUTS:
@@ -125,7 +124,8 @@ class EmbeddingRoutes:
             ids.append(server._encode(t, True, "input"))
             if truncate:  # (Ollama's default: the input's first tokens, as many as the context holds)
                 ids[-1] = ids[-1][:server.engine.max_len]
-            if len(ids[-1]) > server.engine.max_len and not over_ok:
+            ids[-1] = truncate_prompt(ids[-1], keep_last, server.engine.max_len)
+            if len(ids[-1]) > server.engine.max_len:
                 raise bad_request(f"this model's maximum context length is {server.engine.max_len} tokens; an input "
                                   f"has {len(ids[-1])}", "input")
         return ids
