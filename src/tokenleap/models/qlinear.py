@@ -175,9 +175,9 @@ class Int8Linear(nn.Module):
         the 8-row blocks holding them are unpacked."""
         if not self.use_kernel:
             return self._qweight[ids].float() * self.scales[ids].float()[:, None]
-        blocks, where = torch.unique(ids // 8, return_inverse=True)  # [b], [len(ids)]
+        blocks, rows = _block_rows(ids, 8)
         q = kernels.unpack_int8(self.packed[blocks])  # [b * 8, in]
-        return q[where * 8 + ids % 8].float() * self.scales[ids].float()[:, None]
+        return q[rows].float() * self.scales[ids].float()[:, None]
 
     def extra_repr(self) -> str:
         compute = "float32 (tokenleap kernel)" if self.use_kernel else self.compute_dtype
@@ -296,15 +296,20 @@ class Int4Linear(nn.Module):
         the blocks holding them are unpacked (a few of a 151,936-row LM head, not all of it)."""
         if not self.use_kernel:
             return self.dequantized_weight()[ids]
-        per = kernels.int4_rows_per_entry(self.packed)
-        blocks, where = torch.unique(ids // per, return_inverse=True)  # [b], [len(ids)]
-        w = _dequantize_int4(self.packed[blocks], self.scales_and_mins[blocks])  # [b * per, in]
-        return w[where * per + ids % per]
+        blocks, rows = _block_rows(ids, kernels.int4_rows_per_entry(self.packed))
+        return _dequantize_int4(self.packed[blocks], self.scales_and_mins[blocks])[rows]  # [b * per, in] -> rows
 
     def extra_repr(self) -> str:
         compute = "W4A8 (tokenleap kernel)" if self.use_kernel else self.compute_dtype
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
                 f"group_size={self.group_size}, compute={compute}")
+
+
+def _block_rows(ids: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed blocks (``per`` rows each) holding rows ``ids``, and where each of those rows lands
+    once just these blocks are unpacked: ([b], [len(ids)])."""
+    blocks, where = torch.unique(ids // per, return_inverse=True)
+    return blocks, where * per + ids % per
 
 
 def _dequantize_int4(packed: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
