@@ -8,7 +8,7 @@ import torch
 from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
-from tokenleap.spec.penalties import apply_penalties
+from tokenleap.spec.penalties import apply_penalties, bad_word_sequences
 from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.proposers.ngram import NgramProposer
 
@@ -29,6 +29,9 @@ def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history:
         out[t] += dict(params.logit_bias).get(t, 0.0)
         if params.allowed_token_ids and t not in params.allowed_token_ids:
             out[t] = float("-inf")
+        for *rest, last in params.bad_word_ids:  # barred where the history ends with the rest
+            if t == last and (not rest or history[-len(rest):] == rest):
+                out[t] = float("-inf")
     return out
 
 
@@ -38,7 +41,8 @@ def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history:
                                 dict(logit_bias={3: -100.0, 11: 5.5}, presence_penalty=0.3),
                                 dict(repetition_penalty=1.8, repetition_last_n=3),
                                 dict(repetition_penalty=0.6, repetition_last_n=6, frequency_penalty=0.4),
-                                dict(allowed_token_ids=(2, 3, 17, 40), logit_bias={3: 2.0})])
+                                dict(allowed_token_ids=(2, 3, 17, 40), logit_bias={3: 2.0}),
+                                dict(bad_word_ids=((5,), (7, 8, 9), (3, 7, 4), (1, 3, 3, 7, 2), (99, 6)))])
 def test_penalties_match_a_per_token_loop(kw):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 20, generator=g) * 3  # [k+1, vocab]
@@ -66,12 +70,18 @@ def run(target, params, proposer=None, k=None):
 @pytest.mark.parametrize("kw", [dict(frequency_penalty=1.5), dict(repetition_penalty=1.3, presence_penalty=0.5),
                                 dict(logit_bias={40: 3.0, 41: -100.0}),
                                 dict(repetition_penalty=1.5, repetition_last_n=5),
-                                dict(allowed_token_ids=(9, 14, 40, 41, 50, 61))])
+                                dict(allowed_token_ids=(9, 14, 40, 41, 50, 61)),
+                                dict(bad_word_ids=None)])
 def test_greedy_speculation_with_penalties_equals_plain(target, kw):
+    if kw == dict(bad_word_ids=None):  # bar the plain reply's own bigrams and one of its tokens
+        free = run(target, SamplingParams(max_tokens=30, ignore_eos=True)).generated
+        kw = dict(bad_word_ids=(tuple(free[3:5]), tuple(free[10:13]), (free[20],)))
     params = SamplingParams(max_tokens=30, ignore_eos=True, **kw)
     want = run(target, params).generated
     assert want != run(target, SamplingParams(max_tokens=30, ignore_eos=True)).generated  # the penalty acts
     assert set(want) <= set(kw.get("allowed_token_ids", range(VOCAB)))
+    for word in kw.get("bad_word_ids", ()):
+        assert all(tuple(want[i:i + len(word)]) != word for i in range(len(want)))
     if "repetition_last_n" in kw:  # the window acts: the same penalty over everything chooses otherwise
         whole = {**kw, "repetition_last_n": 0}
         assert want != run(target, SamplingParams(max_tokens=30, ignore_eos=True, **whole)).generated
@@ -87,3 +97,23 @@ def test_penalty_values_are_checked():
                dict(repetition_last_n=-1), dict(repetition_last_n=2.5)):
         with pytest.raises(ConfigError, match="penalty|logit_bias|repetition_last_n"):
             SamplingParams(**kw)
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space(target):
+    tok = ToyTokenizer(VOCAB)
+    words = bad_word_sequences(lambda text: tok.encode(text, add_special_tokens=False), ("  ab", "c"))
+    assert words == tuple(dict.fromkeys(tuple(tok.encode(t, add_special_tokens=False))
+                                        for t in ("ab", " ab", "c", " c")))
+    free = run(target, SamplingParams(max_tokens=30, ignore_eos=True)).generated
+    pair = free[6:8]
+    word = "".join(chr(t + 192) for t in pair)  # the toy tokenizer reads chr(t + 192) as token t
+    barred = run(target, SamplingParams(max_tokens=30, ignore_eos=True, bad_words=(word,)))
+    first = next(i for i in range(len(free)) if free[i:i + 2] == pair)
+    got = barred.generated
+    assert got[:first + 1] == free[:first + 1] and got[first + 1] != pair[1]
+    assert all(got[i:i + 2] != pair for i in range(len(got)))
+    assert barred.params.bad_word_ids == (tuple(pair), (32, *pair)) and barred.params.bad_words == ()
+    for bad in (dict(bad_words=("",)), dict(bad_words=(" ",)), dict(bad_word_ids=((),)),
+                dict(bad_word_ids=((1, -2),)), dict(bad_word_ids=(3, 4))):
+        with pytest.raises(ConfigError, match="bad_word"):
+            SamplingParams(**bad)

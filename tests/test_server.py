@@ -347,12 +347,19 @@ def test_vllm_stop_token_ids_and_min_tokens(server):
     r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
                              extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
     assert r.choices[0].text == want.text and set(want.generated) <= set(allowed)
-    with pytest.raises(openai.InternalServerError, match="allowed_token_ids leave no token"):  # (found mid-decode)
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids leave no token"):  # (found mid-decode)
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                   response_format={"type": "json_object"},
                                   extra_body={"allowed_token_ids": ChatToyTokenizer(VOCAB).encode("z")})
+    # bad_words: text the reply may not contain (the toy tokenizer reads chr(t + 192) as token t)
+    pair = ref.generated[4:6]
+    want = expected("hello world", 12, ignore_eos=True, bad_words=("".join(chr(t + 192) for t in pair),))
+    r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                             extra_body={"ignore_eos": True, "bad_words": ["".join(chr(t + 192) for t in pair)]})
+    assert r.choices[0].text == want.text != ref.text
+    assert all(want.generated[i:i + 2] != pair for i in range(len(want.generated)))
     for body, needle in (({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"min_tokens": -1}, "min_tokens"),
-                         ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids")):
+                         ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"), ({"bad_words": [""]}, "bad_words")):
         with pytest.raises(openai.BadRequestError, match=needle):
             c.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body=body)
 

@@ -177,6 +177,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: tokens that end the reply (kept in its token ids)
     include_stop_str_in_output: bool = False  # vLLM's: a stop string that ended the reply stays in its text
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the reply's tokens are chosen among these only (empty: all)
+    # vLLM's bad_words: words the reply may not contain (the engine tokenizes them into bad_word_ids)
+    bad_words: tuple[str, ...] = ()
+    # HF's bad_words_ids: token sequences the reply may not contain -- a sequence's last token is barred
+    # where the reply's last tokens are the rest of it
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     # OpenAI's Predicted Outputs: token ids the reply is expected to resemble; lookup drafters propose
     # from them too (output unchanged, only faster where the reply follows them)
     prediction: tuple[int, ...] = ()
@@ -191,6 +196,15 @@ class SamplingParams:
         for name in ("prediction", "allowed_token_ids"):
             if not isinstance(getattr(self, name), tuple):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        elif not isinstance(self.bad_words, tuple):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if not isinstance(self.bad_word_ids, tuple) or not all(isinstance(w, tuple) for w in self.bad_word_ids):
+            try:
+                object.__setattr__(self, "bad_word_ids", tuple(tuple(w) for w in self.bad_word_ids))
+            except TypeError:
+                raise ConfigError("bad_word_ids must be sequences of token ids") from None
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -230,6 +244,10 @@ class SamplingParams:
         for name in ("stop_token_ids", "allowed_token_ids"):
             _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in getattr(self, name)),
                    f"{name} must be token ids >= 0")
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
+        _check(all(w and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w)
+                   for w in self.bad_word_ids),
+               "bad_word_ids must be non-empty sequences of token ids >= 0")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
 
@@ -239,9 +257,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties, a logit bias or allowed tokens change the target's logits before choosing (``penalties.py``)."""
+        """Penalties, a logit bias, allowed tokens or barred words change the target's logits before
+        choosing (``penalties.py``)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.allowed_token_ids)
+                    or self.logit_bias or self.allowed_token_ids or self.bad_word_ids)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from tokenleap.serve.jobs import Job
-from tokenleap.serve.protocol import APIError
+from tokenleap.serve.protocol import failed
 from tokenleap.serve.responses import Format, chat_delta, sse
 from tokenleap.serve.reply_stream import ReplyStream
 from tokenleap.serve.tools import ToolPlan, call_deltas
@@ -25,7 +25,7 @@ async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
         yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage)))
     async for i, out in job.outputs():
         if out.error:
-            yield sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
+            yield sse(failed(out.error, out.error_status).body())
             break
         text, scored = job.piece(i, out)
         reason = out.finish_reason

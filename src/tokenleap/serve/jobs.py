@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
-from tokenleap.serve.protocol import APIError
+from tokenleap.serve.protocol import failed
 from tokenleap.serve.responses import Scored, prediction_tokens_kept, usage
 from tokenleap.serve.scheduler import Output, Request, Scheduler
 from tokenleap.serve.metrics import request_log_line
@@ -118,7 +118,7 @@ class Job:
                     raise ClientGone()
                 self._record(i, out)
                 if out.error:
-                    raise APIError(500, f"the request failed: {out.error}", "server_error")
+                    raise failed(out.error, out.error_status)
                 text, tokens = self.piece(i, out)
                 texts[i] += text
                 scored[i] += tokens

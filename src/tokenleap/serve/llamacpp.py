@@ -38,7 +38,7 @@ from fastapi.responses import Response
 from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.context_window import check_max_tokens
-from tokenleap.serve.protocol import MAX_PROMPTS, APIError, CompletionRequest, Int64, _Strict, bad_request, \
+from tokenleap.serve.protocol import MAX_PROMPTS, CompletionRequest, Int64, _Strict, bad_request, failed, \
     parse_body, repeat_window, structured_output
 from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now, token_logprob_entries
 from tokenleap.text.fim import encode_fim
@@ -229,7 +229,7 @@ class _Shape:
         reasons: dict[int, str | None] = {}
         async for i, out in self.job.outputs():
             if out.error:
-                yield _sse(APIError(500, f"the request failed: {out.error}", "server_error").body())
+                yield _sse(failed(out.error, out.error_status).body())
                 return
             piece, scored = self.job.piece(i, out)
             reasons[i] = out.finish_reason or reasons.get(i)

@@ -207,7 +207,8 @@ class MessageWriter:
         blocks, calls, reason = _Blocks(), [], None
         async for i, out in job.outputs():
             if out.error:
-                yield _event("error", error={"type": "api_error", "message": f"the request failed: {out.error}"})
+                kind = "api_error" if out.error_status >= 500 else "invalid_request_error"
+                yield _event("error", error={"type": kind, "message": f"the request failed: {out.error}"})
                 return
             piece, _ = job.piece(i, out)
             reason = out.finish_reason or reason

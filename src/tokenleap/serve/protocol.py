@@ -44,6 +44,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def failed(error: str, status: int = 500) -> APIError:
+    """The error of a request that failed while it ran (``Output.error`` and ``error_status``)."""
+    return APIError(status, f"the request failed: {error}", "server_error" if status >= 500 else "invalid_request_error")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -82,6 +87,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[Int64] | None = None  # vLLM's
     include_stop_str_in_output: bool | None = False  # vLLM's
     allowed_token_ids: list[Int64] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -284,7 +290,8 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
             min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            allowed_token_ids=tuple(req.allowed_token_ids or ()), prediction=prediction)
+            allowed_token_ids=tuple(req.allowed_token_ids or ()), bad_words=tuple(req.bad_words or ()),
+            prediction=prediction)
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

@@ -23,6 +23,7 @@ class Output:
     num_generated: int
     finish_reason: str | None = None  # "stop" | "length" | "error" on the last output
     error: str | None = None
+    error_status: int = 500  # 400: the request's own settings could not be met together
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the new tokens, if the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first output, if the request asked
 

@@ -238,8 +238,9 @@ class ResponseWriter:
         async for i, out in job.outputs():
             if out.error:
                 message = f"the request failed: {out.error}"
-                yield event("error", code="server_error", message=message, param=None)
-                error = {"code": "server_error", "message": message}
+                code = "server_error" if out.error_status >= 500 else "invalid_request_error"
+                yield event("error", code=code, message=message, param=None)
+                error = {"code": code, "message": message}
                 failed = {**self._obj("failed", [], _usage(job.usage())), "error": error}
                 yield event("response.failed", response=failed)
                 return

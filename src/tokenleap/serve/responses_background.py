@@ -50,7 +50,8 @@ class BackgroundResponses:
         try:
             async for i, out in job.outputs():
                 if out.error:
-                    await keep(writer.ended("failed", text, {"code": "server_error",
+                    code = "server_error" if out.error_status >= 500 else "invalid_request_error"
+                    await keep(writer.ended("failed", text, {"code": code,
                                                              "message": f"the request failed: {out.error}"}))
                     return
                 piece, tokens = job.piece(i, out)

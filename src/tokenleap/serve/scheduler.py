@@ -39,6 +39,19 @@ from tokenleap.spec.proposers.base import begin_sequence
 log = logging.getLogger("tokenleap.serve")
 
 
+def _status(error: Exception) -> int:
+    """400 for settings of the request's own that cannot be met together (found only while decoding,
+    e.g. allowed tokens that a grammar rules out), else 500."""
+    return 400 if isinstance(error, ConfigError) else 500
+
+
+def _log_failure(error: Exception, what: str) -> None:
+    if isinstance(error, ConfigError):  # the request's fault: no traceback
+        log.warning("%s: %s", what, error)
+    else:
+        log.exception(what)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 16  # sequences in the running batch
@@ -210,7 +223,7 @@ class Scheduler:
             try:
                 self.engine.attach(req.seq)
             except Exception as e:
-                self._fail(req, f"could not start the request: {e}")
+                self._fail(req, f"could not start the request: {e}", _status(e))
                 continue
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
@@ -249,8 +262,8 @@ class Scheduler:
                 try:
                     rows = self.engine.prefill_step(req.seq, draft_alongside=False)
                 except Exception as e:
-                    log.exception("prefill failed for sequence %d", req.seq.seq_id)
-                    self._fail(req, f"prefill failed: {e}")
+                    _log_failure(e, f"prefill failed for sequence {req.seq.seq_id}")
+                    self._fail(req, f"prefill failed: {e}", _status(e))
                     break
                 budget -= rows
                 if rows == 0:
@@ -274,8 +287,8 @@ class Scheduler:
             return
         try:
             self.engine.step([r.seq for r in batch], k)
-        except Exception:
-            log.exception("a batched step failed; retrying its sequences one by one")
+        except Exception as e:
+            _log_failure(e, "a batched step failed; retrying its sequences one by one")
             self._step_alone(batch, k)
         for r in batch:
             if not r.done:
@@ -316,9 +329,9 @@ class Scheduler:
             try:
                 self.engine.step([r.seq], k1)
             except Exception as e:
-                log.exception("step failed for sequence %d", r.seq.seq_id)
+                _log_failure(e, f"step failed for sequence {r.seq.seq_id}")
                 self._repair(r)
-                self._fail(r, f"decoding failed: {e}")
+                self._fail(r, f"decoding failed: {e}", _status(e))
 
     def _repair(self, req: Request) -> None:
         """Undo a failed step's partial effects: cache entries past the tokens, proposer state."""
@@ -366,12 +379,12 @@ class Scheduler:
                 req.arrival_time, req.scheduled_time or req.arrival_time, req.first_token_time, time.monotonic(),
                 len(req.seq.prompt), req.seq.num_generated))
 
-    def _fail(self, req: Request, message: str) -> None:
+    def _fail(self, req: Request, message: str, status: int = 500) -> None:
         if req.done:
             return
         req.error = message
         self._finish(req, "error")
-        self._send(req, Output("", [], req.seq.num_generated, "error", message))
+        self._send(req, Output("", [], req.seq.num_generated, "error", message, error_status=status))
 
     def _drop(self, req: Request) -> None:
         """A cancelled request (client gone): free its slot and blocks now, send nothing."""

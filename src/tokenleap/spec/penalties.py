@@ -9,11 +9,15 @@ speculation reproduces exactly.
   ``repetition_last_n`` (llama.cpp / Ollama), only the last n tokens before the row count as seen.
 * ``logit_bias`` (OpenAI): a fixed amount added to the logits of given tokens.
 * ``allowed_token_ids`` (vLLM): every other token's logit at -inf.
+* ``bad_word_ids`` (vLLM's ``bad_words`` once tokenized, HF's ``bad_words_ids``): a barred sequence's
+  last token at -inf in a row whose generated history ends with the rest of the sequence.
 
 In a verification step, row ``i`` of the logits is the distribution after the generated tokens and
 the first ``i`` drafted tokens, so each row is penalized for its own history.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -40,7 +44,35 @@ def apply_penalties(
         masked = torch.full_like(out, float("-inf"))
         masked[:, allowed] = out[:, allowed]
         out = masked
+    if params.bad_word_ids:
+        _bar_words(out, params.bad_word_ids, generated, draft)
     return out
+
+
+def bad_word_sequences(encode: Callable[[str], list[int]], words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that spell each of ``words`` (vLLM's ``bad_words``): the word as written
+    and with a leading space, since a word inside text usually starts with one; ``encode`` adds no
+    special tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(encode(text))
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
+
+
+def _bar_words(out: torch.Tensor, words: tuple[tuple[int, ...], ...], generated: list[int],
+               draft: list[int]) -> None:  # out: [k+1, vocab] float32, changed in place
+    vocab = out.shape[1]
+    longest = max(len(w) for w in words) - 1
+    history = generated[-longest:] if longest else []
+    for i in range(out.shape[0]):
+        tail = history + draft[:i]  # row i's generated history (its last tokens)
+        for word in words:
+            *rest, last = word
+            if last < vocab and (not rest or (len(tail) >= len(rest) and tail[len(tail) - len(rest):] == rest)):
+                out[i, last] = float("-inf")
 
 
 def _penalize(out: torch.Tensor, params: SamplingParams, prompt: list[int], generated: list[int],
@@ -96,4 +128,4 @@ def suppress_early_stops(logits: torch.Tensor, params: SamplingParams, generated
     return out
 
 
-__all__ = ["apply_penalties", "suppress_early_stops"]
+__all__ = ["apply_penalties", "bad_word_sequences", "suppress_early_stops"]
