@@ -133,7 +133,7 @@ def test_embeddings_are_off_unless_asked_for():
     config = ServerConfig(model_name=NAME, scheduler=SchedulerConfig(log_interval=0))
     with LiveServer(create_app(paged_engine(), config)) as s:
         r = post(s, {"input": "hello"})
-        assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "--embeddings" in r.json()["error"]["message"]
 
 
 def test_llm_embed_takes_texts_and_ids_in_order():

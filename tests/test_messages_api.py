@@ -176,3 +176,14 @@ def test_tool_calls_come_back_as_tool_use_blocks(scripted):  # noqa: F811
     assert streamed.content[0].text == "Sure.\n" and streamed.stop_reason == "tool_use"
     with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
         ask_scripted(server, "§", tools=WEATHER, tool_choice={"type": "tool", "name": "nope"})
+
+
+def test_models_in_anthropics_form_for_its_client(server):
+    c = client(server)
+    page = c.models.list()
+    assert [m.id for m in page.data] == [NAME] and page.data[0].type == "model" and page.has_more is False
+    assert page.data[0].display_name == NAME and page.data[0].created_at.year >= 2024
+    card = c.models.retrieve(NAME)
+    assert card.id == NAME and card.type == "model"
+    plain = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}, timeout=30).json()
+    assert plain["object"] == "list" and plain["data"][0]["object"] == "model"  # OpenAI's form otherwise

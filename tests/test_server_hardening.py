@@ -5,6 +5,8 @@ one log line per request. Most run in-process over httpx's ASGI transport (no so
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import logging
 import socket
 import time
@@ -202,7 +204,8 @@ def test_a_client_closing_mid_body_logs_one_line(caplog):
 
 def test_admission_counts_a_requests_choices():
     """max_num_seqs 2 + max_waiting 4: a request of n=6 fills the batch and the queue; while it runs,
-    one more sequence is a 503 saying what it adds; once it is done, requests are taken again."""
+    one more sequence is a 503 saying what it adds; once it is done, requests are taken again; one
+    of n=7 never fits, a 400."""
     eng = slowed(paged_engine(), 0.02)
     cfg = ServerConfig("m", scheduler=SchedulerConfig(max_num_seqs=2, max_waiting=4, log_interval=0))
     app = create_app(eng, cfg)
@@ -218,10 +221,79 @@ def test_admission_counts_a_requests_choices():
                 while sched.idle:
                     await asyncio.sleep(0.01)
                 extra = await c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
-                return await big, extra, await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                big = await big
+                after = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                return big, extra, after, await c.post("/v1/completions", json={"prompt": "x", "n": 7})
         finally:
             sched.shutdown()
-    big, extra, after = asyncio.run(go())
+    big, extra, after, never = asyncio.run(go())
+    assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text  # 7 > 2 + 4, idle or not
     assert big.status_code == 200 and len(big.json()["choices"]) == 6
     assert extra.status_code == 503 and "adds 1" in extra.json()["error"]["message"], extra.text
     assert after.status_code == 200
+
+
+def test_an_unhandled_error_is_a_500_on_a_connection_that_stays_open(caplog):
+    """Starlette's handler for Exception re-raises after answering, and uvicorn then closes the
+    keep-alive connection under the client; the server answers such errors itself instead."""
+    eng = paged_engine()
+    encode = eng.tokenizer.encode
+
+    def failing(text, *a, **kw):
+        if "boom" in text:
+            raise RuntimeError("a bug")
+        return encode(text, *a, **kw)
+    eng.tokenizer.encode = failing
+    with caplog.at_level(logging.ERROR, logger="tokenleap.serve"), LiveServer(make_app(eng, api_key=None)) as s:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        replies = []
+        for prompt in ("boom", "fine", "boom"):
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}),
+                         {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            replies.append((r.status, json.loads(r.read()), conn.sock))
+        conn.close()
+    assert [status for status, _, _ in replies] == [500, 200, 500]
+    assert replies[0][1]["error"]["type"] == "server_error" and replies[1][1]["choices"]
+    assert replies[0][2] is replies[1][2] is replies[2][2]  # one connection throughout
+    assert sum("unhandled" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_empty_constraints_and_null_n():
+    """An empty choice list, regex or grammar is a 400 naming the field; llama.cpp's defaults (an
+    empty grammar, an empty schema) mean no constraint; ``n: null`` is OpenAI's default of 1."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    bad = [{"guided_choice": []}, {"guided_choice": [""]}, {"guided_regex": ""}, {"guided_grammar": " "}]
+    responses = call(make_app(), [post("/v1/chat/completions", {**chat, **b}) for b in bad] + [
+        post("/v1/completions", {"prompt": "x", "max_tokens": 2, **bad[0]}),
+        post("/completion", {"prompt": "x", "n_predict": 2, "grammar": "", "json_schema": {}}),
+        post("/v1/chat/completions", {**chat, "n": None}), post("/v1/completions", {"prompt": "x", "n": None})])
+    for b, r in zip(bad + [bad[0]], responses):
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(f for f in b), (b, r.text)
+    assert [r.status_code for r in responses[-3:]] == [200, 200, 200], [r.text for r in responses[-3:]]
+    assert len(responses[-1].json()["choices"]) == 1
+
+
+def test_fields_that_cannot_be_honoured_are_400s_naming_them():
+    """As OpenAI / vLLM answer: stream_options without stream, an empty allowed_token_ids, min_tokens
+    over max_tokens, best_of other than n (choices are not ranked), top_logprobs past 20, allowed
+    tokens that all end the reply under min_tokens (EOS is token 2 here)."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    cases = [("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}, "stream_options"),
+             ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+             ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
+             ("/v1/chat/completions", {**chat, "max_completion_tokens": 2, "min_tokens": 3}, "min_tokens"),
+             ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+             ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+             ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+             ("/v1/chat/completions", {**chat, "allowed_token_ids": [2], "min_tokens": 2}, "allowed_token_ids"),
+             ("/v1/completions", {"prompt": "x", "allowed_token_ids": [2, 7], "stop_token_ids": [7],
+                                  "min_tokens": 1}, "allowed_token_ids")]
+    fine = [("/v1/completions", {"prompt": "x", "max_tokens": 2, "best_of": 2, "n": 2}),
+            ("/v1/completions", {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [2, 7], "min_tokens": 2}),
+            ("/v1/chat/completions", {**chat, "model": "m:latest"})]  # Ollama's tag for the served name
+    responses = call(make_app(), [post(path, body) for path, body, _ in cases] + [post(p, b) for p, b in fine]
+                     + [("HEAD", "/health", {})])
+    for (path, body, param), r in zip(cases, responses):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert [r.status_code for r in responses[len(cases):]] == [200] * (len(fine) + 1), [r.text for r in responses]

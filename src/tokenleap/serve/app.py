@@ -17,6 +17,7 @@ line per finished request (``tokenleap.serve.requests``).
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hmac
 import json
 import logging
@@ -35,9 +36,9 @@ from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
-from tokenleap.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
-                                      check_common, check_logit_bias, check_prompt_logprobs, check_token_ids,
-                                      parse_body, sampling_params, structured_output)
+from tokenleap.serve.protocol import (MAX_LOGPROBS, MAX_PROMPTS, APIError, ChatRequest, CompletionRequest,
+                                      bad_request, check_common, check_logit_bias, check_prompt_logprobs,
+                                      check_token_ids, parse_body, sampling_params, structured_output)
 from tokenleap.serve.responses import Format, TokenText, add_prompt_logprobs, new_id, now, usage_options
 from tokenleap.serve.chunks import openai_chunks
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore
@@ -69,7 +70,7 @@ class ServerConfig:
     log_prompts: bool = False  # put each request's prompt text in its log line
     docs: bool = True  # serve /docs and /openapi.json (behind the API key when one is set)
     responses_store: int = DEFAULT_CAPACITY  # Responses API objects kept for previous_response_id (0: none)
-    embeddings: str | None = None  # /v1/embeddings' pooling ("last", "mean"); None: not served (501)
+    embeddings: str | None = None  # /v1/embeddings' pooling ("last", "mean"); None: not served (400)
     reasoning: bool = True  # a thinking model's <think> block as reasoning_content (--reasoning-format auto)
     quantization: str | None = None  # how the weights are stored, as Ollama's /api/tags shows it (None: the dtype)
 
@@ -101,6 +102,7 @@ class OpenAIServer:
                 self.scheduler.shutdown()
 
         app = FastAPI(title="tokenleap", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        add_error_handlers(app)  # (before CORS: its middleware wraps the error answers too)
         if self.cfg.docs:  # FastAPI's own routes would skip the API key
             app.add_api_route("/openapi.json", self.openapi, methods=["GET"], include_in_schema=False)
             app.add_api_route("/docs", self.docs, methods=["GET"], include_in_schema=False)
@@ -120,9 +122,8 @@ class OpenAIServer:
         TokenRoutes(self).add_to(app)  # /tokenize, /detokenize, /version, /ping
         EmbeddingRoutes(self).add_to(app)  # /v1/embeddings (with --embeddings)
         OllamaRoutes(self).add_to(app)  # Ollama's /api/chat, /api/generate, /api/tags ...
-        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET", "HEAD"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
-        add_error_handlers(app)
         app.state.server = self
         return app
 
@@ -131,6 +132,9 @@ class OpenAIServer:
         self._auth(request)
         req = parse_body(await request.body(), CompletionRequest)
         self._check(req)
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request(f"best_of must equal n ({req.n}): choices are not generated to be ranked and dropped",
+                              "best_of")
         if req.truncate_prompt_tokens is not None and req.suffix is not None:
             raise bad_request("truncate_prompt_tokens would cut a fill-in-the-middle prompt's start: leave it "
                               "out with suffix", "truncate_prompt_tokens")
@@ -157,6 +161,9 @@ class OpenAIServer:
         self._check(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                              "top_logprobs")
         tools = self._plan_tools(req)
         prompt = truncate_prompt(self._encode_chat(chat_messages(req), tools, chat_options(req)),
                                  req.truncate_prompt_tokens, self.engine.max_len)
@@ -169,14 +176,24 @@ class OpenAIServer:
                                PromptView(prompt_logprobs=check_prompt_logprobs(req)), self._prediction(req))
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
+        """OpenAI's model list; Anthropic's for its clients (they send ``anthropic-version``)."""
         self._auth(request)
+        if "anthropic-version" in request.headers:
+            card = self._anthropic_card()
+            return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
         return {"object": "list", "data": [self._card()]}
 
     async def model_card(self, name: str, request: HTTPRequest) -> dict[str, Any]:
-        """OpenAI's ``GET /v1/models/{model}`` (the served name or one of its aliases)."""
+        """OpenAI's ``GET /v1/models/{model}`` (the served name or one of its aliases); Anthropic's
+        form for its clients."""
         self._auth(request)
         self._check_model(name)
-        return self._card()
+        return self._anthropic_card() if "anthropic-version" in request.headers else self._card()
+
+    def _anthropic_card(self) -> dict[str, Any]:
+        created = datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc)
+        return {"type": "model", "id": self.cfg.model_name, "display_name": self.cfg.model_name,
+                "created_at": created.isoformat().replace("+00:00", "Z")}
 
     def _card(self) -> dict[str, Any]:
         return {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "tokenleap",
@@ -262,6 +279,10 @@ class OpenAIServer:
                     raise bad_request(str(e), "prompt", "context_length_exceeded") from None
                 except ConfigError as e:  # a schema, regex or grammar that does not compile
                     raise bad_request(str(e), "response_format") from None
+        if len(seqs) > self.scheduler.capacity:  # never admitted, however long the client waits
+            raise bad_request(f"this request has {len(seqs)} sequences (n times its prompts) but the server "
+                              f"takes at most {self.scheduler.capacity} at once (--max-num-seqs plus "
+                              f"--max-waiting)", "n")
         job = Job(self.scheduler, seqs, sum(len(p) for p in prompts), view)
         try:
             self.scheduler.submit(job.requests)
@@ -301,6 +322,10 @@ class OpenAIServer:
         check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
         for name in ("stop_token_ids", "allowed_token_ids"):
             check_token_ids(getattr(req, name), self.engine.model.config.vocab_size, name)
+        stops = {*(() if req.ignore_eos else self.engine.eos_ids), *(req.stop_token_ids or ())}
+        if req.min_tokens and req.allowed_token_ids and set(req.allowed_token_ids) <= stops:
+            raise bad_request("allowed_token_ids holds only tokens that end the reply, which min_tokens forbids "
+                              "before its count", "allowed_token_ids")
 
     def _plan_tools(self, req: ChatRequest) -> ToolPlan:
         tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
@@ -327,7 +352,7 @@ class OpenAIServer:
         return Reasoning(opened_by(self._token_text(True).joined(prompt[-8:])), req.include_reasoning is not False)
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.cfg.model_name, *self.cfg.model_aliases):
+        if name is not None and name.removesuffix(":latest") not in (self.cfg.model_name, *self.cfg.model_aliases):
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                                 f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
 

@@ -3,7 +3,8 @@ input text (or token id list), pooled from the model's final hidden states (``mo
 L2-normalized, as float lists or base64 of little-endian float32; and llama.cpp's own
 ``POST /embedding`` (``content``, ``embd_normalize``; with ``--pooling none`` a vector a token).
 Served only when the server was started with ``--embeddings`` (``ServerConfig.embeddings``: the
-pooling), as llama.cpp does; otherwise a 501 says so. The vectors are computed on the scheduler's
+pooling), as llama.cpp does; otherwise a 400 says so (as vLLM answers a model without the task; a 5xx
+would make OpenAI's client retry). The vectors are computed on the scheduler's
 thread, one prefill window per call (``Scheduler.call``), so decoding goes on between the windows of
 a long input and between inputs."""
 from __future__ import annotations
@@ -86,11 +87,11 @@ class EmbeddingRoutes:
                 for i, v in enumerate(vectors)]
 
     def pooling(self) -> str:
-        """The server's pooling (``--pooling``); a 501 when it serves no embeddings."""
+        """The server's pooling (``--pooling``); a 400 when it serves no embeddings."""
         pooling = self.server.cfg.embeddings
         if pooling is None:
-            raise APIError(501, "this server does not serve embeddings: start it with --embeddings",
-                           "not_implemented_error", None, "embeddings_off")
+            raise APIError(400, "this server does not serve embeddings: start it with --embeddings",
+                           "invalid_request_error", None, "embeddings_off")
         return pooling
 
     def pooled(self, param: str) -> str:

@@ -1,7 +1,9 @@
 """The server's error bodies: every failure answers with OpenAI's error object (Anthropic's on the
 Messages API's routes, Ollama's ``{"error": message}`` on its ``/api/`` routes) -- an ``APIError`` as raised, Starlette's own HTTP errors (404, 405) in the
 same form, a client that left before sending its whole body as 499 (logged, nothing sent), anything
-else as a logged 500."""
+else as a logged 500 -- answered by a middleware rather than an exception handler, because Starlette
+re-raises after its handler for ``Exception`` answers, and the server then closes the client's
+keep-alive connection."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +12,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenleap.serve.messages_api import anthropic_error
 from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
@@ -23,7 +26,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_disconnect)
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(_AnswerUnhandled)
 
 
 def error_body(path: str, exc: APIError) -> dict:
@@ -53,6 +56,29 @@ async def _client_disconnect(request: HTTPRequest, _: ClientDisconnect) -> Respo
     return Response(status_code=499)
 
 
-async def _internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error", exc_info=exc)
-    return _response(request, APIError(500, "internal server error", "server_error"))
+class _AnswerUnhandled:
+    """An error no handler took: logged, and a 500 sent if the response has not started (a stream
+    cut mid-way has nothing left to answer with, so the error goes on to close the connection)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error", exc_info=exc)
+            request = HTTPRequest(scope)
+            await _response(request, APIError(500, "internal server error", "server_error"))(scope, receive, send)

@@ -89,7 +89,8 @@ class _LlamaSampling(_Strict):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "max_tokens": None if self.n_predict in (None, -1) else self.n_predict, "n": given(self.n_cmpl, 1),
             "logit_bias": _bias(self.logit_bias, lambda text: server._encode(text, False, "logit_bias")) or None,
-            "logprobs": self.n_probs or None, "guided_json": self.json_schema, "guided_grammar": self.grammar})
+            "logprobs": self.n_probs or None, "guided_json": self.json_schema or None,
+            "guided_grammar": self.grammar or None})  # llama.cpp's defaults {} and "": none
 
 
 def _bias(given, encode) -> dict[str, float]:

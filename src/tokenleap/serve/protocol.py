@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tokenleap.config import MAX_LOGPROBS, ConfigError, SamplingParams, StructuredOutput
 
@@ -46,7 +46,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def failed(error: str, status: int = 500) -> APIError:
     """The error of a request that failed while it ran (``Output.error`` and ``error_status``)."""
-    return APIError(status, f"the request failed: {error}", "server_error" if status >= 500 else "invalid_request_error")
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return APIError(status, f"the request failed: {error}", kind)
 
 
 class _Strict(BaseModel):
@@ -101,6 +102,11 @@ class _Sampling(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_default(cls, value: Any) -> Any:
+        return 1 if value is None else value  # null: the default, as OpenAI's schema has it
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
@@ -109,6 +115,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = False  # the prompt starts the text (with max_tokens 0: nothing else)
     suffix: str | None = None  # text after the gap: the reply fills in the middle (text/fim.py)
     prompt_logprobs: Int64 | None = None  # vLLM's: each prompt token's logprob and this many alternatives
+    best_of: Int64 | None = None  # only n itself (the choices are not ranked): more is refused
 
 
 class TextPart(_Strict):
@@ -256,6 +263,14 @@ def check_common(req: _Sampling) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP:
         raise bad_request(f"at most {MAX_STOP} stop strings", "stop")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options are allowed only when stream is true", "stream_options")
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise bad_request("allowed_token_ids is empty: give at least one token id, or leave it out",
+                          "allowed_token_ids")
+    limit = getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
+    if req.min_tokens is not None and limit is not None and req.min_tokens > limit:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({limit})", "min_tokens")
 
 
 def check_prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
@@ -335,7 +350,10 @@ def structured_output(req: _Sampling) -> StructuredOutput | None:
             json.loads(value)
         except ValueError:
             raise bad_request("guided_json is not valid JSON", "guided_json") from None
-    return StructuredOutput(**{kind: value})
+    try:
+        return StructuredOutput(**{kind: value})
+    except ConfigError as e:  # an empty choice list, regex or grammar
+        raise bad_request(str(e), "response_format" if kind.startswith("json") else f"guided_{kind}") from None
 
 
 _TOKEN_KEY = re.compile(r"\s*[0-9]{1,19}\s*")  # ASCII digits only ("²".isdigit() holds, int() refuses it)

@@ -88,6 +88,11 @@ class Scheduler:
         self._last_log: ServeSnapshot | None = None
         self._short = False  # the KV pool held back a waiting sequence (or preempted one) last iteration
 
+    @property
+    def capacity(self) -> int:
+        """The most sequences one submit can ever bring: the batch's places and the waiting ones."""
+        return self.max_seqs + self.cfg.max_waiting
+
     # -- thread-safe API --------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> None:
         """Queue ``requests`` (one per sequence: an HTTP request's n choices of each prompt), all or none.
