@@ -2,6 +2,8 @@
 reference-counted, cached windows nobody holds count as free and are evicted least recently used first."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -144,6 +146,15 @@ def test_server_reports_cached_prompt_tokens_and_prefix_metrics():
         first, second = (c.chat.completions.create(model="tiny", messages=m, max_tokens=6, temperature=0)
                          for m in chats)
         metrics = httpx.get(s.url + "/metrics").text
+        # Anthropic's stream: message_start's usage splits the prompt as the final usage does
+        body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "stream": True, "system": system["content"],
+                "messages": [{"role": "user", "content": "tides!"}]}
+        with httpx.stream("POST", s.url + "/v1/messages", json=body, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    start, end = events[0]["message"]["usage"], events[-2]["usage"]
+    assert events[0]["type"] == "message_start" and events[-2]["type"] == "message_delta"
+    assert start["cache_read_input_tokens"] == end["cache_read_input_tokens"] == shared // WINDOW * WINDOW
+    assert start["input_tokens"] == end["input_tokens"] > 0
     assert first.usage.prompt_tokens_details is None
     assert second.usage.prompt_tokens_details.cached_tokens == shared // WINDOW * WINDOW
     assert second.choices[0].message.content == alone(prompts[1], SamplingParams(max_tokens=6), chunk=WINDOW).text

@@ -297,3 +297,14 @@ def test_fields_that_cannot_be_honoured_are_400s_naming_them():
     for (path, body, param), r in zip(cases, responses):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert [r.status_code for r in responses[len(cases):]] == [200] * (len(fine) + 1), [r.text for r in responses]
+
+
+def test_an_assistant_refusal_part_reads_as_its_text_and_an_empty_prompt_is_not_a_length_error():
+    turns = [{"role": "user", "content": "x"}, None, {"role": "user", "content": "y"}]
+    bodies = [{"messages": [turns[0], {"role": "assistant", "content": content}, turns[2]], "max_tokens": 4,
+               "temperature": 0} for content in ([{"type": "refusal", "refusal": "no"}], "no")]
+    parts, text, empty = call(make_app(), [post("/v1/chat/completions", b) for b in bodies]
+                              + [post("/completion", {"prompt": "", "n_predict": 2})])
+    assert parts.status_code == text.status_code == 200, parts.text
+    assert parts.json()["choices"][0]["message"] == text.json()["choices"][0]["message"]
+    assert empty.status_code == 400 and empty.json()["error"]["code"] != "context_length_exceeded", empty.text

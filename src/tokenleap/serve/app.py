@@ -276,7 +276,7 @@ class OpenAIServer:
                 try:
                     seqs.append(self.engine.create(prompt, params))
                 except PromptTooLongError as e:
-                    raise bad_request(str(e), "prompt", "context_length_exceeded") from None
+                    raise bad_request(str(e), "prompt", "context_length_exceeded" if prompt else None) from None
                 except ConfigError as e:  # a schema, regex or grammar that does not compile
                     raise bad_request(str(e), "response_format") from None
         if len(seqs) > self.scheduler.capacity:  # never admitted, however long the client waits

@@ -200,12 +200,17 @@ class MessageWriter:
 
     async def events(self, job: Job) -> AsyncIterator[str]:
         """The stream of ``job``'s reply: its thinking block and its text block as the text comes (held
-        back from where a tool call may begin), then a block a call; an ``error`` event if it fails."""
-        yield _event("message_start", message=self._obj([], None, None, {**_usage(job.usage()), "output_tokens": 0}))
-        yield _event("ping")
+        back from where a tool call may begin), then a block a call; an ``error`` event if it fails.
+        ``message_start`` waits for the first output: the prompt tokens read from the prefix cache are
+        known once the request has started, so its usage says what the final one says."""
         split = ReplyStream(self.reasoning, self.tools)
-        blocks, calls, reason = _Blocks(), [], None
+        blocks, calls, reason, started = _Blocks(), [], None, False
         async for i, out in job.outputs():
+            if not started:
+                started = True
+                yield _event("message_start", message=self._obj([], None, None,
+                                                                {**_usage(job.usage()), "output_tokens": 0}))
+                yield _event("ping")
             if out.error:
                 kind = "api_error" if out.error_status >= 500 else "invalid_request_error"
                 yield _event("error", error={"type": kind, "message": f"the request failed: {out.error}"})

@@ -123,6 +123,15 @@ class TextPart(_Strict):
     text: str
 
 
+class RefusalPart(_Strict):  # an assistant turn's refusal, as OpenAI returns it: its text
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -157,7 +166,7 @@ class NamedToolChoice(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
