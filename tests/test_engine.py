@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tokenleap.config import SamplingParams
+from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.errors import PromptTooLongError
@@ -131,6 +131,25 @@ def test_prompt_longer_than_context_is_refused(target):
     with pytest.raises(PromptTooLongError, match="context window is 16"):
         eng.add(list(range(3, 20)), SamplingParams())
     assert eng.cache.num_free_slots == 1
+
+
+def test_a_prefill_that_fails_or_is_interrupted_frees_its_slot(target):
+    """An engine of one slot stays usable after a request fails in its prefill (allowed tokens
+    outside the vocabulary: nothing left to choose) or is interrupted there (Ctrl-C)."""
+    eng = Engine(target, ToyTokenizer(VOCAB), max_len=64, proposer=NgramProposer(3, 1))
+    want = run(eng, PROMPTS[0], SamplingParams(max_tokens=5)).generated
+    with pytest.raises(ConfigError, match="allowed_token_ids"):
+        run(eng, PROMPTS[0], SamplingParams(max_tokens=5, allowed_token_ids=(VOCAB + 5,)))
+    forward = eng.model.forward
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    eng.model.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        run(eng, PROMPTS[0], SamplingParams(max_tokens=5))
+    eng.model.forward = forward
+    assert eng.cache.num_free_slots == 1
+    assert run(eng, PROMPTS[0], SamplingParams(max_tokens=5)).generated == want
 
 
 @pytest.mark.parametrize("k", [1, 3, "auto"])

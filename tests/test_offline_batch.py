@@ -70,6 +70,27 @@ def test_one_params_for_all_text_prompts_and_bad_lists():
         llm.generate(prompts, [SamplingParams(), SamplingParams()])
     with pytest.raises(ConfigError, match="no prompts"):
         llm.generate([])
+    for bad_prompt in ([VOCAB], [-1], [1, 2.5], [True]):  # token ids outside the vocabulary, or not ids
+        with pytest.raises(ConfigError, match="token ids"):
+            llm.generate(bad_prompt)
+    with pytest.raises(ConfigError, match="prompt is text or a list of token ids, got int"):
+        llm.generate(["fine", 5])
+    with pytest.raises(ConfigError, match="prompts must be"):
+        llm.generate(5)
+    with pytest.raises(ConfigError, match="must be a SamplingParams .* got dict"):
+        llm.generate("x", {"max_tokens": 3})
+    assert llm.engine.cache.num_free_slots == llm.engine.cache.num_slots  # nothing left held
+
+
+def test_sizes_and_speculative_settings_are_checked_before_loading():
+    for kw, words in ((dict(max_model_len=-5), "max_model_len"), (dict(max_model_len=1), "max_model_len"),
+                      (dict(max_num_seqs=0), "max_num_seqs"), (dict(num_slots=True), "num_slots"),
+                      (dict(speculative={"method": "ngram", "bogus": 1}), "bogus"),
+                      (dict(speculative="ngram"), "SpecConfig")):
+        with pytest.raises(ConfigError, match=words):
+            LLM("no-such-model", **kw)  # (the model is never looked up)
+    llm = LLM.from_loaded(make_llm(None).target, max_model_len=64)
+    assert llm.max_len == 64
 
 
 class EncodeChatToy(ChatToyTokenizer):

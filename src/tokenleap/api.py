@@ -70,15 +70,28 @@ class StreamChunk:
     output: RequestOutput | None = None  # set on the last chunk
 
 
+def _check_sizes(max_model_len: int | None, num_slots: int, max_num_seqs: int) -> None:
+    def whole(n: object) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool)
+    if max_model_len is not None and not (whole(max_model_len) and max_model_len >= 2):
+        raise ConfigError(f"max_model_len must be an integer >= 2 (a prompt token and room for a reply), "
+                          f"got {max_model_len!r}")
+    for name, n in (("num_slots", num_slots), ("max_num_seqs", max_num_seqs)):
+        if not (whole(n) and n >= 1):
+            raise ConfigError(f"{name} must be an integer >= 1, got {n!r}")
+
+
 class LLM:
     """A target model, its tokenizer, and optionally a speculative proposer."""
 
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto", quant: str = "none",
-                 speculative: SpecConfig | None = None, max_model_len: int | None = None,
+                 speculative: SpecConfig | dict[str, Any] | None = None, max_model_len: int | None = None,
                  cache_dir: str | Path | None = None, num_slots: int = 1, max_num_seqs: int = 16) -> None:
+        _check_sizes(max_model_len, num_slots, max_num_seqs)  # before the minutes a load can take
+        speculative = _spec_config(speculative)
         target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
         self.cache_dir = cache_dir  # where a layer-skip calibration is stored
-        spec, note = resolve_auto_draft(speculative or SpecConfig(), str(model), cache_dir)
+        spec, note = resolve_auto_draft(speculative, str(model), cache_dir)
         draft = load_draft(spec, target, cache_dir) if uses_draft(spec) else None
         self._setup(target, spec, draft, max_model_len, num_slots, max_num_seqs)
         self.spec_note = note
@@ -95,8 +108,7 @@ class LLM:
                num_slots: int, max_num_seqs: int) -> None:
         if spec.method == "draft" and draft is None:
             raise ConfigError("speculative method 'draft' needs the draft model loaded")
-        if max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        _check_sizes(max_model_len, num_slots, max_num_seqs)
         self.target, self.tokenizer, self.spec, self.draft = target, target.tokenizer, spec, draft
         self.spec_note: str | None = None  # how --spec auto chose its draft model, for --stats
         self.max_num_seqs = max_num_seqs  # prompts decoded together by generate()
@@ -152,8 +164,15 @@ class LLM:
 
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
+        """A prompt's token ids: text encoded (``chat``: as a user message in the chat template), or
+        token ids checked against the vocabulary."""
+        if isinstance(prompt, (list, tuple)):
+            vocab = self.target.model.config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+                raise ConfigError(f"a prompt of token ids needs integers in [0, {vocab})")
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise ConfigError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if chat:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
@@ -161,7 +180,7 @@ class LLM:
     # -- generation -------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[StreamChunk]:
-        params = params or SamplingParams()
+        params = _checked(params)
         ids = self.encode(prompt, chat)
         t0 = time.perf_counter()
         seq = None
@@ -182,9 +201,9 @@ class LLM:
             if len(params) != len(prompts):
                 raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: give one, "
                                   f"or one per prompt")
-            per_prompt = list(params)
+            per_prompt = [_checked(p) for p in params]
         else:
-            per_prompt = [params or SamplingParams()] * len(prompts)
+            per_prompt = [_checked(params)] * len(prompts)
         if len(prompts) == 1:
             *_, last = self.stream(prompts[0], per_prompt[0], chat)
             return [last.output]
@@ -245,12 +264,36 @@ class LLM:
         return [v.tolist() for v in vectors]
 
 
+def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:
+    """``speculative`` as a SpecConfig: a dict holds its fields (as vLLM's ``speculative_config``)."""
+    if speculative is None:
+        return SpecConfig()
+    if isinstance(speculative, dict):
+        try:
+            return SpecConfig(**speculative)
+        except TypeError as e:
+            raise ConfigError(f"speculative: {e} (the fields are SpecConfig's)") from None
+    if not isinstance(speculative, SpecConfig):
+        raise ConfigError(f"speculative must be a SpecConfig or a dict of its fields, got {type(speculative).__name__}")
+    return speculative
+
+
+def _checked(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ConfigError(f"params must be a SamplingParams (or a list of them), got {type(params).__name__}")
+    return params
+
+
 def _prompt_list(prompts: str | list[int] | list[str] | list[list[int]]) -> list:
     """One prompt (text or token ids) as a list of one; a ConfigError for none."""
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     if not prompts:
         raise ConfigError("no prompts given")
+    if not isinstance(prompts, (list, tuple)):
+        raise ConfigError(f"prompts must be text, token ids or a list of either, got {type(prompts).__name__}")
     return list(prompts)
 
 

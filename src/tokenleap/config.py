@@ -187,19 +187,17 @@ class SamplingParams:
     prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        for name in ("prediction", "allowed_token_ids"):
-            if not isinstance(getattr(self, name), tuple):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-        if isinstance(self.bad_words, str):
-            object.__setattr__(self, "bad_words", (self.bad_words,))
-        elif not isinstance(self.bad_words, tuple):
-            object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        for name in ("stop", "bad_words"):  # a string alone stands for a list of one
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
+        for name in ("stop", "bad_words", "stop_token_ids", "prediction", "allowed_token_ids"):
+            value = getattr(self, name)
+            if value is None:  # (vLLM's and OpenAI's "none")
+                object.__setattr__(self, name, ())
+            elif not isinstance(value, tuple):
+                _check(hasattr(value, "__iter__") and not isinstance(value, (dict, str, bytes)),
+                       f"{name} must be a list, got {type(value).__name__}")
+                object.__setattr__(self, name, tuple(value))
         if not isinstance(self.bad_word_ids, tuple) or not all(isinstance(w, tuple) for w in self.bad_word_ids):
             try:
                 object.__setattr__(self, "bad_word_ids", tuple(tuple(w) for w in self.bad_word_ids))
@@ -207,17 +205,17 @@ class SamplingParams:
                 raise ConfigError("bad_word_ids must be sequences of token ids") from None
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+        _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf"),
+               f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -346,6 +344,10 @@ def default_ngram_min(ngram_max: int) -> int:
     """n-gram lookup's shortest suffix match when none is asked for: ``SpecConfig.ngram_min``, at most
     ``ngram_max``."""
     return min(SpecConfig.ngram_min, ngram_max)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x: Any) -> bool:

@@ -80,6 +80,8 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     """
     if quant not in QUANT_MODES:
         raise ConfigError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
+    if cache_dir and Path(cache_dir).expanduser().exists() and not Path(cache_dir).expanduser().is_dir():
+        raise ConfigError(f"the cache directory {str(cache_dir)!r} is not a directory")
     dt = resolve_dtype(dtype)
     ckpt = load_checkpoint(str(name_or_path), dt, Path(cache_dir) if cache_dir else None)
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)

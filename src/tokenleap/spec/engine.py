@@ -76,11 +76,16 @@ class Engine:
 
     # -- lifecycle --------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
-        """Validate, allocate a cache slot and prefill; the first token is produced here."""
+        """Validate, allocate a cache slot and prefill; the first token is produced here. A prefill
+        that fails (or is interrupted) frees the slot again."""
         seq = self.create(prompt, params)
-        self.attach(seq)
-        while self.prefill_step(seq):
-            pass
+        try:
+            self.attach(seq)
+            while self.prefill_step(seq):
+                pass
+        except BaseException:
+            self.release(seq)
+            raise
         return seq
 
     def create(self, prompt: list[int], params: SamplingParams) -> Sequence:
