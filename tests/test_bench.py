@@ -279,6 +279,11 @@ def test_malformed_jsonl_names_the_line(tmp_path, capsys):
         load_dataset(str(path))
     rc = main(["bench", "--target", SMOL, "--dataset", str(path), "--out", str(tmp_path / "o")])
     assert rc == 2 and "line 2" in capsys.readouterr().err
+    path.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(BenchError, match="is not UTF-8 text"):
+        load_dataset(str(path))
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n')  # a byte-order mark is read past
+    assert [p.text for p in load_dataset(str(path)).prompts] == ["a"]
 
 
 def test_user_jsonl_fields(tmp_path):

@@ -78,9 +78,12 @@ def test_a_stopped_reply_stays_and_the_next_turn_is_exact():
 def test_smollm2_chat_on_piped_stdin(smollm2_gguf):
     cmd = [sys.executable, "-m", "tokenleap.cli.main", "chat", "--model", "smollm2-135m-instruct", "--max-model-len",
            "512", "--max-tokens", "12", "--spec", "ngram", "--stats"]
-    stdin = "What is the capital of France?\nAnd of Italy?\n/clear\nName a color.\n"
-    run = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=600)
+    # (an unknown command and a line that is not UTF-8 are refused; the conversation goes on)
+    stdin = b"What is the capital of France?\n/colour\ncaf\xff\nAnd of Italy?\n/clear\nName a color.\n"
+    run = subprocess.run(cmd, input=stdin, capture_output=True, timeout=600)
+    run.stdout, run.stderr = run.stdout.decode(), run.stderr.decode()
     assert run.returncode == 0, run.stderr
+    assert "unknown command /colour" in run.stderr and "not valid Unicode" in run.stderr
     from tokenleap.api import LLM
     llm = LLM("smollm2-135m-instruct", max_model_len=512)
     greedy = SamplingParams(max_tokens=12)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tokenleap.cli.main import main
+from tokenleap.cli.main import main, read_prompts_file
 
 from test_gguf import tiny_state, write_tiny_gguf
 
@@ -68,6 +68,25 @@ def test_prompts_file_errors(capsys, tmp_path):
     assert_error(capsys, ["generate", "--model", "x", "--prompts-file", str(bad)], "line 2", '"prompt"')
     assert_error(capsys, ["generate", "--model", "x", "--prompts-file", str(tmp_path / "missing.jsonl")],
                  "does not exist")
+    assert_error(capsys, ["generate", "--model", "x", "--prompts-file", str(tmp_path)], "is not a file")
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    assert_error(capsys, ["generate", "--model", "x", "--prompts-file", str(latin)], "is not UTF-8 text")
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "ok"}\n')
+    assert read_prompts_file(str(bom)) == ["ok"]
+
+
+def test_text_that_is_not_unicode_and_a_cache_dir_that_is_a_file(capsys, tmp_path, smollm2_gguf):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\u00e9".encode("latin-1"))
+    for flag in ("--grammar", "--prediction"):
+        assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", flag, str(latin)],
+                     "is not UTF-8 text")
+    assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "caf\udcff"],
+                 "not valid Unicode")
+    assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", "--cache-dir",
+                          __file__], "is not a directory")
 
 
 def test_needs_exactly_one_prompt_source(capsys):

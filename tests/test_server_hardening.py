@@ -308,3 +308,4 @@ def test_an_assistant_refusal_part_reads_as_its_text_and_an_empty_prompt_is_not_
     assert parts.status_code == text.status_code == 200, parts.text
     assert parts.json()["choices"][0]["message"] == text.json()["choices"][0]["message"]
     assert empty.status_code == 400 and empty.json()["error"]["code"] != "context_length_exceeded", empty.text
+

@@ -74,6 +74,16 @@ def test_add_bos_token_is_honoured_once():
     assert tok2.encode_chat([{"role": "user", "content": "hi"}]).count(bos) == 1
 
 
+def test_text_with_a_lone_surrogate_is_a_clear_error():
+    """(Undecodable bytes in a command line arrive as lone surrogates; JSON can spell one too.)"""
+    tok = Tokenizer.from_gguf_metadata(tiny_metadata())
+    for text in ("abc\udcff", "\ud800"):
+        with pytest.raises(ConfigError, match="not valid Unicode .* at character %d" % (len(text) - 1)):
+            tok.encode(text)
+        with pytest.raises(ConfigError, match="not valid Unicode"):
+            tok.encode_chat([{"role": "user", "content": text}])
+
+
 @pytest.mark.parametrize("model", ["bert", "rwkv", None])
 def test_unsupported_tokenizer_model(model):
     with pytest.raises(ModelFormatError, match=repr(model)):

@@ -130,10 +130,14 @@ def mix() -> list[BenchPrompt]:
 def read_jsonl(path: Path) -> list[BenchPrompt]:
     """Prompts from a JSONL file: ``prompt`` (string, required), ``category`` and ``id`` (optional)."""
     if not path.is_file():
-        raise BenchError(f"dataset file {path} does not exist")
+        raise BenchError(f"dataset file {path} " + ("is not a file" if path.exists() else "does not exist"))
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise BenchError(f"dataset file {path} is not UTF-8 text (byte {e.start})") from None
     prompts: list[BenchPrompt] = []
     seen: set[str] = set()
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             prompt = _parse_line(path, n, line)
             if prompt.id in seen:

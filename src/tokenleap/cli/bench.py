@@ -45,7 +45,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and method; medians are reported")
     p.add_argument("--out", default="bench-results", help="output directory (refused if it exists, unless --resume)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--quant", default="none", help="tokenleap target weights: none, int8, int4")
     p.add_argument("--draft-quant", default="none", help="tokenleap draft weights: none, int8, int4")
     p.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished requests")

@@ -105,6 +105,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.model} has no chat template: use an instruct / chat model, or tokenleap generate")
     session = ChatSession(llm, args.system)
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # undecodable input: refused line by line, not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
     if args.stats:
         print(f"[tokenleap] {llm.describe(session.engine)}", file=sys.stderr)
     if interactive:
@@ -123,6 +125,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if text.strip() == "/help":
             print(f"[tokenleap] {HELP}", file=sys.stderr)
+            continue
+        if text.strip().startswith("/") and len(text.split()) == 1 and "/" not in text.strip()[1:]:
+            print(f"[tokenleap] unknown command {text.strip()}; /help lists them", file=sys.stderr)
             continue
         if not text.strip():
             continue

@@ -56,7 +56,7 @@ def non_negative_int(value: str) -> int:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
-                                                    "float32, bfloat16")
+                                                    "float32, bfloat16, float16")
     p.add_argument("--quant", default="none", help="quantization: none, int8, int4 (weight-only), w8a8 (int8 weights and activations; AMX-INT8 CPUs)")
     p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "auto"], default=None,
                    help="speculative method (not given: draft with --draft-model, else none; serve: auto); auto: "
@@ -175,7 +175,7 @@ def check_quant_dtype(quants: dict[str, str], dtypes: dict[str, str | None]) -> 
             try:
                 as_dtype(value)
             except ConfigError:
-                raise UsageError(f"{flag} {value!r} is not a dtype; choose auto, float32 or bfloat16") from None
+                raise UsageError(f"{flag} {value!r} is not a dtype; choose auto, float32, bfloat16 or float16") from None
 
 
 def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:
@@ -193,9 +193,9 @@ def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:
 def read_prompts_file(path: str) -> list[str]:
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"prompts file {path} does not exist")
+        raise UsageError(f"prompts file {path} " + ("is not a file" if p.exists() else "does not exist"))
     prompts = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_read_text(path, "prompts file").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -233,10 +233,13 @@ def structured_args(args: argparse.Namespace) -> StructuredOutput | None:
 
 
 def _read_text(path: str, flag: str) -> str:
+    """A UTF-8 text file (a leading byte-order mark dropped), or a usage error saying why not."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")
     except OSError as e:
         raise UsageError(f"{flag}: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag}: {path} is not UTF-8 text (byte {e.start})") from None
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

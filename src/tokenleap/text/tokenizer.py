@@ -326,7 +326,15 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS where the model's config says so."""
         if not isinstance(text, str):
             raise ConfigError(f"text to encode must be a string, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: from undecodable bytes, or a JSON escape
+                raise ConfigError(f"the text is not valid Unicode (a lone surrogate at character {e.start}; "
+                                  f"is its source UTF-8?)") from None
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -33,10 +33,10 @@ def build_proposer(spec: SpecConfig, target: LoadedModel, max_len: int, num_slot
 
 
 def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, num_slots: int,
-                 cache_dir: str | Path | None = None, draft_cache=None) -> Proposer | None:
+                 cache_dir: str | Path | None = None, draft_cache=None, log=None) -> Proposer | None:
     """The proposer ``spec`` asks for, with its draft model (method "draft", or "auto" with one) already
     loaded as ``draft``; ``cache_dir`` holds layer-skip calibrations, ``draft_cache`` as in
-    :func:`build_proposer`."""
+    :func:`build_proposer`; ``log``: where layer skip says which calibration it uses (default stderr)."""
     if spec.method is None:
         return None
     if spec.method == "ngram":
@@ -46,7 +46,7 @@ def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | Non
         return lookahead_proposer(spec)
     if spec.method == "layerskip":  # the target drafts for itself: no draft model, no extra weights
         from tokenleap.spec.proposers.layerskip import layerskip_proposer
-        return layerskip_proposer(target, spec.skip_layers, cache_dir,
+        return layerskip_proposer(target, spec.skip_layers, cache_dir, log,
                                   lookup=spec.ngram_max if spec.layerskip_lookup else 0)
     if spec.method == "auto":
         return auto_proposer(spec, target, draft, max_len, num_slots, cache_dir, draft_cache)
@@ -162,9 +162,10 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
         if name == "lookahead" and not lookahead_joins_auto(draft is not None):
             continue
         try:
-            # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only)
+            # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only, and
+            # says nothing of its calibration, since it may not join)
             arm = proposer_for(replace(spec, method=name, draft_model=None, layerskip_lookup=False, ngram_pool=0),
-                               target, None, max_len, num_slots, cache_dir)
+                               target, None, max_len, num_slots, cache_dir, log=lambda _: None)
         except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
             continue
         if name == "ngram" and pool is not None:

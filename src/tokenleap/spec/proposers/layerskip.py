@@ -233,6 +233,9 @@ class LayerSkipProposer:
         return True
 
 
+_ANNOUNCED: set = set()  # calibration files whose use was logged
+
+
 def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, lookup: int = 0) -> LayerSkipProposer:
     """The proposer for a loaded target (``models.pretrained.LoadedModel``): ``skip_layers`` a list,
     or ``"auto"``: the calibration stored for this model, dtype and quantization under the cache
@@ -260,7 +263,10 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
     path = ls.store_path(cache_dir, model_key(target.source, target.gguf_path, target.dtype, target.quant))
     cal = ls.load_calibration(path, layers)
     if cal is not None:
-        log(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path})")
+        if path not in _ANNOUNCED:  # once a process: an LLM builds a proposer for each engine
+            _ANNOUNCED.add(path)
+            log(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path}; "
+                f"predicted {cal.predicted_speedup:.2f}x)")
         return LayerSkipProposer(model, cal.skip_set, head=head, lookup=finder, predicted_speedup=cal.predicted_speedup)
 
     def calibrate(m: Transformer, tokens: list[int]) -> frozenset[int]:
