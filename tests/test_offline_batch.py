@@ -93,6 +93,14 @@ def test_sizes_and_speculative_settings_are_checked_before_loading():
     assert llm.max_len == 64
 
 
+def test_a_context_past_the_models_positions_is_cut_with_a_warning(caplog):
+    target = make_llm(None).target
+    positions = target.model.config.max_position_embeddings
+    with caplog.at_level("WARNING", logger="tokenleap"):
+        assert LLM.from_loaded(target, max_model_len=positions * 2).max_len == positions
+    assert f"max_model_len {positions * 2} is more than the {positions} positions" in caplog.text
+
+
 class EncodeChatToy(ChatToyTokenizer):
     """The toy chat template behind ``encode_chat`` (what real tokenizers have), tools shown as text."""
 

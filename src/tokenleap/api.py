@@ -112,7 +112,7 @@ class LLM:
         self.target, self.tokenizer, self.spec, self.draft = target, target.tokenizer, spec, draft
         self.spec_note: str | None = None  # how --spec auto chose its draft model, for --stats
         self.max_num_seqs = max_num_seqs  # prompts decoded together by generate()
-        self.max_len = min(max_model_len or 4096, target.model.config.max_position_embeddings)
+        self.max_len = target.context_length(max_model_len)
         self.prefill_chunk = PREFILL_CHUNK  # of every engine built here
         self.num_slots = num_slots
         self._engine: Engine | None = None

@@ -88,7 +88,7 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     spec = spec or SpecConfig()
     target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
     cfg = target.model.config
-    max_len = min(max_model_len or 4096, cfg.max_position_embeddings)
+    max_len = target.context_length(max_model_len)
     per_seq = -(-(max_len + 1) // block_size)
     budget = num_blocks_for_budget(cfg, target.model.dtype, block_size, int(kv_cache_gb * 2**30))
     blocks = num_kv_blocks or max(min(max_num_seqs * per_seq, budget), per_seq)

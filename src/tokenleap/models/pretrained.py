@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from tokenleap.text.tokenizer import Tokenizer
 QUANT_MODES = ("none", "int8", "int4", "w8a8")
 
 
+DEFAULT_CONTEXT = 4096  # tokens of context when none is asked for (at most the model's positions)
+
+
 @dataclass
 class LoadedModel:
     model: Transformer
@@ -28,6 +32,16 @@ class LoadedModel:
     quant: str
     source: str
     gguf_path: Path | None
+
+    def context_length(self, requested: int | None) -> int:
+        """The context window for a requested ``max_model_len`` (None: the default): at most the
+        model's positions, with a warning when a request for more is cut."""
+        positions = self.model.config.max_position_embeddings
+        if requested is not None and requested > positions:
+            logging.getLogger("tokenleap").warning(
+                "max_model_len %d is more than the %d positions %s was trained for: using %d",
+                requested, positions, self.source, positions)
+        return min(requested or DEFAULT_CONTEXT, positions)
 
 
 def _quantize_w8a8(model: Transformer, tokenizer: Tokenizer, ckpt: Checkpoint, dtype: torch.dtype,
