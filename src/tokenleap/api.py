@@ -182,9 +182,10 @@ class LLM:
                chat: bool = False) -> Iterator[StreamChunk]:
         params = _checked(params)
         ids = self.encode(prompt, chat)
+        engine = self.engine  # (built on first use: not part of the request's time)
         t0 = time.perf_counter()
         seq = None
-        for seq, piece in self.engine.generate(ids, params):
+        for seq, piece in engine.generate(ids, params):
             if not seq.finished:
                 yield StreamChunk(piece, seq.generated, False)
             else:
