@@ -31,6 +31,7 @@ def test_the_second_load_reads_the_first_ones_file(smollm2_gguf, tmp_path, monke
     assert mode in stored.name
     [listed] = packed_cache.stored(smollm2_gguf, tmp_path)  # what `tokenleap models` shows
     assert (listed["quant"], listed["bytes"], listed["path"]) == (mode, stored.stat().st_size, str(stored))
+    assert listed["others"] == "int8"  # the GGUF's other tensors as a target keeps them (a draft: int4)
 
     def refused(*a, **k):
         raise AssertionError("quantized again")

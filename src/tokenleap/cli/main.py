@@ -335,7 +335,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         elif r.get("installed"):
             state += ", not converted yet (the first use converts it)"
         if r["packed"]:
-            state += ", packed (" + ", ".join(f"{p['quant']} {p['bytes'] / 2**30:.2f} GiB" for p in r["packed"]) + ")"
+            state += ", packed (" + ", ".join(f"{p['quant']}{' as a draft' if p.get('others') == 'int4' else ''} "
+                                              f"{p['bytes'] / 2**30:.2f} GiB" for p in r["packed"]) + ")"
         print(f"{r['name']:32s} {r.get('architecture', ''):7s} {str(r.get('params', '')):>6s} {size:>9s}  {state}")
         if not r.get("installed"):
             print(f"{'':32s} install: tokenleap models install {r['name']}")

@@ -105,7 +105,8 @@ def store(model: Transformer, path: Path) -> None:
 
 def stored(gguf: Path, cache_dir: Path | None = None) -> list[dict]:
     """The packed copies of this GGUF's model in the cache that this build reads: per copy its
-    quantization, dtype and size in bytes (``tokenleap models`` lists them)."""
+    quantization (``others``: of the GGUF's tensors in other formats -- int8, or int4 as a draft loads
+    them), dtype and size in bytes (``tokenleap models`` lists them)."""
     from tokenleap.models.catalog import default_cache_dir
     from tokenleap.models.checkpoint import conversion_key
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "packed"
@@ -116,7 +117,7 @@ def stored(gguf: Path, cache_dir: Path | None = None) -> list[dict]:
         except OSError:
             return out
         for f in sorted(root.glob(f"{prefix}*-{digest}{_SUFFIX}")):
-            quant = f.name[len(prefix):].split("-", 1)[0]
-            out.append({"quant": quant, "dtype": str(dtype).removeprefix("torch."), "bytes": f.stat().st_size,
-                        "path": str(f)})
+            quant, others = (f.name[len(prefix):].split("-") + [""])[:2]  # others: the GGUF's other tensors'
+            out.append({"quant": quant, "others": others, "dtype": str(dtype).removeprefix("torch."),
+                        "bytes": f.stat().st_size, "path": str(f)})
     return out
