@@ -16,7 +16,7 @@ from tokenleap.serve.chat_render import chat_messages
 from tokenleap.serve.protocol import APIError, ChatRequest
 from tokenleap.serve.scheduler import SchedulerConfig
 from tokenleap.serve.app import ServerConfig, create_app
-from tokenleap.serve.tools import ToolStream, parse_tool_calls, plan_tools
+from tokenleap.serve.tools import ToolStream, parse_tool_calls, plan_tools, reply_grammar
 
 from script_helpers import ScriptTokenizer, script_model
 from serving_helpers import LiveServer
@@ -147,6 +147,20 @@ def test_plan_follows_tool_choice():
         plan_tools(chat_req(tools=TOOLS), "{{ messages }}")
 
 
+def test_a_forced_call_takes_the_reply_and_response_format_the_answer_after_it():
+    template, fmt = "{{ tools }} {{ messages }}", {"type": "json_object"}
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        req = chat_req(tools=TOOLS, tool_choice=choice, response_format=fmt)
+        plan = plan_tools(req, template)
+        assert reply_grammar(plan, req) is plan.grammar is not None
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]
+    req = chat_req(tools=odd, tool_choice="required", response_format=fmt)
+    assert reply_grammar(plan_tools(req, template), req) is None  # a forced opening, nothing to follow
+    for kw in ({"tools": TOOLS}, {}):  # no call forced: the request's own format
+        req = chat_req(response_format=fmt, **kw)
+        assert reply_grammar(plan_tools(req, template), req).json_object
+
+
 def test_a_forced_call_follows_the_functions_schema():
     """tool_choice required on a random model: the grammar makes its reply one call of an offered
     function with arguments by that function's schema."""
@@ -238,6 +252,12 @@ def test_server_streams_tool_calls(scripted):
             reasons.append(chunk.choices[0].finish_reason)
         assert text == content and [calls[i] for i in sorted(calls)] == expected
         assert [r for r in reasons if r] == ["tool_calls"] and reasons[-1] == "tool_calls"
+        # the SDK's stream helper closes each call's arguments (the finish reason comes in a chunk after them)
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with c.chat.completions.stream(model="m", messages=[{"role": "user", "content": "weather? " + mark}],
+                                       max_tokens=200, temperature=0, tools=TOOLS) as stream:
+            done = [(e.name, json.loads(e.arguments)) for e in stream if e.type == "tool_calls.function.arguments.done"]
+        assert done == expected
 
 
 def test_server_streams_calls_of_several_choices(scripted):
@@ -259,8 +279,6 @@ def test_server_rejects_tools_it_cannot_honour(scripted):
         ask(server, "§", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         ask(server, "§", tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes")
-    with pytest.raises(openai.BadRequestError, match="cannot take response_format"):
-        ask(server, "§", tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="not valid JSON"):
         openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0).chat.completions.create(
             model="m", max_tokens=5, messages=[

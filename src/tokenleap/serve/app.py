@@ -55,7 +55,7 @@ from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
 from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_routes import OllamaRoutes
-from tokenleap.serve.tools import ToolPlan, plan_tools
+from tokenleap.serve.tools import ToolPlan, plan_tools, reply_grammar
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
@@ -218,8 +218,7 @@ class OpenAIServer:
     async def _run(self, http: HTTPRequest, req, prompts: list[list[int]], budgets: list[int], fmt: Format,
                    logprobs: int | None = None, view: PromptView = PromptView(),
                    prediction: tuple[int, ...] = ()) -> Response:
-        job = await self._start(req, prompts, budgets, fmt.tools.grammar or structured_output(req), logprobs, view,
-                                prediction)
+        job = await self._start(req, prompts, budgets, reply_grammar(fmt.tools, req), logprobs, view, prediction)
 
         async def final(texts, reasons, scored) -> dict[str, Any]:
             choices = [{**fmt.choice(i, t, r, s), "stop_reason": job.stop_reason(i)}
@@ -329,9 +328,7 @@ class OpenAIServer:
 
     def _plan_tools(self, req: ChatRequest) -> ToolPlan:
         tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
-        if tools.grammar is not None and structured_output(req) is not None:
-            raise bad_request("a forced tool call (tool_choice required or named) cannot take response_format "
-                              "or guided_* as well", "tool_choice")
+        structured_output(req)  # (checked here even when a forced call's grammar takes this reply)
         return tools
 
     def _prediction(self, req: ChatRequest) -> tuple[int, ...]:

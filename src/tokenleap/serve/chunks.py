@@ -34,12 +34,15 @@ async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
             yield sse(chunk_fmt.obj([chat_delta(i, {"reasoning_content": thought}, None)], **fmt.with_usage(job.usage)))
         if calls:
             reason = "tool_calls"
-        if calls:  # the content first, then the calls with the finish reason
+        if calls:  # the content first, then the calls, then the finish reason in a chunk of its own (as
+            # OpenAI sends it: the openai SDK's stream helper closes a call's arguments on the chunk after it)
             if text or (scored and fmt.tokens):
                 choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
                 yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))
-            delta = {**chat_delta(i, {"tool_calls": call_deltas(calls)}, reason), "stop_reason": job.stop_reason(i)}
-            yield sse(chunk_fmt.obj([delta], **fmt.with_usage(job.usage)))
+            yield sse(chunk_fmt.obj([chat_delta(i, {"tool_calls": call_deltas(calls)}, None)],
+                                    **fmt.with_usage(job.usage)))
+            yield sse(chunk_fmt.obj([{**chat_delta(i, {}, reason), "stop_reason": job.stop_reason(i)}],
+                                    **fmt.with_usage(job.usage)))
         elif text or reason or (scored and fmt.tokens):
             choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
             if reason is not None:

@@ -12,8 +12,9 @@ from fastapi.responses import Response
 from tokenleap.serve.messages_api import CountTokensRequest, MessagesRequest, MessageWriter, chat_request
 from tokenleap.serve.context_window import check_max_tokens
 from tokenleap.serve.chat_render import chat_messages, chat_options
-from tokenleap.serve.protocol import parse_body, structured_output
+from tokenleap.serve.protocol import parse_body
 from tokenleap.serve.responses import Format, now
+from tokenleap.serve.tools import reply_grammar
 
 PATH = "/v1/messages"
 
@@ -35,7 +36,7 @@ class MessagesRoutes:
         chat, tools, prompt = self._prompt(req)
         budget = check_max_tokens(req.max_tokens, len(prompt), server.engine.max_len, None)
         writer = MessageWriter(server.cfg.model_name, tools, server._reasoning(chat, prompt))
-        job = await server._start(chat, [prompt], [budget], tools.grammar or structured_output(chat))
+        job = await server._start(chat, [prompt], [budget], reply_grammar(tools, chat))
         fmt = Format(writer.id, "message", server.cfg.model_name, now(), chat=True)
 
         async def final(texts, reasons, scored) -> dict[str, Any]:

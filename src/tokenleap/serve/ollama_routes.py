@@ -37,7 +37,7 @@ from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, 
                                       parse_body, structured_output)
 from tokenleap.serve.reasoning import template_thinks
 from tokenleap.serve.responses import Format, new_id, now
-from tokenleap.serve.tools import ToolPlan
+from tokenleap.serve.tools import ToolPlan, reply_grammar
 from tokenleap.text.fim import encode_fim, fim_tokens
 
 PREFIX = "/api/"
@@ -111,7 +111,7 @@ class OllamaRoutes:
         encode = lambda kept: server._encode_chat(kept, tools, options)  # noqa: E731
         prompt = fit_history(messages, encode, window) if body.truncate is not False else encode(messages)
         job = await server._start(chat, [prompt], [self._budget(chat.max_tokens, len(prompt), window)],
-                                  tools.grammar or structured_output(chat), logprobs)
+                                  reply_grammar(tools, chat), logprobs)
         writer = ReplyWriter(name, True, job, tools, server._reasoning(chat, prompt),
                              server._token_text(logprobs is not None))
         return await self._answer(request, job, writer, chat.stream, "chat")

@@ -17,11 +17,12 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
-from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request, parse_body, structured_output
+from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request, parse_body
 from tokenleap.serve.response_store import ResponseStore, StoredResponse, page
 from tokenleap.serve.responses_background import BackgroundResponses
 from tokenleap.serve.responses import Format, new_id, now
 from tokenleap.serve.responses_api import ResponseWriter, chat_request, input_items, logprobs_wanted, reply_messages
+from tokenleap.serve.tools import reply_grammar
 
 
 class ResponsesRoutes:
@@ -80,7 +81,7 @@ class ResponsesRoutes:
 
         writer = ResponseWriter(rid, server.cfg.model_name, now(), req, tools,
                                 server._token_text(logprobs is not None), keep, server._reasoning(chat, prompt))
-        job = await server._start(chat, [prompt], [budget], tools.grammar or structured_output(chat), logprobs)
+        job = await server._start(chat, [prompt], [budget], reply_grammar(tools, chat), logprobs)
         fmt = Format(writer.id, "response", server.cfg.model_name, writer.created, chat=True)
         if req.background:
             pending = writer.pending()

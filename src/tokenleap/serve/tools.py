@@ -24,7 +24,7 @@ from typing import Any
 from tokenleap.config import ConfigError, StructuredOutput
 from pydantic import ValidationError
 
-from tokenleap.serve.protocol import ChatRequest, FunctionDef, NamedToolChoice, ToolDef, bad_request
+from tokenleap.serve.protocol import ChatRequest, FunctionDef, NamedToolChoice, ToolDef, bad_request, structured_output
 from tokenleap.spec.structured import grammar_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -43,6 +43,13 @@ class ToolPlan:
     parse: bool = False
     names: tuple[str, ...] = ()  # the functions offered
     grammar: StructuredOutput | None = None  # what a forced call must look like (required / named)
+
+
+def reply_grammar(tools: ToolPlan, req: ChatRequest | Any) -> StructuredOutput | None:
+    """The grammar a reply follows: a forced call's (``tools.prefix`` opens one; its grammar may
+    be None where the schema did not compile) -- the request's response_format is then for the answer
+    after the call, as OpenAI applies it -- else the request's own, if any."""
+    return tools.grammar if tools.prefix else structured_output(req)
 
 
 def arguments_object(call: dict[str, Any]) -> dict[str, Any]:
