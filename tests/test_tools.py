@@ -113,8 +113,13 @@ def test_stream_of_a_bare_json_call_and_of_code():
 def test_a_forced_opening_is_part_of_the_reply():
     sent, rest, calls = stream(['add", "arguments": {"a": 5}}'], prefix='<tool_call>\n{"name": "')
     assert sent == [""] and names(calls) == [("add", {"a": 5})]
+    # a forced call cut off (max_tokens) shows no markup, the prefix the server wrote least of all
     sent, rest, calls = stream(["junk"], prefix='<tool_call>\n{"name": "')
-    assert rest == '<tool_call>\n{"name": "junk' and calls == []
+    assert sent == [""] and rest == "" and calls == []
+    content, calls = parse_tool_calls('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+                                      '<tool_call>\n{"name": "add", "argu')
+    assert content == "Sure." and names(calls) == [("add", {"a": 1})]  # the whole call kept, the cut one dropped
+    assert parse_tool_calls("<tool_call>\nnot a call") == ("<tool_call>\nnot a call", [])  # not cut: kept
 
 
 def chat_req(**kw) -> ChatRequest:

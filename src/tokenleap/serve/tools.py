@@ -115,8 +115,10 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
 def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a reply's text. Each ``<tool_call>`` block (the last may lack its
     closing tag: the reply ended inside it) must hold a JSON object with a string "name"; the
-    content is the text before the first block (None when only whitespace). A block that does
-    not parse means no calls: the whole text is the content, unchanged. Without blocks, a reply
+    content is the text before the first block (None when only whitespace). A last block cut off
+    inside its object (no closing tag, the JSON unfinished: the reply ran out of tokens) is
+    dropped, so no call markup reaches the client; another block that does not parse means no
+    calls: the whole text is the content, unchanged. Without blocks, a reply
     that is nothing but a JSON object (or a list of them), bare or in a ```json (or bare ```)
     fence, naming one of ``names`` with "arguments", is a call too: coder models often answer so."""
     start = text.find(OPEN)
@@ -125,7 +127,10 @@ def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None
     calls, pos = [], start
     while pos >= 0:
         end = text.find(CLOSE, pos)
-        call = _call(text[pos + len(OPEN):end if end >= 0 else len(text)])
+        body = text[pos + len(OPEN):end if end >= 0 else len(text)]
+        call = _call(body)
+        if call is None and end < 0 and body.lstrip().startswith("{"):
+            break  # cut off inside the call
         if call is None:
             return text, []
         calls.append(call)
@@ -206,10 +211,11 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """(content still to send, calls) once the reply is complete."""
-        _, calls = parse_tool_calls(self.text, self.names)
+        content, calls = parse_tool_calls(self.text, self.names)
         if calls:
             return "", calls
-        rest, self.sent = self.text[self.sent:], len(self.text)
+        end = len(self.text) if content == self.text else self.text.find(OPEN)  # (a cut-off call: dropped)
+        rest, self.sent = self.text[self.sent:end], len(self.text)
         return rest, []
 
 
