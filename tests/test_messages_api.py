@@ -187,3 +187,12 @@ def test_models_in_anthropics_form_for_its_client(server):
     assert card.id == NAME and card.type == "model"
     plain = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}, timeout=30).json()
     assert plain["object"] == "list" and plain["data"][0]["object"] == "model"  # OpenAI's form otherwise
+
+
+def test_any_tool_choice_allows_several_calls_unless_parallel_use_is_disabled():
+    from tokenleap.serve.messages_api import MessagesRequest, chat_request
+    base = {"model": NAME, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+    for choice, parallel in (({"type": "any"}, None), ({"type": "any", "disable_parallel_tool_use": True}, False)):
+        chat = chat_request(MessagesRequest.model_validate({**base, "tool_choice": choice}))
+        assert chat.tool_choice == "required" and chat.parallel_tool_calls is parallel

@@ -135,7 +135,11 @@ def test_plan_follows_tool_choice():
     assert plan_tools(chat_req(tools=TOOLS, tool_choice="none"), template).tools is None
     required = plan_tools(chat_req(tools=TOOLS, tool_choice="required"), template)
     assert required.prefix == "<tool_call>\n" and required.grammar is not None
-    schema = json.loads(required.grammar.json)  # one call of either function, arguments by its schema
+    lark = required.grammar.grammar  # one call or more, each of either function, arguments by its schema
+    assert 'more: "\\n<tool_call>\\n" call "\\n</tool_call>"' in lark
+    schema = json.loads(lark.split("%json ", 1)[1])
+    one = plan_tools(chat_req(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), template)
+    assert json.loads(one.grammar.json) == schema  # parallel_tool_calls false: exactly one
     assert [c["properties"]["name"]["const"] for c in schema["anyOf"]] == ["get_weather", "add"]
     assert schema["anyOf"][0]["properties"]["arguments"] == TOOLS[0]["function"]["parameters"]
     named = plan_tools(chat_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}), template)
@@ -176,7 +180,8 @@ def test_a_forced_call_follows_the_functions_schema():
     offered = [{"type": "function", "function": {"name": "pick", "parameters": pick}},
                {"type": "function", "function": {"name": "halt", "parameters": {"type": "object", "properties": {},
                                                                                  "additionalProperties": False}}}]
-    plan = plan_tools(chat_req(tools=offered, tool_choice="required"), "{{ tools }}")
+    plan = plan_tools(chat_req(tools=offered, tool_choice="required", parallel_tool_calls=False), "{{ tools }}")
+    several = plan_tools(chat_req(tools=offered, tool_choice="required"), "{{ tools }}")
     eng = engine()
     for prompt in ("hello", "abc", "{}", "tool"):
         seq = run(eng, prompt, SamplingParams(max_tokens=60, structured=plan.grammar))
@@ -185,6 +190,29 @@ def test_a_forced_call_follows_the_functions_schema():
         name, args = names(calls)[0]
         assert (name == "pick" and args["color"] in ("red", "green") and set(args) <= {"color", "n"}) or \
             (name == "halt" and args == {})
+        seq = run(eng, prompt, SamplingParams(max_tokens=200, structured=several.grammar))
+        content, more = parse_tool_calls(several.prefix + seq.text, several.names)
+        assert content is None and len(more) >= 1 and all(c["function"]["name"] in ("pick", "halt") for c in more)
+    # the grammar of "required" takes further calls, each in its tags, and an end after any of them
+    from test_structured import VOCAB, CharTokenizer
+    from tokenleap.spec.structured import Constraints
+
+    class LinesTokenizer(CharTokenizer):  # token 0 is a newline
+        def piece(self, i):
+            return "\n" if i == 0 else super().piece(i)
+
+        def encode(self, text):
+            return [0 if c == "\n" else i for c, i in zip(text, super().encode(text.replace("\n", " ")))]
+    tok = LinesTokenizer()
+    first, second = '{"name": "pick", "arguments": {"color": "red"}}', '{"name": "halt", "arguments": {}}'
+    more = "\n</tool_call>\n<tool_call>\n"
+    for reply, ends in ((first, True), (first + "\n</tool_call>", True), (first + more, False),
+                        (first + more + second + "\n</tool_call>", True)):
+        constraint = Constraints(tok, VOCAB, (2,)).make(several.grammar)
+        constraint.advance(tok.encode(reply))
+        assert bool(constraint.allowed()[2]) == ends, reply
+    content, calls = parse_tool_calls(several.prefix + first + more + second, ())
+    assert [c["function"]["name"] for c in calls] == ["pick", "halt"]
 
 
 def test_messages_carry_tool_calls_and_results():

@@ -6,7 +6,8 @@ Qwen2.5's template (and other hermes-style ones) asks for ``<tool_call>{"name": 
 with ``finish_reason: "tool_calls"``. ``tool_choice``: "auto" (the default when tools are given)
 parses whatever the model writes; "required" and a named function make the reply start with the
 opening of a call and constrain it to a call of an offered (the named) function whose arguments
-follow that function's parameters schema (``structured.py``), as vLLM guides them;
+follow that function's parameters schema (``structured.py``), as vLLM guides them -- "required"
+to one call or more (unless ``parallel_tool_calls`` is false), a named function to one;
 "none" leaves the tools out. A model whose template takes no tools gets a clear 400.
 
 Parsing is a pure function of the reply's text (``parse_tool_calls``); ``ToolStream`` does the
@@ -101,7 +102,10 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
               "required": ["name", "arguments"], "additionalProperties": False} for t in forced]
     # written as the template shows calls: one line, ", " and ": " (no run of whitespace to loop in)
     style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    grammar = StructuredOutput(json={**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": style})
+    call = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": style}
+    grammar = StructuredOutput(json=call)
+    if choice == "required" and req.parallel_tool_calls is not False:  # one call or more, as OpenAI's
+        grammar = StructuredOutput(grammar=_several_calls(call))
     try:
         grammar_of(grammar)
     except ConfigError:
@@ -110,6 +114,14 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
                                          if one else '"')
         return ToolPlan(tools, prefix, True, tuple(names))
     return ToolPlan(tools, OPEN + "\n", True, tuple(names), grammar)
+
+
+def _several_calls(call: dict[str, Any]) -> str:
+    """A Lark grammar (llguidance's, with ``%json``) for a reply that opens with a call of schema
+    ``call`` (the opening tag already forced) and may close it and make more, each in its tags."""
+    return (f'start: call ("\\n{CLOSE}" more*)?\n'
+            f'more: "\\n{OPEN}\\n" call "\\n{CLOSE}"\n'
+            f'call: %json {json.dumps(call, ensure_ascii=False)}\n')
 
 
 def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[dict[str, Any]]]:
