@@ -23,7 +23,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
         if m.tool_calls:
             if m.role != "assistant":
                 raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
-            message["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
         if m.role == "tool" and not m.tool_call_id:
             raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
                               "messages")
@@ -58,10 +58,11 @@ def chat_options(req: ChatRequest) -> dict[str, Any]:
     return {**kwargs, "add_generation_prompt": req.add_generation_prompt is not False}
 
 
-def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """A call as templates take it: its arguments an object -- or, where an earlier reply's arguments
+    were not valid JSON (OpenAI takes such history as sent), the text as it was."""
     try:
         arguments = json.loads(call.function.arguments or "{}")
     except ValueError:
-        raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
-                          "messages") from None
+        arguments = call.function.arguments
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}

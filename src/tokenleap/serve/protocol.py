@@ -188,6 +188,8 @@ class ChatRequest(_Sampling):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused, naming tools
+    function_call: Any = None
     # vLLM's chat extras: variables for the template (e.g. enable_thinking), and continuing the
     # final assistant message instead of starting a new one
     chat_template_kwargs: dict[str, Any] | None = None

@@ -76,6 +76,9 @@ def function_tool(where: str, fields: dict[str, Any]) -> ToolDef:
 
 
 def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
+    if req.functions is not None or req.function_call is not None:
+        raise bad_request("functions and function_call are OpenAI's deprecated form of tools: send tools and "
+                          "tool_choice", "functions")
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none", "auto"):
