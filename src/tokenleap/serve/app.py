@@ -122,7 +122,8 @@ class OpenAIServer:
         TokenRoutes(self).add_to(app)  # /tokenize, /detokenize, /version, /ping
         EmbeddingRoutes(self).add_to(app)  # /v1/embeddings (with --embeddings)
         OllamaRoutes(self).add_to(app)  # Ollama's /api/chat, /api/generate, /api/tags ...
-        app.add_api_route("/health", self.health, methods=["GET", "HEAD"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["HEAD"], include_in_schema=False)  # (load balancers)
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.state.server = self
         return app
