@@ -1,6 +1,6 @@
 """Hostile input, disconnects and operator features of the HTTP server: int64 overflow and non-finite
 numbers are 400s naming the field, a client that leaves (streamed or not) stops its generation, the
-OpenAPI docs sit behind the API key, CORS only when asked, latency histograms under vLLM's names and
+OpenAPI docs sit behind the API key, CORS for the origins asked (by default this machine's pages), latency histograms under vLLM's names and
 one log line per request. Most run in-process over httpx's ASGI transport (no socket)."""
 from __future__ import annotations
 
@@ -114,12 +114,16 @@ def test_docs_behind_the_api_key_or_off():
     assert [r.status_code for r in off] == [404] * 4 and all("error" in r.json() for r in off)
 
 
-def test_cors_only_for_allowed_origins():
+def test_cors_for_allowed_origins_and_by_default_this_machines_pages():
     preflight = ("OPTIONS", "/v1/completions", {"headers": {"Origin": "https://app.example",
                                                               "Access-Control-Request-Method": "POST"}})
     models = ("GET", "/v1/models", {"headers": {**AUTH, "Origin": "https://app.example"}})
     plain = call(make_app(), [preflight, models])
     assert all("access-control-allow-origin" not in r.headers for r in plain)
+    local = [("OPTIONS", "/v1/completions", {"headers": {"Origin": origin, "Access-Control-Request-Method": "POST"}})
+             for origin in ("http://localhost:3000", "http://127.0.0.1:8080", "http://localhost.example.com")]
+    got = [r.headers.get("access-control-allow-origin") for r in call(make_app(), local)]
+    assert got == ["http://localhost:3000", "http://127.0.0.1:8080", None]  # pages on this machine, by default
     allowed = call(make_app(allowed_origins=("https://app.example",)), [preflight, models])
     assert [r.headers.get("access-control-allow-origin") for r in allowed] == ["https://app.example"] * 2
     other = call(make_app(allowed_origins=("https://other.example",)), [models])[0]

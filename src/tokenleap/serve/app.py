@@ -60,13 +60,17 @@ from tokenleap.serve.tools import ToolPlan, plan_tools, reply_grammar
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
 
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"  # pages served from this machine
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model_name: str
     model_aliases: tuple[str, ...] = ()  # other names accepted in a request's "model" (catalog name, path)
     api_key: str | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    allowed_origins: tuple[str, ...] = ()  # CORS: origins a browser may call from ("*": any); () sends no CORS headers
+    # CORS: origins a browser may call from ("*": any); () pages served from this machine only (as Ollama)
+    allowed_origins: tuple[str, ...] = ()
     log_prompts: bool = False  # put each request's prompt text in its log line
     docs: bool = True  # serve /docs and /openapi.json (behind the API key when one is set)
     responses_store: int = DEFAULT_CAPACITY  # Responses API objects kept for previous_response_id (0: none)
@@ -109,6 +113,9 @@ class OpenAIServer:
         if self.cfg.allowed_origins:
             app.add_middleware(CORSMiddleware, allow_origins=list(self.cfg.allowed_origins), allow_methods=["*"],
                                allow_headers=["*"], allow_credentials="*" not in self.cfg.allowed_origins)
+        else:  # a chat page on this machine works out of the box; other sites' pages may not call in
+            app.add_middleware(CORSMiddleware, allow_origin_regex=LOCAL_ORIGINS, allow_methods=["*"],
+                               allow_headers=["*"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/chat/completions", self.chat, methods=["POST"])  # (llama.cpp serves both paths)
