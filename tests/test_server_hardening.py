@@ -1,7 +1,8 @@
 """Hostile input, disconnects and operator features of the HTTP server: int64 overflow and non-finite
 numbers are 400s naming the field, a client that leaves (streamed or not) stops its generation, the
-OpenAPI docs sit behind the API key, CORS for the origins asked (by default this machine's pages), latency histograms under vLLM's names and
-one log line per request. Most run in-process over httpx's ASGI transport (no socket)."""
+OpenAPI docs sit behind the API key, CORS for the origins asked (by default this machine's pages),
+latency histograms under vLLM's names and one log line per request. Most run in-process over
+httpx's ASGI transport (no socket)."""
 from __future__ import annotations
 
 import asyncio
