@@ -256,6 +256,26 @@ def test_skip_auto_calibrates_on_the_first_request_then_reuses_the_stored_choice
     assert given.skip == frozenset({1, 2}) and given.predicted_speedup is None
 
 
+def test_a_stored_calibration_is_named_on_stderr_once_a_process(tmp_path, capsys):
+    """(An LLM builds a proposer for each engine it makes; a caller's own log hears every one.)"""
+    from types import SimpleNamespace
+
+    from tokenleap.spec.proposers.layerskip import layerskip_proposer
+    model = _model("int8")
+    loaded = SimpleNamespace(model=model, tokenizer=ToyTokenizer(VOCAB, (2,)), source=str(tmp_path / "t2"),
+                             gguf_path=None, dtype=torch.float32, quant="int8")
+    first = layerskip_proposer(loaded, "auto", tmp_path, log=lambda _: None)
+    _generate(Engine(model, ToyTokenizer(VOCAB, (2,)), max_len=64, proposer=first,
+                     controller=ControllerConfig(max_k=4, fixed_k=3)), PROMPTS[1], GREEDY)  # calibrates, stores
+    assert list((tmp_path / "layerskip").glob("*.json")) and capsys.readouterr().err == ""
+    for _ in range(3):
+        assert layerskip_proposer(loaded, "auto", tmp_path).skip == first.skip
+    assert capsys.readouterr().err.count("layer skip: skipping layers") == 1
+    heard = []
+    layerskip_proposer(loaded, "auto", tmp_path, log=heard.append)
+    assert len(heard) == 1
+
+
 # (command line, the error it must give). "MODEL" stands for an existing file: these commands are
 # refused before a model is read, so no model needs to be installed (and an error about a missing
 # model cannot stand in for the one each line is about).

@@ -32,6 +32,7 @@ request's own tokens (``layerskip_search.py``), unless one is given up front (ca
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -233,7 +234,11 @@ class LayerSkipProposer:
         return True
 
 
-_ANNOUNCED: set = set()  # calibration files whose use was logged
+_ANNOUNCED: set = set()  # calibration files whose use was said on stderr
+
+
+def _stderr(line: str) -> None:
+    print(f"[tokenleap] {line}", file=sys.stderr)
 
 
 def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, lookup: int = 0) -> LayerSkipProposer:
@@ -242,8 +247,6 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
     dir, else one made at the first proposal on that request's tokens and stored for next time.
     ``log(str)``: one line when a calibration is read or made (default: stderr). ``lookup`` > 0:
     copied text drafts by prompt lookup on suffixes of up to that many tokens (``LOOKUP_MIN`` at least)."""
-    import sys
-
     from tokenleap.models.checkpoint import model_key
     from tokenleap.spec.proposers import layerskip_search as ls
 
@@ -259,13 +262,13 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
     finder = NgramProposer(max(lookup, LOOKUP_MIN), LOOKUP_MIN) if lookup else None
     if skip != "auto":
         return LayerSkipProposer(model, skip, head=head, lookup=finder)
-    log = log or (lambda line: print(f"[tokenleap] {line}", file=sys.stderr))
+    say = log or _stderr
     path = ls.store_path(cache_dir, model_key(target.source, target.gguf_path, target.dtype, target.quant))
     cal = ls.load_calibration(path, layers)
     if cal is not None:
-        if path not in _ANNOUNCED:  # once a process: an LLM builds a proposer for each engine
-            _ANNOUNCED.add(path)
-            log(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path}; "
+        if log is not None or path not in _ANNOUNCED:  # on stderr once a process: an LLM builds a proposer
+            _ANNOUNCED.add(path)                        # for each engine
+            say(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path}; "
                 f"predicted {cal.predicted_speedup:.2f}x)")
         return LayerSkipProposer(model, cal.skip_set, head=head, lookup=finder, predicted_speedup=cal.predicted_speedup)
 
@@ -274,8 +277,8 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
         try:
             ls.save_calibration(path, cal)
         except OSError as e:
-            log(f"layer skip: could not store the calibration at {path}: {e.strerror}")
-        log(f"layer skip: calibrated in {cal.search_seconds:.1f}s on this request: skipping layers "
+            say(f"layer skip: could not store the calibration at {path}: {e.strerror}")
+        say(f"layer skip: calibrated in {cal.search_seconds:.1f}s on this request: skipping layers "
             f"{format_skip(cal.skip_set)} of {layers} (agreement {cal.agreement:.2f}, predicted "
             f"{cal.predicted_speedup:.2f}x); stored at {path}")
         return cal.skip_set
