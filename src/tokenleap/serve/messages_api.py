@@ -214,8 +214,8 @@ class MessageWriter:
                                                                 {**_usage(job.usage()), "output_tokens": 0}))
                 yield _event("ping")
             if out.error:
-                kind = "api_error" if out.error_status >= 500 else "invalid_request_error"
-                yield _event("error", error={"type": kind, "message": f"the request failed: {out.error}"})
+                body = anthropic_error(out.error_status, f"the request failed: {out.error}")
+                yield _event("error", error=body["error"])
                 return
             piece, _ = job.piece(i, out)
             reason = out.finish_reason or reason

@@ -30,7 +30,7 @@ from tokenleap.config import MAX_LOGPROBS
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, JsonSchemaFormat, NamedFunction,
                                       NamedToolChoice, ResponseFormat, ResponsesRequest, TextConfig, ToolCall, ToolDef,
-                                      bad_request, sampling_fields)
+                                      bad_request, failed, sampling_fields)
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.responses import Scored, TokenText, chat_logprobs, new_id
 from tokenleap.serve.reply_stream import ReplyStream
@@ -237,12 +237,11 @@ class ResponseWriter:
         yield event("response.in_progress", response=self._obj("in_progress", [], None))
         async for i, out in job.outputs():
             if out.error:
-                message = f"the request failed: {out.error}"
-                code = "server_error" if out.error_status >= 500 else "invalid_request_error"
-                yield event("error", code=code, message=message, param=None)
-                error = {"code": code, "message": message}
-                failed = {**self._obj("failed", [], _usage(job.usage())), "error": error}
-                yield event("response.failed", response=failed)
+                err = failed(out.error, out.error_status)
+                yield event("error", code=err.type, message=err.message, param=None)
+                error = {"code": err.type, "message": err.message}
+                ended = {**self._obj("failed", [], _usage(job.usage())), "error": error}
+                yield event("response.failed", response=ended)
                 return
             piece, scored = job.piece(i, out)
             reason = out.finish_reason or reason

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tokenleap.serve.jobs import Job
+from tokenleap.serve.protocol import failed
 from tokenleap.serve.responses import Scored
 from tokenleap.serve.responses_api import ResponseWriter
 
@@ -50,9 +51,8 @@ class BackgroundResponses:
         try:
             async for i, out in job.outputs():
                 if out.error:
-                    code = "server_error" if out.error_status >= 500 else "invalid_request_error"
-                    await keep(writer.ended("failed", text, {"code": code,
-                                                             "message": f"the request failed: {out.error}"}))
+                    err = failed(out.error, out.error_status)
+                    await keep(writer.ended("failed", text, {"code": err.type, "message": err.message}))
                     return
                 piece, tokens = job.piece(i, out)
                 text, scored = text + piece, scored + tokens
