@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                 "them for --spec layerskip")
     p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
     p.add_argument("--spec", choices=["layerskip"], default="layerskip", help="the method to calibrate")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (calibrations are stored per dtype)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16, float16 (calibrations are stored per dtype)")
     p.add_argument("--quant", default="none", help="none, int8, int4 (calibrations are stored per quantization)")
     p.add_argument("--prompts", help="JSONL file with a \"prompt\" per line (default: two code prompts and a "
                                      "chat prompt)")

@@ -175,7 +175,8 @@ def check_quant_dtype(quants: dict[str, str], dtypes: dict[str, str | None]) -> 
             try:
                 as_dtype(value)
             except ConfigError:
-                raise UsageError(f"{flag} {value!r} is not a dtype; choose auto, float32, bfloat16 or float16") from None
+                raise UsageError(f"{flag} {value!r} is not a dtype; choose auto, float32, bfloat16 "
+                                 f"or float16") from None
 
 
 def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:
