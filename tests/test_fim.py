@@ -152,6 +152,24 @@ def test_llamacpp_infill_endpoint():
         want = alone(ids, SamplingParams(max_tokens=10, temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, seed=5,
                                          stop_token_ids=fim.stop_ids))
         assert seeded["content"] == want.text
+        # n_predict 0: the prompt alone (editor plugins warm the cache so): nothing returned, streamed or not
+        warm = httpx.post(s.url + "/infill", json={**body, "n_predict": 0}, timeout=60).json()
+        assert (warm["content"], warm["tokens_predicted"], warm["stop"], warm["timings"]["predicted_n"]) == \
+            ("", 0, True, 0) and warm["tokens_evaluated"] == len(ids)
+        with httpx.stream("POST", s.url + "/infill", json={**body, "n_predict": 0, "stream": True}, timeout=60) as st:
+            warm = [json.loads(line[6:]) for line in st.iter_lines() if line.startswith("data: ")]
+        assert len(warm) == 1 and warm[0]["stop"] and warm[0]["content"] == "" and warm[0]["tokens_predicted"] == 0
+        # a prompt over the context (128 tokens here) is cut as llama.cpp's /infill cuts it, not refused
+        files = [(f"f{j}.py", "def helper_number(): return 1\n" * 3) for j in range(6)]
+        long = {**body, "input_prefix": "x = 1\n" * 40 + "def fn(", "input_extra": [
+            {"filename": n, "text": t} for n, t in files], "n_predict": 8}
+        cut, _ = encode_fim(tok, long["input_prefix"], body["input_suffix"], files, "a", fit=(128, 8))
+        assert len(encode_fim(tok, long["input_prefix"], body["input_suffix"], files, "a")[0]) > 128 >= len(cut) + 8
+        at, near = cut.index(fim.suffix), tok.encode("def fn(")
+        assert cut[at - len(near):at] == near and cut[at + 1:at + 3] == tok.encode("):")  # the cursor's surroundings
+        r = httpx.post(s.url + "/infill", json=long, timeout=60).json()
+        assert r["tokens_evaluated"] == len(cut)
+        assert r["content"] == alone(cut, SamplingParams(max_tokens=8, stop_token_ids=fim.stop_ids)).text
         for extra, param in (({"n_predict": 10**6}, "n_predict"), ({"temperature": -1}, "temperature"),
                              ({"input_extra": [{"text": 5}]}, None)):
             bad = httpx.post(s.url + "/infill", json={**body, **extra}, timeout=60)

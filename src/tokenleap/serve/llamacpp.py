@@ -8,8 +8,11 @@ that API (``/props``, ``/apply-template``).
 Both run through the same scheduler, sampling and speculation as ``/v1/completions``. A
 ``/completion`` prompt is a string, token ids, or a list mixing the two (one prompt); a list of
 strings or of such lists is several prompts, answered with a list of results in order (streamed:
-each event carries its prompt's ``index``). llama.cpp's sampling names and defaults are taken where a
-field is absent (``n_predict`` -1: up to the context's end; ``temperature`` 0.8, ``top_k`` 40,
+each event carries its prompt's ``index``). An ``/infill`` prompt that would not leave room for
+``n_predict`` tokens is cut as llama.cpp cuts it (``text/fim.py``: the prefix's end, the suffix's
+start, the other files' end). llama.cpp's sampling names and defaults are taken where a field is
+absent (``n_predict`` -1 or -2: up to the context's end, 0: the prompt alone, a cache warm-up that
+returns no tokens; ``temperature`` 0.8, ``top_k`` 40,
 ``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded; ``repeat_penalty`` over the last
 ``repeat_last_n`` 64 tokens, -1: all, 0: off); ``logit_bias`` as
 ``[[token, bias], ...]`` (a token id or a string, whose tokens all get the bias; ``false``: banned) or
@@ -18,7 +21,8 @@ an object; ``json_schema`` or ``grammar`` (GBNF) constrain the reply as ``respon
 log-probability and the N most likely tokens, from the model's raw logits (llama.cpp's form without
 ``post_sampling_probs``, which is refused); ``return_tokens`` adds the generated ids; ``n_cmpl``
 completions of each prompt (a list: each prompt's in turn, seeded ones at seed, seed + 1, ...). Its
-other options (``cache_prompt``: the prefix cache is always on, ``samplers`` ...) are ignored.
+other options (``cache_prompt``: the prefix cache is always on, ``samplers``, ``t_max_prompt_ms``,
+``t_max_predict_ms``, ``n_indent``, ``response_fields`` ...) are ignored.
 
 The reply has llama.cpp's shape: ``{"index", "content", "tokens", "stop": true, "stop_type" ("eos",
 "word": a stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated",
@@ -87,7 +91,10 @@ class _LlamaSampling(_Strict):
             "ignore_eos": bool(self.ignore_eos),
             **repeat_window(self.repeat_penalty, given(self.repeat_last_n, 64), "repeat_last_n"),
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "max_tokens": None if self.n_predict in (None, -1) else self.n_predict, "n": given(self.n_cmpl, 1),
+            # n_predict < 0: up to the context's end (-1 and -2 alike); 0: the prompt alone (a cache warm-up,
+            # as editor plugins send it: its first token is computed, none returned)
+            "max_tokens": None if self.n_predict is None or self.n_predict < 0 else max(self.n_predict, 1),
+            "n": given(self.n_cmpl, 1),
             "logit_bias": _bias(self.logit_bias, lambda text: server._encode(text, False, "logit_bias")) or None,
             "logprobs": self.n_probs or None, "guided_json": self.json_schema or None,
             "guided_grammar": self.grammar or None})  # llama.cpp's defaults {} and "": none
@@ -164,7 +171,9 @@ class LlamaCppRoutes:
         server._check(req)
         files = [(c.filename, c.text) for c in body.input_extra or []]
         try:
-            ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt)
+            limit = -1 if body.n_predict is None or body.n_predict < 0 else body.n_predict
+            ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt,
+                                  fit=(server.engine.max_len, limit))
         except ConfigError as e:
             raise bad_request(str(e), "input_suffix") from None
         except (ValueError, TypeError, UnicodeError) as e:
@@ -179,7 +188,7 @@ class LlamaCppRoutes:
         fmt = Format(new_id("cmpl"), kind, server.cfg.model_name, now(), chat=False)
         job = await server._start(req, prompts, budgets, structured_output(req), req.logprobs)
         shape = _Shape(job, server.cfg.model_name, TokenText(server.tokenizer) if req.logprobs else None,
-                       bool(body.return_tokens))
+                       bool(body.return_tokens), prompt_only=body.n_predict == 0)
 
         async def final(texts, reasons, scored) -> Any:
             results = [shape.final(i, texts[i], reasons[i], scored[i]) for i in range(len(texts))]
@@ -223,8 +232,10 @@ def _join(prompt, server) -> list[int]:
 class _Shape:
     """One job's replies in llama.cpp's shapes: stream events and final objects, per prompt."""
 
-    def __init__(self, job: Job, model: str, tokens: TokenText | None, return_tokens: bool) -> None:
+    def __init__(self, job: Job, model: str, tokens: TokenText | None, return_tokens: bool,
+                 prompt_only: bool = False) -> None:
         self.job, self.model, self.tokens, self.return_tokens = job, model, tokens, return_tokens
+        self.prompt_only = prompt_only  # n_predict 0: the reply's one computed token is not returned
 
     async def events(self) -> AsyncIterator[str]:
         reasons: dict[int, str | None] = {}
@@ -234,7 +245,7 @@ class _Shape:
                 return
             piece, scored = self.job.piece(i, out)
             reasons[i] = out.finish_reason or reasons.get(i)
-            if piece or out.token_ids:
+            if (piece or out.token_ids) and not self.prompt_only:
                 event: dict[str, Any] = {"index": i, "content": piece, "tokens": list(out.token_ids), "stop": False}
                 if self.tokens is not None:
                     event["completion_probabilities"] = token_logprob_entries(scored, self.tokens, ids=True)
@@ -246,20 +257,24 @@ class _Shape:
         """Prompt ``i``'s final object: the whole reply, or (``whole`` false) a stream's last event."""
         job = self.job
         stopped_by = job.stop_reason(i)
-        word = stopped_by if isinstance(stopped_by, str) else ""
+        word = stopped_by if isinstance(stopped_by, str) and not self.prompt_only else ""
         seq = job.requests[i].seq
-        out = {"index": i, "content": text, "tokens": list(seq.generated) if self.return_tokens and whole else [],
+        if self.prompt_only:
+            text, reason, scored = "", "length", []
+        returned = list(seq.generated) if self.return_tokens and whole and not self.prompt_only else []
+        out = {"index": i, "content": text, "tokens": returned,
                "stop": True, "stop_type": "word" if word else _STOP_TYPES.get(reason, "none"),
-               "stopping_word": word, "model": self.model, "tokens_predicted": job.generated[i],
+               "stopping_word": word, "model": self.model,
+               "tokens_predicted": 0 if self.prompt_only else job.generated[i],
                "tokens_evaluated": len(seq.prompt), "tokens_cached": seq.cached_tokens, "truncated": False,
-               "timings": _timings(job, i)}
+               "timings": _timings(job, i, 0 if self.prompt_only else job.generated[i])}
         if self.tokens is not None and whole:
             out["completion_probabilities"] = token_logprob_entries(scored, self.tokens, ids=True)
         return out
 
 
 
-def _timings(job: Job, i: int) -> dict[str, Any]:
+def _timings(job: Job, i: int, predicted: int) -> dict[str, Any]:
     """llama.cpp's ``timings`` of prompt ``i``'s finished reply: the prompt's time (arrival to first
     token, so a queue wait counts) over the tokens computed (those taken from the prefix cache:
     ``cache_n``), and the generation's (first token to now) over the tokens generated."""
@@ -269,7 +284,7 @@ def _timings(job: Job, i: int) -> dict[str, Any]:
     cached = request.seq.cached_tokens
     out: dict[str, Any] = {"cache_n": cached}
     for name, n, seconds in (("prompt", len(request.seq.prompt) - cached, first - job.t0),
-                             ("predicted", job.generated[i], end - first)):
+                             ("predicted", predicted, end - first)):
         ms = 1000.0 * max(seconds, 0.0)
         out.update({f"{name}_n": n, f"{name}_ms": ms, f"{name}_per_token_ms": ms / n if n else 0.0,
                     f"{name}_per_second": 1000.0 * n / ms if n and ms > 0 else 0.0})

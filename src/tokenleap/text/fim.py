@@ -85,19 +85,35 @@ def required_fim_tokens(tokenizer) -> FimTokens:
 
 
 def encode_fim(tokenizer, prefix: str, suffix: str, files: list[tuple[str, str]] = (),
-               middle: str = "") -> tuple[list[int], FimTokens]:
+               middle: str = "", fit: tuple[int, int] | None = None) -> tuple[list[int], FimTokens]:
     """The FIM prompt's ids for the gap between ``prefix`` and ``suffix``, and the tokens used (a
     ConfigError that says so when the model has none). ``files``: (file name, text) pairs of other
     code the gap may use, placed first -- as repository-level context where the vocabulary has its
     tokens (``REPO "myproject\n" SEP name "\n" text ... SEP "filename\n"``, the form Qwen2.5-Coder was
-    trained on), else each after a plain-text snippet marker; ``middle``: text the middle starts with."""
+    trained on), else each after a plain-text snippet marker; ``middle``: text the middle starts with.
+    ``fit`` (context length, tokens to predict; -1: no limit): a prompt that would not leave room for
+    them is cut as llama.cpp's ``/infill`` cuts it (``_fit``)."""
     fim = required_fim_tokens(tokenizer)
-    ids = _context(tokenizer, fim, files) if files else []
-    ids += [fim.prefix, *_plain(tokenizer, prefix), fim.suffix, *_plain(tokenizer, suffix), fim.middle]
-    ids += _plain(tokenizer, middle)
+    extra = _context(tokenizer, fim, files) if files else []
+    pre, suf, mid = _plain(tokenizer, prefix), _plain(tokenizer, suffix), _plain(tokenizer, middle)
+    if fit is not None and len(extra) + len(pre) + len(suf) + len(mid) + 4 + max(fit[1], 0) > fit[0]:
+        extra, pre, suf = _fit(extra, pre, suf, len(mid), *fit)
+    ids = [*extra, fim.prefix, *pre, fim.suffix, *suf, fim.middle, *mid]
     if getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token_id is not None:
         ids.insert(0, tokenizer.bos_token_id)
     return ids, fim
+
+
+def _fit(extra: list[int], prefix: list[int], suffix: list[int], middle: int, n_ctx: int,
+         n_predict: int) -> tuple[list[int], list[int], list[int]]:
+    """llama.cpp's /infill budget, with its batch of 2048 tokens (at most half the context here): the
+    prefix's last 3/4 batch tokens, the suffix's first 1/4 batch less the middle's and 2, and the other
+    files' last tokens that fit the context less a batch and twice the tokens to predict."""
+    batch = min(2048, n_ctx // 2)
+    prefix = prefix[len(prefix) - min(len(prefix), 3 * batch // 4):]
+    suffix = suffix[:max(0, batch // 4 - 2 - middle)]
+    take = min(len(extra), max(0, n_ctx - batch - 2 * max(n_predict, 0)))
+    return extra[len(extra) - take:], prefix, suffix
 
 
 def _context(tokenizer, fim: FimTokens, files: list[tuple[str, str]]) -> list[int]:
