@@ -185,6 +185,11 @@ class SamplingParams:
     # OpenAI's Predicted Outputs: token ids the reply is expected to resemble; lookup drafters propose
     # from them too (output unchanged, only faster where the reply follows them)
     prediction: tuple[int, ...] = ()
+    # llama.cpp's code-completion stops: a new line indented less than n_indent columns ends the reply
+    # (cut after its indentation); past t_max_predict_ms from the first token, a reply that has a new
+    # line ends (0: off)
+    n_indent: int = 0
+    t_max_predict_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):  # a string alone stands for a list of one
@@ -246,6 +251,10 @@ class SamplingParams:
         _check(all(w and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w)
                    for w in self.bad_word_ids),
                "bad_word_ids must be non-empty sequences of token ids >= 0")
+        _check(_is_int(self.n_indent) and self.n_indent >= 0,
+               f"n_indent must be an integer >= 0, got {self.n_indent!r}")
+        _check(_is_number(self.t_max_predict_ms) and 0 <= self.t_max_predict_ms < float("inf"),
+               f"t_max_predict_ms must be a number >= 0, got {self.t_max_predict_ms!r}")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
 

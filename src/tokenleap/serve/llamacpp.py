@@ -22,7 +22,8 @@ log-probability and the N most likely tokens, from the model's raw logits (llama
 ``post_sampling_probs``, which is refused); ``return_tokens`` adds the generated ids; ``n_cmpl``
 completions of each prompt (a list: each prompt's in turn, seeded ones at seed, seed + 1, ...). Its
 other options (``cache_prompt``: the prefix cache is always on, ``samplers``, ``t_max_prompt_ms``,
-``t_max_predict_ms``, ``n_indent``, ``response_fields`` ...) are ignored.
+``response_fields`` ...) are ignored; ``n_indent`` and ``t_max_predict_ms`` stop a code completion as
+llama.cpp's do (``spec/sequence.py``).
 
 The reply has llama.cpp's shape: ``{"index", "content", "tokens", "stop": true, "stop_type" ("eos",
 "word": a stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated",
@@ -72,6 +73,8 @@ class _LlamaSampling(_Strict):
     n_cmpl: Int64 | None = None  # completions of each prompt (OpenAI's n)
     json_schema: dict[str, Any] | None = None  # the reply follows this JSON schema ...
     grammar: str | None = None  # ... or this grammar (GBNF, as llama.cpp takes it, or Lark)
+    n_indent: Int64 | None = None  # a new line indented less ends the reply (code completion)
+    t_max_predict_ms: float | None = None  # past this from the first token, a new line ends the reply
 
     def completion(self, server) -> CompletionRequest:
         """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in; a text key
@@ -97,7 +100,8 @@ class _LlamaSampling(_Strict):
             "n": given(self.n_cmpl, 1),
             "logit_bias": _bias(self.logit_bias, lambda text: server._encode(text, False, "logit_bias")) or None,
             "logprobs": self.n_probs or None, "guided_json": self.json_schema or None,
-            "guided_grammar": self.grammar or None})  # llama.cpp's defaults {} and "": none
+            "guided_grammar": self.grammar or None,  # llama.cpp's defaults {} and "": none
+            "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms})
 
 
 def _bias(given, encode) -> dict[str, float]:

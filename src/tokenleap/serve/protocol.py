@@ -116,6 +116,8 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None  # text after the gap: the reply fills in the middle (text/fim.py)
     prompt_logprobs: Int64 | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     best_of: Int64 | None = None  # only n itself (the choices are not ranked): more is refused
+    n_indent: Int64 | None = None  # llama.cpp's code-completion stops (its /completion and /infill)
+    t_max_predict_ms: float | None = None
 
 
 class TextPart(_Strict):
@@ -317,7 +319,8 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             allowed_token_ids=tuple(req.allowed_token_ids or ()), bad_words=tuple(req.bad_words or ()),
-            prediction=prediction)
+            prediction=prediction, n_indent=getattr(req, "n_indent", None) or 0,
+            t_max_predict_ms=getattr(req, "t_max_predict_ms", None) or 0.0)
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

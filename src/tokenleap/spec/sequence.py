@@ -1,6 +1,7 @@
 """One request's decoding state: tokens, text, stop rules, generator, statistics."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # per prompt token
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed) at the last attach
     constraint: Any = None  # structured.Constraint: the grammar state of a structured-output request
+    first_token_time: float | None = None  # (perf_counter) for t_max_predict_ms
+    indent_checked: int = 0  # n_indent: text before this has had its lines' indentation checked
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -64,7 +67,7 @@ class Sequence:
                 self.text += self.detokenizer.flush()
                 break
             self.text += self.detokenizer.add([tok])
-            if self._match_stop():
+            if self._match_stop() or self._code_stop():
                 break
             if self.num_generated >= self.params.max_tokens:
                 self.finish_reason = "length"
@@ -84,9 +87,45 @@ class Sequence:
         self.finish_reason = "stop"
         return True
 
+    def _code_stop(self) -> bool:
+        """llama.cpp's ``n_indent`` and ``t_max_predict_ms`` (code completion): a line that starts less
+        indented than ``n_indent`` ends the reply after its indentation; past the time limit, a reply
+        holding a new line ends. Either is a "length" finish (llama.cpp's "limit")."""
+        p = self.params
+        if not (p.n_indent or p.t_max_predict_ms):
+            return False
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        cut = None
+        if p.n_indent:
+            start = self.text.find("\n", self.indent_checked)
+            while start >= 0:
+                line = self.text[start + 1:]
+                body = line.lstrip(" \t")
+                if not body:
+                    break  # the line's indentation is not known yet
+                self.indent_checked = start + 1
+                if len(line) - len(body) < p.n_indent:
+                    cut = start + 1 + len(line) - len(body)
+                    break
+                start = self.text.find("\n", start + 1)
+        late = p.t_max_predict_ms and "\n" in self.text and now - self.first_token_time > p.t_max_predict_ms / 1000
+        if cut is None and not late:
+            return False
+        if cut is not None:
+            self.text = self.text[:cut]
+        self.finish_reason = "length"
+        return True
+
     def take_text(self) -> str:
-        """New text safe to show: held back while it could still be the start of a stop string."""
+        """New text safe to show: held back while it could still be the start of a stop string, or
+        (``n_indent``) from a new line on until its indentation is known."""
         end = len(self.text)
+        if not self.finished and self.params.n_indent:
+            nl = self.text.rfind("\n")
+            if nl >= 0 and not self.text[nl + 1:].strip(" \t"):
+                end = nl
         if not self.finished and self.params.stop:
             end = max(self.streamed, end - max(len(s) for s in self.params.stop) + 1)
         piece = self.text[self.streamed:end]

@@ -1,0 +1,53 @@
+"""llama.cpp's code-completion stops on a sequence: ``n_indent`` (a new line indented less ends the
+reply after its indentation; the line is held back from the stream until its indentation is known)
+and ``t_max_predict_ms`` (past the limit, a reply holding a new line ends)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.spec.sequence import Sequence
+
+from conftest import ToyDetokenizer
+
+PIECES = {3: "x = 1", 4: "\n", 5: "    ", 6: "y", 7: "\n", 8: "z", 9: "  ", 10: "w"}
+
+
+class Pieces:
+    def piece(self, i: int) -> str:
+        return PIECES[i]
+
+
+def sequence(**kw) -> Sequence:
+    return Sequence(seq_id=0, prompt=[1], params=SamplingParams(max_tokens=50, **kw), eos_ids=frozenset({2}),
+                    detokenizer=ToyDetokenizer(Pieces()))
+
+
+def test_a_line_indented_less_than_n_indent_ends_the_reply_after_its_indentation():
+    seq = sequence(n_indent=4)
+    assert seq.append([3, 4, 5, 6]) == 4 and not seq.finished  # "    y": indented enough
+    assert seq.take_text() == "x = 1\n    y"
+    assert seq.append([7, 9]) == 2 and not seq.finished  # "\n  ": the new line's indentation not known yet
+    assert seq.take_text() == ""  # held back
+    assert seq.append([10, 3, 4]) == 1 and seq.finish_reason == "length"  # "  w": 2 < 4, the rest unused
+    assert seq.text == "x = 1\n    y\n  " and seq.take_text() == "\n  "
+    flat = sequence(n_indent=4)
+    assert flat.append([3, 4, 8, 4]) == 3 and flat.text == "x = 1\n"  # no indentation at all
+    free = sequence()
+    assert free.append([3, 4, 8, 4]) == 4 and not free.finished and free.take_text() == "x = 1\nz\n"
+
+
+def test_past_t_max_predict_ms_a_reply_with_a_new_line_ends():
+    seq = sequence(t_max_predict_ms=5)
+    assert seq.append([3]) == 1  # the first token starts the clock
+    time.sleep(0.02)
+    assert seq.append([6]) == 1 and not seq.finished  # late, but no new line yet
+    assert seq.append([4, 6, 6]) == 1 and seq.finish_reason == "length" and seq.text == "x = 1y\n"
+    early = sequence(t_max_predict_ms=60_000)
+    assert early.append([3, 4, 6, 4, 6]) == 5 and not early.finished
+    for bad in (dict(n_indent=-1), dict(n_indent=True), dict(t_max_predict_ms=-1.0),
+                dict(t_max_predict_ms=float("inf"))):
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
