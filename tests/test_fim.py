@@ -168,7 +168,11 @@ def test_llamacpp_infill_endpoint():
         at, near = cut.index(fim.suffix), tok.encode("def fn(")
         assert cut[at - len(near):at] == near and cut[at + 1:at + 3] == tok.encode("):")  # the cursor's surroundings
         r = httpx.post(s.url + "/infill", json=long, timeout=60).json()
-        assert r["tokens_evaluated"] == len(cut)
+        assert r["tokens_evaluated"] == len(cut) and r["truncated"] is True
+        # response_fields (llama.vim's): the fields asked for, a nested one at the top under its path
+        picked = httpx.post(s.url + "/infill", json={**body, "stop": "@@@", "response_fields": [
+            "content", "timings/prompt_n", "nope", "truncated"]}, timeout=60).json()
+        assert picked == {"content": ref.text, "timings/prompt_n": len(ids), "truncated": False}
         assert r["content"] == alone(cut, SamplingParams(max_tokens=8, stop_token_ids=fim.stop_ids)).text
         for extra, param in (({"n_predict": 10**6}, "n_predict"), ({"temperature": -1}, "temperature"),
                              ({"input_extra": [{"text": 5}]}, None)):

@@ -21,9 +21,9 @@ an object; ``json_schema`` or ``grammar`` (GBNF) constrain the reply as ``respon
 log-probability and the N most likely tokens, from the model's raw logits (llama.cpp's form without
 ``post_sampling_probs``, which is refused); ``return_tokens`` adds the generated ids; ``n_cmpl``
 completions of each prompt (a list: each prompt's in turn, seeded ones at seed, seed + 1, ...). Its
-other options (``cache_prompt``: the prefix cache is always on, ``samplers``, ``t_max_prompt_ms``,
-``response_fields`` ...) are ignored; ``n_indent`` and ``t_max_predict_ms`` stop a code completion as
-llama.cpp's do (``spec/sequence.py``).
+other options (``cache_prompt``: the prefix cache is always on, ``samplers``, ``t_max_prompt_ms`` ...)
+are ignored; ``n_indent`` and ``t_max_predict_ms`` stop a code completion as llama.cpp's do
+(``spec/sequence.py``); ``response_fields`` picks the final result's fields.
 
 The reply has llama.cpp's shape: ``{"index", "content", "tokens", "stop": true, "stop_type" ("eos",
 "word": a stop string, "limit"), "stopping_word", "tokens_predicted", "tokens_evaluated",
@@ -46,7 +46,7 @@ from tokenleap.serve.context_window import check_max_tokens
 from tokenleap.serve.protocol import MAX_PROMPTS, CompletionRequest, Int64, _Strict, bad_request, failed, \
     parse_body, repeat_window, structured_output
 from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now, token_logprob_entries
-from tokenleap.text.fim import encode_fim
+from tokenleap.text.fim import encode_fim, required_fim_tokens
 
 _BiasKey = Int64 | str
 
@@ -59,7 +59,7 @@ class _LlamaSampling(_Strict):
     top_p: float | None = None
     min_p: float | None = None
     seed: Int64 | None = None
-    stop: list[str] | None = None
+    stop: str | list[str] | None = None  # (a string alone: a list of one)
     stream: bool | None = False
     ignore_eos: bool | None = False
     repeat_penalty: float | None = None
@@ -74,6 +74,7 @@ class _LlamaSampling(_Strict):
     json_schema: dict[str, Any] | None = None  # the reply follows this JSON schema ...
     grammar: str | None = None  # ... or this grammar (GBNF, as llama.cpp takes it, or Lark)
     n_indent: Int64 | None = None  # a new line indented less ends the reply (code completion)
+    response_fields: list[str] | None = None  # the final object's fields kept, "a/b" unnested under that name
     t_max_predict_ms: float | None = None  # past this from the first token, a new line ends the reply
 
     def completion(self, server) -> CompletionRequest:
@@ -175,29 +176,53 @@ class LlamaCppRoutes:
         server._check(req)
         files = [(c.filename, c.text) for c in body.input_extra or []]
         try:
-            limit = -1 if body.n_predict is None or body.n_predict < 0 else body.n_predict
-            ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt,
-                                  fit=(server.engine.max_len, limit))
+            required_fim_tokens(server.tokenizer)
         except ConfigError as e:
             raise bad_request(str(e), "input_suffix") from None
+        limit = -1 if body.n_predict is None or body.n_predict < 0 else body.n_predict
+        try:
+            ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt)
+            cut = len(ids) + max(limit, 0) > server.engine.max_len  # cut as llama.cpp cuts it
+            if cut:
+                ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt,
+                                      fit=(server.engine.max_len, limit))
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the input could not be tokenized: {e}", "input_prefix") from None
         req.stop_token_ids = list(fim.stop_ids)
-        return await self._run(request, body, req, [ids], "infill", multi=req.n > 1)
+        return await self._run(request, body, req, [ids], "infill", multi=req.n > 1, truncated=cut)
 
     async def _run(self, request: HTTPRequest, body: _LlamaSampling, req: CompletionRequest,
-                   prompts: list[list[int]], kind: str, multi: bool) -> Response:
+                   prompts: list[list[int]], kind: str, multi: bool, truncated: bool = False) -> Response:
         server = self.server
         budgets = [check_max_tokens(req.max_tokens, len(p), server.engine.max_len, None, "n_predict") for p in prompts]
         fmt = Format(new_id("cmpl"), kind, server.cfg.model_name, now(), chat=False)
         job = await server._start(req, prompts, budgets, structured_output(req), req.logprobs)
         shape = _Shape(job, server.cfg.model_name, TokenText(server.tokenizer) if req.logprobs else None,
-                       bool(body.return_tokens), prompt_only=body.n_predict == 0)
+                       bool(body.return_tokens), prompt_only=body.n_predict == 0, fields=body.response_fields,
+                       truncated=truncated)
 
         async def final(texts, reasons, scored) -> Any:
             results = [shape.final(i, texts[i], reasons[i], scored[i]) for i in range(len(texts))]
             return results if multi else results[0]
         return await server._answer(request, job, fmt, bool(req.stream), shape.events(), final)
+
+
+def picked(result: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
+    """llama.cpp's ``response_fields``: only these fields of a final result, a nested one (``"timings/
+    prompt_n"``) at the top under its path; a field that is not there is left out."""
+    if not fields:
+        return result
+    out: dict[str, Any] = {}
+    for path in fields:
+        value: Any = result
+        for key in path.split("/"):
+            value = value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is not _MISSING:
+            out[path] = value
+    return out
+
+
+_MISSING = object()
 
 
 def _is_multi(prompt) -> bool:
@@ -237,8 +262,10 @@ class _Shape:
     """One job's replies in llama.cpp's shapes: stream events and final objects, per prompt."""
 
     def __init__(self, job: Job, model: str, tokens: TokenText | None, return_tokens: bool,
-                 prompt_only: bool = False) -> None:
+                 prompt_only: bool = False, fields: list[str] | None = None, truncated: bool = False) -> None:
         self.job, self.model, self.tokens, self.return_tokens = job, model, tokens, return_tokens
+        self.fields = fields  # response_fields: the final result's fields kept
+        self.truncated = truncated  # the prompt was cut to fit the context
         self.prompt_only = prompt_only  # n_predict 0: the reply's one computed token is not returned
 
     async def events(self) -> AsyncIterator[str]:
@@ -270,11 +297,11 @@ class _Shape:
                "stop": True, "stop_type": "word" if word else _STOP_TYPES.get(reason, "none"),
                "stopping_word": word, "model": self.model,
                "tokens_predicted": 0 if self.prompt_only else job.generated[i],
-               "tokens_evaluated": len(seq.prompt), "tokens_cached": seq.cached_tokens, "truncated": False,
+               "tokens_evaluated": len(seq.prompt), "tokens_cached": seq.cached_tokens, "truncated": self.truncated,
                "timings": _timings(job, i, 0 if self.prompt_only else job.generated[i])}
         if self.tokens is not None and whole:
             out["completion_probabilities"] = token_logprob_entries(scored, self.tokens, ids=True)
-        return out
+        return picked(out, self.fields)
 
 
 
