@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from tokenleap.cli.main import UsageError, check_model_ref, check_quant_dtype, positive_int, read_prompts_file
+from tokenleap.cli.main import check_model_ref, check_quant_dtype, positive_int, read_prompts_file
 
 DEFAULT_PROMPTS = (
     "Complete the following Python function:\n\n```python\nfrom typing import List\n\n\n"
