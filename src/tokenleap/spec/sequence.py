@@ -34,6 +34,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed) at the last attach
     constraint: Any = None  # structured.Constraint: the grammar state of a structured-output request
     first_token_time: float | None = None  # (perf_counter) for t_max_predict_ms
+    saw_new_line: bool = False  # t_max_predict_ms: the reply has had a new line
     indent_checked: int = 0  # n_indent: text before this has had its lines' indentation checked
 
     def __post_init__(self) -> None:
@@ -66,8 +67,9 @@ class Sequence:
                 self.stop_reason = None if eos else tok
                 self.text += self.detokenizer.flush()
                 break
-            self.text += self.detokenizer.add([tok])
-            if self._match_stop() or self._code_stop():
+            piece = self.detokenizer.add([tok])
+            self.text += piece
+            if self._match_stop() or self._code_stop("\n" in piece):
                 break
             if self.num_generated >= self.params.max_tokens:
                 self.finish_reason = "length"
@@ -87,7 +89,7 @@ class Sequence:
         self.finish_reason = "stop"
         return True
 
-    def _code_stop(self) -> bool:
+    def _code_stop(self, new_line: bool) -> bool:
         """llama.cpp's ``n_indent`` and ``t_max_predict_ms`` (code completion): a line that starts less
         indented than ``n_indent`` ends the reply after its indentation; past the time limit, a reply
         holding a new line ends. Either is a "length" finish (llama.cpp's "limit")."""
@@ -97,6 +99,7 @@ class Sequence:
         now = time.perf_counter()
         if self.first_token_time is None:
             self.first_token_time = now
+        self.saw_new_line = self.saw_new_line or new_line
         cut = None
         if p.n_indent:
             start = self.text.find("\n", self.indent_checked)
@@ -110,7 +113,7 @@ class Sequence:
                     cut = start + 1 + len(line) - len(body)
                     break
                 start = self.text.find("\n", start + 1)
-        late = p.t_max_predict_ms and "\n" in self.text and now - self.first_token_time > p.t_max_predict_ms / 1000
+        late = p.t_max_predict_ms and self.saw_new_line and now - self.first_token_time > p.t_max_predict_ms / 1000
         if cut is None and not late:
             return False
         if cut is not None:
