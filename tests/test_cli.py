@@ -184,7 +184,7 @@ def test_bad_structured_output_fails_before_loading(capsys, tmp_path):
     assert_error(capsys, ["generate", "--model", "no-such-model", "--prompt", "x", "--json-schema", "{nope"],
                  "--json-schema is not valid JSON")
     assert_error(capsys, ["generate", "--model", "no-such-model", "--prompt", "x", "--json-schema",
-                          str(tmp_path / "missing.json")], "cannot read")
+                          str(tmp_path / "missing.json")], "does not exist")
     with pytest.raises(SystemExit):  # argparse: one constraint at a time
         main(["generate", "--model", "x", "--prompt", "x", "--regex", "a", "--json-object"])
 
@@ -328,4 +328,4 @@ def test_a_prediction_file_drafts_from_its_text_on_real_model(capsys, tmp_path, 
     assert with_it["token_ids"] == without["token_ids"] == plain["token_ids"]
     assert with_it["stats"]["accepted_tokens"] > without["stats"]["accepted_tokens"] + 10
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "x", "--prediction",
-                          str(tmp_path / "missing.txt")], "--prediction", "cannot read")
+                          str(tmp_path / "missing.txt")], "--prediction", "does not exist")

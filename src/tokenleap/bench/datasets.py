@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenleap.bench.common import BenchError
+from tokenleap.text.files import read_text_file
 
 DATASETS = ("humaneval", "codeedit", "chat", "mix", "fim")
 _DATA_DIR = Path(__file__).parent / "data"
@@ -129,12 +130,10 @@ def mix() -> list[BenchPrompt]:
 
 def read_jsonl(path: Path) -> list[BenchPrompt]:
     """Prompts from a JSONL file: ``prompt`` (string, required), ``category`` and ``id`` (optional)."""
-    if not path.is_file():
-        raise BenchError(f"dataset file {path} " + ("is not a file" if path.exists() else "does not exist"))
     try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise BenchError(f"dataset file {path} is not UTF-8 text (byte {e.start})") from None
+        text = read_text_file(path, "dataset file")
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     prompts: list[BenchPrompt] = []
     seen: set[str] = set()
     for n, line in enumerate(text.splitlines(), 1):

@@ -192,9 +192,6 @@ def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:
 
 
 def read_prompts_file(path: str) -> list[str]:
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"prompts file {path} " + ("is not a file" if p.exists() else "does not exist"))
     prompts = []
     for n, line in enumerate(_read_text(path, "prompts file").splitlines(), 1):
         if not line.strip():
@@ -234,13 +231,12 @@ def structured_args(args: argparse.Namespace) -> StructuredOutput | None:
 
 
 def _read_text(path: str, flag: str) -> str:
-    """A UTF-8 text file (a leading byte-order mark dropped), or a usage error saying why not."""
+    """A UTF-8 text file, or a usage error saying why not."""
+    from tokenleap.text.files import read_text_file
     try:
-        return Path(path).read_text(encoding="utf-8-sig")
-    except OSError as e:
-        raise UsageError(f"{flag}: cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{flag}: {path} is not UTF-8 text (byte {e.start})") from None
+        return read_text_file(path, flag)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
