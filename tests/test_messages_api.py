@@ -166,7 +166,7 @@ def test_tool_calls_come_back_as_tool_use_blocks(scripted):  # noqa: F811
     assert [b.type for b in m.content] == ["text", "tool_use", "tool_use"] and m.content[0].text == "Sure."
     assert [(b.name, b.input) for b in m.content[1:]] == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
     m = ask_scripted(server, "§", tools=WEATHER, tool_choice={"type": "none"})
-    assert m.content[0].text == CALL and m.stop_reason == "end_turn" and tok.seen_tools[-1] is None
+    assert m.content[0].text == CALL and m.stop_reason == "end_turn" and tok.seen_tools[-1] is not None
     c = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
     with c.messages.stream(model="m", max_tokens=200, extra_body={"temperature": 0}, tools=WEATHER,
                            messages=[{"role": "user", "content": "weather? ¶"}]) as stream:

@@ -132,7 +132,9 @@ def test_plan_follows_tool_choice():
     plan = plan_tools(chat_req(tools=TOOLS), template)
     assert plan.parse and plan.prefix == "" and [t["function"]["name"] for t in plan.tools] == ["get_weather", "add"]
     assert plan.names == ("get_weather", "add")
-    assert plan_tools(chat_req(tools=TOOLS, tool_choice="none"), template).tools is None
+    none = plan_tools(chat_req(tools=TOOLS, tool_choice="none"), template)  # shown to the model, never parsed
+    assert [t["function"]["name"] for t in none.tools] == ["get_weather", "add"] and not none.parse
+    assert plan_tools(chat_req(tools=TOOLS, tool_choice="none"), "{{ messages }}").tools is None  # no 400
     required = plan_tools(chat_req(tools=TOOLS, tool_choice="required"), template)
     assert required.prefix == "<tool_call>\n" and required.grammar is not None
     lark = required.grammar.grammar  # one call or more, each of either function, arguments by its schema
@@ -264,11 +266,12 @@ def test_server_returns_tool_calls(scripted):
     assert r.choices[0].message.content == "Sure."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
         ("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
-    # without tools (or with tool_choice "none") the same reply is plain content
-    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+    # without tools (or with tool_choice "none": the template shows them, as vLLM's does) the same reply
+    # is plain content
+    for kw, shown in (({}, None), ({"tools": TOOLS, "tool_choice": "none"}, TOOLS)):
         r = ask(server, "§", **kw)
         assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
-        assert r.choices[0].finish_reason == "stop" and tok.seen_tools[-1] is None
+        assert r.choices[0].finish_reason == "stop" and tok.seen_tools[-1] == shown
 
 
 def test_server_streams_tool_calls(scripted):
@@ -340,7 +343,7 @@ def test_responses_return_function_calls(scripted):
     assert [i.type for i in r.output] == ["message", "function_call", "function_call"]
     assert r.output_text == "Sure." and calls_of(r.output) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
     r = respond(server, "§", tools=RESPONSE_TOOLS, tool_choice="none")
-    assert r.output_text == CALL and calls_of(r.output) == [] and tok.seen_tools[-1] is None
+    assert r.output_text == CALL and calls_of(r.output) == [] and tok.seen_tools[-1] == TOOLS
 
 
 def test_responses_stream_function_calls(scripted):

@@ -145,7 +145,7 @@ class Job:
         fields: dict[str, Any] = {
             "id": request_id, "n": len(self.requests), "prompt_tokens": self.prompt_tokens,
             "generated_tokens": sum(self.generated), "seconds": time.monotonic() - self.t0,
-            "ttft": min(first) - self.t0 if first else -1.0, "proposer": proposer,
+            **({"ttft": min(first) - self.t0} if first else {}), "proposer": proposer,  # (no token: no ttft)
             "drafted_tokens": sum(s.draft_tokens for s in stats), "accepted_tokens": sum(s.accepted_tokens for s in stats),
             "finish": ",".join(self.reasons)}
         if self.prompt_text is not None:

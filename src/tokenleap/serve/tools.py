@@ -8,7 +8,8 @@ parses whatever the model writes; "required" and a named function make the reply
 opening of a call and constrain it to a call of an offered (the named) function whose arguments
 follow that function's parameters schema (``structured.py``), as vLLM guides them -- "required"
 to one call or more (unless ``parallel_tool_calls`` is false), a named function to one;
-"none" leaves the tools out. A model whose template takes no tools gets a clear 400.
+"none" shows the template the tools but parses no call (vLLM's default). A model whose template
+takes no tools gets a clear 400 (with "none": the tools are left out).
 
 Parsing is a pure function of the reply's text (``parse_tool_calls``); ``ToolStream`` does the
 streaming side: text is passed on until a ``<tool_call>`` begins, and held back from there (and
@@ -84,12 +85,13 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
         if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice 'required' or a named function needs tools", "tool_choice")
         return ToolPlan()
-    if choice == "none":
-        return ToolPlan()
-    if not chat_template or "tools" not in chat_template:
+    takes_tools = bool(chat_template) and "tools" in chat_template
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if choice == "none":  # the model sees the tools (as vLLM and Anthropic show them) but nothing is a call
+        return ToolPlan(tools if takes_tools else None)
+    if not takes_tools:
         raise bad_request("this model's chat template does not take tools, so it cannot call them", "tools")
     names = [t.function.name for t in req.tools]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
     if choice != "required" and not isinstance(choice, NamedToolChoice):
         return ToolPlan(tools, "", True, tuple(names))
     forced = req.tools
