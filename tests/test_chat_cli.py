@@ -83,7 +83,7 @@ def test_smollm2_chat_on_piped_stdin(smollm2_gguf):
     run = subprocess.run(cmd, input=stdin, capture_output=True, timeout=600)
     run.stdout, run.stderr = run.stdout.decode(), run.stderr.decode()
     assert run.returncode == 0, run.stderr
-    assert "unknown command /colour" in run.stderr and "not valid Unicode" in run.stderr
+    assert "unknown command /colour" in run.stderr and "not UTF-8 text (at character 3)" in run.stderr
     from tokenleap.api import LLM
     llm = LLM("smollm2-135m-instruct", max_model_len=512)
     greedy = SamplingParams(max_tokens=12)

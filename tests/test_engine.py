@@ -134,12 +134,14 @@ def test_prompt_longer_than_context_is_refused(target):
 
 
 def test_a_prefill_that_fails_or_is_interrupted_frees_its_slot(target):
-    """An engine of one slot stays usable after a request fails in its prefill (allowed tokens
-    outside the vocabulary: nothing left to choose) or is interrupted there (Ctrl-C)."""
+    """An engine of one slot stays usable after a request fails in its prefill (every token barred:
+    nothing left to choose) or is interrupted there (Ctrl-C)."""
     eng = Engine(target, ToyTokenizer(VOCAB), max_len=64, proposer=NgramProposer(3, 1))
     want = run(eng, PROMPTS[0], SamplingParams(max_tokens=5)).generated
-    with pytest.raises(ConfigError, match="allowed_token_ids"):
-        run(eng, PROMPTS[0], SamplingParams(max_tokens=5, allowed_token_ids=(VOCAB + 5,)))
+    with pytest.raises(ConfigError, match="leave no token"):  # every token barred: found at the first token
+        run(eng, PROMPTS[0], SamplingParams(max_tokens=5, bad_word_ids=tuple((t,) for t in range(VOCAB))))
+    with pytest.raises(ConfigError, match=r"allowed_token_ids must be token ids in \[0, 96\)"):
+        run(eng, PROMPTS[0], SamplingParams(max_tokens=5, allowed_token_ids=(VOCAB + 5,)))  # (refused up front)
     forward = eng.model.forward
 
     def interrupted(*a, **kw):

@@ -347,7 +347,7 @@ def test_vllm_stop_token_ids_and_min_tokens(server):
     r = c.completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
                              extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
     assert r.choices[0].text == want.text and set(want.generated) <= set(allowed)
-    with pytest.raises(openai.BadRequestError, match="allowed_token_ids leave no token"):  # (found mid-decode)
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids or bad_words leave no token"):  # mid-decode
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                   response_format={"type": "json_object"},
                                   extra_body={"allowed_token_ids": ChatToyTokenizer(VOCAB).encode("z")})

@@ -161,6 +161,10 @@ def test_invalid_grammars_are_clear_errors():
                          (StructuredOutput(grammar="root ::= ("), "invalid grammar.*GBNF")):
         with pytest.raises(ConfigError, match=message):
             eng.create(TOK.encode("hi"), SamplingParams(structured=bad))
+    # barred words that leave the grammar nothing: a clear error, greedy or sampled (not a refused token)
+    for sampling in (dict(), dict(temperature=1.0, seed=1)):
+        with pytest.raises(ConfigError, match="bad_words leave no token"):
+            run(eng, "hi", SamplingParams(structured=StructuredOutput(choice=["yes"]), bad_words=("y",), **sampling))
     with pytest.raises(ConfigError, match="exactly one"):
         StructuredOutput(regex="a", choice=["b"])
     with pytest.raises(ConfigError, match="non-empty"):

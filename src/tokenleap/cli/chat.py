@@ -129,6 +129,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if text.strip().startswith("/") and len(text.split()) == 1 and "/" not in text.strip()[1:]:
             print(f"[tokenleap] unknown command {text.strip()}; /help lists them", file=sys.stderr)
             continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes that are not UTF-8 (read as lone surrogates)
+            print(f"[tokenleap] the message is not UTF-8 text (at character {e.start}): not sent", file=sys.stderr)
+            continue
         if not text.strip():
             continue
         before = session.dropped

@@ -26,7 +26,7 @@ from tokenleap.errors import PromptTooLongError
 from tokenleap.heap import freeze_long_lived
 from tokenleap.spec.lengths import LengthHistory
 from tokenleap.spec.logprobs import token_logprobs
-from tokenleap.spec.penalties import bad_word_sequences
+from tokenleap.spec.penalties import for_vocabulary
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.backend import prefix_windows
 from tokenleap.models.transformer import Segment, Transformer
@@ -98,10 +98,7 @@ class Engine:
                                      f"{self.max_len}; shorten it or raise --max-model-len")
         if params.max_tokens > room:
             params = replace(params, max_tokens=room)
-        if params.bad_words:  # vLLM's words as token sequences, beside any the caller gave as ids
-            words = bad_word_sequences(lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                                       params.bad_words)
-            params = replace(params, bad_words=(), bad_word_ids=params.bad_word_ids + words)
+        params = for_vocabulary(params, self.tokenizer, self.model.config.vocab_size)
         return Sequence(seq_id=next(self._ids), prompt=list(prompt), params=params, eos_ids=self.eos_ids,
                         detokenizer=self.tokenizer.detokenizer(),
                         generator=None if params.greedy else request_randomness(params.seed),

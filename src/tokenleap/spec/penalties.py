@@ -18,10 +18,11 @@ the first ``i`` drafted tokens, so each row is penalized for its own history.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
-from tokenleap.config import SamplingParams
+from tokenleap.config import ConfigError, SamplingParams
 
 
 def apply_penalties(
@@ -47,6 +48,24 @@ def apply_penalties(
     if params.bad_word_ids:
         _bar_words(out, params.bad_word_ids, generated, draft)
     return out
+
+
+def for_vocabulary(params: SamplingParams, tokenizer, vocab: int) -> SamplingParams:
+    """``params`` checked against a vocabulary of ``vocab`` ids (its token-id fields) and with vLLM's
+    ``bad_words`` tokenized into ``bad_word_ids``, beside any given as ids."""
+    for name in ("allowed_token_ids", "stop_token_ids"):
+        if any(t >= vocab for t in getattr(params, name)):
+            raise ConfigError(f"{name} must be token ids in [0, {vocab})")
+    if not params.bad_words:
+        return params
+
+    def encode(text: str) -> list[int]:  # no special tokens added (an encode without the option adds none)
+        try:
+            return tokenizer.encode(text, add_special_tokens=False)
+        except TypeError:
+            return tokenizer.encode(text)
+    words = bad_word_sequences(encode, params.bad_words)
+    return replace(params, bad_words=(), bad_word_ids=params.bad_word_ids + words)
 
 
 def bad_word_sequences(encode: Callable[[str], list[int]], words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
@@ -128,4 +147,4 @@ def suppress_early_stops(logits: torch.Tensor, params: SamplingParams, generated
     return out
 
 
-__all__ = ["apply_penalties", "bad_word_sequences", "suppress_early_stops"]
+__all__ = ["apply_penalties", "bad_word_sequences", "for_vocabulary", "suppress_early_stops"]

@@ -89,8 +89,9 @@ def target_logits(seq: Sequence, logits: torch.Tensor, drafted: list[int]) -> to
         logits = seq.constraint.mask(logits, drafted)
     if p.min_tokens > seq.num_generated:
         logits = suppress_early_stops(logits, p, seq.num_generated, seq.eos_ids)
-    if p.allowed_token_ids and not bool(torch.isfinite(logits).any(dim=-1).all()):
-        raise ConfigError("allowed_token_ids leave no token that the reply's grammar (or min_tokens) allows here")
+    if (p.allowed_token_ids or p.bad_word_ids) and not bool(torch.isfinite(logits).any(dim=-1).all()):
+        raise ConfigError("allowed_token_ids or bad_words leave no token that the reply's grammar (or min_tokens) "
+                          "allows here")
     return logits
 
 
