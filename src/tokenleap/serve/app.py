@@ -56,6 +56,7 @@ from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_routes import OllamaRoutes
 from tokenleap.serve.tools import ToolPlan, plan_tools, reply_grammar
+from tokenleap.text.plain import encode_plain
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
@@ -388,12 +389,7 @@ class OpenAIServer:
                 raise bad_request(f"token ids must be non-empty lists of ids in [0, {vocab})", param)
             return prompt
         try:
-            if add_special_tokens:
-                return self.tokenizer.encode(prompt)
-            try:
-                return self.tokenizer.encode(prompt, add_special_tokens=False)
-            except TypeError:  # an encode without the option
-                return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt) if add_special_tokens else encode_plain(self.tokenizer, prompt)
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the {param} could not be tokenized: {e}", param) from None
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.text.plain import encode_plain
 
 
 def apply_penalties(
@@ -58,13 +59,7 @@ def for_vocabulary(params: SamplingParams, tokenizer, vocab: int) -> SamplingPar
             raise ConfigError(f"{name} must be token ids in [0, {vocab})")
     if not params.bad_words:
         return params
-
-    def encode(text: str) -> list[int]:  # no special tokens added (an encode without the option adds none)
-        try:
-            return tokenizer.encode(text, add_special_tokens=False)
-        except TypeError:
-            return tokenizer.encode(text)
-    words = bad_word_sequences(encode, params.bad_words)
+    words = bad_word_sequences(lambda text: encode_plain(tokenizer, text), params.bad_words)
     return replace(params, bad_words=(), bad_word_ids=params.bad_word_ids + words)
 
 

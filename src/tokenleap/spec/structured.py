@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tokenleap.config import ConfigError, StructuredOutput
+from tokenleap.text.plain import encode_plain
 
 
 def _llguidance():
@@ -164,8 +165,4 @@ class _Vocabulary:
         self.special_token_ids = [i for i in eos_ids if i != self.bos_token_id]
 
     def __call__(self, text: str | bytes) -> list[int]:
-        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        except TypeError:  # a tokenizer without the option
-            return self.tokenizer.encode(text)
+        return encode_plain(self.tokenizer, text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
