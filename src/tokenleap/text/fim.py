@@ -91,12 +91,12 @@ def encode_fim(tokenizer, prefix: str, suffix: str, files: list[tuple[str, str]]
     code the gap may use, placed first -- as repository-level context where the vocabulary has its
     tokens (``REPO "myproject\n" SEP name "\n" text ... SEP "filename\n"``, the form Qwen2.5-Coder was
     trained on), else each after a plain-text snippet marker; ``middle``: text the middle starts with.
-    ``fit`` (context length, tokens to predict; -1: no limit): a prompt that would not leave room for
-    them is cut as llama.cpp's ``/infill`` cuts it (``_fit``)."""
+    ``fit`` (context length, tokens to predict; -1: no limit): the prompt is cut as llama.cpp's
+    ``/infill`` cuts one that would not leave room for them (``_fit``; the caller decides when)."""
     fim = required_fim_tokens(tokenizer)
     extra = _context(tokenizer, fim, files) if files else []
     pre, suf, mid = _plain(tokenizer, prefix), _plain(tokenizer, suffix), _plain(tokenizer, middle)
-    if fit is not None and len(extra) + len(pre) + len(suf) + len(mid) + 4 + max(fit[1], 0) > fit[0]:
+    if fit is not None:
         extra, pre, suf = _fit(extra, pre, suf, len(mid), *fit)
     ids = [*extra, fim.prefix, *pre, fim.suffix, *suf, fim.middle, *mid]
     if getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token_id is not None:
