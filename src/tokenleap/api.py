@@ -100,6 +100,7 @@ class LLM:
     def from_loaded(cls, target: LoadedModel, speculative: SpecConfig | None = None, draft: LoadedModel | None = None,
                     *, max_model_len: int | None = None, num_slots: int = 1, max_num_seqs: int = 16) -> "LLM":
         """An LLM around models already loaded (``draft``: the draft model of a "draft" ``speculative``)."""
+        _check_sizes(max_model_len, num_slots, max_num_seqs)
         llm = cls.__new__(cls)
         llm._setup(target, speculative or SpecConfig(), draft, max_model_len, num_slots, max_num_seqs)
         return llm
@@ -108,7 +109,6 @@ class LLM:
                num_slots: int, max_num_seqs: int) -> None:
         if spec.method == "draft" and draft is None:
             raise ConfigError("speculative method 'draft' needs the draft model loaded")
-        _check_sizes(max_model_len, num_slots, max_num_seqs)
         self.target, self.tokenizer, self.spec, self.draft = target, target.tokenizer, spec, draft
         self.spec_note: str | None = None  # how --spec auto chose its draft model, for --stats
         self.max_num_seqs = max_num_seqs  # prompts decoded together by generate()

@@ -337,7 +337,8 @@ class OpenAIServer:
 
     def _plan_tools(self, req: ChatRequest) -> ToolPlan:
         tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
-        structured_output(req)  # (checked here even when a forced call's grammar takes this reply)
+        if tools.prefix:  # a forced call's grammar takes this reply: the format is still checked
+            structured_output(req)
         return tools
 
     def _prediction(self, req: ChatRequest) -> tuple[int, ...]:
