@@ -303,11 +303,15 @@ class SpecConfig:
     # layer skip: a sequence copying its text drafts by prompt lookup (suffixes of 2..ngram_max tokens)
     # instead of the skipped-layer forwards
     layerskip_lookup: bool = True
+    # eagle: the trained draft head's file, or "auto" (the one `tokenleap train-head` stored for the target)
+    draft_head: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(self.method in (None, "draft", "ngram", "lookahead", "layerskip", "auto"),
-               f"unknown speculative method {self.method!r}; choose auto, draft, ngram, lookahead or layerskip")
+        _check(self.method in (None, "draft", "ngram", "lookahead", "layerskip", "eagle", "auto"),
+               f"unknown speculative method {self.method!r}; choose auto, draft, ngram, lookahead, layerskip or eagle")
+        _check(isinstance(self.draft_head, str) and bool(self.draft_head),
+               f"draft_head must be 'auto' or a path, got {self.draft_head!r}")
         from tokenleap.spec.proposers.layerskip import parse_skip_layers
         parse_skip_layers(self.skip_layers)  # ConfigError on a bad list (layer indices are checked at load)
         _check(self.draft_model != "auto" or self.method == "auto",

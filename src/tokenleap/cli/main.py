@@ -58,7 +58,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16, float16")
     p.add_argument("--quant", default="none", help="quantization: none, int8, int4 (weight-only), w8a8 (int8 weights and activations; AMX-INT8 CPUs)")
-    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "auto"], default=None,
+    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "eagle", "auto"], default=None,
                    help="speculative method (not given: draft with --draft-model, else none; serve: auto); auto: "
                         "per request and step, the proposer that pays (n-gram, the draft model -- without "
                         "--draft-model an installed catalog draft of the target's tokenizer, if memory "
@@ -73,6 +73,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "chosen by a short calibration (tokenleap calibrate), stored per model")
     p.add_argument("--skip-lookup", choices=["on", "off"], default="on",
                    help="--spec layerskip: where the text is being copied, draft by prompt lookup instead (default on)")
+    p.add_argument("--draft-head", default=None, metavar="auto|PATH",
+                   help="--spec eagle: the trained draft head (a file from tokenleap train-head); auto (default): "
+                        "the one stored for --model")
     p.add_argument("--draft-vocab", type=non_negative_int, default=32768,
                    help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
@@ -127,6 +130,11 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
             parse_skip_layers(args.skip_layers)
         except ConfigError as e:
             raise UsageError(f"--skip-layers: {e}") from None
+    if args.spec == "eagle" and args.draft_model:
+        raise UsageError("--spec eagle drafts with a trained head on the target's hidden states, not a draft "
+                         "model: drop --draft-model (the head is --draft-head)")
+    if args.draft_head is not None and args.spec != "eagle":
+        raise UsageError("--draft-head goes with --spec eagle")
     if args.spec == "lookahead" and args.draft_model:
         raise UsageError("--spec lookahead needs no draft model (the target drafts its own n-grams): "
                          "drop --draft-model, or use --spec draft")
@@ -148,7 +156,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                       tree=args.spec_tree,
                       max_tree_nodes=args.max_tree_nodes, lookahead_window=args.lookahead_window,
                       lookahead_ngram=args.lookahead_ngram, lookahead_guesses=args.lookahead_guesses,
-                      skip_layers=args.skip_layers or "auto", layerskip_lookup=args.skip_lookup == "on")
+                      skip_layers=args.skip_layers or "auto", layerskip_lookup=args.skip_lookup == "on",
+                      draft_head=args.draft_head or "auto")
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -375,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", default=None)
     m.set_defaults(func=cmd_models)
 
-    from tokenleap.cli import bench, calibrate, chat, serve, verify
-    for module in (chat, bench, serve, verify, calibrate):
+    from tokenleap.cli import bench, calibrate, chat, serve, train_head, verify
+    for module in (chat, bench, serve, verify, calibrate, train_head):
         module.register(sub)
     return parser
 

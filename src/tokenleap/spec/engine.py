@@ -30,7 +30,7 @@ from tokenleap.spec.penalties import for_vocabulary
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.backend import prefix_windows
 from tokenleap.models.transformer import Segment, Transformer
-from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer, begin_sequence, remember_output
+from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer, begin_sequence, feature_takers, remember_output
 from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport, outcome, record_stats
 from tokenleap.spec.sampling import request_randomness
 from tokenleap.spec.sequence import Sequence
@@ -60,6 +60,8 @@ class Engine:
         self.proposer = proposer
         if hasattr(proposer, "bind_cache"):  # a self-drafting proposer (layer skip) drafts in the target's cache
             proposer.bind_cache(self.cache)
+        # proposers drafting from the target's hidden states (a trained head): handed every computed row's
+        self._feature_takers = feature_takers(proposer)
         self.controller = DraftLengthController(controller or ControllerConfig())
         if not hasattr(proposer, "plan"):  # (a composite, --spec auto, prices each arm's rows itself)
             self.controller.aux_rows = getattr(proposer, "aux_rows", 0)  # e.g. lookahead's window, priced in
@@ -180,8 +182,13 @@ class Engine:
         # prompt logprobs: row r predicts position done + r + 1 (each recorded once, also after a preemption)
         scored = seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < min(end + 1, n_prompt)
         rows = None if scored else torch.tensor([len(chunk) - 1])
+        last_layer = (self.model.config.num_hidden_layers - 1,) if self._feature_takers else ()
         out = self.model(torch.tensor(chunk), [Segment(seq.slot, done, len(chunk))], self.cache,
-                         logit_rows=rows, row_exact=exact)  # logits: [1 or len(chunk), vocab]
+                         logit_rows=rows, row_exact=exact, hidden_layers=last_layer)  # logits: [1 or len(chunk), vocab]
+        if last_layer:  # every row's features (the final norm's output) to a proposer drafting from them
+            feats = self.model.model.norm(out.hidden[last_layer[0]])  # [len(chunk), hidden]
+            for taker in self._feature_takers:
+                taker.take_features(seq.seq_id, done, feats)
         if scored:
             first = len(seq.prompt_logprobs)  # the next prompt position without a logprob
             last = min(end + 1, n_prompt)
@@ -283,7 +290,8 @@ class Engine:
             tokens += block
             row += len(block)
         t0 = time.perf_counter()
-        logits = self.model(torch.tensor(tokens), segments, self.cache, row_exact=True).logits  # [rows, vocab]
+        out = self.model(torch.tensor(tokens), segments, self.cache, row_exact=True)
+        logits = out.logits  # [rows, vocab]
         elapsed = time.perf_counter() - t0
         spans = [(seg.row_start, seg.length - _aux_rows(d)) for d, seg in zip(drafts, segments)]  # verified rows
         shared = share_rows(seqs, logits, spans)  # one argmax for the greedy sequences' rows
@@ -292,7 +300,8 @@ class Engine:
             s.stats.verify_seconds += elapsed * seg.length / row
             if _aux_rows(d):  # the proposer's own rows: read, dropped
                 d.aux.observe(logits[seg.row_start + rows.size:seg.row_start + seg.length])  # [aux, vocab]
-            outcomes.append(self._accept(s, d, rows, seg.length))
+            outcomes.append(self._accept(s, d, rows, seg.length, out.hidden[-1][seg.row_start:seg.row_start + rows.size]
+                                         if self._feature_takers else None))
         overhead = time.perf_counter() - start - elapsed - work.seconds - work.catch_up_seconds
         report = StepReport(tuple(outcomes), plan.k, plan.nodes, auto_tree,
                             held_apart=auto_tree and any(seg.tree is not None for seg in segments),
@@ -350,9 +359,11 @@ class Engine:
         context window."""
         return max(0, min(self.tree_nodes if nodes is None else nodes, self.max_len - len(seq.tokens) - 1))
 
-    def _accept(self, seq: Sequence, draft: Draft | None, rows: TargetRows, forward_rows: int) -> SeqOutcome:
+    def _accept(self, seq: Sequence, draft: Draft | None, rows: TargetRows, forward_rows: int,
+                feats: torch.Tensor | None = None) -> SeqOutcome:
         """Verify ``seq``'s rows (1 + len(draft); a tree: one per node), keep the accepted path, emit;
-        returns the sequence's outcome (``forward_rows``: its rows in the forward, aux rows included)."""
+        returns the sequence's outcome (``forward_rows``: its rows in the forward, aux rows included).
+        ``feats`` [rows, hidden]: the rows' features, the kept ones handed to the proposers wanting them."""
         n = len(seq.tokens)
         tree = draft.tree if draft is not None else None
         logits = rows.logits  # [1 + len(draft), vocab]
@@ -363,6 +374,10 @@ class Engine:
             self.cache.compact(seq.slot, n - 1, result.path)  # the accepted path right after the root
             logits = logits[[0] + result.path]  # [accepted + 1, vocab]: the rows the tokens were chosen from
         self.cache.truncate(seq.slot, n + result.num_accepted)  # last token + accepted drafts
+        if feats is not None:
+            kept = [0] + (result.path if tree is not None else list(range(1, result.num_accepted + 1)))
+            for taker in self._feature_takers:
+                taker.take_features(seq.seq_id, n - 1, feats[kept])  # [accepted + 1, hidden]: positions n - 1 ..
         if tree is not None:
             self.proposer.accept(seq.seq_id, result.num_accepted, result.path)
         elif draft is not None:

@@ -163,6 +163,12 @@ def output_pools(proposer) -> list:
     return list(pools.values())
 
 
+def feature_takers(proposer) -> list:
+    """The parts of the proposer that draft from the target's features (``wants_features``): the engine
+    hands them the final normed hidden state of each position it computes (``take_features``)."""
+    return [p for p in _parts(proposer) if getattr(p, "wants_features", False)] if proposer is not None else []
+
+
 def _parts(proposer) -> list:
     """The proposer and, recursively, the proposers it is made of (``parts``)."""
     return [proposer] + [q for p in getattr(proposer, "parts", ()) for q in _parts(p)]

@@ -48,6 +48,8 @@ def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | Non
         from tokenleap.spec.proposers.layerskip import layerskip_proposer
         return layerskip_proposer(target, spec.skip_layers, cache_dir, log,
                                   lookup=spec.ngram_max if spec.layerskip_lookup else 0)
+    if spec.method == "eagle":
+        return eagle_proposer(target, spec.draft_head, max_len, cache_dir)
     if spec.method == "auto":
         return auto_proposer(spec, target, draft, max_len, num_slots, cache_dir, draft_cache)
     if spec.method != "draft":
@@ -57,6 +59,19 @@ def proposer_for(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | Non
     cache = draft_cache(draft) if draft_cache is not None else None
     return draft_proposer(draft, target.model.config.vocab_size, max_len, num_slots, spec.draft_vocab, cache,
                           spec.draft_spec, target.tokenizer, output_pool(spec.ngram_pool))
+
+
+def eagle_proposer(target: LoadedModel, draft_head: str, max_len: int, cache_dir: str | Path | None) -> Proposer:
+    """A trained draft head's proposer (``proposers.eagle``): ``draft_head`` a file, or "auto" for the
+    head ``tokenleap train-head`` stored for the target (a ConfigError naming the command if none)."""
+    from tokenleap.heads.eagle import EagleHead, default_head_path
+    from tokenleap.models.catalog import default_cache_dir
+    from tokenleap.spec.proposers.eagle import EagleProposer
+    path = Path(draft_head) if draft_head != "auto" else default_head_path(
+        Path(cache_dir) if cache_dir else default_cache_dir(), target.source.removeprefix("catalog:"))
+    head = EagleHead.load(path)
+    specials = target.tokenizer.backend.get_added_tokens_decoder().keys()
+    return EagleProposer(head, target.model, specials, max_len)
 
 
 def output_pool(tokens: int):

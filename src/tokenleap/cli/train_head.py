@@ -1,0 +1,117 @@
+"""``tokenleap train-head --model M``: train a feature-level draft head (EAGLE-style) for ``--spec eagle``.
+
+1. The target answers training prompts (``--prompts``, default: about 190 varied programming and
+   general requests shipped with tokenleap, none from the benchmark's sets), greedy, through the chat
+   template; ``--texts`` adds plain text or code files as they are. Replies are kept in
+   ``--replies FILE`` when given, and read from it on a later run instead of generating again.
+2. The target's features (final hidden states) of every position are computed in one prefill pass.
+3. The head is trained on them (``heads/train.py``) and saved where ``--spec eagle`` looks for this
+   model (``--output`` elsewhere); a held-out share of the texts reports how often the head's next
+   token agrees with the target's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from tokenleap.cli.main import UsageError, _read_text, check_model_ref, check_quant_dtype, positive_int, read_prompts_file
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train-head", help="train a draft head on the target's own hidden states "
+                                                 "(for --spec eagle)")
+    p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--quant", default="int4", help="the target's quantization while generating and computing "
+                                                    "features: none, int8, int4 (default)")
+    p.add_argument("--prompts", help="JSONL file with a \"prompt\" per line (default: tokenleap's training prompts)")
+    p.add_argument("--texts", nargs="*", default=[], metavar="FILE", help="text or code files trained on as they are")
+    p.add_argument("--replies", metavar="FILE", help="JSONL of generated replies: read if it exists, else written")
+    p.add_argument("--max-tokens", type=positive_int, default=384, help="longest generated reply")
+    p.add_argument("--epochs", type=positive_int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--intermediate-size", type=positive_int, default=None,
+                   help="the head's MLP width (default: half the target's)")
+    p.add_argument("--output", help="where to save the head (default: where --spec eagle looks for --model)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--cache-dir", default=None, help="where converted models and heads are kept")
+    p.set_defaults(func=cmd_train_head)
+
+
+def default_prompts() -> list[str]:
+    text = resources.files("tokenleap.heads").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+
+
+def _log(msg: str) -> None:
+    print(f"[train-head] {msg}", file=sys.stderr, flush=True)
+
+
+def cmd_train_head(args: argparse.Namespace) -> int:
+    check_quant_dtype({"--quant": args.quant}, {"--dtype": args.dtype})
+    check_model_ref("--model", args.model, args.cache_dir)
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    prompts = read_prompts_file(args.prompts) if args.prompts else default_prompts()
+    texts = [_read_text(path, "--texts") for path in args.texts]
+    from tokenleap.api import LLM
+    from tokenleap.heads.eagle import EagleConfig, default_head_path
+    from tokenleap.heads.train import TrainConfig, collect_features, train_head
+    from tokenleap.models.catalog import default_cache_dir
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, cache_dir=args.cache_dir, speculative={"method": "auto", "draft_model": "auto"},
+              max_num_seqs=8, num_slots=8)
+    sequences = _replies(llm, prompts, args.max_tokens, Path(args.replies) if args.replies else None)
+    sequences += [llm.tokenizer.encode(t) for t in texts]
+    _log(f"{len(sequences)} texts, {sum(map(len, sequences))} tokens ({time.perf_counter() - t0:.0f} s)")
+    model = llm.target.model
+    examples = collect_features(model, sequences, _log)
+    cfg = EagleConfig.for_target(model.config, args.intermediate_size, target=args.model)
+    specials = llm.tokenizer.backend.get_added_tokens_decoder().keys()
+    head, report = train_head(model, examples, cfg, specials, TrainConfig(epochs=args.epochs, lr=args.lr), _log)
+    root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    out = Path(args.output) if args.output else default_head_path(root, llm.target.source.removeprefix("catalog:"))
+    head.save(out)
+    report.update(path=str(out), intermediate_size=cfg.intermediate_size, total_seconds=round(time.perf_counter() - t0, 1))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"saved {out}: held-out agreement {report.get('held_out_agreement', 'n/a')}, "
+              f"{report['tokens']} tokens, {report['seconds']} s training")
+    return 0
+
+
+def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> list[list[int]]:
+    """Each prompt (chat template) followed by the target's greedy reply, as token ids; read from
+    ``path`` when it exists, else generated (and written there when given)."""
+    from tokenleap.config import SamplingParams
+    if path is not None and path.exists():
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        _log(f"{len(rows)} replies read from {path}")
+        return [list(r["prompt"]) + list(r["output"]) for r in rows]
+    out, t0 = [], time.perf_counter()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    with (path.open("w", encoding="utf-8") if path is not None else _Null()) as f:
+        for i in range(0, len(prompts), llm.max_num_seqs):
+            batch = [[{"role": "user", "content": p}] for p in prompts[i:i + llm.max_num_seqs]]
+            for o in llm.chat(batch, params):
+                out.append(list(o.prompt) + list(o.token_ids))
+                f.write(json.dumps({"prompt": list(o.prompt), "output": list(o.token_ids)}) + "\n")
+            _log(f"replies: {len(out)}/{len(prompts)} ({time.perf_counter() - t0:.0f} s)")
+    return out
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def write(self, _text: str) -> None:
+        return None

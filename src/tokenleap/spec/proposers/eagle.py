@@ -1,0 +1,192 @@
+"""Drafting with a trained feature-level head (``heads/eagle.py``): ``--spec eagle``.
+
+The engine hands this proposer the target's features (final normed hidden states) of every
+position it computes -- prompt rows at prefill, the verified rows after each step -- through
+``take_features``. Position p's pair (f_p, x_{p+1}) goes into the head's own cache of keys and
+values once x_{p+1} is known; the prediction at the newest pair is the first draft token's
+feature, and each further draft token feeds the head its own prediction. Drafted pairs sit past
+``fed`` in the cache and are overwritten when the target's real features for those positions come.
+
+Where the target did not compute some positions (a prefix served from the prefix cache), the head
+attends only to the positions it has features for: acceptance may drop, the output cannot change.
+Every drafted token is verified by the target like any other draft (greedy: argmax match; sampling:
+q is the distribution over the head's vocabulary subset the token was drawn from).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenleap.heads.eagle import EagleHead, grouped_attention, layer
+from tokenleap.models.qlinear import Int8Linear
+from tokenleap.spec.proposers.base import Draft, DraftRequest
+from tokenleap.spec.proposers.draft_head import ReducedVocabHead
+from tokenleap.spec.proposers.draft_model import DraftingLane
+from tokenleap.spec.confidence import ConfidenceLog
+
+
+@dataclass(eq=False)
+class _State:
+    """One sequence's head cache and the target features not fed to it yet."""
+
+    head: object  # the sequence's vocabulary-subset head (SequenceHead)
+    keys: torch.Tensor  # [capacity, kv, hd], position p at row p - base
+    values: torch.Tensor
+    base: int = 0  # first position the cache holds (later than 0 after a gap in the features)
+    fed: int = 0  # positions base .. fed - 1 hold the target's real pairs
+    feats_start: int = 0  # position of feats[0]
+    feats: list[torch.Tensor] = field(default_factory=list)  # each [rows, H]: positions feats_start ..
+    last: torch.Tensor | None = None  # the prediction at position fed - 1 ([1, H]), the next draft's feature
+
+    @property
+    def feats_end(self) -> int:
+        return self.feats_start + sum(f.shape[0] for f in self.feats)
+
+
+@dataclass(eq=False)
+class _Lane(DraftingLane):
+    req: DraftRequest
+    drafted: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    pushed: int = 0
+    confidences: list[float] = field(default_factory=list)
+    calibration: object = None
+
+
+class EagleProposer:
+    name = "eagle"
+    stops_on_confidence = True  # a chain honours DraftRequest.stop_below
+    wants_features = True  # the engine calls take_features with the target's normed final hidden states
+
+    def __init__(self, head: EagleHead, target_model, special_ids=(), max_len: int = 4096, int8: bool = True) -> None:
+        head.cfg.check_target(target_model.config)
+        self.cfg = head.cfg
+        self.max_len = max_len
+        # the layer's weights at int8 with a scale a row (a draft's precision moves only acceptance);
+        # int8=False keeps the float modules (the training forward's exact arithmetic)
+        self._lin = {n: Int8Linear.from_float(m.weight.detach().float(),
+                                              m.bias.detach().float() if m.bias is not None else None)
+                     if int8 else m for n, m in head.linears.items()}
+        self._norms = {n: p.detach().float() for n, p in head.norms.items()}
+        self._embed = target_model.embed  # token ids [rows] -> [rows, H]
+        self.vocab_head = ReducedVocabHead(target_model.lm_head, self.cfg.subset, special_ids)
+        self._states: dict[int, _State] = {}
+        self.confidence = ConfidenceLog()
+
+    # -- the engine's feature hand-off --------------------------------------------------------
+    def take_features(self, seq_id: int, pos: int, feats: torch.Tensor) -> None:
+        """The target's features [rows, H] of positions pos .. pos + rows - 1 (a recomputation of
+        positions already taken replaces them; a gap drops what precedes it)."""
+        st = self._states.get(seq_id)
+        if st is None or feats.shape[0] == 0:
+            return
+        feats = feats.detach().float()
+        if pos < st.fed:  # computed again (a preemption's recompute): the cache is cut back to it
+            st.last = None
+            if pos <= st.base:
+                st.base = pos  # nothing of the cache stays (its rows are positions from base)
+            st.fed = pos
+        if st.feats and st.feats_start <= pos <= st.feats_end:
+            kept = torch.cat(st.feats)[:pos - st.feats_start]
+            st.feats = [kept] if kept.shape[0] else []
+        else:
+            st.feats, st.feats_start = [], pos
+        if st.fed < st.feats_start:
+            st.base = st.fed = pos  # a gap: the head starts over from what it has features for
+            st.last = None
+        st.feats.append(feats)
+
+    # -- the proposer protocol --------------------------------------------------------------
+    def begin(self, seq_id: int, prompt: list[int]) -> None:
+        cap = min(self.max_len, max(64, len(prompt) + 64))
+        kv = (cap, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self._states[seq_id] = _State(self.vocab_head.for_prompt(prompt), torch.zeros(kv), torch.zeros(kv))
+
+    def prefill(self, seq_id: int, tokens: list[int]) -> None:
+        """Feed the head the pairs the features taken so far complete (prefill work, not drafting)."""
+        st = self._states[seq_id]
+        self._catch_up(st, tokens)
+
+    def backlog(self, seq_id: int, tokens: list[int]) -> int:
+        st = self._states[seq_id]
+        return max(0, min(st.feats_end, len(tokens) - 1) - st.fed - 2)
+
+    def propose(self, seq_id: int, tokens: list[int], k: int, params, generator) -> Draft | None:
+        return self.propose_many([DraftRequest(seq_id, tokens, k, params, generator)])[0]
+
+    def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        return [self._propose(r) for r in requests]
+
+    def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
+        self.confidence.verified(seq_id, num_accepted)  # the features of the kept rows come by take_features
+
+    def end(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+        self.confidence.end(seq_id)
+
+    # -- drafting ----------------------------------------------------------------------------
+    def _propose(self, r: DraftRequest) -> Draft | None:
+        st = self._states.get(r.seq_id)
+        n = len(r.tokens)
+        if st is None or r.k <= 0 or n + r.k > self.max_len:
+            return None
+        t0, fed = time.perf_counter(), st.fed
+        self._catch_up(st, r.tokens)
+        backlog = st.fed - fed if st.fed - fed > 2 else 0  # more than a step's usual pairs: catch-up work
+        catch_up = time.perf_counter() - t0 if backlog else 0.0
+        if st.fed != n - 1 or st.last is None:  # the target's features do not reach the last token
+            return Draft(tokens=[], probs=None, catch_up_seconds=catch_up) if backlog else None
+        lane = _Lane(r, calibration=self.confidence.calibration)
+        feat, pos = st.last, n - 1
+        while True:
+            token = lane.take(st.head(feat), pos + 1)
+            if not lane.wants_more():
+                break
+            feat = self._run(st, feat, [token], pos)  # the drafted pair at position pos (scratch)
+            pos += 1
+        lane.rollback()
+        self.confidence.drafted(r.seq_id, lane.confidences)
+        return Draft(tokens=lane.drafted, probs=lane.q(), catch_up_seconds=catch_up,
+                     catch_up_tokens=backlog, cut=lane.cut)
+
+    def _catch_up(self, st: _State, tokens: list[int]) -> None:
+        """Feed every pair (f_p, x_{p+1}) whose feature and next token are known, one forward."""
+        end = min(st.feats_end, len(tokens) - 1)  # last position p + 1 with x_{p+1} known
+        if end <= st.fed:
+            return
+        feats = torch.cat(st.feats)[st.fed - st.feats_start:end - st.feats_start]  # [rows, H]
+        pred = self._run(st, feats, tokens[st.fed + 1:end + 1], st.fed)
+        st.fed, st.last = end, pred[-1:]
+        rest = torch.cat(st.feats)[end - st.feats_start:]
+        st.feats, st.feats_start = ([rest] if rest.shape[0] else []), end
+
+    @torch.inference_mode()
+    def _run(self, st: _State, feats: torch.Tensor, next_tokens: list[int], pos: int) -> torch.Tensor:
+        """The head's layer on pairs at positions pos .. pos + rows - 1 (written into the cache);
+        returns the predicted features [rows, H]."""
+        rows = feats.shape[0]
+        self._reserve(st, pos + rows)
+        embeds = self._embed(torch.tensor(next_tokens)).float()  # [rows, H]
+        positions = torch.arange(pos, pos + rows)
+
+        def attend(q, k, v):
+            lo, hi = pos - st.base, pos - st.base + rows
+            st.keys[lo:hi], st.values[lo:hi] = k, v
+            return grouped_attention(q, st.keys[:hi], st.values[:hi], lo)
+
+        return layer(self.cfg, lambda name, x: self._lin[name](x), self._norms.__getitem__, feats, embeds,
+                     positions, attend)
+
+    def _reserve(self, st: _State, end: int) -> None:
+        """Room in the sequence's cache for positions up to ``end`` (doubling)."""
+        need = end - st.base
+        if need <= st.keys.shape[0]:
+            return
+        cap = max(need, 2 * st.keys.shape[0])
+        for name in ("keys", "values"):
+            old = getattr(st, name)
+            grown = torch.zeros((cap, *old.shape[1:]))
+            grown[:old.shape[0]] = old
+            setattr(st, name, grown)

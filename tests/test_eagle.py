@@ -1,0 +1,170 @@
+"""The trained draft head (``--spec eagle``): the drafting runtime computes what the training forward
+does, the head's cache holds exactly the target's features paired with the next tokens, greedy and
+seeded output equal plain decoding (one sequence and several in a step, contiguous and paged caches,
+a prefix the target never computed), training raises the head's agreement with the target, and a
+head file is checked when loaded."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenleap.cache.paged import PagedKVCache
+from tokenleap.cache.contiguous import KVCache
+from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.heads.eagle import EagleConfig, EagleHead
+from tokenleap.heads.train import TrainConfig, collect_features, held_out_agreement, subset_ids, train_head
+from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.engine import Engine
+from tokenleap.spec.proposers.draft_head import _float_rows
+from tokenleap.spec.proposers.eagle import EagleProposer
+
+from conftest import ToyTokenizer, tiny_model
+
+VOCAB = 96
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_k=40, seed=3)
+PROMPTS = [[5, 9, 14, 3, 7, 9, 14, 3, 7, 9], list(range(3, 22)), [11, 12, 11, 13]]
+
+
+def _model():
+    return tiny_model("qwen2", seed=4, vocab=VOCAB, hidden=64, intermediate=128, layers=4)
+
+
+def _texts(model, n: int, seed: int) -> list[list[int]]:
+    """Prompts of random tokens, each followed by the model's greedy continuation."""
+    plain, gen, out = Engine(model, ToyTokenizer(VOCAB, (2,)), max_len=128), torch.Generator().manual_seed(seed), []
+    for _ in range(n):
+        prompt = torch.randint(3, VOCAB, (8,), generator=gen).tolist()
+        *_, (seq, _) = plain.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+        out.append(seq.tokens)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = _model()
+    cfg = EagleConfig.for_target(model.config, subset=VOCAB)
+    examples = collect_features(model, _texts(model, 40, 1))
+    head, report = train_head(model, examples, cfg, train=TrainConfig(epochs=12, lr=3e-3, accumulate=2))
+    return model, head, report
+
+
+def _engine(model, head, paged=False, k=3, slots=3, int8=True):
+    cache = (PagedKVCache(model.config, 64, 128, model.dtype, block_size=4, num_slots=slots) if paged
+             else KVCache(model.config, slots, 128, model.dtype))
+    proposer = EagleProposer(head, model, (), 128, int8=int8) if head is not None else None
+    return Engine(model, ToyTokenizer(VOCAB, (2,)), max_len=128, proposer=proposer,
+                  controller=ControllerConfig(max_k=4, fixed_k=k), cache=cache)
+
+
+def _generate(eng, prompt, params):
+    *_, (seq, _) = eng.generate(prompt, params)
+    return seq
+
+
+def test_training_raises_agreement_with_the_target(trained):
+    model, head, report = trained
+    held_out = [e for e in collect_features(model, _texts(model, 8, 2))]
+    rows = _float_rows(model.lm_head, subset_ids(head.cfg, ())).float()
+    untrained = EagleHead(head.cfg)
+    assert report["held_out_agreement"] > 0
+    assert held_out_agreement(head, model, held_out, rows) > held_out_agreement(untrained, model, held_out, rows) + 0.1
+
+
+def test_drafting_runtime_computes_the_training_forward():
+    """Pairs fed a few rows at a time against the head's cache give the whole-sequence forward's values."""
+    model = _model()
+    head = EagleHead(EagleConfig.for_target(model.config, subset=VOCAB))
+    torch.manual_seed(0)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    prop = EagleProposer(head, model, (), 128, int8=False)
+    tokens = list(range(3, 23))
+    feats = torch.randn(len(tokens), 64)
+    prop.begin(0, tokens[:4])
+    st = prop._states[0]
+    got = []
+    for lo, hi in ((0, 5), (5, 6), (6, 9), (9, 19)):
+        got.append(prop._run(st, feats[lo:hi], tokens[lo + 1:hi + 1], lo))
+    with torch.no_grad():
+        want = head(feats[:19], model.embed(torch.tensor(tokens[1:20])).float(), torch.arange(19))
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_eagle_output_equals_plain(trained, params, paged):
+    model, head, _ = trained
+    accepted = 0
+    for prompt in PROMPTS:
+        want = _generate(_engine(model, None, paged), prompt, params).generated
+        seq = _generate(_engine(model, head, paged), prompt, params)
+        assert seq.generated == want, prompt
+        assert seq.stats.draft_tokens > 0
+        accepted += seq.stats.accepted_tokens
+    assert accepted > 0  # drafts were kept: the rows after an accepted run fed the head too
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_batched_eagle_steps_equal_each_alone(trained, params):
+    model, head, _ = trained
+    want = [_generate(_engine(model, None), p, params).generated for p in PROMPTS]
+    eng = _engine(model, head, k=None)
+    seqs = [eng.add(p, params) for p in PROMPTS]
+    while not all(s.finished for s in seqs):
+        eng.step(seqs)
+    assert [s.generated for s in seqs] == want
+
+
+def test_head_cache_holds_the_targets_features_paired_with_next_tokens(trained):
+    """After a generation the head's cache equals a fresh pass over the target's features of the
+    whole text: every verified row's feature went in once, at its position, beside the next token."""
+    model, head, _ = trained
+    eng = _engine(model, head, int8=False)
+    prompt = PROMPTS[1]
+    seq = eng.add(prompt, GREEDY)
+    while not seq.finished:
+        eng.step([seq])
+    st = eng.proposer._states[seq.seq_id]
+    fed = st.fed
+    assert fed > len(prompt) and st.base == 0
+    feats = collect_features(model, [seq.tokens])[0].feats.float()  # bf16 copies: compare loosely
+    fresh = EagleProposer(head, model, (), 128, int8=False)
+    fresh.begin(0, prompt)
+    fresh._run(fresh._states[0], feats[:fed], seq.tokens[1:fed + 1], 0)
+    torch.testing.assert_close(st.keys[:fed], fresh._states[0].keys[:fed], rtol=0.05, atol=0.05)
+
+
+def test_prefix_the_target_did_not_compute_leaves_output_unchanged(trained):
+    """Features from position p on only (a cached prefix): the head starts there; output is plain's."""
+    model, head, _ = trained
+    prompt = PROMPTS[1]
+    want = _generate(_engine(model, None), prompt, GREEDY).generated
+    eng = _engine(model, head)
+    take = eng.proposer.take_features
+    eng.proposer.take_features = lambda sid, pos, f: take(sid, max(pos, 6), f[max(0, 6 - pos):])
+    seq = _generate(eng, prompt, GREEDY)
+    assert seq.generated == want
+    assert seq.stats.draft_tokens > 0
+
+
+def test_head_file_round_trip_and_refusals(trained, tmp_path):
+    model, head, _ = trained
+    path = tmp_path / "head.safetensors"
+    head.save(path)
+    loaded = EagleHead.load(path)
+    assert loaded.cfg == head.cfg
+    for (a, pa), (b, pb) in zip(head.named_parameters(), loaded.named_parameters()):
+        assert a == b and torch.equal(pa, pb)
+    with pytest.raises(ConfigError, match="no draft head file"):
+        EagleHead.load(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="cannot read the draft head"):
+        EagleHead.load(tmp_path / "junk.safetensors")
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ConfigError, match="not a tokenleap draft head"):
+        EagleHead.load(tmp_path / "other.safetensors")
+    wider = tiny_model("qwen2", seed=4, vocab=VOCAB, hidden=128, intermediate=128, layers=2)
+    with pytest.raises(ConfigError, match="hidden size 64"):
+        EagleProposer(loaded, wider)
