@@ -85,7 +85,7 @@ def test_drafting_runtime_computes_the_training_forward():
     st = prop._states[0]
     got = []
     for lo, hi in ((0, 5), (5, 6), (6, 9), (9, 19)):
-        got.append(prop._run(st, feats[lo:hi], tokens[lo + 1:hi + 1], lo))
+        got.append(prop._run([(st, feats[lo:hi], tokens[lo + 1:hi + 1], lo)]))
     with torch.no_grad():
         want = head(feats[:19], model.embed(torch.tensor(tokens[1:20])).float(), torch.arange(19))
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
@@ -131,7 +131,7 @@ def test_head_cache_holds_the_targets_features_paired_with_next_tokens(trained):
     feats = collect_features(model, [seq.tokens])[0].feats.float()  # bf16 copies: compare loosely
     fresh = EagleProposer(head, model, (), 128, int8=False)
     fresh.begin(0, prompt)
-    fresh._run(fresh._states[0], feats[:fed], seq.tokens[1:fed + 1], 0)
+    fresh._run([(fresh._states[0], feats[:fed], seq.tokens[1:fed + 1], 0)])
     torch.testing.assert_close(st.keys[:fed], fresh._states[0].keys[:fed], rtol=0.05, atol=0.05)
 
 
@@ -168,3 +168,44 @@ def test_head_file_round_trip_and_refusals(trained, tmp_path):
     wider = tiny_model("qwen2", seed=4, vocab=VOCAB, hidden=128, intermediate=128, layers=2)
     with pytest.raises(ConfigError, match="hidden size 64"):
         EagleProposer(loaded, wider)
+
+
+def test_train_head_command_and_spec_eagle_on_a_real_model(capsys, tmp_path, smollm2_gguf):
+    """tokenleap train-head on SmolLM2 (two prompts, a short reply each, one epoch), then --spec eagle
+    with that head: output equal to plain decoding; replies and features are reused on a rerun."""
+    import json
+    from tokenleap.cli.main import main
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "List three colors."}\n{"prompt": "Name two planets."}\n')
+    head, replies = tmp_path / "head.safetensors", tmp_path / "replies.jsonl"
+    args = ["train-head", "--model", str(smollm2_gguf), "--quant", "none", "--prompts", str(prompts),
+            "--max-tokens", "12", "--epochs", "1", "--replies", str(replies), "--output", str(head), "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["path"] == str(head) and head.is_file() and report["tokens"] > 24
+    assert len(replies.read_text().splitlines()) == 2 and replies.with_suffix(".features.pt").is_file()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "replies read from" in err and "features read from" in err
+    rows = {}
+    for spec in (["--spec", "none"], ["--spec", "eagle", "--draft-head", str(head), "--num-spec-tokens", "3"]):
+        assert main(["generate", "--model", str(smollm2_gguf), "--prompt", "Count from one to ten.", "--chat",
+                     "--max-tokens", "24", "--json", *spec]) == 0
+        rows[spec[1]] = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert rows["eagle"]["token_ids"] == rows["none"]["token_ids"]
+    assert rows["eagle"]["stats"]["draft_tokens"] > 0 and "eagle" in rows["eagle"]["stats"]["proposers"]
+    assert main(["generate", "--model", str(smollm2_gguf), "--prompt", "x", "--spec", "eagle",
+                 "--draft-head", str(tmp_path / "none.safetensors")]) == 2
+    assert "train-head" in capsys.readouterr().err
+
+
+def test_eagle_flags_checked_before_loading(capsys, tmp_path):
+    from conftest import a_model_file
+    from tokenleap.cli.main import main
+    model = a_model_file(tmp_path)
+    for args, needle in ((["--draft-head", "h.safetensors"], "--draft-head goes with --spec eagle"),
+                         (["--spec", "eagle", "--draft-model", model], "not a draft model")):
+        assert main(["generate", "--model", model, "--prompt", "hi", *args]) == 2
+        assert needle in capsys.readouterr().err
+    assert main(["train-head", "--model", model, "--lr", "0"]) == 2
+    assert "--lr must be positive" in capsys.readouterr().err

@@ -23,13 +23,15 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "auto": ("k", "kmax", "max", "min", "vocab", "stop", "pool"),  # per request and step: n-gram, the --draft model, ... or plain
     # skip=auto (calibrated, stored per model) or a list like 4-6+10-14; lookup=on|off: copied text by prompt lookup
     "layerskip": ("k", "kmax", "skip", "lookup"),
+    # a trained draft head on the target's features (--spec eagle); head=auto (stored for the target) or a file
+    "eagle": ("k", "kmax", "head", "stop"),
     "hf-plain": (),
     "hf-assisted": ("k",),
     "hf-prompt-lookup": ("k", "max"),
     "llamacpp-plain": (),
     "llamacpp-prompt-lookup": ("k", "max"),
 }
-AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto", "layerskip"}
+AUTO_K_FAMILIES = {"draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto", "layerskip", "eagle"}
 TREE_NODES = 15  # a tree method's default node budget (with the root: 16 rows, one AMX tile of rows)
 TREE_MODES = ("auto", "on", "off")  # draft:tree=auto -- the controller chooses plain / chain / tree per step
 

@@ -35,7 +35,7 @@ class MethodSpec:
     @property
     def kind(self) -> str:
         return TOKENLEAP if self.family in ("plain", "draft", "ngram", "draft-tree", "ngram-tree", "cascade", "lookahead", "auto",
-                                     "layerskip") else PEER
+                                     "layerskip", "eagle") else PEER
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
@@ -100,6 +100,10 @@ def _parse_option(family: str, text: str) -> tuple[str, int | str]:
             parse_skip_layers(value)
         except ConfigError as e:
             raise BenchError(f"method {family!r}: option skip must be auto or a list like 4-6+10-14 ({e})") from None
+        return key, value
+    if key == "head":  # eagle: auto, or a head file
+        if not value:
+            raise BenchError(f"method {family!r}: option head needs auto or a file")
         return key, value
     if key == "model":  # a draft model other than --draft (another tokenizer, another size)
         if not value:
@@ -232,6 +236,9 @@ def build_tokenleap(spec: MethodSpec, pool: ModelPool) -> TokenleapMethod:
         ls = SpecConfig(method="layerskip", skip_layers=str(spec.get("skip", "auto")),
                         layerskip_lookup=spec.get("lookup", "on") == "on")
         proposer = build_proposer(ls, target, max_len, 1, pool.opts.cache_dir)
+    if family == "eagle":  # a trained head drafting from the target's features
+        from tokenleap.spec.proposers.factory import eagle_proposer
+        proposer = eagle_proposer(target, str(spec.get("head", "auto")), max_len, pool.opts.cache_dir)
     engine = Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer,
                     controller=_controller(spec), tree_nodes=nodes)
     return TokenleapMethod(spec.name, engine)

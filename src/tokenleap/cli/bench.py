@@ -20,6 +20,7 @@ _EPILOG = f"""methods: {', '.join(FAMILIES)}
            lookahead:window=3,ngram=3,guesses=3 (Jacobi window W x N-1 levels, G n-gram guesses) |
            layerskip:k=auto,skip=auto (the target drafts with some layers skipped: skip=auto calibrated and
            stored per model -- tokenleap calibrate --, or a list like skip=4-6+10-14) |
+           eagle:k=auto,head=auto (a trained draft head: head=auto the one tokenleap train-head stored, or a file) |
            hf-assisted:k=5 | hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
   plain is always run (speedups and the equality check are relative to it); sampled runs are seeded
   per prompt (--seed + prompt index), so tokenleap's methods must equal plain then too (peers are not

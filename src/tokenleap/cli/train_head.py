@@ -60,7 +60,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     texts = [_read_text(path, "--texts") for path in args.texts]
     from tokenleap.api import LLM
     from tokenleap.heads.eagle import EagleConfig, default_head_path
-    from tokenleap.heads.train import TrainConfig, collect_features, train_head
+    from tokenleap.heads.train import TrainConfig, train_head
     from tokenleap.models.catalog import default_cache_dir
 
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     sequences += [llm.tokenizer.encode(t) for t in texts]
     _log(f"{len(sequences)} texts, {sum(map(len, sequences))} tokens ({time.perf_counter() - t0:.0f} s)")
     model = llm.target.model
-    examples = collect_features(model, sequences, _log)
+    examples = _features(model, sequences, Path(args.replies) if args.replies else None)
     cfg = EagleConfig.for_target(model.config, args.intermediate_size, target=args.model)
     specials = llm.tokenizer.backend.get_added_tokens_decoder().keys()
     head, report = train_head(model, examples, cfg, specials, TrainConfig(epochs=args.epochs, lr=args.lr), _log)
@@ -104,6 +104,28 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
                 f.write(json.dumps({"prompt": list(o.prompt), "output": list(o.token_ids)}) + "\n")
             _log(f"replies: {len(out)}/{len(prompts)} ({time.perf_counter() - t0:.0f} s)")
     return out
+
+
+def _features(model, sequences: list[list[int]], replies: Path | None):
+    """The target's features of each text; kept beside a replies file (``.features.pt``) and reused
+    while its texts are the same."""
+    from tokenleap.heads.train import Example, collect_features
+    import torch
+    path = replies.with_suffix(".features.pt") if replies is not None else None
+    if path is not None and path.exists():
+        try:
+            stored = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            _log(f"ignoring {path}: {e}")
+        else:
+            if [t.tolist() for t in stored["tokens"]] == [s for s in sequences if len(s) >= 3]:
+                _log(f"features read from {path}")
+                return [Example(t, f) for t, f in zip(stored["tokens"], stored["feats"])]
+            _log(f"{path} holds other texts: computing the features again")
+    examples = collect_features(model, sequences, _log)
+    if path is not None:
+        torch.save({"tokens": [e.tokens for e in examples], "feats": [e.feats for e in examples]}, path)
+    return examples
 
 
 class _Null:

@@ -34,7 +34,7 @@ class TrainConfig:
     window: int = 1024  # longest run of positions one step trains on
     accumulate: int = 4  # windows a step
     feature_noise: float = 0.05  # input features get noise of this share of their RMS
-    ce_weight: float = 0.1  # the distribution term's weight beside the feature term
+    ce_weight: float = 1.0  # the distribution term's weight beside the feature term
     valid_share: float = 0.1  # texts held out to report the head's agreement with the target
     seed: int = 0
 

@@ -22,7 +22,7 @@ import torch
 from tokenleap.heads.eagle import EagleHead, grouped_attention, layer
 from tokenleap.models.qlinear import Int8Linear
 from tokenleap.spec.proposers.base import Draft, DraftRequest
-from tokenleap.spec.proposers.draft_head import ReducedVocabHead
+from tokenleap.spec.proposers.draft_head import BatchHead, ReducedVocabHead
 from tokenleap.spec.proposers.draft_model import DraftingLane
 from tokenleap.spec.confidence import ConfidenceLog
 
@@ -106,8 +106,7 @@ class EagleProposer:
 
     def prefill(self, seq_id: int, tokens: list[int]) -> None:
         """Feed the head the pairs the features taken so far complete (prefill work, not drafting)."""
-        st = self._states[seq_id]
-        self._catch_up(st, tokens)
+        self._catch_up([(self._states[seq_id], tokens)])
 
     def backlog(self, seq_id: int, tokens: list[int]) -> int:
         st = self._states[seq_id]
@@ -117,7 +116,46 @@ class EagleProposer:
         return self.propose_many([DraftRequest(seq_id, tokens, k, params, generator)])[0]
 
     def propose_many(self, requests: list[DraftRequest]) -> list[Draft | None]:
-        return [self._propose(r) for r in requests]
+        """Draft for several sequences at once: their pending pairs in one forward, then one forward
+        per draft position for every lane still drafting (each row attends to its own sequence)."""
+        out: list[Draft | None] = [None] * len(requests)
+        lanes, t0 = [], time.perf_counter()
+        pending = [(i, r, self._states.get(r.seq_id)) for i, r in enumerate(requests)]
+        pending = [(i, r, st) for i, r, st in pending
+                   if st is not None and r.k > 0 and len(r.tokens) + r.k <= self.max_len]
+        fed_before = {r.seq_id: st.fed for _, r, st in pending}
+        self._catch_up([(st, r.tokens) for _, r, st in pending])
+        catch_up = time.perf_counter() - t0
+        for i, r, st in pending:
+            fed = st.fed - fed_before[r.seq_id]
+            backlog = fed if fed > 2 else 0  # more than a step's usual pairs: catch-up work
+            if st.fed != len(r.tokens) - 1 or st.last is None:  # the features do not reach the last token
+                out[i] = Draft(tokens=[], probs=None, catch_up_seconds=catch_up / len(pending),
+                               catch_up_tokens=backlog) if backlog else None
+                continue
+            lanes.append((i, _Lane(r, calibration=self.confidence.calibration), st, backlog))
+        # (lane, state, feature predicted for position pos, pos): the head's next draft is token pos + 1
+        active = [(lane, st, st.last, len(lane.req.tokens) - 1) for _, lane, st, _ in lanes]
+        while active:
+            heads = [st.head for _, st, _, _ in active]
+            logits = (heads[0] if len(heads) == 1 else BatchHead(heads))(torch.cat([f for _, _, f, _ in active]))
+            more = []
+            for j, (lane, st, feat, pos) in enumerate(active):
+                token = lane.take(logits[j:j + 1], pos + 1)
+                if lane.wants_more():
+                    more.append((lane, st, feat, token, pos))
+            if not more:
+                break
+            # each lane's drafted pair at position pos (scratch past fed) predicts the next feature
+            preds = self._run([(st, feat, [token], pos) for _, st, feat, token, pos in more])  # [lanes, H]
+            active = [(lane, st, preds[j:j + 1], pos + 1) for j, (lane, st, _, _, pos) in enumerate(more)]
+        busy = sum(b for *_, b in lanes) or 1
+        for i, lane, st, backlog in lanes:
+            lane.rollback()
+            self.confidence.drafted(lane.req.seq_id, lane.confidences)
+            out[i] = Draft(tokens=lane.drafted, probs=lane.q(), catch_up_tokens=backlog, cut=lane.cut,
+                           catch_up_seconds=catch_up * backlog / busy if backlog else 0.0)
+        return out
 
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
         self.confidence.verified(seq_id, num_accepted)  # the features of the kept rows come by take_features
@@ -126,55 +164,47 @@ class EagleProposer:
         self._states.pop(seq_id, None)
         self.confidence.end(seq_id)
 
-    # -- drafting ----------------------------------------------------------------------------
-    def _propose(self, r: DraftRequest) -> Draft | None:
-        st = self._states.get(r.seq_id)
-        n = len(r.tokens)
-        if st is None or r.k <= 0 or n + r.k > self.max_len:
-            return None
-        t0, fed = time.perf_counter(), st.fed
-        self._catch_up(st, r.tokens)
-        backlog = st.fed - fed if st.fed - fed > 2 else 0  # more than a step's usual pairs: catch-up work
-        catch_up = time.perf_counter() - t0 if backlog else 0.0
-        if st.fed != n - 1 or st.last is None:  # the target's features do not reach the last token
-            return Draft(tokens=[], probs=None, catch_up_seconds=catch_up) if backlog else None
-        lane = _Lane(r, calibration=self.confidence.calibration)
-        feat, pos = st.last, n - 1
-        while True:
-            token = lane.take(st.head(feat), pos + 1)
-            if not lane.wants_more():
-                break
-            feat = self._run(st, feat, [token], pos)  # the drafted pair at position pos (scratch)
-            pos += 1
-        lane.rollback()
-        self.confidence.drafted(r.seq_id, lane.confidences)
-        return Draft(tokens=lane.drafted, probs=lane.q(), catch_up_seconds=catch_up,
-                     catch_up_tokens=backlog, cut=lane.cut)
-
-    def _catch_up(self, st: _State, tokens: list[int]) -> None:
-        """Feed every pair (f_p, x_{p+1}) whose feature and next token are known, one forward."""
-        end = min(st.feats_end, len(tokens) - 1)  # last position p + 1 with x_{p+1} known
-        if end <= st.fed:
+    # -- the head's forwards ------------------------------------------------------------------
+    def _catch_up(self, seqs: list[tuple[_State, list[int]]]) -> None:
+        """Feed every pair (f_p, x_{p+1}) whose feature and next token are known, for all ``seqs``
+        (each a state and its sequence's tokens) in one forward."""
+        parts = []
+        for st, tokens in seqs:
+            end = min(st.feats_end, len(tokens) - 1)  # last position p + 1 with x_{p+1} known
+            if end > st.fed:
+                feats = torch.cat(st.feats)
+                parts.append((st, feats[st.fed - st.feats_start:end - st.feats_start], tokens[st.fed + 1:end + 1],
+                              st.fed))
+        if not parts:
             return
-        feats = torch.cat(st.feats)[st.fed - st.feats_start:end - st.feats_start]  # [rows, H]
-        pred = self._run(st, feats, tokens[st.fed + 1:end + 1], st.fed)
-        st.fed, st.last = end, pred[-1:]
-        rest = torch.cat(st.feats)[end - st.feats_start:]
-        st.feats, st.feats_start = ([rest] if rest.shape[0] else []), end
+        preds = self._run(parts)
+        row = 0
+        for st, feats, _, pos in parts:
+            row += feats.shape[0]
+            end = pos + feats.shape[0]
+            rest = torch.cat(st.feats)[end - st.feats_start:]
+            st.fed, st.last = end, preds[row - 1:row]
+            st.feats, st.feats_start = ([rest] if rest.shape[0] else []), end
 
     @torch.inference_mode()
-    def _run(self, st: _State, feats: torch.Tensor, next_tokens: list[int], pos: int) -> torch.Tensor:
-        """The head's layer on pairs at positions pos .. pos + rows - 1 (written into the cache);
-        returns the predicted features [rows, H]."""
-        rows = feats.shape[0]
-        self._reserve(st, pos + rows)
-        embeds = self._embed(torch.tensor(next_tokens)).float()  # [rows, H]
-        positions = torch.arange(pos, pos + rows)
+    def _run(self, parts: list[tuple[_State, torch.Tensor, list[int], int]]) -> torch.Tensor:
+        """The head's layer on each part's pairs -- (state, features [rows, H], next tokens, first
+        position) -- written into that sequence's cache, in one forward; returns the predicted
+        features [all rows, H] in part order."""
+        for st, feats, _, pos in parts:
+            self._reserve(st, pos + feats.shape[0])
+        feats = torch.cat([f for _, f, _, _ in parts])  # [rows, H]
+        embeds = self._embed(torch.tensor([t for _, _, toks, _ in parts for t in toks])).float()  # [rows, H]
+        positions = torch.cat([torch.arange(pos, pos + f.shape[0]) for _, f, _, pos in parts])
 
-        def attend(q, k, v):
-            lo, hi = pos - st.base, pos - st.base + rows
-            st.keys[lo:hi], st.values[lo:hi] = k, v
-            return grouped_attention(q, st.keys[:hi], st.values[:hi], lo)
+        def attend(q, k, v):  # each part's rows against its own sequence's cache
+            outs, row = [], 0
+            for st, f, _, pos in parts:
+                n, lo = f.shape[0], pos - st.base
+                st.keys[lo:lo + n], st.values[lo:lo + n] = k[row:row + n], v[row:row + n]
+                outs.append(grouped_attention(q[row:row + n], st.keys[:lo + n], st.values[:lo + n], lo))
+                row += n
+            return torch.cat(outs)
 
         return layer(self.cfg, lambda name, x: self._lin[name](x), self._norms.__getitem__, feats, embeds,
                      positions, attend)
