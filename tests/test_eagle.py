@@ -89,6 +89,15 @@ def test_drafting_runtime_computes_the_training_forward():
     with torch.no_grad():
         want = head(feats[:19], model.embed(torch.tensor(tokens[1:20])).float(), torch.arange(19))
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
+    # the second-step training pass is the second draft token: real pairs up to r, then the head's own
+    with torch.no_grad():
+        _, again = head.two_steps(feats[:19], model.embed(torch.tensor(tokens[1:20])).float(), torch.arange(19))
+    for r in (0, 7, 17):
+        prop.begin(1, tokens[:4])
+        st = prop._states[1]
+        first = prop._run([(st, feats[:r + 1], tokens[1:r + 2], 0)])[-1:]  # f^_{r+1}
+        second = prop._run([(st, first, [tokens[r + 2]], r + 1)])
+        torch.testing.assert_close(second[0], again[r], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -107,14 +107,21 @@ def layer(cfg: EagleConfig, lin: Callable[[str, torch.Tensor], torch.Tensor], no
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int) -> torch.Tensor:
     """Attention of q [rows, heads, hd] at positions first .. first + rows - 1 over keys / values
     [first + rows, kv, hd] (positions 0 ..), each row seeing itself and what precedes it."""
+    rows = q.shape[0]
+    mask = None
+    if rows > 1:
+        mask = torch.arange(keys.shape[0])[None, :] <= (first + torch.arange(rows))[:, None]  # [rows, n]
+    return masked_attention(q, keys, values, mask)
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """q [rows, heads, hd] over keys / values [n, kv, hd] where ``mask`` [rows, n] (None: all) allows;
+    returns [rows, heads * hd]."""
     rows, heads, hd = q.shape
     group = heads // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, n, hd]
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    mask = None
-    if rows > 1:
-        n = keys.shape[0]
-        mask = torch.arange(n)[None, :] <= (first + torch.arange(rows))[:, None]  # [rows, n]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)  # [heads, rows, hd]
     return out.transpose(0, 1).reshape(rows, heads * hd)
 
@@ -134,10 +141,35 @@ class EagleHead(nn.Module):
 
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Whole sequences: feats, embeds [T, H] of one sequence, positions [T] -> predictions [T, H]."""
-        def attend(q, k, v):
+        return self.two_steps(feats, embeds, positions, second=False)[0]
+
+    def two_steps(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                  second: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The predictions [T, H] from the given features, and (``second``) the next ones [T - 1, H]
+        from the head's own predictions as drafting makes them: row t + 1 reads (f^_{t+1}, emb(x_{t+2}))
+        and attends to the given features' pairs up to position t and to itself -- the second draft
+        token's situation, trained on directly."""
+        saved = {}
+
+        def first(q, k, v):
+            saved["k"], saved["v"] = k, v
             return grouped_attention(q, k, v, 0)
-        return layer(self.cfg, lambda n, x: self.linears[n](x), lambda n: self.norms[n], feats, embeds,
-                     positions, attend)
+
+        def lin(n, x):
+            return self.linears[n](x)
+
+        pred = layer(self.cfg, lin, lambda n: self.norms[n], feats, embeds, positions, first)
+        if not second or feats.shape[0] < 2:
+            return pred, None
+        rows = feats.shape[0] - 1
+
+        def again(q, k, v):
+            keys, values = torch.cat([saved["k"], k]), torch.cat([saved["v"], v])  # [T + rows, kv, hd]
+            seen = torch.arange(feats.shape[0])[None, :] <= torch.arange(rows)[:, None]  # given pairs up to t
+            mask = torch.cat([seen, torch.eye(rows, dtype=torch.bool)], 1)  # [rows, T + rows]
+            return masked_attention(q, keys, values, mask)
+
+        return pred, layer(self.cfg, lin, lambda n: self.norms[n], pred[:-1], embeds[1:], positions[1:], again)
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file

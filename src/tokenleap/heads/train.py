@@ -36,6 +36,7 @@ class TrainConfig:
     feature_noise: float = 0.05  # input features get noise of this share of their RMS
     ce_weight: float = 1.0  # the distribution term's weight beside the feature term
     valid_share: float = 0.1  # texts held out to report the head's agreement with the target
+    second_step: bool = True  # also train the second draft token, made from the head's own prediction
     seed: int = 0
 
 
@@ -76,9 +77,10 @@ def _windows(examples: list[Example], window: int) -> list[tuple[Example, int, i
     return runs
 
 
-def _run(head: EagleHead, model, ex: Example, start: int, end: int, noise: float,
-         gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predicted and true features [end - start - 1, H] for positions start + 1 .. end - 1."""
+def _run(head: EagleHead, model, ex: Example, start: int, end: int, noise: float, gen: torch.Generator | None,
+         second: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Predicted and true features [end - start - 1, H] for positions start + 1 .. end - 1, and with
+    ``second`` the predictions one token further made from the first ones [end - start - 2, H]."""
     feats = ex.feats[start:end].float()  # [m, H]
     inputs = feats[:-1]
     if noise:
@@ -86,8 +88,8 @@ def _run(head: EagleHead, model, ex: Example, start: int, end: int, noise: float
         inputs = inputs + noise * rms * torch.randn(inputs.shape, generator=gen)
     with torch.no_grad():
         embeds = model.embed(ex.tokens[start + 1:end]).float()  # [m - 1, H]
-    pred = head(inputs, embeds, torch.arange(start, end - 1))
-    return pred, feats[1:]
+    pred, again = head.two_steps(inputs, embeds, torch.arange(start, end - 1), second)
+    return pred, feats[1:], again
 
 
 def _loss(pred: torch.Tensor, true: torch.Tensor, rows: torch.Tensor, ce_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +137,10 @@ def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: It
             opt.zero_grad(set_to_none=True)
             batch = runs[i:i + train.accumulate]
             for ex, start, end in batch:
-                pred, true = _run(head, model, ex, start, end, train.feature_noise, gen)
+                pred, true, again = _run(head, model, ex, start, end, train.feature_noise, gen, train.second_step)
                 loss, ok = _loss(pred, true, rows, train.ce_weight)
+                if again is not None and again.shape[0]:
+                    loss = loss + _loss(again, true[1:], rows, train.ce_weight)[0]
                 (loss / len(batch)).backward()
                 total += float(loss.detach()) * pred.shape[0]
                 agree += int(ok)
@@ -161,7 +165,7 @@ def held_out_agreement(head: EagleHead, model, examples: list[Example], rows: to
     is the target's own."""
     agree = count = 0
     for ex, start, end in _windows(examples, window):
-        pred, true = _run(head, model, ex, start, end, 0.0, None)
+        pred, true, _ = _run(head, model, ex, start, end, 0.0, None)
         agree += int(((pred @ rows.T).argmax(-1) == (true @ rows.T).argmax(-1)).sum())
         count += pred.shape[0]
     return round(agree / max(1, count), 4)
