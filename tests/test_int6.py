@@ -193,3 +193,14 @@ def test_int6_layouts_give_the_same_bits(rows):
             assert torch.equal(kernels.int6_linear(x, *paired, bias), blocked)
     finally:
         kernels.set_vnni(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("paired", [False, True], ids=["blocked", "paired"])
+def test_dequantized_rows_are_those_of_the_whole_weight(paired):
+    """A few rows (a draft head's subset of an LM head) unpacked alone: bitwise the whole weight's rows."""
+    q, sc, d = int6_from_gguf_q6k(random_q6k(64, 512, seed=3), (64, 512))
+    layer = Int6Linear(q, sc, d)
+    layer.packed, layer.d = kernels.pack_int6(q, sc, d, paired=paired)
+    ids = torch.tensor([37, 0, 9, 63, 9, 16])
+    assert torch.equal(layer.dequantized_rows(ids), layer.dequantized_weight()[ids])

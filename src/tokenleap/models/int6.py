@@ -79,11 +79,23 @@ class Int6Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the kernel multiplies by (with int8-quantized activations), [out, in] float32."""
-        q, sc, d = kernels.unpack_int6(self.packed, self.d)
-        return d.repeat_interleave(SUPER_BLOCK, 1) * sc.float().repeat_interleave(16, 1) * (q.float() - 32)
+        return _dequantize(self.packed, self.d)
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``dequantized_weight()``, [len(ids), in] float32, bitwise the same: only the
+        blocks holding them are unpacked (a draft head's few rows of a 151,936-row LM head)."""
+        per = kernels.int6_rows_per_entry(self.packed)  # 8 rows an entry, 16 when paired
+        blocks, where = torch.unique(ids // per, return_inverse=True)
+        return _dequantize(self.packed[blocks], self.d[blocks])[where * per + ids % per]
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, compute=W6A8 (Q6_K)"
+
+
+def _dequantize(packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``pack_int6``'s operands (whole entries of 8 or 16 rows) back to float32 weights [rows, in]."""
+    q, sc, dd = kernels.unpack_int6(packed, d)
+    return dd.repeat_interleave(SUPER_BLOCK, 1) * sc.float().repeat_interleave(16, 1) * (q.float() - 32)
 
 
 __all__ = ["Int6Linear", "int6_from_gguf_q6k", "int6_unsupported_reason"]
