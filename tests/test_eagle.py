@@ -218,3 +218,43 @@ def test_eagle_flags_checked_before_loading(capsys, tmp_path):
         assert needle in capsys.readouterr().err
     assert main(["train-head", "--model", model, "--lr", "0"]) == 2
     assert "--lr must be positive" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def serving_head():
+    from serving_helpers import model
+    target = model()
+    examples = collect_features(target, _texts(target, 24, 3))
+    head, _ = train_head(target, examples, EagleConfig.for_target(target.config, subset=VOCAB),
+                         train=TrainConfig(epochs=8, lr=3e-3, accumulate=2))
+    return head
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("blocks", [128, 9])
+def test_eagle_batched_serving_equals_alone(serving_head, sampled, blocks):
+    """Continuous batching with a head: prefills without drafting alongside (the features still come),
+    several sequences drafted in one forward a position, preemption (9 blocks) recomputing a
+    sequence's features -- every output equals the request run alone."""
+    from serving_helpers import CHUNK, MAX_LEN, ChatToyTokenizer, alone, model, workload
+    from tokenleap.serve.scheduler import Request, Scheduler, SchedulerConfig
+    cache = PagedKVCache(model().config, blocks, MAX_LEN, torch.float32, block_size=16, num_slots=16)
+    eng = Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=CHUNK, cache=cache,
+                 proposer=EagleProposer(serving_head, model(), (), MAX_LEN),
+                 controller=ControllerConfig(max_k=4, fixed_k=3))
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=16, log_interval=0))
+    jobs, sinks = [], []
+    for i, (prompt, n) in enumerate(workload(12, seed=1)):
+        extra = dict(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled else {}
+        params = SamplingParams(max_tokens=n, ignore_eos=True, **extra)
+        sink = []
+        sched.submit([Request(eng.create(prompt, params), sink.append)])
+        jobs.append((prompt, params))
+        sinks.append(sink)
+    sched.run_until_idle()
+    for (prompt, params), sink in zip(jobs, sinks):
+        assert [t for o in sink for t in o.token_ids] == alone(prompt, params).generated, prompt
+    if blocks == 128 or not sampled:  # (the seeded run's admissions fit 9 blocks without a preemption)
+        assert (sched.stats.preemptions > 0) == (blocks == 9)
+    assert eng.totals.accepted_tokens > 0 and eng.cache.num_used_blocks == 0
+    assert not eng.proposer._states  # every finished sequence's head cache freed
