@@ -66,6 +66,24 @@ def alone(prompt: list[int], params: SamplingParams, chunk: int = CHUNK):
     return seq
 
 
+def serve_workload_equals_alone(eng: Engine, sampled: bool, n: int = 12, seed: int = 1):
+    """``workload(n, seed)`` submitted at once to a scheduler over ``eng`` and run to the end (seeded
+    sampling when ``sampled``); asserts each output equals the request run alone; returns the scheduler."""
+    from tokenleap.serve.scheduler import Request, Scheduler, SchedulerConfig
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=16, log_interval=0))
+    jobs = []
+    for i, (prompt, tokens) in enumerate(workload(n, seed)):
+        extra = dict(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled else {}
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, **extra)
+        sink: list = []
+        sched.submit([Request(eng.create(prompt, params), sink.append)])
+        jobs.append((prompt, params, sink))
+    sched.run_until_idle()
+    for prompt, params, sink in jobs:
+        assert [t for o in sink for t in o.token_ids] == alone(prompt, params).generated, prompt
+    return sched
+
+
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """(prompt token ids, max_tokens) pairs of mixed lengths."""
     g = torch.Generator().manual_seed(seed)

@@ -236,24 +236,12 @@ def test_eagle_batched_serving_equals_alone(serving_head, sampled, blocks):
     """Continuous batching with a head: prefills without drafting alongside (the features still come),
     several sequences drafted in one forward a position, preemption (9 blocks) recomputing a
     sequence's features -- every output equals the request run alone."""
-    from serving_helpers import CHUNK, MAX_LEN, ChatToyTokenizer, alone, model, workload
-    from tokenleap.serve.scheduler import Request, Scheduler, SchedulerConfig
+    from serving_helpers import CHUNK, MAX_LEN, ChatToyTokenizer, model, serve_workload_equals_alone
     cache = PagedKVCache(model().config, blocks, MAX_LEN, torch.float32, block_size=16, num_slots=16)
     eng = Engine(model(), ChatToyTokenizer(VOCAB), max_len=MAX_LEN, prefill_chunk=CHUNK, cache=cache,
                  proposer=EagleProposer(serving_head, model(), (), MAX_LEN),
                  controller=ControllerConfig(max_k=4, fixed_k=3))
-    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=16, log_interval=0))
-    jobs, sinks = [], []
-    for i, (prompt, n) in enumerate(workload(12, seed=1)):
-        extra = dict(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled else {}
-        params = SamplingParams(max_tokens=n, ignore_eos=True, **extra)
-        sink = []
-        sched.submit([Request(eng.create(prompt, params), sink.append)])
-        jobs.append((prompt, params))
-        sinks.append(sink)
-    sched.run_until_idle()
-    for (prompt, params), sink in zip(jobs, sinks):
-        assert [t for o in sink for t in o.token_ids] == alone(prompt, params).generated, prompt
+    sched = serve_workload_equals_alone(eng, sampled)
     if blocks == 128 or not sampled:  # (the seeded run's admissions fit 9 blocks without a preemption)
         assert (sched.stats.preemptions > 0) == (blocks == 9)
     assert eng.totals.accepted_tokens > 0 and eng.cache.num_used_blocks == 0
