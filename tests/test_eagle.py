@@ -15,7 +15,7 @@ from tokenleap.heads.eagle import EagleConfig, EagleHead
 from tokenleap.heads.train import TrainConfig, collect_features, held_out_agreement, subset_ids, train_head
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
-from tokenleap.spec.proposers.draft_head import _float_rows
+from tokenleap.spec.proposers.draft_head import float_rows
 from tokenleap.spec.proposers.eagle import EagleProposer
 
 from conftest import ToyTokenizer, tiny_model
@@ -65,7 +65,7 @@ def _generate(eng, prompt, params):
 def test_training_raises_agreement_with_the_target(trained):
     model, head, report = trained
     held_out = [e for e in collect_features(model, _texts(model, 8, 2))]
-    rows = _float_rows(model.lm_head, subset_ids(head.cfg, ())).float()
+    rows = float_rows(model.lm_head, subset_ids(head.cfg, ())).float()
     untrained = EagleHead(head.cfg)
     assert report["held_out_agreement"] > 0
     assert held_out_agreement(head, model, held_out, rows) > held_out_agreement(untrained, model, held_out, rows) + 0.1

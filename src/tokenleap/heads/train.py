@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tokenleap.heads.eagle import EagleConfig, EagleHead
 from tokenleap.models.embed import embed
-from tokenleap.spec.proposers.draft_head import _float_rows
+from tokenleap.spec.proposers.draft_head import float_rows
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: It
     rng.shuffle(examples)
     n_valid = int(len(examples) * train.valid_share) if len(examples) >= 10 else 0
     valid, fit = examples[:n_valid], examples[n_valid:]
-    rows = _float_rows(model.lm_head, subset_ids(cfg, special_ids)).float()  # [S, H], frozen
+    rows = float_rows(model.lm_head, subset_ids(cfg, special_ids)).float()  # [S, H], frozen
     if head is None:
         head = _initialized(cfg)
         with torch.no_grad():  # the features are the target's final norm's output: start from its scale

@@ -20,7 +20,7 @@ from tokenleap.models.hugepages import move_weights_
 from tokenleap.models.quant import Int4Linear, Int8Linear
 
 
-def _float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [len(ids), hidden]
+def float_rows(head: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [len(ids), hidden]
     if hasattr(head, "dequantized_rows"):
         return head.dequantized_rows(ids)
     if hasattr(head, "dequantized_weight"):
@@ -41,7 +41,7 @@ class ReducedVocabHead:
     def _rows(self, ids: torch.Tensor) -> Int8Linear:
         """The head's rows ``ids`` at int8, a scale a row (so a row's values do not depend on which
         rows are asked for with it); only those rows are dequantized."""
-        return Int8Linear.from_float(_float_rows(self._head, ids))
+        return Int8Linear.from_float(float_rows(self._head, ids))
 
     def _static_rows(self, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The shared subset, read for every drafted token: 4-bit on tokenleap's kernel (half the

@@ -38,11 +38,14 @@ class _State:
     fed: int = 0  # positions base .. fed - 1 hold the target's real pairs
     feats_start: int = 0  # position of feats[0]
     feats: list[torch.Tensor] = field(default_factory=list)  # each [rows, H]: positions feats_start ..
+    feats_end: int = 0  # one past the last position in feats
     last: torch.Tensor | None = None  # the prediction at position fed - 1 ([1, H]), the next draft's feature
 
-    @property
-    def feats_end(self) -> int:
-        return self.feats_start + sum(f.shape[0] for f in self.feats)
+    def keep_feats(self, start: int, feats: torch.Tensor | None) -> None:
+        """The pending features are ``feats`` [rows, H] (None: none) from position ``start``."""
+        self.feats = [feats] if feats is not None and feats.shape[0] else []
+        self.feats_start = start
+        self.feats_end = start + (feats.shape[0] if feats is not None else 0)
 
 
 @dataclass(eq=False)
@@ -88,15 +91,15 @@ class EagleProposer:
             if pos <= st.base:
                 st.base = pos  # nothing of the cache stays (its rows are positions from base)
             st.fed = pos
-        if st.feats and st.feats_start <= pos <= st.feats_end:
-            kept = torch.cat(st.feats)[:pos - st.feats_start]
-            st.feats = [kept] if kept.shape[0] else []
-        else:
-            st.feats, st.feats_start = [], pos
+        if not (st.feats and pos == st.feats_end):  # (the usual case: the next positions, appended)
+            inside = st.feats and st.feats_start <= pos < st.feats_end
+            st.keep_feats(st.feats_start if inside else pos,
+                          torch.cat(st.feats)[:pos - st.feats_start] if inside else None)
         if st.fed < st.feats_start:
             st.base = st.fed = pos  # a gap: the head starts over from what it has features for
             st.last = None
         st.feats.append(feats)
+        st.feats_end = pos + feats.shape[0]
 
     # -- the proposer protocol --------------------------------------------------------------
     def begin(self, seq_id: int, prompt: list[int]) -> None:
@@ -168,23 +171,23 @@ class EagleProposer:
     def _catch_up(self, seqs: list[tuple[_State, list[int]]]) -> None:
         """Feed every pair (f_p, x_{p+1}) whose feature and next token are known, for all ``seqs``
         (each a state and its sequence's tokens) in one forward."""
-        parts = []
+        parts, pending = [], []
         for st, tokens in seqs:
             end = min(st.feats_end, len(tokens) - 1)  # last position p + 1 with x_{p+1} known
             if end > st.fed:
-                feats = torch.cat(st.feats)
+                feats = torch.cat(st.feats)  # [pending, H] from feats_start
                 parts.append((st, feats[st.fed - st.feats_start:end - st.feats_start], tokens[st.fed + 1:end + 1],
                               st.fed))
+                pending.append(feats)
         if not parts:
             return
         preds = self._run(parts)
         row = 0
-        for st, feats, _, pos in parts:
+        for (st, feats, _, pos), all_feats in zip(parts, pending):
             row += feats.shape[0]
             end = pos + feats.shape[0]
-            rest = torch.cat(st.feats)[end - st.feats_start:]
             st.fed, st.last = end, preds[row - 1:row]
-            st.feats, st.feats_start = ([rest] if rest.shape[0] else []), end
+            st.keep_feats(end, all_feats[end - st.feats_start:])
 
     @torch.inference_mode()
     def _run(self, parts: list[tuple[_State, torch.Tensor, list[int], int]]) -> torch.Tensor:
