@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=384, help="longest generated reply")
     p.add_argument("--epochs", type=positive_int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--second-step", action="store_true",
+                   help="also train the second draft token from the head's own prediction (twice the time)")
     p.add_argument("--intermediate-size", type=positive_int, default=None,
                    help="the head's MLP width (default: half the target's)")
     p.add_argument("--output", help="where to save the head (default: where --spec eagle looks for --model)")
@@ -73,7 +75,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     examples = _features(model, sequences, Path(args.replies) if args.replies else None)
     cfg = EagleConfig.for_target(model.config, args.intermediate_size, target=args.model)
     specials = llm.tokenizer.backend.get_added_tokens_decoder().keys()
-    head, report = train_head(model, examples, cfg, specials, TrainConfig(epochs=args.epochs, lr=args.lr), _log)
+    train = TrainConfig(epochs=args.epochs, lr=args.lr, second_step=args.second_step)
+    head, report = train_head(model, examples, cfg, specials, train, _log)
     root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     out = Path(args.output) if args.output else default_head_path(root, llm.target.source.removeprefix("catalog:"))
     head.save(out)

@@ -36,7 +36,9 @@ class TrainConfig:
     feature_noise: float = 0.05  # input features get noise of this share of their RMS
     ce_weight: float = 1.0  # the distribution term's weight beside the feature term
     valid_share: float = 0.1  # texts held out to report the head's agreement with the target
-    second_step: bool = True  # also train the second draft token, made from the head's own prediction
+    # also train the second draft token, made from the head's own prediction (EAGLE-3's training-time
+    # test); twice the work a step, and on 58,000 tokens it lowered both positions' acceptance (BENCHMARKS)
+    second_step: bool = False
     seed: int = 0
 
 
