@@ -45,7 +45,8 @@ def trained():
     model = _model()
     cfg = EagleConfig.for_target(model.config, subset=VOCAB)
     examples = collect_features(model, _texts(model, 40, 1))
-    head, report = train_head(model, examples, cfg, train=TrainConfig(epochs=12, lr=3e-3, accumulate=2, second_step=True))
+    head, report = train_head(model, examples, cfg,
+                              train=TrainConfig(epochs=12, lr=3e-3, accumulate=2, second_step=True))
     return model, head, report
 
 

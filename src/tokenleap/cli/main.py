@@ -58,7 +58,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16, float16")
     p.add_argument("--quant", default="none", help="quantization: none, int8, int4 (weight-only), w8a8 (int8 weights and activations; AMX-INT8 CPUs)")
-    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "eagle", "auto"], default=None,
+    p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "eagle", "auto"],
+                   default=None,
                    help="speculative method (not given: draft with --draft-model, else none; serve: auto); auto: "
                         "per request and step, the proposer that pays (n-gram, the draft model -- without "
                         "--draft-model an installed catalog draft of the target's tokenizer, if memory "

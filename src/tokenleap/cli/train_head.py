@@ -18,7 +18,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from tokenleap.cli.main import UsageError, _read_text, check_model_ref, check_quant_dtype, positive_int, read_prompts_file
+from tokenleap.cli.main import (UsageError, _read_text, check_model_ref, check_quant_dtype, positive_int,
+                                read_prompts_file)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,8 +67,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     from tokenleap.models.catalog import default_cache_dir
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, cache_dir=args.cache_dir, speculative={"method": "auto", "draft_model": "auto"},
-              max_num_seqs=8, num_slots=8)
+    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, cache_dir=args.cache_dir,
+              speculative={"method": "auto", "draft_model": "auto"}, max_num_seqs=8, num_slots=8)
     sequences = _replies(llm, prompts, args.max_tokens, Path(args.replies) if args.replies else None)
     sequences += [llm.tokenizer.encode(t) for t in texts]
     _log(f"{len(sequences)} texts, {sum(map(len, sequences))} tokens ({time.perf_counter() - t0:.0f} s)")
@@ -80,7 +81,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     out = Path(args.output) if args.output else default_head_path(root, llm.target.source.removeprefix("catalog:"))
     head.save(out)
-    report.update(path=str(out), intermediate_size=cfg.intermediate_size, total_seconds=round(time.perf_counter() - t0, 1))
+    report.update(path=str(out), intermediate_size=cfg.intermediate_size,
+                  total_seconds=round(time.perf_counter() - t0, 1))
     if args.json:
         print(json.dumps(report))
     else:

@@ -48,7 +48,8 @@ class Example:
     feats: torch.Tensor  # [n, H] the target's features (bfloat16)
 
 
-def collect_features(model, sequences: Iterable[list[int]], log: Callable[[str], None] = lambda _: None) -> list[Example]:
+def collect_features(model, sequences: Iterable[list[int]],
+                     log: Callable[[str], None] = lambda _: None) -> list[Example]:
     """The target's features of every position of each token sequence (two tokens or more)."""
     out = []
     t0, total = time.perf_counter(), 0
@@ -94,7 +95,8 @@ def _run(head: EagleHead, model, ex: Example, start: int, end: int, noise: float
     return pred, feats[1:], again
 
 
-def _loss(pred: torch.Tensor, true: torch.Tensor, rows: torch.Tensor, ce_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss(pred: torch.Tensor, true: torch.Tensor, rows: torch.Tensor,
+          ce_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, how many rows' argmax over the subset agrees with the target's)."""
     reg = F.smooth_l1_loss(pred, true)
     logits = pred @ rows.T  # [m, S]
@@ -151,7 +153,8 @@ def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: It
             opt.step()
             sched.step()
             step += 1
-        msg = f"epoch {epoch + 1}/{train.epochs}: loss {total / max(1, count):.4f}, agreement {agree / max(1, count):.3f}"
+        msg = (f"epoch {epoch + 1}/{train.epochs}: loss {total / max(1, count):.4f}, "
+               f"agreement {agree / max(1, count):.3f}")
         if valid:
             report["held_out_agreement"] = held_out_agreement(head, model, valid, rows, train.window)
             msg += f", held out {report['held_out_agreement']:.3f}"
@@ -162,7 +165,8 @@ def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: It
 
 
 @torch.no_grad()
-def held_out_agreement(head: EagleHead, model, examples: list[Example], rows: torch.Tensor, window: int = 1024) -> float:
+def held_out_agreement(head: EagleHead, model, examples: list[Example], rows: torch.Tensor,
+                       window: int = 1024) -> float:
     """The share of positions where the head's argmax (one token ahead, from the target's features)
     is the target's own."""
     agree = count = 0

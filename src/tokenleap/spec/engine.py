@@ -60,7 +60,8 @@ class Engine:
         self.proposer = proposer
         if hasattr(proposer, "bind_cache"):  # a self-drafting proposer (layer skip) drafts in the target's cache
             proposer.bind_cache(self.cache)
-        # proposers drafting from the target's hidden states (a trained head): handed every computed row's
+        # proposers drafting from the target's hidden states (a trained head): handed each computed row's
+        # final normed hidden state (prefill: every row; a step: the rows it keeps)
         self._feature_takers = feature_takers(proposer)
         self.controller = DraftLengthController(controller or ControllerConfig())
         if not hasattr(proposer, "plan"):  # (a composite, --spec auto, prices each arm's rows itself)
