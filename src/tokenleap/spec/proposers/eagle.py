@@ -128,12 +128,13 @@ class EagleProposer:
                    if st is not None and r.k > 0 and len(r.tokens) + r.k <= self.max_len]
         fed_before = {r.seq_id: st.fed for _, r, st in pending}
         self._catch_up([(st, r.tokens) for _, r, st in pending])
-        catch_up = time.perf_counter() - t0
+        # more than a step's usual pairs fed is catch-up work: its time shared by the pairs each fed
+        backlogs = {r.seq_id: fed if (fed := st.fed - fed_before[r.seq_id]) > 2 else 0 for _, r, st in pending}
+        share = (time.perf_counter() - t0) / max(1, sum(backlogs.values()))
         for i, r, st in pending:
-            fed = st.fed - fed_before[r.seq_id]
-            backlog = fed if fed > 2 else 0  # more than a step's usual pairs: catch-up work
+            backlog = backlogs[r.seq_id]
             if st.fed != len(r.tokens) - 1 or st.last is None:  # the features do not reach the last token
-                out[i] = Draft(tokens=[], probs=None, catch_up_seconds=catch_up / len(pending),
+                out[i] = Draft(tokens=[], probs=None, catch_up_seconds=share * backlog,
                                catch_up_tokens=backlog) if backlog else None
                 continue
             lanes.append((i, _Lane(r, calibration=self.confidence.calibration), st, backlog))
@@ -152,12 +153,11 @@ class EagleProposer:
             # each lane's drafted pair at position pos (scratch past fed) predicts the next feature
             preds = self._run([(st, feat, [token], pos) for _, st, feat, token, pos in more])  # [lanes, H]
             active = [(lane, st, preds[j:j + 1], pos + 1) for j, (lane, st, _, _, pos) in enumerate(more)]
-        busy = sum(b for *_, b in lanes) or 1
         for i, lane, st, backlog in lanes:
             lane.rollback()
             self.confidence.drafted(lane.req.seq_id, lane.confidences)
             out[i] = Draft(tokens=lane.drafted, probs=lane.q(), catch_up_tokens=backlog, cut=lane.cut,
-                           catch_up_seconds=catch_up * backlog / busy if backlog else 0.0)
+                           catch_up_seconds=share * backlog)
         return out
 
     def accept(self, seq_id: int, num_accepted: int, path: list[int] | None = None) -> None:
