@@ -200,8 +200,10 @@ def test_train_head_command_and_spec_eagle_on_a_real_model(capsys, tmp_path, smo
     rows = {}
     for spec in (["--spec", "none"], ["--spec", "eagle", "--draft-head", str(head), "--num-spec-tokens", "3"]):
         assert main(["generate", "--model", str(smollm2_gguf), "--prompt", "Count from one to ten.", "--chat",
-                     "--max-tokens", "24", "--json", *spec]) == 0
-        rows[spec[1]] = json.loads(capsys.readouterr().out.splitlines()[0])
+                     "--max-tokens", "24", "--json", "--stats", *spec]) == 0
+        out, err = capsys.readouterr()
+        rows[spec[1]] = json.loads(out.splitlines()[0])
+    assert f"speculation: eagle, draft length 3; draft head {head}" in err  # --stats names the head
     assert rows["eagle"]["token_ids"] == rows["none"]["token_ids"]
     assert rows["eagle"]["stats"]["draft_tokens"] > 0 and "eagle" in rows["eagle"]["stats"]["proposers"]
     assert main(["generate", "--model", str(smollm2_gguf), "--prompt", "x", "--spec", "eagle",

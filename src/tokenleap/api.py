@@ -156,8 +156,8 @@ class LLM:
             arms = getattr(engine.proposer, "arms", None)
             if arms is not None:
                 line += f" (proposers: {', '.join(arms)})"
-            pool = output_pool_note(engine.proposer)
-            line += f"; {pool}" if pool else ""
+            for note in (output_pool_note(engine.proposer), getattr(engine.proposer, "note", None)):
+                line += f"; {note}" if note else ""
         if self.spec_note:
             line += f"; {self.spec_note}"
         return line

@@ -71,7 +71,9 @@ def eagle_proposer(target: LoadedModel, draft_head: str, max_len: int, cache_dir
         Path(cache_dir) if cache_dir else default_cache_dir(), target.source.removeprefix("catalog:"))
     head = EagleHead.load(path)
     specials = target.tokenizer.backend.get_added_tokens_decoder().keys()
-    return EagleProposer(head, target.model, specials, max_len)
+    proposer = EagleProposer(head, target.model, specials, max_len)
+    proposer.note = f"draft head {path}"  # which head drafts, for --stats and the server's startup line
+    return proposer
 
 
 def output_pool(tokens: int):
