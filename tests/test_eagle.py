@@ -213,7 +213,7 @@ def test_train_head_command_and_spec_eagle_on_a_real_model(capsys, tmp_path, smo
 
 def test_eagle_flags_checked_before_loading(capsys, tmp_path):
     from conftest import a_model_file
-    from tokenleap.cli.main import main
+    from tokenleap.cli.main import UsageError, main
     model = a_model_file(tmp_path)
     for args, needle in ((["--draft-head", "h.safetensors"], "--draft-head goes with --spec eagle"),
                          (["--spec", "eagle", "--draft-model", model], "not a draft model")):
@@ -221,6 +221,12 @@ def test_eagle_flags_checked_before_loading(capsys, tmp_path):
         assert needle in capsys.readouterr().err
     assert main(["train-head", "--model", model, "--lr", "0"]) == 2
     assert "--lr must be positive" in capsys.readouterr().err
+    from tokenleap.cli.train_head import _replies
+    bad = tmp_path / "replies.jsonl"
+    for text in ('{"prompt": [1, 2]}\n', "not json\n", '{"prompt": "ab", "output": [1]}\n'):
+        bad.write_text(text)
+        with pytest.raises(UsageError, match="not a replies file"):
+            _replies(None, [], 8, bad)
 
 
 @pytest.fixture(scope="module")

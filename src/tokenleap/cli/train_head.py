@@ -96,9 +96,14 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
     ``path`` when it exists, else generated (and written there when given)."""
     from tokenleap.config import SamplingParams
     if path is not None and path.exists():
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            rows = [json.loads(line) for line in _read_text(str(path), "--replies").splitlines() if line.strip()]
+            out = [[int(t) for t in r["prompt"]] + [int(t) for t in r["output"]] for r in rows]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--replies {path}: not a replies file this command wrote (each line a JSON object "
+                             f"with token id lists \"prompt\" and \"output\"): {e}") from None
         _log(f"{len(rows)} replies read from {path}")
-        return [list(r["prompt"]) + list(r["output"]) for r in rows]
+        return out
     out, t0 = [], time.perf_counter()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     with (path.open("w", encoding="utf-8") if path is not None else _Null()) as f:
