@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tokenleap.spec.tree_budget import machine_tree_mode
-from tokenleap.config import ConfigError, SamplingParams, SpecConfig
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig, is_int
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import PREFILL_CHUNK, Engine
 from tokenleap.models.pretrained import LoadedModel, load_model
@@ -71,13 +71,11 @@ class StreamChunk:
 
 
 def _check_sizes(max_model_len: int | None, num_slots: int, max_num_seqs: int) -> None:
-    def whole(n: object) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool)
-    if max_model_len is not None and not (whole(max_model_len) and max_model_len >= 2):
+    if max_model_len is not None and not (is_int(max_model_len) and max_model_len >= 2):
         raise ConfigError(f"max_model_len must be an integer >= 2 (a prompt token and room for a reply), "
                           f"got {max_model_len!r}")
     for name, n in (("num_slots", num_slots), ("max_num_seqs", max_num_seqs)):
-        if not (whole(n) and n >= 1):
+        if not (is_int(n) and n >= 1):
             raise ConfigError(f"{name} must be an integer >= 1, got {n!r}")
 
 
@@ -168,7 +166,7 @@ class LLM:
         token ids checked against the vocabulary."""
         if isinstance(prompt, (list, tuple)):
             vocab = self.target.model.config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            if not all(is_int(t) and 0 <= t < vocab for t in prompt):
                 raise ConfigError(f"a prompt of token ids needs integers in [0, {vocab})")
             return list(prompt)
         if not isinstance(prompt, str):

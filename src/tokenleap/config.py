@@ -210,48 +210,45 @@ class SamplingParams:
                 raise ConfigError("bad_word_ids must be sequences of token ids") from None
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+        _check(is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf"),
                f"temperature must be >= 0 and finite, got {self.temperature!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0,
+        _check(is_int(self.top_k) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
-                                     and 0 <= value <= MAX_LOGPROBS),
+            _check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                    f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
                f"repetition_penalty must be in (0, 100] (1 disables it), got {self.repetition_penalty!r}")
-        _check(isinstance(self.repetition_last_n, int) and not isinstance(self.repetition_last_n, bool)
-               and self.repetition_last_n >= 0,
+        _check(is_int(self.repetition_last_n) and self.repetition_last_n >= 0,
                f"repetition_last_n must be an integer >= 0 (0: the whole prompt and output), "
                f"got {self.repetition_last_n!r}")
-        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b) and -100 <= b <= 100
+        _check(all(is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
                    for t, b in self.logit_bias),
                "logit_bias must map token ids >= 0 to biases in [-100, 100]")
-        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
-               and 0 <= self.min_tokens <= self.max_tokens,
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction),
+        _check(all(is_int(t) and t >= 0 for t in self.prediction),
                "prediction must be token ids (integers >= 0)")
         for name in ("stop_token_ids", "allowed_token_ids"):
-            _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in getattr(self, name)),
+            _check(all(is_int(t) and t >= 0 for t in getattr(self, name)),
                    f"{name} must be token ids >= 0")
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
-        _check(all(w and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w)
+        _check(all(w and all(is_int(t) and t >= 0 for t in w)
                    for w in self.bad_word_ids),
                "bad_word_ids must be non-empty sequences of token ids >= 0")
-        _check(_is_int(self.n_indent) and self.n_indent >= 0,
+        _check(is_int(self.n_indent) and self.n_indent >= 0,
                f"n_indent must be an integer >= 0, got {self.n_indent!r}")
         _check(_is_number(self.t_max_predict_ms) and 0 <= self.t_max_predict_ms < float("inf"),
                f"t_max_predict_ms must be a number >= 0, got {self.t_max_predict_ms!r}")
@@ -328,17 +325,16 @@ class SpecConfig:
                f"num_tokens must be 'auto' or an integer >= 1, got {self.num_tokens!r}")
         _check(isinstance(self.max_num_tokens, int) and self.max_num_tokens >= 1,
                f"max_num_tokens must be an integer >= 1, got {self.max_num_tokens!r}")
-        _check(isinstance(self.ngram_pool, int) and not isinstance(self.ngram_pool, bool) and self.ngram_pool >= 0,
+        _check(is_int(self.ngram_pool) and self.ngram_pool >= 0,
                f"ngram_pool must be an integer >= 0 (tokens of earlier outputs; 0: off), got {self.ngram_pool!r}")
         _check(1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         _check(self.tree in ("auto", "on", "off"), f"tree must be 'auto', 'on' or 'off', got {self.tree!r}")
-        _check(isinstance(self.max_tree_nodes, int) and not isinstance(self.max_tree_nodes, bool)
-               and 1 <= self.max_tree_nodes <= 256,
+        _check(is_int(self.max_tree_nodes) and 1 <= self.max_tree_nodes <= 256,
                f"max_tree_nodes must be an integer in 1 .. 256, got {self.max_tree_nodes!r}")
         for name, low, high in (("lookahead_window", 1, 32), ("lookahead_ngram", 2, 8), ("lookahead_guesses", 1, 32)):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
+            _check(is_int(value) and low <= value <= high,
                    f"{name} must be an integer in {low} .. {high}, got {value!r}")
 
     @property
@@ -359,7 +355,8 @@ def default_ngram_min(ngram_max: int) -> int:
     return min(SpecConfig.ngram_min, ngram_max)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """An integer, not a bool (``True`` is an ``int`` to Python, never a count or a token id here)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
