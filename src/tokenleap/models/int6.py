@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tokenleap import kernels
+from tokenleap.models.qlinear import block_rows
 
 SUPER_BLOCK = 256
 
@@ -84,9 +85,8 @@ class Int6Linear(nn.Module):
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``dequantized_weight()``, [len(ids), in] float32, bitwise the same: only the
         blocks holding them are unpacked (a draft head's few rows of a 151,936-row LM head)."""
-        per = kernels.int6_rows_per_entry(self.packed)  # 8 rows an entry, 16 when paired
-        blocks, where = torch.unique(ids // per, return_inverse=True)
-        return _dequantize(self.packed[blocks], self.d[blocks])[where * per + ids % per]
+        blocks, rows = block_rows(ids, kernels.int6_rows_per_entry(self.packed))  # 8 rows an entry, 16 paired
+        return _dequantize(self.packed[blocks], self.d[blocks])[rows]
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, compute=W6A8 (Q6_K)"

@@ -175,7 +175,7 @@ class Int8Linear(nn.Module):
         the 8-row blocks holding them are unpacked."""
         if not self.use_kernel:
             return self._qweight[ids].float() * self.scales[ids].float()[:, None]
-        blocks, rows = _block_rows(ids, 8)
+        blocks, rows = block_rows(ids, 8)
         q = kernels.unpack_int8(self.packed[blocks])  # [b * 8, in]
         return q[rows].float() * self.scales[ids].float()[:, None]
 
@@ -296,7 +296,7 @@ class Int4Linear(nn.Module):
         the blocks holding them are unpacked (a few of a 151,936-row LM head, not all of it)."""
         if not self.use_kernel:
             return self.dequantized_weight()[ids]
-        blocks, rows = _block_rows(ids, kernels.int4_rows_per_entry(self.packed))
+        blocks, rows = block_rows(ids, kernels.int4_rows_per_entry(self.packed))
         return _dequantize_int4(self.packed[blocks], self.scales_and_mins[blocks])[rows]  # [b * per, in] -> rows
 
     def extra_repr(self) -> str:
@@ -305,7 +305,7 @@ class Int4Linear(nn.Module):
                 f"group_size={self.group_size}, compute={compute}")
 
 
-def _block_rows(ids: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_rows(ids: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed blocks (``per`` rows each) holding rows ``ids``, and where each of those rows lands
     once just these blocks are unpacked: ([b], [len(ids)])."""
     blocks, where = torch.unique(ids // per, return_inverse=True)
