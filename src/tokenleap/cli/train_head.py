@@ -69,11 +69,12 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, cache_dir=args.cache_dir,
               speculative={"method": "auto", "draft_model": "auto"}, max_num_seqs=8, num_slots=8)
-    sequences = _replies(llm, prompts, args.max_tokens, Path(args.replies) if args.replies else None)
+    replies = Path(args.replies) if args.replies else None
+    sequences = _replies(llm, prompts, args.max_tokens, replies)
     sequences += [llm.tokenizer.encode(t) for t in texts]
     _log(f"{len(sequences)} texts, {sum(map(len, sequences))} tokens ({time.perf_counter() - t0:.0f} s)")
     model = llm.target.model
-    examples = _features(model, sequences, Path(args.replies) if args.replies else None)
+    examples = _features(model, sequences, replies)
     cfg = EagleConfig.for_target(model.config, args.intermediate_size, target=args.model)
     specials = llm.tokenizer.backend.get_added_tokens_decoder().keys()
     train = TrainConfig(epochs=args.epochs, lr=args.lr, second_step=args.second_step)
@@ -104,22 +105,21 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
                              f"with token id lists \"prompt\" and \"output\"): {e}") from None
         _log(f"{len(rows)} replies read from {path}")
         return out
-    out, t0 = [], time.perf_counter()
+    rows, t0 = [], time.perf_counter()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    with (path.open("w", encoding="utf-8") if path is not None else _Null()) as f:
-        for i in range(0, len(prompts), llm.max_num_seqs):
-            batch = [[{"role": "user", "content": p}] for p in prompts[i:i + llm.max_num_seqs]]
-            for o in llm.chat(batch, params):
-                out.append(list(o.prompt) + list(o.token_ids))
-                f.write(json.dumps({"prompt": list(o.prompt), "output": list(o.token_ids)}) + "\n")
-            _log(f"replies: {len(out)}/{len(prompts)} ({time.perf_counter() - t0:.0f} s)")
-    return out
+    for i in range(0, len(prompts), llm.max_num_seqs):
+        batch = [[{"role": "user", "content": p}] for p in prompts[i:i + llm.max_num_seqs]]
+        rows += [{"prompt": list(o.prompt), "output": list(o.token_ids)} for o in llm.chat(batch, params)]
+        _log(f"replies: {len(rows)}/{len(prompts)} ({time.perf_counter() - t0:.0f} s)")
+    if path is not None:  # written whole: an interrupted run leaves no file a rerun would take as complete
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return [r["prompt"] + r["output"] for r in rows]
 
 
 def _features(model, sequences: list[list[int]], replies: Path | None):
     """The target's features of each text; kept beside a replies file (``.features.pt``) and reused
     while its texts are the same."""
-    from tokenleap.heads.train import Example, collect_features
+    from tokenleap.heads.train import MIN_TOKENS, Example, collect_features
     import torch
     path = replies.with_suffix(".features.pt") if replies is not None else None
     if path is not None and path.exists():
@@ -128,7 +128,7 @@ def _features(model, sequences: list[list[int]], replies: Path | None):
         except (OSError, RuntimeError, ValueError) as e:
             _log(f"ignoring {path}: {e}")
         else:
-            if [t.tolist() for t in stored["tokens"]] == [s for s in sequences if len(s) >= 3]:
+            if [t.tolist() for t in stored["tokens"]] == [s for s in sequences if len(s) >= MIN_TOKENS]:
                 _log(f"features read from {path}")
                 return [Example(t, f) for t, f in zip(stored["tokens"], stored["feats"])]
             _log(f"{path} holds other texts: computing the features again")
@@ -136,14 +136,3 @@ def _features(model, sequences: list[list[int]], replies: Path | None):
     if path is not None:
         torch.save({"tokens": [e.tokens for e in examples], "feats": [e.feats for e in examples]}, path)
     return examples
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def write(self, _text: str) -> None:
-        return None

@@ -42,6 +42,9 @@ class TrainConfig:
     seed: int = 0
 
 
+MIN_TOKENS = 3  # a text trains the head on pairs (f_t, x_{t+1}) -> f_{t+1}: two at least, from three tokens
+
+
 @dataclass(frozen=True)
 class Example:
     tokens: torch.Tensor  # [n] token ids
@@ -50,11 +53,11 @@ class Example:
 
 def collect_features(model, sequences: Iterable[list[int]],
                      log: Callable[[str], None] = lambda _: None) -> list[Example]:
-    """The target's features of every position of each token sequence (two tokens or more)."""
+    """The target's features of every position of each token sequence (``MIN_TOKENS`` or more)."""
     out = []
     t0, total = time.perf_counter(), 0
     for i, ids in enumerate(sequences):
-        if len(ids) < 3:
+        if len(ids) < MIN_TOKENS:
             continue
         f = embed(model, [ids], pooling="none", normalize=False)[0]  # [n, H]
         out.append(Example(torch.tensor(ids), f.to(torch.bfloat16)))
