@@ -2,12 +2,15 @@
 
 1. The target answers training prompts (``--prompts``, default: about 190 varied programming and
    general requests shipped with tokenleap, none from the benchmark's sets), greedy, through the chat
-   template; ``--texts`` adds plain text or code files as they are. Replies are kept in
-   ``--replies FILE`` when given, and read from it on a later run instead of generating again.
-2. The target's features (final hidden states) of every position are computed in one prefill pass.
+   template. Replies are kept in ``--replies FILE`` when given, and read from it on a later run
+   instead of generating again. ``--texts`` adds plain text or code files as they are, cut into
+   pieces of the training window: any text teaches the head the target's next-token behaviour, and
+   costs one prefill pass a token where a reply costs a generated token.
+2. The target's features (final hidden states) of every position are computed in one prefill pass,
+   and kept under the cache directory per source (the replies, each text file) for later runs.
 3. The head is trained on them (``heads/train.py``) and saved where ``--spec eagle`` looks for this
-   model (``--output`` elsewhere); a held-out share of the texts reports how often the head's next
-   token agrees with the target's.
+   model (``--output`` elsewhere); a held-out share of the replies reports how often the head's next
+   token agrees with the target's on what the target itself writes.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", default="int4", help="the target's quantization while generating and computing "
                                                     "features: none, int8, int4 (default)")
     p.add_argument("--prompts", help="JSONL file with a \"prompt\" per line (default: tokenleap's training prompts)")
-    p.add_argument("--texts", nargs="*", default=[], metavar="FILE", help="text or code files trained on as they are")
+    p.add_argument("--texts", nargs="*", default=[], metavar="FILE",
+                   help="text or code files trained on as they are (cut into pieces of 1,024 tokens)")
     p.add_argument("--replies", metavar="FILE", help="JSONL of generated replies: read if it exists, else written")
     p.add_argument("--max-tokens", type=positive_int, default=384, help="longest generated reply")
     p.add_argument("--epochs", type=positive_int, default=4)
@@ -63,24 +67,29 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     texts = [_read_text(path, "--texts") for path in args.texts]
     from tokenleap.api import LLM
     from tokenleap.heads.eagle import EagleConfig, default_head_path
-    from tokenleap.heads.train import TrainConfig, train_head
+    from tokenleap.heads.features import FeatureStore, text_pieces
+    from tokenleap.heads.train import TrainConfig, held_out_split, train_head
     from tokenleap.models.catalog import default_cache_dir
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, cache_dir=args.cache_dir,
               speculative={"method": "auto", "draft_model": "auto"}, max_num_seqs=8, num_slots=8)
+    root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    name = llm.target.source.removeprefix("catalog:")
+    store = FeatureStore(default_head_path(root, name).parent / "features", llm.target, _log)
     replies = Path(args.replies) if args.replies else None
-    sequences = _replies(llm, prompts, args.max_tokens, replies)
-    sequences += [llm.tokenizer.encode(t) for t in texts]
-    _log(f"{len(sequences)} texts, {sum(map(len, sequences))} tokens ({time.perf_counter() - t0:.0f} s)")
+    train = TrainConfig(epochs=args.epochs, lr=args.lr, second_step=args.second_step)
+    valid, examples = held_out_split(store.get(llm.target.model, _replies(llm, prompts, args.max_tokens, replies), "replies"),
+                                     train.valid_share, train.seed)
+    for path, text in zip(args.texts, texts):
+        examples += store.get(llm.target.model, text_pieces(llm.tokenizer.encode(text), train.window), path)
+    _log(f"{len(examples) + len(valid)} texts, {sum(int(e.tokens.shape[0]) for e in examples + valid)} tokens "
+         f"({time.perf_counter() - t0:.0f} s)")
     model = llm.target.model
-    examples = _features(model, sequences, replies)
     cfg = EagleConfig.for_target(model.config, args.intermediate_size, target=args.model)
     specials = llm.tokenizer.backend.get_added_tokens_decoder().keys()
-    train = TrainConfig(epochs=args.epochs, lr=args.lr, second_step=args.second_step)
-    head, report = train_head(model, examples, cfg, specials, train, _log)
-    root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    out = Path(args.output) if args.output else default_head_path(root, llm.target.source.removeprefix("catalog:"))
+    head, report = train_head(model, examples, cfg, specials, train, _log, valid=valid)
+    out = Path(args.output) if args.output else default_head_path(root, name)
     head.save(out)
     report.update(path=str(out), intermediate_size=cfg.intermediate_size,
                   total_seconds=round(time.perf_counter() - t0, 1))
@@ -114,25 +123,3 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
     if path is not None:  # written whole: an interrupted run leaves no file a rerun would take as complete
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return [r["prompt"] + r["output"] for r in rows]
-
-
-def _features(model, sequences: list[list[int]], replies: Path | None):
-    """The target's features of each text; kept beside a replies file (``.features.pt``) and reused
-    while its texts are the same."""
-    from tokenleap.heads.train import MIN_TOKENS, Example, collect_features
-    import torch
-    path = replies.with_suffix(".features.pt") if replies is not None else None
-    if path is not None and path.exists():
-        try:
-            stored = torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, ValueError) as e:
-            _log(f"ignoring {path}: {e}")
-        else:
-            if [t.tolist() for t in stored["tokens"]] == [s for s in sequences if len(s) >= MIN_TOKENS]:
-                _log(f"features read from {path}")
-                return [Example(t, f) for t, f in zip(stored["tokens"], stored["feats"])]
-            _log(f"{path} holds other texts: computing the features again")
-    examples = collect_features(model, sequences, _log)
-    if path is not None:
-        torch.save({"tokens": [e.tokens for e in examples], "feats": [e.feats for e in examples]}, path)
-    return examples

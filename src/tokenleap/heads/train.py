@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenleap.heads.eagle import EagleConfig, EagleHead
-from tokenleap.models.embed import embed
+from tokenleap.heads.features import Example
+from tokenleap.models.pretrained import cpu_has_native_bf16
 from tokenleap.spec.proposers.draft_head import float_rows
 
 
@@ -39,32 +40,11 @@ class TrainConfig:
     # also train the second draft token, made from the head's own prediction (EAGLE-3's training-time
     # test); twice the work a step, and on 58,000 tokens it lowered both positions' acceptance (BENCHMARKS)
     second_step: bool = False
+    # the forward and the loss in bfloat16 (autocast; the weights and the optimizer stay float32):
+    # twice as fast where the CPU has native bf16 products, much slower where it has not.
+    # None: on exactly there (``cpu_has_native_bf16``)
+    bf16: bool | None = None
     seed: int = 0
-
-
-MIN_TOKENS = 3  # a text trains the head on pairs (f_t, x_{t+1}) -> f_{t+1}: two at least, from three tokens
-
-
-@dataclass(frozen=True)
-class Example:
-    tokens: torch.Tensor  # [n] token ids
-    feats: torch.Tensor  # [n, H] the target's features (bfloat16)
-
-
-def collect_features(model, sequences: Iterable[list[int]],
-                     log: Callable[[str], None] = lambda _: None) -> list[Example]:
-    """The target's features of every position of each token sequence (``MIN_TOKENS`` or more)."""
-    out = []
-    t0, total = time.perf_counter(), 0
-    for i, ids in enumerate(sequences):
-        if len(ids) < MIN_TOKENS:
-            continue
-        f = embed(model, [ids], pooling="none", normalize=False)[0]  # [n, H]
-        out.append(Example(torch.tensor(ids), f.to(torch.bfloat16)))
-        total += len(ids)
-        if (i + 1) % 20 == 0:
-            log(f"features: {i + 1} texts, {total} tokens, {total / (time.perf_counter() - t0):.0f} tokens/s")
-    return out
 
 
 def subset_ids(cfg: EagleConfig, special_ids: Iterable[int]) -> torch.Tensor:
@@ -111,18 +91,28 @@ def _loss(pred: torch.Tensor, true: torch.Tensor, rows: torch.Tensor,
     return reg + ce_weight * ce, agree
 
 
+def held_out_split(examples: list[Example], share: float, seed: int = 0) -> tuple[list[Example], list[Example]]:
+    """(held out, the rest): ``share`` of the examples, drawn at random (none from fewer than 10)."""
+    examples = list(examples)
+    random.Random(seed).shuffle(examples)
+    n_valid = int(len(examples) * share) if len(examples) >= 10 else 0
+    return examples[:n_valid], examples[n_valid:]
+
+
 def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: Iterable[int] = (),
                train: TrainConfig = TrainConfig(), log: Callable[[str], None] = lambda _: None,
-               head: EagleHead | None = None) -> tuple[EagleHead, dict]:
+               head: EagleHead | None = None, valid: list[Example] | None = None) -> tuple[EagleHead, dict]:
     """A head trained on ``examples``; returns it and a report (losses, held-out agreement: the share
-    of positions where the head's next-token argmax is the target's, one token ahead)."""
+    of positions where the head's next-token argmax is the target's, one token ahead). ``valid``: the
+    held-out texts (None: ``train.valid_share`` of ``examples``, drawn with the seed)."""
     torch.manual_seed(train.seed)
     rng = random.Random(train.seed)
     gen = torch.Generator().manual_seed(train.seed)
-    examples = list(examples)
-    rng.shuffle(examples)
-    n_valid = int(len(examples) * train.valid_share) if len(examples) >= 10 else 0
-    valid, fit = examples[:n_valid], examples[n_valid:]
+    if valid is None:
+        valid, fit = held_out_split(examples, train.valid_share, train.seed)
+    else:
+        fit = list(examples)
+    bf16 = cpu_has_native_bf16() if train.bf16 is None else train.bf16
     rows = float_rows(model.lm_head, subset_ids(cfg, special_ids)).float()  # [S, H], frozen
     if head is None:
         head = _initialized(cfg)
@@ -134,7 +124,7 @@ def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: It
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, steps // 20))
                                               * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     report: dict = {"texts": len(fit), "held_out": len(valid), "tokens": sum(int(e.tokens.shape[0]) for e in fit),
-                    "epochs": train.epochs, "steps": steps}
+                    "epochs": train.epochs, "steps": steps, "bf16": bf16}
     t0 = time.perf_counter()
     step = 0
     for epoch in range(train.epochs):
@@ -144,10 +134,12 @@ def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: It
             opt.zero_grad(set_to_none=True)
             batch = runs[i:i + train.accumulate]
             for ex, start, end in batch:
-                pred, true, again = _run(head, model, ex, start, end, train.feature_noise, gen, train.second_step)
-                loss, ok = _loss(pred, true, rows, train.ce_weight)
-                if again is not None and again.shape[0]:
-                    loss = loss + _loss(again, true[1:], rows, train.ce_weight)[0]
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    pred, true, again = _run(head, model, ex, start, end, train.feature_noise, gen,
+                                             train.second_step)
+                    loss, ok = _loss(pred, true, rows, train.ce_weight)
+                    if again is not None and again.shape[0]:
+                        loss = loss + _loss(again, true[1:], rows, train.ce_weight)[0]
                 (loss / len(batch)).backward()
                 total += float(loss.detach()) * pred.shape[0]
                 agree += int(ok)
