@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class FeatureStore:
             try:
                 stored = torch.load(path, weights_only=True)
                 examples = [Example(t, f) for t, f in zip(stored["tokens"], stored["feats"])]
-            except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
+            except (OSError, RuntimeError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
                 self.log(f"ignoring {path}: {e}")
             else:
                 if [e.tokens.tolist() for e in examples] == sequences:
