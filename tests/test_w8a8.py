@@ -123,8 +123,10 @@ def test_speculation_over_a_w8a8_target_is_plain_decoding():
 def test_load_refuses_w8a8_without_the_tiles(smollm2_gguf, tmp_path, monkeypatch):
     from tokenleap.models import pretrained
     monkeypatch.setattr(kernels, "w8a8_available", lambda: False)
-    with pytest.raises(ConfigError, match="AMX-INT8"):
+    with pytest.raises(ConfigError, match="AMX-INT8") as refused:
         pretrained.load_model(smollm2_gguf, dtype="bfloat16", quant="w8a8", cache_dir=tmp_path)
+    # it names the model refused (a target's --quant or a draft's --draft-quant), not one flag
+    assert str(smollm2_gguf.name) in str(refused.value) and "--quant" not in str(refused.value)
 
 
 @tiles

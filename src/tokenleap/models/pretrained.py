@@ -54,8 +54,8 @@ def _quantize_w8a8(model: Transformer, tokenizer: Tokenizer, ckpt: Checkpoint, d
     from tokenleap.models.checkpoint import model_key
     from tokenleap.models.quant import quantize_
     if not kernels.w8a8_available():
-        raise ConfigError("--quant w8a8 needs AMX-INT8 tiles (an Intel Xeon since Sapphire Rapids) and tokenleap's "
-                          "compiled kernels; this machine has none: use --quant int4 or int8")
+        raise ConfigError(f"w8a8 quantization ({ckpt.source}) needs AMX-INT8 tiles (an Intel Xeon since Sapphire "
+                          "Rapids) and tokenleap's compiled kernels; this machine has none: use int4 or int8")
     tokens = tokenizer.encode(CALIBRATION_TEXT)
     path = maxima_path(cache_dir, model_key(ckpt.source, ckpt.gguf_path, dtype, "none"), tokens)
     quantize_(model, "w8a8", act_max=stored_activation_maxima(model, tokens, path))
