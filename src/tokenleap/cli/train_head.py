@@ -79,8 +79,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     store = FeatureStore(default_head_path(root, name).parent / "features", llm.target, _log)
     replies = Path(args.replies) if args.replies else None
     train = TrainConfig(epochs=args.epochs, lr=args.lr, second_step=args.second_step)
-    valid, examples = held_out_split(store.get(llm.target.model, _replies(llm, prompts, args.max_tokens, replies), "replies"),
-                                     train.valid_share, train.seed)
+    replied = store.get(llm.target.model, _replies(llm, prompts, args.max_tokens, replies), "replies")
+    valid, examples = held_out_split(replied, train.valid_share, train.seed)  # held out: the target's own text
     for path, text in zip(args.texts, texts):
         examples += store.get(llm.target.model, text_pieces(llm.tokenizer.encode(text), train.window), path)
     _log(f"{len(examples) + len(valid)} texts, {sum(int(e.tokens.shape[0]) for e in examples + valid)} tokens "

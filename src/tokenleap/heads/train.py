@@ -114,6 +114,7 @@ def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: It
         fit = list(examples)
     bf16 = cpu_has_native_bf16() if train.bf16 is None else train.bf16
     rows = float_rows(model.lm_head, subset_ids(cfg, special_ids)).float()  # [S, H], frozen
+    train_rows = rows.bfloat16() if bf16 else rows  # (autocast would cast the float rows again every window)
     if head is None:
         head = _initialized(cfg)
         with torch.no_grad():  # the features are the target's final norm's output: start from its scale
@@ -137,9 +138,9 @@ def train_head(model, examples: list[Example], cfg: EagleConfig, special_ids: It
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     pred, true, again = _run(head, model, ex, start, end, train.feature_noise, gen,
                                              train.second_step)
-                    loss, ok = _loss(pred, true, rows, train.ce_weight)
+                    loss, ok = _loss(pred, true, train_rows, train.ce_weight)
                     if again is not None and again.shape[0]:
-                        loss = loss + _loss(again, true[1:], rows, train.ce_weight)[0]
+                        loss = loss + _loss(again, true[1:], train_rows, train.ce_weight)[0]
                 (loss / len(batch)).backward()
                 total += float(loss.detach()) * pred.shape[0]
                 agree += int(ok)
