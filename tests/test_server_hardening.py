@@ -131,6 +131,36 @@ def test_cors_for_allowed_origins_and_by_default_this_machines_pages():
     assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
 
 
+def test_other_pages_cannot_start_work_by_a_simple_cross_site_post():
+    """A browser sends a text/plain POST across sites without a preflight: CORS would only hide the
+    answer, so a request from a page not allowed is refused before it runs (403, each API's error
+    form); this machine's pages, allowed origins and clients without an Origin header go through."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2})
+    simple = {"Content-Type": "text/plain", **AUTH}
+
+    def from_page(origin, path="/v1/completions", content=body):
+        return "POST", path, {"headers": {**simple, **({"Origin": origin} if origin else {})}, "content": content}
+
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False})
+    got = call(make_app(), [from_page("https://evil.example"), from_page("null"),
+                            from_page("https://evil.example", "/api/chat", chat),
+                            from_page("https://evil.example", "/v1/messages", chat),
+                            ("DELETE", "/v1/responses/x", {"headers": {**AUTH, "Origin": "https://evil.example"}}),
+                            ("GET", "/v1/models", {"headers": {**AUTH, "Origin": "https://evil.example"}}),
+                            from_page("http://localhost:3000"), from_page(None)])
+    assert [r.status_code for r in got] == [403, 403, 403, 403, 403, 200, 200, 200]
+    refused = got[0].json()["error"]
+    assert refused["type"] == "permission_error" and "--allowed-origins" in refused["message"]
+    assert "error" in got[2].json() and isinstance(got[2].json()["error"], str)  # Ollama's form
+    assert got[3].json()["type"] == "error"  # Anthropic's form
+    assert got[6].json()["choices"] and got[7].json()["choices"]
+    named = call(make_app(allowed_origins=("https://app.example",)),
+                 [from_page("https://app.example"), from_page("http://localhost:3000")])
+    assert [r.status_code for r in named] == [200, 403]  # named origins replace this machine's pages
+    anyone = call(make_app(allowed_origins=("*",)), [from_page("https://evil.example")])
+    assert anyone[0].status_code == 200
+
+
 def _metric(text: str, name: str) -> float:
     line = next(line for line in text.splitlines() if line.startswith(name))
     return float(line.rsplit(" ", 1)[1])

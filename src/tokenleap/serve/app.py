@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -47,6 +46,7 @@ from tokenleap.serve.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job, PromptView
 from tokenleap.serve.error_handlers import add_error_handlers
+from tokenleap.serve.origins import add_origin_checks
 from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
 from tokenleap.serve.messages_routes import MessagesRoutes
@@ -59,9 +59,6 @@ from tokenleap.serve.tools import ToolPlan, plan_tools, reply_grammar
 from tokenleap.text.plain import encode_plain
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
-
-
-LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"  # pages served from this machine
 
 
 @dataclass(frozen=True)
@@ -111,12 +108,7 @@ class OpenAIServer:
         if self.cfg.docs:  # FastAPI's own routes would skip the API key
             app.add_api_route("/openapi.json", self.openapi, methods=["GET"], include_in_schema=False)
             app.add_api_route("/docs", self.docs, methods=["GET"], include_in_schema=False)
-        if self.cfg.allowed_origins:
-            app.add_middleware(CORSMiddleware, allow_origins=list(self.cfg.allowed_origins), allow_methods=["*"],
-                               allow_headers=["*"], allow_credentials="*" not in self.cfg.allowed_origins)
-        else:  # a chat page on this machine works out of the box; other sites' pages may not call in
-            app.add_middleware(CORSMiddleware, allow_origin_regex=LOCAL_ORIGINS, allow_methods=["*"],
-                               allow_headers=["*"])
+        add_origin_checks(app, self.cfg.allowed_origins)  # CORS, and other pages' requests refused
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/chat/completions", self.chat, methods=["POST"])  # (llama.cpp serves both paths)
