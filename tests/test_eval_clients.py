@@ -74,7 +74,10 @@ def test_loglikelihood_of_a_continuation(server, max_tokens):
     assert sum(got) == pytest.approx(sum(want), abs=1e-3)
     greedy = all(t == max(top.values()) for t, top in zip(got, lps["top_logprobs"][len(ctx):len(ids)]))
     assert greedy == all(int(ref[p - 1].argmax()) == ids[p] for p in range(len(ctx), len(ids)))
-    assert all(len(top) == 1 for top in lps["top_logprobs"][1:len(ids)])
+    # each holds the token itself (OpenAI's "up to logprobs + 1") and the one likeliest alternative
+    assert all(len(top) == (1 if top[t] == max(top.values()) else 2) and top[t] == v
+               for t, v, top in zip(lps["tokens"][1:len(ids)], lps["token_logprobs"][1:len(ids)],
+                                    lps["top_logprobs"][1:len(ids)]))
     if max_tokens == 0:
         assert [c["finish_reason"] for c in out["choices"]] == ["length", "length"]
         assert out["usage"]["completion_tokens"] == 0

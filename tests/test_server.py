@@ -426,6 +426,12 @@ def test_logprobs_completions_and_chat(server):
     assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-6)
     assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-6)  # greedy: the best token
                for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    # sampled: the chosen token is in its top_logprobs even where it is not among the 2 likeliest
+    hot = c.completions.create(model=NAME, prompt="score me", max_tokens=10, temperature=5.0, seed=1,
+                               logprobs=2).choices[0].logprobs
+    assert all(top[t] == v and len(top) in (2, 3) for t, v, top in zip(hot.tokens, hot.token_logprobs,
+                                                                        hot.top_logprobs))
+    assert any(len(top) == 3 for top in hot.top_logprobs)  # (temperature 5 picks unlikely tokens)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     # streamed: the same tokens and figures, chunk by chunk, offsets continuing across chunks
     chunks = list(c.completions.create(model=NAME, prompt="score me", max_tokens=10, temperature=0, logprobs=2,

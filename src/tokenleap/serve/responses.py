@@ -96,13 +96,16 @@ Scored = tuple[int, TokenLogprob | None]  # a token id and its logprob (None: th
 
 
 def completion_logprobs(scored: list[Scored], tt: TokenText, offset: int) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object; ``offset``: characters of text before these tokens."""
+    """The legacy completions ``logprobs`` object; ``offset``: characters of text before these tokens.
+    Each ``top_logprobs`` holds the token itself and its ``logprobs`` alternatives."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, lp in scored:
         text = tt.text(token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(None if lp is None else lp.logprob)
-        out["top_logprobs"].append(None if lp is None else {tt.text(t): v for t, v in lp.top})
+        # the token itself first, then the alternatives: OpenAI's "up to logprobs + 1" (as vLLM's), so the
+        # chosen token's entry is there however unlikely it was
+        out["top_logprobs"].append(None if lp is None else {text: lp.logprob, **{tt.text(t): v for t, v in lp.top}})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
