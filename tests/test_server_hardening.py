@@ -311,13 +311,16 @@ def test_empty_constraints_and_null_n():
 
 def test_fields_that_cannot_be_honoured_are_400s_naming_them():
     """As OpenAI / vLLM answer: stream_options without stream, an empty allowed_token_ids, min_tokens
-    over max_tokens, best_of other than n (choices are not ranked), top_logprobs past 20, allowed
+    over max_tokens (given, or its default), best_of other than n (choices are not ranked), top_logprobs past 20, allowed
     tokens that all end the reply under min_tokens (EOS is token 2 here)."""
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
     cases = [("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}, "stream_options"),
              ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
              ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
              ("/v1/chat/completions", {**chat, "max_completion_tokens": 2, "min_tokens": 3}, "min_tokens"),
+             # over the default budget: completions' 16 tokens, or what the context leaves a chat reply
+             ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "min_tokens"),
+             ("/v1/chat/completions", {"messages": chat["messages"], "min_tokens": 10**6}, "min_tokens"),
              ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
              ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
              ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),

@@ -305,6 +305,9 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
     ``structured``: the reply's grammar when the caller has it (the request's, or a forced tool call's);
     ``prediction``: the predicted output's token ids."""
     top_k = req.top_k if req.top_k is not None else 0
+    if req.min_tokens and req.min_tokens > max_tokens:  # (an explicit max_tokens below it: check_common's 400)
+        raise bad_request(f"min_tokens ({req.min_tokens}) is more than the {max_tokens} tokens this reply may "
+                          "have (its default max_tokens, or what the context leaves after the prompt)", "min_tokens")
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
@@ -316,7 +319,7 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             repetition_last_n=req.repetition_last_n or 0,
             logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
-            min_tokens=min(req.min_tokens or 0, max_tokens), stop_token_ids=tuple(req.stop_token_ids or ()),
+            min_tokens=req.min_tokens or 0, stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             allowed_token_ids=tuple(req.allowed_token_ids or ()), bad_words=tuple(req.bad_words or ()),
             prediction=prediction, n_indent=getattr(req, "n_indent", None) or 0,
