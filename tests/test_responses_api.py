@@ -139,7 +139,8 @@ def test_what_cannot_be_done_is_a_clear_400(server):
            ({"input": "x", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}},
             "not both"),
            ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be"),
-           ({"input": "x" * 200, "max_output_tokens": 5}, "lower max_output_tokens"),
+           ({"input": "x" * 60, "max_output_tokens": 100}, "lower max_output_tokens"),
+           ({"input": "x" * 200, "max_output_tokens": 5}, "shorten the prompt"),  # no budget would fit
            ({"input": "x", "temperature": -1}, "temperature")]
     for body, message in bad:
         r = httpx.post(server.url + "/v1/responses", json={"model": NAME, **body},

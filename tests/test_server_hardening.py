@@ -347,3 +347,16 @@ def test_an_assistant_refusal_part_reads_as_its_text_and_an_empty_prompt_is_not_
     assert parts.json()["choices"][0]["message"] == text.json()["choices"][0]["message"]
     assert empty.status_code == 400 and empty.json()["error"]["code"] != "context_length_exceeded", empty.text
 
+
+def test_a_prompt_that_fills_the_context_is_the_prompts_400_whatever_max_tokens_says():
+    """No budget fits a prompt as long as the context: the 400 names the prompt (echoed with
+    max_tokens 0, with a max_tokens given, or none); a budget that is too long names max_tokens."""
+    full = [3 + i % 90 for i in range(128)]  # MAX_LEN tokens
+    bodies = [{"prompt": full, "echo": True, "max_tokens": 0, "logprobs": 1}, {"prompt": full, "max_tokens": 4},
+              {"prompt": full}, {"prompt": full[:100], "max_tokens": 40}]
+    got = call(make_app(), [post("/v1/completions", b) for b in bodies])
+    assert [r.status_code for r in got] == [400] * 4
+    assert [r.json()["error"]["param"] for r in got] == ["prompt", "prompt", "prompt", "max_tokens"]
+    assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in got)
+    assert "shorten the prompt" in got[0].json()["error"]["message"]
+

@@ -8,10 +8,14 @@ from tokenleap.serve.protocol import bad_request
 def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None,
                      param: str = "max_tokens") -> int:
     """The completion budget: an explicit value (``param``: its name in the request) must be at least
-    1 and fit the context; a default is cut to fit."""
+    1 and fit the context; a default is cut to fit. A prompt that leaves no room is the prompt's 400."""
     room = max_model_len - prompt_len
+    if room < 1:  # no budget fits: the prompt is what to change, whatever max_tokens says
+        raise bad_request(f"this model's maximum context length is {max_model_len} tokens and the prompt has "
+                          f"{prompt_len}: shorten the prompt (a reply needs at least one token of room)", "prompt",
+                          "context_length_exceeded")
     if requested is None:
-        return max(1, min(default or room, room))
+        return min(default or room, room)
     if requested < 1:
         raise bad_request(f"{param} must be an integer >= 1, got {requested}", param)
     if prompt_len + requested > max_model_len:
