@@ -348,6 +348,24 @@ def test_an_assistant_refusal_part_reads_as_its_text_and_an_empty_prompt_is_not_
     assert empty.status_code == 400 and empty.json()["error"]["code"] != "context_length_exceeded", empty.text
 
 
+def test_validation_messages_name_fields_not_union_members():
+    """A 400's location is the request's own fields and indices: no type tags (str, list[int]) or model
+    class names; an image part in a chat message is named as such."""
+    image = {"type": "image_url", "image_url": {"url": "http://x/a.png"}}
+    bodies = [("/v1/completions", {"prompt": [1, "a", 3]}), ("/v1/completions", {"prompt": "x", "stop": [1]}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]}),
+              ("/v1/messages", {"model": "m", "max_tokens": 3, "system": 5,
+                                "messages": [{"role": "user", "content": "x"}]})]
+    got = [r.json() for r in call(make_app(), [post(path, body) for path, body in bodies])]
+    messages = [g["error"]["message"] for g in got]
+    assert messages[0].startswith("invalid value for prompt.1: ") and "integer" in messages[0]
+    assert messages[1].startswith("invalid value for stop.0: ")
+    assert "type 'image_url'" in messages[2] and "text parts only" in messages[2]
+    assert messages[3].startswith("invalid value for system: ")
+    for m in messages:
+        assert not any(tag in m.split(":")[0] for tag in (".str", "list[", "TextPart", "RefusalPart")), m
+
+
 def test_a_prompt_that_fills_the_context_is_the_prompts_400_whatever_max_tokens_says():
     """No budget fits a prompt as long as the context: the 400 names the prompt (echoed with
     max_tokens 0, with a max_tokens given, or none); a budget that is too long names max_tokens."""

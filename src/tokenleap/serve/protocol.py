@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -173,6 +174,17 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A part of another kind (an image, audio, a file) named as such, not as a type mismatch."""
+        for i, part in enumerate(value if isinstance(value, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in ("text", "refusal"):
+                raise ValueError(f"part {i} is of type {kind!r}: this server reads text parts only (images, "
+                                 "audio and files are not supported)")
+        return value
+
 
 class Prediction(_Strict):  # OpenAI's Predicted Outputs: text the reply is expected to resemble
     type: Literal["content"]
@@ -245,12 +257,36 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        # a value of the right type but out of range says more than the union members' type mismatches
-        errors = e.errors()
-        err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
-        loc = [str(p) for p in err["loc"] if isinstance(p, int) or str(p).isidentifier()]  # no union member names
+        err = _most_telling(e.errors())
+        loc = [str(p) for p in err["loc"] if isinstance(p, int) or _field_name(str(p))]  # no union member names
         param = loc[0] if loc else None
         raise bad_request(f"invalid value for {'.'.join(loc) or 'the body'}: {err['msg']}", param) from None
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """The validation error to report: a value of the right type but out of range says more than the
+    union members' type mismatches; else the mismatch in the union member that failed least, deepest
+    first ([1, "a"] for a prompt: item 1 is not an id, rather than "not a string")."""
+    ranged = next((x for x in errors if not x["type"].endswith("_type")), None)
+    if ranged is not None:
+        return ranged
+
+    def member(x: dict) -> tuple:  # the location up to its first union member's tag
+        loc = x["loc"]
+        i = next((i for i, p in enumerate(loc) if isinstance(p, str) and not _field_name(p)), len(loc))
+        return tuple(loc[:i + 1])
+
+    failures = Counter(member(x) for x in errors)
+    return min(errors, key=lambda x: (failures[member(x)], -len(x["loc"])))
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "list", "dict"})
+
+
+def _field_name(part: str) -> bool:
+    """Whether a validation error's location part is a field name, not a union member's tag (a type
+    such as ``str`` or ``list[int]``, or a model class such as ``TextPart``)."""
+    return part.isidentifier() and part not in _TYPE_TAGS and not part[0].isupper()
 
 
 def _reject_constant(name: str) -> None:
