@@ -3,6 +3,8 @@ greedy output on the real SmolLM2 equals Hugging Face transformers' greedy outpu
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,9 +56,30 @@ def test_unsupported_architecture(capsys, tmp_path):
     ("--logprobs", "30", "logprobs must be an integer in [0, 20]"),
     ("--presence-penalty", "5", "presence_penalty must be in [-2, 2]"),
     ("--min-tokens", "500", "min_tokens must be an integer in [0, max_tokens]"),
+    # accepted by a looser check once, then an overflow, a division by zero or an hour of bookkeeping
+    ("--temperature", "1e39", "temperature must be >= 0 and fit a 32-bit float"),
+    ("--repetition-penalty", "1e-300", "repetition_penalty must be in [1e-6, 100]"),
+    ("--max-spec-tokens", "1000000", "max_num_tokens must be an integer in 1 .. 256"),
+    ("--num-spec-tokens", "1000", "num_tokens must be 'auto' or an integer in 1 .. 256"),
 ])
 def test_invalid_sampling_values(capsys, flag, value, needle):
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", flag, value], needle)
+
+
+def test_a_skip_list_past_any_model_is_refused_before_it_is_built(capsys):
+    assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", "--spec", "layerskip",
+                          "--skip-layers", "0-999999999"], "goes past any model's layers")
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    """`tokenleap generate ... | head -c 5`: the closed pipe ends the command without a traceback."""
+    cmd = [sys.executable, "-m", "tokenleap.cli.main", "generate", "--model", "smollm2-135m-instruct", "--prompt",
+           "Count to one hundred.", "--max-tokens", "200", "--ignore-eos"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(proc.stdout.read(5)) == 5
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
 
 
 def test_prompts_file_errors(capsys, tmp_path):

@@ -142,6 +142,8 @@ def test_a_prefill_that_fails_or_is_interrupted_frees_its_slot(target):
         run(eng, PROMPTS[0], SamplingParams(max_tokens=5, bad_word_ids=tuple((t,) for t in range(VOCAB))))
     with pytest.raises(ConfigError, match=r"allowed_token_ids must be token ids in \[0, 96\)"):
         run(eng, PROMPTS[0], SamplingParams(max_tokens=5, allowed_token_ids=(VOCAB + 5,)))  # (refused up front)
+    with pytest.raises(ConfigError, match=r"logit_bias must map token ids in \[0, 96\)"):
+        run(eng, PROMPTS[0], SamplingParams(max_tokens=5, logit_bias={VOCAB + 5: 3.0}))  # (not silently ignored)
     forward = eng.model.forward
 
     def interrupted(*a, **kw):

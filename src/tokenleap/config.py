@@ -13,6 +13,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # rope scaling as transformers defines it
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (vLLM's default limit)
+MAX_DRAFT_TOKENS = 256  # the longest draft (or tree) a step may verify
+FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters become float32 tensors
 
 
 class ConfigError(ValueError):
@@ -212,8 +214,9 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_number(self.temperature) and 0 <= self.temperature < float("inf"),
-               f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
+               f"temperature must be >= 0 and fit a 32-bit float (at most {FLOAT32_MAX:.4g}), "
+               f"got {self.temperature!r}")
         _check(is_int(self.top_k) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
@@ -229,8 +232,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
-               f"repetition_penalty must be in (0, 100] (1 disables it), got {self.repetition_penalty!r}")
+        # (below 1e-6 a logit divided by it leaves float32's range: the sampler would see inf)
+        _check(_is_number(self.repetition_penalty) and 1e-6 <= self.repetition_penalty <= 100,
+               f"repetition_penalty must be in [1e-6, 100] (1 disables it), got {self.repetition_penalty!r}")
         _check(is_int(self.repetition_last_n) and self.repetition_last_n >= 0,
                f"repetition_last_n must be an integer >= 0 (0: the whole prompt and output), "
                f"got {self.repetition_last_n!r}")
@@ -321,17 +325,19 @@ class SpecConfig:
                "--draft-spec ngram speculates a draft model's steps: it needs --spec draft --draft-model M")
         _check(self.draft_spec is None or self.tree != "on",
                "--draft-spec ngram speculates chains of the draft model's steps: drop --spec-tree on")
-        _check(self.num_tokens == "auto" or (isinstance(self.num_tokens, int) and self.num_tokens >= 1),
-               f"num_tokens must be 'auto' or an integer >= 1, got {self.num_tokens!r}")
-        _check(isinstance(self.max_num_tokens, int) and self.max_num_tokens >= 1,
-               f"max_num_tokens must be an integer >= 1, got {self.max_num_tokens!r}")
+        # (a draft is verified in one forward: past a few hundred rows it costs more than it could save,
+        # and the controller's tables grow with the bound)
+        _check(self.num_tokens == "auto" or (is_int(self.num_tokens) and 1 <= self.num_tokens <= MAX_DRAFT_TOKENS),
+               f"num_tokens must be 'auto' or an integer in 1 .. {MAX_DRAFT_TOKENS}, got {self.num_tokens!r}")
+        _check(is_int(self.max_num_tokens) and 1 <= self.max_num_tokens <= MAX_DRAFT_TOKENS,
+               f"max_num_tokens must be an integer in 1 .. {MAX_DRAFT_TOKENS}, got {self.max_num_tokens!r}")
         _check(is_int(self.ngram_pool) and self.ngram_pool >= 0,
                f"ngram_pool must be an integer >= 0 (tokens of earlier outputs; 0: off), got {self.ngram_pool!r}")
         _check(1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         _check(self.tree in ("auto", "on", "off"), f"tree must be 'auto', 'on' or 'off', got {self.tree!r}")
-        _check(is_int(self.max_tree_nodes) and 1 <= self.max_tree_nodes <= 256,
-               f"max_tree_nodes must be an integer in 1 .. 256, got {self.max_tree_nodes!r}")
+        _check(is_int(self.max_tree_nodes) and 1 <= self.max_tree_nodes <= MAX_DRAFT_TOKENS,
+               f"max_tree_nodes must be an integer in 1 .. {MAX_DRAFT_TOKENS}, got {self.max_tree_nodes!r}")
         for name, low, high in (("lookahead_window", 1, 32), ("lookahead_ngram", 2, 8), ("lookahead_guesses", 1, 32)):
             value = getattr(self, name)
             _check(is_int(value) and low <= value <= high,

@@ -94,7 +94,7 @@ class HFMethod:
             return {"do_sample": False}
         import torch
         if params.seed is not None:
-            torch.manual_seed(params.seed)
+            torch.manual_seed(params.seed % 2**64)
         return {"do_sample": True, "temperature": params.temperature, "top_k": params.top_k,
                 "top_p": params.top_p, "min_p": params.min_p or None}
 

@@ -68,7 +68,7 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     check_out_dir(Path(out), resume)  # before any model loads
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed % 2**64)  # (torch takes 64 bits; a seed of any size is reduced, as generate does)
     rss_before = rss_mb()
     pool = ModelPool(ModelOptions(target, draft, dtype, quant, draft_quant, cache_dir, threads))
     t0 = time.perf_counter()

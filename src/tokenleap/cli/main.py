@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -402,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tokenleap: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`tokenleap ... | head`): stop quietly, as other tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (the interpreter's own flush at exit would raise again)
+        return 141  # what a shell reports for a process ended by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
     (default: the engine's cache slots) through batched steps -- each sequence's tokens are those
     it would get alone, since every row is computed row-exact."""
     params = SamplingParams(max_tokens=positions + 1, temperature=temperature, ignore_eos=True)
-    stream = torch.Generator().manual_seed(seed)
+    stream = torch.Generator().manual_seed(seed % 2**64)  # (torch takes 64 bits)
     batch = max(1, min(batch or engine.cache.num_slots, n))
     counts: dict[tuple[int, ...], int] = {}
     stats = SpecStats()
@@ -262,7 +262,7 @@ def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfi
     same = chi2_homogeneity(base, spec_counts)
     power = chi2_homogeneity(base, biased)
     probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
-    stream = torch.Generator().manual_seed(cfg.seed + 4)
+    stream = torch.Generator().manual_seed((cfg.seed + 4) % 2**64)
     fit_plain, fit_spec, fit_bias = (fit_of(c, probs, stream) for c in (base, spec_counts, biased))
     head = f"first {cfg.positions} tokens at T={t:g}, {n} samples each"
     figures = {"samples": n, "positions": cfg.positions, "temperature": t, "alpha": cfg.alpha,

@@ -57,6 +57,8 @@ def for_vocabulary(params: SamplingParams, tokenizer, vocab: int) -> SamplingPar
     for name in ("allowed_token_ids", "stop_token_ids"):
         if any(t >= vocab for t in getattr(params, name)):
             raise ConfigError(f"{name} must be token ids in [0, {vocab})")
+    if any(t >= vocab for t, _ in params.logit_bias):  # (vLLM refuses them too, rather than ignore them)
+        raise ConfigError(f"logit_bias must map token ids in [0, {vocab})")
     if not params.bad_words:
         return params
     words = bad_word_sequences(lambda text: encode_plain(tokenizer, text), params.bad_words)

@@ -243,7 +243,7 @@ def make_generator(seed: int | None) -> torch.Generator:
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed(seed % 2**64)  # (torch takes 64 bits)
     return g
 
 

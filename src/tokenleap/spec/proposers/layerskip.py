@@ -48,6 +48,9 @@ from tokenleap.spec.proposers.draft_model import DraftingLane
 from tokenleap.spec.proposers.ngram import NgramProposer
 
 
+MAX_LAYERS = 1024  # more layers than any model has: a bound for a skip list before the model is known
+
+
 def parse_skip_layers(text: str, num_layers: int | None = None) -> frozenset[int] | str:
     """``"auto"`` or a list like ``4,5,6,10-14`` (``+`` also separates, for bench options) -> layer
     indices; ConfigError names the bad part. With ``num_layers`` every index must exist."""
@@ -64,6 +67,8 @@ def parse_skip_layers(text: str, num_layers: int | None = None) -> frozenset[int
                               f"or auto)") from None
         if a < 0 or b < a:
             raise ConfigError(f"skip layers: {part!r} is not a layer index or ascending range")
+        if b >= MAX_LAYERS:  # (before the range is built: 0-999999999 is one part)
+            raise ConfigError(f"skip layers: {part!r} goes past any model's layers (fewer than {MAX_LAYERS})")
         out.update(range(a, b + 1))
     if num_layers is not None:
         check_skip(frozenset(out), num_layers)
@@ -73,7 +78,8 @@ def parse_skip_layers(text: str, num_layers: int | None = None) -> frozenset[int
 def check_skip(skip: frozenset[int], num_layers: int) -> None:
     bad = sorted(i for i in skip if not 0 <= i < num_layers)
     if bad:
-        raise ConfigError(f"skip layers {bad} do not exist: the model has layers 0-{num_layers - 1}")
+        shown = bad if len(bad) <= 8 else f"{bad[0]} .. {bad[-1]} ({len(bad)} of them)"
+        raise ConfigError(f"skip layers {shown} do not exist: the model has layers 0-{num_layers - 1}")
     if len(skip) >= num_layers:
         raise ConfigError(f"skip layers: skipping all {num_layers} layers leaves no draft; keep at least one")
 
