@@ -60,6 +60,9 @@ def test_the_oldest_turns_go_when_the_context_is_full():
     with pytest.raises(ConfigError, match="context window is 128"):
         session.reply("x" * 400, params, lambda _: None)
     assert session.messages[-2]["content"] == "a third one here"  # the refused message was not kept
+    wordy = ChatSession(llm, system="y" * 400)  # a system prompt that alone fills the context: named as such
+    with pytest.raises(ConfigError, match="the system prompt .--system. is"):
+        wordy.reply("hi", params, lambda _: None)
 
 
 def test_a_stopped_reply_stays_and_the_next_turn_is_exact():

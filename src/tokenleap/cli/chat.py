@@ -52,6 +52,10 @@ class ChatSession:
         """The conversation rendered for the next reply, its oldest turns dropped until it and
         ``reply_room`` tokens fit the context (a ConfigError, the conversation untouched, if the last
         message does not fit even alone)."""
+        system = self._encode([]) if self.system else []
+        if len(system) + reply_room > self.engine.max_len:
+            raise ConfigError(f"the system prompt (--system) is {len(system)} tokens with the chat template; the "
+                              f"context window is {self.engine.max_len} (raise --max-model-len, or shorten it)")
         alone = self._encode(self.messages[-1:])
         if len(alone) + reply_room > self.engine.max_len:
             raise ConfigError(f"the message is {len(alone)} tokens with the chat template; the context window is "
