@@ -93,8 +93,9 @@ class HFMethod:
         if params.greedy:
             return {"do_sample": False}
         import torch
+        from tokenleap.spec.sampling import torch_seed
         if params.seed is not None:
-            torch.manual_seed(params.seed % 2**64)
+            torch.manual_seed(torch_seed(params.seed))
         return {"do_sample": True, "temperature": params.temperature, "top_k": params.top_k,
                 "top_p": params.top_p, "min_p": params.min_p or None}
 

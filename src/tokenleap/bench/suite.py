@@ -13,6 +13,7 @@ from tokenleap.bench.datasets import BenchPrompt, load_dataset
 from tokenleap.bench.machine import machine_info, rss_mb, versions
 from tokenleap.bench.methods import MethodSpec, ModelOptions, ModelPool, build_methods, describe_target, parse_methods
 from tokenleap.bench.runner import BenchSettings, check_out_dir, run_bench
+from tokenleap.spec.sampling import torch_seed
 
 _NEEDS_DRAFT = ("draft", "draft-tree", "cascade", "hf-assisted")
 
@@ -68,7 +69,7 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     check_out_dir(Path(out), resume)  # before any model loads
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    torch.manual_seed(seed % 2**64)  # (torch takes 64 bits; a seed of any size is reduced, as generate does)
+    torch.manual_seed(torch_seed(seed))
     rss_before = rss_mb()
     pool = ModelPool(ModelOptions(target, draft, dtype, quant, draft_quant, cache_dir, threads))
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.transformer import Segment
-from tokenleap.spec.sampling import logits_to_probs, make_generator
+from tokenleap.spec.sampling import logits_to_probs, make_generator, torch_seed
 from tokenleap.spec.sequence import Sequence
 from tokenleap.spec.stat_tests import Fit, chi2_homogeneity, fit_test
 
@@ -186,7 +186,7 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
     (default: the engine's cache slots) through batched steps -- each sequence's tokens are those
     it would get alone, since every row is computed row-exact."""
     params = SamplingParams(max_tokens=positions + 1, temperature=temperature, ignore_eos=True)
-    stream = torch.Generator().manual_seed(seed % 2**64)  # (torch takes 64 bits)
+    stream = torch.Generator().manual_seed(torch_seed(seed))
     batch = max(1, min(batch or engine.cache.num_slots, n))
     counts: dict[tuple[int, ...], int] = {}
     stats = SpecStats()
@@ -262,7 +262,7 @@ def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfi
     same = chi2_homogeneity(base, spec_counts)
     power = chi2_homogeneity(base, biased)
     probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
-    stream = torch.Generator().manual_seed((cfg.seed + 4) % 2**64)
+    stream = torch.Generator().manual_seed(torch_seed(cfg.seed + 4))
     fit_plain, fit_spec, fit_bias = (fit_of(c, probs, stream) for c in (base, spec_counts, biased))
     head = f"first {cfg.positions} tokens at T={t:g}, {n} samples each"
     figures = {"samples": n, "positions": cfg.positions, "temperature": t, "alpha": cfg.alpha,

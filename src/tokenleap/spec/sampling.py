@@ -237,13 +237,18 @@ def rand_rows(n: int, size: int, generator: Generators) -> torch.Tensor:  # [n, 
     return torch.stack([torch.rand(size, generator=g, dtype=torch.float64) for g in generator])
 
 
+def torch_seed(seed: int) -> int:
+    """A seed of any size (a request's, a bench's) as the 64 bits torch's generators take."""
+    return seed % 2**64
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     """A CPU generator: seeded when ``seed`` is given, else non-deterministic."""
     g = torch.Generator()
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed % 2**64)  # (torch takes 64 bits)
+        g.manual_seed(torch_seed(seed))
     return g
 
 
