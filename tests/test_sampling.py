@@ -264,3 +264,12 @@ def test_seeded_noise_never_picks_zero_probability():
     tokens = torch.stack([SeededNoise(s).choose(probs, 0) for s in range(500)])  # [500, 3]
     assert (probs.gather(1, tokens.T) > 0).all()
     assert tokens[:, 1].eq(4).all() and tokens[:, 2].eq(0).all()
+
+
+def test_a_seed_of_any_size_seeds_a_generator():
+    """torch takes 64 bits: a larger (or negative) seed is reduced, deterministically, not an error."""
+    from tokenleap.spec.sampling import make_generator, torch_seed
+    for seed in (2**70 + 3, -5, 2**64 - 1):
+        a, b = torch.rand(4, generator=make_generator(seed)), torch.rand(4, generator=make_generator(seed))
+        assert torch.equal(a, b) and 0 <= torch_seed(seed) < 2**64
+    assert torch.equal(torch.rand(4, generator=make_generator(2**64 + 7)), torch.rand(4, generator=make_generator(7)))
