@@ -159,6 +159,12 @@ def test_other_pages_cannot_start_work_by_a_simple_cross_site_post():
     assert [r.status_code for r in named] == [200, 403]  # named origins replace this machine's pages
     anyone = call(make_app(allowed_origins=("*",)), [from_page("https://evil.example")])
     assert anyone[0].status_code == 200
+    own = ("POST", "/v1/completions", {"headers": {**simple, "Origin": "http://192.168.1.5:8000",
+                                                   "Host": "192.168.1.5:8000"}, "content": body})
+    named = ("POST", "/v1/completions", {"headers": {**simple, "Origin": "http://evil.example:8000",
+                                                     "Host": "evil.example:8000"}, "content": body})
+    # the server's own /docs page reached by its IP address; a name re-pointed here (DNS rebinding) is not enough
+    assert [r.status_code for r in call(make_app(), [own, named])] == [200, 403]
 
 
 def _metric(text: str, name: str) -> float:

@@ -11,7 +11,9 @@ affected; ``--allowed-origins '*'`` turns the refusal off, as it opens CORS to e
 """
 from __future__ import annotations
 
+import ipaddress
 import re
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -43,9 +45,21 @@ def origin_allowed(origin: str, allowed: tuple[str, ...]) -> bool:
     return origin in allowed if allowed else re.fullmatch(LOCAL_ORIGINS, origin) is not None
 
 
+def _own_page(origin: str, host: str) -> bool:
+    """Whether ``origin`` is the server itself reached by an IP address (its /docs page on a LAN
+    address). A name is not enough: a page whose name was re-pointed at this machine (DNS rebinding)
+    would be of the same origin too; such deployments name their origin with --allowed-origins."""
+    try:
+        parts = urlsplit(origin)
+        ipaddress.ip_address(parts.hostname or "")
+    except ValueError:  # (a malformed origin, or a name)
+        return False
+    return parts.netloc == host
+
+
 class _RefuseForeignOrigins:
     """A 403, in the error form of the API the path belongs to, for a request that can start work
-    from a page whose origin is not allowed."""
+    from a page whose origin is not allowed (the server's own pages reached by an IP address are)."""
 
     def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
         self.app = app
@@ -53,8 +67,10 @@ class _RefuseForeignOrigins:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] not in SAFE_METHODS:
-            origin = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"origin"), None)
-            if origin is not None and not origin_allowed(origin, self.allowed):
+            headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"origin", b"host")}
+            origin = headers.get(b"origin")
+            if origin is not None and not (_own_page(origin, headers.get(b"host", ""))
+                                           or origin_allowed(origin, self.allowed)):
                 exc = APIError(403, f"requests from pages at {origin} are not allowed here: start the server with "
                                     f"--allowed-origins {origin} (or '*') to allow them", "permission_error")
                 await JSONResponse(error_body(scope["path"], exc), status_code=403)(scope, receive, send)
