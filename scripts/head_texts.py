@@ -5,7 +5,8 @@ randomly chosen files matching the globs until ``--chars`` characters are collec
 one file. BENCHMARKS ("The draft head with five times the text") used:
 
     python scripts/head_texts.py --out docs.md --chars 480000 '/usr/share/doc/nodejs/api/*.md'
-    python scripts/head_texts.py --out stdlib.py --chars 420000 "$(python -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/**/*.py"
+    LIB=$(python -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')
+    python scripts/head_texts.py --out stdlib.py --chars 420000 "$LIB/**/*.py"
 
 (the second pattern also reaches site-packages, so what it draws depends on the installed packages).
 """
