@@ -361,13 +361,15 @@ def test_validation_messages_name_fields_not_union_members():
     bodies = [("/v1/completions", {"prompt": [1, "a", 3]}), ("/v1/completions", {"prompt": "x", "stop": [1]}),
               ("/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]}),
               ("/v1/messages", {"model": "m", "max_tokens": 3, "system": 5,
-                                "messages": [{"role": "user", "content": "x"}]})]
+                                "messages": [{"role": "user", "content": "x"}]}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})]
     got = [r.json() for r in call(make_app(), [post(path, body) for path, body in bodies])]
     messages = [g["error"]["message"] for g in got]
     assert messages[0].startswith("invalid value for prompt.1: ") and "integer" in messages[0]
     assert messages[1].startswith("invalid value for stop.0: ")
     assert "type 'image_url'" in messages[2] and "text parts only" in messages[2]
     assert messages[3].startswith("invalid value for system: ")
+    assert messages[4].startswith("invalid value for messages.0.content.0.text: ")  # the text part's own field
     for m in messages:
         assert not any(tag in m.split(":")[0] for tag in (".str", "list[", "TextPart", "RefusalPart")), m
 

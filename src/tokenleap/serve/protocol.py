@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from tokenleap.config import MAX_LOGPROBS, ConfigError, SamplingParams, StructuredOutput
 
@@ -135,6 +135,18 @@ class RefusalPart(_Strict):  # an assistant turn's refusal, as OpenAI returns it
         return self.refusal
 
 
+def _part_kind(part: Any) -> str | None:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"text": "TextPart", "refusal": "RefusalPart"}.get(kind)
+
+
+# a message's content part, told apart by its "type" (an error names that part's own fields, not the
+# other kind's; the tags are class names, which error messages leave out)
+ContentPart = Annotated[Annotated[TextPart, Tag("TextPart")] | Annotated[RefusalPart, Tag("RefusalPart")],
+                        Discriminator(_part_kind, custom_error_type="part_type",
+                                      custom_error_message="a content part needs \"type\": \"text\"")]
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -169,7 +181,7 @@ class NamedToolChoice(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextPart | RefusalPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
