@@ -329,9 +329,6 @@ def check_common(req: _Sampling) -> None:
     if req.allowed_token_ids is not None and not req.allowed_token_ids:
         raise bad_request("allowed_token_ids is empty: give at least one token id, or leave it out",
                           "allowed_token_ids")
-    limit = getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
-    if req.min_tokens is not None and limit is not None and req.min_tokens > limit:
-        raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({limit})", "min_tokens")
 
 
 def check_prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
@@ -353,9 +350,9 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
     ``structured``: the reply's grammar when the caller has it (the request's, or a forced tool call's);
     ``prediction``: the predicted output's token ids."""
     top_k = req.top_k if req.top_k is not None else 0
-    if req.min_tokens and req.min_tokens > max_tokens:  # (an explicit max_tokens below it: check_common's 400)
+    if req.min_tokens and req.min_tokens > max_tokens:  # (the budget: max_tokens, its default, or the context's room)
         raise bad_request(f"min_tokens ({req.min_tokens}) is more than the {max_tokens} tokens this reply may "
-                          "have (its default max_tokens, or what the context leaves after the prompt)", "min_tokens")
+                          "have (max_tokens, its default, or what the context leaves after the prompt)", "min_tokens")
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
