@@ -31,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenleap.api import LLM
-    from tokenleap.heads.eagle import EagleHead, default_head_path
+    from tokenleap.heads.eagle import EagleHead
     from tokenleap.heads.features import FeatureStore
     from tokenleap.heads.train import TrainConfig, _loss, _run, held_out_split, subset_ids
     from tokenleap.models.catalog import default_cache_dir
@@ -42,8 +42,7 @@ def main() -> None:
     model = llm.target.model
     rows_json = [json.loads(line) for line in open(args.replies, encoding="utf-8") if line.strip()]
     sequences = [[int(t) for t in r["prompt"]] + [int(t) for t in r["output"]] for r in rows_json]
-    name = llm.target.source.removeprefix("catalog:")
-    store = FeatureStore(default_head_path(default_cache_dir(), name).parent / "features", llm.target, print)
+    store = FeatureStore.for_target(default_cache_dir(), llm.target, print)
     train = TrainConfig()
     valid, _ = held_out_split(store.get(model, sequences, "replies"), train.valid_share, train.seed)
     head = EagleHead.load(args.head)

@@ -76,7 +76,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
               speculative={"method": "auto", "draft_model": "auto"}, max_num_seqs=8, num_slots=8)
     root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     name = llm.target.source.removeprefix("catalog:")
-    store = FeatureStore(default_head_path(root, name).parent / "features", llm.target, _log)
+    store = FeatureStore.for_target(root, llm.target, _log)
     replies = Path(args.replies) if args.replies else None
     train = TrainConfig(epochs=args.epochs, lr=args.lr, second_step=args.second_step)
     replied = store.get(llm.target.model, _replies(llm, prompts, args.max_tokens, replies), "replies")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tokenleap.heads.eagle import default_head_path
 from tokenleap.models.embed import embed
 
 MIN_TOKENS = 3  # a text trains the head on pairs (f_t, x_{t+1}) -> f_{t+1}: two at least, from three tokens
@@ -58,6 +59,12 @@ class FeatureStore:
         self.root = Path(root)
         self.identity = {"model": str(target.source), "dtype": str(target.dtype), "quant": str(target.quant)}
         self.log = log
+
+    @classmethod
+    def for_target(cls, cache_root: Path, target, log: Callable[[str], None] = lambda _: None) -> "FeatureStore":
+        """The store beside where ``train-head`` saves the target's head (``<cache>/heads/<model>/features``)."""
+        model = str(target.source).removeprefix("catalog:")
+        return cls(default_head_path(Path(cache_root), model).parent / "features", target, log)
 
     def path(self, sequences: list[list[int]]) -> Path:
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode())
