@@ -4,6 +4,8 @@ not; tool calls come back as tool_use blocks (a scripted model writes them); wha
 do is a 400 in Anthropic's error form."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -170,7 +172,13 @@ def test_tool_calls_come_back_as_tool_use_blocks(scripted):  # noqa: F811
     c = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
     with c.messages.stream(model="m", max_tokens=200, extra_body={"temperature": 0}, tools=WEATHER,
                            messages=[{"role": "user", "content": "weather? ¶"}]) as stream:
+        pieces: dict[int, list[str]] = {}  # each tool_use block's input JSON, as it was written
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                pieces.setdefault(event.index, []).append(event.delta.partial_json)
         streamed = stream.get_final_message()
+    assert sorted(pieces) == [1, 2] and all(len(p) > 1 for p in pieces.values())
+    assert [json.loads("".join(pieces[i])) for i in (1, 2)] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
     assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in streamed.content] == [
         ("text", None, None), ("tool_use", "add", {"a": 1, "b": 2}), ("tool_use", "add", {"a": 3, "b": 4})]
     assert streamed.content[0].text == "Sure.\n" and streamed.stop_reason == "tool_use"

@@ -16,7 +16,8 @@ from tokenleap.serve.chat_render import chat_messages
 from tokenleap.serve.protocol import APIError, ChatRequest
 from tokenleap.serve.scheduler import SchedulerConfig
 from tokenleap.serve.app import ServerConfig, create_app
-from tokenleap.serve.tools import ToolStream, parse_tool_calls, plan_tools, reply_grammar
+from tokenleap.serve.tool_stream import ToolStream
+from tokenleap.serve.tools import parse_tool_calls, plan_tools, reply_grammar
 
 from script_helpers import ScriptTokenizer, script_model
 from serving_helpers import LiveServer
@@ -73,11 +74,30 @@ def test_bare_json_calls_need_a_known_name():
     assert parse_tool_calls(python, ("add",)) == (python, [])
 
 
-def stream(pieces, prefix="", offered=("add", "get_weather")):
+def stream(pieces, prefix="", offered=("add", "get_weather"), parts=None):
+    """(content sent after each piece, content sent at the end, the calls); ``parts`` (a list)
+    collects every call part, those sent at the end last."""
     s = ToolStream(prefix, offered)
-    sent = [s.feed(p) for p in pieces]
-    rest, calls = s.finish()
+    sent = []
+    for p in pieces:
+        content, more = s.feed(p)
+        sent.append(content)
+        (parts if parts is not None else []).extend(more)
+    rest, calls, more = s.finish()
+    (parts if parts is not None else []).extend(more)
     return sent, rest, calls
+
+
+def joined(parts):
+    """Each call's (id, name, arguments) from its parts, as a client joins them."""
+    calls = {}
+    for p in parts:
+        if p.name is not None:
+            assert p.index not in calls, "a call is named once"
+            calls[p.index] = [p.id, p.name, ""]
+        assert calls[p.index][0] == p.id
+        calls[p.index][2] += p.arguments
+    return [tuple(calls[i]) for i in sorted(calls)]
 
 
 def test_stream_holds_back_from_the_tag_on():
@@ -120,6 +140,54 @@ def test_a_forced_opening_is_part_of_the_reply():
                                       '<tool_call>\n{"name": "add", "argu')
     assert content == "Sure." and names(calls) == [("add", {"a": 1})]  # the whole call kept, the cut one dropped
     assert parse_tool_calls("<tool_call>\nnot a call") == ("<tool_call>\nnot a call", [])  # not cut: kept
+
+
+def test_calls_stream_as_the_model_writes_them():
+    pieces = [TWO[i:i + 3] for i in range(0, len(TWO), 3)]  # three characters a step
+    parts = []
+    s = ToolStream("", ("add",))
+    seen = []  # (step, call index, name) of each call's first part
+    for step, piece in enumerate(pieces):
+        _, more = s.feed(piece)
+        parts += more
+        seen += [(step, p.index, p.name) for p in more if p.name is not None]
+    rest, calls, more = s.finish()
+    parts += more
+    assert rest == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    # each call is named as soon as its name and the start of its arguments are written, long before the end
+    first_end = TWO.index("</tool_call>") // 3
+    assert [(i, n) for _, i, n in seen] == [(0, "add"), (1, "add")] and seen[0][0] < first_end < seen[1][0]
+    # the arguments come in pieces, and joined they are the calls the whole reply gives, ids included
+    assert len([p for p in parts if p.index == 0 and p.arguments]) > 3 and not any(p.whole for p in parts)
+    assert joined(parts) == [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    # the arguments as written (no re-spacing), streamed or not
+    text = '<tool_call>{"name":"add","arguments":{"a":1,"s":"}\\"{"}}</tool_call>'
+    parts = []
+    _, _, calls = stream([text[:30], text[30:]], parts=parts)
+    assert calls[0]["function"]["arguments"] == '{"a":1,"s":"}\\"{"}' == parse_tool_calls(text)[1][0]["function"]["arguments"]
+    assert joined(parts)[0][1:] == ("add", '{"a":1,"s":"}\\"{"}')
+
+
+def test_calls_in_other_shapes_come_whole_at_the_end():
+    for text in ('<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>',  # keys the other way round
+                 '<tool_call>\n{{"name": "add", "arguments": {"a": 1}}}\n</tool_call>',  # the template's doubled braces
+                 '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'):  # arguments as a string
+        s = ToolStream("", ("add",))
+        assert all(s.feed(c) == ("", []) for c in text)
+        rest, calls, parts = s.finish()
+        assert rest == "" and [(p.name, p.whole) for p in parts] == [("add", True)], text
+        assert json.loads(parts[0].arguments) == {"a": 1} and parts[0].id == calls[0]["id"]
+
+
+def test_a_streamed_call_the_reply_breaks_off_in():
+    parts = []
+    sent, rest, calls = stream(["Sure.\n<tool_call>", '{"name": "add", "arguments": {"a": ', "1"], parts=parts)
+    assert "".join(sent) + rest == "Sure.\n" and calls == []  # dropped from the calls, as unstreamed
+    assert joined(parts)[0][1:] == ("add", '{"a": 1')  # what went out stands
+    # text JSON does not allow in the arguments stops the streaming; the rest waits for the end
+    parts = []
+    sent, rest, calls = stream(['<tool_call>{"name": "add", "arguments": {"a": ', "1</tool_call>"], parts=parts)
+    assert joined(parts)[0][1:] == ("add", '{"a": 1') and calls == [] and rest == ""
 
 
 def chat_req(**kw) -> ChatRequest:
@@ -278,15 +346,21 @@ def test_server_streams_tool_calls(scripted):
     server, _ = scripted
     for mark, content, expected in (("§", "", [("get_weather", {"city": "Paris"})]),
                                     ("¶", "Sure.\n", [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})])):
-        text, calls, reasons = "", {}, []
+        text, calls, reasons, pieces = "", {}, [], {}
         for chunk in ask(server, mark, tools=TOOLS, stream=True):
             delta = chunk.choices[0].delta
             text += delta.content or ""
             for call in delta.tool_calls or []:
-                assert call.id.startswith("call_") and call.type == "function"
-                calls[call.index] = (call.function.name, json.loads(call.function.arguments))
+                if call.index not in calls:  # a call's first delta names it; the later ones carry its arguments
+                    assert call.id.startswith("call_") and call.type == "function" and call.function.name
+                    calls[call.index] = [call.function.name, ""]
+                else:
+                    assert call.id is None and call.function.name is None
+                calls[call.index][1] += call.function.arguments
+                pieces[call.index] = pieces.get(call.index, 0) + bool(call.function.arguments)
             reasons.append(chunk.choices[0].finish_reason)
-        assert text == content and [calls[i] for i in sorted(calls)] == expected
+        assert text == content and [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))] == expected
+        assert min(pieces.values()) > 1  # the arguments came as the model wrote them, in several chunks
         assert [r for r in reasons if r] == ["tool_calls"] and reasons[-1] == "tool_calls"
         # the SDK's stream helper closes each call's arguments (the finish reason comes in a chunk after them)
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -303,7 +377,8 @@ def test_server_streams_calls_of_several_choices(scripted):
     for chunk in ask(server, "¶", tools=TOOLS, stream=True, n=2):
         for choice in chunk.choices:
             for call in choice.delta.tool_calls or []:
-                calls[choice.index][call.index] = call.function.name
+                if call.function.name:
+                    calls[choice.index][call.index] = call.function.name
             if choice.finish_reason:
                 reasons[choice.index] = choice.finish_reason
     assert calls == {0: {0: "add", 1: "add"}, 1: {0: "add", 1: "add"}} and reasons == {0: "tool_calls", 1: "tool_calls"}
@@ -357,6 +432,14 @@ def test_responses_stream_function_calls(scripted):
     args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert args == [i.arguments for i in done[1:]] and calls_of(done) == calls_of(events[-1].response.output)
     assert calls_of(done) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    # each call's arguments come in deltas as the model writes them, after the message's item is done
+    deltas: dict[str, list[str]] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            deltas.setdefault(e.item_id, []).append(e.delta)
+    assert {k: "".join(v) for k, v in deltas.items()} == {i.id: i.arguments for i in done[1:]}
+    assert all(len(v) > 1 for v in deltas.values())
+    assert kinds.index("response.function_call_arguments.delta") > kinds.index("response.output_item.done")
     events = list(respond(server, "§", tools=RESPONSE_TOOLS, stream=True))  # a call alone: no message item
     assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["function_call"]
     assert calls_of(events[-1].response.output) == [("get_weather", {"city": "Paris"})]

@@ -31,6 +31,7 @@ from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, In
                                       NamedToolChoice, ResponseFormat, ToolCall, ToolDef, _Strict, bad_request)
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.reply_stream import ReplyStream
+from tokenleap.serve.tool_stream import merged
 from tokenleap.serve.tools import ToolPlan, arguments_object, function_tool, parse_tool_calls
 
 
@@ -202,7 +203,8 @@ class MessageWriter:
 
     async def events(self, job: Job) -> AsyncIterator[str]:
         """The stream of ``job``'s reply: its thinking block and its text block as the text comes (held
-        back from where a tool call may begin), then a block a call; an ``error`` event if it fails.
+        back from where a tool call may begin), then a block a call, its input's JSON as the model
+        writes it; an ``error`` event if it fails.
         ``message_start`` waits for the first output: the prompt tokens read from the prefix cache are
         known once the request has started, so its usage says what the final one says."""
         split = ReplyStream(self.reasoning, self.tools)
@@ -219,17 +221,23 @@ class MessageWriter:
                 return
             piece, _ = job.piece(i, out)
             reason = out.finish_reason or reason
-            thought, piece, calls = split.feed(piece, out.finish_reason is not None)
+            thought, piece, parts, calls = split.feed(piece, out.finish_reason is not None)
             if thought:
                 yield blocks.delta(_thinking_block(""), {"type": "thinking_delta", "thinking": thought})
             if piece:
                 yield blocks.delta(_text_block(""), {"type": "text_delta", "text": piece})
+            for part in merged(parts):  # a call's block opens with its name; its input's JSON follows as written
+                text = part.arguments
+                if part.whole:  # (the call came whole at the end: its input as the object the block has)
+                    text = json.dumps(arguments_object({"function": {"arguments": text}}), ensure_ascii=False)
+                delta = {"type": "input_json_delta", "partial_json": text} if text else None
+                if part.name is not None:
+                    yield blocks.delta({"type": "tool_use", "id": _tool_use_id(part.id), "name": part.name,
+                                        "input": {}}, delta)
+                elif delta is not None:
+                    yield blocks.more(delta)
         if not blocks.count and not calls:  # an empty reply still has its (empty) text block
             yield blocks.delta(_text_block(""), None)
-        for call in calls:
-            block = _tool_use(call)
-            yield blocks.delta({**block, "input": {}}, {"type": "input_json_delta",
-                                                        "partial_json": json.dumps(block["input"], ensure_ascii=False)})
         yield blocks.close()
         stop_reason, stop_sequence = _stop(reason, job.stop_reason(0), calls)
         yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
@@ -255,8 +263,12 @@ class _Blocks:
             events = self.close() + _event("content_block_start", index=self.count, content_block=start)
             self.count, self.open = self.count + 1, start["type"]
         if delta is not None:
-            events += _event("content_block_delta", index=self.count - 1, delta=delta)
+            events += self.more(delta)
         return events
+
+    def more(self, delta: dict[str, Any]) -> str:
+        """A delta for the open block."""
+        return _event("content_block_delta", index=self.count - 1, delta=delta)
 
     def close(self) -> str:
         if self.open is None:
@@ -279,8 +291,12 @@ def _thinking_block(thinking: str) -> dict[str, Any]:
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     """A chat tool call (``tools.parse_tool_calls``) as a tool_use block."""
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+    return {"type": "tool_use", "id": _tool_use_id(call["id"]), "name": call["function"]["name"],
             "input": arguments_object(call)}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def _stop(finish_reason: str | None, stop: int | str | None, calls: list) -> tuple[str, str | None]:

@@ -275,7 +275,7 @@ class ReplyWriter:
                 return
             piece, scored = self.job.piece(i, out)
             reason = out.finish_reason or reason
-            thought, piece, calls = split.feed(piece, out.finish_reason is not None)
+            thought, piece, _, calls = split.feed(piece, out.finish_reason is not None)  # (calls whole, as Ollama's)
             if thought or piece or (scored and self.tokens is not None):
                 yield _line(self._piece(piece, thought or None, [], scored))
             if calls:

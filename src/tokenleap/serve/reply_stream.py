@@ -1,10 +1,12 @@
 """A streamed reply's text as the API writers need it, whatever their event format: a thinking
 model's reasoning split off (``reasoning.py``), the content held back from where a tool call may
-begin (``tools.ToolStream``), and the calls once the reply is complete."""
+begin, the calls in parts as the model writes them (``tool_stream.ToolStream``), and the calls
+whole once the reply is complete."""
 from __future__ import annotations
 
 from tokenleap.serve.reasoning import Reasoning
-from tokenleap.serve.tools import ToolPlan, ToolStream
+from tokenleap.serve.tool_stream import CallPart, ToolStream
+from tokenleap.serve.tools import ToolPlan
 
 
 class ReplyStream:
@@ -16,9 +18,9 @@ class ReplyStream:
         self.include = reasoning is not None and reasoning.include
         self.calling = ToolStream(tools.prefix, tools.names) if tools.parse else None
 
-    def feed(self, piece: str, last: bool) -> tuple[str, str, list[dict]]:
-        """(reasoning to send, content to send, the calls: only with ``last``) for the reply's next
-        ``piece`` of text (``last``: the reply ends with it)."""
+    def feed(self, piece: str, last: bool) -> tuple[str, str, list[CallPart], list[dict]]:
+        """(reasoning to send, content to send, parts of calls to send, the calls: only with ``last``)
+        for the reply's next ``piece`` of text (``last``: the reply ends with it)."""
         thought = ""
         if self.thinking is not None:
             thought, piece = self.thinking.feed(piece)
@@ -26,9 +28,10 @@ class ReplyStream:
                 more, rest = self.thinking.finish()
                 thought, piece = thought + more, piece + rest
         calls: list[dict] = []
+        parts: list[CallPart] = []
         if self.calling is not None:
-            piece = self.calling.feed(piece)
+            piece, parts = self.calling.feed(piece)
             if last:
-                rest, calls = self.calling.finish()
-                piece += rest
-        return (thought if self.include else ""), piece, calls
+                rest, calls, more = self.calling.finish()
+                piece, parts = piece + rest, parts + more
+        return (thought if self.include else ""), piece, parts, calls

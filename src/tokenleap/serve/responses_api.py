@@ -34,6 +34,7 @@ from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, Js
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.responses import Scored, TokenText, chat_logprobs, new_id
 from tokenleap.serve.reply_stream import ReplyStream
+from tokenleap.serve.tool_stream import CallPart, merged
 from tokenleap.serve.tools import ToolPlan, function_tool, parse_tool_calls
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -233,6 +234,36 @@ class ResponseWriter:
             return (event("response.reasoning_text.done", **where(), text=thought)
                     + event("response.output_item.done", output_index=len(items) - 1, item=items[-1]))
 
+        def close_message(status: str) -> str:
+            at = where()
+            items.append(self._message(text, status, logprobs))
+            return (event("response.output_text.done", **at, text=text, logprobs=logprobs)
+                    + event("response.content_part.done", **at, part=_part(text, logprobs))
+                    + event("response.output_item.done", output_index=len(items) - 1, item=items[-1]))
+
+        writing: list[Any] = []  # the function_call item being written and its arguments so far
+
+        def call_events(part: CallPart) -> str:
+            out = ""
+            if part.name is not None:
+                out = close_call()
+                writing[:] = [_call_item({"id": part.id, "function": {"name": part.name}}, "in_progress", ""), ""]
+                out += event("response.output_item.added", output_index=len(items), item=writing[0])
+            if part.arguments:
+                writing[1] += part.arguments
+                out += event("response.function_call_arguments.delta", item_id=writing[0]["id"],
+                             output_index=len(items), delta=part.arguments)
+            return out
+
+        def close_call(status: str = "completed") -> str:
+            if not writing:
+                return ""
+            (item, arguments), at = writing, {"item_id": writing[0]["id"], "output_index": len(items)}
+            writing.clear()
+            items.append({**item, "status": status, "arguments": arguments})
+            return (event("response.function_call_arguments.done", **at, arguments=arguments)
+                    + event("response.output_item.done", output_index=len(items) - 1, item=items[-1]))
+
         yield event("response.created", response=self._obj("in_progress", [], None))
         yield event("response.in_progress", response=self._obj("in_progress", [], None))
         async for i, out in job.outputs():
@@ -247,7 +278,7 @@ class ResponseWriter:
             reason = out.finish_reason or reason
             lp = self._logprobs(scored)
             logprobs += lp
-            more, piece, calls = split.feed(piece, out.finish_reason is not None)
+            more, piece, parts, calls = split.feed(piece, out.finish_reason is not None)
             if more:
                 if opened is None:
                     yield event("response.output_item.added", output_index=0,
@@ -265,26 +296,23 @@ class ResponseWriter:
                 # (text held back where a call may begin is sent later: its logprobs come with the done events)
                 yield event("response.output_text.delta", **where(), delta=piece,
                             logprobs=lp if split.calling is None else [])
+            if parts and opened is not None:  # the reasoning or the message ends where the first call begins
+                yield close_reasoning() if opened == "reasoning" else close_message("completed")
+                opened = None
+            for part in merged(parts):
+                yield call_events(part)
         status = _status(reason)
         if opened == "reasoning":
             yield close_reasoning()
             opened = None
-        if opened == "message" or not (calls or items):
+        if opened == "message" or not (items or writing):
             if opened != "message":
                 opened = "message"
                 yield open_message()
-            yield event("response.output_text.done", **where(), text=text, logprobs=logprobs)
-            yield event("response.content_part.done", **where(), part=_part(text, logprobs))
-            items.append(self._message(text, status, logprobs))
-            yield event("response.output_item.done", output_index=len(items) - 1, item=items[-1])
-        for call in calls:
-            added = _call_item(call, "in_progress", "")
-            at = {"item_id": added["id"], "output_index": len(items)}
-            yield event("response.output_item.added", output_index=len(items), item=added)
-            yield event("response.function_call_arguments.delta", **at, delta=call["function"]["arguments"])
-            yield event("response.function_call_arguments.done", **at, arguments=call["function"]["arguments"])
-            items.append(_call_item(call, "completed"))
-            yield event("response.output_item.done", output_index=len(items) - 1, item=items[-1])
+            yield close_message(status)
+        # a call the reply broke off in (or that did not parse in the end) is incomplete
+        yield close_call("completed" if writing and writing[0]["call_id"] in {c["id"] for c in calls}
+                         else "incomplete")
         done = self._obj(status, items, _usage(job.usage()))
         if self.keep is not None:
             await self.keep(done)

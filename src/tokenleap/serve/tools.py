@@ -11,9 +11,9 @@ to one call or more (unless ``parallel_tool_calls`` is false), a named function 
 "none" shows the template the tools but parses no call (vLLM's default). A model whose template
 takes no tools gets a clear 400 (with "none": the tools are left out).
 
-Parsing is a pure function of the reply's text (``parse_tool_calls``); ``ToolStream`` does the
-streaming side: text is passed on until a ``<tool_call>`` begins, and held back from there (and
-any end of the text that could be the start of one) until the reply is complete.
+Parsing is a pure function of the reply's text (``parse_tool_calls``); a call's arguments are the
+model's own text of the object (``arguments_text``), which is what a stream sends piece by piece as
+the model writes it (``tool_stream.ToolStream``), so both give the same string.
 """
 from __future__ import annotations
 
@@ -170,92 +170,61 @@ def _bare_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dic
 
 
 def _loads(body: str) -> Any:
-    """JSON text, or None; Qwen's template shows the call format with doubled braces
-    (``{{"name": ...}}``), which models sometimes copy: one doubled layer is accepted."""
+    """JSON text, or None (``_parsed``)."""
+    return _parsed(body)[0]
+
+
+def _parsed(body: str) -> tuple[Any, str]:
+    """(the JSON value, the text it was read from) of ``body``, or (None, ""); Qwen's template shows
+    the call format with doubled braces (``{{"name": ...}}``), which models sometimes copy: one
+    doubled layer is accepted."""
     body = body.strip()
     for text in (body, body[1:-1] if body.startswith("{{") and body.endswith("}}") else None):
         if text is not None:
             try:
-                return json.loads(text)
+                return json.loads(text), text
             except ValueError:
                 pass
-    return None
+    return None, ""
 
 
 def _call(body: str) -> dict[str, Any] | None:
-    obj = _loads(body)
+    obj, text = _parsed(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    return _call_from(obj)
+    return _call_from(obj, arguments_text(text))
 
 
-def _call_from(obj: dict[str, Any]) -> dict[str, Any]:
+def arguments_text(text: str) -> str | None:
+    """The arguments' object exactly as the model wrote it in the call object ``text`` (valid JSON),
+    the last "arguments" member's (as ``json.loads`` keeps the last), or None where the arguments
+    are not an object. A streamed call sends this text as it comes, so the whole reply gives the
+    same string."""
+    dec, at, found = json.JSONDecoder(), skip_space(text, 1), None
+    while at < len(text) and text[at] == '"':
+        key, at = dec.raw_decode(text, at)
+        at = skip_space(text, skip_space(text, at) + 1)  # past the colon
+        value, end = dec.raw_decode(text, at)
+        if key == "arguments":
+            found = text[at:end] if isinstance(value, dict) else None
+        at = skip_space(text, skip_space(text, end) + 1)  # past the comma (or the closing brace)
+    return found
+
+
+def skip_space(text: str, at: int) -> int:
+    """The first position from ``at`` on that is not JSON whitespace."""
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
+
+
+def _call_from(obj: dict[str, Any], raw: str | None = None) -> dict[str, Any]:
+    """A call in OpenAI's form; its arguments the model's own text of them (``raw``) where known."""
     args = obj.get("arguments", obj.get("parameters", {}))
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+    text = raw if raw is not None and "arguments" in obj else (
+        args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": text}}
 
 
-def call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Streamed form of ``calls``: each whole, with its index."""
-    return [{"index": j, **call} for j, call in enumerate(calls)]
-
-
-class ToolStream:
-    """One streamed choice of a request that may call tools."""
-
-    def __init__(self, prefix: str = "", names: tuple[str, ...] = ()) -> None:
-        self.text, self.sent = prefix, 0  # the reply so far (forced prefix included); characters passed on
-        self.names = names
-        self.calling = OPEN in prefix
-
-    def feed(self, piece: str) -> str:
-        """The part of the reply that can be sent now as content, after ``piece`` arrived."""
-        self.text += piece
-        if self.calling:
-            return ""
-        if self.sent == 0 and self.names and _may_be_bare_call(self.text):
-            return ""  # wait: the whole reply may be a bare JSON call
-        at = self.text.find(OPEN, max(0, self.sent - len(OPEN)))
-        if at >= 0:
-            self.calling = True
-            upto = at
-        else:
-            upto = len(self.text) - _partial_open(self.text)
-        out = self.text[self.sent:upto]
-        self.sent = max(self.sent, upto)
-        return out
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """(content still to send, calls) once the reply is complete."""
-        content, calls = parse_tool_calls(self.text, self.names)
-        if calls:
-            return "", calls
-        end = len(self.text) if content == self.text else self.text.find(OPEN)  # (a cut-off call: dropped)
-        rest, self.sent = self.text[self.sent:end], len(self.text)
-        return rest, []
-
-
-def _may_be_bare_call(text: str) -> bool:
-    """Whether a reply that begins with ``text`` may still turn out a bare JSON call: it opens an
-    object, a list, or a fence whose language is json or none (other code streams at once)."""
-    head = text.lstrip()
-    if head.startswith(("{", "[")):
-        return True
-    if not head.startswith(FENCE):
-        return FENCE.startswith(head)
-    info, newline, _ = head[len(FENCE):].partition("\n")
-    tag = info.strip().lower()
-    if tag[:4] == "json":
-        tag = tag[4:].lstrip()
-    if not tag or tag[0] in "{[":  # json (or no language), or the object on the fence's line
-        return True
-    return not newline and "json".startswith(tag)
-
-
-def _partial_open(text: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``<tool_call>``."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
-            return n
-    return 0
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
