@@ -108,6 +108,10 @@ def test_errors_take_anthropics_form(server):
                         ({"max_tokens": 3, "messages": [{"role": "user", "content": [image]}]}, "images"),
                         ({"max_tokens": 3, "messages": [{"role": "system", "content": "x"}]}, "system parameter"),
                         ({"max_tokens": 3, "messages": []}, "at least one message"),
+                        ({"max_tokens": 3, "messages": [{"role": "user", "content": ""}]}, "non-empty content"),
+                        ({"max_tokens": 3, "messages": [{"role": "user", "content": []}]}, "non-empty content"),
+                        ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "temperature": 1.5},
+                         "0 <= temperature <= 1"),
                         ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
                           "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
                         ({"max_tokens": 10_000, "messages": [{"role": "user", "content": "x"}]}, "context length")):

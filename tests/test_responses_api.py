@@ -141,7 +141,8 @@ def test_what_cannot_be_done_is_a_clear_400(server):
            ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be"),
            ({"input": "x" * 60, "max_output_tokens": 100}, "lower max_output_tokens"),
            ({"input": "x" * 200, "max_output_tokens": 5}, "shorten the prompt"),  # no budget would fit
-           ({"input": "x", "temperature": -1}, "temperature")]
+           ({"input": "x", "temperature": -1}, "temperature"),
+           ({"input": "x", "include": ["message.output_text.logprob"]}, "not one of the values include takes")]
     for body, message in bad:
         r = httpx.post(server.url + "/v1/responses", json={"model": NAME, **body},
                        headers={"Authorization": f"Bearer {KEY}"})
@@ -150,6 +151,9 @@ def test_what_cannot_be_done_is_a_clear_400(server):
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="other", input="x", max_output_tokens=3)
     assert c.responses.create(model=NAME, input="still here", max_output_tokens=3, temperature=0).output_text
+    # include values for tools this server does not run (or for encrypted reasoning) ask for nothing more
+    assert c.responses.create(model=NAME, input="still here", max_output_tokens=3, temperature=0,
+                              include=["reasoning.encrypted_content", "file_search_call.results"]).output_text
 
 
 def test_function_call_items_become_the_chat_turns_of_a_tool_call():

@@ -318,9 +318,16 @@ def test_chat_template_options(server):
     for body, needle in (({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
                          ({"continue_final_message": True}, "final assistant message"),
                          ({"continue_final_message": True, "add_generation_prompt": True}, "cannot both be true"),
-                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs")):
+                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+                         ({"messages": [{"role": "user", "content": None}]}, "content is required in a user message")):
         r = httpx.post(server.url + "/v1/chat/completions", headers=auth, json={"messages": msgs, **body})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], body
+    # integers sent as floats with no fraction (as Python clients may) are those integers; others a 400
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth,
+                   json={"messages": msgs, "max_tokens": 5.0, "seed": 7.0, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth, json={"messages": msgs, "max_tokens": 5.5})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
 
 def test_vllm_stop_token_ids_and_min_tokens(server):

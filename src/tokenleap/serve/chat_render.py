@@ -17,6 +17,9 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         if m.role not in _ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
+        if m.content is None and m.role != "assistant":  # (an assistant turn may be its tool calls alone)
+            raise bad_request(f"messages[{i}].content is required in a {m.role} message (null is for an "
+                              "assistant message that calls tools)", "messages")
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "".join(p.text for p in m.content)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}

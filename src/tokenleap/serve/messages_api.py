@@ -77,6 +77,8 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
     prefill = last.role == "assistant" and not last.tool_calls
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
+        if req.temperature is not None and not 0 <= req.temperature <= 1:  # Anthropic's range
+            raise bad_request(f"temperature: range: 0 <= temperature <= 1, got {req.temperature}", "temperature")
         fields = {name: getattr(req, name) for name in _SAMPLING}
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       response_format=_response_format(req.output_config))
@@ -96,6 +98,8 @@ def _turn(i: int, turn: dict[str, Any]) -> list[ChatMessage]:
     if role not in ("user", "assistant"):
         raise bad_request(f"messages.{i}.role must be user or assistant (the system prompt is the system "
                           "parameter)", "messages")
+    if role == "user" and not content:  # ("" or no blocks: Anthropic's API refuses both)
+        raise bad_request(f"messages.{i}: user messages must have non-empty content", "messages")
     if isinstance(content, str):
         return [ChatMessage(role=role, content=content)]
     if not isinstance(content, list):

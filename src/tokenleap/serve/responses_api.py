@@ -61,10 +61,20 @@ def chat_request(req: ResponsesRequest, earlier: list[dict[str, Any]] = ()) -> C
 
 
 LOGPROBS = "message.output_text.logprobs"
+# what OpenAI's include takes: the logprobs are given; the others name outputs of tools this server
+# does not run (or encrypted reasoning, which clients ask for with store false) and add nothing
+_INCLUDE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+            "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+            "code_interpreter_call.outputs")
 
 
 def logprobs_wanted(req: ResponsesRequest) -> int | None:
-    """Alternatives a token to report (``top_logprobs``) when ``include`` asks for logprobs, else None."""
+    """Alternatives a token to report (``top_logprobs``) when ``include`` asks for logprobs, else None;
+    a 400 for a value ``include`` does not take."""
+    for i, value in enumerate(req.include or []):
+        if value not in _INCLUDE:
+            raise bad_request(f"include[{i}]: {value!r} is not one of the values include takes "
+                              f"({', '.join(_INCLUDE)})", "include")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                           "top_logprobs")
