@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGUFWriter
 
-import tokenleap.text.tokenizer
+import tokenleap.text.gguf_tokenizer
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.errors import ModelFormatError
 from tokenleap.models.build import build_transformer
@@ -165,7 +165,7 @@ def tokenizer_stub(monkeypatch):
         (Path(out_dir) / "tokenizer.json").write_text("{}")
         (Path(out_dir) / "tokenizer_config.json").write_text("{}")
 
-    monkeypatch.setattr(tokenleap.text.tokenizer, "write_tokenizer_files", write)
+    monkeypatch.setattr(tokenleap.text.gguf_tokenizer, "write_tokenizer_files", write)
 
 
 @pytest.mark.parametrize("name", ["llama3.1", "phi3", "qwen3", "gemma3"])

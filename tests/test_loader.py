@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
 
-import tokenleap.text.tokenizer
+import tokenleap.text.gguf_tokenizer
 from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import catalog
@@ -32,7 +32,7 @@ def tokenizer_stub(monkeypatch):
         (Path(out_dir) / "tokenizer.json").write_text(json.dumps({"n": len(metadata["tokenizer.ggml.tokens"])}))
         (Path(out_dir) / "tokenizer_config.json").write_text(json.dumps({"chat_template": "x"}))
 
-    monkeypatch.setattr(tokenleap.text.tokenizer, "write_tokenizer_files", write)
+    monkeypatch.setattr(tokenleap.text.gguf_tokenizer, "write_tokenizer_files", write)
     return calls
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tokenleap.models import catalog
-from tokenleap.text.tokenizer import Tokenizer, read_gguf_tokenizer_metadata, write_tokenizer_files
+from tokenleap.text.gguf_tokenizer import read_gguf_tokenizer_metadata, write_tokenizer_files
+from tokenleap.text.tokenizer import Tokenizer
 
 NAME = "gemma-3-270m"
 NEW_TOKENS = 24

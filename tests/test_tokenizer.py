@@ -11,13 +11,8 @@ import pytest
 from tokenleap.config import ConfigError
 from tokenleap.errors import ModelFormatError, ModelNotFoundError, TokenleapError
 from tokenleap.text.fim import encode_fim, fim_tokens
-from tokenleap.text.tokenizer import (
-    ChatTemplateError,
-    IncrementalDetokenizer,
-    Tokenizer,
-    read_gguf_tokenizer_metadata,
-    write_tokenizer_files,
-)
+from tokenleap.text.gguf_tokenizer import read_gguf_tokenizer_metadata, write_tokenizer_files
+from tokenleap.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from tokenleap.errors import ModelFormatError
-from tokenleap.text.tokenizer import Tokenizer, read_gguf_tokenizer_metadata, write_tokenizer_files
+from tokenleap.text.gguf_tokenizer import read_gguf_tokenizer_metadata, write_tokenizer_files
+from tokenleap.text.tokenizer import Tokenizer
 from tokenleap.text.sentencepiece import merges_from_vocab
 
 gguf = pytest.importorskip("gguf")

@@ -180,7 +180,7 @@ def _write_converted(gg: GGUFFile, dtype: torch.dtype, out: Path) -> None:
     config = gg.config.to_hf_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    from tokenleap.text.tokenizer import write_tokenizer_files  # lazy: only conversions need it
+    from tokenleap.text.gguf_tokenizer import write_tokenizer_files  # lazy: only conversions need it
 
     write_tokenizer_files(gg.tokenizer_metadata(), out)
     st = gg.path.stat()

@@ -35,9 +35,10 @@ from tokenleap.config import ConfigError
 from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
-from tokenleap.serve.protocol import (MAX_LOGPROBS, MAX_PROMPTS, APIError, ChatRequest, CompletionRequest,
-                                      bad_request, check_common, check_logit_bias, check_prompt_logprobs,
-                                      check_token_ids, parse_body, sampling_params, structured_output)
+from tokenleap.serve.body import parse_body
+from tokenleap.serve.protocol import (MAX_LOGPROBS, MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
+                                      check_common, check_logit_bias, check_prompt_logprobs, check_token_ids,
+                                      sampling_params, structured_output)
 from tokenleap.serve.responses import Format, TokenText, add_prompt_logprobs, new_id, now, usage_options
 from tokenleap.serve.chunks import openai_chunks
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore

@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request as HTTPRequest
 
 from tokenleap.models.embed import embed_windows, normalize_embedding
 from tokenleap.serve.context_window import truncate_prompt
-from tokenleap.serve.protocol import APIError, Int64, _Strict, bad_request, parse_body
+from tokenleap.serve.protocol import APIError, Int64, _Strict, bad_request
+from tokenleap.serve.body import parse_body
 from tokenleap.serve.request import QueueFullError
 from tokenleap.serve.responses import new_id, now
 

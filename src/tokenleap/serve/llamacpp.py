@@ -43,8 +43,9 @@ from fastapi.responses import Response
 from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.context_window import check_max_tokens
-from tokenleap.serve.protocol import MAX_PROMPTS, CompletionRequest, Int64, _Strict, bad_request, failed, \
-    parse_body, repeat_window, structured_output
+from tokenleap.serve.protocol import (MAX_PROMPTS, CompletionRequest, Int64, _Strict, bad_request, failed,
+                                      repeat_window, structured_output)
+from tokenleap.serve.body import parse_body
 from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now, token_logprob_entries
 from tokenleap.text.fim import encode_fim, required_fim_tokens
 

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenleap import __version__
 from tokenleap.serve.chat_render import chat_messages, chat_options
-from tokenleap.serve.protocol import APIError, ChatRequest, parse_body
+from tokenleap.serve.protocol import APIError, ChatRequest
+from tokenleap.serve.body import parse_body
 
 # /completion's defaults where a request leaves a field out (llama.cpp's; llamacpp.py applies them)
 DEFAULT_PARAMS: dict[str, Any] = {

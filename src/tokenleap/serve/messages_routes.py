@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from tokenleap.serve.messages_api import CountTokensRequest, MessagesRequest, MessageWriter, chat_request
 from tokenleap.serve.context_window import check_max_tokens
 from tokenleap.serve.chat_render import chat_messages, chat_options
-from tokenleap.serve.protocol import parse_body
+from tokenleap.serve.body import parse_body
 from tokenleap.serve.responses import Format, now
 from tokenleap.serve.tools import reply_grammar
 

@@ -34,7 +34,8 @@ from tokenleap.serve.ollama_api import (ChatBody, GenerateBody, ReplyWriter, cha
                                         thinking_kwargs)
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, Int64, _Strict, bad_request,
-                                      parse_body, structured_output)
+                                      structured_output)
+from tokenleap.serve.body import parse_body
 from tokenleap.serve.reasoning import template_thinks
 from tokenleap.serve.responses import Format, new_id, now
 from tokenleap.serve.tools import ToolPlan, reply_grammar

@@ -8,20 +8,17 @@ are in ``responses``.
 from __future__ import annotations
 
 import json
-import math
 import re
-from collections import Counter
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from tokenleap.config import MAX_LOGPROBS, ConfigError, SamplingParams, StructuredOutput
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
 MAX_STOP = 16
-MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_TEMPERATURE = 100.0  # far past any useful value (the distribution is flat long before): refuse as absurd
 # every integer field is a signed 64-bit value, as the sampler's tensors hold it: a larger one is a 400
 # naming the field (pydantic's message, with the field's path), never an overflow deeper down; a float
@@ -259,64 +256,6 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: Int64 | None = None  # with it: this many alternatives a token
     background: bool | None = None  # answer at once; the reply runs on (responses_background.py)
-
-
-def parse_body(raw: bytes, model: type[_Strict]) -> Any:
-    """JSON bytes -> a validated request model, or a 400 that says what is wrong."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = _most_telling(e.errors())
-        loc = [str(p) for p in err["loc"] if isinstance(p, int) or _field_name(str(p))]  # no union member names
-        param = loc[0] if loc else None
-        raise bad_request(f"invalid value for {'.'.join(loc) or 'the body'}: {err['msg']}", param) from None
-
-
-def _most_telling(errors: list[dict]) -> dict:
-    """The validation error to report: a value of the right type but out of range says more than the
-    union members' type mismatches; else the mismatch in the union member that failed least, deepest
-    first ([1, "a"] for a prompt: item 1 is not an id, rather than "not a string")."""
-    ranged = next((x for x in errors if not x["type"].endswith("_type")), None)
-    if ranged is not None:
-        return ranged
-
-    def member(x: dict) -> tuple:  # the location up to its first union member's tag
-        loc = x["loc"]
-        i = next((i for i, p in enumerate(loc) if isinstance(p, str) and not _field_name(p)), len(loc))
-        return tuple(loc[:i + 1])
-
-    failures = Counter(member(x) for x in errors)
-    return min(errors, key=lambda x: (failures[member(x)], -len(x["loc"])))
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "list", "dict"})
-
-
-def _field_name(part: str) -> bool:
-    """Whether a validation error's location part is a field name, not a union member's tag (a type
-    such as ``str`` or ``list[int]``, or a model class such as ``TextPart``)."""
-    return part.isidentifier() and part not in _TYPE_TAGS and not part[0].isupper()
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a valid JSON number")
-
-
-def _finite_float(text: str) -> float:
-    """A JSON number with a fraction or exponent; one past the float64 range (``1e999``) is refused,
-    as vLLM does, rather than becoming infinity."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is out of range (not a finite 64-bit float)")
-    return value
 
 
 def check_common(req: _Sampling) -> None:

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
-from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request, parse_body
+from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request
+from tokenleap.serve.body import parse_body
 from tokenleap.serve.response_store import ResponseStore, StoredResponse, page
 from tokenleap.serve.responses_background import BackgroundResponses
 from tokenleap.serve.responses import Format, new_id, now

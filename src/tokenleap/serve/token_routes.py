@@ -19,7 +19,8 @@ from fastapi.responses import Response
 
 from tokenleap import __version__
 from tokenleap.serve.chat_render import chat_messages
-from tokenleap.serve.protocol import ChatMessage, Int64, _Strict, bad_request, check_token_ids, parse_body
+from tokenleap.serve.protocol import ChatMessage, Int64, _Strict, bad_request, check_token_ids
+from tokenleap.serve.body import parse_body
 from tokenleap.serve.tools import ToolPlan
 
 
