@@ -154,6 +154,18 @@ def test_tool_use_and_tool_result_turns_become_the_chat_turns_of_a_call():
     with pytest.raises(APIError, match="output_config.format must be"):
         chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
                                                      "output_config": {"format": {"type": "xml"}}}))
+    # the structured-outputs beta's spelling, output_format, is the same format
+    beta = chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "x"}], "output_format": {"type": "json_schema", "schema": schema}}))
+    assert beta.response_format == shaped.response_format
+    with pytest.raises(APIError, match="not both"):
+        chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                                                     "output_format": {"type": "json_schema", "schema": schema},
+                                                     "output_config": {"format": {"type": "json_schema",
+                                                                                  "schema": schema}}}))
+    with pytest.raises(APIError, match="output_format must be"):
+        chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                                                     "output_format": {"type": "json_schema"}}))
 
 
 def ask_scripted(server, mark: str, **kw):

@@ -5,8 +5,8 @@ A request becomes a ``ChatRequest``: ``system`` (a string or text blocks) as a s
 turn's content blocks as chat messages -- ``text`` blocks joined, an assistant turn's ``tool_use``
 blocks as its tool calls, a user turn's ``tool_result`` blocks as tool messages before its text --
 ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice`` (auto, any, tool, none)
-in the chat forms, ``stop_sequences`` as stop strings, ``output_config.format`` (a JSON schema) as
-``response_format``; the sampling fields the chat endpoint takes (``temperature``, ``top_p``,
+in the chat forms, ``stop_sequences`` as stop strings, ``output_config.format`` (a JSON schema; the
+beta's ``output_format`` too) as ``response_format``; the sampling fields the chat endpoint takes (``temperature``, ``top_p``,
 ``top_k``, ``seed``, penalties) may come as extra body fields. A conversation that ends with an assistant turn
 is continued (the reply goes on from that text, as Anthropic's prefill does). So it runs through the
 same template, sampling, tool calling and speculation as /v1/chat/completions.
@@ -49,6 +49,7 @@ class MessagesRequest(CountTokensRequest):  # POST /v1/messages
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     output_config: dict[str, Any] | None = None  # format: {"type": "json_schema", "schema": ...}; effort unused
+    output_format: dict[str, Any] | None = None  # the same format, as the structured-outputs beta spelled it
     metadata: dict[str, Any] | None = None  # accepted, unused
     # sampling, as the chat endpoint takes it (Anthropic's clients send these as extra body fields)
     temperature: float | None = None
@@ -81,7 +82,7 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
             raise bad_request(f"temperature: range: 0 <= temperature <= 1, got {req.temperature}", "temperature")
         fields = {name: getattr(req, name) for name in _SAMPLING}
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
-                      response_format=_response_format(req.output_config))
+                      response_format=_response_format(req))
     kind = (req.thinking or {}).get("type")
     if kind in ("enabled", "disabled"):
         fields["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
@@ -174,14 +175,19 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | NamedToolChoice | None:
                       "{\"type\": \"tool\", \"name\": ...}", "tool_choice")
 
 
-def _response_format(config: dict[str, Any] | None) -> ResponseFormat | None:
-    """``output_config.format`` (a JSON schema the reply must follow) as the chat's response_format."""
-    fmt = (config or {}).get("format")
+def _response_format(req: MessagesRequest) -> ResponseFormat | None:
+    """``output_config.format`` (a JSON schema the reply must follow; ``output_format`` in the beta that
+    introduced it) as the chat's response_format."""
+    fmt = (req.output_config or {}).get("format")
+    if req.output_format is not None:
+        if fmt is not None:
+            raise bad_request("give the format once: output_config.format or output_format, not both", "output_format")
+        fmt = req.output_format
     if fmt is None:
         return None
     if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
-        raise bad_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                          "output_config")
+        name = "output_format" if req.output_format is not None else "output_config.format"
+        raise bad_request(f"{name} must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", name.split(".")[0])
     return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat.model_validate({"schema": fmt["schema"]}))
 
 
