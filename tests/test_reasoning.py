@@ -155,6 +155,7 @@ def test_responses_get_a_reasoning_item(thinking):
     done = [e for e in events if e.type == "response.output_item.done"]
     assert [(e.output_index, e.item.type) for e in done] == [(0, "reasoning"), (1, "message")]
     assert {e.output_index for e in events if e.type == "response.output_text.delta"} == {1}
+    assert {e.output_index for e in events if e.type.startswith("response.reasoning_text.")} == {0}
     assert events[-1].response.model_dump()["output"] == [e.item.model_dump() for e in done]
     r = c.responses.create(**{**kw, "input": "q §"}, tools=[{"type": "function", "name": "get_weather",
                                                             "parameters": {"type": "object"}}])

@@ -168,6 +168,28 @@ def test_calls_stream_as_the_model_writes_them():
     assert joined(parts)[0][1:] == ("add", '{"a":1,"s":"}\\"{"}')
 
 
+def test_a_reply_that_opens_like_json_still_streams_its_text_and_calls():
+    # held back while it may be a bare JSON call; a block shows it is not one
+    text = '[Searching] I will call it.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    parts = []
+    sent, rest, calls = stream(list(text), parts=parts)
+    assert "".join(sent) + rest == "[Searching] I will call it.\n" and sent[1] == "[S"  # ("[S" is no JSON list)
+    assert joined(parts) == [(calls[0]["id"], "add", '{"a": 1}')] and not any(p.whole for p in parts)
+    text = '{"note": 1}\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    parts = []
+    sent, rest, calls = stream([text[:12], text[12:]], parts=parts)
+    assert "".join(sent) + rest == '{"note": 1}\n' and joined(parts)[0][1:] == ("add", '{"a": 1}')
+
+
+def test_a_closing_tag_inside_an_argument_is_part_of_it():
+    text = '<tool_call>{"name": "add", "arguments": {"s": "a </tool_call> b"}}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content is None and calls[0]["function"]["arguments"] == '{"s": "a </tool_call> b"}'
+    parts = []
+    _, rest, streamed = stream([text[i:i + 5] for i in range(0, len(text), 5)], parts=parts)
+    assert rest == "" and joined(parts) == [(streamed[0]["id"], "add", '{"s": "a </tool_call> b"}')]
+
+
 def test_calls_in_other_shapes_come_whole_at_the_end():
     for text in ('<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>',  # keys the other way round
                  '<tool_call>\n{{"name": "add", "arguments": {"a": 1}}}\n</tool_call>',  # the template's doubled braces

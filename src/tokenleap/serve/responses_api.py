@@ -240,8 +240,9 @@ class ResponseWriter:
                     + event("response.content_part.added", **where(), part=_part("")))
 
         def close_reasoning() -> str:
+            at = where()
             items.append(self._reasoning_item(thought, "completed"))
-            return (event("response.reasoning_text.done", **where(), text=thought)
+            return (event("response.reasoning_text.done", **at, text=thought)
                     + event("response.output_item.done", output_index=len(items) - 1, item=items[-1]))
 
         def close_message(status: str) -> str:

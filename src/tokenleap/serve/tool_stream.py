@@ -24,6 +24,7 @@ from tokenleap.serve.tools import CLOSE, FENCE, OPEN, new_call_id, parse_tool_ca
 
 _NAME = object()  # where the head of a call has the function's name (a JSON string)
 _HEAD = ("{", '"name"', ":", _NAME, ",", '"arguments"', ":")  # a streamable call's opening, whitespace between
+_MAX_HEAD = 1024  # characters a call's opening may take before it is taken for another shape
 _BARE = frozenset(" \t\r\n,:0123456789.+-eEtrufalsn")  # what JSON has outside strings besides brackets
 
 
@@ -114,9 +115,11 @@ class ToolStream:
         """(content still to send, the reply's calls, their parts still to send) once it is complete."""
         content, calls = parse_tool_calls(self.text, self.names)
         if not self.calls:
-            if calls:
-                return "", calls, [CallPart(j, c["id"], c["function"]["name"], c["function"]["arguments"], True)
-                                   for j, c in enumerate(calls)]
+            if calls:  # the content before the first block (none before a bare call), then the calls whole
+                at = self.text.find(OPEN)
+                rest, self.sent = self.text[self.sent:at] if at >= 0 else "", len(self.text)
+                return rest, calls, [CallPart(j, c["id"], c["function"]["name"], c["function"]["arguments"], True)
+                                     for j, c in enumerate(calls)]
             end = len(self.text) if content == self.text else self.text.find(OPEN)  # (a cut-off call: dropped)
             rest, self.sent = self.text[self.sent:end], len(self.text)
             return rest, [], []
@@ -137,8 +140,8 @@ class ToolStream:
         return "", calls, parts
 
     def _content(self) -> str:
-        if self.sent == 0 and self.names and _may_be_bare_call(self.text):
-            return ""  # wait: the whole reply may be a bare JSON call
+        if self.sent == 0 and self.names and OPEN not in self.text and _may_be_bare_call(self.text):
+            return ""  # wait: the whole reply may be a bare JSON call (a reply with a block is not one)
         at = self.text.find(OPEN, max(0, self.sent - len(OPEN)))
         if at >= 0:
             self.seek = upto = at
@@ -161,7 +164,12 @@ class ToolStream:
                 call = None
             if call is None:  # between calls: the next one's head
                 at = self.text.find(OPEN, self.seek)
-                head = _head(self.text, at + len(OPEN)) if at >= 0 else None
+                if at < 0:  # (text after a call: not searched again)
+                    self.seek = max(self.seek, len(self.text) - len(OPEN) + 1)
+                    break
+                head = _head(self.text, at + len(OPEN))
+                if head is None and len(self.text) - at > _MAX_HEAD:
+                    head = False  # no name of a function runs this long
                 if head is None:
                     break
                 if head is False or self.text[head[1]] != "{":
@@ -233,8 +241,9 @@ def _may_be_bare_call(text: str) -> bool:
     """Whether a reply that begins with ``text`` may still turn out a bare JSON call: it opens an
     object, a list, or a fence whose language is json or none (other code streams at once)."""
     head = text.lstrip()
-    if head.startswith(("{", "[")):
-        return True
+    if head.startswith(("{", "[")):  # a call object's first key, or a list's first call object, may follow
+        after = head[1:].lstrip()
+        return not after or after[0] in ('"{' if head[0] == "{" else "{")
     if not head.startswith(FENCE):
         return FENCE.startswith(head)
     info, newline, _ = head[len(FENCE):].partition("\n")

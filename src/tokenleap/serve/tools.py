@@ -32,6 +32,7 @@ from tokenleap.spec.structured import grammar_of
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```"
 # a reply that is one fenced block, ```json or bare ``` (any case: small models write ```JSON too)
+_DECODER = json.JSONDecoder()
 _FENCED = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```", re.IGNORECASE | re.DOTALL)
 
 
@@ -131,30 +132,51 @@ def _several_calls(call: dict[str, Any]) -> str:
 
 def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a reply's text. Each ``<tool_call>`` block (the last may lack its
-    closing tag: the reply ended inside it) must hold a JSON object with a string "name"; the
-    content is the text before the first block (None when only whitespace). A last block cut off
-    inside its object (no closing tag, the JSON unfinished: the reply ran out of tokens) is
-    dropped, so no call markup reaches the client; another block that does not parse means no
-    calls: the whole text is the content, unchanged. Without blocks, a reply
-    that is nothing but a JSON object (or a list of them), bare or in a ```json (or bare ```)
-    fence, naming one of ``names`` with "arguments", is a call too: coder models often answer so."""
+    closing tag: the reply ended inside it) must hold a JSON object with a string "name" (a closing
+    tag inside one of its strings is part of it); the content is the text before the first block
+    (None when only whitespace). A last block cut off inside its object (no closing tag, the JSON
+    unfinished: the reply ran out of tokens) is dropped, so no call markup reaches the client;
+    another block that does not parse means no calls: the whole text is the content, unchanged.
+    Without blocks, a reply that is nothing but a JSON object (or a list of them), bare or in a
+    ```json (or bare ```) fence, naming one of ``names`` with "arguments", is a call too: coder
+    models often answer so."""
     start = text.find(OPEN)
     if start < 0:
         return _bare_calls(text, names)
     calls, pos = [], start
     while pos >= 0:
-        end = text.find(CLOSE, pos)
-        body = text[pos + len(OPEN):end if end >= 0 else len(text)]
-        call = _call(body)
-        if call is None and end < 0 and body.lstrip().startswith("{"):
-            break  # cut off inside the call
-        if call is None:
-            return text, []
+        call, end = _object_block(text, pos + len(OPEN))
+        if call is None:  # not a call object alone: read between the tags (Qwen's doubled braces, ...)
+            end = text.find(CLOSE, pos)
+            body = text[pos + len(OPEN):end if end >= 0 else len(text)]
+            call = _call(body)
+            if call is None and end < 0 and body.lstrip().startswith("{"):
+                break  # cut off inside the call
+            if call is None:
+                return text, []
         calls.append(call)
         if end < 0:
             break
         pos = text.find(OPEN, end)
     return text[:start].strip() or None, calls
+
+
+def _object_block(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
+    """(the call, where its closing tag is: -1 if none) of a block whose body from ``at`` is a call
+    object followed by nothing but whitespace up to the tag or the end -- read as JSON, so a
+    ``</tool_call>`` inside one of its strings is part of the call, as a stream reads it; (None, -1)
+    for any other body (``_call`` reads those between the tags)."""
+    at = skip_space(text, at)
+    try:
+        obj, after = _DECODER.raw_decode(text, at)
+    except ValueError:
+        return None, -1
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None, -1
+    close = text.find(CLOSE, after)
+    if text[after:close if close >= 0 else len(text)].strip():
+        return None, -1
+    return _call_from(obj, arguments_text(text[at:after])), close
 
 
 def _bare_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -200,7 +222,7 @@ def arguments_text(text: str) -> str | None:
     the last "arguments" member's (as ``json.loads`` keeps the last), or None where the arguments
     are not an object. A streamed call sends this text as it comes, so the whole reply gives the
     same string."""
-    dec, at, found = json.JSONDecoder(), skip_space(text, 1), None
+    dec, at, found = _DECODER, skip_space(text, 1), None
     while at < len(text) and text[at] == '"':
         key, at = dec.raw_decode(text, at)
         at = skip_space(text, skip_space(text, at) + 1)  # past the colon
