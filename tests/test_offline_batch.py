@@ -141,3 +141,26 @@ def test_stop_reason_names_the_stop_string_or_stop_token():
         assert [o.stop_reason for o in outs] == [word, tok, None]
         assert [o.finish_reason for o in outs] == ["stop", "stop", "length"]
         assert outs[0].to_dict()["stop_reason"] == word
+
+
+def test_special_tokens_are_written_into_the_text_only_when_asked(smollm2_gguf):
+    """vLLM's skip_special_tokens: by default a control token the reply holds is left out of its text;
+    False writes it (the token ids are the same either way)."""
+    llm = LLM(smollm2_gguf)
+    special = llm.tokenizer.token_to_id("<|im_start|>")
+    params = dict(max_tokens=3, allowed_token_ids=(special,), ignore_eos=True)
+    hidden, shown = llm.generate(["Hi", "Hi"], [SamplingParams(**params),
+                                               SamplingParams(**params, skip_special_tokens=False)])
+    assert hidden.token_ids == shown.token_ids == [special] * 3
+    assert hidden.text == "" and shown.text == "<|im_start|>" * 3
+    assert llm.generate("Hi", SamplingParams(**params, skip_special_tokens=False))[0].text == shown.text  # alone too
+
+
+def test_the_servers_requests_carry_skip_special_tokens():
+    from tokenleap.serve.protocol import ChatRequest, CompletionRequest, sampling_params
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert sampling_params(ChatRequest.model_validate(chat), 5, 0).skip_special_tokens is True
+    off = ChatRequest.model_validate({**chat, "skip_special_tokens": False})
+    assert sampling_params(off, 5, 0).skip_special_tokens is False
+    assert sampling_params(CompletionRequest.model_validate({"prompt": "x", "skip_special_tokens": False}), 5,
+                           0).skip_special_tokens is False

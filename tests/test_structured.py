@@ -277,6 +277,16 @@ def test_server_response_format_and_guided_fields(server):
     chunks = c.completions.create(model="m", prompt="pick:", max_tokens=20, temperature=0, stream=True,
                                   extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
     assert follows("choice", "".join(ch.choices[0].text for ch in chunks if ch.choices))
+    # vLLM's structured_outputs (its name for the guided_* fields since 0.10.2): the same constraints
+    r = c.completions.create(model="m", prompt="data:", max_tokens=80, n=3, temperature=1.0, seed=2,
+                             extra_body={"structured_outputs": {"regex": "[a-e]{2,5}-[0-9]{1,3}"}})
+    assert all(follows("regex", ch.text) for ch in r.choices)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "data?"}], max_tokens=80,
+                                  temperature=0, extra_body={"structured_outputs": {"json": SCHEMA}})
+    assert r.choices[0].finish_reason == "stop" and follows("json", r.choices[0].message.content)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "pick"}], max_tokens=20,
+                                  temperature=0, extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert r.choices[0].message.content in ("alpha", "beta")
     r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "obj?"}], max_tokens=120,
                                   temperature=0, response_format={"type": "json_object"})
     text = r.choices[0].message.content  # a random model may not close the object within max_tokens
@@ -312,7 +322,10 @@ def test_server_rejects_bad_constraints(server):
                           ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured output"),
                           ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
                           ({"response_format": {"type": "xml"}}, "response_format"),
-                          ({"guided_json": "{not json"}, "not valid JSON")):
+                          ({"guided_json": "{not json"}, "not valid JSON"),
+                          ({"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]}, "one structured output"),
+                          ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+                          ({"structured_outputs": {"structural_tag": {"type": "x"}}}, "structural_tag is not supported")):
         with pytest.raises(openai.BadRequestError, match=re.escape(message)):
             c.completions.create(model="m", prompt="x", max_tokens=5, extra_body=body)
     r = c.completions.create(model="m", prompt="x", max_tokens=5, temperature=0, extra_body={"guided_choice": ["ok"]})

@@ -153,7 +153,8 @@ def test_calls_stream_as_the_model_writes_them():
         seen += [(step, p.index, p.name) for p in more if p.name is not None]
     rest, calls, more = s.finish()
     parts += more
-    assert rest == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert rest == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2},
+                                                                                      {"a": 3, "b": 4}]
     # each call is named as soon as its name and the start of its arguments are written, long before the end
     first_end = TWO.index("</tool_call>") // 3
     assert [(i, n) for _, i, n in seen] == [(0, "add"), (1, "add")] and seen[0][0] < first_end < seen[1][0]
@@ -164,7 +165,8 @@ def test_calls_stream_as_the_model_writes_them():
     text = '<tool_call>{"name":"add","arguments":{"a":1,"s":"}\\"{"}}</tool_call>'
     parts = []
     _, _, calls = stream([text[:30], text[30:]], parts=parts)
-    assert calls[0]["function"]["arguments"] == '{"a":1,"s":"}\\"{"}' == parse_tool_calls(text)[1][0]["function"]["arguments"]
+    unstreamed = parse_tool_calls(text)[1][0]["function"]["arguments"]
+    assert calls[0]["function"]["arguments"] == '{"a":1,"s":"}\\"{"}' == unstreamed
     assert joined(parts)[0][1:] == ("add", '{"a":1,"s":"}\\"{"}')
 
 

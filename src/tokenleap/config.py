@@ -178,6 +178,9 @@ class SamplingParams:
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: tokens that end the reply (kept in its token ids)
     include_stop_str_in_output: bool = False  # vLLM's: a stop string that ended the reply stays in its text
+    # vLLM's: special tokens the reply holds (control tokens such as <|im_start|>) are left out of its text;
+    # False writes them (an EOS or stop token that ends the reply is never in the text)
+    skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the reply's tokens are chosen among these only (empty: all)
     # vLLM's bad_words: words the reply may not contain (the engine tokenizes them into bad_word_ids)
     bad_words: tuple[str, ...] = ()

@@ -6,10 +6,11 @@ turn's content blocks as chat messages -- ``text`` blocks joined, an assistant t
 blocks as its tool calls, a user turn's ``tool_result`` blocks as tool messages before its text --
 ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice`` (auto, any, tool, none)
 in the chat forms, ``stop_sequences`` as stop strings, ``output_config.format`` (a JSON schema; the
-beta's ``output_format`` too) as ``response_format``; the sampling fields the chat endpoint takes (``temperature``, ``top_p``,
-``top_k``, ``seed``, penalties) may come as extra body fields. A conversation that ends with an assistant turn
-is continued (the reply goes on from that text, as Anthropic's prefill does). So it runs through the
-same template, sampling, tool calling and speculation as /v1/chat/completions.
+beta's ``output_format`` too) as ``response_format``; the sampling fields the chat endpoint takes
+(``temperature``, ``top_p``, ``top_k``, ``seed``, penalties) may come as extra body fields. A
+conversation that ends with an assistant turn is continued (the reply goes on from that text, as
+Anthropic's prefill does). So it runs through the same template, sampling, tool calling and
+speculation as /v1/chat/completions.
 
 ``MessageWriter`` writes the reply as a Message (``content``: a text block and ``tool_use`` blocks;
 ``stop_reason``: end_turn, max_tokens, stop_sequence or tool_use) or, streamed, as the API's events

@@ -74,6 +74,19 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: one constraint. Its switches for the grammar backend
+    (``disable_any_whitespace`` and the like) are vLLM's engine's, not read here; a structural tag is
+    refused (``structured_output``)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+
+
 class _Sampling(_Strict):
     model: str | None = None
     temperature: float | None = None
@@ -90,6 +103,7 @@ class _Sampling(_Strict):
     truncate_prompt_tokens: Int64 | None = None  # vLLM's: the prompt's last N tokens only (-1: the context's length)
     stop_token_ids: list[Int64] | None = None  # vLLM's
     include_stop_str_in_output: bool | None = False  # vLLM's
+    skip_special_tokens: bool | None = True  # vLLM's: false writes special tokens into the text
     allowed_token_ids: list[Int64] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     presence_penalty: float | None = None
@@ -98,8 +112,9 @@ class _Sampling(_Strict):
     repetition_last_n: Int64 | None = None  # llama.cpp's repeat_last_n: the penalty's window (0 / absent: all)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # structured output: OpenAI's response_format, or vLLM's guided_* fields
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs (its guided_* fields before)
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -310,6 +325,7 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
             min_tokens=req.min_tokens or 0, stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,
             allowed_token_ids=tuple(req.allowed_token_ids or ()), bad_words=tuple(req.bad_words or ()),
             prediction=prediction, n_indent=getattr(req, "n_indent", None) or 0,
             t_max_predict_ms=getattr(req, "t_max_predict_ms", None) or 0.0)
@@ -335,31 +351,43 @@ def sampling_fields(req: _Sampling) -> dict[str, Any]:
 
 
 def structured_output(req: _Sampling) -> StructuredOutput | None:
-    """The grammar a request's reply must follow, if any (one of response_format and guided_*)."""
+    """The grammar a request's reply must follow, if any: one of response_format,
+    structured_outputs' fields and guided_*."""
     fmt = req.response_format
-    asked = {"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
-             "grammar": req.guided_grammar}
+    asked: dict[str, tuple[str, Any]] = {f"guided_{kind}": (kind, getattr(req, f"guided_{kind}"))
+                                         for kind in ("json", "regex", "choice", "grammar")}
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        if so.structural_tag is not None:
+            raise bad_request("structured_outputs.structural_tag is not supported; give json, regex, choice, grammar "
+                              "or json_object", "structured_outputs")
+        asked.update({f"structured_outputs.{kind}": (kind, getattr(so, kind))
+                      for kind in ("json", "regex", "choice", "grammar")})
+        if so.json_object:
+            asked["structured_outputs.json_object"] = ("json_object", True)
     if fmt is not None and fmt.type == "json_object":
-        asked["json_object"] = True
+        asked["response_format"] = ("json_object", True)
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
-        asked["json"] = fmt.json_schema.schema_
-    asked = {k: v for k, v in asked.items() if v is not None}
+        asked["response_format"] = ("json", fmt.json_schema.schema_)
+    asked = {k: v for k, v in asked.items() if v[1] is not None}
     if not asked:
         return None
     if len(asked) > 1:
-        raise bad_request(f"give one structured output constraint, not {' and '.join(asked)}", "response_format")
-    (kind, value), = asked.items()
+        raise bad_request(f"give one structured output constraint, not {' and '.join(asked)}",
+                          next(iter(asked)).split(".")[0])
+    (label, (kind, value)), = asked.items()
+    param = label.split(".")[0]
     if kind == "json" and isinstance(value, str):
         try:
             json.loads(value)
         except ValueError:
-            raise bad_request("guided_json is not valid JSON", "guided_json") from None
+            raise bad_request(f"{label} is not valid JSON", param) from None
     try:
         return StructuredOutput(**{kind: value})
     except ConfigError as e:  # an empty choice list, regex or grammar
-        raise bad_request(str(e), "response_format" if kind.startswith("json") else f"guided_{kind}") from None
+        raise bad_request(f"{label}: {e}", param) from None
 
 
 _TOKEN_KEY = re.compile(r"\s*[0-9]{1,19}\s*")  # ASCII digits only ("²".isdigit() holds, int() refuses it)

@@ -103,7 +103,8 @@ class Engine:
             params = replace(params, max_tokens=room)
         params = for_vocabulary(params, self.tokenizer, self.model.config.vocab_size)
         return Sequence(seq_id=next(self._ids), prompt=list(prompt), params=params, eos_ids=self.eos_ids,
-                        detokenizer=self.tokenizer.detokenizer(),
+                        detokenizer=self.tokenizer.detokenizer() if params.skip_special_tokens
+                        else self.tokenizer.detokenizer(skip_special_tokens=False),
                         generator=None if params.greedy else request_randomness(params.seed),
                         constraint=self.constraints.make(params.structured) if params.structured else None)
 
