@@ -140,8 +140,10 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is not None and req.suffix is not None:
             raise bad_request("truncate_prompt_tokens would cut a fill-in-the-middle prompt's start: leave it "
                               "out with suffix", "truncate_prompt_tokens")
-        prompts = [truncate_prompt(p, req.truncate_prompt_tokens, self.engine.max_len) for p in
-                   self._prompts(req.prompt, None if req.suffix is None else fim_encoder(self.tokenizer, req))]
+        encode = fim_encoder(self.tokenizer, req) if req.suffix is not None else \
+            (lambda p: self._encode(p, req.add_special_tokens is not False))
+        prompts = [truncate_prompt(p, req.truncate_prompt_tokens, self.engine.max_len)
+                   for p in self._prompts(req.prompt, encode)]
         echo_only = req.max_tokens == 0  # the prompt (and its logprobs) alone, as vLLM and OpenAI answer it
         if echo_only and not req.echo:
             raise bad_request("max_tokens 0 returns the prompt alone: it needs echo set to true", "max_tokens")

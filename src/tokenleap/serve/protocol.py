@@ -136,6 +136,7 @@ class CompletionRequest(_Sampling):
     best_of: Int64 | None = None  # only n itself (the choices are not ranked): more is refused
     n_indent: Int64 | None = None  # llama.cpp's code-completion stops (its /completion and /infill)
     t_max_predict_ms: float | None = None
+    add_special_tokens: bool | None = True  # vLLM's: false leaves out the tokens the tokenizer adds (a BOS)
 
 
 class TextPart(_Strict):
