@@ -458,6 +458,16 @@ def test_logprobs_completions_and_chat(server):
     r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                   temperature=0)
     assert r.choices[0].logprobs is None
+    # vLLM's return_tokens_as_token_ids: tokens named "token_id:ID" (offsets still count the text)
+    ids = c.completions.create(model=NAME, prompt="score me", max_tokens=10, temperature=0, logprobs=2,
+                               extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    names = [f"token_id:{t}" for t in expected("score me", 10, temperature=0).generated]
+    assert ids.tokens == names and ids.text_offset == lp.text_offset
+    assert all(set(top) <= {f"token_id:{i}" for i in range(VOCAB)} for top in ids.top_logprobs)
+    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                  temperature=0, logprobs=True, top_logprobs=3,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    assert [e.token for e in r.choices[0].logprobs.content] == [f"token_id:{t}" for t in ref.generated]
 
 
 def test_echo_with_prompt_logprobs(server):

@@ -150,7 +150,8 @@ class OpenAIServer:
         budgets = [check_max_tokens(1 if echo_only else req.max_tokens, len(p), self.engine.max_len, 16)
                    for p in prompts]
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
-                      **usage_options(req), tokens=self._token_text(req.logprobs is not None))
+                      **usage_options(req),
+                      tokens=self._token_text(req.logprobs is not None, req.return_tokens_as_token_ids))
         echo = None
         if req.echo:  # the prompt as given (token ids, or one truncated: decoded) starts each choice
             texts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
@@ -174,7 +175,8 @@ class OpenAIServer:
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
-                      **usage_options(req), tokens=self._token_text(bool(req.logprobs)), tools=tools,
+                      **usage_options(req), tools=tools,
+                      tokens=self._token_text(bool(req.logprobs), req.return_tokens_as_token_ids),
                       reasoning=self._reasoning(req, prompt))
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
                                PromptView(prompt_logprobs=check_prompt_logprobs(req)), self._prediction(req))
@@ -229,7 +231,8 @@ class OpenAIServer:
                        for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
             body = fmt.obj(choices, usage=job.usage())
             if view.prompt_logprobs is not None:
-                add_prompt_logprobs(body, job.prompt_scored, view.prompt_logprobs, self._token_text(True), fmt.chat)
+                add_prompt_logprobs(body, job.prompt_scored, view.prompt_logprobs,
+                                    self._token_text(True, req.return_tokens_as_token_ids), fmt.chat)
             return body
         return await self._answer(http, job, fmt, bool(req.stream), openai_chunks(job, fmt), final)
 
@@ -358,12 +361,13 @@ class OpenAIServer:
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                                 f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
 
-    def _token_text(self, wanted: bool) -> TokenText | None:
+    def _token_text(self, wanted: bool, as_ids: bool | None = False) -> TokenText | None:
+        """The tokens' texts for logprobs (``as_ids``: vLLM's return_tokens_as_token_ids), if ``wanted``."""
         if not wanted:
             return None
         if self._tokens is None:
             self._tokens = TokenText(self.tokenizer)
-        return self._tokens
+        return self._tokens.with_ids() if as_ids else self._tokens
 
     def _prompts(self, prompt: Any, encode=None) -> list[list[int]]:
         """A completion request's prompts, each encoded (``encode``: another encoder than ``_encode``)."""

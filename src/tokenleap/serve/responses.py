@@ -65,12 +65,23 @@ def chat_delta(index: int, delta: dict[str, Any], finish_reason: str | None,
 class TokenText:
     """Each token's own text (special tokens spelled out) and its UTF-8 bytes, cached. A token that
     holds part of a multi-byte character shows U+FFFD in its text; its bytes are exact where the
-    tokenizer can say (``token_bytes``)."""
+    tokenizer can say (``token_bytes``). ``label`` is how logprobs name a token: its text, or with
+    ``as_ids`` (vLLM's ``return_tokens_as_token_ids``) ``"token_id:ID"``, which no partial character
+    garbles."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
+        self.tokenizer, self.as_ids = tokenizer, as_ids
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
+
+    def label(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
+
+    def with_ids(self) -> "TokenText":
+        """The same tokenizer's texts (this cache), labelled by id."""
+        other = TokenText(self.tokenizer, as_ids=True)
+        other._text, other._bytes = self._text, self._bytes
+        return other
 
     def text(self, token_id: int) -> str:
         if token_id not in self._text:
@@ -100,14 +111,14 @@ def completion_logprobs(scored: list[Scored], tt: TokenText, offset: int) -> dic
     Each ``top_logprobs`` holds the token itself and its ``logprobs`` alternatives."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, lp in scored:
-        text = tt.text(token_id)
-        out["tokens"].append(text)
+        label = tt.label(token_id)
+        out["tokens"].append(label)
         out["token_logprobs"].append(None if lp is None else lp.logprob)
         # the token itself first, then the alternatives: OpenAI's "up to logprobs + 1" (as vLLM's), so the
         # chosen token's entry is there however unlikely it was
-        out["top_logprobs"].append(None if lp is None else {text: lp.logprob, **{tt.text(t): v for t, v in lp.top}})
+        out["top_logprobs"].append(None if lp is None else {label: lp.logprob, **{tt.label(t): v for t, v in lp.top}})
         out["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(tt.text(token_id))
     return out
 
 
@@ -116,7 +127,7 @@ def token_logprob_entries(scored: list[Scored], tt: TokenText, ids: bool = False
     (``ids``: each with its token id too, as llama.cpp's ``completion_probabilities`` has them)."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         out = {"id": token_id} if ids else {}
-        return {**out, "token": tt.text(token_id), "logprob": logprob, "bytes": tt.bytes(token_id)}
+        return {**out, "token": tt.label(token_id), "logprob": logprob, "bytes": tt.bytes(token_id)}
     return [{**entry(t, lp.logprob), "top_logprobs": [entry(a, v) for a, v in lp.top]}
             for t, lp in scored if lp is not None]
 
@@ -125,7 +136,7 @@ def prompt_logprob_dicts(scored: list[Scored], k: int, tt: TokenText) -> list[di
     """vLLM's ``prompt_logprobs``: per prompt token (the first: None), the token and its ``k`` likeliest
     alternatives by id, each with its logprob, rank and text."""
     def entry(logprob: float, rank: int, token_id: int) -> dict[str, Any]:
-        return {"logprob": logprob, "rank": rank, "decoded_token": tt.text(token_id)}
+        return {"logprob": logprob, "rank": rank, "decoded_token": tt.label(token_id)}
     out: list[dict[str, Any] | None] = []
     for token_id, lp in scored:
         if lp is None:
