@@ -36,7 +36,7 @@ from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.body import parse_body
-from tokenleap.serve.protocol import (MAX_LOGPROBS, MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, bad_request,
+from tokenleap.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, CompletionRequest, bad_request,
                                       check_common, check_logit_bias, check_prompt_logprobs, check_token_ids,
                                       sampling_params, structured_output)
 from tokenleap.serve.responses import Format, TokenText, add_prompt_logprobs, new_id, now, usage_options
@@ -48,6 +48,7 @@ from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job, PromptView
 from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.origins import add_origin_checks
+from tokenleap.serve.prompts import Prompts
 from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
 from tokenleap.serve.messages_routes import MessagesRoutes
@@ -57,7 +58,6 @@ from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_routes import OllamaRoutes
 from tokenleap.serve.tools import ToolPlan, plan_tools, reply_grammar
-from tokenleap.text.plain import encode_plain
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
 
@@ -93,6 +93,7 @@ class OpenAIServer:
         self.registry = make_registry(self.scheduler.snapshot, config.model_name)
         self.created = now()
         self._tokens: TokenText | None = None  # token texts for logprobs, cached across requests
+        self.prompts = Prompts(self.tokenizer, engine.model.config.vocab_size)  # requests' prompts -> ids
 
     # -- app --------------------------------------------------------------------------------
     def app(self) -> FastAPI:
@@ -141,9 +142,9 @@ class OpenAIServer:
             raise bad_request("truncate_prompt_tokens would cut a fill-in-the-middle prompt's start: leave it "
                               "out with suffix", "truncate_prompt_tokens")
         encode = fim_encoder(self.tokenizer, req) if req.suffix is not None else \
-            (lambda p: self._encode(p, req.add_special_tokens is not False))
+            (lambda p: self.prompts.encode(p, req.add_special_tokens is not False))
         prompts = [truncate_prompt(p, req.truncate_prompt_tokens, self.engine.max_len)
-                   for p in self._prompts(req.prompt, encode)]
+                   for p in self.prompts.many(req.prompt, encode)]
         echo_only = req.max_tokens == 0  # the prompt (and its logprobs) alone, as vLLM and OpenAI answer it
         if echo_only and not req.echo:
             raise bad_request("max_tokens 0 returns the prompt alone: it needs echo set to true", "max_tokens")
@@ -170,7 +171,7 @@ class OpenAIServer:
             raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                               "top_logprobs")
         tools = self._plan_tools(req)
-        prompt = truncate_prompt(self._encode_chat(chat_messages(req), tools, chat_options(req)),
+        prompt = truncate_prompt(self.prompts.encode_chat(chat_messages(req), tools, chat_options(req)),
                                  req.truncate_prompt_tokens, self.engine.max_len)
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
@@ -345,7 +346,7 @@ class OpenAIServer:
             return ()
         content = req.prediction.content
         text = content if isinstance(content, str) else "".join(p.text for p in content)
-        return tuple(self._encode(text, False, "prediction")) if text else ()
+        return tuple(self.prompts.encode(text, False, "prediction")) if text else ()
 
     def _reasoning(self, req: ChatRequest, prompt: list[int]) -> Reasoning | None:
         """How the replies' thinking is split from their content: where the chat template writes
@@ -369,61 +370,6 @@ class OpenAIServer:
             self._tokens = TokenText(self.tokenizer)
         return self._tokens.with_ids() if as_ids else self._tokens
 
-    def _prompts(self, prompt: Any, encode=None) -> list[list[int]]:
-        """A completion request's prompts, each encoded (``encode``: another encoder than ``_encode``)."""
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        if len(prompt) > MAX_PROMPTS:
-            raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        return [(encode or self._encode)(p) for p in prompt]
-
-    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        """A prompt's ids (token ids: checked against the vocabulary); a 400 naming ``param`` when it
-        cannot be tokenized. ``add_special_tokens`` false: none added (a tokenizer whose encode
-        takes no such option adds none)."""
-        if isinstance(prompt, list):
-            vocab = self.engine.model.config.vocab_size
-            if not prompt or not all(0 <= t < vocab for t in prompt):
-                raise bad_request(f"token ids must be non-empty lists of ids in [0, {vocab})", param)
-            return prompt
-        try:
-            return self.tokenizer.encode(prompt) if add_special_tokens else encode_plain(self.tokenizer, prompt)
-        except (ValueError, TypeError, UnicodeError) as e:
-            raise bad_request(f"the {param} could not be tokenized: {e}", param) from None
-
-    def _encode_chat(self, messages: list[dict[str, Any]], tools: ToolPlan,
-                     options: dict[str, Any] | None = None) -> list[int]:
-        """The rendered conversation's ids, ending with the start of the reply (and the opening of
-        a tool call when ``tool_choice`` forces one); ``options``: ``chat_options``."""
-        return self._chat(messages, tools, options, encode=True)
-
-    def render_chat(self, messages: list[dict[str, Any]], tools: ToolPlan,
-                    options: dict[str, Any] | None = None) -> str:
-        """The same conversation's prompt text (llama.cpp's /apply-template)."""
-        return self._chat(messages, tools, options, encode=False)
-
-    def _chat(self, messages: list[dict[str, Any]], tools: ToolPlan, options: dict[str, Any] | None,
-              encode: bool) -> list[int] | str:
-        """``_encode_chat`` (``encode``) or ``render_chat``: the tokenizer's own ``encode_chat`` /
-        ``render_chat`` where it has them, else its chat template's text (then encoded); a 400 that
-        says why the messages cannot be rendered."""
-        extra = {**(options or {}), **({"tools": tools.tools} if tools.tools is not None else {})}
-        try:
-            native = getattr(self.tokenizer, "encode_chat" if encode else "render_chat", None)
-            if native is not None:
-                return native(messages, reply_prefix=tools.prefix, **extra)
-            if extra.pop("continue_final_message", False):
-                raise bad_request("this tokenizer cannot continue a final message", "continue_final_message")
-            extra.setdefault("add_generation_prompt", True)
-            text = self.tokenizer.apply_chat_template(messages, **extra) + tools.prefix
-            return self.tokenizer.encode(text) if encode else text
-        except ConfigError as e:
-            raise bad_request(str(e), "messages") from None
-        except (ValueError, TypeError, UnicodeError) as e:
-            raise bad_request(f"the messages could not be {'tokenized' if encode else 'rendered'}: {e}",
-                              "messages") from None
 
 def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``Engine`` built on a ``PagedKVCache``); the app's

@@ -123,7 +123,7 @@ class EmbeddingRoutes:
         for t in texts:
             if isinstance(t, str) and not t:
                 raise bad_request("input must not contain empty strings", "input")
-            ids.append(server._encode(t, True, "input"))
+            ids.append(server.prompts.encode(t, True, "input"))
             if truncate:  # (Ollama's default: the input's first tokens, as many as the context holds)
                 ids[-1] = ids[-1][:server.engine.max_len]
             ids[-1] = truncate_prompt(ids[-1], keep_last, server.engine.max_len)

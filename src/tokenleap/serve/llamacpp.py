@@ -100,7 +100,7 @@ class _LlamaSampling(_Strict):
             # as editor plugins send it: its first token is computed, none returned)
             "max_tokens": None if self.n_predict is None or self.n_predict < 0 else max(self.n_predict, 1),
             "n": given(self.n_cmpl, 1),
-            "logit_bias": _bias(self.logit_bias, lambda text: server._encode(text, False, "logit_bias")) or None,
+            "logit_bias": _bias(self.logit_bias, lambda text: server.prompts.encode(text, False, "logit_bias")) or None,
             "logprobs": self.n_probs or None, "guided_json": self.json_schema or None,
             "guided_grammar": self.grammar or None,  # llama.cpp's defaults {} and "": none
             "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms})
@@ -249,14 +249,14 @@ def _join(prompt, server) -> list[int]:
     one); a list's strings encoded in place between its ids, a BOS only before a leading string (as
     llama.cpp does)."""
     if isinstance(prompt, str) or not prompt:
-        return server._prompts(prompt)[0]  # (an empty prompt: refused there)
+        return server.prompts.many(prompt)[0]  # (an empty prompt: refused there)
     ids: list[int] = []
     for j, part in enumerate(prompt):
         if isinstance(part, str):
-            ids += server._encode(part, add_special_tokens=j == 0)
+            ids += server.prompts.encode(part, add_special_tokens=j == 0)
         else:
             ids.append(part)
-    return server._encode(ids)  # (checks the ids against the vocabulary)
+    return server.prompts.encode(ids)  # (checks the ids against the vocabulary)
 
 
 class _Shape:

@@ -54,4 +54,4 @@ class MessagesRoutes:
         chat = chat_request(req)
         server._check(chat)
         tools = server._plan_tools(chat)
-        return chat, tools, server._encode_chat(chat_messages(chat), tools, chat_options(chat))
+        return chat, tools, server.prompts.encode_chat(chat_messages(chat), tools, chat_options(chat))

@@ -109,7 +109,7 @@ class OllamaRoutes:
         tools = server._plan_tools(chat)
         window = context_window(body, server.engine.max_len)
         messages, options = chat_messages(chat), chat_options(chat)
-        encode = lambda kept: server._encode_chat(kept, tools, options)  # noqa: E731
+        encode = lambda kept: server.prompts.encode_chat(kept, tools, options)  # noqa: E731
         prompt = fit_history(messages, encode, window) if body.truncate is not False else encode(messages)
         job = await server._start(chat, [prompt], [self._budget(chat.max_tokens, len(prompt), window)],
                                   reply_grammar(tools, chat), logprobs)
@@ -131,7 +131,7 @@ class OllamaRoutes:
         window = context_window(body, server.engine.max_len)
         ids, templated = self._prompt(body, req)
         if body.context:
-            context = server._encode(list(body.context), param="context")
+            context = server.prompts.encode(list(body.context), param="context")
             if body.truncate is not False:  # the oldest tokens go where the window is short of room
                 context = context[max(0, len(context) + len(ids) + 1 - window):]
             ids = context + ids
@@ -154,10 +154,10 @@ class OllamaRoutes:
             req.stop_token_ids = list(fim.stop_ids)
             return ids, False
         if body.raw or not getattr(server.tokenizer, "chat_template", None):
-            return server._encode(body.prompt or ""), False
+            return server.prompts.encode(body.prompt or ""), False
         messages = [{"role": "system", "content": body.system}] if body.system else []
         options = {"add_generation_prompt": True, **thinking_kwargs(body)}
-        return server._encode_chat(messages + [{"role": "user", "content": body.prompt or ""}], ToolPlan(),
+        return server.prompts.encode_chat(messages + [{"role": "user", "content": body.prompt or ""}], ToolPlan(),
                                    options), True
 
     def _budget(self, requested: int | None, prompt_len: int, window: int) -> int:

@@ -60,7 +60,7 @@ class ResponsesRoutes:
         chat = chat_request(req, earlier)
         server._check(chat)
         tools = server._plan_tools(chat)
-        prompt = truncate_prompt(server._encode_chat(chat_messages(chat), tools, chat_options(chat)),
+        prompt = truncate_prompt(server.prompts.encode_chat(chat_messages(chat), tools, chat_options(chat)),
                                  req.truncate_prompt_tokens, server.engine.max_len)
         budget = check_max_tokens(req.max_output_tokens, len(prompt), server.engine.max_len, None,
                                   "max_output_tokens")

@@ -69,7 +69,7 @@ class TokenRoutes:
         if len(flags) > 1:
             raise bad_request("add_special_tokens and add_special disagree", "add_special")
         special = flags.pop() if flags else req.content is None
-        ids = server._encode_chat(chat_messages(req), ToolPlan()) if text is None else server._encode(text, special)
+        ids = server.prompts.encode_chat(chat_messages(req), ToolPlan()) if text is None else server.prompts.encode(text, special)
         tokens: list[Any] = [{"id": t, "piece": server.tokenizer.decode([t])} for t in ids] if req.with_pieces else ids
         return {"count": len(ids), "max_model_len": server.engine.max_len, "tokens": tokens}
 
