@@ -20,13 +20,13 @@ MAX_N = 16  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
 MAX_STOP = 16
 MAX_TEMPERATURE = 100.0  # far past any useful value (the distribution is flat long before): refuse as absurd
-# every integer field is a signed 64-bit value, as the sampler's tensors hold it: a larger one is a 400
-# naming the field (pydantic's message, with the field's path), never an overflow deeper down; a float
-# with no fraction (5.0, as Python clients may send) is taken as that integer, as vLLM takes it
 def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+# every integer field is a signed 64-bit value, as the sampler's tensors hold it: a larger one is a 400
+# naming the field (pydantic's message, with the field's path), never an overflow deeper down; a float
+# with no fraction (5.0, as Python clients may send) is taken as that integer, as vLLM takes it
 Int64 = Annotated[int, BeforeValidator(_integral), Field(ge=-2**63, le=2**63 - 1)]
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
