@@ -233,3 +233,19 @@ def test_version_and_ping(server):
     assert httpx.get(server.url + "/version", timeout=30).json() == {"version": __version__}
     assert httpx.get(server.url + "/ping", timeout=30).status_code == 200
     assert httpx.post(server.url + "/ping", timeout=30).status_code == 200
+
+
+def test_max_tokens_names_n_predict_and_unserved_samplers_are_refused(server):
+    """llama.cpp takes OpenAI's max_tokens for n_predict (n_predict first where both are given); its
+    samplers this server does not run are a 400 unless left at their neutral values."""
+    body = {"prompt": "hello", "temperature": 0, "ignore_eos": True}
+    r = post(server, "/completion", {**body, "max_tokens": 5}).json()
+    assert r["tokens_predicted"] == 5 and r["content"] == ref(ids_of("hello"), 5, temperature=0, ignore_eos=True).text
+    assert post(server, "/completion", {**body, "max_tokens": 5, "n_predict": 3}).json()["tokens_predicted"] == 3
+    neutral = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "dynatemp_range": 0.0,
+               "top_n_sigma": -1.0}
+    assert post(server, "/completion", {**body, "n_predict": 2, **neutral}).status_code == 200
+    for name, value in (("typical_p", 0.5), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
+                        ("dynatemp_range", 0.5), ("top_n_sigma", 1.0)):
+        r = post(server, "/completion", {**body, "n_predict": 2, name: value})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], name

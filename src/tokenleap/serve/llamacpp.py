@@ -55,6 +55,7 @@ _BiasKey = Int64 | str
 class _LlamaSampling(_Strict):
     model: str | None = None
     n_predict: Int64 | None = None
+    max_tokens: Int64 | None = None  # the OpenAI name llama.cpp also takes for n_predict
     temperature: float | None = None
     top_k: Int64 | None = None
     top_p: float | None = None
@@ -77,6 +78,17 @@ class _LlamaSampling(_Strict):
     n_indent: Int64 | None = None  # a new line indented less ends the reply (code completion)
     response_fields: list[str] | None = None  # the final object's fields kept, "a/b" unnested under that name
     t_max_predict_ms: float | None = None  # past this from the first token, a new line ends the reply
+    # llama.cpp's other samplers: not served, so refused unless at their neutral value (_NEUTRAL)
+    typical_p: float | None = None
+    mirostat: Int64 | None = None
+    dry_multiplier: float | None = None
+    xtc_probability: float | None = None
+    dynatemp_range: float | None = None
+    top_n_sigma: float | None = None
+
+    def model_post_init(self, context: Any) -> None:
+        if self.n_predict is None:  # (n_predict wins where both are given, as in llama.cpp)
+            self.n_predict = self.max_tokens
 
     def completion(self, server) -> CompletionRequest:
         """The same request in ``/v1/completions`` terms (llama.cpp's defaults filled in; a text key
@@ -86,6 +98,11 @@ class _LlamaSampling(_Strict):
         if self.post_sampling_probs:
             raise bad_request("post_sampling_probs is not supported: n_probs gives the model's own "
                               "probabilities (its raw logits)", "post_sampling_probs")
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name)
+            if value is not None and not neutral(value):
+                raise bad_request(f"{name} is not supported by this server (its samplers: temperature, top_k, top_p, "
+                                  f"min_p and the penalties); leave it out or at its neutral value", name)
         if self.n_probs is not None and not 0 <= self.n_probs <= MAX_LOGPROBS:
             raise bad_request(f"n_probs must be in [0, {MAX_LOGPROBS}], got {self.n_probs}", "n_probs")
         return CompletionRequest.model_construct(**{
@@ -104,6 +121,11 @@ class _LlamaSampling(_Strict):
             "logprobs": self.n_probs or None, "guided_json": self.json_schema or None,
             "guided_grammar": self.grammar or None,  # llama.cpp's defaults {} and "": none
             "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms})
+
+
+# each unserved sampler's test for a value that leaves the reply as it is (llama.cpp's defaults)
+_NEUTRAL = {"typical_p": lambda v: v >= 1.0, "mirostat": lambda v: v == 0, "dry_multiplier": lambda v: v == 0,
+            "xtc_probability": lambda v: v <= 0, "dynatemp_range": lambda v: v <= 0, "top_n_sigma": lambda v: v < 0}
 
 
 def _bias(given, encode) -> dict[str, float]:
