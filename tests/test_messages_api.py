@@ -113,6 +113,10 @@ def test_errors_take_anthropics_form(server):
                         ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "temperature": 1.5},
                          "0 <= temperature <= 1"),
                         ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
+                          "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers"),
+                        ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "container": "c_1"},
+                         "container"),
+                        ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
                           "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
                         ({"max_tokens": 10_000, "messages": [{"role": "user", "content": "x"}]}, "context length")):
         r = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)

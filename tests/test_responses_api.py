@@ -142,7 +142,9 @@ def test_what_cannot_be_done_is_a_clear_400(server):
            ({"input": "x" * 60, "max_output_tokens": 100}, "lower max_output_tokens"),
            ({"input": "x" * 200, "max_output_tokens": 5}, "shorten the prompt"),  # no budget would fit
            ({"input": "x", "temperature": -1}, "temperature"),
-           ({"input": "x", "include": ["message.output_text.logprob"]}, "not one of the values include takes")]
+           ({"input": "x", "include": ["message.output_text.logprob"]}, "not one of the values include takes"),
+           ({"input": "x", "conversation": "conv_1"}, "stored conversations"),
+           ({"input": "x", "prompt": {"id": "pmpt_1"}}, "stored conversations and prompts")]
     for body, message in bad:
         r = httpx.post(server.url + "/v1/responses", json={"model": NAME, **body},
                        headers={"Authorization": f"Bearer {KEY}"})

@@ -332,10 +332,21 @@ def test_fields_that_cannot_be_honoured_are_400s_naming_them():
              ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
              ("/v1/chat/completions", {**chat, "allowed_token_ids": [2], "min_tokens": 2}, "allowed_token_ids"),
              ("/v1/completions", {"prompt": "x", "allowed_token_ids": [2, 7], "stop_token_ids": [7],
-                                  "min_tokens": 1}, "allowed_token_ids")]
+                                  "min_tokens": 1}, "allowed_token_ids"),
+             # what vLLM / OpenAI define and this server cannot do: refused rather than ignored
+             ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 2}, "use_beam_search"),
+             ("/v1/chat/completions", {**chat, "priority": 5}, "priority"),
+             ("/v1/chat/completions", {**chat, "cache_salt": "tenant-1"}, "cache_salt"),
+             ("/v1/completions", {"prompt": "x", "logits_processors": ["x.y"]}, "logits_processors"),
+             ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "modalities"),
+             ("/v1/chat/completions", {**chat, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+             ("/v1/chat/completions", {**chat, "web_search_options": {}}, "web_search_options")]
     fine = [("/v1/completions", {"prompt": "x", "max_tokens": 2, "best_of": 2, "n": 2}),
             ("/v1/completions", {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [2, 7], "min_tokens": 2}),
-            ("/v1/chat/completions", {**chat, "model": "m:latest"})]  # Ollama's tag for the served name
+            ("/v1/chat/completions", {**chat, "model": "m:latest"}),  # Ollama's tag for the served name
+            # their neutral values ask for nothing
+            ("/v1/chat/completions", {**chat, "use_beam_search": False, "priority": 0, "modalities": ["text"],
+                                      "logits_processors": []})]
     responses = call(make_app(), [post(path, body) for path, body, _ in cases] + [post(p, b) for p, b in fine]
                      + [("HEAD", "/health", {})])
     for (path, body, param), r in zip(cases, responses):

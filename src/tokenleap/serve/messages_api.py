@@ -43,6 +43,10 @@ class CountTokensRequest(_Strict):  # POST /v1/messages/count_tokens
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None  # {"type": "enabled" | "disabled"}: the template's enable_thinking
+    # Anthropic's server-side tools and context editing: not run here (refused, as server tools are)
+    mcp_servers: list[Any] | None = None
+    container: Any = None
+    context_management: Any = None
 
 
 class MessagesRequest(CountTokensRequest):  # POST /v1/messages
@@ -70,6 +74,9 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty
 
 def chat_request(req: CountTokensRequest) -> ChatRequest:
     """The chat request that computes ``req``'s reply; a 400 for what this server cannot do."""
+    for name in ("mcp_servers", "container", "context_management"):
+        if getattr(req, name):
+            raise bad_request(f"{name}: this server runs no server-side tools or context editing", name)
     messages = [ChatMessage(role="system", content=_joined(req.system, "system"))] if req.system else []
     if not req.messages:
         raise bad_request("messages: at least one message is required", "messages")

@@ -113,6 +113,14 @@ class _Sampling(_Strict):
     repetition_last_n: Int64 | None = None  # llama.cpp's repeat_last_n: the penalty's window (0 / absent: all)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # what this server cannot do, refused when asked for (``check_common``, ``_UNSERVED``), not ignored
+    use_beam_search: bool | None = None
+    priority: Int64 | None = None
+    cache_salt: str | None = None
+    logits_processors: list[Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     # structured output: OpenAI's response_format, or vLLM's structured_outputs (its guided_* fields before)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -273,9 +281,27 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: Int64 | None = None  # with it: this many alternatives a token
     background: bool | None = None  # answer at once; the reply runs on (responses_background.py)
+    conversation: Any = None  # OpenAI's stored conversations and prompts: none are kept here (refused)
+    prompt: Any = None
+
+
+# a field a request may set that this server cannot honour: when it asks for something, and why not
+_UNSERVED = {
+    "use_beam_search": (lambda v: bool(v), "beam search is not supported (n gives independent samples)"),
+    "priority": (lambda v: bool(v), "priority scheduling is not supported: requests are served in turn"),
+    "cache_salt": (lambda v: v is not None, "cache_salt is not supported: every request of this server shares "
+                                            "its prefix cache (serve with --no-prefix-caching, or a server each)"),
+    "logits_processors": (lambda v: bool(v), "logits_processors are not supported"),
+    "modalities": (lambda v: any(m != "text" for m in v or ()), "only text output is supported"),
+    "audio": (lambda v: v is not None, "audio output is not supported"),
+    "web_search_options": (lambda v: v is not None, "web search is not supported"),
+}
 
 
 def check_common(req: _Sampling) -> None:
+    for name, (asks, why) in _UNSERVED.items():
+        if asks(getattr(req, name)):
+            raise bad_request(f"{name}: {why}", name)
     if req.n is None or not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
     if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:

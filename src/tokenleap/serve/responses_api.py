@@ -46,6 +46,10 @@ def chat_request(req: ResponsesRequest, earlier: list[dict[str, Any]] = ()) -> C
     ``previous_response_id``, as chat messages); a 400 for what this server cannot do."""
     if req.n != 1:
         raise bad_request("n is not a Responses API parameter: a request has one reply", "n")
+    for name in ("conversation", "prompt"):  # (OpenAI keeps these server-side; this server does not)
+        if getattr(req, name) is not None:
+            raise bad_request(f"{name}: stored conversations and prompts are not kept by this server; send the "
+                              "turns in input (or previous_response_id) and the instructions", name)
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     messages += [ChatMessage.model_validate(m) for m in earlier]
     messages += _input_messages(req.input)
