@@ -192,6 +192,17 @@ def test_a_closing_tag_inside_an_argument_is_part_of_it():
     assert rest == "" and joined(parts) == [(streamed[0]["id"], "add", '{"s": "a </tool_call> b"}')]
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    s = ToolStream("", ("add",), single=True)
+    parts = []
+    for piece in [TWO[i:i + 4] for i in range(0, len(TWO), 4)]:
+        parts += s.feed(piece)[1]
+    rest, calls, more = s.finish()
+    parts += more
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}]
+    assert joined(parts) == [(calls[0]["id"], "add", '{"a": 1, "b": 2}')]  # the second call never went out
+
+
 def test_calls_in_other_shapes_come_whole_at_the_end():
     for text in ('<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>',  # keys the other way round
                  '<tool_call>\n{{"name": "add", "arguments": {"a": 1}}}\n</tool_call>',  # the template's doubled braces
@@ -358,6 +369,12 @@ def test_server_returns_tool_calls(scripted):
     assert r.choices[0].message.content == "Sure."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
         ("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    # parallel_tool_calls false: at most one call, as OpenAI's (the model wrote two), streamed or not
+    r = ask(server, "¶", tools=TOOLS, parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [{"a": 1, "b": 2}]
+    streamed = [c for chunk in ask(server, "¶", tools=TOOLS, parallel_tool_calls=False, stream=True)
+                for c in chunk.choices[0].delta.tool_calls or []]
+    assert {c.index for c in streamed} == {0}
     # without tools (or with tool_choice "none": the template shows them, as vLLM's does) the same reply
     # is plain content
     for kw, shown in (({}, None), ({"tools": TOOLS, "tool_choice": "none"}, TOOLS)):

@@ -33,7 +33,7 @@ from tokenleap.serve.protocol import (ChatMessage, ChatRequest, FunctionCall, In
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.reply_stream import ReplyStream
 from tokenleap.serve.tool_stream import merged
-from tokenleap.serve.tools import ToolPlan, arguments_object, function_tool, parse_tool_calls
+from tokenleap.serve.tools import ToolPlan, arguments_object, function_tool
 
 
 class CountTokensRequest(_Strict):  # POST /v1/messages/count_tokens
@@ -212,7 +212,7 @@ class MessageWriter:
         thought = None
         if self.reasoning is not None:
             thought, text = self.reasoning.split(text)
-        content, calls = (parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse
+        content, calls = (self.tools.calls(text) if self.tools.parse
                           else (text, []))
         blocks = [_thinking_block(thought)] if thought and self.reasoning.include else []
         blocks += [_text_block(content or "")] if content or not (calls or blocks) else []

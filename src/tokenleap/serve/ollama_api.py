@@ -46,7 +46,7 @@ from tokenleap.serve.protocol import (ChatMessage, ChatRequest, CompletionReques
 from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.reply_stream import ReplyStream
 from tokenleap.serve.responses import Scored, TokenText, token_logprob_entries
-from tokenleap.serve.tools import ToolPlan, arguments_object, function_tool, parse_tool_calls
+from tokenleap.serve.tools import ToolPlan, arguments_object, function_tool
 
 # Ollama's defaults for the options a request leaves out
 DEFAULT_OPTIONS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1,
@@ -258,7 +258,7 @@ class ReplyWriter:
         thought = None
         if self.reasoning is not None:
             thought, text = self.reasoning.split(text)
-        content, calls = (parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse
+        content, calls = (self.tools.calls(text) if self.tools.parse
                           else (text, []))
         obj = self._piece(content or "", thought if self.reasoning is not None and self.reasoning.include else None,
                           calls, scored)

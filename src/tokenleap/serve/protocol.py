@@ -79,7 +79,7 @@ class StructuredOutputs(_Strict):
     (``disable_any_whitespace`` and the like) are vLLM's engine's, not read here; a structural tag is
     refused (``structured_output``)."""
 
-    json: dict[str, Any] | str | None = None
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # (pydantic's own json)
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -389,7 +389,7 @@ def structured_output(req: _Sampling) -> StructuredOutput | None:
         if so.structural_tag is not None:
             raise bad_request("structured_outputs.structural_tag is not supported; give json, regex, choice, grammar "
                               "or json_object", "structured_outputs")
-        asked.update({f"structured_outputs.{kind}": (kind, getattr(so, kind))
+        asked.update({f"structured_outputs.{kind}": (kind, getattr(so, "json_" if kind == "json" else kind))
                       for kind in ("json", "regex", "choice", "grammar")})
         if so.json_object:
             asked["structured_outputs.json_object"] = ("json_object", True)

@@ -16,7 +16,7 @@ class ReplyStream:
     def __init__(self, reasoning: Reasoning | None, tools: ToolPlan) -> None:
         self.thinking = reasoning.stream() if reasoning is not None else None
         self.include = reasoning is not None and reasoning.include
-        self.calling = ToolStream(tools.prefix, tools.names) if tools.parse else None
+        self.calling = ToolStream(tools.prefix, tools.names, tools.single) if tools.parse else None
 
     def feed(self, piece: str, last: bool) -> tuple[str, str, list[CallPart], list[dict]]:
         """(reasoning to send, content to send, parts of calls to send, the calls: only with ``last``)

@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenleap.spec.logprobs import TokenLogprob
 from tokenleap.serve.reasoning import Reasoning
-from tokenleap.serve.tools import ToolPlan, parse_tool_calls
+from tokenleap.serve.tools import ToolPlan
 
 
 def new_id(prefix: str) -> str:
@@ -197,7 +197,7 @@ class Format:
                 thought = ((found or None) if self.reasoning.include else None,)
             content: str | None = text if text or not thought or thought[0] is None else None
             if self.tools.parse:
-                content, calls = parse_tool_calls(self.tools.prefix + text, self.tools.names)
+                content, calls = self.tools.calls(text)
                 return chat_choice(i, content, "tool_calls" if calls else reason, lp, calls, thought)
             return chat_choice(i, content, reason, lp, reasoning=thought)
         return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)

@@ -35,7 +35,7 @@ from tokenleap.serve.reasoning import Reasoning
 from tokenleap.serve.responses import Scored, TokenText, chat_logprobs, new_id
 from tokenleap.serve.reply_stream import ReplyStream
 from tokenleap.serve.tool_stream import CallPart, merged
-from tokenleap.serve.tools import ToolPlan, function_tool, parse_tool_calls
+from tokenleap.serve.tools import ToolPlan, function_tool
 
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -199,7 +199,7 @@ class ResponseWriter:
         thought = None
         if self.reasoning is not None:
             thought, text = self.reasoning.split(text)
-        content, calls = (parse_tool_calls(self.tools.prefix + text, self.tools.names) if self.tools.parse
+        content, calls = (self.tools.calls(text) if self.tools.parse
                           else (text, []))
         items = [self._reasoning_item(thought, "completed")] if thought and self.reasoning.include else []
         if content or not (calls or items):

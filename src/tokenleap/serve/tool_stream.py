@@ -92,11 +92,11 @@ class _Call:
 
 class ToolStream:
     """One streamed choice of a request that may call tools (``prefix``: the text the reply was made
-    to start with; ``names``: the functions offered)."""
+    to start with; ``names``: the functions offered; ``single``: its first call only)."""
 
-    def __init__(self, prefix: str = "", names: tuple[str, ...] = ()) -> None:
+    def __init__(self, prefix: str = "", names: tuple[str, ...] = (), single: bool = False) -> None:
         self.text, self.sent = prefix, 0  # the reply so far (forced prefix included); content characters sent
-        self.names = names
+        self.names, self.single = names, single
         self.seek = prefix.find(OPEN)  # where the next call is looked for (-1: no call has begun)
         self.calls: list[_Call] = []  # the calls whose parts went out, the last maybe still being written
         self.held = False  # a call not in the streamable shape: the rest waits for the end
@@ -114,6 +114,7 @@ class ToolStream:
     def finish(self) -> tuple[str, list[dict[str, Any]], list[CallPart]]:
         """(content still to send, the reply's calls, their parts still to send) once it is complete."""
         content, calls = parse_tool_calls(self.text, self.names)
+        calls = calls[:1] if self.single else calls
         if not self.calls:
             if calls:  # the content before the first block (none before a bare call), then the calls whole
                 at = self.text.find(OPEN)
@@ -163,6 +164,8 @@ class ToolStream:
                     self.seek = close + len(CLOSE)
                 call = None
             if call is None:  # between calls: the next one's head
+                if self.single and self.calls:
+                    break
                 at = self.text.find(OPEN, self.seek)
                 if at < 0:  # (text after a call: not searched again)
                     self.seek = max(self.seek, len(self.text) - len(OPEN) + 1)

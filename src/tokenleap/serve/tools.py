@@ -7,7 +7,8 @@ with ``finish_reason: "tool_calls"``. ``tool_choice``: "auto" (the default when 
 parses whatever the model writes; "required" and a named function make the reply start with the
 opening of a call and constrain it to a call of an offered (the named) function whose arguments
 follow that function's parameters schema (``structured.py``), as vLLM guides them -- "required"
-to one call or more (unless ``parallel_tool_calls`` is false), a named function to one;
+to one call or more (unless ``parallel_tool_calls`` is false), a named function to one (with
+``parallel_tool_calls`` false and "auto" the reply's first call is its only one);
 "none" shows the template the tools but parses no call (vLLM's default). A model whose template
 takes no tools gets a clear 400 (with "none": the tools are left out).
 
@@ -46,6 +47,13 @@ class ToolPlan:
     parse: bool = False
     names: tuple[str, ...] = ()  # the functions offered
     grammar: StructuredOutput | None = None  # what a forced call must look like (required / named)
+    single: bool = False  # parallel_tool_calls false: a reply's first call only
+
+    def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, calls) of a reply's ``text`` (``parse_tool_calls`` of the forced prefix and it),
+        the first call alone where the request asked for one at most."""
+        content, calls = parse_tool_calls(self.prefix + text, self.names)
+        return content, calls[:1] if self.single else calls
 
 
 def reply_grammar(tools: ToolPlan, req: ChatRequest | Any) -> StructuredOutput | None:
@@ -93,8 +101,9 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
     if not takes_tools:
         raise bad_request("this model's chat template does not take tools, so it cannot call them", "tools")
     names = [t.function.name for t in req.tools]
+    single = req.parallel_tool_calls is False
     if choice != "required" and not isinstance(choice, NamedToolChoice):
-        return ToolPlan(tools, "", True, tuple(names))
+        return ToolPlan(tools, "", True, tuple(names), single=single)
     forced = req.tools
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -118,8 +127,8 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
         one = len(forced) == 1
         prefix = OPEN + '\n{"name": ' + (json.dumps(forced[0].function.name, ensure_ascii=False) + ', "arguments": {'
                                          if one else '"')
-        return ToolPlan(tools, prefix, True, tuple(names))
-    return ToolPlan(tools, OPEN + "\n", True, tuple(names), grammar)
+        return ToolPlan(tools, prefix, True, tuple(names), single=single)
+    return ToolPlan(tools, OPEN + "\n", True, tuple(names), grammar, single)
 
 
 def _several_calls(call: dict[str, Any]) -> str:
