@@ -105,6 +105,19 @@ def test_embeddings_of_texts_and_token_ids(server):
     np.testing.assert_allclose(cut["data"][0]["embedding"], embed(model(), [long[-12:]], "mean")[0].numpy(),
                                rtol=1e-6, atol=1e-6)
     assert post(server, {"input": "ok", "truncate_prompt_tokens": 0}).json()["error"]["param"] == "truncate_prompt_tokens"
+    # vLLM's normalize false: the pooled vector as it is; embed_dtype and endianness: base64's numbers
+    raw = post(server, {"input": "bye", "normalize": False}).json()["data"][0]["embedding"]
+    pooled = embed(model(), [ids[1]], "mean", normalize=False)[0]
+    np.testing.assert_allclose(raw, pooled.numpy(), rtol=1e-6, atol=1e-6)
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3  # (not unit length: the test can tell)
+    for dtype, order, numpy_type in (("float16", "little", "<f2"), ("float32", "big", ">f4"),
+                                     ("float16", "big", ">f2")):
+        b64 = post(server, {"input": "bye", "encoding_format": "base64", "embed_dtype": dtype,
+                            "endianness": order}).json()["data"][0]["embedding"]
+        np.testing.assert_allclose(np.frombuffer(base64.b64decode(b64), dtype=numpy_type), one, rtol=1e-3, atol=1e-3)
+    b64 = post(server, {"input": "bye", "encoding_format": "base64", "embed_dtype": "bfloat16"}).json()
+    bits = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<u2").astype("<u4") << 16
+    np.testing.assert_allclose(bits.view("<f4"), one, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("body,param", [
@@ -184,3 +197,17 @@ def test_pooling_none_gives_a_vector_a_token_on_llamacpps_route_only():
                                    atol=1e-5)
         r = post(s, {"input": "per token"})
         assert r.status_code == 400 and "/embedding" in r.json()["error"]["message"]
+
+
+def test_embeddings_add_special_tokens_false_leaves_the_bos_out():
+    from tokenleap.serve.embedding_routes import EmbeddingRoutes
+
+    class BosTokenizer(ChatToyTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return ([1] if add_special_tokens else []) + super().encode(text)
+
+    engine = paged_engine("ngram")
+    engine.tokenizer = BosTokenizer(VOCAB)
+    routes = EmbeddingRoutes(create_app(engine, ServerConfig(model_name=NAME, embeddings="mean")).state.server)
+    assert routes.token_lists("hi") == [[1, *ChatToyTokenizer(VOCAB).encode("hi")]]
+    assert routes.token_lists("hi", add_special_tokens=False) == [ChatToyTokenizer(VOCAB).encode("hi")]

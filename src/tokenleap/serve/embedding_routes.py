@@ -1,6 +1,7 @@
 """``POST /v1/embeddings`` as OpenAI, vLLM and llama.cpp (``--embeddings``) serve it: one vector per
 input text (or token id list), pooled from the model's final hidden states (``models/embed.py``),
-L2-normalized, as float lists or base64 of little-endian float32; and llama.cpp's own
+L2-normalized (vLLM's ``normalize`` false: as pooled), as float lists or base64 (float32 little-endian,
+or vLLM's ``embed_dtype`` / ``endianness``); and llama.cpp's own
 ``POST /embedding`` (``content``, ``embd_normalize``; with ``--pooling none`` a vector a token).
 Served only when the server was started with ``--embeddings`` (``ServerConfig.embeddings``: the
 pooling), as llama.cpp does; otherwise a 400 says so (as vLLM answers a model without the task; a 5xx
@@ -33,6 +34,11 @@ class EmbeddingRequest(_Strict):  # OpenAI's /v1/embeddings
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: Int64 | None = None  # vLLM's: each input's last N tokens (-1: the context's length)
+    # vLLM's: unit length or the pooled vector as it is; base64's number type and byte order; a BOS or not
+    normalize: bool | None = None
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "little", "big"] = "native"
+    add_special_tokens: bool | None = True
 
 
 class LlamaEmbeddingRequest(_Strict):  # llama.cpp's /embedding: content (or input), embd_normalize
@@ -63,10 +69,11 @@ class EmbeddingRoutes:
         req = parse_body(await request.body(), EmbeddingRequest)
         server._check_model(req.model)
         self.check_dimensions(req.dimensions)
-        ids = self.token_lists(req.input, keep_last=req.truncate_prompt_tokens)
+        ids = self.token_lists(req.input, keep_last=req.truncate_prompt_tokens,
+                               add_special_tokens=req.add_special_tokens is not False)
         vectors = await self.vectors(ids, pooling)
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(normalize_embedding(v, 2),
-                                                                          req.encoding_format)}
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _encoded(v if req.normalize is False else normalize_embedding(v, 2), req)}
                 for i, v in enumerate(vectors)]
         tokens = sum(len(x) for x in ids)
         return {"id": new_id("embd"), "object": "list", "created": now(), "model": server.cfg.model_name,
@@ -111,7 +118,8 @@ class EmbeddingRoutes:
             raise bad_request(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
                               "shortened", "dimensions")
 
-    def token_lists(self, value, truncate: bool = False, keep_last: int | None = None) -> list[list[int]]:
+    def token_lists(self, value, truncate: bool = False, keep_last: int | None = None,
+                    add_special_tokens: bool = True) -> list[list[int]]:
         """The inputs' token ids (a text, token ids, or a list of either); one over the context is a 400,
         or with ``truncate`` cut to the context's length (its first tokens), or with ``keep_last``
         (vLLM's truncate_prompt_tokens) to its last tokens."""
@@ -123,7 +131,7 @@ class EmbeddingRoutes:
         for t in texts:
             if isinstance(t, str) and not t:
                 raise bad_request("input must not contain empty strings", "input")
-            ids.append(server.prompts.encode(t, True, "input"))
+            ids.append(server.prompts.encode(t, add_special_tokens, "input"))
             if truncate:  # (Ollama's default: the input's first tokens, as many as the context holds)
                 ids[-1] = ids[-1][:server.engine.max_len]
             ids[-1] = truncate_prompt(ids[-1], keep_last, server.engine.max_len)
@@ -149,7 +157,14 @@ class EmbeddingRoutes:
         return vectors
 
 
-def _encoded(v, encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":
-        return base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
-    return np.asarray(v, dtype=np.float32).tolist()
+def _encoded(v: torch.Tensor, req: EmbeddingRequest) -> list[float] | str:
+    """A vector as the request asks: a float list, or base64 of its ``embed_dtype`` numbers in the
+    ``endianness`` asked (native is little-endian on the CPUs served)."""
+    if req.encoding_format != "base64":
+        return np.asarray(v, dtype=np.float32).tolist()
+    order = ">" if req.endianness == "big" else "<"
+    if req.embed_dtype == "bfloat16":  # (numpy has no bfloat16: its 16-bit patterns)
+        raw = v.float().to(torch.bfloat16).view(torch.int16).numpy().astype(order + "i2")
+    else:
+        raw = v.float().numpy().astype(order + ("f2" if req.embed_dtype == "float16" else "f4"))
+    return base64.b64encode(raw.tobytes()).decode()
