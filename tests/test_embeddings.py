@@ -104,7 +104,8 @@ def test_embeddings_of_texts_and_token_ids(server):
     assert cut["usage"]["prompt_tokens"] == 12
     np.testing.assert_allclose(cut["data"][0]["embedding"], embed(model(), [long[-12:]], "mean")[0].numpy(),
                                rtol=1e-6, atol=1e-6)
-    assert post(server, {"input": "ok", "truncate_prompt_tokens": 0}).json()["error"]["param"] == "truncate_prompt_tokens"
+    bad = post(server, {"input": "ok", "truncate_prompt_tokens": 0}).json()
+    assert bad["error"]["param"] == "truncate_prompt_tokens"
     # vLLM's normalize false: the pooled vector as it is; embed_dtype and endianness: base64's numbers
     raw = post(server, {"input": "bye", "normalize": False}).json()["data"][0]["embedding"]
     pooled = embed(model(), [ids[1]], "mean", normalize=False)[0]

@@ -524,3 +524,28 @@ def test_llamacpp_completion_endpoint(server):
         r = httpx.post(server.url + "/completion", headers=auth, json=bad, timeout=60)
         assert r.status_code == 400, bad
     assert httpx.post(server.url + "/completion", json={"prompt": "x"}, timeout=60).status_code == 401
+
+
+def test_return_token_ids(server):
+    """vLLM's return_token_ids: each choice's token ids (and the prompt's) beside the text, streamed too."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tok = ChatToyTokenizer(VOCAB)
+    ref = expected("hello world", 8, temperature=0)
+    body = {"prompt": "hello world", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", headers=auth, json=body).json()
+    assert r["choices"][0]["token_ids"] == ref.generated
+    assert r["choices"][0]["prompt_token_ids"] == tok.encode("hello world")
+    with httpx.stream("POST", server.url + "/v1/completions", headers=auth, json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert sum((ch["choices"][0].get("token_ids", []) for ch in chunks if ch["choices"]), []) == ref.generated
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == tok.encode("hello world")
+    ref = expected(chat_prompt("hi"), 6, temperature=0)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth, json=chat).json()
+    assert r["choices"][0]["token_ids"] == ref.generated and r["prompt_token_ids"] == tok.encode(chat_prompt("hi"))
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=auth, json={**chat, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert sum((ch["choices"][0].get("token_ids", []) for ch in chunks if ch["choices"]), []) == ref.generated
+    assert chunks[0]["prompt_token_ids"] == tok.encode(chat_prompt("hi"))
+    plain = httpx.post(server.url + "/v1/completions", headers=auth, json={**body, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]

@@ -151,7 +151,7 @@ class OpenAIServer:
         budgets = [check_max_tokens(1 if echo_only else req.max_tokens, len(p), self.engine.max_len, 16)
                    for p in prompts]
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
-                      **usage_options(req),
+                      **usage_options(req), token_ids=bool(req.return_token_ids),
                       tokens=self._token_text(req.logprobs is not None, req.return_tokens_as_token_ids))
         echo = None
         if req.echo:  # the prompt as given (token ids, or one truncated: decoded) starts each choice
@@ -176,7 +176,7 @@ class OpenAIServer:
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
-                      **usage_options(req), tools=tools,
+                      **usage_options(req), tools=tools, token_ids=bool(req.return_token_ids),
                       tokens=self._token_text(bool(req.logprobs), req.return_tokens_as_token_ids),
                       reasoning=self._reasoning(req, prompt))
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
@@ -230,7 +230,13 @@ class OpenAIServer:
         async def final(texts, reasons, scored) -> dict[str, Any]:
             choices = [{**fmt.choice(i, t, r, s), "stop_reason": job.stop_reason(i)}
                        for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
-            body = fmt.obj(choices, usage=job.usage())
+            if fmt.token_ids:  # vLLM's return_token_ids: a chat's one prompt beside its choices
+                for choice, r in zip(choices, job.requests):
+                    choice.update(token_ids=list(r.seq.generated),
+                                  **({} if fmt.chat else {"prompt_token_ids": list(r.seq.prompt)}))
+            body = fmt.obj(choices, usage=job.usage(),
+                           **({"prompt_token_ids": list(job.requests[0].seq.prompt)} if fmt.chat and fmt.token_ids
+                              else {}))
             if view.prompt_logprobs is not None:
                 add_prompt_logprobs(body, job.prompt_scored, view.prompt_logprobs,
                                     self._token_text(True, req.return_tokens_as_token_ids), fmt.chat)

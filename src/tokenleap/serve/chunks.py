@@ -21,15 +21,19 @@ async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
     offsets = [0] * len(job.requests)  # text_offset: characters of each choice's tokens so far
     # a thinking model's reasoning apart; content held back from a <tool_call> on, the calls in parts
     splits = [ReplyStream(fmt.reasoning, fmt.tools) for _ in job.requests]
+    prompt_ids = [{"prompt_token_ids": list(r.seq.prompt)} if fmt.token_ids else {} for r in job.requests]
     if fmt.chat:
         first = [chat_delta(i, {"role": "assistant", "content": ""}, None) for i in range(len(job.requests))]
-        yield sse(chunk_fmt.obj(first, **fmt.with_usage(job.usage)))
+        yield sse(chunk_fmt.obj(first, **prompt_ids[0], **fmt.with_usage(job.usage)))
     async for i, out in job.outputs():
         if out.error:
             yield sse(failed(out.error, out.error_status).body())
             break
         text, scored = job.piece(i, out)
         reason = out.finish_reason
+        ids = {"token_ids": out.token_ids} if fmt.token_ids else {}  # vLLM's return_token_ids: each chunk's
+        if not fmt.chat:  # (a completion choice's first chunk carries its prompt's ids)
+            ids, prompt_ids[i] = {**ids, **prompt_ids[i]}, {}
         thought, text, parts, calls = splits[i].feed(text, reason is not None)
         if thought:  # the thinking first, in a delta of its own
             yield sse(chunk_fmt.obj([chat_delta(i, {"reasoning_content": thought}, None)], **fmt.with_usage(job.usage)))
@@ -37,8 +41,8 @@ async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
             reason = "tool_calls"
         if parts or calls:  # the content first, then the calls' parts, then a finish reason in a chunk of its
             # own (as OpenAI sends it: the openai SDK's stream helper closes a call's arguments on the chunk after it)
-            if text or (scored and fmt.tokens):
-                choice = chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True)
+            if text or (scored and fmt.tokens) or ids:
+                choice = {**chunk_fmt.choice(i, text, None, scored, offsets[i], delta=True), **ids}
                 yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))
             if parts:
                 yield sse(chunk_fmt.obj([chat_delta(i, {"tool_calls": _call_deltas(parts)}, None)],
@@ -46,8 +50,8 @@ async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
             if reason is not None:
                 yield sse(chunk_fmt.obj([{**chat_delta(i, {}, reason), "stop_reason": job.stop_reason(i)}],
                                         **fmt.with_usage(job.usage)))
-        elif text or reason or (scored and fmt.tokens):
-            choice = chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True)
+        elif text or reason or (scored and fmt.tokens) or ids:
+            choice = {**chunk_fmt.choice(i, text, reason, scored, offsets[i], delta=True), **ids}
             if reason is not None:
                 choice["stop_reason"] = job.stop_reason(i)
             yield sse(chunk_fmt.obj([choice], **fmt.with_usage(job.usage)))

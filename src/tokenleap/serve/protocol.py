@@ -105,6 +105,7 @@ class _Sampling(_Strict):
     include_stop_str_in_output: bool | None = False  # vLLM's
     skip_special_tokens: bool | None = True  # vLLM's: false writes special tokens into the text
     return_tokens_as_token_ids: bool | None = False  # vLLM's: logprobs name tokens "token_id:ID"
+    return_token_ids: bool | None = False  # vLLM's: the reply's and the prompt's token ids in the response
     allowed_token_ids: list[Int64] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     presence_penalty: float | None = None

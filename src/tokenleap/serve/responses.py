@@ -179,6 +179,7 @@ class Format:
     tokens: TokenText | None = None  # set when the request asked for logprobs
     tools: ToolPlan = ToolPlan()  # a chat request's tool calling
     reasoning: Reasoning | None = None  # a chat reply's thinking split from its content (reasoning.py)
+    token_ids: bool = False  # vLLM's return_token_ids: each choice's token ids and the prompt's beside the text
 
     def obj(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
