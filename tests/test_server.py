@@ -410,6 +410,12 @@ def test_tokenize_and_detokenize(server):
     assert r["tokens"] == tok.encode("hello") and r["count"] == 5 and r["max_model_len"] > 0
     r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth).json()
     assert r["tokens"] == tok.encode(chat_prompt("hi"))
+    # vLLM's chat options on /tokenize, as the chat endpoint renders them; each token's string on request
+    r = httpx.post(server.url + "/tokenize", headers=auth, json={"messages": [{"role": "user", "content": "hi"}],
+                                                                  "add_generation_prompt": False,
+                                                                  "return_token_strs": True}).json()
+    no_prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert r["tokens"] == tok.encode(no_prompt) and r["token_strs"] == [tok.id_to_token(t) for t in r["tokens"]]
     r = httpx.post(server.url + "/detokenize", json={"tokens": tok.encode("hello")}, headers=auth).json()
     assert r["prompt"] == r["content"] == tok.decode(tok.encode("hello"))  # (vLLM's name, llama.cpp's)
     r = httpx.post(server.url + "/tokenize", json={"content": "hello", "with_pieces": True}, headers=auth).json()

@@ -18,10 +18,9 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
 from tokenleap import __version__
-from tokenleap.serve.chat_render import chat_messages
-from tokenleap.serve.protocol import ChatMessage, Int64, _Strict, bad_request, check_token_ids
+from tokenleap.serve.chat_render import chat_messages, chat_options
+from tokenleap.serve.protocol import ChatMessage, ChatRequest, Int64, ToolDef, _Strict, bad_request, check_token_ids
 from tokenleap.serve.body import parse_body
-from tokenleap.serve.tools import ToolPlan
 
 
 class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; llama.cpp's: content
@@ -34,6 +33,12 @@ class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; 
     # llama.cpp's (default false, as is its default for a "content" request)
     add_special_tokens: bool | None = None
     add_special: bool | None = None
+    # vLLM's for messages: rendered as the chat endpoint renders them (chat_render.chat_options, tools)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    return_token_strs: bool | None = False  # vLLM's: each token's vocabulary string too ("token_strs")
 
 
 class DetokenizeRequest(_Strict):
@@ -69,9 +74,18 @@ class TokenRoutes:
         if len(flags) > 1:
             raise bad_request("add_special_tokens and add_special disagree", "add_special")
         special = flags.pop() if flags else req.content is None
-        ids = server.prompts.encode_chat(chat_messages(req), ToolPlan()) if text is None else server.prompts.encode(text, special)
+        if text is None:
+            chat = ChatRequest.model_construct(
+                messages=req.messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
+            ids = server.prompts.encode_chat(chat_messages(chat), server._plan_tools(chat), chat_options(chat))
+        else:
+            ids = server.prompts.encode(text, special)
         tokens: list[Any] = [{"id": t, "piece": server.tokenizer.decode([t])} for t in ids] if req.with_pieces else ids
-        return {"count": len(ids), "max_model_len": server.engine.max_len, "tokens": tokens}
+        out = {"count": len(ids), "max_model_len": server.engine.max_len, "tokens": tokens}
+        if req.return_token_strs:
+            out["token_strs"] = [server.tokenizer.id_to_token(t) for t in ids]
+        return out
 
     async def detokenize(self, request: HTTPRequest) -> dict[str, Any]:
         server = self.server
