@@ -333,6 +333,11 @@ def test_messages_carry_tool_calls_and_results():
     bad = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}
     [msg] = chat_messages(ChatRequest.model_validate({"messages": [{"role": "assistant", "tool_calls": [bad]}]}))
     assert msg["tool_calls"][0]["function"]["arguments"] == "{nope"  # not JSON: the text as sent, as OpenAI takes it
+    # a message's name and an assistant turn's reasoning reach the template, as vLLM passes them
+    named = chat_messages(ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}]}))
+    assert named[0]["name"] == "ann" and named[1]["reasoning_content"] == "2 + 2" and "name" not in named[1]
     with pytest.raises(APIError, match="only assistant"):
         chat_messages(ChatRequest.model_validate({"messages": [{"role": "user", "content": "x", "tool_calls": [bad]}]}))
 

@@ -10,7 +10,8 @@ from tokenleap.serve.protocol import ChatRequest, ToolCall, _ROLES, bad_request
 
 def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     """The conversation as the chat template takes it: an assistant turn's tool calls with their
-    arguments parsed (templates write them as JSON objects), a tool turn's ``tool_call_id``."""
+    arguments parsed (templates write them as JSON objects), a tool turn's ``tool_call_id``, a
+    message's ``name`` and an assistant turn's ``reasoning_content`` where given."""
     if not req.messages:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
@@ -32,6 +33,9 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
                               "messages")
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        for key in ("name", "reasoning_content"):  # (as vLLM passes them: templates may use them)
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
         out.append(message)
     return out
 
