@@ -31,14 +31,14 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tokenleap.config import ConfigError
+from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.body import parse_body
-from tokenleap.serve.protocol import (MAX_LOGPROBS, APIError, ChatRequest, CompletionRequest, bad_request,
-                                      check_common, check_logit_bias, check_prompt_logprobs, check_token_ids,
-                                      sampling_params, structured_output)
+from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, bad_request, sampling_params,
+                                      structured_output)
+from tokenleap.serve.request_checks import check_common, check_logit_bias, check_prompt_logprobs, check_token_ids
 from tokenleap.serve.responses import Format, TokenText, add_prompt_logprobs, new_id, now, usage_options
 from tokenleap.serve.chunks import openai_chunks
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore

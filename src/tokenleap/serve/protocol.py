@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from tokenleap.config import MAX_LOGPROBS, ConfigError, SamplingParams, StructuredOutput
+from tokenleap.config import ConfigError, SamplingParams, StructuredOutput
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -114,7 +114,7 @@ class _Sampling(_Strict):
     repetition_last_n: Int64 | None = None  # llama.cpp's repeat_last_n: the penalty's window (0 / absent: all)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # what this server cannot do, refused when asked for (``check_common``, ``_UNSERVED``), not ignored
+    # what this server cannot do, refused when asked for (request_checks.check_common), not ignored
     use_beam_search: bool | None = None
     priority: Int64 | None = None
     cache_salt: str | None = None
@@ -287,51 +287,6 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     prompt: Any = None
 
 
-# a field a request may set that this server cannot honour: when it asks for something, and why not
-_UNSERVED = {
-    "use_beam_search": (lambda v: bool(v), "beam search is not supported (n gives independent samples)"),
-    "priority": (lambda v: bool(v), "priority scheduling is not supported: requests are served in turn"),
-    "cache_salt": (lambda v: v is not None, "cache_salt is not supported: every request of this server shares "
-                                            "its prefix cache (serve with --no-prefix-caching, or a server each)"),
-    "logits_processors": (lambda v: bool(v), "logits_processors are not supported"),
-    "modalities": (lambda v: any(m != "text" for m in v or ()), "only text output is supported"),
-    "audio": (lambda v: v is not None, "audio output is not supported"),
-    "web_search_options": (lambda v: v is not None, "web search is not supported"),
-}
-
-
-def check_common(req: _Sampling) -> None:
-    for name, (asks, why) in _UNSERVED.items():
-        if asks(getattr(req, name)):
-            raise bad_request(f"{name}: {why}", name)
-    if req.n is None or not 1 <= req.n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
-    if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:
-        raise bad_request("seed must be a 64-bit signed integer", "seed")
-    if req.temperature is not None and not req.temperature <= MAX_TEMPERATURE:
-        raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature!r}", "temperature")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > MAX_STOP:
-        raise bad_request(f"at most {MAX_STOP} stop strings", "stop")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options are allowed only when stream is true", "stream_options")
-    if req.allowed_token_ids is not None and not req.allowed_token_ids:
-        raise bad_request("allowed_token_ids is empty: give at least one token id, or leave it out",
-                          "allowed_token_ids")
-
-
-def check_prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
-    """vLLM's ``prompt_logprobs``: alternatives per prompt token, in [0, MAX_LOGPROBS]; not on streams."""
-    k = req.prompt_logprobs
-    if k is None:
-        return None
-    if not 0 <= k <= MAX_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}", "prompt_logprobs")
-    if req.stream:
-        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
-    return k
-
-
 def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, structured: StructuredOutput | None = None,
                     prediction: tuple[int, ...] = ()) -> SamplingParams:
@@ -352,7 +307,7 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             repetition_last_n=req.repetition_last_n or 0,
-            logit_bias=_logit_bias(req.logit_bias), structured=structured or structured_output(req),
+            logit_bias=logit_bias_by_id(req.logit_bias), structured=structured or structured_output(req),
             min_tokens=req.min_tokens or 0, stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             skip_special_tokens=req.skip_special_tokens is not False,
@@ -423,22 +378,10 @@ def structured_output(req: _Sampling) -> StructuredOutput | None:
 _TOKEN_KEY = re.compile(r"\s*[0-9]{1,19}\s*")  # ASCII digits only ("²".isdigit() holds, int() refuses it)
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+def logit_bias_by_id(bias: dict[str, float] | None) -> dict[int, float]:
     out = {}
     for key, value in (bias or {}).items():
         if not _TOKEN_KEY.fullmatch(key):
             raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
         out[int(key)] = value
     return out
-
-
-def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
-    """Keys are token ids of the vocabulary (a longer digit string than any id: out of range too)."""
-    if any(t >= vocab for t in _logit_bias(bias)):
-        raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
-
-
-def check_token_ids(ids: list[int] | None, vocab: int, param: str) -> None:
-    """Every id in ``ids`` (the request field ``param``) names a token of the vocabulary."""
-    if ids and not all(0 <= t < vocab for t in ids):
-        raise bad_request(f"{param} must be token ids in [0, {vocab})", param)

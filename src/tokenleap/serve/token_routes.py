@@ -19,7 +19,8 @@ from fastapi.responses import Response
 
 from tokenleap import __version__
 from tokenleap.serve.chat_render import chat_messages, chat_options
-from tokenleap.serve.protocol import ChatMessage, ChatRequest, Int64, ToolDef, _Strict, bad_request, check_token_ids
+from tokenleap.serve.protocol import ChatMessage, ChatRequest, Int64, ToolDef, _Strict, bad_request
+from tokenleap.serve.request_checks import check_token_ids
 from tokenleap.serve.body import parse_body
 
 

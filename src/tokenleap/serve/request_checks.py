@@ -1,0 +1,64 @@
+"""A request's values checked before it runs, each failure a 400 naming the field: what this server
+cannot do (refused, not ignored), ``n``, seeds, temperatures and stops in range, vLLM's
+``prompt_logprobs``, and token ids (logit_bias keys, stop / allowed ids) of the vocabulary."""
+from __future__ import annotations
+
+from tokenleap.config import MAX_LOGPROBS
+from tokenleap.serve.protocol import (MAX_N, MAX_STOP, MAX_TEMPERATURE, ChatRequest, CompletionRequest, logit_bias_by_id,
+                                      _Sampling, bad_request)
+
+# a field a request may set that this server cannot honour: when it asks for something, and why not
+_UNSERVED = {
+    "use_beam_search": (lambda v: bool(v), "beam search is not supported (n gives independent samples)"),
+    "priority": (lambda v: bool(v), "priority scheduling is not supported: requests are served in turn"),
+    "cache_salt": (lambda v: v is not None, "cache_salt is not supported: every request of this server shares "
+                                            "its prefix cache (serve with --no-prefix-caching, or a server each)"),
+    "logits_processors": (lambda v: bool(v), "logits_processors are not supported"),
+    "modalities": (lambda v: any(m != "text" for m in v or ()), "only text output is supported"),
+    "audio": (lambda v: v is not None, "audio output is not supported"),
+    "web_search_options": (lambda v: v is not None, "web search is not supported"),
+}
+
+
+def check_common(req: _Sampling) -> None:
+    for name, (asks, why) in _UNSERVED.items():
+        if asks(getattr(req, name)):
+            raise bad_request(f"{name}: {why}", name)
+    if req.n is None or not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:
+        raise bad_request("seed must be a 64-bit signed integer", "seed")
+    if req.temperature is not None and not req.temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature!r}", "temperature")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"at most {MAX_STOP} stop strings", "stop")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options are allowed only when stream is true", "stream_options")
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise bad_request("allowed_token_ids is empty: give at least one token id, or leave it out",
+                          "allowed_token_ids")
+
+
+def check_prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
+    """vLLM's ``prompt_logprobs``: alternatives per prompt token, in [0, MAX_LOGPROBS]; not on streams."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}", "prompt_logprobs")
+    if req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    return k
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab: int) -> None:
+    """Keys are token ids of the vocabulary (a longer digit string than any id: out of range too)."""
+    if any(t >= vocab for t in logit_bias_by_id(bias)):
+        raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
+
+
+def check_token_ids(ids: list[int] | None, vocab: int, param: str) -> None:
+    """Every id in ``ids`` (the request field ``param``) names a token of the vocabulary."""
+    if ids and not all(0 <= t < vocab for t in ids):
+        raise bad_request(f"{param} must be token ids in [0, {vocab})", param)
