@@ -546,7 +546,8 @@ def test_return_token_ids(server):
     assert sum((ch["choices"][0].get("token_ids", []) for ch in chunks if ch["choices"]), []) == ref.generated
     assert chunks[0]["choices"][0]["prompt_token_ids"] == tok.encode("hello world")
     ref = expected(chat_prompt("hi"), 6, temperature=0)
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
     r = httpx.post(server.url + "/v1/chat/completions", headers=auth, json=chat).json()
     assert r["choices"][0]["token_ids"] == ref.generated and r["prompt_token_ids"] == tok.encode(chat_prompt("hi"))
     with httpx.stream("POST", server.url + "/v1/chat/completions", headers=auth, json={**chat, "stream": True}) as s:
@@ -555,3 +556,7 @@ def test_return_token_ids(server):
     assert chunks[0]["prompt_token_ids"] == tok.encode(chat_prompt("hi"))
     plain = httpx.post(server.url + "/v1/completions", headers=auth, json={**body, "return_token_ids": False}).json()
     assert "token_ids" not in plain["choices"][0]
+    # the prompt echoed alone (max_tokens 0): its one decoded token stays unseen, in the ids too
+    echo = httpx.post(server.url + "/v1/completions", headers=auth,
+                      json={**body, "max_tokens": 0, "echo": True}).json()["choices"][0]
+    assert echo["token_ids"] == [] and echo["prompt_token_ids"] == tok.encode("hello world")

@@ -232,7 +232,7 @@ class OpenAIServer:
                        for i, (t, r, s) in enumerate(zip(texts, reasons, scored))]
             if fmt.token_ids:  # vLLM's return_token_ids: a chat's one prompt beside its choices
                 for choice, r in zip(choices, job.requests):
-                    choice.update(token_ids=list(r.seq.generated),
+                    choice.update(token_ids=[] if view.echo_only else list(r.seq.generated),  # (echo alone: none)
                                   **({} if fmt.chat else {"prompt_token_ids": list(r.seq.prompt)}))
             body = fmt.obj(choices, usage=job.usage(),
                            **({"prompt_token_ids": list(job.requests[0].seq.prompt)} if fmt.chat and fmt.token_ids

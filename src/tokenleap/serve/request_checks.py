@@ -4,8 +4,8 @@ cannot do (refused, not ignored), ``n``, seeds, temperatures and stops in range,
 from __future__ import annotations
 
 from tokenleap.config import MAX_LOGPROBS
-from tokenleap.serve.protocol import (MAX_N, MAX_STOP, MAX_TEMPERATURE, ChatRequest, CompletionRequest, logit_bias_by_id,
-                                      _Sampling, bad_request)
+from tokenleap.serve.protocol import (MAX_N, MAX_STOP, MAX_TEMPERATURE, ChatRequest, CompletionRequest, _Sampling,
+                                      bad_request, logit_bias_by_id)
 
 # a field a request may set that this server cannot honour: when it asks for something, and why not
 _UNSERVED = {
