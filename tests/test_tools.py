@@ -12,7 +12,7 @@ import torch
 from tokenleap.spec.engine import Engine
 from tokenleap.cache.paged import PagedKVCache
 from tokenleap.spec.proposers.ngram import NgramProposer
-from tokenleap.serve.chat_render import chat_messages
+from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.protocol import APIError, ChatRequest
 from tokenleap.serve.scheduler import SchedulerConfig
 from tokenleap.serve.app import ServerConfig, create_app
@@ -338,6 +338,15 @@ def test_messages_carry_tool_calls_and_results():
         {"role": "user", "content": "hi", "name": "ann"},
         {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}]}))
     assert named[0]["name"] == "ann" and named[1]["reasoning_content"] == "2 + 2" and "name" not in named[1]
+    # vLLM's documents and OpenAI's reasoning_effort are template variables (chat_template_kwargs win)
+    docs = [{"title": "a", "text": "b"}]
+    options = chat_options(ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                       "documents": docs, "reasoning_effort": "low"}))
+    assert options == {"documents": docs, "reasoning_effort": "low", "add_generation_prompt": True}
+    options = chat_options(ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                       "reasoning_effort": "low",
+                                                       "chat_template_kwargs": {"reasoning_effort": "high"}}))
+    assert options["reasoning_effort"] == "high"
     with pytest.raises(APIError, match="only assistant"):
         chat_messages(ChatRequest.model_validate({"messages": [{"role": "user", "content": "x", "tool_calls": [bad]}]}))
 

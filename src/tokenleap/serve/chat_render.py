@@ -44,14 +44,18 @@ _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "continue_fi
 
 
 def chat_options(req: ChatRequest) -> dict[str, Any]:
-    """How the chat template renders ``req``: its chat_template_kwargs, whether the reply starts a
-    new assistant turn (add_generation_prompt) or continues the final assistant message. A request's
+    """How the chat template renders ``req``: its chat_template_kwargs (and ``documents`` and
+    ``reasoning_effort``, as vLLM passes them), whether the reply starts a new assistant turn
+    (add_generation_prompt) or continues the final assistant message. A request's
     own ``chat_template`` is refused: templates are code, and the model's renders the conversation."""
     if req.chat_template is not None:
         raise bad_request("a request's own chat_template is not run; the model's template renders the "
                           "conversation", "chat_template")
     kwargs = dict(req.chat_template_kwargs or {})
     clash = [k for k in kwargs if k in _TEMPLATE_RESERVED]
+    # vLLM's documents and OpenAI's reasoning_effort are template variables too (chat_template_kwargs first)
+    kwargs = {**{k: v for k in ("documents", "reasoning_effort") if (v := getattr(req, k, None)) is not None},
+              **kwargs}
     if clash:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
     if req.continue_final_message:

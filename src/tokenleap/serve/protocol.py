@@ -249,6 +249,8 @@ class ChatRequest(_Sampling):
     # final assistant message instead of starting a new one
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # a request's own template: refused, as vLLM refuses an untrusted one
+    documents: list[dict[str, Any]] | None = None  # vLLM's: passed to the template (retrieval-augmented ones)
+    reasoning_effort: str | None = None  # OpenAI's, passed to the template as vLLM passes it
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = False
     # a thinking model's reply: its <think> block returned (vLLM's include_reasoning) or, with llama.cpp's
