@@ -28,6 +28,18 @@ class ChatToyTokenizer(ToyTokenizer):
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+BOS = 1
+
+
+class BosToyTokenizer(ChatToyTokenizer):
+    """The toy tokenizer with a BOS before encoded text, as Llama's and Gemma's tokenizers add one."""
+
+    bos_token_id = BOS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + super().encode(text)
+
+
 _MODELS: dict[int, object] = {}
 
 

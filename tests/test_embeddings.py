@@ -16,7 +16,8 @@ from tokenleap.models.transformer import Segment
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.scheduler import Scheduler, SchedulerConfig
 
-from serving_helpers import VOCAB, ChatToyTokenizer, LiveServer, model, paged_engine
+from serving_helpers import (BOS, VOCAB, BosToyTokenizer, ChatToyTokenizer, LiveServer, model,
+                             paged_engine)
 
 NAME = "tiny-qwen2"
 
@@ -203,12 +204,8 @@ def test_pooling_none_gives_a_vector_a_token_on_llamacpps_route_only():
 def test_embeddings_add_special_tokens_false_leaves_the_bos_out():
     from tokenleap.serve.embedding_routes import EmbeddingRoutes
 
-    class BosTokenizer(ChatToyTokenizer):
-        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            return ([1] if add_special_tokens else []) + super().encode(text)
-
     engine = paged_engine("ngram")
-    engine.tokenizer = BosTokenizer(VOCAB)
+    engine.tokenizer = BosToyTokenizer(VOCAB)
     routes = EmbeddingRoutes(create_app(engine, ServerConfig(model_name=NAME, embeddings="mean")).state.server)
-    assert routes.token_lists("hi") == [[1, *ChatToyTokenizer(VOCAB).encode("hi")]]
+    assert routes.token_lists("hi") == [[BOS, *ChatToyTokenizer(VOCAB).encode("hi")]]
     assert routes.token_lists("hi", add_special_tokens=False) == [ChatToyTokenizer(VOCAB).encode("hi")]

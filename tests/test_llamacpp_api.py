@@ -13,21 +13,10 @@ from tokenleap.config import SamplingParams
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.scheduler import SchedulerConfig
 
-from serving_helpers import MAX_LEN, VOCAB, ChatToyTokenizer, LiveServer, alone, paged_engine
+from serving_helpers import (BOS, MAX_LEN, VOCAB, BosToyTokenizer, ChatToyTokenizer, LiveServer, alone,
+                             paged_engine)
 
 NAME = "tiny-qwen2"
-BOS = 1
-
-
-class BosToyTokenizer(ChatToyTokenizer):
-    """The toy tokenizer with a BOS before encoded text, as Llama's and Gemma's tokenizers add one."""
-
-    bos_token_id = BOS
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([BOS] if add_special_tokens else []) + super().encode(text)
-
-
 @pytest.fixture(scope="module")
 def server():
     engine = paged_engine("ngram")

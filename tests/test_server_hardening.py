@@ -18,7 +18,7 @@ import pytest
 from tokenleap.serve.scheduler import SchedulerConfig
 from tokenleap.serve.app import ServerConfig, create_app
 
-from serving_helpers import VOCAB, ChatToyTokenizer, LiveServer, paged_engine, wait_until
+from serving_helpers import VOCAB, BosToyTokenizer, LiveServer, paged_engine, wait_until
 
 KEY = "k"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -401,12 +401,8 @@ def test_a_prompt_that_fills_the_context_is_the_prompts_400_whatever_max_tokens_
 
 def test_completions_add_special_tokens_false_leaves_the_bos_out():
     """vLLM's add_special_tokens on completions: the tokenizer's BOS by default, none with false."""
-    class BosTokenizer(ChatToyTokenizer):
-        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            return ([1] if add_special_tokens else []) + super().encode(text)
-
     engine = paged_engine()
-    engine.tokenizer = BosTokenizer(VOCAB)
+    engine.tokenizer = BosToyTokenizer(VOCAB)
     body = {"prompt": "hello", "max_tokens": 1, "temperature": 0}
     with_bos, without = call(make_app(engine), [post("/v1/completions", body),
                                                 post("/v1/completions", {**body, "add_special_tokens": False})])
