@@ -46,6 +46,7 @@ from tokenleap.serve.context_window import check_max_tokens
 from tokenleap.serve.protocol import (MAX_PROMPTS, CompletionRequest, Int64, _Strict, bad_request, failed,
                                       repeat_window, structured_output)
 from tokenleap.serve.body import parse_body
+from tokenleap.serve.request_checks import refuse_unserved
 from tokenleap.serve.responses import Format, Scored, TokenText, new_id, now, token_logprob_entries
 from tokenleap.text.fim import encode_fim, required_fim_tokens
 
@@ -78,7 +79,7 @@ class _LlamaSampling(_Strict):
     n_indent: Int64 | None = None  # a new line indented less ends the reply (code completion)
     response_fields: list[str] | None = None  # the final object's fields kept, "a/b" unnested under that name
     t_max_predict_ms: float | None = None  # past this from the first token, a new line ends the reply
-    # llama.cpp's other samplers: not served, so refused unless at their neutral value (_NEUTRAL)
+    # llama.cpp's other samplers: not served, so refused unless at their neutral value (_UNSERVED_SAMPLERS)
     typical_p: float | None = None
     mirostat: Int64 | None = None
     dry_multiplier: float | None = None
@@ -98,11 +99,7 @@ class _LlamaSampling(_Strict):
         if self.post_sampling_probs:
             raise bad_request("post_sampling_probs is not supported: n_probs gives the model's own "
                               "probabilities (its raw logits)", "post_sampling_probs")
-        for name, neutral in _NEUTRAL.items():
-            value = getattr(self, name)
-            if value is not None and not neutral(value):
-                raise bad_request(f"{name} is not supported by this server (its samplers: temperature, top_k, top_p, "
-                                  f"min_p and the penalties); leave it out or at its neutral value", name)
+        refuse_unserved(self, _UNSERVED_SAMPLERS)
         if self.n_probs is not None and not 0 <= self.n_probs <= MAX_LOGPROBS:
             raise bad_request(f"n_probs must be in [0, {MAX_LOGPROBS}], got {self.n_probs}", "n_probs")
         return CompletionRequest.model_construct(**{
@@ -123,9 +120,12 @@ class _LlamaSampling(_Strict):
             "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms})
 
 
-# each unserved sampler's test for a value that leaves the reply as it is (llama.cpp's defaults)
-_NEUTRAL = {"typical_p": lambda v: v >= 1.0, "mirostat": lambda v: v == 0, "dry_multiplier": lambda v: v == 0,
-            "xtc_probability": lambda v: v <= 0, "dynatemp_range": lambda v: v <= 0, "top_n_sigma": lambda v: v < 0}
+# llama.cpp's samplers this server does not run: a value away from llama.cpp's neutral one asks for them
+_NOT_RUN = ("not supported by this server (its samplers: temperature, top_k, top_p, min_p and the penalties); "
+            "leave it out or at its neutral value")
+_UNSERVED_SAMPLERS = {"typical_p": (lambda v: v < 1.0, _NOT_RUN), "mirostat": (lambda v: v != 0, _NOT_RUN),
+                      "dry_multiplier": (lambda v: v != 0, _NOT_RUN), "xtc_probability": (lambda v: v > 0, _NOT_RUN),
+                      "dynatemp_range": (lambda v: v > 0, _NOT_RUN), "top_n_sigma": (lambda v: v >= 0, _NOT_RUN)}
 
 
 def _bias(given, encode) -> dict[str, float]:

@@ -3,27 +3,37 @@ cannot do (refused, not ignored), ``n``, seeds, temperatures and stops in range,
 ``prompt_logprobs``, and token ids (logit_bias keys, stop / allowed ids) of the vocabulary."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from tokenleap.config import MAX_LOGPROBS
 from tokenleap.serve.protocol import (MAX_N, MAX_STOP, MAX_TEMPERATURE, ChatRequest, CompletionRequest, _Sampling,
                                       bad_request, logit_bias_by_id)
 
-# a field a request may set that this server cannot honour: when it asks for something, and why not
+# a field a request may set that this server cannot honour: when its value (given) asks for something, and why not
 _UNSERVED = {
-    "use_beam_search": (lambda v: bool(v), "beam search is not supported (n gives independent samples)"),
-    "priority": (lambda v: bool(v), "priority scheduling is not supported: requests are served in turn"),
-    "cache_salt": (lambda v: v is not None, "cache_salt is not supported: every request of this server shares "
+    "use_beam_search": (bool, "beam search is not supported (n gives independent samples)"),
+    "priority": (bool, "priority scheduling is not supported: requests are served in turn"),
+    "cache_salt": (lambda v: True, "cache_salt is not supported: every request of this server shares "
                                             "its prefix cache (serve with --no-prefix-caching, or a server each)"),
-    "logits_processors": (lambda v: bool(v), "logits_processors are not supported"),
-    "modalities": (lambda v: any(m != "text" for m in v or ()), "only text output is supported"),
-    "audio": (lambda v: v is not None, "audio output is not supported"),
-    "web_search_options": (lambda v: v is not None, "web search is not supported"),
+    "logits_processors": (bool, "logits_processors are not supported"),
+    "modalities": (lambda v: any(m != "text" for m in v), "only text output is supported"),
+    "audio": (lambda v: True, "audio output is not supported"),
+    "web_search_options": (lambda v: True, "web search is not supported"),
 }
 
 
-def check_common(req: _Sampling) -> None:
-    for name, (asks, why) in _UNSERVED.items():
-        if asks(getattr(req, name)):
+def refuse_unserved(req: Any, unserved: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
+    """A 400 naming the first field of ``req`` that is given and asks for what ``unserved`` says this
+    server cannot do (field -> (whether a value asks for it, why not))."""
+    for name, (asks, why) in unserved.items():
+        value = getattr(req, name)
+        if value is not None and asks(value):
             raise bad_request(f"{name}: {why}", name)
+
+
+def check_common(req: _Sampling) -> None:
+    refuse_unserved(req, _UNSERVED)
     if req.n is None or not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
     if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:
