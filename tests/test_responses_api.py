@@ -12,7 +12,7 @@ from tokenleap.config import SamplingParams
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.scheduler import SchedulerConfig
 
-from serving_helpers import VOCAB, ChatToyTokenizer, FailingProposer, LiveServer, alone, paged_engine, wait_until
+from serving_helpers import MAX_LEN, VOCAB, ChatToyTokenizer, FailingProposer, LiveServer, alone, paged_engine, wait_until
 from test_server import KEY, NAME, client, start
 
 
@@ -144,7 +144,9 @@ def test_what_cannot_be_done_is_a_clear_400(server):
            ({"input": "x", "temperature": -1}, "temperature"),
            ({"input": "x", "include": ["message.output_text.logprob"]}, "not one of the values include takes"),
            ({"input": "x", "conversation": "conv_1"}, "stored conversations"),
-           ({"input": "x", "prompt": {"id": "pmpt_1"}}, "stored conversations and prompts")]
+           ({"input": "x", "prompt": {"id": "pmpt_1"}}, "stored conversations and prompts"),
+           ({"input": "x", "truncation": "oldest"}, "truncation must be 'auto' or 'disabled'"),
+           ({"input": "x" * 200, "max_output_tokens": 5, "truncation": "auto"}, "shorten the prompt")]
     for body, message in bad:
         r = httpx.post(server.url + "/v1/responses", json={"model": NAME, **body},
                        headers={"Authorization": f"Bearer {KEY}"})
@@ -202,3 +204,25 @@ def test_logprobs_match_the_chat_endpoints(server):
                               top_logprobs=2).output[0].content[0].logprobs == []  # not asked for in include
     with pytest.raises(openai.BadRequestError, match="top_logprobs must be"):
         c.responses.create(**{**kw, "top_logprobs": 21})
+
+
+def test_truncation_auto_drops_the_oldest_turns(server):
+    """Over the context, truncation "auto" answers the conversation without its fewest oldest turns
+    that make room (instructions kept), as OpenAI's does; "disabled" (the default) is a 400."""
+    c = client(server)
+    turns = []
+    for i in range(5):
+        turns += [{"role": "user", "content": f"question {i} xxxx"}, {"role": "assistant", "content": f"answer {i} yy"}]
+    turns.append({"role": "user", "content": "the last one"})
+    args = dict(model=NAME, instructions="rules", input=turns, max_output_tokens=8, temperature=0)
+    for truncation in (None, "disabled"):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(**args, **({"truncation": truncation} if truncation else {}))
+        assert e.value.body["code"] == "context_length_exceeded"
+    r = c.responses.create(**args, truncation="auto")
+    tok, system = ChatToyTokenizer(VOCAB), [{"role": "system", "content": "rules"}]
+    fits = [n for n in range(len(turns)) if len(tok.encode(tok.apply_chat_template(system + turns[n:]))) + 8 <= MAX_LEN]
+    assert 1 < fits[0] < len(turns) - 1  # (several turns must go, not all)
+    prompt, ref = reference(system + turns[fits[0]:], 8)
+    assert r.output_text == ref.text and r.usage.input_tokens == len(prompt) and r.truncation == "auto"
+    assert c.responses.create(model=NAME, input="short", max_output_tokens=3, temperature=0).truncation == "disabled"

@@ -285,6 +285,7 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: Int64 | None = None  # with it: this many alternatives a token
     background: bool | None = None  # answer at once; the reply runs on (responses_background.py)
+    truncation: str | None = None  # "auto": the oldest turns dropped to fit the context; "disabled": a 400
     conversation: Any = None  # OpenAI's stored conversations and prompts: none are kept here (refused)
     prompt: Any = None
 

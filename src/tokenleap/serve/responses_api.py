@@ -16,7 +16,8 @@ json_schema), function ``tools`` with ``tool_choice``, ``stream``, ``metadata``,
 ``include: ["message.output_text.logprobs"]`` with ``top_logprobs``, and the chat endpoint's
 sampling extras (``top_k``, ``seed``, ``stop``, penalties, ``logit_bias``), and ``previous_response_id``
 (the app looks the earlier conversation up in its ``response_store`` and passes it in as
-``earlier``). This server hosts no tools and resolves no item references, so those get a 400 that
+``earlier``), and ``truncation: "auto"`` (the routes drop the oldest turns that do not fit,
+``context_window.drop_oldest``). This server hosts no tools and resolves no item references, so those get a 400 that
 says so; ``reasoning`` items (this server writes none) are skipped.
 """
 from __future__ import annotations
@@ -50,6 +51,8 @@ def chat_request(req: ResponsesRequest, earlier: list[dict[str, Any]] = ()) -> C
         if getattr(req, name) is not None:
             raise bad_request(f"{name}: stored conversations and prompts are not kept by this server; send the "
                               "turns in input (or previous_response_id) and the instructions", name)
+    if req.truncation not in (None, "auto", "disabled"):
+        raise bad_request(f"truncation must be 'auto' or 'disabled', got {req.truncation!r}", "truncation")
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     messages += [ChatMessage.model_validate(m) for m in earlier]
     messages += _input_messages(req.input)
@@ -350,7 +353,7 @@ class ResponseWriter:
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": req.previous_response_id, "store": self.keep is not None,
-                "background": bool(req.background),
+                "background": bool(req.background), "truncation": req.truncation or "disabled",
                 "temperature": 1.0 if req.temperature is None else req.temperature,
                 "top_p": 1.0 if req.top_p is None else req.top_p,
                 "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
