@@ -163,7 +163,7 @@ def test_what_cannot_be_done_is_a_clear_400(server):
 def test_function_call_items_become_the_chat_turns_of_a_tool_call():
     from tokenleap.serve.chat_render import chat_messages
     from tokenleap.serve.protocol import ResponsesRequest
-    from tokenleap.serve.responses_api import chat_request
+    from tokenleap.serve.responses_input import chat_request
 
     req = ResponsesRequest.model_validate({"input": [
         {"role": "user", "content": "weather in Paris?"},

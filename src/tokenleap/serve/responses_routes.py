@@ -22,7 +22,8 @@ from tokenleap.serve.body import parse_body
 from tokenleap.serve.response_store import ResponseStore, StoredResponse, page
 from tokenleap.serve.responses_background import BackgroundResponses
 from tokenleap.serve.responses import Format, new_id, now
-from tokenleap.serve.responses_api import ResponseWriter, chat_request, input_items, logprobs_wanted, reply_messages
+from tokenleap.serve.responses_api import ResponseWriter
+from tokenleap.serve.responses_input import chat_request, input_items, logprobs_wanted, reply_messages
 from tokenleap.serve.tools import reply_grammar
 
 
