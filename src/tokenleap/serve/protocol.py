@@ -271,7 +271,7 @@ class TextConfig(_Strict):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_api.py)
+class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_input.py)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: Int64 | None = None
