@@ -1,10 +1,11 @@
-"""``drop_oldest`` (the Responses API's ``truncation: "auto"``): the fewest oldest turns dropped, found by
-bisection, equal to dropping one turn at a time; system messages kept, orphaned tool results dropped."""
+"""``fit_turns`` (Ollama's ``num_ctx``, the Responses API's ``truncation: "auto"``): the fewest oldest
+turns dropped, found by bisection, equal to trying every cut at a user turn in order; system and
+developer messages and the last message kept; no tool result left without its call."""
 from __future__ import annotations
 
 import pytest
 
-from tokenleap.serve.context_window import drop_oldest
+from tokenleap.serve.context_window import fit_turns
 
 
 def encode(messages):
@@ -12,14 +13,13 @@ def encode(messages):
 
 
 def linear(messages, limit):
-    """The reference: drop the oldest non-system turn (and tool results it leaves first) until it fits."""
-    head = next(i for i, m in enumerate(messages) if m["role"] != "system")
-    rest = messages[head:]
-    while len(encode(messages[:head] + rest)) > limit and len(rest) > 1:
-        rest = rest[1:]
-        while len(rest) > 1 and rest[0]["role"] == "tool":
-            rest = rest[1:]
-    return messages[:head] + rest
+    """The reference: cut before the earliest user turn (or the last message) that makes the rest fit."""
+    keep = lambda cut: [m for i, m in enumerate(messages) if i >= cut or m["role"] in ("system", "developer")]  # noqa: E731
+    cuts = [i for i, m in enumerate(messages) if 0 < i < len(messages) - 1 and m["role"] == "user"]
+    for cut in [0] + cuts + [len(messages) - 1]:
+        if len(encode(keep(cut))) <= limit:
+            return keep(cut)
+    return keep(len(messages) - 1)
 
 
 @pytest.mark.parametrize("limit", [10, 25, 40, 60, 90, 200])
@@ -28,16 +28,14 @@ def test_fewest_oldest_turns_dropped(limit):
     for i in range(6):
         msgs += [{"role": "user", "content": "u" * (3 + i)}, {"role": "assistant", "content": "call"},
                  {"role": "tool", "content": "r" * 4}, {"role": "assistant", "content": "a" * 6}]
+        if i == 2:
+            msgs.append({"role": "developer", "content": "d" * 3})
     msgs.append({"role": "user", "content": "last"})
-    kept, ids = drop_oldest(msgs, encode, limit + 3, 3)  # room for a 3-token reply
+    kept, ids = fit_turns(msgs, encode, limit)
     assert kept == linear(msgs, limit) and ids == encode(kept)
     assert kept[0]["role"] == "system" and kept[-1]["content"] == "last"
-    assert kept[1]["role"] != "tool"  # no tool result without its call
+    assert any(m["role"] == "developer" for m in kept)
+    rest = [m for m in kept if m["role"] not in ("system", "developer")]
+    assert rest[0]["role"] == "user"  # no assistant turn or tool result first
     if len(encode(msgs)) <= limit:
         assert kept is msgs
-
-
-def test_a_last_turn_too_long_is_left_to_the_budget_check():
-    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b" * 50}]
-    kept, ids = drop_oldest(msgs, encode, 20, None)
-    assert kept == msgs[1:] and len(ids) > 20  # (check_max_tokens then gives the prompt's 400)

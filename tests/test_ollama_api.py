@@ -11,7 +11,8 @@ import torch
 
 from tokenleap.config import SamplingParams
 from tokenleap.serve.app import ServerConfig, create_app
-from tokenleap.serve.ollama_api import ChatBody, GenerateBody, chat_request, fit_history, generate_request
+from tokenleap.serve.context_window import fit_turns
+from tokenleap.serve.ollama_api import ChatBody, GenerateBody, chat_request, generate_request
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.protocol import APIError, sampling_params
 from tokenleap.serve.scheduler import SchedulerConfig
@@ -118,18 +119,19 @@ def test_a_conversation_over_the_window_loses_its_oldest_turns(server):
     assert r.response == alone(cut, SamplingParams(max_tokens=1, repetition_penalty=1.1, repetition_last_n=64)).text
 
 
-def test_fit_history_keeps_the_system_message_and_the_latest_turns():
+def test_fit_turns_keeps_the_system_message_and_the_latest_turns():
     encode = lambda ms: [0] * sum(len(m["content"]) for m in ms)  # noqa: E731 (a token a character)
     turns = [{"role": "system", "content": "S" * 10}, {"role": "user", "content": "u" * 20},
              {"role": "assistant", "content": "a" * 20}, {"role": "user", "content": "v" * 20},
              {"role": "assistant", "content": "b" * 20}, {"role": "user", "content": "w" * 5}]
-    assert len(fit_history(turns, encode, 96)) == 95  # everything fits
-    assert len(fit_history(turns, encode, 95)) == 55  # the first turn goes: system, then from the 2nd user
-    assert len(fit_history(turns, encode, 55)) == 15  # system and the last message
-    assert len(fit_history(turns, encode, 10)) == 15  # nothing fits: the shortest (a 400 for the caller)
+    assert fit_turns(turns, encode, 95) == (turns, [0] * 95)  # everything fits: unchanged
+    kept, ids = fit_turns(turns, encode, 94)  # the first turn goes: system, then from the 2nd user
+    assert kept == turns[:1] + turns[3:] and len(ids) == 55
+    assert fit_turns(turns, encode, 54)[0] == [turns[0], turns[-1]]  # system and the last message
+    assert len(fit_turns(turns, encode, 9)[1]) == 15  # nothing fits: the shortest (a 400 for the caller)
     # a system message anywhere stays
     mid = turns[:3] + [{"role": "system", "content": "T" * 3}] + turns[3:]
-    assert len(fit_history(mid, encode, 60)) == 58
+    assert len(fit_turns(mid, encode, 59)[1]) == 58
 
 
 def test_logprobs_come_with_each_token(server):

@@ -208,7 +208,8 @@ def test_logprobs_match_the_chat_endpoints(server):
 
 def test_truncation_auto_drops_the_oldest_turns(server):
     """Over the context, truncation "auto" answers the conversation without its fewest oldest turns
-    that make room (instructions kept), as OpenAI's does; "disabled" (the default) is a 400."""
+    that make room (instructions kept; cut before a user turn), as OpenAI's drops the oldest items;
+    "disabled" (the default) is a 400."""
     c = client(server)
     turns = []
     for i in range(5):
@@ -221,7 +222,8 @@ def test_truncation_auto_drops_the_oldest_turns(server):
         assert e.value.body["code"] == "context_length_exceeded"
     r = c.responses.create(**args, truncation="auto")
     tok, system = ChatToyTokenizer(VOCAB), [{"role": "system", "content": "rules"}]
-    fits = [n for n in range(len(turns)) if len(tok.encode(tok.apply_chat_template(system + turns[n:]))) + 8 <= MAX_LEN]
+    fits = [n for n in range(0, len(turns), 2)  # (cuts before a user turn)
+            if len(tok.encode(tok.apply_chat_template(system + turns[n:]))) + 8 <= MAX_LEN]
     assert 1 < fits[0] < len(turns) - 1  # (several turns must go, not all)
     prompt, ref = reference(system + turns[fits[0]:], 8)
     assert r.output_text == ref.text and r.usage.input_tokens == len(prompt) and r.truncation == "auto"

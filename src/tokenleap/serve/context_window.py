@@ -1,6 +1,6 @@
 """How a request's prompt and reply share the context window: the reply's token budget
 (``check_max_tokens``), vLLM's ``truncate_prompt_tokens`` (``truncate_prompt``) and the Responses
-API's ``truncation: "auto"`` (``drop_oldest``)."""
+API's ``truncation: "auto"`` and Ollama's ``num_ctx`` (``fit_turns``)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -44,41 +44,29 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int,
     return ids[-keep:]
 
 
-def drop_oldest(messages: list[dict[str, Any]], encode: Callable[[list[dict[str, Any]]], list[int]],
-                max_model_len: int, reply: int | None) -> tuple[list[dict[str, Any]], list[int]]:
-    """OpenAI's ``truncation: "auto"``: the conversation without as few of its oldest turns as make its
-    prompt (``encode``'s ids) leave room for ``reply`` tokens (None: one) -- leading system /
-    developer messages kept, and a tool result whose call was dropped dropped with it. The prompt
-    gets shorter as turns go, so the fewest to drop is found by bisection (a few renders for a
-    long history). Unchanged when it fits; if only the last turn is left and it does not fit, the
-    caller's budget check gives its 400."""
-    need = max_model_len - (reply or 1)
+def fit_turns(messages: list[dict[str, Any]], encode: Callable[[list[dict[str, Any]]], list[int]],
+              limit: int) -> tuple[list[dict[str, Any]], list[int]]:
+    """The most of the conversation whose prompt (``encode``'s ids) has at most ``limit`` tokens, and
+    those ids: every system / developer message and the last message, and the other messages from
+    the latest user turn (or the last message) that fits back; all of them when they fit. Ollama
+    drops the oldest turns this way past ``num_ctx``, and the Responses API's ``truncation: "auto"``
+    drops the oldest items; cutting at a user turn leaves no tool result without its call and no
+    conversation that opens with an assistant turn (which some templates refuse). Fewer kept
+    messages never render longer, so the cut is found by bisection (a few renders for a long
+    history). When nothing fits: the shortest, for the caller's budget check to refuse."""
     ids = encode(messages)
-    if len(ids) <= need:
+    if len(ids) <= limit:
         return messages, ids
-    head = 0
-    while head < len(messages) - 1 and messages[head].get("role") in ("system", "developer"):
-        head += 1
-
-    def without(n: int) -> list[dict[str, Any]]:
-        rest = messages[head + n:]
-        while len(rest) > 1 and rest[0].get("role") == "tool":  # (its call went with the dropped turns)
-            rest = rest[1:]
-        return messages[:head] + rest
-
-    low, high = 1, len(messages) - 1 - head  # drop at least one; at most all but the last turn
-    if high < low:
-        return messages, ids
-    best = without(high)
-    best_ids = encode(best)
-    if len(best_ids) > need:
-        return best, best_ids
-    while low < high:
-        mid = (low + high) // 2
-        kept = without(mid)
-        kept_ids = encode(kept)
-        if len(kept_ids) <= need:
-            high, best, best_ids = mid, kept, kept_ids
+    last = len(messages) - 1
+    starts = [i for i, m in enumerate(messages) if 0 < i < last and m.get("role") == "user"] + [last]
+    best, lo, hi = None, 0, len(starts) - 1
+    while lo <= hi:  # the earliest start whose rendering fits
+        mid = (lo + hi) // 2
+        kept = [m for i, m in enumerate(messages) if i >= starts[mid] or m.get("role") in ("system", "developer")]
+        got = encode(kept)
+        if len(got) <= limit:
+            best, hi = (kept, got), mid - 1
         else:
-            low = mid + 1
-    return best, best_ids
+            lo = mid + 1
+    return best if best is not None else (kept, got)  # none fits: the last tried, the shortest
+

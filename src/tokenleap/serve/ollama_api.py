@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -152,29 +152,6 @@ def context_window(body: _Body, max_len: int) -> int:
     if n < 1:
         raise bad_request(f"options.num_ctx must be >= 1, got {n}", "options")
     return min(n, max_len)
-
-
-def fit_history(messages: list[dict[str, Any]], encode: Callable[[list[dict[str, Any]]], list[int]],
-                window: int) -> list[int]:
-    """The ids of the most of the conversation that fits ``window`` with room for a reply token:
-    every system message and the last message, and the other messages from the latest user turn
-    (or the last message) that fits back; all of them when they fit. Ollama drops the oldest turns
-    the same way. Fewer kept messages never render longer, so the cut is found by bisection."""
-    ids = encode(messages)
-    if len(ids) < window:
-        return ids
-    last = len(messages) - 1
-    starts = [i for i, m in enumerate(messages) if 0 < i < last and m.get("role") == "user"] + [last]
-    best, lo, hi = None, 0, len(starts) - 1
-    while lo <= hi:  # the earliest start whose rendering fits
-        mid = (lo + hi) // 2
-        kept = [m for i, m in enumerate(messages) if i >= starts[mid] or m.get("role") == "system"]
-        candidate = encode(kept)
-        if len(candidate) < window:
-            best, hi = candidate, mid - 1
-        else:
-            lo = mid + 1
-    return best if best is not None else candidate  # none fits: the last tried, the shortest
 
 
 def chat_request(body: ChatBody) -> ChatRequest:

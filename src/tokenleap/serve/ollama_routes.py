@@ -30,8 +30,9 @@ from tokenleap.models.catalog import CATALOG
 from tokenleap.models.embed import normalize_embedding
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_api import (ChatBody, GenerateBody, ReplyWriter, chat_request, context_window,
-                                        created_at, fit_history, generate_request, load_reply, logprobs_wanted,
+                                        created_at, generate_request, load_reply, logprobs_wanted,
                                         thinking_kwargs)
+from tokenleap.serve.context_window import fit_turns
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, Int64, _Strict, bad_request,
                                       structured_output)
@@ -110,7 +111,7 @@ class OllamaRoutes:
         window = context_window(body, server.engine.max_len)
         messages, options = chat_messages(chat), chat_options(chat)
         encode = lambda kept: server.prompts.encode_chat(kept, tools, options)  # noqa: E731
-        prompt = fit_history(messages, encode, window) if body.truncate is not False else encode(messages)
+        prompt = fit_turns(messages, encode, window - 1)[1] if body.truncate is not False else encode(messages)
         job = await server._start(chat, [prompt], [self._budget(chat.max_tokens, len(prompt), window)],
                                   reply_grammar(tools, chat), logprobs)
         writer = ReplyWriter(name, True, job, tools, server._reasoning(chat, prompt),

@@ -15,7 +15,7 @@ json_schema), function ``tools`` with ``tool_choice``, ``stream``, ``metadata``,
 sampling extras (``top_k``, ``seed``, ``stop``, penalties, ``logit_bias``), ``previous_response_id``
 (the routes look the earlier conversation up in the response store and pass it in as ``earlier``),
 and ``truncation: "auto"`` (the routes drop the oldest turns that do not fit,
-``context_window.drop_oldest``). This server hosts no tools and resolves no item references, so
+``context_window.fit_turns``). This server hosts no tools and resolves no item references, so
 those get a 400 that says so; ``reasoning`` items (this server writes none) are skipped.
 """
 from __future__ import annotations

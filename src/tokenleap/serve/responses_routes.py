@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from tokenleap.serve.context_window import check_max_tokens, drop_oldest, truncate_prompt
+from tokenleap.serve.context_window import check_max_tokens, fit_turns, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.protocol import APIError, ResponsesRequest, bad_request
 from tokenleap.serve.body import parse_body
@@ -64,8 +64,8 @@ class ResponsesRoutes:
         options = chat_options(chat)
         messages, ids = chat_messages(chat), None
         if req.truncation == "auto":  # the oldest turns go first (as OpenAI's), then any token cut asked for
-            messages, ids = drop_oldest(messages, lambda ms: server.prompts.encode_chat(ms, tools, options),
-                                        server.engine.max_len, req.max_output_tokens)
+            messages, ids = fit_turns(messages, lambda ms: server.prompts.encode_chat(ms, tools, options),
+                                      server.engine.max_len - (req.max_output_tokens or 1))
         ids = ids if ids is not None else server.prompts.encode_chat(messages, tools, options)
         prompt = truncate_prompt(ids, req.truncate_prompt_tokens, server.engine.max_len)
         budget = check_max_tokens(req.max_output_tokens, len(prompt), server.engine.max_len, None,
