@@ -122,9 +122,13 @@ def test_cors_for_allowed_origins_and_by_default_this_machines_pages():
     plain = call(make_app(), [preflight, models])
     assert all("access-control-allow-origin" not in r.headers for r in plain)
     local = [("OPTIONS", "/v1/completions", {"headers": {"Origin": origin, "Access-Control-Request-Method": "POST"}})
-             for origin in ("http://localhost:3000", "http://127.0.0.1:8080", "http://localhost.example.com")]
+             for origin in ("http://localhost:3000", "http://127.0.0.1:8080", "http://localhost.example.com",
+                            "vscode-webview://1a2b", "tauri://localhost", "app://obsidian.md", "http://0.0.0.0:3000",
+                            "https://vscode-webview.example")]
     got = [r.headers.get("access-control-allow-origin") for r in call(make_app(), local)]
-    assert got == ["http://localhost:3000", "http://127.0.0.1:8080", None]  # pages on this machine, by default
+    # pages on this machine and desktop apps' pages (as Ollama's defaults), by default
+    assert got == ["http://localhost:3000", "http://127.0.0.1:8080", None, "vscode-webview://1a2b", "tauri://localhost",
+                   "app://obsidian.md", "http://0.0.0.0:3000", None]
     allowed = call(make_app(allowed_origins=("https://app.example",)), [preflight, models])
     assert [r.headers.get("access-control-allow-origin") for r in allowed] == ["https://app.example"] * 2
     other = call(make_app(allowed_origins=("https://other.example",)), [models])[0]
@@ -147,8 +151,8 @@ def test_other_pages_cannot_start_work_by_a_simple_cross_site_post():
                             from_page("https://evil.example", "/v1/messages", chat),
                             ("DELETE", "/v1/responses/x", {"headers": {**AUTH, "Origin": "https://evil.example"}}),
                             ("GET", "/v1/models", {"headers": {**AUTH, "Origin": "https://evil.example"}}),
-                            from_page("http://localhost:3000"), from_page(None)])
-    assert [r.status_code for r in got] == [403, 403, 403, 403, 403, 200, 200, 200]
+                            from_page("http://localhost:3000"), from_page(None), from_page("vscode-webview://1a2b")])
+    assert [r.status_code for r in got] == [403, 403, 403, 403, 403, 200, 200, 200, 200]
     refused = got[0].json()["error"]
     assert refused["type"] == "permission_error" and "--allowed-origins" in refused["message"]
     assert "error" in got[2].json() and isinstance(got[2].json()["error"], str)  # Ollama's form

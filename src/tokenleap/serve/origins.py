@@ -23,13 +23,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenleap.serve.error_handlers import error_body
 from tokenleap.serve.protocol import APIError
 
-LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"  # pages served from this machine
+# pages served from this machine, and desktop apps' own pages (Electron / Tauri apps, VS Code webviews),
+# which Ollama allows by default too
+LOCAL_ORIGINS = (r"https?://(localhost|127\.0\.0\.1|0\.0\.0\.0|\[::1\])(:[0-9]+)?"
+                 r"|(app|file|tauri|vscode-webview|vscode-file)://[^\s]*")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # (OPTIONS: CORS preflights, answered by CORS)
 
 
 def add_origin_checks(app: FastAPI, allowed: tuple[str, ...]) -> None:
-    """CORS for ``allowed`` origins ("*": any; none: this machine's pages only), and the refusal of
-    other pages' requests that can start work."""
+    """CORS for ``allowed`` origins ("*": any; none: this machine's pages and desktop apps' only), and
+    the refusal of other pages' requests that can start work."""
     if allowed:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed), allow_methods=["*"], allow_headers=["*"],
                            allow_credentials="*" not in allowed)
@@ -41,7 +44,8 @@ def add_origin_checks(app: FastAPI, allowed: tuple[str, ...]) -> None:
 
 
 def origin_allowed(origin: str, allowed: tuple[str, ...]) -> bool:
-    """Whether a page at ``origin`` may call (as CORS decides: exact origins, or this machine's pages)."""
+    """Whether a page at ``origin`` may call (as CORS decides: exact origins, or this machine's pages
+    and desktop apps')."""
     return origin in allowed if allowed else re.fullmatch(LOCAL_ORIGINS, origin) is not None
 
 
