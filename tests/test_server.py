@@ -308,6 +308,25 @@ def test_a_non_streaming_client_that_leaves_is_cancelled():
         assert s.scheduler.stats.finished == {"abort": 1} and eng.cache.num_used_blocks == 0
 
 
+def test_chat_echo_starts_the_reply_with_the_message_it_continues(server):
+    """vLLM's chat echo: the last message's text starts the reply when it has the reply's role -- an
+    assistant message the reply continues -- streamed or not; a last user message is not echoed."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ab"}]
+    body = {"messages": msgs, "max_tokens": 5, "temperature": 0, "add_generation_prompt": False}  # (no new turn)
+
+    def content(**extra):
+        r = httpx.post(server.url + "/v1/chat/completions", headers=auth, json={**body, **extra})
+        return r.json()["choices"][0]["message"]["content"]
+    plain = content()
+    assert content(echo=True) == "ab" + plain
+    chunks = client(server).chat.completions.create(model=NAME, messages=msgs, max_tokens=5, temperature=0, stream=True,
+                                                    extra_body={"echo": True, "add_generation_prompt": False})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "ab" + plain
+    new_turn = {"messages": msgs[:1], "add_generation_prompt": True}
+    assert content(**new_turn, echo=True) == content(**new_turn)
+
+
 def test_chat_template_options(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     tok = ChatToyTokenizer(VOCAB)

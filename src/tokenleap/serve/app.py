@@ -171,7 +171,8 @@ class OpenAIServer:
             raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                               "top_logprobs")
         tools = self._plan_tools(req)
-        prompt = truncate_prompt(self.prompts.encode_chat(chat_messages(req), tools, chat_options(req)),
+        messages = chat_messages(req)
+        prompt = truncate_prompt(self.prompts.encode_chat(messages, tools, chat_options(req)),
                                  req.truncate_prompt_tokens, self.engine.max_len)
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
@@ -179,8 +180,13 @@ class OpenAIServer:
                       **usage_options(req), tools=tools, token_ids=bool(req.return_token_ids),
                       tokens=self._token_text(bool(req.logprobs), req.return_tokens_as_token_ids),
                       reasoning=self._reasoning(req, prompt))
+        # vLLM's echo: the last message's text starts each reply if it has the reply's role (an assistant
+        # message the reply continues, or one before a new assistant turn)
+        new_turn = req.add_generation_prompt is not False and not req.continue_final_message
+        echo = req.echo and messages[-1]["role"] == ("assistant" if new_turn else messages[-1]["role"])
+        view = PromptView([messages[-1]["content"]] * req.n if echo else None, prompt_logprobs=check_prompt_logprobs(req))
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
-                               PromptView(prompt_logprobs=check_prompt_logprobs(req)), self._prediction(req))
+                               view, self._prediction(req))
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         """OpenAI's model list; Anthropic's for its clients (they send ``anthropic-version``)."""

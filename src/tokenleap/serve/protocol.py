@@ -253,6 +253,7 @@ class ChatRequest(_Sampling):
     reasoning_effort: str | None = None  # OpenAI's, passed to the template as vLLM passes it
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = False
+    echo: bool | None = False  # vLLM's: the reply starts with the last message's text where it has the reply's role
     # a thinking model's reply: its <think> block returned (vLLM's include_reasoning) or, with llama.cpp's
     # reasoning_format "none", left in the content
     include_reasoning: bool | None = None
