@@ -69,3 +69,17 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_is_named(fake_build, tmp_p
     lock.unlink()
     kernels.check_build_lock(lock.parent)
     assert capsys.readouterr().err == ""
+
+
+def test_two_copies_of_the_same_sources_build_apart(monkeypatch, tmp_path):
+    """torch's build file names the sources by absolute path: two checkouts of the same code sharing a
+    build directory would rebuild it for each other at every load, so the location is in the key."""
+    monkeypatch.setenv("TOKENLEAP_CACHE", str(tmp_path / "cache"))
+    copies = []
+    for where in ("one", "two"):
+        (tmp_path / where).mkdir()
+        copies.append([tmp_path / where / p.name for p in kernels.SOURCES])
+        for p, q in zip(kernels.SOURCES, copies[-1]):
+            q.write_bytes(p.read_bytes())
+    one, two = (kernels.directory_for(c) for c in copies)
+    assert one != two and one == kernels.directory_for(copies[0]) and one.parent == two.parent

@@ -1,10 +1,11 @@
 """Building tokenleap's C++ kernels with the PyTorch C++ extension tools, once per machine.
 
 The sources compile into ``<tokenleap cache>/kernels/<key>``, the key a digest of the sources,
-headers, flags and torch version. A compiler that cannot build the AMX files (an older GCC)
-still gets the AVX2 kernels: the build is retried with ``amx_stub.cpp`` in their place, which
-reports that no tile may run. A build prints one line to stderr when it starts and one with the
-time it took; a lock left by a killed build is removed (torch's build would wait on it for ever).
+headers, flags, torch version and the sources' location. A compiler that cannot build the AMX
+files (an older GCC) still gets the AVX2 kernels: the build is retried with ``amx_stub.cpp`` in
+their place, which reports that no tile may run. A build prints one line to stderr when it starts
+and one with the time it took; a lock left by a killed build is removed (torch's build would wait
+on it for ever).
 """
 from __future__ import annotations
 
@@ -28,11 +29,15 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def directory_for(sources: list[Path]) -> Path:
-    """The build directory of ``sources``: keyed by their code, the headers, the flags and torch's version."""
+    """The build directory of ``sources``: keyed by their code, the headers, the flags, torch's version
+    and where the sources lie -- torch's build file names them by absolute path, so two copies of
+    the same code (two checkouts, two environments) sharing one directory would each see the
+    other's build file as a changed build and compile everything again, each time either loads."""
     from tokenleap.models.catalog import default_cache_dir
 
     code = b"".join(p.read_bytes() for p in sources + HEADERS)
-    key = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode())
+    where = "\n".join(str(p.resolve()) for p in sources).encode()
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode() + where)
     d = default_cache_dir() / "kernels" / key.hexdigest()[:16]
     d.mkdir(parents=True, exist_ok=True)
     return d
