@@ -63,6 +63,9 @@ def test_the_oldest_turns_go_when_the_context_is_full():
     wordy = ChatSession(llm, system="y" * 400)  # a system prompt that alone fills the context: named as such
     with pytest.raises(ConfigError, match="the system prompt .--system. is"):
         wordy.reply("hi", params, lambda _: None)
+    tiny = ChatSession(session_llm("ngram", 12))  # no room for a reply at all: said so, no system prompt blamed
+    with pytest.raises(ConfigError, match=r"context window \(12 tokens\) leaves no room"):
+        tiny.reply("hi", params, lambda _: None)
 
 
 def test_a_stopped_reply_stays_and_the_next_turn_is_exact():

@@ -52,6 +52,9 @@ class ChatSession:
         """The conversation rendered for the next reply, its oldest turns dropped until it and
         ``reply_room`` tokens fit the context (a ConfigError, the conversation untouched, if the last
         message does not fit even alone)."""
+        if reply_room >= self.engine.max_len:
+            raise ConfigError(f"the context window ({self.engine.max_len} tokens) leaves no room for a message "
+                              f"and a reply of {reply_room} tokens (raise --max-model-len)")
         system = self._encode([]) if self.system else []
         if len(system) + reply_room > self.engine.max_len:
             raise ConfigError(f"the system prompt (--system) is {len(system)} tokens with the chat template; the "
