@@ -602,3 +602,9 @@ def test_ngram_lookup_drafts_from_two_token_matches_by_default(tmp_path):
     assert spec("--spec", "ngram").ngram_min == 2
     assert spec("--spec", "ngram", "--ngram-max", "1").ngram_min == 1
     assert spec("--spec", "ngram", "--ngram-min", "1").ngram_min == 1
+
+
+def test_top_k_minus_one_disables_it_as_in_vllm():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    with pytest.raises(ConfigError, match="top_k must be"):
+        SamplingParams(top_k=-2)

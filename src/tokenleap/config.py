@@ -161,7 +161,7 @@ class SamplingParams:
 
     max_tokens: int = 128
     temperature: float = 0.0
-    top_k: int = 0  # 0 disables
+    top_k: int = 0  # 0 disables (-1 too, as in vLLM: taken as 0)
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
@@ -220,8 +220,10 @@ class SamplingParams:
         _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
                f"temperature must be >= 0 and fit a 32-bit float (at most {FLOAT32_MAX:.4g}), "
                f"got {self.temperature!r}")
-        _check(is_int(self.top_k) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _check(is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be an integer >= 0 (0 or -1, as vLLM's, disables it), got {self.top_k!r}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
