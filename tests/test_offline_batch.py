@@ -124,6 +124,11 @@ def test_chat_renders_each_conversation_and_generates_it():
     assert [o.token_ids for o in outs] == [llm.generate(o.prompt, params)[0].token_ids for o in outs]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert llm.chat(two, params, tools=tools)[0].prompt == tok.encode("<tools>f<user>abcabc<assistant>abc<assistant>")
+    # OpenAI-style text parts are the text they hold; other parts are refused
+    parts = [{"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "text", "text": "abc"}]}]
+    assert llm.chat(parts, params)[0].prompt == tok.encode("<user>abcabc<assistant>")
+    with pytest.raises(ConfigError, match="content parts must be text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ConfigError, match="no messages"):
         llm.chat([])
 

@@ -231,7 +231,7 @@ class LLM:
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Replies to conversations, as vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of
-        ``{"role", "content"}`` dicts) or a list of them; each is rendered with the model's chat
+        ``{"role", "content"}`` dicts, content a string or OpenAI's text parts) or a list of them; each is rendered with the model's chat
         template (``tools``: function definitions the template shows the model; ``continue_final_message``:
         the reply continues the last message instead of opening a new turn; ``chat_template_kwargs``:
         extra template variables), then generated as ``generate`` does. An output's ``prompt`` is the
@@ -240,7 +240,8 @@ class LLM:
             raise ConfigError("no messages given")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
-        prompts = [self.tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt,
+        prompts = [self.tokenizer.encode_chat([_text_content(m) for m in c],
+                                              add_generation_prompt=add_generation_prompt,
                                               continue_final_message=continue_final_message, **extra)
                    for c in conversations]
         return self.generate(prompts, params)
@@ -261,6 +262,22 @@ class LLM:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return [v.tolist() for v in vectors]
+
+
+def _text_content(message: Any) -> Any:
+    """``message`` with OpenAI-style content parts (``[{"type": "text", "text": ...}]``) as the one
+    string the template takes, joined as the server joins them; other parts are refused."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ConfigError(f"a message's content parts must be text parts ({{'type': 'text', 'text': ...}}); "
+                              f"got {kind!r} (this engine reads text only)")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:
