@@ -231,11 +231,11 @@ class LLM:
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Replies to conversations, as vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of
-        ``{"role", "content"}`` dicts, content a string or OpenAI's text parts) or a list of them; each is rendered with the model's chat
-        template (``tools``: function definitions the template shows the model; ``continue_final_message``:
-        the reply continues the last message instead of opening a new turn; ``chat_template_kwargs``:
-        extra template variables), then generated as ``generate`` does. An output's ``prompt`` is the
-        rendered conversation's token ids."""
+        ``{"role", "content"}`` dicts, content a string or OpenAI's text parts) or a list of them; each
+        is rendered with the model's chat template (``tools``: function definitions the template shows
+        the model; ``continue_final_message``: the reply continues the last message instead of opening
+        a new turn; ``chat_template_kwargs``: extra template variables), then generated as ``generate``
+        does. An output's ``prompt`` is the rendered conversation's token ids."""
         if not messages:
             raise ConfigError("no messages given")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
