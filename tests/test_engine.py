@@ -131,6 +131,8 @@ def test_prompt_longer_than_context_is_refused(target):
     with pytest.raises(PromptTooLongError, match="context window is 16"):
         eng.add(list(range(3, 20)), SamplingParams())
     assert eng.cache.num_free_slots == 1
+    with pytest.raises(ConfigError, match="the prompt is empty"):  # (a bad value, not a long prompt)
+        eng.add([], SamplingParams())
 
 
 def test_a_prefill_that_fails_or_is_interrupted_frees_its_slot(target):

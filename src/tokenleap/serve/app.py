@@ -295,9 +295,9 @@ class OpenAIServer:
                 try:
                     seqs.append(self.engine.create(prompt, params))
                 except PromptTooLongError as e:
-                    raise bad_request(str(e), "prompt", "context_length_exceeded" if prompt else None) from None
-                except ConfigError as e:  # a schema, regex or grammar that does not compile
-                    raise bad_request(str(e), "response_format") from None
+                    raise bad_request(str(e), "prompt", "context_length_exceeded") from None
+                except ConfigError as e:  # an empty prompt, or a schema, regex or grammar that does not compile
+                    raise bad_request(str(e), "response_format" if prompt else "prompt") from None
         if len(seqs) > self.scheduler.capacity:  # never admitted, however long the client waits
             raise bad_request(f"this request has {len(seqs)} sequences (n times its prompts) but the server "
                               f"takes at most {self.scheduler.capacity} at once (--max-num-seqs plus "

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from tokenleap.cache.contiguous import KVCache
-from tokenleap.config import SamplingParams
+from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.spec.controller import ControllerConfig, DraftLengthController, StepPlan
 from tokenleap.errors import PromptTooLongError
 from tokenleap.heap import freeze_long_lived
@@ -94,7 +94,7 @@ class Engine:
     def create(self, prompt: list[int], params: SamplingParams) -> Sequence:
         """Validate and build a sequence without touching the cache (then ``attach``, ``prefill_step``)."""
         if not prompt:
-            raise PromptTooLongError("the prompt is empty: give at least one token")
+            raise ConfigError("the prompt is empty: give at least one token")
         room = self.max_len - len(prompt)
         if room < 1:
             raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but the context window is "
