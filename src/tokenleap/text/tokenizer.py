@@ -200,8 +200,9 @@ class Tokenizer:
         drop such a message (Qwen2.5's) or write a turn the model never saw."""
         if not self.chat_template:
             raise ChatTemplateError(
-                "this model has no chat template, so it cannot format chat messages; use --chat "
-                "(or chat messages) only with instruct/chat models, or pass a plain text prompt")
+                "this model has no chat template, so it cannot format chat messages: give it a plain text "
+                "prompt (the CLI without --chat; /v1/completions rather than a chat endpoint), or use an "
+                "instruct / chat model")
         _check_messages(messages)
         if "developer" not in self.chat_template:
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
