@@ -14,7 +14,8 @@ def encode(messages):
 
 def linear(messages, limit):
     """The reference: cut before the earliest user turn (or the last message) that makes the rest fit."""
-    keep = lambda cut: [m for i, m in enumerate(messages) if i >= cut or m["role"] in ("system", "developer")]  # noqa: E731
+    def keep(cut):
+        return [m for i, m in enumerate(messages) if i >= cut or m["role"] in ("system", "developer")]
     cuts = [i for i, m in enumerate(messages) if 0 < i < len(messages) - 1 and m["role"] == "user"]
     for cut in [0] + cuts + [len(messages) - 1]:
         if len(encode(keep(cut))) <= limit:

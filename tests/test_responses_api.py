@@ -12,7 +12,8 @@ from tokenleap.config import SamplingParams
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.scheduler import SchedulerConfig
 
-from serving_helpers import MAX_LEN, VOCAB, ChatToyTokenizer, FailingProposer, LiveServer, alone, paged_engine, wait_until
+from serving_helpers import (MAX_LEN, VOCAB, ChatToyTokenizer, FailingProposer, LiveServer, alone, paged_engine,
+                             wait_until)
 from test_server import KEY, NAME, client, start
 
 

@@ -51,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="origins a browser may call the API from (CORS), e.g. https://app.example or '*' "
-                        "(default: pages served from this machine -- localhost, 127.0.0.1 -- and desktop apps' pages -- "
-                        "app://, file://, tauri://, vscode-webview:// -- as Ollama allows); "
+                        "(default: pages served from this machine -- localhost, 127.0.0.1 -- and desktop apps' "
+                        "pages -- app://, file://, tauri://, vscode-webview:// -- as Ollama allows); "
                         "a POST from a page of another origin is refused (403)")
     p.add_argument("--responses-store", type=non_negative_int, default=1000, metavar="N",
                    help="/v1/responses objects kept in memory for previous_response_id and GET /v1/responses/"

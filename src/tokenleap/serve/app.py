@@ -184,7 +184,8 @@ class OpenAIServer:
         # message the reply continues, or one before a new assistant turn)
         new_turn = req.add_generation_prompt is not False and not req.continue_final_message
         echo = req.echo and messages[-1]["role"] == ("assistant" if new_turn else messages[-1]["role"])
-        view = PromptView([messages[-1]["content"]] * req.n if echo else None, prompt_logprobs=check_prompt_logprobs(req))
+        view = PromptView([messages[-1]["content"]] * req.n if echo else None,
+                          prompt_logprobs=check_prompt_logprobs(req))
         return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
                                view, self._prediction(req))
 

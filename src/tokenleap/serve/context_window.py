@@ -69,4 +69,3 @@ def fit_turns(messages: list[dict[str, Any]], encode: Callable[[list[dict[str, A
         else:
             lo = mid + 1
     return best if best is not None else (kept, got)  # none fits: the last tried, the shortest
-

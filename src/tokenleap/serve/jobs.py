@@ -27,7 +27,8 @@ class ClientGone(Exception):
 class PromptView:
     """What a job's replies show of their prompts."""
 
-    echo: list[str] | None = None  # per choice, the text that starts it (completions' echo: the prompt; chat's: the last message)
+    # per choice, the text that starts it (completions' echo: the prompt; chat's: the last message)
+    echo: list[str] | None = None
     echo_logprobs: int | None = None  # the echoed tokens' logprobs, with this many alternatives each
     echo_only: bool = False  # max_tokens 0: the echoed prompt is the whole reply (one token is decoded, unseen)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: alternatives per prompt token
