@@ -2,6 +2,8 @@
 speculation), each output token-identical to the same prompt generated alone, in the prompts' order."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -169,3 +171,31 @@ def test_the_servers_requests_carry_skip_special_tokens():
     assert sampling_params(off, 5, 0).skip_special_tokens is False
     assert sampling_params(CompletionRequest.model_validate({"prompt": "x", "skip_special_tokens": False}), 5,
                            0).skip_special_tokens is False
+
+
+@pytest.mark.parametrize("kind", [None, "draft"])
+def test_n_completions_a_prompt_as_vllms_outputs(kind):
+    """SamplingParams.n: a prompt's n completions in ``outputs`` (vLLM's ``output.outputs[j]``), decoded
+    together; a seeded one's j-th is that prompt generated alone with seed + j, a greedy one's are all
+    plain greedy decoding's; the output's own fields are its first completion's."""
+    llm = make_llm(kind)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=5, n=3, logprobs=1, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=8, n=2, ignore_eos=True)
+    first, second, third = llm.generate(["hello there", "abcabc", "why"], [seeded, greedy, replace(greedy, n=1)])
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    for j, c in enumerate(first.outputs):
+        alone = llm.generate("hello there", replace(seeded, n=1, seed=5 + j))[0]
+        assert (c.text, c.token_ids, c.finish_reason) == (alone.text, alone.token_ids, alone.finish_reason)
+        assert [t.token_id for t in c.logprobs] == alone.token_ids
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # (different seeds, different samples)
+    assert (first.text, first.token_ids) == (first.outputs[0].text, first.outputs[0].token_ids)
+    plain = llm.generate("abcabc", replace(greedy, n=1))[0]
+    assert [c.token_ids for c in second.outputs] == [plain.token_ids] * 2
+    assert second.prompt_token_ids == plain.prompt_token_ids == llm.encode("abcabc", False)
+    assert len(third.outputs) == 1 and "outputs" not in third.to_dict() and len(first.to_dict()["outputs"]) == 3
+    [one] = llm.generate("why", replace(greedy, n=2))  # one prompt, two completions
+    assert [c.token_ids for c in one.outputs] == [third.token_ids] * 2
+    with pytest.raises(ConfigError, match="stream gives one completion"):
+        next(llm.stream("why", greedy))
+    with pytest.raises(ConfigError, match="n must be an integer >= 1"):
+        SamplingParams(n=0)

@@ -3,7 +3,7 @@ from tokenleap.config import ModelConfig, SamplingParams, SpecConfig, Structured
 
 
 def __getattr__(name):  # the API pulls in torch and the loaders: import it on first use
-    if name in ("LLM", "RequestOutput", "StreamChunk"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "StreamChunk"):
         from tokenleap import api
         return getattr(api, name)
     raise AttributeError(name)

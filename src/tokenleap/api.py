@@ -26,7 +26,22 @@ from tokenleap.spec.sequence import Sequence
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's: ``RequestOutput.outputs`` holds ``SamplingParams.n``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
 class RequestOutput:
+    """A prompt's output: its first completion's fields, and every completion in ``outputs`` (vLLM's
+    ``output.outputs[0].text`` reads the same text as ``output.text``)."""
+
     prompt: str | list[int]
     text: str
     token_ids: list[int]
@@ -37,6 +52,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
+    prompt_token_ids: list[int] = field(default_factory=list)  # the prompt as the model read it
+    outputs: list[CompletionOutput] = field(default_factory=list)  # SamplingParams.n completions
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +68,8 @@ class RequestOutput:
                 "prompt_tokens": self.prompt_tokens, "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason, "seconds": round(self.seconds, 4),
                 "tokens_per_second": round(self.tokens_per_second, 3),
-                "stats": self.stats, **self._logprob_fields()}
+                "stats": self.stats, **self._logprob_fields(),
+                **({"outputs": [_completion_dict(c) for c in self.outputs]} if len(self.outputs) > 1 else {})}
 
     def _logprob_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -179,6 +197,8 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[StreamChunk]:
         params = _checked(params)
+        if params.n > 1:
+            raise ConfigError(f"stream gives one completion (n is {params.n}): generate or chat give n")
         ids = self.encode(prompt, chat)
         engine = self.engine  # (built on first use: not part of the request's time)
         t0 = time.perf_counter()
@@ -194,7 +214,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False) -> list[RequestOutput]:
         """One output per prompt, in order. ``params``: one for all, or a list with one per prompt (as
-        vLLM takes them). Several prompts are decoded together, up to ``max_num_seqs`` at a time."""
+        vLLM takes them); a prompt's ``n`` completions are its output's ``outputs``. Several prompts
+        (and completions) are decoded together, up to ``max_num_seqs`` at a time."""
         prompts = _prompt_list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
@@ -203,11 +224,16 @@ class LLM:
             per_prompt = [_checked(p) for p in params]
         else:
             per_prompt = [_checked(params)] * len(prompts)
+        counts = [p.n for p in per_prompt]
+        if counts != [1] * len(prompts):  # each completion a sequence (seeded: the j-th with seed + j)
+            prompts = [p for p, n in zip(prompts, counts) for _ in range(n)]
+            per_prompt = [replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                          for p in per_prompt for j in range(p.n)]
         if len(prompts) == 1:
             *_, last = self.stream(prompts[0], per_prompt[0], chat)
             return [last.output]
         from tokenleap.serve.batch import generate_batch
-        return generate_batch(self, list(prompts), per_prompt, chat)
+        return _grouped(generate_batch(self, list(prompts), per_prompt, chat), counts)
 
     def infill(self, prefix: str, suffix: str, params: SamplingParams | None = None) -> RequestOutput:
         """The code for the gap between ``prefix`` and ``suffix`` (fill-in-the-middle, for code models
@@ -294,6 +320,25 @@ def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:
     return speculative
 
 
+def _grouped(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
+    """Each prompt's ``counts[i]`` outputs in a row as one output: the first's fields, every
+    completion in ``outputs`` and the slowest one's seconds."""
+    grouped, at = [], 0
+    for n in counts:
+        first, rest = outputs[at], outputs[at + 1:at + n]
+        first.outputs = [replace(o.outputs[0], index=j) for j, o in enumerate([first] + rest)]
+        first.seconds = max(o.seconds for o in [first] + rest)
+        grouped.append(first)
+        at += n
+    return grouped
+
+
+def _completion_dict(c: CompletionOutput) -> dict[str, Any]:
+    return {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            **({"logprobs": [t.to_dict() for t in c.logprobs]} if c.logprobs is not None else {})}
+
+
 def _checked(params: SamplingParams | None) -> SamplingParams:
     if params is None:
         return SamplingParams()
@@ -316,8 +361,11 @@ def _prompt_list(prompts: str | list[int] | list[str] | list[list[int]]) -> list
 def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> RequestOutput:
     """A finished sequence's ``RequestOutput`` (``prompt``: as the caller gave it)."""
     params = seq.params
+    logprobs = list(seq.logprobs) if params.logprobs is not None else None
     return RequestOutput(prompt=prompt, text=seq.text, token_ids=seq.generated, prompt_tokens=len(seq.prompt),
                          finish_reason=seq.finish_reason, seconds=seconds, stats=seq.stats.to_dict(),
-                         logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                         logprobs=logprobs,
                          prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None,
-                         stop_reason=seq.stop_reason)
+                         stop_reason=seq.stop_reason, prompt_token_ids=list(seq.prompt),
+                         outputs=[CompletionOutput(0, seq.text, seq.generated, seq.finish_reason, seq.stop_reason,
+                                                   logprobs)])

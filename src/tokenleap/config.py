@@ -195,6 +195,9 @@ class SamplingParams:
     # line ends (0: off)
     n_indent: int = 0
     t_max_predict_ms: float = 0.0
+    # vLLM's: completions per prompt (LLM.generate / LLM.chat; a seeded request's j-th with seed + j);
+    # a sequence is one completion
+    n: int = 1
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):  # a string alone stands for a list of one
@@ -215,6 +218,7 @@ class SamplingParams:
                 raise ConfigError("bad_word_ids must be sequences of token ids") from None
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        _check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
