@@ -365,7 +365,7 @@ def test_plots_without_matplotlib_say_which_extra(monkeypatch, tmp_path, capsys)
     assert rc == 2 and "tokenleap[bench]" in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_method_may_name_its_own_draft_model(pool, prompt_ids, capsys):
+def test_a_method_may_name_its_own_draft_model(pool, prompt_ids, capsys, tmp_path):
     """``draft:model=NAME`` drafts with NAME instead of --draft (another tokenizer's or size's draft
     beside the --draft one in the same run): built without --draft, its output equals plain's; a
     name that is no model is refused before anything loads."""
@@ -381,6 +381,9 @@ def test_a_method_may_name_its_own_draft_model(pool, prompt_ids, capsys):
         parse_methods("draft:model=")
     rc = main(["bench", "--target", SMOL, "--methods", "plain,cascade:model=no-such-model", "--out", "/nonexistent/x"])
     assert rc == 2 and "'no-such-model' is neither a catalog model" in capsys.readouterr().err
+    rc = main(["bench", "--target", SMOL, "--methods", f"plain,draft:k=2,model={SMOL}", "--dataset", "chat",
+               "--limit", "1", "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path / "own")])
+    assert rc == 0  # no --draft needed (it was refused: "need a draft model")
 
 
 # -- code completion at a cursor (fill in the middle) ------------------------------------------------

@@ -59,9 +59,10 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     if temperature < 0:
         raise BenchError(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
     specs = parse_methods(methods) if isinstance(methods, str) else list(methods)
-    missing_draft = [s.name for s in specs if s.family in _NEEDS_DRAFT]
-    if missing_draft and not draft:
-        raise BenchError(f"method(s) {', '.join(missing_draft)} need a draft model: pass --draft MODEL")
+    missing_draft = [s.name for s in specs if s.family in _NEEDS_DRAFT and not s.get("model")]
+    if missing_draft and not draft:  # (a method naming its own draft, model=NAME, needs no --draft)
+        raise BenchError(f"method(s) {', '.join(missing_draft)} need a draft model: pass --draft MODEL "
+                         f"(or the method's own, e.g. draft:model=NAME)")
     pooled = [s.name for s in specs if s.get("pool")]
     if pooled and repeats > 1:  # a repeat would draft from the output of the one before it
         raise BenchError(f"method(s) {', '.join(pooled)} keep earlier outputs (pool=N): run them with --repeats 1")
