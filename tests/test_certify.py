@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+import tokenleap.spec.certify as certify_module
 import tokenleap.spec.step_verify as step_verify
 from tokenleap.spec.certify import (CertifyConfig, Certificate, certify, check_distribution, check_greedy,
                                chi2_homogeneity)
@@ -23,6 +24,7 @@ from tokenleap.spec.engine import Engine
 from tokenleap.models.build import build_transformer
 from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.sampling import inverse_cdf, rand_rows
+from tokenleap.spec.stats import SpecStats
 from tokenleap.spec.verify import Verification
 
 from conftest import ToyTokenizer, random_weights, tiny_config
@@ -130,6 +132,26 @@ def test_chi2_homogeneity_pools_rare_categories():
     hand = chi2_homogeneity({"a": 30, "b": 20}, {"a": 20, "b": 30})
     assert hand.statistic == pytest.approx(4.0) and hand.p_value == pytest.approx(0.0455003, rel=1e-5)
     assert chi2_homogeneity({"a": 10}, {"a": 7}).p_value == 1.0  # one category: nothing to tell apart
+
+
+def test_the_distribution_check_samples_after_the_first_prompt_the_method_drafts_for(factory, monkeypatch):
+    """A method with nothing to draft after the first prompt (n-gram lookup after a story's opening)
+    is tested after the next; none drafting after any prompt fails, saying what to give."""
+    real, sampled, silent = certify_module.sample_counts, [], [PROMPTS[0]]
+
+    def sample_counts(engine, prompt, *args, **kwargs):
+        counts, stats = real(engine, prompt, *args, **kwargs)
+        sampled.append(list(prompt))
+        return counts, SpecStats() if list(prompt) in silent else stats  # (as if nothing were drafted)
+    monkeypatch.setattr(certify_module, "sample_counts", sample_counts)
+    cfg = CertifyConfig(samples=40, block=6)
+    result = check_distribution(factory, PROMPTS, cfg)[0]
+    assert result.figures["prompt"] == 1 and result.figures["draft_tokens"] > 0
+    assert sampled[:2] == PROMPTS[:2] and set(map(tuple, sampled[2:])) == {tuple(PROMPTS[1])}
+    silent[:] = PROMPTS
+    result = check_distribution(factory, PROMPTS, cfg)[0]
+    assert not result.passed and "nothing was drafted after any of the 3 prompts" in result.summary
+    assert "--prompts" in result.summary
 
 
 def test_power_failure_fails_the_certificate(factory):

@@ -15,7 +15,8 @@ from tokenleap.config import ConfigError
 _EPILOG = """checks (one line each, PASS or FAIL):
   greedy        speculative greedy output is token-identical to plain greedy output on every prompt
   seeded        seeded sampling (--seed S + prompt index) gives the same tokens with and without speculation
-  distribution  unseeded sampling, the first --positions tokens of the first prompt: plain and speculative
+  distribution  unseeded sampling, the first --positions tokens after the first prompt the method drafts
+                for (n-gram lookup may find nothing to draft after some): plain and speculative
                 samples are not told apart by a chi-square homogeneity test, and every speculative token
                 fits the target's exact plain distribution for its prefix (KS on the randomized PIT and
                 a log-likelihood score; p >= --alpha); plain's own samples must fit as well

@@ -40,7 +40,7 @@ from tokenleap.spec.stat_tests import Fit, chi2_homogeneity, fit_test
 
 EngineFactory = Callable[[bool], Engine]  # speculative? -> an engine (the same target either way)
 
-DEFAULT_PROMPTS = (  # the distribution check samples continuations of the first one
+DEFAULT_PROMPTS = (  # the distribution check samples continuations of the first the method drafts after
     "Once upon a time, in a small village by the sea, there lived",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The three most important things to know about the French Revolution are",
@@ -246,8 +246,12 @@ def fit_of(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], torc
     return fit_test(torch.tensor(tokens), torch.stack(rows), generator)
 
 
-def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfig) -> list[CheckResult]:
-    """Unseeded sampling, plain vs speculative, by two tests, and their power on a known bias.
+def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]],
+                       cfg: CertifyConfig) -> list[CheckResult]:
+    """Unseeded sampling, plain vs speculative, by two tests, and their power on a known bias, on the
+    first of ``prompts`` (a prompt, or a list of them) whose samples the method drafts for -- a
+    method that finds nothing to draft after one prompt (n-gram lookup after a story's opening)
+    is tested on the next.
 
     The homogeneity test compares the two samples' joint counts of the first tokens. The
     goodness-of-fit test checks every sampled token against the target's exact plain distribution
@@ -256,16 +260,20 @@ def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfi
     goodness-of-fit test -- the one a certificate can rest on at a few hundred samples."""
     plain, spec = make(False), make(True)
     t, n = cfg.temperature, cfg.samples
+    prompts = [prompts] if prompts and isinstance(prompts[0], int) else prompts
+    for index, prompt in enumerate(prompts):
+        spec_counts, stats = sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 2)
+        if stats.draft_tokens > 0:
+            break
     base, _ = sample_counts(plain, prompt, t, n, cfg.positions, cfg.seed + 1)
-    spec_counts, stats = sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 2)
     biased, _ = sample_counts(plain, prompt, t * cfg.bias, n, cfg.positions, cfg.seed + 3)
     same = chi2_homogeneity(base, spec_counts)
     power = chi2_homogeneity(base, biased)
     probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
     stream = torch.Generator().manual_seed(torch_seed(cfg.seed + 4))
     fit_plain, fit_spec, fit_bias = (fit_of(c, probs, stream) for c in (base, spec_counts, biased))
-    head = f"first {cfg.positions} tokens at T={t:g}, {n} samples each"
-    figures = {"samples": n, "positions": cfg.positions, "temperature": t, "alpha": cfg.alpha,
+    head = f"prompt {index}, first {cfg.positions} tokens at T={t:g}, {n} samples each"
+    figures = {"prompt": index, "samples": n, "positions": cfg.positions, "temperature": t, "alpha": cfg.alpha,
                "chi2": round(same.statistic, 4), "dof": same.dof, "p_value": same.p_value,
                "categories": same.categories, "fit_ks": round(fit_spec.ks.statistic, 5),
                "fit_pit_mean": round(fit_spec.ks.mean, 5), "fit_loglik_z": round(fit_spec.score.z, 4),
@@ -284,7 +292,8 @@ def check_distribution(make: EngineFactory, prompt: list[int], cfg: CertifyConfi
         summary += (f"; plain's own samples do not fit the computed probabilities (p {fit_plain.p_value:.3g}): "
                     "the reference is wrong, nothing is certified")
     elif stats.draft_tokens == 0:
-        summary += "; nothing was drafted, so speculation was not exercised"
+        summary += (f"; nothing was drafted after any of the {len(prompts)} prompts, so speculation was not "
+                    "exercised (give --prompts with text the method drafts from, e.g. text that repeats)")
     result = CheckResult("distribution", ok, summary, figures)
     detected = fit_bias.rejects(cfg.alpha)
     summary = (f"plain at T={t * cfg.bias:g} against the T={t:g} probabilities ({n} samples): KS "
@@ -346,7 +355,7 @@ def certify(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConfig | 
     say("seeded")
     seeded = check_seeded(make, prompts, cfg)
     say("distribution")
-    distribution = check_distribution(make, prompts[0], cfg)
+    distribution = check_distribution(make, prompts, cfg)
     say("block-rule")
     block = check_block_rule(make(False), prompts, continuations, cfg)
     return Certificate((greedy, seeded, *distribution, block))
