@@ -89,6 +89,8 @@ def test_prompts_file_errors(capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     assert_error(capsys, ["generate", "--model", "x", "--prompts-file", str(bad)], "line 2", '"prompt"')
+    bad.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    assert_error(capsys, ["generate", "--model", "x", "--prompts-file", str(bad)], "line 2", "non-empty")
     assert_error(capsys, ["generate", "--model", "x", "--prompts-file", str(tmp_path / "missing.jsonl")],
                  "does not exist")
     assert_error(capsys, ["generate", "--model", "x", "--prompts-file", str(tmp_path)], "is not a file")

@@ -225,6 +225,10 @@ def test_eagle_flags_checked_before_loading(capsys, tmp_path):
         assert needle in capsys.readouterr().err
     assert main(["train-head", "--model", model, "--lr", "0"]) == 2
     assert "--lr must be positive" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("x")  # an --output the head could not be saved at: said before any work
+    for output, needle in ((tmp_path, "is a directory"), (tmp_path / "a_file" / "h.safetensors", "is a file")):
+        assert main(["train-head", "--model", model, "--output", str(output)]) == 2
+        assert needle in capsys.readouterr().err
     from tokenleap.cli.train_head import _replies
     bad = tmp_path / "replies.jsonl"
     for text in ('{"prompt": [1, 2]}\n', "not json\n", '{"prompt": "ab", "output": [1]}\n'):

@@ -212,8 +212,8 @@ def read_prompts_file(path: str) -> list[str]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UsageError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise UsageError(f"{path} line {n}: each line needs a string field \"prompt\"")
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise UsageError(f"{path} line {n}: each line needs a non-empty string field \"prompt\"")
         prompts.append(obj["prompt"])
     if not prompts:
         raise UsageError(f"prompts file {path} is empty: it needs one JSON object with a \"prompt\" per line")

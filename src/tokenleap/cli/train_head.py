@@ -58,11 +58,22 @@ def _log(msg: str) -> None:
     print(f"[train-head] {msg}", file=sys.stderr, flush=True)
 
 
+def _check_output(path: Path) -> None:
+    """A usage error if the head cannot be saved at ``path``: a directory, or under a file."""
+    if path.is_dir():
+        raise UsageError(f"--output {path} is a directory: give the head's file, e.g. {path / 'head.safetensors'}")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UsageError(f"--output {path}: {parent} is a file, not a directory")
+
+
 def cmd_train_head(args: argparse.Namespace) -> int:
     check_quant_dtype({"--quant": args.quant}, {"--dtype": args.dtype})
     check_model_ref("--model", args.model, args.cache_dir)
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.output:  # checked before hours of work, not at the save
+        _check_output(Path(args.output))
     prompts = read_prompts_file(args.prompts) if args.prompts else default_prompts()
     texts = [read_text_arg(path, "--texts") for path in args.texts]
     from tokenleap.api import LLM
