@@ -413,3 +413,37 @@ def test_a_replica_killed_under_load(ingress):
     assert wait_until(replaced, 120), serve.status()
     assert _stream(ingress, [7, 8, 9], 5)[2]
     assert wait_until(lambda: victim not in _replica_labels(_metrics(ingress)), 30)
+
+
+@pytest.mark.slow
+def test_the_command_stops_on_a_signal_and_leaves_no_ray_process(smollm2_gguf):
+    """`tokenleap serve --replicas 2` started as `cmd &` in a script (SIGINT ignored on entry): SIGINT
+    still stops it, and the local Ray instance it started goes with it (its agents were left running)."""
+    import signal
+    import subprocess
+    import sys
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenleap.cli.main", "serve", *SMOL_ARGV, "--replicas", "2",
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        for line in proc.stderr:  # until it serves
+            if "Ctrl-C stops" in line:
+                break
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    time.sleep(3)
+    session = f"_{proc.pid}/"  # Ray names its session directory after the driver's pid
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and session in _cmdline(p)]
+    assert not left, [_cmdline(p)[:120] for p in left]
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -61,22 +62,34 @@ def serve_replicas(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not _is_loopback(args.host) and not args.api_key:
         print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
-    if args.ray_address:
-        ray.init(address=args.ray_address)
-    else:  # a local instance with a CPU for each replica's threads (Ray's CPUs are a scheduling count)
-        most = args.autoscale[1] if args.autoscale else args.replicas
-        ray.init(num_cpus=max(os.cpu_count() or 1, most * settings.threads), include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_application(settings), name=settings.app_name, route_prefix="/", blocking=False)
-    shape = (f"autoscaling {args.autoscale[0]}..{args.autoscale[1]}" if args.autoscale else
-             f"{args.replicas} replicas")
-    print(f"tokenleap: serving {settings.served_name} on http://{args.host}:{args.port}/v1 -- {shape} of "
-          f"{settings.threads} thread(s) each on Ray Serve (Ctrl-C stops)", file=sys.stderr)
+
+    def stop(signum, frame):  # SIGTERM, and SIGINT even where a shell started us with it ignored (`cmd &`)
+        raise KeyboardInterrupt
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, stop) for sig in signals}
     try:
+        if args.ray_address:
+            ray.init(address=args.ray_address)
+        else:  # a local instance with a CPU for each replica's threads (Ray's CPUs are a scheduling count)
+            most = args.autoscale[1] if args.autoscale else args.replicas
+            ray.init(num_cpus=max(os.cpu_count() or 1, most * settings.threads), include_dashboard=False)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(settings), name=settings.app_name, route_prefix="/", blocking=False)
+        for sig in signals:  # (again: starting Ray may have put handlers of its own in place)
+            signal.signal(sig, stop)
+        shape = (f"autoscaling {args.autoscale[0]}..{args.autoscale[1]}" if args.autoscale else
+                 f"{args.replicas} replicas")
+        print(f"tokenleap: serving {settings.served_name} on http://{args.host}:{args.port}/v1 -- {shape} of "
+              f"{settings.threads} thread(s) each on Ray Serve (Ctrl-C stops)", file=sys.stderr)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
-    finally:
-        serve.shutdown()
+    finally:  # (a second signal while shutting down acts as it did before: the user insists)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if ray.is_initialized():
+            serve.shutdown()
+            if not args.ray_address:  # the local Ray instance this command started, its agents included
+                ray.shutdown()
     return 0
