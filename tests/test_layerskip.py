@@ -341,3 +341,23 @@ def test_prefix_head_of_an_int6_head():
     x = torch.randn(2, 256)
     ids = list(range(64)) + [200]
     assert torch.equal(head(x, True)[:, ids], m.lm_head(x, True)[:, ids])
+
+
+def test_calibrate_on_the_real_model_and_its_exit_status(smollm2_gguf, tmp_path, capsys, monkeypatch):
+    """`tokenleap calibrate`: stores a skipped set and measures it (outputs equal: exit 0); were layer
+    skip's greedy output to differ from plain decoding's, the command says it is a defect and exits 1."""
+    from pathlib import Path
+
+    import tokenleap.cli.calibrate as calibrate_cli
+    from tokenleap.cli.main import main
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Count from one to ten."}\n')
+    argv = ["calibrate", "--model", str(smollm2_gguf), "--prompts", str(prompts), "--max-tokens", "8",
+            "--candidates", "1", "--cache-dir", str(tmp_path / "cache"), "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["measured"]["outputs_equal"] is True and Path(result["stored"]).exists()
+    real = calibrate_cli._measure
+    monkeypatch.setattr(calibrate_cli, "_measure", lambda *a: {**real(*a), "outputs_equal": False})
+    assert main(argv) == 1
+    assert "differed from plain decoding" in capsys.readouterr().err

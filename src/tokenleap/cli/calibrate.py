@@ -80,9 +80,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               "skip_layers": format_skip(cal.skip_set), "num_layers": cal.num_layers, "stored": str(path),
               "calibration": cal.to_dict(), "measured": measured,
               "auto_arm": layerskip_joins_auto(cal.predicted_speedup)}  # whether --spec auto drafts with it
+    # exit 1 if layer skip's greedy output differed from plain decoding's: never expected (verification
+    # keeps it lossless), so a defect to report, whatever the calibration's figures
+    status = 0 if measured["outputs_equal"] else 1
+    if not measured["outputs_equal"]:
+        print("tokenleap: error: layer skip's greedy output differed from plain decoding's on these prompts -- "
+              "a defect in tokenleap (please report it with the model and prompts)", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
-        return 0
+        return status
     print(f"skip layers {result['skip_layers']} ({len(cal.skip)} of {cal.num_layers}); stored at {path}")
     print(f"calibration: agreement {cal.agreement:.2f} on {cal.positions} positions, predicted "
           f"{cal.predicted_speedup:.2f}x at k={cal.k} (draft token {cal.draft_seconds * 1e3:.1f} ms, plain step "
@@ -92,7 +98,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"draft acceptance {measured['draft_acceptance']:.1%}, outputs equal: {measured['outputs_equal']}")
     print("--spec auto: layer skip is one of its proposers" if result["auto_arm"] else
           f"--spec auto leaves layer skip out on this machine (predicted under {LAYERSKIP_MIN_SPEEDUP:.2f}x)")
-    return 0
+    return status
 
 
 def _measure(model, tok, ids: list[list[int]], params, plain, proposer) -> dict:
