@@ -299,6 +299,8 @@ def test_unknown_dataset_and_methods_list_the_valid_ones(capsys):
         load_dataset("mtbench")
     with pytest.raises(BenchError, match="valid methods: plain, draft, ngram, .*hf-plain"):
         parse_methods("plain,medusa")
+    with pytest.raises(BenchError, match="option k is given twice"):
+        parse_methods("ngram:k=3,k=4")
     with pytest.raises(BenchError, match="unknown option 'q=3'; valid options: k, kmax"):
         parse_methods("draft:q=3")
     with pytest.raises(BenchError, match="integer >= 1 or auto"):

@@ -69,6 +69,10 @@ def _parse_one(item: str) -> MethodSpec:
         raise BenchError(f"unknown method {family!r}; valid methods: {', '.join(FAMILIES)} "
                          "(options like draft:k=4, draft:k=auto, ngram:k=3,max=4,min=1)")
     options = [_parse_option(family, o) for o in rest.split(",") if o.strip()] if rest else []
+    keys = [key for key, _ in options]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:  # (the last would win, silently)
+        raise BenchError(f"method {item!r}: option {twice} is given twice")
     spec = MethodSpec(family, tuple(options))
     if ngram_min(spec) > int(spec.get("max", 4)):
         raise BenchError(f"method {spec.name!r}: min must not exceed max")
