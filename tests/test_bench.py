@@ -299,6 +299,8 @@ def test_unknown_dataset_and_methods_list_the_valid_ones(capsys):
         load_dataset("mtbench")
     with pytest.raises(BenchError, match="valid methods: plain, draft, ngram, .*hf-plain"):
         parse_methods("plain,medusa")
+    rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--pass-at-1", "--out", "/nonexistent/x"])
+    assert rc == 2 and "--pass-at-1 runs the prompts' tests" in capsys.readouterr().err
     with pytest.raises(BenchError, match="option k is given twice"):
         parse_methods("ngram:k=3,k=4")
     with pytest.raises(BenchError, match="unknown option 'q=3'; valid options: k, kmax"):

@@ -67,6 +67,9 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     if pooled and repeats > 1:  # a repeat would draft from the output of the one before it
         raise BenchError(f"method(s) {', '.join(pooled)} keep earlier outputs (pool=N): run them with --repeats 1")
     ds = load_dataset(dataset, limit)
+    if pass_at_1 and not any("test" in p.extra for p in ds.prompts):
+        raise BenchError(f"--pass-at-1 runs the prompts' tests, and dataset {dataset!r} has none here (humaneval, "
+                         "fim and the mix's code prompts do)")
     check_out_dir(Path(out), resume)  # before any model loads
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
