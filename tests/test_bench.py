@@ -243,6 +243,9 @@ def test_existing_out_dir_is_refused(tmp_path, capsys):
     rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--out", str(out)])
     assert rc == 2 and "already exists" in capsys.readouterr().err
     assert (out / "results.json").read_text() == "{}"
+    for resume in ([], ["--resume"]):  # a file as --out: said so, not "pass --resume"
+        rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--out", str(out / "results.json"), *resume])
+        assert rc == 2 and "is a file, not a directory" in capsys.readouterr().err
 
 
 def test_schedule_interleaves_and_rotates():

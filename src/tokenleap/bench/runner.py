@@ -56,12 +56,12 @@ class BenchSettings:
 
 # -- output directory and the append-only log ----------------------------------------------------
 def check_out_dir(out: Path, resume: bool) -> None:
-    """Refuse an existing, non-empty output directory unless resuming."""
-    if out.exists() and not resume and (not out.is_dir() or any(out.iterdir())):
+    """Refuse a file, and an existing, non-empty output directory unless resuming."""
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out} is a file, not a directory: choose another --out")
+    if out.exists() and not resume and any(out.iterdir()):
         raise BenchError(f"output directory {out} already exists and is not empty; pass --resume to "
                          "continue the run in it, or choose another --out (nothing is overwritten)")
-    if out.exists() and not out.is_dir():
-        raise BenchError(f"--out {out} is a file, not a directory")
 
 
 def open_out_dir(settings: BenchSettings) -> Path:
