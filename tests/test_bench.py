@@ -187,6 +187,14 @@ FAKE_PROMPTS = [BenchPrompt(f"q{i}", "c", "t") for i in range(3)]
 FAKE_IDS = [[5, 6, 7], [8, 9], [10, 11, 12]]
 
 
+def test_resumed_with_fewer_repeats_reports_only_those(tmp_path):
+    out = tmp_path / "o"
+    run_bench(settings(out, repeats=2), FAKE_PROMPTS, FAKE_IDS, [Fake("plain")])
+    results = run_bench(settings(out, repeats=1, resume=True), FAKE_PROMPTS, FAKE_IDS, [Fake("plain")])
+    assert sorted(r["repeat"] for r in results["requests"]) == [0, 0, 0]  # (the rows of repeat 1 stay on disk)
+    assert results["summary"]["overall"]["plain"]["requests"] == 3
+
+
 def test_failing_peer_is_reported_and_skipped(tmp_path):
     peer = Fake("hf-plain", PEER, fail_at=3)  # warm-up and one request pass, then it fails
     results = run_bench(settings(tmp_path / "o"), FAKE_PROMPTS, FAKE_IDS, [Fake("plain"), peer])

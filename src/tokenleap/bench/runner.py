@@ -255,7 +255,9 @@ def finish(settings: BenchSettings, prompts: list[BenchPrompt], log: ResultsLog,
            context: dict[str, Any]) -> dict[str, Any]:
     ids = {p.id for p in prompts}
     names = [i.name for i in infos]
-    records = [r for r in log.records if r["prompt_id"] in ids and r["method"] in names]
+    # (this run's prompts, methods and repeats: a run resumed with fewer --repeats keeps its other rows on disk)
+    records = [r for r in log.records if r["prompt_id"] in ids and r["method"] in names
+               and r.get("repeat", 0) < settings.repeats]
     if settings.pass_at_1:
         from tokenleap.bench.passk import score
         score(records, {p.id: p for p in prompts}, settings.chat)
