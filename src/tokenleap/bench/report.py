@@ -122,7 +122,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
     lines = ["# tokenleap bench", "", *_setup(results), "", "## Overall", "",
              *method_table(results["summary"]["overall"], results)]
     for cat, table in results["summary"]["by_category"].items():
-        lines += ["", f"## Category `{cat}`", "", *method_table(table, results)]
+        shown = " ".join(str(cat).split()).replace("`", "'")  # (a dataset's own names: one line, no code fence)
+        lines += ["", f"## Category `{shown}`", "", *method_table(table, results)]
     lines += ["", "## Output equality", "", *_equality(results), "",
               "## Methods skipped or failed", "", *_methods_not_run(results), "", "## Memory", "",
               *_memory(results), "",
