@@ -195,6 +195,19 @@ def test_resumed_with_fewer_repeats_reports_only_those(tmp_path):
     assert results["summary"]["overall"]["plain"]["requests"] == 3
 
 
+def test_resume_with_other_settings_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    import tokenleap.bench.suite as suite
+    out = tmp_path / "o"
+    run_bench(settings(out, identity={"target": SMOL, "max_new_tokens": 8, "dataset": "chat"}),
+              FAKE_PROMPTS, FAKE_IDS, [Fake("plain")])
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(suite, "ModelPool", no_loading)
+    rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--max-new-tokens", "4", "--out", str(out), "--resume"])
+    assert rc == 2 and "cannot resume" in capsys.readouterr().err
+
+
 def test_failing_peer_is_reported_and_skipped(tmp_path):
     peer = Fake("hf-plain", PEER, fail_at=3)  # warm-up and one request pass, then it fails
     results = run_bench(settings(tmp_path / "o"), FAKE_PROMPTS, FAKE_IDS, [Fake("plain"), peer])

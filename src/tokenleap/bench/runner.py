@@ -77,6 +77,15 @@ def open_out_dir(settings: BenchSettings) -> Path:
     return out
 
 
+def check_resume(out: Path, known: dict[str, Any]) -> None:
+    """Before any model loads: a resumed run's settings that are ``known`` already (not the dtype or
+    the chat template, which come with the model) against those saved in ``out``."""
+    run_file = out / RUN_FILE
+    if run_file.is_file():
+        saved = json.loads(run_file.read_text(encoding="utf-8")).get("identity", {})
+        _check_identity({k: saved.get(k) for k in known if k in saved}, {k: v for k, v in known.items() if k in saved})
+
+
 def _check_identity(old: dict[str, Any], new: dict[str, Any]) -> None:
     diff = [f"{k}: {old.get(k)!r} then, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]

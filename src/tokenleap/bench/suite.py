@@ -12,7 +12,7 @@ from tokenleap.bench.common import BenchError, BenchMethod
 from tokenleap.bench.datasets import BenchPrompt, load_dataset
 from tokenleap.bench.machine import machine_info, rss_mb, versions
 from tokenleap.bench.methods import MethodSpec, ModelOptions, ModelPool, build_methods, describe_target, parse_methods
-from tokenleap.bench.runner import BenchSettings, check_out_dir, run_bench
+from tokenleap.bench.runner import BenchSettings, check_out_dir, check_resume, run_bench
 from tokenleap.spec.sampling import torch_seed
 
 _NEEDS_DRAFT = ("draft", "draft-tree", "cascade", "hf-assisted")
@@ -71,6 +71,11 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
         raise BenchError(f"--pass-at-1 runs the prompts' tests, and dataset {dataset!r} has none here (humaneval, "
                          "fim and the mix's code prompts do)")
     check_out_dir(Path(out), resume)  # before any model loads
+    known = {"target": target, "draft": draft, "dataset": dataset, "dataset_sha256": ds.digest,
+             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "quant": quant,
+             "draft_quant": draft_quant}
+    if resume:
+        check_resume(Path(out), known)
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(torch_seed(seed))
@@ -85,10 +90,7 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     limit_len = pool.target().model.config.max_position_embeddings
     pool.opts.max_len = min(max(map(len, prompt_ids)) + max_new_tokens + 16, limit_len)
     built, infos = build_methods(specs, pool)
-    identity = {"target": target, "draft": draft, "dataset": dataset, "dataset_sha256": ds.digest,
-                "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
-                "dtype": str(pool.dtype).removeprefix("torch."), "quant": quant, "draft_quant": draft_quant,
-                "chat": use_chat}
+    identity = {**known, "dtype": str(pool.dtype).removeprefix("torch."), "chat": use_chat}
     settings = BenchSettings(Path(out), max_new_tokens, temperature, seed, repeats, resume, use_chat,
                              pass_at_1, progress=progress, identity=identity)
     context = {"command": command or shlex.join(sys.argv), "machine": machine_info(), "versions": versions(),
