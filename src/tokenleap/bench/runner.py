@@ -83,7 +83,8 @@ def check_resume(out: Path, known: dict[str, Any]) -> None:
     run_file = out / RUN_FILE
     if run_file.is_file():
         saved = json.loads(run_file.read_text(encoding="utf-8")).get("identity", {})
-        _check_identity({k: saved.get(k) for k in known if k in saved}, {k: v for k, v in known.items() if k in saved})
+        shared = [k for k in known if k in saved]
+        _check_identity({k: saved[k] for k in shared}, {k: known[k] for k in shared})
 
 
 def _check_identity(old: dict[str, Any], new: dict[str, Any]) -> None:

@@ -83,7 +83,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # exit 1 if layer skip's greedy output differed from plain decoding's: never expected (verification
     # keeps it lossless), so a defect to report, whatever the calibration's figures
     status = 0 if measured["outputs_equal"] else 1
-    if not measured["outputs_equal"]:
+    if status:
         print("tokenleap: error: layer skip's greedy output differed from plain decoding's on these prompts -- "
               "a defect in tokenleap (please report it with the model and prompts)", file=sys.stderr)
     if args.json:
