@@ -63,13 +63,12 @@ class ChatSession:
         if len(alone) + reply_room > self.engine.max_len:
             raise ConfigError(f"the message is {len(alone)} tokens with the chat template; the context window is "
                               f"{self.engine.max_len} (raise --max-model-len, or write less)")
-        while True:
-            ids = self._encode(self.messages)
-            if len(ids) + reply_room <= self.engine.max_len:
-                return ids
-            drop = 2 if self.messages[0]["role"] == "user" and len(self.messages) > 2 else 1
-            del self.messages[:drop]
-            self.dropped += drop
+        from tokenleap.serve.context_window import fit_turns
+        kept, ids = fit_turns(self.messages, self._encode, self.engine.max_len - reply_room)  # (cut before a user turn)
+        dropped = len(self.messages) - len(kept)
+        del self.messages[:dropped]  # (gone for good: the next turns need not render them again)
+        self.dropped += dropped
+        return ids
 
     def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
         head = [{"role": "system", "content": self.system}] if self.system else []
