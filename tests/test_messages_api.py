@@ -224,3 +224,7 @@ def test_any_tool_choice_allows_several_calls_unless_parallel_use_is_disabled():
     for choice, parallel in (({"type": "any"}, None), ({"type": "any", "disable_parallel_tool_use": True}, False)):
         chat = chat_request(MessagesRequest.model_validate({**base, "tool_choice": choice}))
         assert chat.tool_choice == "required" and chat.parallel_tool_calls is parallel
+    from tokenleap.serve.protocol import APIError
+    for choice in ({"type": "any"}, {"type": "tool", "name": "f"}):  # without tools: said in this API's terms
+        with pytest.raises(APIError, match=f'tool_choice {{"type": "{choice["type"]}"}} needs tools'):
+            chat_request(MessagesRequest.model_validate({**base, "tools": None, "tool_choice": choice}))

@@ -96,7 +96,7 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
         fields["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
     single = bool((req.tool_choice or {}).get("disable_parallel_tool_use"))  # at most one call
     return ChatRequest.model_construct(model=req.model, messages=messages, n=1, tools=_tools(req.tools),
-                                       tool_choice=_tool_choice(req.tool_choice), continue_final_message=prefill,
+                                       tool_choice=_tool_choice(req.tool_choice, req.tools), continue_final_message=prefill,
                                        parallel_tool_calls=False if single else None,
                                        add_generation_prompt=not prefill, **fields)
 
@@ -171,10 +171,12 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef] | None:
     return out or None
 
 
-def _tool_choice(choice: dict[str, Any] | None) -> str | NamedToolChoice | None:
+def _tool_choice(choice: dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> str | NamedToolChoice | None:
     kind = None if choice is None else choice.get("type")
     if kind in (None, "auto", "none"):
         return kind
+    if kind in ("any", "tool") and not tools:  # (said in this API's terms, not the chat endpoint's)
+        raise bad_request(f"tool_choice {{\"type\": \"{kind}\"}} needs tools", "tool_choice")
     if kind == "any":
         return "required"
     if kind == "tool" and isinstance(choice.get("name"), str):
