@@ -96,7 +96,8 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
         fields["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
     single = bool((req.tool_choice or {}).get("disable_parallel_tool_use"))  # at most one call
     return ChatRequest.model_construct(model=req.model, messages=messages, n=1, tools=_tools(req.tools),
-                                       tool_choice=_tool_choice(req.tool_choice, req.tools), continue_final_message=prefill,
+                                       tool_choice=_tool_choice(req.tool_choice, req.tools),
+                                       continue_final_message=prefill,
                                        parallel_tool_calls=False if single else None,
                                        add_generation_prompt=not prefill, **fields)
 
