@@ -204,6 +204,8 @@ def test_errors_take_ollamas_form(server):
             ("generate", {"prompt": "x", "template": "{{ .Prompt }}"}, "Go templates"),
             ("generate", {"prompt": "x", "images": ["AAAA"]}, "text only"),
             ("generate", {"prompt": "x", "think": "very"}, "think"),
+            ("chat", {"messages": user, "think": True}, '" does not support thinking'),  # (as Ollama)
+            ("generate", {"prompt": "x", "think": "high"}, '" does not support thinking'),
             ("generate", {"prompt": "x" * (MAX_LEN + 1)}, "maximum context length"),
             ("generate", {"prompt": "x", "suffix": "y"}, "fill-in-the-middle")):
         r = httpx.post(f"{server.url}/api/{path}", json={"model": NAME, "stream": False, **body}, timeout=30)

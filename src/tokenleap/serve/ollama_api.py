@@ -6,7 +6,8 @@ A chat request becomes a ``ChatRequest``: its messages (``content``; an assistan
 ``tool_calls``, whose ``arguments`` are objects; a ``tool`` turn's reply, matched to the call it
 answers by ``tool_name``), ``tools`` (OpenAI's function form), ``format`` (``"json"``: any JSON
 object; a JSON schema: that schema), ``think`` (the chat template's ``enable_thinking``; a thinking
-model's block comes back as ``message.thinking``), ``logprobs`` / ``top_logprobs``. A generate request
+model's block comes back as ``message.thinking``; on for a model that does not think: a 400, as
+Ollama's), ``logprobs`` / ``top_logprobs``. A generate request
 renders its ``prompt`` (and ``system``) with the chat template unless ``raw`` is true or the model has
 no template, continues the token ids of an earlier reply's ``context``, and with a ``suffix`` fills
 the gap between the prompt and the suffix (``text/fim.py``'s prompt). Both run through the same

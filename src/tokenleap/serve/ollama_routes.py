@@ -103,6 +103,7 @@ class OllamaRoutes:
         name = self._check_model(body.model)
         if not body.messages:
             return JSONResponse(load_reply(name, True, body.keep_alive))
+        self._check_think(body, name)
         chat = chat_request(body)
         chat.model = None  # (checked above, with Ollama's tag)
         server._check(chat)
@@ -125,6 +126,7 @@ class OllamaRoutes:
         name = self._check_model(body.model)
         if not (body.prompt or body.suffix or body.system):
             return JSONResponse(load_reply(name, False, body.keep_alive))
+        self._check_think(body, name)
         req = generate_request(body)
         req.model = None
         server._check(req)
@@ -254,6 +256,12 @@ class OllamaRoutes:
         self.server._auth(request)
         raise APIError(501, f"this server serves the one model it was started with ('{self.server.cfg.model_name}'); "
                             "it cannot create, copy, push or delete models", "not_implemented_error")
+
+    def _check_think(self, body, name: str) -> None:
+        """``think`` on (true or an effort) for a model whose template writes no thinking: a 400, as Ollama's."""
+        template = getattr(self.server.tokenizer, "chat_template", None)
+        if body.think not in (None, False) and not template_thinks(template):
+            raise bad_request(f'"{name}" does not support thinking', "think")
 
     def _check_model(self, name: str) -> str:
         """The model's name in replies (Ollama's tagged form) once ``name`` is found to be it; a 404 else."""
