@@ -416,20 +416,19 @@ def test_a_replica_killed_under_load(ingress):
 
 
 @pytest.mark.slow
-def test_the_command_stops_on_a_signal_and_leaves_no_ray_process(smollm2_gguf):
+def test_the_command_stops_on_a_signal_and_leaves_no_ray_process(smollm2_gguf, tmp_path):
     """`tokenleap serve --replicas 2` started as `cmd &` in a script (SIGINT ignored on entry): SIGINT
     still stops it, and the local Ray instance it started goes with it (its agents were left running)."""
     import signal
     import subprocess
     import sys
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenleap.cli.main", "serve", *SMOL_ARGV, "--replicas", "2",
-                             "--port", str(port)], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    port, log = _free_port(), tmp_path / "stderr.log"
+    with open(log, "w") as err:  # (a file, not a pipe nobody drains while it shuts down)
+        proc = subprocess.Popen([sys.executable, "-m", "tokenleap.cli.main", "serve", *SMOL_ARGV, "--replicas", "2",
+                                 "--port", str(port)], stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        for line in proc.stderr:  # until it serves
-            if "Ctrl-C stops" in line:
-                break
+        assert wait_until(lambda: "Ctrl-C stops" in log.read_text() or proc.poll() is not None, 300), "not serving"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
         assert r.status_code == 200
         proc.send_signal(signal.SIGINT)
