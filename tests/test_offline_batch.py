@@ -3,6 +3,7 @@ speculation), each output token-identical to the same prompt generated alone, in
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,11 +89,17 @@ def test_sizes_and_speculative_settings_are_checked_before_loading():
     for kw, words in ((dict(max_model_len=-5), "max_model_len"), (dict(max_model_len=1), "max_model_len"),
                       (dict(max_num_seqs=0), "max_num_seqs"), (dict(num_slots=True), "num_slots"),
                       (dict(speculative={"method": "ngram", "bogus": 1}), "bogus"),
-                      (dict(speculative="ngram"), "SpecConfig")):
+                      (dict(speculative="ngram"), "SpecConfig"),
+                      (dict(speculative={"method": "ngram", "ngram_min": "a"}), "ngram_min"),
+                      (dict(speculative={"method": "layerskip", "skip_layers": 5}), "skip_layers"),
+                      (dict(speculative={"method": "draft", "draft_model": "m", "draft_quant": "q3"}), "draft_quant"),
+                      (dict(speculative={"method": "ngram", "draft_vocab": "x"}), "draft_vocab"),
+                      (dict(speculative={"method": "draft", "draft_model": 5}), "draft_model")):
         with pytest.raises(ConfigError, match=words):
             LLM("no-such-model", **kw)  # (the model is never looked up)
     llm = LLM.from_loaded(make_llm(None).target, max_model_len=64)
     assert llm.max_len == 64
+    assert SpecConfig(method="draft", draft_model=Path("/models/d")).draft_model == "/models/d"  # a Path is a path
 
 
 def test_a_context_past_the_models_positions_is_cut_with_a_warning(caplog):

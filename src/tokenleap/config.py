@@ -6,6 +6,7 @@ reports the same clear message for the same bad value.
 from __future__ import annotations
 
 import json as _json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -322,6 +323,21 @@ class SpecConfig:
                f"unknown speculative method {self.method!r}; choose auto, draft, ngram, lookahead, layerskip or eagle")
         _check(isinstance(self.draft_head, str) and bool(self.draft_head),
                f"draft_head must be 'auto' or a path, got {self.draft_head!r}")
+        if isinstance(self.draft_model, os.PathLike):  # a local directory or GGUF file given as a Path
+            object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
+        for name in ("draft_model", "draft_dtype", "draft_spec"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, str), f"{name} must be a string or None, got {value!r}")
+        _check(isinstance(self.skip_layers, str), f"skip_layers must be 'auto' or a list like '4,5,10-14', "
+                                                  f"got {self.skip_layers!r}")
+        _check(isinstance(self.layerskip_lookup, bool), f"layerskip_lookup must be True or False, "
+                                                        f"got {self.layerskip_lookup!r}")
+        _check(self.draft_vocab is None or (is_int(self.draft_vocab) and self.draft_vocab >= 0),
+               f"draft_vocab must be None or an integer >= 0 (0: the draft's full head), got {self.draft_vocab!r}")
+        _check(isinstance(self.extra, dict), f"extra must be a dict, got {self.extra!r}")
+        from tokenleap.models.pretrained import QUANT_MODES
+        _check(self.draft_quant in QUANT_MODES,
+               f"draft_quant {self.draft_quant!r} is not a quantization; choose one of {', '.join(QUANT_MODES)}")
         from tokenleap.spec.proposers.layerskip import parse_skip_layers
         parse_skip_layers(self.skip_layers)  # ConfigError on a bad list (layer indices are checked at load)
         _check(self.draft_model != "auto" or self.method == "auto",
@@ -342,8 +358,8 @@ class SpecConfig:
                f"max_num_tokens must be an integer in 1 .. {MAX_DRAFT_TOKENS}, got {self.max_num_tokens!r}")
         _check(is_int(self.ngram_pool) and self.ngram_pool >= 0,
                f"ngram_pool must be an integer >= 0 (tokens of earlier outputs; 0: off), got {self.ngram_pool!r}")
-        _check(1 <= self.ngram_min <= self.ngram_max,
-               f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        _check(is_int(self.ngram_min) and is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
+               f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r} and {self.ngram_max!r}")
         _check(self.tree in ("auto", "on", "off"), f"tree must be 'auto', 'on' or 'off', got {self.tree!r}")
         _check(is_int(self.max_tree_nodes) and 1 <= self.max_tree_nodes <= MAX_DRAFT_TOKENS,
                f"max_tree_nodes must be an integer in 1 .. {MAX_DRAFT_TOKENS}, got {self.max_tree_nodes!r}")

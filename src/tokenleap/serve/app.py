@@ -118,9 +118,9 @@ class OpenAIServer:
         MessagesRoutes(self).add_to(app)  # Anthropic's /v1/messages
         LlamaCppRoutes(self).add_to(app)  # llama.cpp's own /completion and /infill (code at a cursor)
         LlamaCppInfoRoutes(self).add_to(app)  # ... and its /props, /apply-template
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET", "HEAD"])
+        app.add_api_route("/models", self.models, methods=["GET", "HEAD"])
+        app.add_api_route("/v1/models/{name:path}", self.model_card, methods=["GET", "HEAD"])
         TokenRoutes(self).add_to(app)  # /tokenize, /detokenize, /version, /ping
         EmbeddingRoutes(self).add_to(app)  # /v1/embeddings (with --embeddings)
         OllamaRoutes(self).add_to(app)  # Ollama's /api/chat, /api/generate, /api/tags ...
