@@ -352,7 +352,8 @@ def test_fields_that_cannot_be_honoured_are_400s_naming_them():
             ("/v1/chat/completions", {**chat, "use_beam_search": False, "priority": 0, "modalities": ["text"],
                                       "logits_processors": []})]
     responses = call(make_app(), [post(path, body) for path, body, _ in cases] + [post(p, b) for p, b in fine]
-                     + [("HEAD", path, {"headers": AUTH}) for path in ("/health", "/v1/models", "/models", "/v1/models/m")])
+                     + [("HEAD", path, {"headers": AUTH})
+                        for path in ("/health", "/v1/models", "/models", "/v1/models/m")])
     for (path, body, param), r in zip(cases, responses):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert [r.status_code for r in responses[len(cases):]] == [200] * (len(fine) + 4), [r.text for r in responses]
