@@ -84,11 +84,12 @@ def test_a_stopped_reply_stays_and_the_next_turn_is_exact():
 def test_smollm2_chat_on_piped_stdin(smollm2_gguf):
     cmd = [sys.executable, "-m", "tokenleap.cli.main", "chat", "--model", "smollm2-135m-instruct", "--max-model-len",
            "512", "--max-tokens", "12", "--spec", "ngram", "--stats"]
-    # (an unknown command and a line that is not UTF-8 are refused; the conversation goes on)
+    # (an unknown command and a line that is not UTF-8 are refused; the conversation goes on, and the exit
+    # status says a message was not sent)
     stdin = b"What is the capital of France?\n/colour\ncaf\xff\nAnd of Italy?\n/clear\nName a color.\n"
     run = subprocess.run(cmd, input=stdin, capture_output=True, timeout=600)
     run.stdout, run.stderr = run.stdout.decode(), run.stderr.decode()
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 1, run.stderr
     assert "unknown command /colour" in run.stderr and "not UTF-8 text (at character 3)" in run.stderr
     from tokenleap.api import LLM
     llm = LLM("smollm2-135m-instruct", max_model_len=512)
@@ -100,6 +101,8 @@ def test_smollm2_chat_on_piped_stdin(smollm2_gguf):
     third = llm.chat([{"role": "user", "content": "Name a color."}], greedy)[0].text
     assert run.stdout == f"{first}\n{second}\n{third}\n" and "Paris" in first
     assert run.stderr.count("tok/s") == 3 and "new conversation" in run.stderr
+    clean = subprocess.run(cmd, input=b"Name a color.\n", capture_output=True, timeout=600)
+    assert clean.returncode == 0 and clean.stdout.decode() == f"{third}\n", clean.stderr
 
 
 def test_a_failed_turn_leaves_the_conversation_as_it_was():

@@ -121,10 +121,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except ImportError:
             pass
         print(f"[tokenleap] chatting with {args.model}: {HELP}", file=sys.stderr)
+    refused = 0  # messages not sent: piped input then exits 1, as a script needs to see
     while True:
         text = _read_message(interactive)
         if text is None or text.strip() in ("/exit", "/quit"):
-            return 0
+            return 1 if refused and not interactive else 0
         if text.strip() in ("/clear", "/reset"):
             session.clear()
             print("[tokenleap] new conversation", file=sys.stderr)
@@ -139,6 +140,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # bytes that are not UTF-8 (read as lone surrogates)
             print(f"[tokenleap] the message is not UTF-8 text (at character {e.start}): not sent", file=sys.stderr)
+            refused += 1
             continue
         if not text.strip():
             continue
@@ -149,6 +151,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 out = session.reply(text, params, _write, stop.requested)
         except ConfigError as e:
             print(f"[tokenleap] {e}", file=sys.stderr)
+            refused += 1
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
