@@ -12,8 +12,9 @@ from tokenleap.spec.engine import Engine
 from tokenleap.errors import PromptTooLongError
 from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.proposers.ngram import NgramProposer
+from tokenleap.spec.sequence import Sequence
 
-from conftest import ToyTokenizer, tiny_model
+from conftest import ToyDetokenizer, ToyTokenizer, tiny_model
 
 VOCAB = 96
 PROMPTS = [[5, 9, 14, 3, 7, 9, 14, 3], [40, 41, 42, 43, 40, 41], [11] * 6 + [12, 13, 11, 11]]
@@ -99,11 +100,40 @@ def test_stop_token_ids_and_min_tokens(target):
         seq = run(engine(target, make(), 4), PROMPTS[1], replace(params, min_tokens=6))
         assert len(seq.generated) == 7 and seq.generated[-1] == eos and eos not in seq.generated[:6], name
         assert seq.generated == run(engine(target), PROMPTS[1], replace(params, min_tokens=6)).generated, name
-        # a stop string inside the first min_tokens tokens does not end the reply
+        # a stop string inside the first min_tokens tokens does not end the reply, however many tokens
+        # a step adds (only matches ending in a token past min_tokens count), and the stream is the text
         text = plain(target, PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True)).text
-        seq = run(engine(target, make(), 4), PROMPTS[2],
-                  SamplingParams(max_tokens=30, ignore_eos=True, stop=(text[2:4],), min_tokens=10))
-        assert len(seq.generated) >= 10, name
+        stopped = SamplingParams(max_tokens=30, ignore_eos=True, stop=(text[2:4],), min_tokens=10)
+        ref = plain(target, PROMPTS[2], stopped)
+        pieces = list(engine(target, make(), 4).generate(PROMPTS[2], stopped))
+        seq = pieces[-1][0]
+        assert len(seq.generated) >= 10 and len(seq.text) > 4, name
+        assert (seq.generated, seq.text, seq.finish_reason) == (ref.generated, ref.text, ref.finish_reason), name
+        assert "".join(piece for _, piece in pieces) == seq.text, name
+
+
+class Letters:
+    def piece(self, i: int) -> str:
+        return "_abcd"[i]
+
+
+def test_a_stop_string_inside_min_tokens_is_passed_over_whatever_a_step_adds():
+    """Only stop strings ending in a token past ``min_tokens`` count, whether the tokens come one a
+    step (the text handed out between steps) or all in one step: "bc" ends at token 3 of "abcdabc",
+    inside min_tokens 4, so the reply ends at the second "bc"."""
+    def sequence():
+        return Sequence(seq_id=0, prompt=[0], params=SamplingParams(max_tokens=20, stop=("bc",), min_tokens=4),
+                        eos_ids=frozenset(), detokenizer=ToyDetokenizer(Letters()))
+    tokens = [1, 2, 3, 4, 1, 2, 3]
+    one_by_one, streamed = sequence(), ""
+    for t in tokens:
+        one_by_one.append([t])
+        streamed += one_by_one.take_text()
+    at_once = sequence()
+    assert at_once.append(tokens) == 7
+    for seq in (one_by_one, at_once):
+        assert (seq.text, seq.finish_reason, seq.stop_reason) == ("abcda", "stop", "bc")
+    assert streamed == "abcda" and at_once.take_text() == "abcda"
 
 
 def test_stop_string_spanning_tokens(target):

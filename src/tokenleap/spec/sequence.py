@@ -69,18 +69,22 @@ class Sequence:
                 break
             piece = self.detokenizer.add([tok])
             self.text += piece
-            if self._match_stop() or self._code_stop("\n" in piece):
+            if self._match_stop(len(piece)) or self._code_stop("\n" in piece):
                 break
             if self.num_generated >= self.params.max_tokens:
                 self.finish_reason = "length"
                 self.text += self.detokenizer.flush()
         return kept
 
-    def _match_stop(self) -> bool:
-        if not self.params.stop or self.num_generated < self.params.min_tokens:
+    def _match_stop(self, new_chars: int) -> bool:
+        """A stop string ending in the last ``new_chars`` characters of ``text`` ends the reply there.
+        Only those endings are looked at (as vLLM does): earlier ones were looked at when their token
+        came, or fell inside ``min_tokens`` -- so where a match is found never depends on how many
+        tokens a step added, and it never starts in text already handed out (``take_text``)."""
+        if not self.params.stop or self.num_generated < self.params.min_tokens or not new_chars:
             return False
         longest = max(len(s) for s in self.params.stop)
-        window_start = max(0, self.streamed - longest)
+        window_start = max(0, len(self.text) - new_chars - longest + 1)
         hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
         if not hits:
             return False
