@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.config import GREEDY_BELOW, ConfigError, SamplingParams
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.errors import PromptTooLongError
@@ -110,6 +110,18 @@ def test_stop_token_ids_and_min_tokens(target):
         assert len(seq.generated) >= 10 and len(seq.text) > 4, name
         assert (seq.generated, seq.text, seq.finish_reason) == (ref.generated, ref.text, ref.finish_reason), name
         assert "".join(piece for _, piece in pieces) == seq.text, name
+
+
+def test_a_temperature_near_zero_is_greedy(target):
+    """Below ``GREEDY_BELOW`` a temperature is stored as 0 (vLLM's rule): 1e-38 would overflow
+    logits / T to infinity and leave no probabilities to sample from."""
+    greedy = plain(target, PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True)).generated
+    for t in (1e-38, 1e-30, 9e-6):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, seed=3)
+        assert params.greedy
+        for name, make in [("plain", lambda: None), *proposers(target)]:
+            assert run(engine(target, make(), 3), PROMPTS[0], params).generated == greedy, (name, t)
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
 class Letters:

@@ -16,6 +16,7 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (vLLM's default limit)
 MAX_DRAFT_TOKENS = 256  # the longest draft (or tree) a step may verify
 FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters become float32 tensors
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's rule; 1e-38 would overflow the logits)
 
 
 class ConfigError(ValueError):
@@ -158,7 +159,8 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. ``temperature == 0`` means exact greedy (argmax)."""
+    """Per-request decoding settings. ``temperature == 0`` means exact greedy (argmax); so does any
+    temperature below ``GREEDY_BELOW``, which is stored as 0."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -225,6 +227,8 @@ class SamplingParams:
         _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
                f"temperature must be >= 0 and fit a 32-bit float (at most {FLOAT32_MAX:.4g}), "
                f"got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:  # logits / T would overflow float32 as T nears 0
+            object.__setattr__(self, "temperature", 0.0)
         _check(is_int(self.top_k) and self.top_k >= -1,
                f"top_k must be an integer >= 0 (0 or -1, as vLLM's, disables it), got {self.top_k!r}")
         if self.top_k == -1:
