@@ -16,7 +16,7 @@ from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import catalog
 from tokenleap.models import checkpoint as loader
-from tokenleap.models.checkpoint import Checkpoint, load_checkpoint
+from tokenleap.models.checkpoint import Checkpoint, load_checkpoint, model_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_gguf import tiny_state, write_tiny_gguf  # noqa: E402
@@ -115,6 +115,40 @@ def test_hf_directory_with_shards(tmp_path):
         assert torch.equal(ck.weights[name], ref.to(torch.bfloat16).float()), name
     bf = load_checkpoint(tmp_path / "m", torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in bf.weights.values())
+
+
+def test_hf_directory_reads_the_files_transformers_would(tmp_path):
+    """The index's shards (a stray consolidated copy beside them ignored), else model.safetensors (an
+    adapter beside it ignored); a listed shard that is missing is named."""
+    d = tmp_path / "m"
+    sd = _write_hf_dir(d)
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    weight_map = {n: shards[i % 2] for i, n in enumerate(sorted(sd))}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({n: t.to(torch.bfloat16) for n, t in sd.items()}, str(d / "consolidated.safetensors"))
+    assert set(load_checkpoint(d, torch.float32).weights) == set(sd)
+    (d / shards[1]).unlink()
+    with pytest.raises(ModelFormatError, match=f"lacks the weight shard {shards[1]}"):
+        load_checkpoint(d, torch.float32)
+    single = tmp_path / "one"
+    _write_hf_dir(single, shards=1)
+    (single / "model-00001-of-00001.safetensors").rename(single / "model.safetensors")
+    save_file({"base_model.model.lora_A.weight": torch.zeros(2, 2)}, str(single / "adapter_model.safetensors"))
+    assert set(load_checkpoint(single, torch.float32).weights) == set(sd)
+
+
+def test_a_model_directorys_key_follows_its_config(tmp_path):
+    """Packed copies and calibrations are stored under ``model_key``: an edited config.json (a rope
+    setting, an EOS id) makes another key, so a stale copy is never loaded for it."""
+    d = tmp_path / "m"
+    _write_hf_dir(d, shards=1)
+    before = model_key(f"hf:{d}", None, torch.bfloat16, "int4")
+    assert model_key(f"hf:{d}", None, torch.bfloat16, "int4") == before
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 1e-5}))
+    edited = model_key(f"hf:{d}", None, torch.bfloat16, "int4")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 95}))
+    assert len({before, edited, model_key(f"hf:{d}", None, torch.bfloat16, "int4")}) == 3
 
 
 def test_hf_directory_errors_name_the_missing_file(tmp_path):

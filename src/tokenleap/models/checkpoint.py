@@ -99,10 +99,10 @@ def conversion_key(gguf_path: Path, dtype: torch.dtype) -> str:
 
 
 def model_key(source: str, gguf_path: Path | None, dtype: torch.dtype, quant: str) -> str:
-    """A file stem naming a loaded model in per-model stores (calibrations): a GGUF's conversion
-    key (file stem, dtype, digest of the file) or, for a model directory, a digest of its path and
-    of its weight files' sizes and times (weights replaced in place make another key); plus the
-    quantization."""
+    """A file stem naming a loaded model in per-model stores (calibrations, packed copies): a GGUF's
+    conversion key (file stem, dtype, digest of the file) or, for a model directory, a digest of its
+    path, of its weight files' sizes and times (weights replaced in place make another key) and of
+    its config files' contents (an edited rope setting or EOS id too); plus the quantization."""
     if gguf_path is not None:
         return f"{conversion_key(Path(gguf_path), dtype)}-{quant}"
     path = Path(source.removeprefix("hf:")).expanduser().resolve()
@@ -110,6 +110,9 @@ def model_key(source: str, gguf_path: Path | None, dtype: torch.dtype, quant: st
     for f in sorted(path.glob("*.safetensors")) if path.is_dir() else ():
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    for name in (hf.CONFIG_FILE, hf.GENERATION_CONFIG_FILE):
+        if (f := path / name).is_file():
+            h.update(name.encode() + b":" + f.read_bytes())
     return f"{path.name}-{str(dtype).removeprefix('torch.')}-{h.hexdigest()[:16]}-{quant}"
 
 

@@ -64,7 +64,9 @@ def read_config(model_dir: str | Path) -> ModelConfig:
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
-    """The directory's *.safetensors files (one file, or all shards), sorted by name."""
+    """The model's weight files, sorted by name, as transformers picks them: the shards
+    ``model.safetensors.index.json`` lists, else ``model.safetensors``, else every *.safetensors file
+    (other files beside them -- an adapter, a ``consolidated.safetensors`` -- are not the model's)."""
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -73,11 +75,16 @@ def weight_files(model_dir: str | Path) -> list[Path]:
         raise ModelFormatError(f"{model_dir} has no *.safetensors weight files{hint}")
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        wanted = set(_read_json(index).get("weight_map", {}).values())
-        missing = sorted(w for w in wanted if not (model_dir / w).is_file())
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelFormatError(f"{index} has no weight_map naming the model's shards")
+        wanted = sorted(set(map(str, weight_map.values())))
+        missing = [w for w in wanted if not (model_dir / w).is_file()]
         if missing:
             raise ModelFormatError(f"{model_dir} lacks the weight shard {missing[0]} listed in {index.name}")
-    return files
+        return [model_dir / w for w in wanted]
+    single = model_dir / "model.safetensors"
+    return [single] if single.is_file() else files
 
 
 def read_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
