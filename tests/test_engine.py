@@ -175,6 +175,11 @@ def test_prompt_longer_than_context_is_refused(target):
     assert eng.cache.num_free_slots == 1
     with pytest.raises(ConfigError, match="the prompt is empty"):  # (a bad value, not a long prompt)
         eng.add([], SamplingParams())
+    # (text a tokenizer with added tokens encodes past the model's embeddings)
+    for bad in (VOCAB, -1):
+        with pytest.raises(ConfigError, match=f"token id {bad}, outside the model's vocabulary of {VOCAB}"):
+            eng.add([3, bad], SamplingParams())
+    assert eng.cache.num_free_slots == 1
 
 
 def test_a_prefill_that_fails_or_is_interrupted_frees_its_slot(target):

@@ -95,6 +95,10 @@ class Engine:
         """Validate and build a sequence without touching the cache (then ``attach``, ``prefill_step``)."""
         if not prompt:
             raise ConfigError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        if (outside := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
+            # (a tokenizer with added tokens past the model's embeddings encodes text to such ids)
+            raise ConfigError(f"the prompt holds token id {outside}, outside the model's vocabulary of {vocab}")
         room = self.max_len - len(prompt)
         if room < 1:
             raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but the context window is "
