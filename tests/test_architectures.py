@@ -200,6 +200,21 @@ def test_llama3_rope_scaling_is_applied(saved):
     assert (got[0] - got[1]).abs().max() > 1e-3
 
 
+def test_a_rope_scaling_added_beside_rope_parameters_is_applied(saved):
+    """A transformers 5 config holds ``rope_parameters``; a model card's recipe adds ``rope_scaling``
+    beside it, which transformers reads in their place (the base frequency kept); longrope is refused."""
+    _, _, d = saved("llama3.1")
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("rope_scaling", None)
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    cfg = ModelConfig.from_hf_dict({**raw, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert cfg.rope_scaling_dict == {"rope_type": "linear", "factor": 4.0} and cfg.rope_theta == 500000.0
+    assert ModelConfig.from_hf_dict({**raw, "rope_scaling": None}).rope_scaling == ()
+    with pytest.raises(ConfigError, match="longrope"):
+        ModelConfig.from_hf_dict({**raw, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
+                                                          "long_factor": [1.0]}})
+
+
 @pytest.mark.parametrize("name", ["llama3.1", "llama-linear", "llama-yarn", "llama-dynamic", "gemma3", "gemma3-linear"])
 def test_rope_tables_equal_transformers(saved, name):
     ref, ours, _ = saved(name)

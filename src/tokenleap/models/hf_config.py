@@ -51,9 +51,14 @@ def _rope_settings(arch: str, d: dict[str, Any]) -> tuple[float, dict[str, Any],
     elif isinstance(params, dict) and params:
         glob = dict(params)
     else:
-        glob = dict(d.get("rope_scaling") or {})
+        glob = {}
+    saved_theta = glob.get("rope_theta")
+    if isinstance(d.get("rope_scaling"), dict) and d["rope_scaling"]:
+        # a rope_scaling beside rope_parameters (a model card's recipe added to a transformers 5 config)
+        # replaces the global layers' parameters, as transformers reads it; the base frequency stays
+        glob = dict(d["rope_scaling"])
     default_theta = _GEMMA_GLOBAL_THETA if arch == "gemma3" else 10000.0
-    theta = float(glob.pop("rope_theta", None) or d.get("rope_theta") or default_theta)
+    theta = float(glob.pop("rope_theta", None) or d.get("rope_theta") or saved_theta or default_theta)
     partial = glob.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         raise ConfigError(f"partial_rotary_factor {partial} is not supported by tokenleap (it rotates whole heads)")
