@@ -46,29 +46,39 @@ def test_a_cached_build_prints_nothing(fake_build, capsys, tmp_path):
     assert capsys.readouterr().err == ""
 
 
-def test_a_stale_build_lock_is_removed_and_a_live_one_is_named(fake_build, tmp_path, capsys):
-    """torch's build waits for ever on ``build_dir/lock``; one left by a killed build (older than
-    any build takes) is removed before building, a fresh one is waited on with a message."""
-    import os
-    import time
+def test_a_dead_builds_lock_is_removed_and_a_live_build_waited_for(fake_build, tmp_path, capsys):
+    """torch's build waits for ever on ``build_dir/lock``. One left by a killed build (no process holds
+    tokenleap's flock) is removed before building; while another process holds the flock -- it is
+    building -- the build waits for it, saying so, and runs once it is released."""
+    import subprocess
+    import sys
 
-    lock = tmp_path / str(len(kernels.SOURCES)) / "lock"
-    lock.touch()
-    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    kernels.check_build_lock(lock.parent)
-    assert not lock.exists()
-    assert "removing a stale kernel build lock" in capsys.readouterr().err
+    out = tmp_path / str(len(kernels.AVX2_ONLY))
+    (out / "lock").touch()
+    kernels.compile_sources(kernels.AVX2_ONLY, "tokenleap_kernels_avx2")
+    assert not (out / "lock").exists() and len(fake_build) == 1
+    assert "removing a kernel build lock left by an interrupted build" in capsys.readouterr().err
 
-    lock.touch()
-    kernels.check_build_lock(lock.parent)
-    assert lock.exists()  # another process may be building now: left alone
-    err = capsys.readouterr().err
-    assert "waiting for another process" in err and str(lock) in err
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               f"f = open({str(out / 'tokenleap.flock')!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True); time.sleep(1.0)\n"
+                               f"open({str(tmp_path / 'done')!r}, 'w').close()"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    finished_first = []
+    original = torch.utils.cpp_extension.load
 
-    lock.unlink()
-    kernels.check_build_lock(lock.parent)
-    assert capsys.readouterr().err == ""
+    def load(**kw):
+        finished_first.append((tmp_path / "done").exists())  # (written by the holder before it lets go)
+        original(**kw)
+
+    torch.utils.cpp_extension.load = load
+    try:
+        kernels.compile_sources(kernels.AVX2_ONLY, "tokenleap_kernels_avx2")
+    finally:
+        torch.utils.cpp_extension.load = original
+        holder.wait()
+    assert finished_first == [True]  # the build ran only after the holder let go
+    assert "waiting for another process to finish building" in capsys.readouterr().err
 
 
 def test_two_copies_of_the_same_sources_build_apart(monkeypatch, tmp_path):

@@ -5,14 +5,17 @@ headers, flags, torch version and the sources' location. A compiler that cannot 
 files (an older GCC) still gets the AVX2 kernels: the build is retried with ``amx_stub.cpp`` in
 their place, which reports that no tile may run. A build prints one line to stderr when it starts
 and one with the time it took; a lock left by a killed build is removed (torch's build would wait
-on it for ever).
+on it for ever), one held by a live build waited on.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,25 +46,30 @@ def directory_for(sources: list[Path]) -> Path:
     return d
 
 
-STALE_LOCK_SECONDS = 1800  # a build takes 30 s to a few minutes: an older lock outlived its process
-
-
-def check_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_SECONDS) -> None:
-    """torch's build waits, silently and for ever, while ``build_dir/lock`` exists. A process killed
-    mid-build leaves it behind: a lock older than ``stale_after`` seconds is removed, and a newer
-    one (another process building now) is waited on with a message saying where it is."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > stale_after:
-        print(f"tokenleap: removing a stale kernel build lock {lock} ({age / 60:.0f} min old; its build "
-              "was interrupted)", file=sys.stderr, flush=True)
-        lock.unlink(missing_ok=True)
-    else:
-        print(f"tokenleap: waiting for another process to finish building the CPU kernels (lock {lock}); "
-              "if no tokenleap process is running, delete that file", file=sys.stderr, flush=True)
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir``'s build to this process. torch's own lock (``build_dir/lock``) is a plain
+    file its build waits on, silently and for ever -- one left by a process killed mid-build would
+    hang every later load. tokenleap's builds take an ``flock`` first, which the system releases
+    when its holder dies: whoever holds it is the only tokenleap process building there, so a torch
+    lock it finds is a dead build's and is removed. A build in progress elsewhere is waited on,
+    with a message saying so."""
+    with open(build_dir / "tokenleap.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"tokenleap: waiting for another process to finish building the CPU kernels in {build_dir}",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(f"tokenleap: removing a kernel build lock left by an interrupted build ({stale})",
+                      file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def compile_sources(sources: list[Path], name: str) -> None:
@@ -70,16 +78,16 @@ def compile_sources(sources: list[Path], name: str) -> None:
     from torch.utils.cpp_extension import load
 
     out = directory_for(sources)
-    check_build_lock(out)
-    fresh = not any(out.glob("*.so"))
-    if fresh:
-        print(f"tokenleap: compiling the CPU kernels ({', '.join(p.name for p in sources)}) into {out}, "
-              "once per machine (30 s to a few minutes, by CPU)...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    load(name=name, sources=[str(p) for p in sources], extra_cflags=FLAGS, extra_include_paths=[str(DIR)],
-         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(out))
-    if fresh:
-        print(f"tokenleap: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    with build_lock(out):
+        fresh = not any(out.glob("*.so"))
+        if fresh:
+            print(f"tokenleap: compiling the CPU kernels ({', '.join(p.name for p in sources)}) into {out}, "
+                  "once per machine (30 s to a few minutes, by CPU)...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        load(name=name, sources=[str(p) for p in sources], extra_cflags=FLAGS, extra_include_paths=[str(DIR)],
+             extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(out))
+        if fresh:
+            print(f"tokenleap: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
 def build() -> None:
