@@ -120,7 +120,9 @@ class Engine:
             window, salt = self._prefix_windows()
             # row-exact entries: a preempted sequence resumes from its generated blocks too
             attached = self.cache.attach_prompt(seq.slot, seq.tokens if salt else seq.prompt, window, salt)
-            seq.cached_tokens = min(attached, len(seq.prompt))
+            if not seq.attached_before:  # (a preempted sequence resuming finds its own blocks)
+                seq.cached_tokens = min(attached, len(seq.prompt))
+        seq.attached_before = True
         self._attached.add(seq.seq_id)
         if self.proposer is not None:
             begin_sequence(self.proposer, seq.seq_id, seq.prompt, seq.params.prediction)

@@ -31,7 +31,10 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, if params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # per prompt token
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed) at the last attach
+    # prompt tokens the prefix cache held from earlier requests at the first attach (not computed), as
+    # vLLM reports them: a preempted sequence resuming from its own blocks does not count them again
+    cached_tokens: int = 0
+    attached_before: bool = False  # attached once already (a later attach resumes after a preemption)
     constraint: Any = None  # structured.Constraint: the grammar state of a structured-output request
     first_token_time: float | None = None  # (perf_counter) for t_max_predict_ms
     saw_new_line: bool = False  # t_max_predict_ms: the reply has had a new line
