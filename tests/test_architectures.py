@@ -38,6 +38,7 @@ SPECS = {  # name -> (config class name, overrides)
     "llama-dynamic": ("LlamaConfig", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "llama-yarn": ("LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                     "original_max_position_embeddings": 32}}),
+    "llama-hd12": ("LlamaConfig", {"head_dim": 12}),  # a head size the compiled attention does not take
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
     "mistral": ("MistralConfig", {"sliding_window": WINDOW}),

@@ -66,7 +66,8 @@ def choose_backend(model: Any, generation: int) -> ModelBackend:
       - float32 activations (the model's dtype): the kernels compute in float32, while a bf16
         model's Python layers round between ops in bf16 -- the kernels would give other values;
       - full causal attention (``Attention.plain``): the kernels attend over a row's whole prefix,
-        a sliding layer's row sees only its last ``sliding_window`` positions.
+        a sliding layer's row sees only its last ``sliding_window`` positions;
+      - a head size that is a multiple of 8 (the kernels' vectors of 8 floats).
     The fused layer needs all that, and:
       - ``model.use_fused_layers`` (tests turn it off to compare with the Python layers);
       - the plain Llama layer (``Block.plain``): the kernel has no q/k norms, pre/post norms, GeGLU
@@ -79,10 +80,11 @@ def choose_backend(model: Any, generation: int) -> ModelBackend:
     """
     compiled = model.dtype == torch.float32 and kernels.available()
     blocks: list[nn.Module] = list(model.model.layers)
-    attention = tuple(Backend.COMPILED_ATTENTION if compiled and b.self_attn.plain else Backend.PYTHON
-                      for b in blocks)
+    attention = tuple(Backend.COMPILED_ATTENTION if compiled and b.self_attn.plain and b.self_attn.hd % 8 == 0
+                      else Backend.PYTHON for b in blocks)
     fused = compiled and model.use_fused_layers
-    plans = tuple(layer_plan(b) if fused and b.plain else None for b in blocks)
+    plans = tuple(layer_plan(b) if fused and b.plain and a is Backend.COMPILED_ATTENTION else None
+                  for b, a in zip(blocks, attention))
     layers = tuple(Backend.FUSED_LAYER if p is not None else a for p, a in zip(plans, attention))
     return ModelBackend(layers, attention, plans, generation)
 
