@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenleap import kernels
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError
 from tokenleap.models.build import build_transformer
@@ -45,6 +46,23 @@ def test_layer_close_to_float(kind, bound, compute):
     # the kernel multiplies by exactly dequantized_weight() (up to activation rounding)
     xr = x.to(compute).float()
     assert rel_err(y, F.linear(xr, layer.dequantized_weight(), b)) < (1e-5 if compute == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
+def test_int8_layers_of_any_input_width(monkeypatch, kernels_on, compute):
+    """Inputs that are not a multiple of 16 (or 8): torch's int8 kernel gave wrong values or crashed
+    on them; they multiply by exactly ``dequantized_weight()``, and each row alone as in a block."""
+    if not kernels_on:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    g = torch.Generator().manual_seed(4)
+    for k in (60, 200, 24):
+        w, b, x = torch.randn(40, k, generator=g), torch.randn(40, generator=g), torch.randn(5, k, generator=g)
+        layer = Int8Linear.from_float(w, b, compute)
+        y = layer(x, row_exact=True)  # [5, 40]
+        xr = x.to(compute).float() if not layer.use_kernel else x
+        assert rel_err(y, F.linear(xr, layer.dequantized_weight(), b)) < (1e-5 if compute == torch.float32 else 1e-2)
+        assert all(torch.equal(layer(x[i:i + 1], row_exact=True)[0], y[i]) for i in range(5)), k
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -253,7 +271,6 @@ def test_bfloat16_computes_in_float32_activations(smollm2_gguf, tmp_path, monkey
     them to bf16 themselves on AMX tiles): the weights stay bf16 (or quantized), the activations
     (norms, KV cache) are float32, and a bf16 weight matrix is kept once, packed for the kernel --
     for AMX tiles where the CPU has them. Greedy decoding is unchanged by it."""
-    from tokenleap import kernels
     from tokenleap.models import pretrained as loading
     from tokenleap.config import SamplingParams
     from tokenleap.spec.engine import Engine

@@ -6,7 +6,8 @@ of rows in the call -- so ``row_exact`` needs no per-row loop, unlike fp32 ``Lin
 * ``Int8Linear``: symmetric per-output-channel scale, ``w = q * scale`` with q in [-127, 127].
   With tokenleap's compiled kernels (``tokenleap.kernels``, AVX2): float32 activations, the
   row-invariant ``int8_linear`` for decode / verification and a blocked ``int8_gemm`` for prefill
-  windows of ``GEMM_MIN_ROWS``+ rows. Otherwise torch's ``aten._weight_int8pack_mm``.
+  windows of ``GEMM_MIN_ROWS``+ rows. Otherwise torch's ``aten._weight_int8pack_mm`` (inputs a
+  multiple of 16; other widths: the int8 weight as ``compute_dtype`` in ``F.linear``).
   Measured here (1536x8960 layer, 2 threads, weights streamed from memory): tokenleap 0.8 ms for
   one row, 1.6 ms for four; torch 1.6 / 2.5 ms (bf16 activations).
 * ``Int4Linear``: groups of ``group_size`` (32, 64, 128 or 256) input columns, asymmetric
@@ -41,6 +42,7 @@ from torch import nn
 
 from tokenleap import kernels
 from tokenleap.config import ConfigError
+from tokenleap.models.linear import ROW_INVARIANT_DTYPES
 GEMM_MIN_ROWS = kernels.GEMM_MIN_ROWS
 
 QUANT_MODES = ("none", "int8", "int4", "w8a8")  # w8a8: models/w8a8.py
@@ -163,7 +165,14 @@ class Int8Linear(nn.Module):
                 y = y[:, : self.out_features]
             return _finish(y, x, self.bias)
         xc = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [rows, in]
-        y = torch.ops.aten._weight_int8pack_mm(xc, self._qweight, self.scales)  # [rows, out]
+        if self.in_features % 16 == 0:
+            y = torch.ops.aten._weight_int8pack_mm(xc, self._qweight, self.scales)  # [rows, out]
+        else:  # torch's kernel reads inputs 16 at a time: other widths gave wrong values or crashed
+            w = self._qweight.to(self.compute_dtype)  # [out, in], exact
+            if row_exact and xc.shape[0] > 1 and self.compute_dtype not in ROW_INVARIANT_DTYPES:
+                y = torch.cat([F.linear(xc[i:i + 1], w) for i in range(xc.shape[0])]) * self.scales
+            else:
+                y = F.linear(xc, w) * self.scales  # [rows, out]
         return _finish(y, x, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
