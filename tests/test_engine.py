@@ -10,11 +10,12 @@ from tokenleap.config import GREEDY_BELOW, ConfigError, SamplingParams
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.errors import PromptTooLongError
+from tokenleap.models.build import build_transformer
 from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.sequence import Sequence
 
-from conftest import ToyDetokenizer, ToyTokenizer, tiny_model
+from conftest import ToyDetokenizer, ToyTokenizer, random_weights, tiny_config, tiny_model
 
 VOCAB = 96
 PROMPTS = [[5, 9, 14, 3, 7, 9, 14, 3], [40, 41, 42, 43, 40, 41], [11] * 6 + [12, 13, 11, 11]]
@@ -166,6 +167,21 @@ def test_streamed_text_never_shows_a_stop_string(target):
     eng = engine(target, NgramProposer(3, 1), 3)
     pieces = [piece for _, piece in eng.generate(PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)))]
     assert "".join(pieces) == ref[: ref.index(stop)]
+
+
+def test_a_draft_of_fewer_positions_drafts_only_within_them(target):
+    """A draft model whose context is shorter than the target's: past its positions (a long prompt,
+    or a reply that grows past them) the steps are plain; the output is the target's either way."""
+    cfg = replace(tiny_config("qwen2", vocab=VOCAB), max_position_embeddings=24)
+    short = build_transformer(cfg, random_weights(cfg, 1), torch.float32)  # the target's weights
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for prompt in (PROMPTS[0], list(range(3, 33))):  # the reply passes 24 positions; the prompt alone does
+        for tree in (0, 6):
+            eng = Engine(target, ToyTokenizer(VOCAB), max_len=128, proposer=DraftModelProposer(short, VOCAB, 128),
+                         controller=ControllerConfig(max_k=4, fixed_k=3), tree_nodes=tree)
+            seq = run(eng, prompt, params)
+            assert seq.generated == plain(target, prompt, params).generated, (len(prompt), tree)
+            assert (seq.stats.draft_tokens > 0) == (len(prompt) < 20), (len(prompt), tree)
 
 
 def test_prompt_longer_than_context_is_refused(target):

@@ -130,6 +130,9 @@ class DraftModelProposer:
         self._heads: dict[int, object] = {}
         # any cache with KVCache's interface, e.g. a PagedKVCache when serving many sequences
         self.cache = cache if cache is not None else KVCache(model.config, num_slots, max_len, model.dtype)
+        # the draft drafts only within its own positions (a draft of a shorter context than the
+        # target's leaves longer sequences to plain steps, as vLLM does)
+        self.max_len = min(self.cache.max_len, model.config.max_position_embeddings)
         self._slot: dict[int, int] = {}
         self._fed: dict[int, int] = {}
         self._prompt: dict[int, list[int]] = {}
@@ -158,7 +161,7 @@ class DraftModelProposer:
         for i, r in enumerate(requests):
             self._grown.pop(r.seq_id, None)
             self._tokens[r.seq_id] = r.tokens
-            if r.k <= 0 or len(r.tokens) + r.k > self.cache.max_len:
+            if r.k <= 0 or len(r.tokens) + r.k > self.max_len:
                 continue
             fed = min(self._fed[r.seq_id], len(r.tokens) - 1)
             if r.max_nodes > 0 and r.constraint is None and len(r.tokens) - fed <= self.catch_up_chunk:
@@ -241,7 +244,7 @@ class DraftModelProposer:
         proposal does not stall on a long prompt (nor count the prompt as drafting time)."""
         fed = self._fed[seq_id]
         self._tokens[seq_id] = tokens
-        if fed < len(tokens):
+        if fed < len(tokens) < self.max_len:  # (past its positions the draft never drafts: nothing to feed)
             self._feed(seq_id, tokens[fed:], fed)
 
     def _feed(self, seq_id: int, tokens: list[int], pos: int) -> None:

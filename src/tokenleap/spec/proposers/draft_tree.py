@@ -108,7 +108,7 @@ def grow(proposer, items: list[tuple[int, DraftRequest]]) -> tuple[dict[int, Dra
         for g in growing:
             _add_level(g, level)
             _prune_frontier(g, g.req.max_nodes)
-            if level == g.req.k or g.root_pos + len(g.stored) + len(g.frontier) > proposer.cache.max_len:
+            if level == g.req.k or g.root_pos + len(g.stored) + len(g.frontier) > proposer.max_len:
                 g.frontier = []  # the last level, or one the cache cannot hold: grown, not fed
         _feed_frontier(proposer, [g for g in growing if g.frontier])
     drafts, grown = {}, {}
