@@ -216,6 +216,24 @@ def test_a_rope_scaling_added_beside_rope_parameters_is_applied(saved):
                                                           "long_factor": [1.0]}})
 
 
+def test_rope_scaling_extends_the_context_as_vllm_derives_it(saved):
+    """Linear and dynamic scaling multiply max_position_embeddings (128 here), YaRN its original
+    positions (32 x 4); Llama 3's and Gemma 3's already count theirs. Past 128 positions the linear
+    model's logits are still transformers' (which sets no limit)."""
+    contexts = {name: saved(name)[1].config.max_context for name in ("llama-linear", "llama-dynamic", "llama-yarn",
+                                                                     "llama3.1", "gemma3-linear", "llama")}
+    assert contexts == {"llama-linear": 512, "llama-dynamic": 256, "llama-yarn": 128, "llama3.1": 128,
+                        "gemma3-linear": 128, "llama": 128}
+    ref, ours, _ = saved("llama-linear")
+    eng = Engine(ours, ToyTokenizer(VOCAB, (2,)), max_len=400)
+    assert eng.max_len == 400
+    prompt = (PROMPT * 10)[:180]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]  # [180, vocab]
+    cache = KVCache(ours.config, 1, 400, torch.float32)
+    torch.testing.assert_close(run(ours, cache, cache.allocate(), prompt, 0), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["llama3.1", "llama-linear", "llama-yarn", "llama-dynamic", "gemma3", "gemma3-linear"])
 def test_rope_tables_equal_transformers(saved, name):
     ref, ours, _ = saved(name)

@@ -92,6 +92,20 @@ class ModelConfig:
         return dict(self.rope_scaling)
 
     @property
+    def max_context(self) -> int:
+        """Positions the model takes, as vLLM derives them from its rope scaling: YaRN extends its
+        ``original_max_position_embeddings`` by its factor, linear and dynamic scaling extend
+        ``max_position_embeddings`` by theirs (not Gemma 3's linear scaling, or Llama 3's: their
+        ``max_position_embeddings`` already counts it)."""
+        s = self.rope_scaling_dict
+        kind, factor = s.get("rope_type", "default"), float(s.get("factor") or 1.0)
+        if kind == "yarn":
+            return max(self.max_position_embeddings, int(s["original_max_position_embeddings"] * factor))
+        if kind == "dynamic" or (kind == "linear" and self.architecture != "gemma3"):
+            return int(self.max_position_embeddings * max(factor, 1.0))
+        return self.max_position_embeddings
+
+    @property
     def qk_norm(self) -> bool:
         """q and k are RMS-normalised per head before RoPE (q_norm / k_norm weights)."""
         return self.architecture in ("qwen3", "gemma3")

@@ -87,7 +87,7 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     # (fill-in-the-middle prompts are the model's FIM prompts, never chat)
     use_chat = chat and bool(tok.chat_template) and not all("suffix" in p.extra for p in ds.prompts)
     prompt_ids = encode_prompts(tok, ds.prompts, use_chat)
-    limit_len = pool.target().model.config.max_position_embeddings
+    limit_len = pool.target().model.config.max_context
     pool.opts.max_len = min(max(map(len, prompt_ids)) + max_new_tokens + 16, limit_len)
     built, infos = build_methods(specs, pool)
     identity = {**known, "dtype": str(pool.dtype).removeprefix("torch."), "chat": use_chat}

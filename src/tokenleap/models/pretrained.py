@@ -35,8 +35,8 @@ class LoadedModel:
 
     def context_length(self, requested: int | None) -> int:
         """The context window for a requested ``max_model_len`` (None: the default): at most the
-        model's positions, with a warning when a request for more is cut."""
-        positions = self.model.config.max_position_embeddings
+        model's positions (``ModelConfig.max_context``), with a warning when a request for more is cut."""
+        positions = self.model.config.max_context
         if requested is not None and requested > positions:
             logging.getLogger("tokenleap").warning(
                 "max_model_len %d is more than the %d positions %s was trained for: using %d",

@@ -153,10 +153,7 @@ class Rotary(nn.Module):
 
 def rotaries(cfg: ModelConfig) -> tuple[Rotary, Rotary | None]:
     """(rotary of the global layers, rotary of the sliding layers where it differs, else None)."""
-    n = cfg.max_position_embeddings
-    scaling = cfg.rope_scaling_dict
-    if scaling.get("rope_type") == "dynamic":  # positions past max_position_embeddings, for a cache that long
-        n = int(n * max(float(scaling["factor"]), 1.0))
+    n = cfg.max_context  # (past max_position_embeddings where the rope scaling extends the context)
     if cfg.rope_freq_factors:
         glob = Rotary.from_tables(*_with_factors(cfg, cfg.rope_theta, n))
     else:

@@ -52,7 +52,7 @@ class Engine:
         self.model = model
         self.tree_nodes = tree_nodes  # > 0: proposers may draft token trees of this many nodes
         self.tokenizer = tokenizer
-        self.max_len = min(max_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
+        self.max_len = min(max_len or model.config.max_context, model.config.max_context)
         if cache is not None:  # e.g. a PagedKVCache shared by a serving scheduler
             self.max_len = min(self.max_len, cache.max_len)
         self.cache = cache if cache is not None else KVCache(model.config, num_slots, self.max_len, model.dtype)

@@ -132,7 +132,7 @@ class DraftModelProposer:
         self.cache = cache if cache is not None else KVCache(model.config, num_slots, max_len, model.dtype)
         # the draft drafts only within its own positions (a draft of a shorter context than the
         # target's leaves longer sequences to plain steps, as vLLM does)
-        self.max_len = min(self.cache.max_len, model.config.max_position_embeddings)
+        self.max_len = min(self.cache.max_len, model.config.max_context)
         self._slot: dict[int, int] = {}
         self._fed: dict[int, int] = {}
         self._prompt: dict[int, list[int]] = {}
