@@ -39,6 +39,8 @@ SPECS = {  # name -> (config class name, overrides)
     "llama-yarn": ("LlamaConfig", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                     "original_max_position_embeddings": 32}}),
     "llama-hd12": ("LlamaConfig", {"head_dim": 12}),  # a head size the compiled attention does not take
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),  # o_proj and the MLP's too
+    "qwen3-bias": ("Qwen3Config", {"attention_bias": True}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
     "mistral": ("MistralConfig", {"sliding_window": WINDOW}),
@@ -325,9 +327,14 @@ def _variant(d, mode: str):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "bf16", "bf16-native"])
-@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3", "llama-bias"])
 def test_quantized_and_bf16_models_keep_rows_exact(saved, name, mode):
     model = _variant(saved(name)[2], mode)
+    ref = saved(name)[1]
+    cache, ref_cache = make_cache("paged", model.config, dtype=model.dtype), make_cache("paged", ref.config)
+    got, want = run(model, cache, cache.allocate(), PROMPT, 0), run(ref, ref_cache, ref_cache.allocate(), PROMPT, 0)
+    bound = 0.35 if mode == "int4" else 0.1  # (int4's error on random weights is large)
+    assert ((got.float() - want).norm() / want.norm()).item() < bound  # the float model's (biases included)
     for kind in ("contiguous", "paged"):
         cache = make_cache(kind, model.config, dtype=model.dtype)
         a, b = cache.allocate(), cache.allocate()

@@ -44,7 +44,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has a bias on q/k/v projections
+    # a bias on the q/k/v projections (Qwen2's always), and on o_proj too where transformers puts it
+    # there (Llama, Qwen3, Gemma 3: ``o_proj_bias``)
+    attention_bias: bool = False
+    mlp_bias: bool = False  # a bias on gate/up/down (Llama's mlp_bias)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # rope scaling of the (global) layers: sorted (key, value) pairs of transformers' rope parameters,
@@ -104,6 +107,12 @@ class ModelConfig:
         if kind == "dynamic" or (kind == "linear" and self.architecture != "gemma3"):
             return int(self.max_position_embeddings * max(factor, 1.0))
         return self.max_position_embeddings
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """o_proj has a bias: ``attention_bias`` outside Qwen2 (whose bias is on q/k/v only), in the
+        families whose transformers attention has one there."""
+        return self.attention_bias and self.architecture in ("llama", "qwen3", "gemma3")
 
     @property
     def qk_norm(self) -> bool:

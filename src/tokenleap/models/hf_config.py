@@ -140,6 +140,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+        mlp_bias=arch == "llama" and bool(d.get("mlp_bias", False)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=eos_ids,
         rope_scaling=tuple(sorted(scaling.items())),
@@ -173,6 +174,8 @@ def config_to_hf_dict(c: ModelConfig) -> dict[str, Any]:
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "hidden_activation" if c.architecture == "gemma3" else "hidden_act": c.hidden_act,
     }
+    if c.mlp_bias:
+        d["mlp_bias"] = True
     if c.rope_scaling:
         d["rope_scaling"] = dict(c.rope_scaling)
     if c.rope_freq_factors:

@@ -108,7 +108,7 @@ class Attention(TracksChanges):
         self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.hd, bias)
         self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias)
         self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias)
-        self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, False)
+        self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, cfg.o_proj_bias)
         self.qkv: nn.Module | None = None
         self.qkv_sizes = (self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd)
         offset = 1.0 if cfg.gemma_style else 0.0
@@ -213,9 +213,9 @@ class Attention(TracksChanges):
 class MLP(TracksChanges):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.gate_up: nn.Module | None = None  # gate and up fused into one weight (see fuse_projections_)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma) instead of SwiGLU
 
