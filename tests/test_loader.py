@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import tokenleap.text.gguf_tokenizer
 from tokenleap.config import ConfigError, ModelConfig
@@ -135,6 +135,31 @@ def test_hf_directory_reads_the_files_transformers_would(tmp_path):
     (single / "model-00001-of-00001.safetensors").rename(single / "model.safetensors")
     save_file({"base_model.model.lora_A.weight": torch.zeros(2, 2)}, str(single / "adapter_model.safetensors"))
     assert set(load_checkpoint(single, torch.float32).weights) == set(sd)
+
+
+def test_what_tokenleap_cannot_read_is_named(tmp_path):
+    """Pre-quantized checkpoints (GPTQ, AWQ, FP8: a quantization_config, int8 / float8 tensors), a
+    directory holding only a GGUF file, an empty model name."""
+    d = tmp_path / "m"
+    _write_hf_dir(d, shards=1)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    with pytest.raises(ModelFormatError, match="holds awq weights"):
+        load_checkpoint(d, torch.float32)
+    (d / "config.json").write_text(json.dumps(raw))
+    shard = next(d.glob("*.safetensors"))
+    weights = load_file(str(shard))
+    name = next(n for n in weights if n.endswith("down_proj.weight"))
+    save_file({**weights, name: weights[name].to(torch.float8_e4m3fn)}, str(shard))
+    with pytest.raises(ModelFormatError, match=f"tensor '{name}' .* is float8_e4m3fn"):
+        load_checkpoint(d, torch.float32)
+    only = tmp_path / "only-gguf"
+    only.mkdir()
+    (only / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelFormatError, match="name the file itself: .*model-Q4_K_M.gguf"):
+        load_checkpoint(only, torch.float32)
+    with pytest.raises(ModelNotFoundError, match="no model named"):
+        load_checkpoint("", torch.float32)
 
 
 def test_a_model_directorys_key_follows_its_config(tmp_path):

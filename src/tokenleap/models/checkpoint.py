@@ -59,6 +59,8 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype | str,
     dtype = as_dtype(dtype)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = str(name_or_path)
+    if not key.strip():
+        raise ModelNotFoundError("no model named: give a catalog name, a GGUF file or a model directory")
     if key in CATALOG:
         return _load_gguf(resolve_gguf(key, cache_dir), dtype, cache_dir, source=f"catalog:{key}")
     path = Path(key).expanduser()
@@ -68,8 +70,10 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype | str,
         return _load_gguf(path, dtype, cache_dir, source=f"gguf:{path.resolve()}")
     if path.is_dir():
         if not (path / hf.CONFIG_FILE).is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            hint = f" (to load a GGUF file, name the file itself: {ggufs[0]})" if ggufs else ""
             raise ModelFormatError(
-                f"{path} has no config.json; a model directory needs config.json and *.safetensors")
+                f"{path} has no config.json; a model directory needs config.json and *.safetensors{hint}")
         config, weights = hf.load_hf_dir(path, dtype)
         return Checkpoint(config, weights, path, source=f"hf:{path.resolve()}")
     raise ModelNotFoundError(

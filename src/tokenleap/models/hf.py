@@ -46,6 +46,9 @@ def read_config(model_dir: str | Path) -> ModelConfig:
     """ModelConfig from config.json; eos ids of generation_config.json (if any) are merged in."""
     model_dir = Path(model_dir)
     raw = _read_json(model_dir / CONFIG_FILE)
+    if isinstance(q := raw.get("quantization_config"), dict):  # GPTQ, AWQ, FP8, bitsandbytes ...
+        raise ModelFormatError(f"{model_dir} holds {q.get('quant_method', 'pre-quantized')} weights, which tokenleap "
+                               "does not read: load the unquantized model (and use --quant) or a GGUF file")
     try:
         config = ModelConfig.from_hf_dict(raw)
     except ConfigError as e:
@@ -101,6 +104,9 @@ def read_weights(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.T
         for name, tensor in shard.items():
             if name.endswith(_UNUSED_SUFFIXES):
                 continue
+            if not tensor.is_floating_point() or tensor.element_size() == 1:  # int8, float8 ...: scales elsewhere
+                raise ModelFormatError(f"tensor {name!r} of {path} is {str(tensor.dtype).removeprefix('torch.')}: "
+                                       "tokenleap reads float weights (float32, float16, bfloat16) only")
             if name in weights:
                 raise ModelFormatError(f"tensor {name!r} appears in more than one shard of {model_dir}")
             weights[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)

@@ -97,7 +97,7 @@ def _sliding(arch: str, d: dict[str, Any], layers: int) -> tuple[int | None, tup
         if not d.get("use_sliding_window"):
             return None, ()
         if not types and window is not None:
-            first = int(d.get("max_window_layers", layers))
+            first = int(d.get("max_window_layers", 28))  # (transformers' default for Qwen2 and Qwen3)
             types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
     if arch == "gemma3":
         if d.get("use_bidirectional_attention"):
