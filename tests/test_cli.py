@@ -281,6 +281,8 @@ BAD_FLAGS = [
     ["verify", "--model", SMOL, "--spec", "ngram", "--prompts", "/no/such/prompts.jsonl"],
     ["models", "install"],
     ["models", "install", "no-such-model"],
+    ["models", "list", "no-such-model"],
+    ["models", "--cache-dir", "/etc/passwd"],
 ]
 
 
@@ -329,6 +331,8 @@ def test_models_shows_size_state_and_the_install_command(capsys, monkeypatch, tm
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["qwen2.5-coder-0.5b-instruct"]["size_bytes"] == 491_400_064
     assert rows["qwen2.5-coder-0.5b-instruct"]["converted"] == []
+    code, out, _ = run_cli(capsys, "models", "list", "smollm2-135m-instruct", "--json", "--cache-dir", str(tmp_path))
+    assert code == 0 and [r["name"] for r in json.loads(out)] == ["smollm2-135m-instruct"]  # the one named
 
 
 def test_models_shows_converted_state(capsys, smollm2_gguf, tmp_path):

