@@ -12,7 +12,7 @@ from tokenleap.config import ConfigError
 from tokenleap.errors import ModelFormatError, ModelNotFoundError, TokenleapError
 from tokenleap.text.fim import encode_fim, fim_tokens
 from tokenleap.text.gguf_tokenizer import read_gguf_tokenizer_metadata, write_tokenizer_files
-from tokenleap.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tokenleap.text.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, _tag_final_message
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -142,8 +142,32 @@ def test_continue_final_message_and_template_variables():
     assert text.endswith("<|im_start|>assistant\nSure, here")  # no end of turn, no new turn
     assert tok.decode(tok.encode_chat(msgs[:1], flag=True), skip_special_tokens=False).endswith(
         "FLAG<|im_start|>assistant\n")
+    # the content found where it ends, not where its text first or last appears ("end" is in <|im_end|>)
+    ended = [msgs[0], {"role": "assistant", "content": "end"}]
+    assert tok.render_chat(ended, continue_final_message=True).endswith("<|im_start|>assistant\nend")
+    parts = [{"type": "text", "text": "Sure,"}, {"type": "image"}, {"type": "text", "text": " here"}]
+    assert _tag_final_message([{"role": "assistant", "content": parts}])[0]["content"][2]["text"].startswith(" here<")
+    # a template that trims the content (Gemma's) continues the trimmed text, as transformers renders it
+    trims = Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.chat_template": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}")}))
+    roses = [msgs[0], {"role": "assistant", "content": "Roses are "}]
+    assert trims.render_chat(roses, continue_final_message=True).endswith("<|im_start|>assistant\nRoses are")
+    assert tok.render_chat(roses, continue_final_message=True).endswith("<|im_start|>assistant\nRoses are ")
+    drops = Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.chat_template": "{{ messages[0]['content'] }}"}))
     with pytest.raises(ChatTemplateError, match="continue_final_message"):
-        tok.encode_chat(msgs[:1] + [{"role": "assistant", "content": ""}], continue_final_message=True)
+        drops.encode_chat(msgs, continue_final_message=True)
+
+
+def test_generation_blocks_render_their_body_and_special_spellings_can_be_text():
+    """Training templates mark the assistant's text with {% generation %} (transformers renders the
+    body); llama.cpp's parse_special=false reads a special token's spelling as plain text."""
+    templ = "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+    tok = Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.chat_template": templ}))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "[hi]"
+    special = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert len(special) == 1 and tok.decode(special, skip_special_tokens=False) == "<|im_end|>"
+    literal = tok.encode("<|im_end|>", add_special_tokens=False, parse_special=False)
+    assert len(literal) > 1 and tok.decode(literal) == "<|im_end|>"
 
 
 def test_from_dir_errors(tmp_path):
@@ -294,13 +318,13 @@ def test_smollm2_decode_round_trip(smol, hf_smol):
 
 def test_incremental_detokenizer_matches_full_decode(smol):
     rng = random.Random(1)
-    for text in TEXTS + ["😀中文🙂ß" * 5, "<|im_end|>😀<|im_start|>中"]:
+    for text in TEXTS + ["😀中文🙂ß" * 5, "<|im_end|>😀<|im_start|>中", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𓀀 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 😀😀😀😀" * 2]:
         ids = smol.encode(text)
         for skip in (True, False):
             detok = smol.detokenizer(skip_special_tokens=skip)
             pieces, i = [], 0
             while i < len(ids):
-                n = rng.randint(1, 3)
+                n = rng.randint(1, 6)  # (a speculative step's accepted tokens arrive together)
                 pieces.append(detok.add(ids[i:i + n]))
                 i += n
             assert all("\ufffd" not in p for p in pieces), pieces

@@ -43,11 +43,17 @@ class IncrementalDetokenizer:
         return prefix_text
 
     def add(self, ids: int | Iterable[int]) -> str:
-        """Append token id(s); return the text they complete ("" while a character is partial)."""
+        """Append token id(s); return the text they complete ("" while a character is partial).
+        Several ids are taken one at a time: a window that ends inside a character at every call
+        would never move on, and past ``MAX_PENDING_TOKENS`` its held-back bytes would go out."""
         try:
-            self.ids.append(operator.index(ids))
+            one = operator.index(ids)
         except TypeError:
-            self.ids.extend(operator.index(i) for i in ids)
+            return "".join(self._add_one(operator.index(i)) for i in ids)
+        return self._add_one(one)
+
+    def _add_one(self, token_id: int) -> str:
+        self.ids.append(token_id)
         prefix_text = self._context()
         text = self._decode(self._prefix)
         stable = len(text.rstrip("\ufffd"))

@@ -39,6 +39,41 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+_CONTINUE_TAG = "<tokenleap:continue_final_message> "
+
+
+def _tag_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with ``_CONTINUE_TAG`` after the final message's text (its last text part, where
+    its content is a list of parts)."""
+    _check_messages(messages)
+    final = dict(messages[-1])
+    content = final.get("content")
+    if isinstance(content, list):
+        at = next((i for i in range(len(content) - 1, -1, -1) if isinstance(content[i], dict)
+                   and isinstance(content[i].get("text"), str)), None)
+        if at is None:
+            raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+        content = list(content)
+        content[at] = {**content[at], "text": content[at]["text"] + _CONTINUE_TAG}
+    elif content is None or isinstance(content, str):
+        content = (content or "") + _CONTINUE_TAG
+    else:
+        raise ChatTemplateError(f"continue_final_message: the final message's content must be text, "
+                                f"got {type(content).__name__}")
+    return [*messages[:-1], {**final, "content": content}]
+
+
+class _GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %} ... {% endgeneration %}``: training templates mark the assistant's tokens
+    with it (transformers' assistant masks); rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[Any]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the model's chat template rejected the conversation: {message}")
 
@@ -46,7 +81,7 @@ def _raise_exception(message: str) -> None:
 @lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlocks])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -104,6 +139,7 @@ class Tokenizer:
         # come from the spelling, since a decoder may strip a piece's leading space
         self._spm_pieces = isinstance(backend.model, models.BPE) and bool(backend.model.byte_fallback)
         self._added_ids: frozenset[int] | None = None
+        self._literal: _Backend | None = None  # the backend reading special tokens' spellings as text
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -151,12 +187,21 @@ class Tokenizer:
         return tuple(dict.fromkeys(int(i) for i in ids if isinstance(i, int)))
 
     # -- encode / decode ----------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS where the model's config says so."""
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS where the model's config says so;
+        without ``parse_special`` a special token's spelling in the text is plain text (llama.cpp's
+        ``parse_special``), as transformers and vLLM otherwise read it as the token."""
         if not isinstance(text, str):
             raise ConfigError(f"text to encode must be a string, got {type(text).__name__}")
+        backend = self._backend
+        if not parse_special:
+            if self._literal is None:  # a copy of the backend, read-only once built
+                literal = _Backend.from_str(backend.to_str())
+                literal.encode_special_tokens = True
+                self._literal = literal
+            backend = self._literal
         try:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             try:
                 text.encode("utf-8")
@@ -207,8 +252,8 @@ class Tokenizer:
         if "developer" not in self.chat_template:
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         template = _compile_template(self.chat_template)
-        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token,
-                     "pad_token": self.pad_token, "unk_token": self.unk_token, **kwargs}
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
+                     "unk_token": self.unk_token, "documents": None, **kwargs}  # (documents: as transformers')
         try:
             return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                    tools=tools, **variables)
@@ -222,15 +267,19 @@ class Tokenizer:
         """A conversation's prompt text, followed by ``reply_prefix`` (text the reply is made to start
         with); with ``continue_final_message`` the rendering stops right after the final message's
         content, so the reply continues it."""
+        if continue_final_message:  # the rendering is cut where this tag, after the final content, lands
+            messages = _tag_final_message(messages)
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
                                         **kwargs)
         if continue_final_message:
-            final = messages[-1].get("content") or ""
-            at = text.rfind(final) if final else -1
+            tagged = _CONTINUE_TAG.strip()
+            at = text.rfind(tagged)
             if at < 0:
-                raise ChatTemplateError("continue_final_message: the final message's content (non-empty) "
-                                        "is not in the rendered conversation")
-            text = text[:at + len(final)]
+                raise ChatTemplateError("continue_final_message: the chat template dropped or changed the final "
+                                        "message's content, so the reply cannot continue it")
+            # a template that trims the content (Gemma's) trimmed the tag's space too: cut its trailing
+            # spaces as well, so the prompt is the one the trimmed message makes
+            text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
         return text + reply_prefix
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
