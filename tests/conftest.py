@@ -132,8 +132,11 @@ class ToyTokenizer:
     def id_to_token(self, i: int) -> str:
         return self.piece(i)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:  # (EOS spells nothing either way)
         return "".join(self.piece(i) for i in ids)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.piece(i).encode()
 
     def detokenizer(self) -> ToyDetokenizer:
         return ToyDetokenizer(self)

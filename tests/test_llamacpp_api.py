@@ -170,6 +170,40 @@ def test_tokenize_add_special():
         assert post(s, "/completion", {**greedy, "prompt": [7, "ab"]}).json()["tokens_evaluated"] == 3
 
 
+class SpecialToyTokenizer(BosToyTokenizer):
+    """BOS spelled "<s>": in text it is the token (unless parse_special is off), decoding skips it
+    unless asked to keep special tokens."""
+
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        parts = text.split("<s>") if parse_special else [text]
+        ids = super().encode(parts[0], add_special_tokens)
+        for part in parts[1:]:
+            ids += [BOS] + super().encode(part, False)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join("" if i == BOS and skip_special_tokens else "<s>" if i == BOS else self.piece(i) for i in ids)
+
+    def token_bytes(self, i: int) -> bytes:
+        return b"<s>" if i == BOS else super().token_bytes(i)
+
+
+def test_special_tokens_through_tokenize_and_detokenize():
+    """/detokenize spells special tokens, as vLLM's and llama.cpp's do (so does echo of a token-id prompt);
+    llama.cpp's with_pieces spells each token; parse_special false reads "<s>" as text."""
+    engine = paged_engine()
+    engine.tokenizer = SpecialToyTokenizer(VOCAB)
+    with LiveServer(create_app(engine, ServerConfig(model_name=NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
+        ids = [BOS, *ids_of("hi")]
+        assert post(s, "/detokenize", {"tokens": ids}).json()["content"] == "<s>" + engine.tokenizer.decode(ids[1:])
+        pieces = post(s, "/tokenize", {"content": "<s>hi", "with_pieces": True}).json()["tokens"]
+        assert pieces == [{"id": BOS, "piece": "<s>"}] + [{"id": t, "piece": engine.tokenizer.piece(t)}
+                                                           for t in ids_of("hi")]
+        assert post(s, "/tokenize", {"content": "<s>hi", "parse_special": False}).json()["tokens"] == ids_of("<s>hi")
+        echo = post(s, "/v1/completions", {"prompt": ids, "max_tokens": 1, "echo": True, "temperature": 0}).json()
+        assert echo["choices"][0]["text"].startswith("<s>" + engine.tokenizer.decode(ids[1:])), echo
+
+
 def test_n_cmpl_completions_of_each_prompt(server):
     """n_cmpl: that many completions of each prompt, prompt by prompt; seeded ones at seed + i, each
     equal to its prompt sampled alone with that seed."""

@@ -133,9 +133,9 @@ def test_chat_renders_each_conversation_and_generates_it():
     assert [o.token_ids for o in outs] == [llm.generate(o.prompt, params)[0].token_ids for o in outs]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert llm.chat(two, params, tools=tools)[0].prompt == tok.encode("<tools>f<user>abcabc<assistant>abc<assistant>")
-    # OpenAI-style text parts are the text they hold; other parts are refused
+    # OpenAI-style text parts are the text they hold, a part a line (as vLLM joins them); others are refused
     parts = [{"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "text", "text": "abc"}]}]
-    assert llm.chat(parts, params)[0].prompt == tok.encode("<user>abcabc<assistant>")
+    assert llm.chat(parts, params)[0].prompt == tok.encode("<user>abc\nabc<assistant>")
     with pytest.raises(ConfigError, match="content parts must be text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ConfigError, match="no messages"):

@@ -363,10 +363,15 @@ def test_an_assistant_refusal_part_reads_as_its_text_and_an_empty_prompt_is_not_
     turns = [{"role": "user", "content": "x"}, None, {"role": "user", "content": "y"}]
     bodies = [{"messages": [turns[0], {"role": "assistant", "content": content}, turns[2]], "max_tokens": 4,
                "temperature": 0} for content in ([{"type": "refusal", "refusal": "no"}], "no")]
-    parts, text, empty = call(make_app(), [post("/v1/chat/completions", b) for b in bodies]
-                              + [post("/completion", {"prompt": "", "n_predict": 2})])
+    lines = [{"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+             for content in ([{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}], "ab\ncd")]
+    parts, text, two_parts, two_lines, empty = call(
+        make_app(), [post("/v1/chat/completions", b) for b in bodies + lines]
+        + [post("/completion", {"prompt": "", "n_predict": 2})])
     assert parts.status_code == text.status_code == 200, parts.text
     assert parts.json()["choices"][0]["message"] == text.json()["choices"][0]["message"]
+    # text parts are joined a part a line, as vLLM renders them
+    assert two_parts.json()["choices"][0]["message"] == two_lines.json()["choices"][0]["message"], two_parts.text
     assert empty.status_code == 400 and empty.json()["error"]["code"] != "context_length_exceeded", empty.text
 
 

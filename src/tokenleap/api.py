@@ -303,7 +303,7 @@ def _text_content(message: Any) -> Any:
             raise ConfigError(f"a message's content parts must be text parts ({{'type': 'text', 'text': ...}}); "
                               f"got {kind!r} (this engine reads text only)")
         texts.append(part["text"])
-    return {**message, "content": "".join(texts)}
+    return {**message, "content": "\n".join(texts)}  # (joined as the server's chat endpoint joins them)
 
 
 def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:

@@ -157,7 +157,8 @@ class OpenAIServer:
         if req.echo:  # the prompt as given (token ids, or one truncated: decoded) starts each choice
             texts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
             texts = prompts if req.truncate_prompt_tokens is not None else texts
-            echo = [t if isinstance(t, str) else self.tokenizer.decode(t) for t in texts for _ in range(req.n)]
+            echo = [t if isinstance(t, str) else self.tokenizer.decode(t, skip_special_tokens=False)
+                    for t in texts for _ in range(req.n)]
         view = PromptView(echo, req.logprobs if req.echo else None, echo_only, check_prompt_logprobs(req))
         return await self._run(request, req, prompts, budgets, fmt, req.logprobs, view)
 

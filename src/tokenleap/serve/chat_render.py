@@ -21,8 +21,9 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
         if m.content is None and m.role != "assistant":  # (an assistant turn may be its tool calls alone)
             raise bad_request(f"messages[{i}].content is required in a {m.role} message (null is for an "
                               "assistant message that calls tools)", "messages")
+        # text parts joined by new lines, as vLLM renders them for templates that take a string
         content = m.content if isinstance(m.content, str) or m.content is None else \
-            "".join(p.text for p in m.content)
+            "\n".join(p.text for p in m.content)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.tool_calls:
             if m.role != "assistant":

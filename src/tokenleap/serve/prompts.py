@@ -28,15 +28,18 @@ class Prompts:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         return [(encode or self.encode)(p) for p in prompt]
 
-    def encode(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt",
+               parse_special: bool = True) -> list[int]:
         """A prompt's ids (token ids: checked against the vocabulary); a 400 naming ``param`` when it
         cannot be tokenized. ``add_special_tokens`` false: none added (a tokenizer whose encode
-        takes no such option adds none)."""
+        takes no such option adds none); ``parse_special`` false: special tokens' spellings are text."""
         if isinstance(prompt, list):
             if not prompt or not all(0 <= t < self.vocab_size for t in prompt):
                 raise bad_request(f"token ids must be non-empty lists of ids in [0, {self.vocab_size})", param)
             return prompt
         try:
+            if not parse_special:
+                return self.tokenizer.encode(prompt, add_special_tokens, parse_special=False)
             return self.tokenizer.encode(prompt) if add_special_tokens else encode_plain(self.tokenizer, prompt)
         except (ValueError, TypeError, UnicodeError) as e:
             raise bad_request(f"the {param} could not be tokenized: {e}", param) from None

@@ -30,6 +30,7 @@ class TokenizeRequest(_Strict):  # vLLM's /tokenize: a prompt or chat messages; 
     messages: list[ChatMessage] | None = None
     content: str | None = None  # llama.cpp's name for the prompt
     with_pieces: bool = False  # llama.cpp's: each token as {"id", "piece"}
+    parse_special: bool = True  # llama.cpp's: false reads special tokens' spellings as plain text
     # a BOS (or other special tokens the model adds) before the text: vLLM's name (default true) or
     # llama.cpp's (default false, as is its default for a "content" request)
     add_special_tokens: bool | None = None
@@ -81,8 +82,8 @@ class TokenRoutes:
                 continue_final_message=req.continue_final_message, chat_template_kwargs=req.chat_template_kwargs)
             ids = server.prompts.encode_chat(chat_messages(chat), server._plan_tools(chat), chat_options(chat))
         else:
-            ids = server.prompts.encode(text, special)
-        tokens: list[Any] = [{"id": t, "piece": server.tokenizer.decode([t])} for t in ids] if req.with_pieces else ids
+            ids = server.prompts.encode(text, special, parse_special=req.parse_special)
+        tokens: list[Any] = [{"id": t, "piece": _piece(server.tokenizer, t)} for t in ids] if req.with_pieces else ids
         out = {"count": len(ids), "max_model_len": server.engine.max_len, "tokens": tokens}
         if req.return_token_strs:
             out["token_strs"] = [server.tokenizer.id_to_token(t) for t in ids]
@@ -94,7 +95,7 @@ class TokenRoutes:
         req = parse_body(await request.body(), DetokenizeRequest)
         server._check_model(req.model)
         check_token_ids(req.tokens, server.engine.model.config.vocab_size, "tokens")
-        text = server.tokenizer.decode(req.tokens)
+        text = server.tokenizer.decode(req.tokens, skip_special_tokens=False)  # (special tokens spelled, as both do)
         return {"prompt": text, "content": text}  # (vLLM's name, llama.cpp's)
 
     async def tokenizer_info(self, request: HTTPRequest) -> dict[str, Any]:
@@ -115,3 +116,12 @@ class TokenRoutes:
     async def ping(self) -> Response:
         return await self.server.health()
 
+
+def _piece(tokenizer, token_id: int) -> str | list[int]:
+    """llama.cpp's ``with_pieces`` piece: the token's text (a special token spelled out), or its byte
+    values where it holds part of a UTF-8 character."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8") if raw else tokenizer.decode([token_id], skip_special_tokens=False)
+    except UnicodeDecodeError:
+        return list(raw)
