@@ -228,6 +228,9 @@ def test_mismatch_is_announced_on_the_console(tmp_path, capsys):
     assert "MISMATCH: draft differs from plain on q0 (repeat 0) at generated token 7" in err
     assert "!!! MISMATCH: 3 request(s) of tokenleap methods" in err
     assert results["summary"]["overall"]["draft"]["mismatches"] == 3
+    summary = {line.split()[0]: line.split(None, 4)[-1] for line in err.splitlines()
+               if line.startswith(("draft ", "plain "))}
+    assert summary["draft"].endswith("NO (3/3)") and summary["plain"].endswith("ref")  # (the report's words)
 
 
 def test_seeded_sampled_run_is_checked_against_plain(tmp_path, capsys):

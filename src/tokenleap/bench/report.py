@@ -143,7 +143,7 @@ def console_summary(results: dict[str, Any]) -> str:
     out = ["", f"{'method':28s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'= plain':>9s}"]
     for name, f in results["summary"]["overall"].items():
         eq = results["equality"]
-        equal = "-" if not eq["checked"] or name not in eq["by_method"] else ("yes" if not f["mismatches"] else "NO")
+        equal = _equal_cell(f, eq, name).strip("*")  # (as the report's table, without its bold)
         out.append(f"{name:28s} {_num(f['tokens_per_second']):>8s} {_num(f['speedup'], '.2f', 'x'):>8s} "
                    f"{_num(f.get('mean_accepted_tokens')):>6s} {equal:>9s}")
     for m in results["methods"]:
