@@ -107,6 +107,33 @@ def test_masks_follow_each_rows_state():
     c.advance([2])  # EOS after a complete reply
 
 
+class SpecialTokenizer(CharTokenizer):
+    """Id 98 is a special token spelled "<s>" (a chat marker: decoding a reply skips it)."""
+
+    class backend:
+        @staticmethod
+        def get_added_tokens_decoder():
+            return {98: type("Added", (), {"special": True})()}
+
+    def piece(self, i: int) -> str:
+        return "<s>" if i == 98 else super().piece(i)
+
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        parts = text.split("<s>") if parse_special else [text]  # (as real tokenizers read their specials)
+        return [t for j, part in enumerate(parts) for t in ([98] if j else []) + CharTokenizer.encode(self, part)]
+
+
+def test_a_special_tokens_spelling_is_text_to_a_grammar():
+    """A grammar that spells a special token's text takes the text's own tokens, never the special
+    token (whose spelling the reply's decoding would skip, leaving text outside the grammar)."""
+    tok = SpecialTokenizer()
+    c = Constraints(tok, VOCAB, (2,)).make(StructuredOutput(choice=["<s>x"]))
+    lt, s, gt, x = tok.encode("<s>x", parse_special=False)
+    assert set(c.allowed().nonzero().flatten().tolist()) == {lt}
+    c.advance([lt, s, gt])
+    assert set(c.allowed().nonzero().flatten().tolist()) == {x}
+
+
 @pytest.mark.parametrize("kind", sorted(GRAMMARS))
 def test_replies_follow_the_grammar(kind):
     eng = engine()

@@ -162,7 +162,17 @@ class _Vocabulary:
         self.tokens = [as_bytes(i) if as_bytes else tokenizer.decode([i]).encode("utf-8") for i in range(vocab)]
         self.eos_token_id = eos_ids[0]
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
-        self.special_token_ids = [i for i in eos_ids if i != self.bos_token_id]
+        # special tokens (chat markers, FIM tokens ...) are never text a grammar may match: their
+        # spelling is skipped when the reply is decoded, so the text would no longer follow it
+        backend = getattr(tokenizer, "backend", None)
+        added = backend.get_added_tokens_decoder() if backend is not None else {}
+        special = {i for i, t in added.items() if t.special and i < vocab}
+        self.special_token_ids = sorted((special | set(eos_ids)) - {self.bos_token_id})
 
     def __call__(self, text: str | bytes) -> list[int]:
-        return encode_plain(self.tokenizer, text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+        """Text the grammar forces, as tokens: a special token's spelling in it is text too."""
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False, parse_special=False)
+        except TypeError:  # a tokenizer without the option
+            return encode_plain(self.tokenizer, text)
