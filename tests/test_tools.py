@@ -4,6 +4,7 @@ and a real server whose scripted model writes tool calls, exercised with the ope
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -249,10 +250,23 @@ def test_plan_follows_tool_choice():
     assert schema["anyOf"][0]["properties"]["arguments"] == TOOLS[0]["function"]["parameters"]
     named = plan_tools(chat_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}), template)
     assert named.prefix == "<tool_call>\n" and json.loads(named.grammar.json)["properties"]["name"] == {"const": "add"}
-    # parameters the grammar compiler cannot take: a forced opening instead of a grammar
+    # parameters the grammar compiler cannot take: that function's arguments are any object, the others'
+    # keep their schemas
     odd = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]
-    fallback = plan_tools(chat_req(tools=odd, tool_choice="required"), template)
-    assert fallback.grammar is None and fallback.prefix == '<tool_call>\n{"name": "f", "arguments": {'
+    mixed = plan_tools(chat_req(tools=odd + TOOLS, tool_choice="required", parallel_tool_calls=False), template)
+    arguments = [c["properties"]["arguments"] for c in json.loads(mixed.grammar.json)["anyOf"]]
+    assert arguments == [{"type": "object"}] + [t["function"]["parameters"] for t in TOOLS]
+    # $defs (pydantic's schemas) and definitions are lifted to the root, where their references point
+    loc = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    for key in ("$defs", "definitions"):
+        params = {"type": "object", "properties": {"loc": {"$ref": f"#/{key}/Loc"}}, "required": ["loc"], key: {"Loc": loc}}
+        defs = [{"type": "function", "function": {"name": "g", "parameters": params}}]
+        plan = plan_tools(chat_req(tools=defs, tool_choice={"type": "function", "function": {"name": "g"}}), template)
+        schema = json.loads(plan.grammar.json)
+        assert schema[key] == {"Loc": loc} and key not in schema["properties"]["arguments"], schema
+        clash = [defs[0], {"type": "function", "function": {"name": "h", "parameters": {**params, key: {"Loc": {}}}}}]
+        with pytest.raises(APIError, match=f"define {re.escape(key)} 'Loc' differently"):
+            plan_tools(chat_req(tools=clash, tool_choice="required"), template)
     with pytest.raises(APIError, match="not among the tools"):
         plan_tools(chat_req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}), template)
     with pytest.raises(APIError, match="needs tools"):
@@ -267,9 +281,6 @@ def test_a_forced_call_takes_the_reply_and_response_format_the_answer_after_it()
         req = chat_req(tools=TOOLS, tool_choice=choice, response_format=fmt)
         plan = plan_tools(req, template)
         assert reply_grammar(plan, req) is plan.grammar is not None
-    odd = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]
-    req = chat_req(tools=odd, tool_choice="required", response_format=fmt)
-    assert reply_grammar(plan_tools(req, template), req) is None  # a forced opening, nothing to follow
     for kw in ({"tools": TOOLS}, {}):  # no call forced: the request's own format
         req = chat_req(response_format=fmt, **kw)
         assert reply_grammar(plan_tools(req, template), req).json_object

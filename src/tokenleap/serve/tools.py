@@ -111,13 +111,17 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
                               f"the tools ({', '.join(names)})", "tool_choice")
         forced = [t for t in req.tools if t.function.name == choice.function.name][:1]
     # the reply is one call of a forced function whose arguments follow its parameters' schema,
-    # as vLLM guides it; a schema the grammar compiler cannot take falls back to a forced opening
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "arguments": t.function.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in forced]
+    # as vLLM guides it; a function whose schema the grammar compiler cannot take has any object as
+    # its arguments, and if nothing compiles the reply gets a forced opening only
+    arguments, defs = _lift_definitions([t.function.parameters or {"type": "object"} for t in forced])
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": args},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for t, args in zip(forced, arguments)]
+    calls = [c if _compiles({**c, **defs}) else {**c, "properties": {**c["properties"], "arguments": {"type": "object"}}}
+             for c in calls]
     # written as the template shows calls: one line, ", " and ": " (no run of whitespace to loop in)
     style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    call = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": style}
+    call = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **defs, "x-guidance": style}
     grammar = StructuredOutput(json=call)
     if choice == "required" and req.parallel_tool_calls is not False:  # one call or more, as OpenAI's
         grammar = StructuredOutput(grammar=_several_calls(call))
@@ -129,6 +133,32 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
                                          if one else '"')
         return ToolPlan(tools, prefix, True, tuple(names), single=single)
     return ToolPlan(tools, OPEN + "\n", True, tuple(names), grammar, single)
+
+
+def _lift_definitions(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The tools' parameter schemas without their ``$defs`` / ``definitions``, and those gathered for
+    the root of the call schema they go into -- where their ``#/$defs/...`` references point once
+    the parameters are one property deep (as vLLM lifts them). Two tools defining one name two
+    ways are a 400."""
+    lifted: dict[str, dict[str, Any]] = {}
+    out = []
+    for schema in schemas:
+        schema = dict(schema) if isinstance(schema, dict) else schema
+        for key in ("$defs", "definitions"):
+            if isinstance(schema, dict) and isinstance(schema.get(key), dict):
+                for name, value in schema.pop(key).items():
+                    if lifted.setdefault(key, {}).setdefault(name, value) != value:
+                        raise bad_request(f"two tools define {key} {name!r} differently: rename one", "tools")
+        out.append(schema)
+    return out, lifted
+
+
+def _compiles(schema: dict[str, Any]) -> bool:
+    try:
+        grammar_of(StructuredOutput(json=schema))
+    except ConfigError:
+        return False
+    return True
 
 
 def _several_calls(call: dict[str, Any]) -> str:
