@@ -259,7 +259,8 @@ def test_plan_follows_tool_choice():
     # $defs (pydantic's schemas) and definitions are lifted to the root, where their references point
     loc = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
     for key in ("$defs", "definitions"):
-        params = {"type": "object", "properties": {"loc": {"$ref": f"#/{key}/Loc"}}, "required": ["loc"], key: {"Loc": loc}}
+        params = {"type": "object", "properties": {"loc": {"$ref": f"#/{key}/Loc"}}, "required": ["loc"],
+                  key: {"Loc": loc}}
         defs = [{"type": "function", "function": {"name": "g", "parameters": params}}]
         plan = plan_tools(chat_req(tools=defs, tool_choice={"type": "function", "function": {"name": "g"}}), template)
         schema = json.loads(plan.grammar.json)

@@ -117,7 +117,8 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": args},
               "required": ["name", "arguments"], "additionalProperties": False}
              for t, args in zip(forced, arguments)]
-    calls = [c if _compiles({**c, **defs}) else {**c, "properties": {**c["properties"], "arguments": {"type": "object"}}}
+    loose = {"type": "object"}
+    calls = [c if _compiles({**c, **defs}) else {**c, "properties": {**c["properties"], "arguments": loose}}
              for c in calls]
     # written as the template shows calls: one line, ", " and ": " (no run of whitespace to loop in)
     style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
