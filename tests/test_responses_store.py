@@ -49,6 +49,10 @@ def test_previous_response_id_continues_the_conversation(server):
     assert done.output_text == ref.text and done.previous_response_id == r2.id
     # the streamed response is stored as its last event gave it
     assert c.responses.retrieve(done.id).model_dump() == done.model_dump()
+    # each entry holds the chain's messages, shared with the entries before it, not copied
+    store = server.app.state.server.response_store
+    first, second = (asyncio.run(store.get(r.id)).messages for r in (r1, r2))
+    assert second[:2] == first and all(a is b for a, b in zip(second, first))
 
 
 def test_retrieve_list_input_items_and_delete(server):

@@ -5,7 +5,9 @@ A stored response keeps its Response object, the input items it was given (each 
 the whole conversation its reply continues (every earlier turn of its ``previous_response_id``
 chain, its own input and its reply as chat messages; instructions are not part of it, since OpenAI
 does not carry a response's instructions over to the next). So a chained request needs one lookup,
-and deleting or evicting an earlier response never breaks a later one.
+and deleting or evicting an earlier response never breaks a later one. The earlier turns' message
+dicts are shared between the entries of a chain (only the lists are per entry), so a long chain
+holds each message once.
 
 The store is in memory and bounded: past ``capacity`` responses the least recently used one is
 dropped (``capacity`` 0: nothing is kept). It is async so that replicas can share one held by a

@@ -81,7 +81,10 @@ class ResponsesRoutes:
                               "GET /v1/responses/{id}", "stream")
         if req.store is not False and self.store.capacity > 0:
             items = input_items(req.input)
-            history = [m.model_dump(exclude_none=True) for m in chat.messages[1 if req.instructions else 0:]]
+            # the earlier turns' messages are the stored ones themselves, shared with the entries before
+            # (a copy each would grow a long chain's store with the square of its turns)
+            new_turns = chat.messages[(1 if req.instructions else 0) + len(earlier):]
+            history = list(earlier) + [m.model_dump(exclude_none=True) for m in new_turns]
 
             async def keep(obj: dict[str, Any]) -> None:
                 await self.store.put(rid, StoredResponse(obj, items, history + reply_messages(obj["output"])))
