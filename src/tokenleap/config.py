@@ -13,6 +13,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # rope scaling as transformers defines it
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+QUANT_MODES = ("none", "int8", "int4", "w8a8")  # weight quantizations (w8a8: models/w8a8.py)
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (vLLM's default limit)
 MAX_DRAFT_TOKENS = 256  # the longest draft (or tree) a step may verify
 FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters become float32 tensors
@@ -362,7 +363,6 @@ class SpecConfig:
         _check(self.draft_vocab is None or (is_int(self.draft_vocab) and self.draft_vocab >= 0),
                f"draft_vocab must be None or an integer >= 0 (0: the draft's full head), got {self.draft_vocab!r}")
         _check(isinstance(self.extra, dict), f"extra must be a dict, got {self.extra!r}")
-        from tokenleap.models.pretrained import QUANT_MODES
         _check(self.draft_quant in QUANT_MODES,
                f"draft_quant {self.draft_quant!r} is not a quantization; choose one of {', '.join(QUANT_MODES)}")
         from tokenleap.spec.proposers.layerskip import parse_skip_layers

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenleap.config import ConfigError, SamplingParams, SpecConfig, default_ngram_min
+from tokenleap.config import QUANT_MODES, ConfigError, SamplingParams, SpecConfig, default_ngram_min
 from tokenleap.errors import TokenleapError
 
 
@@ -177,7 +177,6 @@ def check_model_args(args: argparse.Namespace) -> None:
 
 def check_quant_dtype(quants: dict[str, str], dtypes: dict[str, str | None]) -> None:
     """Each flag's quantization is one tokenleap has, each dtype (None: unset) one it computes in."""
-    from tokenleap.models.pretrained import QUANT_MODES
     from tokenleap.models.checkpoint import as_dtype
     for flag, value in quants.items():
         if value not in QUANT_MODES:

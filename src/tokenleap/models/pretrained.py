@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tokenleap import kernels
-from tokenleap.config import ConfigError
+from tokenleap.config import QUANT_MODES, ConfigError
 from tokenleap.models.build import build_transformer, float32_activations_, pack_bf16_weights_
 from tokenleap.models.changes import modules_changed
 from tokenleap.models import packed_cache
@@ -17,8 +17,6 @@ from tokenleap.models.hugepages import move_weights_
 from tokenleap.models.checkpoint import Checkpoint, as_dtype, load_checkpoint
 from tokenleap.models.transformer import Transformer
 from tokenleap.text.tokenizer import Tokenizer
-
-QUANT_MODES = ("none", "int8", "int4", "w8a8")
 
 
 DEFAULT_CONTEXT = 4096  # tokens of context when none is asked for (at most the model's positions)

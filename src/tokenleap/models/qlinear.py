@@ -41,11 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenleap import kernels
-from tokenleap.config import ConfigError
+from tokenleap.config import QUANT_MODES, ConfigError
 from tokenleap.models.linear import ROW_INVARIANT_DTYPES
 GEMM_MIN_ROWS = kernels.GEMM_MIN_ROWS
 
-QUANT_MODES = ("none", "int8", "int4", "w8a8")  # w8a8: models/w8a8.py
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 _MIN_SCALE = 1e-10  # scale for all-equal rows/groups (the zero point then carries the value)
