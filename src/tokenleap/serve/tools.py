@@ -118,17 +118,15 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
               "required": ["name", "arguments"], "additionalProperties": False}
              for t, args in zip(forced, arguments)]
     loose = {"type": "object"}
-    calls = [c if _compiles({**c, **defs}) else {**c, "properties": {**c["properties"], "arguments": loose}}
-             for c in calls]
+    calls = [c if _compiles(StructuredOutput(json={**c, **defs}))
+             else {**c, "properties": {**c["properties"], "arguments": loose}} for c in calls]
     # written as the template shows calls: one line, ", " and ": " (no run of whitespace to loop in)
     style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     call = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **defs, "x-guidance": style}
     grammar = StructuredOutput(json=call)
     if choice == "required" and req.parallel_tool_calls is not False:  # one call or more, as OpenAI's
         grammar = StructuredOutput(grammar=_several_calls(call))
-    try:
-        grammar_of(grammar)
-    except ConfigError:
+    if not _compiles(grammar):
         one = len(forced) == 1
         prefix = OPEN + '\n{"name": ' + (json.dumps(forced[0].function.name, ensure_ascii=False) + ', "arguments": {'
                                          if one else '"')
@@ -154,9 +152,9 @@ def _lift_definitions(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any
     return out, lifted
 
 
-def _compiles(schema: dict[str, Any]) -> bool:
+def _compiles(spec: StructuredOutput) -> bool:
     try:
-        grammar_of(StructuredOutput(json=schema))
+        grammar_of(spec)
     except ConfigError:
         return False
     return True
