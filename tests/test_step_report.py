@@ -7,7 +7,7 @@ from tokenleap.config import SamplingParams
 from tokenleap.spec.controller import ControllerConfig, DraftLengthController
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.proposers.ngram import NgramProposer
-from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport
+from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport, record_stats
 from tokenleap.spec.stats import SpecStats
 
 from conftest import ToyTokenizer, tiny_model
@@ -109,7 +109,7 @@ def test_step_returns_the_report_its_counters_were_recorded_from(target):
         for o in report.outcomes:
             assert o.kept <= o.accepted + 1 and o.accepted <= o.proposed
             assert o.path == tuple(range(1, o.accepted + 1)) and len(o.parents) == (o.proposed + 1 if o.drafted else 0)
-            mine[o.seq_id].record_step(o.proposed, o.counted, o.kept)
+            mine[o.seq_id].record_step(o.proposed, o.accepted, o.kept)
     assert eng.step(seqs) is None  # every sequence finished
     assert any(st.accepted_tokens for st in mine.values())  # the n-gram drafts were accepted somewhere
     for s in seqs:
@@ -117,3 +117,13 @@ def test_step_returns_the_report_its_counters_were_recorded_from(target):
         assert s.stats.accepted_tokens == mine[s.seq_id].accepted_tokens
         assert s.stats.position_accepted == mine[s.seq_id].position_accepted
         assert s.stats.target_forwards == mine[s.seq_id].target_forwards + 1  # + the prefill's token
+
+
+def test_a_stop_rule_cutting_an_accepted_run_counts_the_verifiers_acceptance():
+    """Four drafts accepted, the output stopped on the third (a stop string): the fourth was accepted
+    all the same -- counted so (vLLM counts before its stop checks), not read as a rejection."""
+    st = SpecStats()
+    record_stats(_chain(0, 4, 4, 3), st)
+    assert (st.new_tokens, st.draft_tokens, st.accepted_tokens) == (3, 4, 4)
+    assert st.per_position_acceptance == [1.0, 1.0, 1.0, 1.0]
+    assert st.proposer_accepted == {"ngram": 4} and st.proposer_tokens == {"ngram": 3}

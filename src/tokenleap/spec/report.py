@@ -34,12 +34,7 @@ class SeqOutcome:
     parents: tuple[int, ...] = ()
     path: tuple[int, ...] = ()  # the accepted nodes (a chain: 1..accepted), root excluded
     tree_nodes: int | None = None  # drafted nodes of a verified token tree (None: a chain or plain)
-    ranks: tuple[int, ...] = ()  # a tree: the sibling rank of each accepted node that was kept
-
-    @property
-    def counted(self) -> int:
-        """Accepted drafted tokens that were also kept (a stop rule may cut an accepted run)."""
-        return min(self.accepted, self.kept)
+    ranks: tuple[int, ...] = ()  # a tree: the sibling rank of each accepted node
 
 
 def outcome(seq_id: int, proposer: str, draft: Draft | None, result: Verification | TreeVerification,
@@ -55,7 +50,7 @@ def outcome(seq_id: int, proposer: str, draft: Draft | None, result: Verificatio
         return SeqOutcome(seq_id, proposer, True, k, accepted, kept, rows,
                           parents=tuple(range(-1, k)), path=tuple(range(1, accepted + 1)))
     path = result.path  # type: ignore[union-attr]
-    ranks = tuple(tree.children[tree.parent_list[c]].index(c) for c in path[:min(accepted, kept)])
+    ranks = tuple(tree.children[tree.parent_list[c]].index(c) for c in path[:accepted])
     return SeqOutcome(seq_id, proposer, True, int(tree.depth.max()), accepted, kept, rows,
                       parents=tuple(tree.parent_list), path=tuple(path), tree_nodes=tree.size - 1, ranks=ranks)
 
@@ -100,10 +95,12 @@ class StepReport:
 
 
 def record_stats(outcome: SeqOutcome, *stats: SpecStats) -> None:
-    """Count ``outcome`` in every ``stats`` (a sequence's own and the engine's totals)."""
+    """Count ``outcome`` in every ``stats`` (a sequence's own and the engine's totals). Acceptance is
+    the verifier's: a draft token it accepted counts as accepted even where a stop rule then ended the
+    output before it (as vLLM counts), so a stop string never reads as a rejection."""
     for s in stats:
-        s.record_step(outcome.proposed, outcome.counted, outcome.kept)
-        s.record_proposer(outcome.proposer, outcome.counted, outcome.kept)
+        s.record_step(outcome.proposed, outcome.accepted, outcome.kept)
+        s.record_proposer(outcome.proposer, outcome.accepted, outcome.kept)
         if outcome.tree_nodes is not None:
             s.record_tree(outcome.tree_nodes, list(outcome.ranks))
 
