@@ -200,6 +200,11 @@ def test_n_completions_a_prompt_as_vllms_outputs(kind):
     assert [c.token_ids for c in second.outputs] == [plain.token_ids] * 2
     assert second.prompt_token_ids == plain.prompt_token_ids == llm.encode("abcabc", False)
     assert len(third.outputs) == 1 and "outputs" not in third.to_dict() and len(first.to_dict()["outputs"]) == 3
+    # the request's counters and rate are its completions' together, over its wall time
+    assert first.stats["new_tokens"] == sum(len(c.token_ids) for c in first.outputs) == 24
+    assert first.stats["total_seconds"] == round(first.seconds, 4)
+    assert first.tokens_per_second == pytest.approx(24 / first.seconds)
+    assert third.stats["new_tokens"] == len(third.token_ids)
     [one] = llm.generate("why", replace(greedy, n=2))  # one prompt, two completions
     assert [c.token_ids for c in one.outputs] == [third.token_ids] * 2
     with pytest.raises(ConfigError, match="stream gives one completion"):

@@ -23,6 +23,7 @@ from tokenleap.spec.logprobs import TokenLogprob
 from tokenleap.spec.proposers.base import Proposer, output_pool_note
 from tokenleap.spec.proposers.factory import load_draft, proposer_for, resolve_auto_draft, uses_draft
 from tokenleap.spec.sequence import Sequence
+from tokenleap.spec.stats import SpecStats
 
 
 @dataclass
@@ -61,7 +62,9 @@ class RequestOutput:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+        """New tokens a second of the request's wall time (every completion's when ``n`` > 1)."""
+        tokens = sum(len(c.token_ids) for c in self.outputs) if len(self.outputs) > 1 else self.num_tokens
+        return tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "num_tokens": self.num_tokens,
@@ -233,7 +236,7 @@ class LLM:
             *_, last = self.stream(prompts[0], per_prompt[0], chat)
             return [last.output]
         from tokenleap.serve.batch import generate_batch
-        return _grouped(generate_batch(self, list(prompts), per_prompt, chat), counts)
+        return _grouped(*generate_batch(self, list(prompts), per_prompt, chat), counts)
 
     def infill(self, prefix: str, suffix: str, params: SamplingParams | None = None) -> RequestOutput:
         """The code for the gap between ``prefix`` and ``suffix`` (fill-in-the-middle, for code models
@@ -320,14 +323,21 @@ def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:
     return speculative
 
 
-def _grouped(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
-    """Each prompt's ``counts[i]`` outputs in a row as one output: the first's fields, every
-    completion in ``outputs`` and the slowest one's seconds."""
+def _grouped(outputs: list[RequestOutput], stats: list[SpecStats], counts: list[int]) -> list[RequestOutput]:
+    """Each prompt's ``counts[i]`` outputs in a row (``stats``: each one's counters) as one output: the
+    first's fields, every completion in ``outputs``, the slowest one's seconds, and the counters of all
+    of them (the request's, as in the server's usage: its completions ran side by side)."""
     grouped, at = [], 0
     for n in counts:
         first, rest = outputs[at], outputs[at + 1:at + n]
         first.outputs = [replace(o.outputs[0], index=j) for j, o in enumerate([first] + rest)]
         first.seconds = max(o.seconds for o in [first] + rest)
+        if rest:
+            total = SpecStats()
+            for st in stats[at:at + n]:
+                total.merge(st)
+            total.total_seconds = first.seconds
+            first.stats = total.to_dict()
         grouped.append(first)
         at += n
     return grouped

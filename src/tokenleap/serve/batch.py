@@ -16,6 +16,7 @@ from tokenleap.errors import TokenleapError
 from tokenleap.cache.paged import PagedKVCache
 from tokenleap.spec.proposers.lookahead import window_rows
 from tokenleap.serve.scheduler import Output, Request, Scheduler, SchedulerConfig
+from tokenleap.spec.stats import SpecStats
 
 if TYPE_CHECKING:
     from tokenleap.api import LLM, RequestOutput
@@ -79,8 +80,10 @@ def _paged_engine(llm: "LLM", blocks: int, slots: int) -> Engine:
                   tree_nodes=llm.spec.tree_nodes)
 
 
-def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams], chat: bool) -> list["RequestOutput"]:
-    """``prompts`` (text or token ids) decoded together; outputs in the prompts' order."""
+def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams],
+                   chat: bool) -> tuple[list["RequestOutput"], list[SpecStats]]:
+    """``prompts`` (text or token ids) decoded together: the outputs and each one's counters, in the
+    prompts' order."""
     from tokenleap.api import request_output
     ids = [llm.encode(p, chat) for p in prompts]
     engine = batch_engine(llm, [len(p) + sp.max_tokens + llm.spec.max_num_tokens + 1 for p, sp in zip(ids, params)])
@@ -108,4 +111,4 @@ def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams], chat
     for prompt, seq, i in zip(prompts, seqs, range(len(seqs))):
         seq.stats.total_seconds = done[i] - t0
         outputs.append(request_output(prompt, seq, done[i] - t0))
-    return outputs
+    return outputs, [seq.stats for seq in seqs]
