@@ -185,8 +185,14 @@ def test_latency_histograms_under_vllm_names_and_one_log_line_per_request(caplog
     metrics = r[2].text
     for prefix in ("vllm", "tokenleap"):  # vLLM's names, and tokenleap's, for every family
         for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                     "time_per_output_token_seconds"):
+                     "request_time_per_output_token_seconds"):
             assert _metric(metrics, f"{prefix}:{name}_count") == 3, name
+        # inter-token latency: one gap a step that handed a request tokens after its first (vLLM V1's
+        # two names for it), so at least one and at most 5 gaps for each of the 3 six-token completions
+        gaps = _metric(metrics, f"{prefix}:inter_token_latency_seconds_count")
+        assert 3 <= gaps <= 15 and _metric(metrics, f"{prefix}:time_per_output_token_seconds_count") == gaps
+        assert _metric(metrics, f"{prefix}:inter_token_latency_seconds_sum") == pytest.approx(
+            _metric(metrics, f"{prefix}:time_per_output_token_seconds_sum"))
         assert _metric(metrics, f"{prefix}:request_generation_tokens_sum") == 18
         assert _metric(metrics, f"{prefix}:request_prompt_tokens_sum") == 3 * len("secret prompt")
         assert _metric(metrics, f"{prefix}:generation_tokens_total") == 18
@@ -199,6 +205,11 @@ def test_latency_histograms_under_vllm_names_and_one_log_line_per_request(caplog
     assert fields["proposer"] == '"ngram"' and fields["finish"] == '"length,length"'
     assert int(fields["accepted_tokens"]) <= int(fields["drafted_tokens"]) and float(fields["seconds"]) > 0
     assert not any("secret" in line for line in lines)
+    # plain decoding hands out one token a step: 5 gaps after the first token
+    plain = call(make_app(), [post("/v1/completions", body), ("GET", "/metrics", {})])[1].text
+    assert _metric(plain, "vllm:inter_token_latency_seconds_count") == 5
+    assert _metric(plain, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(
+        _metric(plain, "vllm:inter_token_latency_seconds_sum") / 5)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tokenleap.serve.requests"):
         call(make_app(log_prompts=True), [post("/v1/completions", body)])

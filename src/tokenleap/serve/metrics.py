@@ -32,7 +32,12 @@ _TOKENS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10
 # name -> (help, bucket upper bounds); vLLM's histogram names
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "time_to_first_token_seconds": ("Time from arrival to the first generated token", _FIRST_TOKEN),
-    "time_per_output_token_seconds": ("Mean time per generated token after the first, per request", _PER_TOKEN),
+    # one observation per decoding step that handed a request tokens after its first (a speculative step's
+    # accepted run is one gap); vLLM V1 exports the same figures under both names (the first deprecated)
+    "time_per_output_token_seconds": ("Time between successive token emissions of a request", _PER_TOKEN),
+    "inter_token_latency_seconds": ("Time between successive token emissions of a request", _PER_TOKEN),
+    "request_time_per_output_token_seconds": ("Mean time per generated token after the first, per request",
+                                              _PER_TOKEN),
     "e2e_request_latency_seconds": ("Time from arrival to the last token", _LATENCY),
     "request_queue_time_seconds": ("Time from arrival to the first admission into the batch", _LATENCY),
     "request_prefill_time_seconds": ("Time from the first admission to the first token", _LATENCY),
@@ -62,7 +67,7 @@ class RequestTiming:
                "request_decode_time_seconds": decode,
                "request_prompt_tokens": self.prompt_tokens, "request_generation_tokens": self.generation_tokens}
         if self.generation_tokens > 1:
-            out["time_per_output_token_seconds"] = decode / (self.generation_tokens - 1)
+            out["request_time_per_output_token_seconds"] = decode / (self.generation_tokens - 1)
         return out
 
 
@@ -90,11 +95,21 @@ class RequestHistograms:
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
 
     def record(self, timing: RequestTiming) -> None:
+        """A finished request's observations."""
         with self._lock:
             for name, value in timing.observations().items():
-                bounds = HISTOGRAMS[name][1]
-                self._counts[name][next((i for i, b in enumerate(bounds) if value <= b), len(bounds))] += 1
-                self._sums[name] += value
+                self._observe(name, value)
+
+    def record_gap(self, seconds: float) -> None:
+        """A request handed tokens ``seconds`` after its previous tokens (the inter-token latency)."""
+        with self._lock:
+            for name in ("time_per_output_token_seconds", "inter_token_latency_seconds"):
+                self._observe(name, seconds)
+
+    def _observe(self, name: str, value: float) -> None:
+        bounds = HISTOGRAMS[name][1]
+        self._counts[name][next((i for i, b in enumerate(bounds) if value <= b), len(bounds))] += 1
+        self._sums[name] += value
 
     def read(self) -> dict[str, HistogramData]:
         with self._lock:

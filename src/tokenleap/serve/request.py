@@ -40,7 +40,8 @@ class Request:
     done: bool = False
     counted_prompt: bool = False
     error: str | None = field(default=None, repr=False)
-    # time.monotonic() at submit, first admission into the batch, first token (for the histograms)
+    # time.monotonic() at submit, first admission into the batch, first and latest tokens (for the histograms)
     arrival_time: float = 0.0
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None

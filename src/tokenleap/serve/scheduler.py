@@ -361,8 +361,13 @@ class Scheduler:
         prompt_logprobs = list(seq.prompt_logprobs) if req.sent == 0 and seq.params.prompt_logprobs is not None \
             else None
         req.sent = seq.num_generated
-        if req.first_token_time is None and new_ids:
-            req.first_token_time = time.monotonic()
+        if new_ids:
+            now = time.monotonic()
+            if req.first_token_time is None:
+                req.first_token_time = now
+            else:
+                self.stats.histograms.record_gap(now - req.last_token_time)
+            req.last_token_time = now
         finished = seq.finished
         out = Output(text, new_ids, seq.num_generated, seq.finish_reason if finished else None,
                      logprobs=logprobs, prompt_logprobs=prompt_logprobs)
@@ -381,7 +386,7 @@ class Scheduler:
         self.stats.record_finish(reason)
         if reason in ("stop", "length") and req.first_token_time is not None:  # not aborted, not failed
             self.stats.histograms.record(RequestTiming(
-                req.arrival_time, req.scheduled_time or req.arrival_time, req.first_token_time, time.monotonic(),
+                req.arrival_time, req.scheduled_time or req.arrival_time, req.first_token_time, req.last_token_time,
                 len(req.seq.prompt), req.seq.num_generated))
 
     def _fail(self, req: Request, message: str, status: int = 500) -> None:
