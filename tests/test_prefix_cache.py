@@ -55,6 +55,24 @@ def test_windows_are_shared_counted_free_when_idle_and_evicted_lru():
     assert cache.num_used_blocks == 5 and cache.attach_prefix(cache.allocate(), keys(1), 8) == 0
 
 
+def test_a_prompts_lookup_counts_all_its_tokens_as_queried():
+    """vLLM's hit rate: hits over every prompt token looked up -- a prompt shorter than a window, and
+    the tail past a prompt's last whole window, count as queried (never as hits)."""
+    cache = PagedKVCache(model().config, 16, 64, torch.float32, block_size=4)
+    prompt = list(range(1, 20))  # 19 tokens: windows of 8 at 0-7 and 8-15 (the last token's window computed)
+    a = cache.allocate()
+    assert cache.attach_prompt(a, prompt[:5], 8) == 0 and (cache.prefix_queries, cache.prefix_hits) == (5, 0)
+    cache.free(a)
+    b = cache.allocate()
+    cache.reserve(b, 16)
+    cache.commit(b, 16)
+    cache.register_window(b, prompt, 0, 8, 8)
+    cache.register_window(b, prompt, 8, 16, 8)
+    c = cache.allocate()
+    assert cache.attach_prompt(c, prompt, 8) == 16
+    assert (cache.prefix_queries, cache.prefix_hits) == (5 + 19, 16)
+
+
 def test_no_prefix_caching_when_off_or_windows_split_blocks():
     cfg = model().config
     for cache, window in ((PagedKVCache(cfg, 8, 64, torch.float32, block_size=4, prefix_caching=False), 8),

@@ -169,12 +169,15 @@ class PagedKVCache:
                 self._idle_blocks += len(self._windows[key])
 
     # -- prefix caching -----------------------------------------------------------------------
-    def attach_prefix(self, slot: int, keys: list[bytes], window: int) -> int:
+    def attach_prefix(self, slot: int, keys: list[bytes], window: int, queried: int | None = None) -> int:
         """Give an empty slot the cached windows ``keys[0], keys[1], ..`` (``window`` tokens each)
-        up to the first one not cached; returns the tokens it now holds."""
-        if not self.prefix_caching or window % self.block_size or self.tables[slot] or not keys:
+        up to the first one not cached; returns the tokens it now holds. ``queried``: the tokens the
+        lookup counts as asked for (default: the windows'; a prompt's: all its tokens, as vLLM counts)."""
+        if not self.prefix_caching or window % self.block_size or self.tables[slot]:
             return 0
-        self.prefix_queries += len(keys) * window
+        self.prefix_queries += len(keys) * window if queried is None else queried
+        if not keys:
+            return 0
         for n, key in enumerate(keys):
             blocks = self._windows.get(key)
             if blocks is None:
@@ -195,7 +198,8 @@ class PagedKVCache:
         """``attach_prefix`` for the windows of ``prompt`` before the one holding its last token (that
         one is always computed: its last row's logits are wanted); returns the tokens attached.
         ``salt`` starts the keys' chain: entries computed one way are never taken for another."""
-        return self.attach_prefix(slot, prefix_keys(prompt, window, (len(prompt) - 1) // window, salt), window)
+        return self.attach_prefix(slot, prefix_keys(prompt, window, (len(prompt) - 1) // window, salt), window,
+                                  queried=len(prompt))
 
     def register_window(self, slot: int, prompt: list[int], start: int, end: int, window: int) -> None:
         """``slot`` has computed positions ``start .. end - 1``: if that is a whole window of
