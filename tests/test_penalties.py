@@ -23,10 +23,10 @@ def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history:
     recent = (prompt + history)[-n:] if n else prompt + history  # what the repetition penalty sees
     for t in range(out.shape[0]):
         c = history.count(t)
+        out[t] += dict(params.logit_bias).get(t, 0.0)  # the bias first (transformers' and vLLM's order)
         if params.repetition_penalty != 1 and t in recent:
             out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
         out[t] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
-        out[t] += dict(params.logit_bias).get(t, 0.0)
         if params.allowed_token_ids and t not in params.allowed_token_ids:
             out[t] = float("-inf")
         for *rest, last in params.bad_word_ids:  # barred where the history ends with the rest
@@ -39,6 +39,7 @@ def naive(row: torch.Tensor, params: SamplingParams, prompt: list[int], history:
                                 dict(repetition_penalty=1.8), dict(repetition_penalty=0.6, presence_penalty=2.0,
                                                                    frequency_penalty=0.4),
                                 dict(logit_bias={3: -100.0, 11: 5.5}, presence_penalty=0.3),
+                                dict(logit_bias={2: 4.0, 7: -6.0, 19: 3.0}, repetition_penalty=2.0),
                                 dict(repetition_penalty=1.8, repetition_last_n=3),
                                 dict(repetition_penalty=0.6, repetition_last_n=6, frequency_penalty=0.4),
                                 dict(allowed_token_ids=(2, 3, 17, 40), logit_bias={3: 2.0}),
@@ -117,3 +118,16 @@ def test_bad_words_are_tokenized_as_written_and_after_a_space(target):
                 dict(bad_word_ids=((1, -2),)), dict(bad_word_ids=(3, 4))):
         with pytest.raises(ConfigError, match="bad_word"):
             SamplingParams(**bad)
+
+
+def test_bias_and_repetition_penalty_as_transformers_processes_them():
+    """transformers' SequenceBias then RepetitionPenalty processors (vLLM's order too): a seen token's
+    biased logit is what the penalty scales."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+    logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(0)) * 3  # [1, vocab]
+    prompt, generated, bias = [1, 2, 2, 19], [3, 3, 7, 1], {2: 4.0, 7: -6.0, 19: 3.0}
+    ids = torch.tensor([prompt + generated])
+    want = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(ids, logits.clone())
+    want = RepetitionPenaltyLogitsProcessor(2.0)(ids, want)
+    got = apply_penalties(logits, SamplingParams(logit_bias=bias, repetition_penalty=2.0), prompt, generated, [])
+    assert torch.allclose(got, want, atol=1e-6)

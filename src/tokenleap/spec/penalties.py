@@ -7,7 +7,8 @@ speculation reproduces exactly.
 * ``repetition_penalty`` (Hugging Face / vLLM): a token seen in the prompt or the generated text has
   its logit divided by the penalty when positive and multiplied by it when negative; with
   ``repetition_last_n`` (llama.cpp / Ollama), only the last n tokens before the row count as seen.
-* ``logit_bias`` (OpenAI): a fixed amount added to the logits of given tokens.
+* ``logit_bias`` (OpenAI): a fixed amount added to the logits of given tokens -- first, so a repetition
+  penalty scales the biased logit (vLLM's, transformers' and llama.cpp's order).
 * ``allowed_token_ids`` (vLLM): every other token's logit at -inf.
 * ``bad_word_ids`` (vLLM's ``bad_words`` once tokenized, HF's ``bad_words_ids``): a barred sequence's
   last token at -inf in a row whose generated history ends with the rest of the sequence.
@@ -36,11 +37,11 @@ def apply_penalties(
     rows, vocab = logits.shape
     assert len(draft) == rows - 1, f"{rows} logit rows need {rows - 1} drafted tokens, got {len(draft)}"
     out = logits.float().clone()
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
-        out = _penalize(out, params, prompt, generated, draft)
-    for tok, bias in params.logit_bias:
+    for tok, bias in params.logit_bias:  # before the penalties, as vLLM, transformers and llama.cpp order them
         if tok < vocab:
             out[:, tok] += bias
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
+        out = _penalize(out, params, prompt, generated, draft)
     if params.allowed_token_ids:
         allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
         masked = torch.full_like(out, float("-inf"))
