@@ -237,12 +237,17 @@ def test_seeded_sampling_gives_plain_seeded_tokens_for_any_proposer(target, k):
     assert self_draft.stats.draft_acceptance_rate == 1.0  # the same noise: a self-draft always matches
 
 
-def test_seeded_sampling_with_penalties_and_top_k_gives_plain_seeded_tokens(target):
-    params = SamplingParams(max_tokens=24, temperature=1.3, top_k=20, min_p=0.02, seed=7, ignore_eos=True,
-                            presence_penalty=0.5, frequency_penalty=0.3)
+@pytest.mark.parametrize("last", [False, True])
+def test_seeded_sampling_with_penalties_and_top_k_gives_plain_seeded_tokens(target, last):
+    """(``temperature_last``: llama.cpp's order, the filters before the temperature -- the verifier and the
+    drafts filter as plain decoding does.)"""
+    params = SamplingParams(max_tokens=24, temperature=1.3, top_k=20, min_p=0.3 if last else 0.02, seed=7,
+                            ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3, temperature_last=last)
     want = plain(target, PROMPTS[2], params).generated
     for name, make in proposers(target):
         assert run(engine(target, make(), 3), PROMPTS[2], params).generated == want, name
+    if last:
+        assert want != plain(target, PROMPTS[2], replace(params, temperature_last=False)).generated
 
 
 def test_unseeded_sampling_differs_run_to_run(target):

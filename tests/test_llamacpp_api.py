@@ -209,13 +209,28 @@ def test_n_cmpl_completions_of_each_prompt(server):
     equal to its prompt sampled alone with that seed."""
     body = {"prompt": ["hello there", [5, 6, 7]], "n_predict": 6, "seed": 3, "n_cmpl": 2, "ignore_eos": True}
     out = post(server, "/completion", body).json()
-    sampled = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, ignore_eos=True)
+    sampled = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, ignore_eos=True, temperature_last=True)
     want = [ref(ids, 6, seed=3 + c, **sampled).text for ids in (ids_of("hello there"), [5, 6, 7]) for c in range(2)]
     assert [r["index"] for r in out] == [0, 1, 2, 3] and [r["content"] for r in out] == want
     one = post(server, "/completion", {**body, "prompt": "hello there"}).json()
     assert [r["content"] for r in one] == want[:2]
     for bad in (0, 17, "2"):
         assert post(server, "/completion", {**body, "n_cmpl": bad}).status_code == 400, bad
+
+
+def test_completion_samples_in_llama_cpps_order(server):
+    """/completion filters the model's own distribution (top-k, top-p, min-p) and applies the temperature
+    last, as llama.cpp's default sampler chain does; /v1/completions keeps the temperature first unless
+    asked (temperature_last)."""
+    hot = dict(temperature=3.0, min_p=0.3, top_k=0, top_p=1.0, seed=11, ignore_eos=True)
+    ids = ids_of("hello there")
+    last, first = (ref(ids, 12, temperature_last=b, **hot).text for b in (True, False))
+    assert last != first
+    body = {"prompt": "hello there", "n_predict": 12, **hot}
+    assert post(server, "/completion", body).json()["content"] == last
+    v1 = {"model": NAME, "prompt": "hello there", "max_tokens": 12, **hot}
+    assert post(server, "/v1/completions", v1).json()["choices"][0]["text"] == first
+    assert post(server, "/v1/completions", {**v1, "temperature_last": True}).json()["choices"][0]["text"] == last
 
 
 def test_slots_show_the_requests_running():

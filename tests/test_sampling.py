@@ -73,6 +73,26 @@ def test_order_temperature_then_top_k_then_top_p():
         [0, math.sqrt(0.5) / (math.sqrt(0.5) + 0.5), 0, 0.5 / (math.sqrt(0.5) + 0.5)])
 
 
+def test_temperature_last_filters_the_untempered_distribution():
+    """llama.cpp's order: top-k / top-p / min-p judge the model's own distribution, then the
+    temperature flattens what is left -- a hot min-p keeps only the tokens it keeps at T = 1."""
+    assert probs_of(temperature=2.0, min_p=0.45, temperature_last=True) == pytest.approx(
+        [0, math.sqrt(0.5) / (math.sqrt(0.5) + 0.5), 0, 0.5 / (math.sqrt(0.5) + 0.5)])  # 0.5, 0.25 kept, T = 2
+    assert probs_of(temperature=2.0, min_p=0.45)[0] > 0  # temperature first: T = 2 lets 0.125 back in
+    assert probs_of(temperature=0.5, top_p=0.7, temperature_last=True) == pytest.approx([0, 0.8, 0, 0.2])
+    logits = _lm_rows(3, 3000, 7, 6.0)  # [3, 3000]
+    for kw in (dict(top_k=40), dict(top_p=0.8), dict(min_p=0.1), dict(top_k=30, top_p=0.9, min_p=0.05)):
+        keep = logits_to_probs(logits, **kw) > 0  # the kept set at T = 1
+        want = torch.softmax((logits / 1.7).masked_fill(~keep, float("-inf")), dim=-1)
+        got = logits_to_probs(logits, temperature=1.7, temperature_last=True, **kw)
+        torch.testing.assert_close(got, want)
+        mixed = logits_to_probs(logits, temperature=1.7, temperature_last=torch.tensor([True, False, True]), **kw)
+        assert torch.equal(mixed[0], got[0]) and torch.equal(mixed[2], got[2])  # per row
+        assert torch.equal(mixed[1], logits_to_probs(logits[1:2], temperature=1.7, **kw)[0])
+    assert torch.equal(logits_to_probs(logits, temperature=0.0, temperature_last=True),
+                       logits_to_probs(logits, temperature=0.0))  # greedy either way
+
+
 def test_rows_are_independent_and_params_per_row():
     logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(1)) * 4  # [6, 1000]
     params = [(1.0, 0, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (1.3, 0, 0.9, 0.0),
@@ -153,9 +173,10 @@ def test_masked_logits_stay_zero():
 
 def test_filters_from_params():
     reqs = [SamplingParams(temperature=0.8, top_k=5), SamplingParams(),  # the default is greedy
-            SamplingParams(temperature=1.0, top_p=0.5)]
+            SamplingParams(temperature=1.0, top_p=0.5, temperature_last=True)]
     filters = SamplingFilters.from_params(reqs, rows=[2, 1, 3])
     assert filters.top_k.tolist() == [5, 5, 0, 0, 0, 0]
+    assert filters.temperature_last.tolist() == [False] * 3 + [True] * 3
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(2))  # [6, 30]
     out = filters.probs(logits)  # [6, 30]
     assert torch.equal(out[0], logits_to_probs(logits[:1], 0.8, 5)[0])

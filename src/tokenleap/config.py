@@ -191,6 +191,9 @@ class SamplingParams:
     top_k: int = 0  # 0 disables (-1 too, as in vLLM: taken as 0)
     top_p: float = 1.0
     min_p: float = 0.0
+    # llama.cpp's order: top-k, top-p and min-p on the untempered distribution, temperature on what is left
+    # (default: Hugging Face's, temperature first; ``sampling.py``)
+    temperature_last: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -296,6 +299,7 @@ class SamplingParams:
                f"t_max_predict_ms must be a number >= 0, got {self.t_max_predict_ms!r}")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
+        _check(isinstance(self.temperature_last, bool), f"temperature_last must be a bool, got {self.temperature_last!r}")
 
     @property
     def greedy(self) -> bool:

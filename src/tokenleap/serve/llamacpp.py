@@ -13,7 +13,8 @@ each event carries its prompt's ``index``). An ``/infill`` prompt that would not
 start, the other files' end). llama.cpp's sampling names and defaults are taken where a field is
 absent (``n_predict`` -1 or -2: up to the context's end, 0: the prompt alone, a cache warm-up that
 returns no tokens; ``temperature`` 0.8, ``top_k`` 40,
-``top_p`` 0.95, ``min_p`` 0.05; ``seed`` -1: unseeded; ``repeat_penalty`` over the last
+``top_p`` 0.95, ``min_p`` 0.05, applied in llama.cpp's default order -- top-k, top-p and min-p on the
+model's distribution, the temperature last; ``seed`` -1: unseeded; ``repeat_penalty`` over the last
 ``repeat_last_n`` 64 tokens, -1: all, 0: off); ``logit_bias`` as
 ``[[token, bias], ...]`` (a token id or a string, whose tokens all get the bias; ``false``: banned) or
 an object; ``json_schema`` or ``grammar`` (GBNF) constrain the reply as ``response_format`` /
@@ -117,7 +118,8 @@ class _LlamaSampling(_Strict):
             "logit_bias": _bias(self.logit_bias, lambda text: server.prompts.encode(text, False, "logit_bias")) or None,
             "logprobs": self.n_probs or None, "guided_json": self.json_schema or None,
             "guided_grammar": self.grammar or None,  # llama.cpp's defaults {} and "": none
-            "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms})
+            "n_indent": self.n_indent, "t_max_predict_ms": self.t_max_predict_ms,
+            "temperature_last": True})  # llama.cpp's default chain: top-k, top-p, min-p, then temperature
 
 
 # llama.cpp's samplers this server does not run: a value away from llama.cpp's neutral one asks for them

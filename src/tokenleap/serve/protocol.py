@@ -146,6 +146,7 @@ class CompletionRequest(_Sampling):
     best_of: Int64 | None = None  # only n itself (the choices are not ranked): more is refused
     n_indent: Int64 | None = None  # llama.cpp's code-completion stops (its /completion and /infill)
     t_max_predict_ms: float | None = None
+    temperature_last: bool | None = None  # llama.cpp's sampler order: the filters, then the temperature
     add_special_tokens: bool | None = True  # vLLM's: false leaves out the tokens the tokenizer adds (a BOS)
 
 
@@ -317,7 +318,8 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             skip_special_tokens=req.skip_special_tokens is not False,
             allowed_token_ids=tuple(req.allowed_token_ids or ()), bad_words=tuple(req.bad_words or ()),
             prediction=prediction, n_indent=getattr(req, "n_indent", None) or 0,
-            t_max_predict_ms=getattr(req, "t_max_predict_ms", None) or 0.0)
+            t_max_predict_ms=getattr(req, "t_max_predict_ms", None) or 0.0,
+            temperature_last=bool(getattr(req, "temperature_last", None)))
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

@@ -1,6 +1,6 @@
 """Logits -> probabilities, exact greedy, and seeded sampling. Pure functions.
 
-Filtering order (the same as Hugging Face and vLLM):
+Filtering order (Hugging Face's; vLLM applies min-p before top-k / top-p):
 
 1. temperature: ``logits / T``; ``T == 0`` means greedy and yields a one-hot row at the argmax;
 2. top-k: keep the ``k`` highest logits (``k == 0`` disables);
@@ -8,6 +8,10 @@ Filtering order (the same as Hugging Face and vLLM):
    reaches ``top_p`` (``top_p == 1`` disables);
 4. min-p: drop tokens with ``p < min_p * p_max`` (``min_p == 0`` disables);
 5. renormalize with a softmax over the kept logits.
+
+With ``temperature_last`` (llama.cpp's default sampler chain) steps 2-4 judge the untempered
+distribution and the temperature divides the logits that are left: a high temperature then flattens
+the survivors without letting min-p's or top-p's tail back in.
 
 The most probable token is always kept. Ties are broken by token id, lower id first (a stable
 descending sort), so "first max" is the rule everywhere, ``greedy`` included.
@@ -54,6 +58,7 @@ def logits_to_probs(
     top_k: Param = 0,
     top_p: Param = 1.0,
     min_p: Param = 0.0,
+    temperature_last: Param = False,
 ) -> torch.Tensor:  # [n, vocab] float32
     """Filtered, renormalized float32 probabilities; see the module docstring for the order.
 
@@ -63,15 +68,18 @@ def logits_to_probs(
     n = logits.shape[0]
     t = _column(temperature, n, torch.float32)  # [n, 1]
     is_greedy = t == 0  # [n, 1]
-    x = logits.float() / torch.where(is_greedy, 1.0, t)  # [n, vocab]
-    keep = _keep_mask(x, is_greedy, top_k, top_p, min_p)  # [n, vocab] bool, or None
+    raw = logits.float()  # [n, vocab]
+    x = raw / torch.where(is_greedy, 1.0, t)  # [n, vocab]
+    last = _column(temperature_last, n, torch.bool)  # [n, 1]
+    judged = torch.where(last, raw, x) if bool(last.any()) else x  # [n, vocab]: what the filters look at
+    keep = _keep_mask(judged, is_greedy, top_k, top_p, min_p)  # [n, vocab] bool, or None
     if keep is not None:
         x = x.masked_fill(~keep, float("-inf"))
     return torch.softmax(x, dim=-1)  # [n, vocab]
 
 
 def _keep_mask(
-    x: torch.Tensor,  # [n, vocab] float32, temperature applied
+    x: torch.Tensor,  # [n, vocab] float32, temperature applied (or not: ``temperature_last``)
     is_greedy: torch.Tensor,  # [n, 1] bool
     top_k: Param,
     top_p: Param,
@@ -265,6 +273,7 @@ class SamplingFilters:
     top_k: torch.Tensor  # [n] long
     top_p: torch.Tensor  # [n] float32
     min_p: torch.Tensor  # [n] float32
+    temperature_last: torch.Tensor  # [n] bool
 
     @classmethod
     def from_params(
@@ -279,11 +288,18 @@ class SamplingFilters:
             return values.repeat_interleave(repeats)
 
         return cls(column("temperature", torch.float32), column("top_k", torch.long),
-                   column("top_p", torch.float32), column("min_p", torch.float32))
+                   column("top_p", torch.float32), column("min_p", torch.float32),
+                   column("temperature_last", torch.bool))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # logits [n, vocab] -> [n, vocab]
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p, self.temperature_last)
 
 
-__all__ = ["logits_to_probs", "greedy", "argmax_rows", "sample", "inverse_cdf", "rand_rows", "make_generator",
+def params_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [n, vocab] -> [n, vocab]
+    """``logits_to_probs`` with one request's filters (every row)."""
+    return logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p,
+                           params.temperature_last)
+
+
+__all__ = ["logits_to_probs", "params_probs", "greedy", "argmax_rows", "sample", "inverse_cdf", "rand_rows", "make_generator",
            "request_randomness", "SamplingFilters"]

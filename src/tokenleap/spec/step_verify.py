@@ -26,7 +26,7 @@ import torch
 from tokenleap.config import ConfigError
 from tokenleap.spec.penalties import apply_penalties, suppress_early_stops
 from tokenleap.spec.proposers.base import Draft
-from tokenleap.spec.sampling import argmax_rows, logits_to_probs
+from tokenleap.spec.sampling import argmax_rows, params_probs
 from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.sequence import Sequence
 from tokenleap.spec.tree import TokenTree
@@ -121,7 +121,7 @@ def verify_chain(seq: Sequence, draft: Draft | None, rows: TargetRows) -> Verifi
     if p.greedy:
         return verify_greedy_choices(drafted, argmax_rows(logits).tolist())
     tokens = torch.tensor(drafted, dtype=torch.long)  # [k]
-    probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [k + 1, vocab]
+    probs = params_probs(logits, p)  # [k + 1, vocab]
     if isinstance(seq.generator, SeededNoise):  # row 0 chooses the token at position len(tokens)
         return verify_coupled(tokens, probs, seq.generator, len(seq.tokens))
     return verify_sampling(tokens, draft.probs if draft else None, probs, seq.generator)
@@ -135,7 +135,7 @@ def verify_tree(seq: Sequence, tree: TokenTree, rows: TargetRows) -> TreeVerific
     logits = tree_target_logits(seq, tree, rows.logits)  # [n, vocab]
     if p.greedy:
         return verify_tree_choices(tree, argmax_rows(logits).tolist())
-    probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [n, vocab]
+    probs = params_probs(logits, p)  # [n, vocab]
     if isinstance(seq.generator, SeededNoise):  # the root's row chooses the token at position len(tokens)
         return verify_tree_coupled(tree, probs, seq.generator, len(seq.tokens))
     return verify_tree_sampling(tree, probs, seq.generator)

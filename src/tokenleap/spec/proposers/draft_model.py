@@ -18,7 +18,7 @@ from tokenleap.errors import TokenleapError
 from tokenleap.models.backend import prefix_windows
 from tokenleap.models.transformer import Segment, Transformer
 from tokenleap.spec.confidence import Calibration, ConfidenceLog, should_stop, token_confidence
-from tokenleap.spec.sampling import greedy, logits_to_probs, sample
+from tokenleap.spec.sampling import greedy, params_probs, sample
 from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.proposers.base import Draft, DraftRequest
 from tokenleap.spec.proposers.draft_head import BatchHead, ReducedVocabHead
@@ -314,7 +314,7 @@ class DraftModelProposer:
         request's noise, the choice the target makes if its distribution is the draft's."""
         if params.greedy:
             return int(greedy(logits)[0]), None
-        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+        probs = params_probs(logits, params)
         if isinstance(generator, SeededNoise):
             return int(generator.choose(probs, pos)[0]), probs
         return int(sample(probs, generator)[0]), probs  # probs: [1, vocab]

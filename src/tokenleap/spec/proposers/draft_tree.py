@@ -28,7 +28,7 @@ import torch
 from tokenleap.cache.contiguous import CacheFullError
 from tokenleap.config import SamplingParams
 from tokenleap.models.transformer import Segment
-from tokenleap.spec.sampling import logits_to_probs
+from tokenleap.spec.sampling import params_probs
 from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.tree import TokenTree
 from tokenleap.spec.proposers.base import Draft, DraftRequest
@@ -78,7 +78,7 @@ def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     """What the draft ranks children by: its filtered distribution (temperature 1 when greedy)."""
     if params.greedy:
         return torch.softmax(logits.float(), dim=-1)
-    return logits_to_probs(logits[None], params.temperature, params.top_k, params.top_p, params.min_p)[0]
+    return params_probs(logits[None], params)[0]
 
 
 def children(q: torch.Tensor, params: SamplingParams, generator, pos: int) -> list[int]:
