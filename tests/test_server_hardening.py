@@ -83,6 +83,10 @@ def test_integers_past_int64_are_400_naming_the_field_streamed_or_not(app):
     ok = call(app, [post("/v1/completions", {"prompt": "ab", "max_tokens": 3, "top_k": 2**63 - 1,
                                              "temperature": 0.7, "seed": -2**63})])[0]
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    # so is the top of the seed's range, with n choices past it (seed + j)
+    top = call(app, [post("/v1/completions", {"prompt": "ab", "max_tokens": 3, "temperature": 0.7,
+                                              "seed": 2**63 - 1, "n": 3})])[0]
+    assert top.status_code == 200 and len(top.json()["choices"]) == 3, top.text
 
 
 def test_non_finite_and_absurd_values_are_refused(app):
@@ -91,6 +95,7 @@ def test_non_finite_and_absurd_values_are_refused(app):
         (b'{"prompt": "a", "temperature": 1e999}', None), (b'{"prompt": "a", "top_p": -1e999}', None),
         (b'{"prompt": "a", "temperature": NaN}', None), (b'{"prompt": "a", "temperature": Infinity}', None),
         (b'{"prompt": "a", "temperature": 1e30}', "temperature"), (b'{"prompt": "a", "temperature": 101}', "temperature"),
+        (b'{"prompt": "a", "temperature": -1}', "temperature"),
         (b'{"prompt": "a", "top_p": 0}', "top_p"), (b'{"prompt": "a", "top_p": 1.5}', "top_p"),
         (b'{"prompt": "a", "presence_penalty": 1e300}', "presence_penalty"),
         (b'{"prompt": "a", "logit_bias": {"3": 1e300}}', "logit_bias"),
@@ -102,6 +107,8 @@ def test_non_finite_and_absurd_values_are_refused(app):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     tool = responses[-1]
     assert tool.status_code == 400 and "tool_call_id" in tool.json()["error"]["message"]
+    negative = responses[[body for body, _ in cases].index(b'{"prompt": "a", "temperature": -1}')]
+    assert "temperature must be in [0, 100]" in negative.json()["error"]["message"]
 
 
 def test_docs_behind_the_api_key_or_off():

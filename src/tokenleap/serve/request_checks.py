@@ -36,9 +36,10 @@ def check_common(req: _Sampling) -> None:
     refuse_unserved(req, _UNSERVED)
     if req.n is None or not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
-    if req.seed is not None and not -2**63 <= req.seed < 2**63 - MAX_N:
-        raise bad_request("seed must be a 64-bit signed integer", "seed")
-    if req.temperature is not None and not req.temperature <= MAX_TEMPERATURE:
+    # (choice j of a seeded request samples with seed + j: past 2**63 too, SamplingParams takes any integer)
+    if req.seed is not None and not -2**63 <= req.seed < 2**63:
+        raise bad_request(f"seed must be a 64-bit signed integer, got {req.seed}", "seed")
+    if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:
         raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature!r}", "temperature")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP:
