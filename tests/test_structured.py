@@ -134,6 +134,22 @@ def test_a_special_tokens_spelling_is_text_to_a_grammar():
     assert set(c.allowed().nonzero().flatten().tolist()) == {x}
 
 
+def test_a_schema_that_names_its_properties_allows_no_others():
+    """vLLM's default (and OpenAI's strict mode): no keys past the declared ones unless the schema asks for
+    them; an object schema that names no properties, or says ``additionalProperties``, stays open."""
+    def allowed_after(schema: dict, text: str) -> set[str]:
+        c = Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(json=schema))
+        c.advance(TOK.encode(text))
+        return {TOK.piece(t) for t in c.allowed().nonzero().flatten().tolist() if t != 2}
+    tight = {"x-guidance": {"whitespace_flexible": False}}
+    named = {**tight, "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    assert allowed_after(named, '{"ok":true') == {"}"}
+    assert "," in allowed_after({**named, "additionalProperties": True}, '{"ok":true')
+    assert "," in allowed_after({**tight, "type": "object"}, '{"ok":true')
+    nested = {**tight, "type": "array", "items": {"type": "object", "properties": {"n": {"enum": [1]}}}}
+    assert allowed_after(nested, '[{"n":1') == {"}"}
+
+
 @pytest.mark.parametrize("kind", sorted(GRAMMARS))
 def test_replies_follow_the_grammar(kind):
     eng = engine()

@@ -100,7 +100,7 @@ def grammar_of(spec: StructuredOutput) -> str:
         if spec.json_object:
             grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"})
         elif spec.json is not None:
-            grammar = llg.LLMatcher.grammar_from_json_schema(json.loads(spec.json))
+            grammar = llg.LLMatcher.grammar_from_json_schema(closed_objects(json.loads(spec.json)))
         elif spec.regex is not None:
             grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
         elif spec.choice is not None:
@@ -114,6 +114,39 @@ def grammar_of(spec: StructuredOutput) -> str:
     if error and not error.startswith("WARNING"):
         raise ConfigError(f"invalid {spec.kind} for structured output: {error.strip()}")
     return grammar
+
+
+# keywords whose value is one subschema / a list of them / a map of names to them
+_SUB, _SUBS, _NAMED = (("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+                        "unevaluatedProperties", "unevaluatedItems"),
+                       ("anyOf", "oneOf", "prefixItems", "items"),
+                       ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that names its properties
+    and says nothing of others -- vLLM's default (xgrammar's strict mode) and what OpenAI's strict
+    structured outputs promise: a reply holds the keys the schema declares, not keys a small model
+    invents until the token limit. An object without ``properties`` stays open (any object), and so
+    do ``allOf``'s members (their properties add up; each closed, no object could satisfy them all)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUB:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(s, in_all_of=True) for s in out["allOf"]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if (isinstance(out.get("properties"), dict) and out["properties"] and not in_all_of and "allOf" not in out
+            and not any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
+        out["additionalProperties"] = False
+    return out
 
 
 def _lark(grammar: str) -> str:
