@@ -85,6 +85,39 @@ def test_one_params_for_all_text_prompts_and_bad_lists():
     assert llm.engine.cache.num_free_slots == llm.engine.cache.num_slots  # nothing left held
 
 
+def test_vllm_style_calls_prompt_dicts_cumulative_logprob_and_max_tokens_none():
+    """vLLM's spellings: prompt dicts, ``sampling_params=``, ``use_tqdm``, ``get_tokenizer()``,
+    ``cumulative_logprob``, ``max_tokens=None`` (up to the window's end); a stream left open holds its
+    slot and ``generate`` goes on beside it, a second stream is refused clearly."""
+    llm = make_llm("ngram", max_model_len=48)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ids = llm.encode("hello there")
+    want = llm.generate("hello there", params)[0]
+    by_dict = llm.generate([{"prompt": "hello there"}, {"prompt_token_ids": ids}], sampling_params=params,
+                           use_tqdm=False)
+    assert [o.token_ids for o in by_dict] == [want.token_ids] * 2 and by_dict[1].prompt == ids
+    assert llm.generate({"prompt_token_ids": ids}, params)[0].token_ids == want.token_ids
+    assert llm.get_tokenizer() is llm.tokenizer
+    with pytest.raises(ConfigError, match="'prompt' .* or 'prompt_token_ids'"):
+        llm.generate({"text": "x"}, params)
+    with pytest.raises(ConfigError, match="not both"):
+        llm.generate("x", params, sampling_params=params)
+    with pytest.raises(ConfigError, match="stream and infill take one prompt"):
+        next(llm.stream(["hello", "there"], params))
+    out = llm.generate("hello there", SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True))[0].outputs[0]
+    assert out.cumulative_logprob == pytest.approx(sum(t.logprob for t in out.logprobs))
+    assert want.outputs[0].cumulative_logprob is None  # (no logprobs asked for)
+    whole = llm.generate("hello there", SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert len(whole.token_ids) == 48 - len(ids) and whole.finish_reason == "length"
+    stream = llm.stream("abcabc", params)
+    next(stream)  # left open: its slot stays held
+    assert llm.generate("hello there", params)[0].token_ids == want.token_ids
+    with pytest.raises(ConfigError, match="still open"):
+        next(llm.stream("x", params))
+    stream.close()
+    assert llm.generate("hello there", params)[0].token_ids == want.token_ids
+
+
 def test_sizes_and_speculative_settings_are_checked_before_loading():
     for kw, words in ((dict(max_model_len=-5), "max_model_len"), (dict(max_model_len=1), "max_model_len"),
                       (dict(max_num_seqs=0), "max_num_seqs"), (dict(num_slots=True), "num_slots"),

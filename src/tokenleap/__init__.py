@@ -3,9 +3,12 @@ from tokenleap.config import ModelConfig, SamplingParams, SpecConfig, Structured
 
 
 def __getattr__(name):  # the API pulls in torch and the loaders: import it on first use
-    if name in ("LLM", "RequestOutput", "CompletionOutput", "StreamChunk"):
+    if name == "LLM":
         from tokenleap import api
-        return getattr(api, name)
+        return api.LLM
+    if name in ("RequestOutput", "CompletionOutput", "StreamChunk"):
+        from tokenleap import outputs
+        return getattr(outputs, name)
     raise AttributeError(name)
 
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,76 +19,9 @@ from tokenleap.config import ConfigError, SamplingParams, SpecConfig, is_int
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import PREFILL_CHUNK, Engine
 from tokenleap.models.pretrained import LoadedModel, load_model
-from tokenleap.spec.logprobs import TokenLogprob
 from tokenleap.spec.proposers.base import Proposer, output_pool_note
 from tokenleap.spec.proposers.factory import load_draft, proposer_for, resolve_auto_draft, uses_draft
-from tokenleap.spec.sequence import Sequence
-from tokenleap.spec.stats import SpecStats
-
-
-@dataclass
-class CompletionOutput:
-    """One completion of a prompt, as vLLM's: ``RequestOutput.outputs`` holds ``SamplingParams.n``."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A prompt's output: its first completion's fields, and every completion in ``outputs`` (vLLM's
-    ``output.outputs[0].text`` reads the same text as ``output.text``)."""
-
-    prompt: str | list[int]
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str | None
-    seconds: float
-    stats: dict[str, Any] = field(default_factory=dict)
-    logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs is set
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None)
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
-    prompt_token_ids: list[int] = field(default_factory=list)  # the prompt as the model read it
-    outputs: list[CompletionOutput] = field(default_factory=list)  # SamplingParams.n completions
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def tokens_per_second(self) -> float:
-        """New tokens a second of the request's wall time (every completion's when ``n`` > 1)."""
-        tokens = sum(len(c.token_ids) for c in self.outputs) if len(self.outputs) > 1 else self.num_tokens
-        return tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "num_tokens": self.num_tokens,
-                "prompt_tokens": self.prompt_tokens, "finish_reason": self.finish_reason,
-                "stop_reason": self.stop_reason, "seconds": round(self.seconds, 4),
-                "tokens_per_second": round(self.tokens_per_second, 3),
-                "stats": self.stats, **self._logprob_fields(),
-                **({"outputs": [_completion_dict(c) for c in self.outputs]} if len(self.outputs) > 1 else {})}
-
-    def _logprob_fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.logprobs is not None:
-            out["logprobs"] = [t.to_dict() for t in self.logprobs]
-        if self.prompt_logprobs is not None:
-            out["prompt_logprobs"] = [None if t is None else t.to_dict() for t in self.prompt_logprobs]
-        return out
-
-
-@dataclass
-class StreamChunk:
-    text: str  # new text since the previous chunk
-    token_ids: list[int]  # all generated token ids so far
-    finished: bool
-    output: RequestOutput | None = None  # set on the last chunk
+from tokenleap.outputs import RequestOutput, StreamChunk, grouped, request_output
 
 
 def _check_sizes(max_model_len: int | None, num_slots: int, max_num_seqs: int) -> None:
@@ -182,12 +115,17 @@ class LLM:
         return line
 
     # -- prompts ----------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+    def encode(self, prompt: str | list[int] | dict[str, Any], chat: bool = False) -> list[int]:
         """A prompt's token ids: text encoded (``chat``: as a user message in the chat template), or
-        token ids checked against the vocabulary."""
+        token ids checked against the vocabulary (vLLM's ``{"prompt": text}`` and
+        ``{"prompt_token_ids": ids}`` taken too)."""
+        prompt = _unwrapped(prompt)
         if isinstance(prompt, (list, tuple)):
+            if prompt and not all(is_int(t) for t in prompt):
+                raise ConfigError("a prompt is text or a list of token ids (stream and infill take one prompt; "
+                                  "generate and chat take a list)")
             vocab = self.target.model.config.vocab_size
-            if not all(is_int(t) and 0 <= t < vocab for t in prompt):
+            if not all(0 <= t < vocab for t in prompt):
                 raise ConfigError(f"a prompt of token ids needs integers in [0, {vocab})")
             return list(prompt)
         if not isinstance(prompt, str):
@@ -196,14 +134,21 @@ class LLM:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's ``LLM.get_tokenizer``; also ``self.tokenizer``)."""
+        return self.tokenizer
+
     # -- generation -------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[StreamChunk]:
-        params = _checked(params)
+        prompt, params = _unwrapped(prompt), _checked(params)
         if params.n > 1:
             raise ConfigError(f"stream gives one completion (n is {params.n}): generate or chat give n")
         ids = self.encode(prompt, chat)
         engine = self.engine  # (built on first use: not part of the request's time)
+        if not engine.cache.num_free_slots:
+            raise ConfigError(f"every one of this LLM's {self.num_slots} streams is still open: read a stream to "
+                              "its end or close() it before starting another (or give LLM num_slots)")
         t0 = time.perf_counter()
         seq = None
         for seq, piece in engine.generate(ids, params):
@@ -215,10 +160,14 @@ class LLM:
         yield StreamChunk(last_piece, seq.generated, True, request_output(prompt, seq, time.perf_counter() - t0))
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False) -> list[RequestOutput]:
-        """One output per prompt, in order. ``params``: one for all, or a list with one per prompt (as
-        vLLM takes them); a prompt's ``n`` completions are its output's ``outputs``. Several prompts
-        (and completions) are decoded together, up to ``max_num_seqs`` at a time."""
+                 params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False, *,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. ``params`` (or ``sampling_params``, vLLM's name): one for all,
+        or a list with one per prompt (as vLLM takes them); a prompt's ``n`` completions are its output's
+        ``outputs``. Several prompts (and completions) are decoded together, up to ``max_num_seqs`` at a
+        time. ``use_tqdm`` is taken for vLLM's callers and draws nothing."""
+        params = _one_of(params, sampling_params)
         prompts = _prompt_list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
@@ -232,11 +181,11 @@ class LLM:
             prompts = [p for p, n in zip(prompts, counts) for _ in range(n)]
             per_prompt = [replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                           for p in per_prompt for j in range(p.n)]
-        if len(prompts) == 1:
+        if len(prompts) == 1 and self.engine.cache.num_free_slots:  # (else: an open stream holds the slot)
             *_, last = self.stream(prompts[0], per_prompt[0], chat)
             return [last.output]
         from tokenleap.serve.batch import generate_batch
-        return _grouped(*generate_batch(self, list(prompts), per_prompt, chat), counts)
+        return grouped(*generate_batch(self, list(prompts), per_prompt, chat), counts)
 
     def infill(self, prefix: str, suffix: str, params: SamplingParams | None = None) -> RequestOutput:
         """The code for the gap between ``prefix`` and ``suffix`` (fill-in-the-middle, for code models
@@ -258,13 +207,17 @@ class LLM:
              params: SamplingParams | list[SamplingParams] | None = None, *,
              tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Replies to conversations, as vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of
         ``{"role", "content"}`` dicts, content a string or OpenAI's text parts) or a list of them; each
         is rendered with the model's chat template (``tools``: function definitions the template shows
         the model; ``continue_final_message``: the reply continues the last message instead of opening
         a new turn; ``chat_template_kwargs``: extra template variables), then generated as ``generate``
-        does. An output's ``prompt`` is the rendered conversation's token ids."""
+        does (``sampling_params``, ``use_tqdm``: as there). An output's ``prompt`` is the rendered
+        conversation's token ids."""
+        params = _one_of(params, sampling_params)
         if not messages:
             raise ConfigError("no messages given")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -323,32 +276,6 @@ def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:
     return speculative
 
 
-def _grouped(outputs: list[RequestOutput], stats: list[SpecStats], counts: list[int]) -> list[RequestOutput]:
-    """Each prompt's ``counts[i]`` outputs in a row (``stats``: each one's counters) as one output: the
-    first's fields, every completion in ``outputs``, the slowest one's seconds, and the counters of all
-    of them (the request's, as in the server's usage: its completions ran side by side)."""
-    grouped, at = [], 0
-    for n in counts:
-        first, rest = outputs[at], outputs[at + 1:at + n]
-        first.outputs = [replace(o.outputs[0], index=j) for j, o in enumerate([first] + rest)]
-        first.seconds = max(o.seconds for o in [first] + rest)
-        if rest:
-            total = SpecStats()
-            for st in stats[at:at + n]:
-                total.merge(st)
-            total.total_seconds = first.seconds
-            first.stats = total.to_dict()
-        grouped.append(first)
-        at += n
-    return grouped
-
-
-def _completion_dict(c: CompletionOutput) -> dict[str, Any]:
-    return {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            **({"logprobs": [t.to_dict() for t in c.logprobs]} if c.logprobs is not None else {})}
-
-
 def _checked(params: SamplingParams | None) -> SamplingParams:
     if params is None:
         return SamplingParams()
@@ -357,8 +284,32 @@ def _checked(params: SamplingParams | None) -> SamplingParams:
     return params
 
 
+def _one_of(params, sampling_params):
+    """``generate``'s / ``chat``'s parameters, given under either name (not both)."""
+    if params is not None and sampling_params is not None:
+        raise ConfigError("give params or sampling_params, not both")
+    return sampling_params if params is None else params
+
+
+def _unwrapped(prompt: Any) -> Any:
+    """vLLM's prompt dicts as their text or token ids; anything else as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt) - {"prompt"} if "prompt_token_ids" in prompt else set(prompt)
+    if keys == {"prompt_token_ids"}:  # (a "prompt" beside the ids is vLLM's text of them: the ids are read)
+        return prompt["prompt_token_ids"]
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    raise ConfigError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids'; got keys {sorted(prompt)}")
+
+
 def _prompt_list(prompts: str | list[int] | list[str] | list[list[int]]) -> list:
-    """One prompt (text or token ids) as a list of one; a ConfigError for none."""
+    """One prompt (text, token ids or a vLLM prompt dict) as a list of one; a ConfigError for none.
+    Prompt dicts become their text or ids (an output's ``prompt``)."""
+    if isinstance(prompts, dict):
+        prompts = [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict):
+        prompts = [_unwrapped(p) for p in prompts]
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     if not prompts:
@@ -366,16 +317,3 @@ def _prompt_list(prompts: str | list[int] | list[str] | list[list[int]]) -> list
     if not isinstance(prompts, (list, tuple)):
         raise ConfigError(f"prompts must be text, token ids or a list of either, got {type(prompts).__name__}")
     return list(prompts)
-
-
-def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> RequestOutput:
-    """A finished sequence's ``RequestOutput`` (``prompt``: as the caller gave it)."""
-    params = seq.params
-    logprobs = list(seq.logprobs) if params.logprobs is not None else None
-    return RequestOutput(prompt=prompt, text=seq.text, token_ids=seq.generated, prompt_tokens=len(seq.prompt),
-                         finish_reason=seq.finish_reason, seconds=seconds, stats=seq.stats.to_dict(),
-                         logprobs=logprobs,
-                         prompt_logprobs=list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None,
-                         stop_reason=seq.stop_reason, prompt_token_ids=list(seq.prompt),
-                         outputs=[CompletionOutput(0, seq.text, seq.generated, seq.finish_reason, seq.stop_reason,
-                                                   logprobs)])

@@ -186,7 +186,7 @@ class SamplingParams:
     """Per-request decoding settings. ``temperature == 0`` means exact greedy (argmax); so does any
     temperature below ``GREEDY_BELOW``, which is stored as 0."""
 
-    max_tokens: int = 128
+    max_tokens: int | None = 128  # None: up to the context window's end (vLLM's)
     temperature: float = 0.0
     top_k: int = 0  # 0 disables (-1 too, as in vLLM: taken as 0)
     top_p: float = 1.0
@@ -249,8 +249,8 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(is_int(self.max_tokens) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+               f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
                f"temperature must be >= 0 and fit a 32-bit float (at most {FLOAT32_MAX:.4g}), "
                f"got {self.temperature!r}")
@@ -282,7 +282,7 @@ class SamplingParams:
         _check(all(is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
                    for t, b in self.logit_bias),
                "logit_bias must map token ids >= 0 to biases in [-100, 100]")
-        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(is_int(t) and t >= 0 for t in self.prediction),
                "prediction must be token ids (integers >= 0)")

@@ -77,7 +77,7 @@ class ChatSession:
     def reply(self, text: str, params: SamplingParams, write, stop_requested=lambda: False):
         """Add the user's ``text``, stream the reply through ``write`` (stopping early when
         ``stop_requested()`` turns true) and keep it; returns the reply's ``RequestOutput``."""
-        from tokenleap.api import request_output
+        from tokenleap.outputs import request_output
         self.messages.append({"role": "user", "content": text})
         try:
             ids = self.prompt_ids(min(params.max_tokens, 16))

@@ -19,7 +19,8 @@ from tokenleap.serve.scheduler import Output, Request, Scheduler, SchedulerConfi
 from tokenleap.spec.stats import SpecStats
 
 if TYPE_CHECKING:
-    from tokenleap.api import LLM, RequestOutput
+    from tokenleap.api import LLM
+    from tokenleap.outputs import RequestOutput
 
 BLOCK_SIZE = 16
 
@@ -84,9 +85,10 @@ def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams],
                    chat: bool) -> tuple[list["RequestOutput"], list[SpecStats]]:
     """``prompts`` (text or token ids) decoded together: the outputs and each one's counters, in the
     prompts' order."""
-    from tokenleap.api import request_output
+    from tokenleap.outputs import request_output
     ids = [llm.encode(p, chat) for p in prompts]
-    engine = batch_engine(llm, [len(p) + sp.max_tokens + llm.spec.max_num_tokens + 1 for p, sp in zip(ids, params)])
+    engine = batch_engine(llm, [len(p) + (sp.max_tokens or llm.max_len) + llm.spec.max_num_tokens + 1
+                                for p, sp in zip(ids, params)])
     seqs = [engine.create(p, sp) for p, sp in zip(ids, params)]  # validates every prompt before any work
     sched = Scheduler(engine, SchedulerConfig(max_num_seqs=engine.cache.num_slots, max_waiting=len(seqs),
                                               log_interval=0))

@@ -103,7 +103,7 @@ class Engine:
         if room < 1:
             raise PromptTooLongError(f"the prompt has {len(prompt)} tokens but the context window is "
                                      f"{self.max_len}; shorten it or raise --max-model-len")
-        if params.max_tokens > room:
+        if params.max_tokens is None or params.max_tokens > room:  # (None: up to the window's end)
             params = replace(params, max_tokens=room)
         params = for_vocabulary(params, self.tokenizer, self.model.config.vocab_size)
         return Sequence(seq_id=next(self._ids), prompt=list(prompt), params=params, eos_ids=self.eos_ids,
