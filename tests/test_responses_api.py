@@ -40,7 +40,7 @@ def test_text_input_and_instructions(server):
     c = client(server)
     r = c.responses.create(model=NAME, input="hello there", max_output_tokens=9, temperature=0)
     prompt, ref = reference([{"role": "user", "content": "hello there"}], 9)
-    assert r.object == "response" and r.model == NAME and r.id.startswith("resp")
+    assert r.object == "response" and r.model == NAME and r.id.startswith("resp_") and r.output[0].id.startswith("msg_")
     assert r.output_text == ref.text and r.output[0].role == "assistant"
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(prompt), ref.num_generated)
     assert r.usage.total_tokens == len(prompt) + ref.num_generated

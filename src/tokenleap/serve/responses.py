@@ -16,7 +16,9 @@ from tokenleap.serve.tools import ToolPlan
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A fresh id in OpenAI's form: ``chatcmpl-...`` / ``cmpl-...``, and the Responses API's ``resp_...``,
+    ``msg_...``, ``rs_...`` (an underscore there)."""
+    return f"{prefix}{'_' if prefix in ('resp', 'msg', 'rs') else '-'}{uuid.uuid4().hex}"
 
 
 def now() -> int:
