@@ -299,7 +299,8 @@ class SamplingParams:
                f"t_max_predict_ms must be a number >= 0, got {self.t_max_predict_ms!r}")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
-        _check(isinstance(self.temperature_last, bool), f"temperature_last must be a bool, got {self.temperature_last!r}")
+        _check(isinstance(self.temperature_last, bool),
+               f"temperature_last must be a bool, got {self.temperature_last!r}")
 
     @property
     def greedy(self) -> bool:

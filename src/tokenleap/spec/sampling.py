@@ -301,5 +301,6 @@ def params_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor: 
                            params.temperature_last)
 
 
-__all__ = ["logits_to_probs", "params_probs", "greedy", "argmax_rows", "sample", "inverse_cdf", "rand_rows", "make_generator",
+__all__ = ["logits_to_probs", "params_probs", "greedy", "argmax_rows", "sample", "inverse_cdf", "rand_rows",
+           "make_generator",
            "request_randomness", "SamplingFilters"]
