@@ -264,6 +264,8 @@ BAD_FLAGS = [
     ["bench", "--target", SMOL, "--quant", "int3"],
     ["bench", "--target", SMOL, "--dtype", "fp8"],
     ["bench", "--target", SMOL, "--temperature", "-1"],
+    ["bench", "--target", SMOL, "--temperature", "nan"],
+    ["bench", "--target", SMOL, "--temperature", "1e39"],
     ["bench", "--target", SMOL, "--limit", "0"],
     ["bench", "--target", SMOL, "--dataset", "no-such-dataset"],
     ["bench", "--target", SMOL, "--methods", "plain,bogus"],
@@ -310,6 +312,7 @@ def test_bad_flags_give_one_line_and_exit_2(capsys, tmp_path, no_model_loads, ar
     lines = err.strip().splitlines()
     assert code == 2, err
     assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()  # a refused bench wrote nothing (its --out stays free for the re-run)
 
 
 def test_version(capsys):

@@ -250,7 +250,7 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-               f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+               f"max_tokens must be an integer >= 1 (or None: up to the context's end), got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
                f"temperature must be >= 0 and fit a 32-bit float (at most {FLOAT32_MAX:.4g}), "
                f"got {self.temperature!r}")

@@ -13,6 +13,7 @@ from tokenleap.bench.datasets import BenchPrompt, load_dataset
 from tokenleap.bench.machine import machine_info, rss_mb, versions
 from tokenleap.bench.methods import MethodSpec, ModelOptions, ModelPool, build_methods, describe_target, parse_methods
 from tokenleap.bench.runner import BenchSettings, check_out_dir, check_resume, run_bench
+from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.spec.sampling import torch_seed
 
 _NEEDS_DRAFT = ("draft", "draft-tree", "cascade", "hf-assisted")
@@ -56,8 +57,10 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
 
     from tokenleap.bench.plots import require_matplotlib
     require_matplotlib()  # a run's plots are drawn at its end: refuse before hours of measuring
-    if temperature < 0:
-        raise BenchError(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
+    try:  # every request's sampling checked before anything is written or loaded
+        SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    except ConfigError as e:
+        raise BenchError(str(e).replace("temperature", "--temperature", 1)) from None
     specs = parse_methods(methods) if isinstance(methods, str) else list(methods)
     missing_draft = [s.name for s in specs if s.family in _NEEDS_DRAFT and not s.get("model")]
     if missing_draft and not draft:  # (a method naming its own draft, model=NAME, needs no --draft)
