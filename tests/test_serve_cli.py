@@ -36,6 +36,21 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, monkeypatch):
+    from tokenleap.cli import serve as serve_cli
+    from tokenleap.cli.main import main
+    monkeypatch.setattr(serve_cli, "build_app", lambda args: pytest.fail("the model was loaded"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "serving" not in err
+    assert main(["serve", "--model", "smollm2-135m-instruct", "--host", "999.1.1.1"]) == 2
+    assert "--host '999.1.1.1' is not an address" in capsys.readouterr().err
+
+
 def test_smollm2_through_the_cli(smollm2_gguf):
     port = _free_port()
     cmd = [sys.executable, "-m", "tokenleap.cli.main", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),

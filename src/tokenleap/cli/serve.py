@@ -5,6 +5,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -139,7 +140,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.disable_log_requests:
         logging.getLogger("tokenleap.serve.requests").setLevel(logging.WARNING)
-    app, engine = build_app(args)
+    sock = listening_socket(args.host, args.port)  # before the model loads: a busy port fails at once
+    try:
+        app, engine = build_app(args)
+    except BaseException:
+        sock.close()
+        raise
     name = args.served_model_name or args.model
     if not _is_loopback(args.host) and not args.api_key:
         print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
@@ -149,8 +155,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
           f"speculation: {_speculation(engine.proposer)}, "
           f"prefix caching: {'on' if cache.prefix_caching else 'off'}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` for the server (as vLLM binds before it builds the engine);
+    a UsageError that says why where the address cannot be had."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"--host {host!r} is not an address of this machine: {e}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server using it? "
+                         "choose another --port)") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _speculation(proposer) -> str:
