@@ -118,3 +118,25 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was():
         session.reply("second", params, broken)
     assert session.messages == before and session.engine.cache.lengths == [0]
     assert session.reply("second", params, lambda _: None).token_ids == llm.chat(session.messages[:-1], params)[0].token_ids
+
+
+def test_ctrl_c_drops_continued_lines_and_asks_again(monkeypatch, capsys):
+    """A message continued with "\\" and then Ctrl-C: the pending lines are dropped and a fresh prompt
+    asked (a shell's rule), Ctrl-C at a fresh prompt ends the chat, the end of input sends what is pending."""
+    from tokenleap.cli.chat import _read_message
+
+    def typed(*events):
+        it = iter(events)
+
+        def fake_input(prompt=""):
+            e = next(it)
+            if isinstance(e, BaseException):
+                raise e
+            return e
+        monkeypatch.setattr("builtins.input", fake_input)
+    typed("Say banana\\", KeyboardInterrupt(), "Say apple")
+    assert _read_message(True) == "Say apple"
+    typed(KeyboardInterrupt())
+    assert _read_message(True) is None
+    typed("one\\", "two\\", EOFError())
+    assert _read_message(True) == "one\ntwo"

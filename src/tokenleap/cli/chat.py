@@ -171,12 +171,20 @@ def _write(piece: str) -> None:
 
 
 def _read_message(interactive: bool) -> str | None:
-    """The next message (continued lines joined), or None at the end of input or Ctrl-C."""
+    """The next message (continued lines joined), or None at the end of input or Ctrl-C. Ctrl-C with
+    continued lines pending drops them and asks again (as a shell does); the end of input sends them."""
     lines, prompt = [], "> "
     while True:
         try:
             line = input(prompt if interactive else "")
-        except (EOFError, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            if interactive:
+                print(file=sys.stderr)
+            if not lines:
+                return None
+            lines, prompt = [], "> "
+            continue
+        except EOFError:
             if interactive:
                 print(file=sys.stderr)
             return "\n".join(lines) if lines else None
