@@ -75,3 +75,21 @@ def test_a_model_that_cannot_be_stored_still_loads(smollm2_gguf, tmp_path, monke
     monkeypatch.undo()
     assert torch.equal(logits(loaded.model), logits(pretrained.load_model(smollm2_gguf, quant="int4",
                                                                           cache_dir=tmp_path).model))
+
+
+def test_listing_packed_copies_compiles_no_kernels(tmp_path, monkeypatch):
+    """``tokenleap models`` lists packed copies without building the kernels: in a cache where they were
+    never built, ``ready`` is False and nothing is listed (nor compiled); once built, copies are read."""
+    from tokenleap.kernels import compiler
+    monkeypatch.setenv("TOKENLEAP_CACHE", str(tmp_path))
+    monkeypatch.delitem(kernels._state, "reason", raising=False)
+    assert not compiler.built() and not kernels.ready()
+
+    def no_build(*a, **k):
+        raise AssertionError("the kernels were compiled to list packed copies")
+    monkeypatch.setattr(compiler, "build", no_build)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert packed_cache.stored(gguf, tmp_path) == []
+    (compiler.directory_for(compiler.SOURCES) / "tokenleap_kernels.so").write_bytes(b"")
+    assert compiler.built() and kernels.ready()

@@ -78,6 +78,11 @@ def available() -> bool:
     return _state["reason"] is None
 
 
+def ready() -> bool:
+    """``available()`` answers without compiling anything: loaded, off, or built on disk already."""
+    return "reason" in _state or _reason_unavailable() is not None or _compiler.built()
+
+
 def unavailable_reason() -> str | None:
     available()
     return _state["reason"]  # type: ignore[return-value]

@@ -90,6 +90,11 @@ def compile_sources(sources: list[Path], name: str) -> None:
             print(f"tokenleap: CPU kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
+def built() -> bool:
+    """A build of these sources (the full one or the AVX2 one) is on disk: loading it compiles nothing."""
+    return any(any(directory_for(s).glob("*.so")) for s in (SOURCES, AVX2_ONLY))
+
+
 def build() -> None:
     """The full build; where the AMX files do not compile, the AVX2 kernels without them."""
     try:

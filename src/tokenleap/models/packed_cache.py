@@ -106,9 +106,12 @@ def store(model: Transformer, path: Path) -> None:
 def stored(gguf: Path, cache_dir: Path | None = None) -> list[dict]:
     """The packed copies of this GGUF's model in the cache that this build reads: per copy its
     quantization (``others``: of the GGUF's tensors in other formats -- int8, or int4 as a draft loads
-    them), dtype and size in bytes (``tokenleap models`` lists them)."""
+    them), dtype and size in bytes (``tokenleap models`` lists them). Listing compiles nothing: before
+    this install's kernels are first built (its copies' digest names the build), none are listed."""
     from tokenleap.models.catalog import default_cache_dir
     from tokenleap.models.checkpoint import conversion_key
+    if not kernels.ready():
+        return []
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "packed"
     digest, out = build_digest(), []
     for dtype in (torch.float32, torch.bfloat16):
