@@ -102,6 +102,23 @@ def test_prompts_file_errors(capsys, tmp_path):
     assert read_prompts_file(str(bom)) == ["ok"]
 
 
+def test_flag_spellings_and_where_errors_point(capsys, tmp_path, smollm2_gguf):
+    """An unknown flag points at the subcommand's --help; --max-new-tokens / --max-tokens and --prompts are
+    other spellings of generate's and bench's flags; a prompts file's failing prompt is named."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "x", "--prompt", "hi", "--threads", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unrecognized arguments: --threads 2 (see tokenleap generate --help)" in err
+    from tokenleap.cli.main import build_parser
+    args = build_parser().parse_args(["generate", "--model", "x", "--max-new-tokens", "7", "--prompts", "f.jsonl"])
+    assert (args.max_tokens, args.prompts_file) == (7, "f.jsonl")
+    assert build_parser().parse_args(["bench", "--target", "x", "--max-tokens", "9"]).max_new_tokens == 9
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n{"prompt": "' + "word " * 600 + '"}\n')
+    assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--max-model-len", "256", "--max-tokens",
+                          "2", "--prompts-file", str(prompts)], "p.jsonl, prompt 2 of 2: the prompt has")
+
+
 def test_text_that_is_not_unicode_and_a_cache_dir_that_is_a_file(capsys, tmp_path, smollm2_gguf):
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\u00e9".encode("latin-1"))

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--dataset", default="humaneval", help=f"{', '.join(DATASETS)} or a JSONL file")
     p.add_argument("--methods", default="plain,ngram", help="comma-separated method list (see below)")
     p.add_argument("--limit", type=positive_int, default=None, help="first N prompts of the dataset")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; outputs are checked for equality with plain (sampled: seeded, tokenleap methods)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and method; medians are reported")

@@ -10,14 +10,16 @@ from dataclasses import replace
 from tokenleap.cli.main import (UsageError, add_model_args, add_sampling_args, read_prompts_file, read_text_arg,
                                 sampling_from_args, spec_config)
 from tokenleap.cli.output import stats_line
-from tokenleap.config import StructuredOutput
+from tokenleap.config import ConfigError, StructuredOutput
+from tokenleap.errors import TokenleapError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
     add_model_args(g)
     g.add_argument("--prompt", help="prompt text")
-    g.add_argument("--prompts-file", help="JSONL file with a \"prompt\" field per line")
+    g.add_argument("--prompts-file", "--prompts", dest="prompts_file",
+                   help="JSONL file with a \"prompt\" field per line")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--suffix", help="fill in the middle: the prompt is the code before the gap, this the code after")
     add_sampling_args(g, max_tokens=128)
@@ -66,6 +68,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.suffix is not None and args.chat:
         raise UsageError("--suffix (fill in the middle) takes a plain prompt, not --chat")
     params = sampling_from_args(args, logprobs=args.logprobs, structured=structured_args(args))
+    if args.logprobs is not None and not args.json:
+        print("tokenleap: warning: --logprobs shows in --json output only", file=sys.stderr)
     if params.structured is not None:  # an invalid schema, regex or grammar fails before loading
         from tokenleap.spec.structured import grammar_of
         grammar_of(params.structured)
@@ -78,12 +82,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = replace(params, prediction=tuple(llm.tokenizer.encode(predicted, add_special_tokens=False)))
     if args.stats:
         print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
-    for prompt in prompts:
-        ids, fim_params = llm.infill_request(prompt, args.suffix, params) if args.suffix is not None else (prompt, params)
-        for chunk in llm.stream(ids, fim_params, chat=args.chat):
-            if not args.json:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+    for n, prompt in enumerate(prompts, 1):
+        try:
+            ids, fim_params = (llm.infill_request(prompt, args.suffix, params) if args.suffix is not None
+                               else (prompt, params))
+            for chunk in llm.stream(ids, fim_params, chat=args.chat):
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        except (TokenleapError, ConfigError) as e:  # (a prompts file: which of its prompts)
+            if args.prompts_file is None:
+                raise
+            raise UsageError(f"{args.prompts_file}, prompt {n} of {len(prompts)}: {e}") from None
         out = chunk.output
         out.prompt = prompt  # (a fill-in-the-middle request ran on ids)
         if args.json:

@@ -230,7 +230,8 @@ def read_text_arg(path: str, flag: str) -> str:
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """The sampling flags of ``generate`` and ``chat`` (``max_tokens``: the default budget)."""
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=max_tokens,
+                   help=f"most tokens a reply may have (default {max_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (exact argmax)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -263,19 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenleap.cli import bench, calibrate, chat, generate, models, serve, train_head, verify
     for module in (generate, models, chat, bench, serve, verify, calibrate, train_head):
         module.register(sub)
+    parser.set_defaults(commands=sub.choices)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's parser: its --help lists the flags it takes
+        args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (TokenleapError, ConfigError) as e:
         print(f"tokenleap: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("tokenleap: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # (on a terminal, on a line of its own after any streamed text)
+        print(f"{chr(10) if sys.stdout.isatty() else ''}tokenleap: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`tokenleap ... | head`): stop quietly, as other tools do
         devnull = os.open(os.devnull, os.O_WRONLY)
