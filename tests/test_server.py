@@ -125,7 +125,7 @@ def test_auth_model_and_value_errors(server):
     assert e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=NAME, prompt="x", temperature=-1)
-    assert "temperature must be >= 0" in e.value.body["message"] and e.value.body["param"] == "temperature"
+    assert "temperature must be in [0, 100]" in e.value.body["message"] and e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
     assert e.value.body["code"] == "context_length_exceeded"
