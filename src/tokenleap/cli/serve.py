@@ -34,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TOKENLEAP_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: $TOKENLEAP_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every API request -- OpenAI's, "
+                        "Ollama's, Anthropic's and llama.cpp's routes; /health, /ping, /version and /metrics stay open "
+                        "(default: $TOKENLEAP_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoded together")
     p.add_argument("--max-waiting", type=non_negative_int, default=64, help="queued sequences before requests get 503")
