@@ -55,6 +55,7 @@ def _load_hf(pool: ModelPool, which: str):
         import torch
         import transformers
         transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()  # (its weight-loading bar: the bench draws its own progress)
         loaded = pool.target() if which == "target" else pool.draft("hf-assisted")
         path = hf_model_dir(loaded, loaded.dtype, pool.opts.cache_dir)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=loaded.dtype)
