@@ -34,13 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     so.add_argument("--json-object", action="store_true", help="reply is a JSON object")
     so.add_argument("--regex", help="reply matches this regular expression")
     so.add_argument("--choice", action="append", help="reply is one of these strings (repeatable)")
-    so.add_argument("--grammar", metavar="FILE", help="reply follows this Lark grammar")
+    so.add_argument("--grammar", metavar="FILE", help="reply follows this grammar (Lark, or GBNF as llama.cpp writes it)")
     g.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     g.set_defaults(func=cmd_generate)
 
 
 def structured_args(args: argparse.Namespace) -> StructuredOutput | None:
-    """--json-schema (JSON text or a file) / --json-object / --regex / --choice / --grammar (a Lark file)."""
+    """--json-schema (JSON text or a file) / --json-object / --regex / --choice / --grammar (a Lark or GBNF file)."""
     if args.json_schema is not None:
         text = args.json_schema
         if not text.lstrip().startswith("{"):
