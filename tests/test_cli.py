@@ -113,6 +113,8 @@ def test_flag_spellings_and_where_errors_point(capsys, tmp_path, smollm2_gguf):
     args = build_parser().parse_args(["generate", "--model", "x", "--max-new-tokens", "7", "--prompts", "f.jsonl"])
     assert (args.max_tokens, args.prompts_file) == (7, "f.jsonl")
     assert build_parser().parse_args(["bench", "--target", "x", "--max-tokens", "9"]).max_new_tokens == 9
+    assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", "--spec", "ngram",
+                          "--ngram-max", "2", "--ngram-min", "3"], "1 <= --ngram-min <= --ngram-max")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n{"prompt": "' + "word " * 600 + '"}\n')
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--max-model-len", "256", "--max-tokens",

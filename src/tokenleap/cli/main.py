@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,23 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
     if args.spec_tree == "on" and args.spec == "none":
         raise UsageError("--spec-tree on needs a proposer: --spec draft --draft-model M, or --spec ngram")
     check_model_args(args)
+    try:
+        return _spec_from_flags(args)
+    except ConfigError as e:  # SpecConfig names its fields: a command line's user knows the flags
+        message = str(e)
+        for field_name, flag in _SPEC_FLAGS.items():
+            message = re.sub(rf"\b{field_name}\b", flag, message)
+        raise UsageError(message) from None
+
+
+# SpecConfig's fields that a flag of another name sets
+_SPEC_FLAGS = {"num_tokens": "--num-spec-tokens", "max_num_tokens": "--max-spec-tokens", "ngram_max": "--ngram-max",
+               "ngram_min": "--ngram-min", "ngram_pool": "--ngram-pool", "max_tree_nodes": "--max-tree-nodes",
+               "lookahead_window": "--lookahead-window", "lookahead_ngram": "--lookahead-ngram",
+               "lookahead_guesses": "--lookahead-guesses", "draft_vocab": "--draft-vocab"}
+
+
+def _spec_from_flags(args: argparse.Namespace) -> SpecConfig:
     return SpecConfig(method=None if args.spec == "none" else args.spec, draft_model=args.draft_model,
                       draft_quant=args.draft_quant, draft_dtype=args.draft_dtype,
                       draft_spec=None if args.draft_spec == "none" else args.draft_spec,
