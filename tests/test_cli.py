@@ -59,8 +59,8 @@ def test_unsupported_architecture(capsys, tmp_path):
     # accepted by a looser check once, then an overflow, a division by zero or an hour of bookkeeping
     ("--temperature", "1e39", "temperature must be >= 0 and fit a 32-bit float"),
     ("--repetition-penalty", "1e-300", "repetition_penalty must be in [1e-6, 100]"),
-    ("--max-spec-tokens", "1000000", "max_num_tokens must be an integer in 1 .. 256"),
-    ("--num-spec-tokens", "1000", "num_tokens must be 'auto' or an integer in 1 .. 256"),
+    ("--max-spec-tokens", "1000000", "--max-spec-tokens must be an integer in 1 .. 256"),
+    ("--num-spec-tokens", "1000", "--num-spec-tokens must be 'auto' or an integer in 1 .. 256"),
 ])
 def test_invalid_sampling_values(capsys, flag, value, needle):
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", flag, value], needle)
