@@ -58,6 +58,9 @@ def test_several_prompts_and_mixed_ids(server):
     assert all(r["tokens_predicted"] == 8 and r["stop_type"] == "limit" for r in results)
     one = post(server, "/completion", {**greedy, "prompt": prompts[2]}).json()
     assert isinstance(one, dict) and one["content"] == refs[2].text and one["index"] == 0
+    for listed in (["hello there"], [[5, 6, 7, 8, 9]]):  # a list of one prompt: one result, an object
+        assert post(server, "/completion", {**greedy, "prompt": listed}).json()["content"] == refs[
+            0 if isinstance(listed[0], str) else 1].text
     streamed = events(server, "/completion", {**greedy, "prompt": prompts})
     for i, r in enumerate(refs):
         mine = [e for e in streamed if e["index"] == i]
@@ -231,6 +234,22 @@ def test_completion_samples_in_llama_cpps_order(server):
     v1 = {"model": NAME, "prompt": "hello there", "max_tokens": 12, **hot}
     assert post(server, "/v1/completions", v1).json()["choices"][0]["text"] == first
     assert post(server, "/v1/completions", {**v1, "temperature_last": True}).json()["choices"][0]["text"] == last
+
+
+def test_llama_cpps_readings_of_edge_values(server):
+    """n_predict past the context runs to its end ("limit"); a temperature below 0 is greedy (llama.cpp's
+    way to get n_probs with greedy tokens), top_p 0 keeps the most likely token, top_k <= 0 is off."""
+    ids = ids_of("hello there")
+    whole = post(server, "/completion", {"prompt": "hello there", "n_predict": 10**6, "temperature": 0,
+                                         "ignore_eos": True}).json()
+    assert whole["stop_type"] == "limit" and whole["tokens_predicted"] == MAX_LEN - len(ids)
+    greedy = ref(ids, 6, temperature=0, ignore_eos=True).text
+    for extra in ({"temperature": -1, "n_probs": 2}, {"temperature": 0.8, "top_p": 0, "seed": 4}):
+        r = post(server, "/completion", {"prompt": "hello there", "n_predict": 6, "ignore_eos": True, **extra})
+        assert r.status_code == 200 and r.json()["content"] == greedy, (extra, r.text)
+    hot = dict(temperature=0.8, top_p=0.95, min_p=0.05, seed=9, ignore_eos=True, temperature_last=True)
+    r = post(server, "/completion", {"prompt": "hello there", "n_predict": 6, "top_k": -5, **hot})
+    assert r.json()["content"] == ref(ids, 6, top_k=0, **hot).text
 
 
 def test_slots_show_the_requests_running():

@@ -103,10 +103,15 @@ class _LlamaSampling(_Strict):
         refuse_unserved(self, _UNSERVED_SAMPLERS)
         if self.n_probs is not None and not 0 <= self.n_probs <= MAX_LOGPROBS:
             raise bad_request(f"n_probs must be in [0, {MAX_LOGPROBS}], got {self.n_probs}", "n_probs")
+        # llama.cpp's readings: a temperature <= 0 is greedy (< 0 documented as greedy with n_probs), top_k
+        # <= 0 and min_p <= 0 are off, top_p <= 0 keeps the most likely token alone
+        top_k, top_p = given(self.top_k, 40), given(self.top_p, 0.95)
+        if top_p <= 0:
+            top_k, top_p = 1, 1.0
         return CompletionRequest.model_construct(**{
             **{name: field.default for name, field in CompletionRequest.model_fields.items()},
-            "model": self.model, "prompt": "", "temperature": given(self.temperature, 0.8),
-            "top_k": given(self.top_k, 40), "top_p": given(self.top_p, 0.95), "min_p": given(self.min_p, 0.05),
+            "model": self.model, "prompt": "", "temperature": max(given(self.temperature, 0.8), 0.0),
+            "top_k": max(top_k, 0), "top_p": top_p, "min_p": max(given(self.min_p, 0.05), 0.0),
             "seed": None if self.seed in (None, -1) else self.seed, "stop": self.stop, "stream": bool(self.stream),
             "ignore_eos": bool(self.ignore_eos),
             **repeat_window(self.repeat_penalty, given(self.repeat_last_n, 64), "repeat_last_n"),
@@ -191,7 +196,8 @@ class LlamaCppRoutes:
         req = body.completion(server)
         server._check(req)
         prompts = [_join(p, server) for p in _prompts(body.prompt)]
-        return await self._run(request, body, req, prompts, "completion", multi=_is_multi(body.prompt) or req.n > 1)
+        # (one result is an object, several an array: llama.cpp's rule, a one-prompt list included)
+        return await self._run(request, body, req, prompts, "completion", multi=len(prompts) > 1 or req.n > 1)
 
     async def infill(self, request: HTTPRequest) -> Response:
         server = self.server
@@ -219,7 +225,8 @@ class LlamaCppRoutes:
     async def _run(self, request: HTTPRequest, body: _LlamaSampling, req: CompletionRequest,
                    prompts: list[list[int]], kind: str, multi: bool, truncated: bool = False) -> Response:
         server = self.server
-        budgets = [check_max_tokens(req.max_tokens, len(p), server.engine.max_len, None, "n_predict") for p in prompts]
+        # n_predict past the context's end stops there (llama.cpp's "limit"), as a default would
+        budgets = [check_max_tokens(None, len(p), server.engine.max_len, req.max_tokens, "n_predict") for p in prompts]
         fmt = Format(new_id("cmpl"), kind, server.cfg.model_name, now(), chat=False)
         job = await server._start(req, prompts, budgets, structured_output(req), req.logprobs)
         shape = _Shape(job, server.cfg.model_name, TokenText(server.tokenizer) if req.logprobs else None,
