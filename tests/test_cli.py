@@ -3,6 +3,7 @@ greedy output on the real SmolLM2 equals Hugging Face transformers' greedy outpu
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -113,6 +114,10 @@ def test_flag_spellings_and_where_errors_point(capsys, tmp_path, smollm2_gguf):
     args = build_parser().parse_args(["generate", "--model", "x", "--max-new-tokens", "7", "--prompts", "f.jsonl"])
     assert (args.max_tokens, args.prompts_file) == (7, "f.jsonl")
     assert build_parser().parse_args(["bench", "--target", "x", "--max-tokens", "9"]).max_new_tokens == 9
+    from tokenleap.cli.bench import command_line  # what a bench's results.json records: flags, nothing else
+    recorded = command_line(build_parser().parse_args(["bench", "--target", "x", "--limit", "2"]))
+    assert recorded.startswith("tokenleap bench --target x") and "--limit 2" in recorded
+    assert build_parser().parse_args(shlex.split(recorded)[1:]).limit == 2
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", "--spec", "ngram",
                           "--ngram-max", "2", "--ngram-min", "3"], "1 <= --ngram-min <= --ngram-max")
     prompts = tmp_path / "p.jsonl"

@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenleap.cli import bench, calibrate, chat, generate, models, serve, train_head, verify
     for module in (generate, models, chat, bench, serve, verify, calibrate, train_head):
         module.register(sub)
-    parser.set_defaults(commands=sub.choices)
+    parser.commands = sub.choices  # (main names a subcommand's unknown flags through its own parser)
     return parser
 
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand's parser: its --help lists the flags it takes
-        args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (TokenleapError, ConfigError) as e:
