@@ -83,7 +83,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=non_negative_int, default=32768,
                    help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
-                   help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N")
+                   help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N "
+                        "(default: %(default)s)")
     p.add_argument("--max-spec-tokens", type=positive_int, default=8, help="upper bound for the adaptive draft length")
     p.add_argument("--ngram-max", type=positive_int, default=4)
     p.add_argument("--ngram-min", type=positive_int, default=None,
@@ -97,7 +98,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the measured costs say it pays, a chain or plain decoding where not; on: always trees; "
                         "off: chains only")
     p.add_argument("--max-tree-nodes", type=positive_int, default=SpecConfig.max_tree_nodes,
-                   help="drafted nodes a token tree may hold (auto: the most the controller may choose)")
+                   help="the most drafted nodes a token tree may hold; under --spec-tree auto the controller "
+                        "chooses up to it (default: %(default)s)")
     p.add_argument("--lookahead-window", type=positive_int, default=SpecConfig.lookahead_window,
                    help="--spec lookahead: future positions W of the Jacobi window")
     p.add_argument("--lookahead-ngram", type=positive_int, default=SpecConfig.lookahead_ngram,
@@ -105,7 +107,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead-guesses", type=positive_int, default=SpecConfig.lookahead_guesses,
                    help="--spec lookahead: n-gram guesses G verified per step")
     p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="context window (default: 4096 or the model's)")
+                   help="context window (default: 4096, or the model's positions if fewer)")
     p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")
 
 

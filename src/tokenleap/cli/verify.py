@@ -64,6 +64,9 @@ def register(subparsers) -> None:
     # a fixed draft length, so every check drafts ('auto' certifies the adaptive controller's choices);
     # a short context: the checks' prompts are short and --batch slots of it are kept per engine
     p.set_defaults(num_spec_tokens=4, max_model_len=512)
+    for action in p._actions:  # (the shared flags' help states generate's defaults)
+        if action.dest == "max_model_len":
+            action.help = "context window (default: 512: the checks' prompts are short)"
     p.add_argument("--prompts", metavar="FILE", help="JSONL file with a \"prompt\" per line "
                                                      "(default: a small built-in set)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
