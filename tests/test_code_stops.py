@@ -51,3 +51,16 @@ def test_past_t_max_predict_ms_a_reply_with_a_new_line_ends():
                 dict(t_max_predict_ms=float("inf"))):
         with pytest.raises(ConfigError):
             SamplingParams(**bad)
+
+
+def test_a_stream_holds_back_only_text_a_stop_string_could_still_start_with():
+    """Text is held back while its ending could begin a stop string, no more (llama.cpp's rule): "x = 1"
+    goes out whole beside a stop "\\n    q"; "\\n" and then "\\n    " wait; a "y" after them shows they
+    were not the stop's start."""
+    seq = sequence(stop=("\n    q", "zz"))
+    assert seq.append([3]) == 1 and seq.take_text() == "x = 1"
+    assert seq.append([4]) == 1 and seq.take_text() == ""  # "\n" may begin "\n    q"
+    assert seq.append([5]) == 1 and seq.take_text() == ""  # so may "\n    "
+    assert seq.append([6]) == 1 and seq.take_text() == "\n    y"  # "y": not the stop after all
+    assert seq.append([8]) == 1 and seq.take_text() == ""  # "z" may begin "zz"
+    assert seq.append([8]) == 1 and seq.finished and seq.text == "x = 1\n    y" and seq.take_text() == ""

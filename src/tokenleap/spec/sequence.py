@@ -136,8 +136,20 @@ class Sequence:
             nl = self.text.rfind("\n")
             if nl >= 0 and not self.text[nl + 1:].strip(" \t"):
                 end = nl
-        if not self.finished and self.params.stop:
-            end = max(self.streamed, end - max(len(s) for s in self.params.stop) + 1)
+        if not self.finished and self.params.stop:  # the text's end that a stop string could still start with
+            end = max(self.streamed, min(end, len(self.text) - _open_stop(self.text, self.params.stop)))
         piece = self.text[self.streamed:end]
         self.streamed = end
         return piece
+
+
+def _open_stop(text: str, stops: tuple[str, ...]) -> int:
+    """The length of ``text``'s longest ending that begins some stop string (0: none does): the
+    characters a stream holds back until the stop string is complete or can no longer be."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
