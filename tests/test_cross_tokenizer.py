@@ -109,6 +109,20 @@ def test_paged_draft_cache_gives_plain_output_too(target, draft):
         assert cache.num_free_blocks == 24  # every block given back at the end
 
 
+def test_a_cascade_of_another_tokenizer_is_plain_output_and_named_cascade(target, draft):
+    """--spec draft --draft-spec ngram with a draft of another tokenizer: n-gram lookup speculates the
+    draft's own steps behind the text mapping; output as plain, steps counted as the cascade's."""
+    from tokenleap.spec.proposers.cascade import CascadeDraftProposer
+    params = PARAMS["seeded"]
+    for text in PROMPTS:
+        prompt = TARGET_TOK.encode(text, add_special_tokens=False)
+        proposer = CrossTokenizerProposer(CascadeDraftProposer(draft, draft.config.vocab_size, 160), TARGET_TOK,
+                                          DRAFT_TOK)
+        seq = _run(_engine(target, proposer, TARGET_TOK.vocab_size), prompt, params)
+        assert seq.generated == _run(_engine(target, None, TARGET_TOK.vocab_size), prompt, params).generated
+        assert proposer.name == "cascade" and set(seq.stats.proposer_steps) == {"cascade", "none"}
+
+
 class _OracleDraft:
     """A stand-in draft that 'predicts' the text a target will write (known in advance) in the
     draft tokenizer's canonical tokens; it keeps no cache, so ``fed`` is whatever it was told."""

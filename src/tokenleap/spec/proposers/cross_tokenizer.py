@@ -65,7 +65,10 @@ class _Seq:
 class CrossTokenizerProposer:
     """A draft model of another tokenizer behind the target's proposer protocol (chains only)."""
 
-    name = "draft"
+    @property
+    def name(self) -> str:
+        """The inner proposer's: "draft", or "cascade" where n-gram lookup speculates the draft's steps."""
+        return self.inner.name
 
     def __init__(self, inner, target_tokenizer, draft_tokenizer) -> None:
         self.inner = inner  # a DraftModelProposer (or cascade) over the draft's own vocabulary
