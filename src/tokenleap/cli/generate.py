@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     so.add_argument("--json-object", action="store_true", help="reply is a JSON object")
     so.add_argument("--regex", help="reply matches this regular expression")
     so.add_argument("--choice", action="append", help="reply is one of these strings (repeatable)")
-    so.add_argument("--grammar", metavar="FILE", help="reply follows this grammar (Lark, or GBNF as llama.cpp writes it)")
+    so.add_argument("--grammar", metavar="FILE",
+                    help="reply follows this grammar (Lark, or GBNF as llama.cpp writes it)")
     g.add_argument("--stats", action="store_true", help="print speculation metrics to stderr")
     g.set_defaults(func=cmd_generate)
 
