@@ -81,7 +81,7 @@ def grouped(outputs: list[RequestOutput], stats: list[SpecStats], counts: list[i
     """Each prompt's ``counts[i]`` outputs in a row (``stats``: each one's counters) as one output: the
     first's fields, every completion in ``outputs``, the slowest one's seconds, and the counters of all
     of them (the request's, as in the server's usage: its completions ran side by side)."""
-    grouped, at = [], 0
+    out, at = [], 0
     for n in counts:
         first, rest = outputs[at], outputs[at + 1:at + n]
         first.outputs = [replace(o.outputs[0], index=j) for j, o in enumerate([first] + rest)]
@@ -92,9 +92,9 @@ def grouped(outputs: list[RequestOutput], stats: list[SpecStats], counts: list[i
                 total.merge(st)
             total.total_seconds = first.seconds
             first.stats = total.to_dict()
-        grouped.append(first)
+        out.append(first)
         at += n
-    return grouped
+    return out
 
 
 def completion_dict(c: CompletionOutput) -> dict[str, Any]:
