@@ -122,6 +122,11 @@ def test_run_asgi_streams_and_reports_a_disconnect():
             scheduler = app.state.server.scheduler
             assert await asyncio.to_thread(wait_until, lambda: scheduler.idle, 30)
             assert scheduler.stats.finished.get("length", 0) == 1  # only the first request ran to its end
+            # Ollama's stream (JSON lines) goes out as it is made too, not gathered into one body
+            ollama = json.dumps({"model": MODEL, "prompt": "hello there", "options": {"num_predict": 4}}).encode()
+            items = [i async for i in run_asgi(app, HTTPCall("POST", "/api/generate", body=ollama))]
+            assert items[0].status == 200 and items[0].streamed, items[:2]
+            assert [json.loads(line)["done"] for line in b"".join(items[1:]).splitlines()][-1] is True
 
     asyncio.run(main())
 

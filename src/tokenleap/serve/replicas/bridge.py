@@ -43,7 +43,9 @@ class ResponseStart:
 
     @property
     def streamed(self) -> bool:
-        return any(k == "content-type" and v.startswith("text/event-stream") for k, v in self.headers)
+        """A body sent as it is made: server-sent events, or Ollama's stream of JSON lines."""
+        return any(k == "content-type" and v.startswith(("text/event-stream", "application/x-ndjson"))
+                   for k, v in self.headers)
 
 
 def forwarded_headers(raw: list[tuple[bytes, bytes]] | tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
