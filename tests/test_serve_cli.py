@@ -45,8 +45,13 @@ def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, mon
         busy.listen()
         port = busy.getsockname()[1]
         assert main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port)]) == 2
-    err = capsys.readouterr().err
-    assert f"cannot listen on 127.0.0.1:{port}" in err and "serving" not in err
+        err = capsys.readouterr().err
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "serving" not in err
+        # replicas too, before Ray starts (Ray's proxy would share the port with the server there)
+        import ray
+        monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
+        assert main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port), "--replicas", "2"]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert main(["serve", "--model", "smollm2-135m-instruct", "--host", "999.1.1.1"]) == 2
     assert "--host '999.1.1.1' is not an address" in capsys.readouterr().err
 

@@ -57,9 +57,11 @@ def serve_replicas(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError(RAY_MISSING) from None
     from tokenleap.serve.replicas.deployment import build_application, settings_from_args
-    from tokenleap.cli.serve import _is_loopback
+    from tokenleap.cli.serve import _is_loopback, listening_socket
 
     settings = settings_from_args(args)
+    if not args.ray_address:  # a local proxy: a busy port fails now (Ray's proxy shares a port with another's)
+        listening_socket(args.host, args.port).close()
     if not _is_loopback(args.host) and not args.api_key:
         print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
 
