@@ -89,7 +89,7 @@ async def run_asgi(app, call: HTTPCall) -> AsyncIterator[ResponseStart | bytes]:
         await sent.put(message)
 
     task = asyncio.ensure_future(app(_scope(call), receive, send))
-    started = False
+    started, get = False, None
     try:
         while True:
             get = asyncio.ensure_future(sent.get())
@@ -111,6 +111,8 @@ async def run_asgi(app, call: HTTPCall) -> AsyncIterator[ResponseStart | bytes]:
                     return
     finally:
         gone.set()
+        if get is not None and not get.done():  # (closed while waiting: the queue read would be left pending)
+            get.cancel()
         if not task.done():  # give the app a moment to see the disconnect and clean up, then stop it
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(asyncio.shield(task), 1.0)
