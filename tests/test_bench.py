@@ -206,6 +206,13 @@ def test_resume_with_other_settings_is_refused_before_any_model_loads(tmp_path, 
     monkeypatch.setattr(suite, "ModelPool", no_loading)
     rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--max-new-tokens", "4", "--out", str(out), "--resume"])
     assert rc == 2 and "cannot resume" in capsys.readouterr().err
+    # the threads a run's timings were taken with are part of its settings
+    threaded = tmp_path / "t"
+    run_bench(settings(threaded, identity={"target": SMOL, "max_new_tokens": 8, "dataset": "chat", "threads": 1}),
+              FAKE_PROMPTS, FAKE_IDS, [Fake("plain")])
+    rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--max-new-tokens", "8", "--threads", "2",
+               "--out", str(threaded), "--resume"])
+    assert rc == 2 and "threads: 1 then, 2 now" in capsys.readouterr().err
 
 
 def test_failing_peer_is_reported_and_skipped(tmp_path):
@@ -459,3 +466,17 @@ def test_a_pooled_method_forgets_its_warm_up_and_refuses_repeats(pool, methods, 
     rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--methods", "ngram:pool=100", "--repeats", "2",
                "--out", str(tmp_path / "again")])
     assert rc == 2 and "--repeats 1" in capsys.readouterr().err
+    rc = main(["bench", "--target", SMOL, "--dataset", "chat", "--methods", "ngram:pool=100", "--resume",
+               "--out", str(tmp_path / "run")])  # its pool would start empty
+    assert rc == 2 and "run them again from the start" in capsys.readouterr().err
+
+
+def test_vocab_0_is_the_full_head_and_an_overlong_prompt_is_named_first(smollm2_gguf, tmp_path, capsys):
+    assert parse_methods("draft:vocab=0,k=2")[1].get("vocab") == 0
+    with pytest.raises(BenchError, match="vocab must be an integer >= 0"):
+        parse_methods("draft:vocab=-1")
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"prompt": "hi", "id": "short"}\n{"prompt": "' + "word " * 9000 + '", "id": "huge"}\n')
+    rc = main(["bench", "--target", SMOL, "--dataset", str(long), "--methods", "plain", "--max-new-tokens", "2",
+               "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2 and "prompt huge has" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -121,8 +121,9 @@ def _parse_option(family: str, text: str) -> tuple[str, int | str]:
         if value not in TREE_MODES:
             raise BenchError(f"method {family!r}: option tree must be one of {', '.join(TREE_MODES)}, got {value!r}")
         return key, value
-    if not value.isdigit() or int(value) < 1:
-        hint = "an integer >= 1" + (" or auto" if key == "k" and family in AUTO_K_FAMILIES else "")
+    if not value.isdigit() or int(value) < (0 if key == "vocab" else 1):  # (vocab=0: the draft's full head)
+        hint = ("an integer >= 0" if key == "vocab" else "an integer >= 1") + (
+            " or auto" if key == "k" and family in AUTO_K_FAMILIES else "")
         raise BenchError(f"method {family!r}: option {key} must be {hint}, got {value!r}")
     return key, int(value)
 

@@ -69,17 +69,21 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     pooled = [s.name for s in specs if s.get("pool")]
     if pooled and repeats > 1:  # a repeat would draft from the output of the one before it
         raise BenchError(f"method(s) {', '.join(pooled)} keep earlier outputs (pool=N): run them with --repeats 1")
+    if pooled and resume:  # the requests run before the interruption would be missing from their pools
+        raise BenchError(f"method(s) {', '.join(pooled)} keep earlier outputs (pool=N), which a resumed run would "
+                         "not have: run them again from the start")
     ds = load_dataset(dataset, limit)
     if pass_at_1 and not any("test" in p.extra for p in ds.prompts):
         raise BenchError(f"--pass-at-1 runs the prompts' tests, and dataset {dataset!r} has none here (humaneval, "
                          "fim and the mix's code prompts do)")
     check_out_dir(Path(out), resume)  # before any model loads
-    known = {"target": target, "draft": draft, "dataset": dataset, "dataset_sha256": ds.digest,
-             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "quant": quant,
-             "draft_quant": draft_quant}
+    threads = threads or torch.get_num_threads()
+    named = Path(dataset).expanduser()  # a file however its path is spelled; a built-in set by its name
+    known = {"target": target, "draft": draft, "dataset": str(named.resolve()) if named.is_file() else dataset,
+             "dataset_sha256": ds.digest, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
+             "quant": quant, "draft_quant": draft_quant, "threads": threads}
     if resume:
         check_resume(Path(out), known)
-    threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(torch_seed(seed))
     rss_before = rss_mb()
@@ -91,6 +95,10 @@ def bench(target: str, *, draft: str | None = None, dataset: str = "humaneval",
     use_chat = chat and bool(tok.chat_template) and not all("suffix" in p.extra for p in ds.prompts)
     prompt_ids = encode_prompts(tok, ds.prompts, use_chat)
     limit_len = pool.target().model.config.max_context
+    for p, ids in zip(ds.prompts, prompt_ids):  # every prompt fits before any request runs
+        if len(ids) >= limit_len:
+            raise BenchError(f"prompt {p.id} has {len(ids)} tokens and the model reads {limit_len} positions: "
+                             "shorten it or leave it out of the dataset")
     pool.opts.max_len = min(max(map(len, prompt_ids)) + max_new_tokens + 16, limit_len)
     built, infos = build_methods(specs, pool)
     identity = {**known, "dtype": str(pool.dtype).removeprefix("torch."), "chat": use_chat}
