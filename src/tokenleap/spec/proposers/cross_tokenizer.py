@@ -68,7 +68,7 @@ class CrossTokenizerProposer:
     @property
     def name(self) -> str:
         """The inner proposer's: "draft", or "cascade" where n-gram lookup speculates the draft's steps."""
-        return self.inner.name
+        return getattr(self.inner, "name", "draft")
 
     def __init__(self, inner, target_tokenizer, draft_tokenizer) -> None:
         self.inner = inner  # a DraftModelProposer (or cascade) over the draft's own vocabulary
