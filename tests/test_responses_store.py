@@ -184,4 +184,11 @@ def test_background_responses_run_on_and_can_be_cancelled(server):
         slow.responses.delete(running.id)  # stops it first
         with pytest.raises(openai.NotFoundError):
             slow.responses.retrieve(running.id)
+        # deleted where it does not run (another replica: the shared store alone), it stays deleted at its end
+        elsewhere = slow.responses.create(**{**long, "max_output_tokens": 12})
+        store = s.app.state.server.response_store
+        assert asyncio.run(store.delete(elsewhere.id))
+        assert wait_until(lambda: not s.app.state.server.scheduler.running and eng.cache.num_used_blocks == 0)
+        with pytest.raises(openai.NotFoundError):
+            slow.responses.retrieve(elsewhere.id)
         assert wait_until(lambda: eng.cache.num_used_blocks == 0)  # the cancelled sequences were let go

@@ -96,7 +96,12 @@ class ResponsesRoutes:
         if req.background:
             pending = writer.pending()
             await keep(pending)
-            self.background.start(job, writer, keep, lambda: server._log(job, fmt))
+
+            async def keep_unless_deleted(obj: dict[str, Any]) -> None:
+                # deleted while it ran -- by another replica, which cannot stop it here -- it stays deleted
+                if await self.store.get(rid) is not None:
+                    await keep(obj)
+            self.background.start(job, writer, keep_unless_deleted, lambda: server._log(job, fmt))
             return JSONResponse(pending)
 
         async def final(texts, reasons, scored) -> dict[str, Any]:
