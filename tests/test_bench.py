@@ -351,6 +351,15 @@ def test_parse_methods_options_and_plain_first():
     assert specs[1].get("max") == 4 and specs[2].get("k") == "auto" and specs[3].kind == PEER
     with pytest.raises(BenchError, match="listed twice"):
         parse_methods("plain,ngram,ngram")
+    with pytest.raises(BenchError, match="'ngram:max=4,min=2' is listed twice"):  # the same options reordered
+        parse_methods("ngram:max=4,min=2,ngram:min=2,max=4")
+
+
+def test_a_category_named_overall_keeps_the_overall_bar():
+    from tokenleap.bench.plots import speedup_groups
+    overall, own, poem = {"ngram": {"speedup": 1.75}}, {"ngram": {"speedup": 1.0}}, {"ngram": {"speedup": 2.5}}
+    groups = speedup_groups({"summary": {"overall": overall, "by_category": {"overall": own, "poem": poem}}})
+    assert groups == [("overall", overall), ("overall", own), ("poem", poem)]
 
 
 def test_builtin_datasets():

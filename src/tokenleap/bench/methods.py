@@ -53,11 +53,11 @@ def parse_methods(text: str, add_plain: bool = True) -> list[MethodSpec]:
     specs = [_parse_one(item) for item in items]
     if not specs:
         raise BenchError(f"no methods given; choose from {', '.join(FAMILIES)}")
-    names = [s.name for s in specs]
-    dup = next((n for n in names if names.count(n) > 1), None)
+    same = [(s.family, tuple(sorted(s.options))) for s in specs]  # (options in any order: one method)
+    dup = next((s.name for s, key in zip(specs, same) if same.count(key) > 1), None)
     if dup:
-        raise BenchError(f"method {dup!r} is listed twice")
-    if add_plain and "plain" not in names:
+        raise BenchError(f"method {dup!r} is listed twice (perhaps with its options in another order)")
+    if add_plain and "plain" not in [s.name for s in specs]:
         specs.insert(0, MethodSpec("plain"))
     return specs
 

@@ -39,10 +39,16 @@ def _save(fig, path: Path, plt) -> str:
     return path.name
 
 
+def speedup_groups(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The speedup plot's groups, (label, per-method table): overall, then each category when there are
+    several (a list, not a dict: a dataset's category may itself be named "overall")."""
+    by_cat = results["summary"]["by_category"]
+    return [("overall", results["summary"]["overall"])] + (list(by_cat.items()) if len(by_cat) > 1 else [])
+
+
 def speedup_plot(results: dict[str, Any], path: Path) -> str | None:
     """Grouped bars: one group per category (and overall), one bar per method other than plain."""
-    by_cat = results["summary"]["by_category"]
-    groups = {"overall": results["summary"]["overall"], **(by_cat if len(by_cat) > 1 else {})}
+    groups = speedup_groups(results)
     methods = [m for m in results["summary"]["overall"] if m != "plain"]
     if not methods:
         return None
@@ -51,11 +57,11 @@ def speedup_plot(results: dict[str, Any], path: Path) -> str | None:
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
-        ys = [(t.get(m) or {}).get("speedup") or 0.0 for t in groups.values()]
+        ys = [(t.get(m) or {}).get("speedup") or 0.0 for _, t in groups]
         bars = ax.bar(xs, ys, width, label=m)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(groups)), list(groups), rotation=20 if len(groups) > 4 else 0)
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], rotation=20 if len(groups) > 4 else 0)
     ax.set_ylabel("speedup over plain (median tok/s ratio)")
     ax.set_title("Speedup by method and category")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
