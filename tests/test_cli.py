@@ -308,6 +308,8 @@ BAD_FLAGS = [
     ["models", "install"],
     ["models", "install", "no-such-model"],
     ["models", "list", "no-such-model"],
+    ["models", "no-such-model"],
+    ["models", "show", "smollm2-135m-instruct"],
     ["models", "--cache-dir", "/etc/passwd"],
 ]
 
@@ -360,6 +362,8 @@ def test_models_shows_size_state_and_the_install_command(capsys, monkeypatch, tm
     assert rows["qwen2.5-coder-0.5b-instruct"]["converted"] == []
     code, out, _ = run_cli(capsys, "models", "list", "smollm2-135m-instruct", "--json", "--cache-dir", str(tmp_path))
     assert code == 0 and [r["name"] for r in json.loads(out)] == ["smollm2-135m-instruct"]  # the one named
+    code, out, _ = run_cli(capsys, "models", "smollm2-135m-instruct", "--json", "--cache-dir", str(tmp_path))
+    assert code == 0 and [r["name"] for r in json.loads(out)] == ["smollm2-135m-instruct"]  # `list` implied
 
 
 def test_models_shows_converted_state(capsys, smollm2_gguf, tmp_path):

