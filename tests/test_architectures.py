@@ -392,3 +392,57 @@ def test_hub_style_configs_read_as_transformers_reads_them(name):
     if name.startswith("gemma3"):
         assert cfg.rope_local_base_freq == ref.rope_parameters["sliding_attention"]["rope_theta"]
         assert cfg.query_pre_attn_scalar == ref.query_pre_attn_scalar
+
+
+def _logits_of_dir(d):
+    ck = load_checkpoint(d, torch.float32)
+    ours = build_transformer(ck.config, ck.weights, torch.float32)
+    cache = KVCache(ours.config, 1, 64, torch.float32)
+    return ours, run(ours, cache, cache.allocate(), PROMPT, 0)
+
+
+def test_a_tied_config_beside_a_stored_head_of_its_own_uses_that_head(tmp_path):
+    """A config.json left saying ``tie_word_embeddings`` over a checkpoint whose lm_head differs from
+    the embeddings (a merge's or fine-tune's): transformers keeps the stored head, and so does tokenleap."""
+    hf_model("llama").save_pretrained(tmp_path)  # (untied: lm_head random, not the embeddings)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"tie_word_embeddings": True}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]  # [20, vocab]
+    ours, got = _logits_of_dir(tmp_path)
+    assert not ours.config.tie_word_embeddings
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("klass,over", [("MistralConfig", {"attention_bias": True, "sliding_window": WINDOW}),
+                                        ("Phi3Config", {"attention_bias": True}),
+                                        ("Qwen2Config", {"attention_bias": False})])
+def test_attention_bias_is_what_the_family_fixes_not_the_config_field(tmp_path, klass, over):
+    """transformers gives Qwen2's q/k/v a bias and Mistral's / Phi-3's none, whatever
+    ``attention_bias`` says; a checkpoint saved that way loads and computes the same here."""
+    ref = hf_model("", spec=(klass, over))
+    ref.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["attention_bias"] == over["attention_bias"]
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]  # [20, vocab]
+    torch.testing.assert_close(_logits_of_dir(tmp_path)[1], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type,scaling,match", [
+    ("phi3", {"rope_type": "linear", "factor": 2.0}, "Phi-3"),
+    ("phi3", {"type": "yarn", "factor": 2.0}, "Phi-3"),
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32}, "low_freq_factor"),
+])
+def test_rope_scaling_transformers_refuses_is_refused(model_type, scaling, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_dict(BASE | {"model_type": model_type, "rope_scaling": scaling})
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text"])
+def test_fields_a_config_leaves_out_take_transformers_defaults(model_type):
+    raw = {"model_type": model_type, "vocab_size": VOCAB, "hidden_size": 512, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 32, "head_dim": 16}  # (Qwen2's default: 32 KV heads)
+    cfg, ref = ModelConfig.from_hf_dict(raw), transformers.AutoConfig.for_model(**raw)
+    assert (cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.num_key_value_heads, cfg.sliding_window) == (
+        ref.max_position_embeddings, ref.rms_norm_eps, ref.num_key_value_heads, getattr(ref, "sliding_window", None))

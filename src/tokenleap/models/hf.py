@@ -6,6 +6,7 @@ stored dtype differs, so a directory saved in the compute dtype loads in about a
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ import torch
 
 from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -129,7 +132,23 @@ def load_hf_dir(model_dir: str | Path, dtype: torch.dtype) -> tuple[ModelConfig,
     if not model_dir.is_dir():
         raise ModelFormatError(f"{model_dir} is not a directory")
     config = read_config(model_dir)
-    return config, read_weights(model_dir, dtype)
+    weights = read_weights(model_dir, dtype)
+    return _tie_as_stored(config, weights, model_dir), weights
+
+
+def _tie_as_stored(config: ModelConfig, weights: dict[str, torch.Tensor], model_dir: Path) -> ModelConfig:
+    """``config`` untied where it says the output layer is the embedding matrix but the checkpoint
+    stores an output layer of its own that differs from it (a merge's or fine-tune's config left
+    tied): transformers then keeps the stored head, and so does tokenleap."""
+    if not config.tie_word_embeddings:
+        return config
+    head = next((weights[k] for k in ("lm_head.weight", "language_model.lm_head.weight") if k in weights), None)
+    embed = next((v for k, v in weights.items() if k.endswith("embed_tokens.weight")), None)
+    if head is None or embed is None or (head.shape == embed.shape and torch.equal(head, embed)):
+        return config
+    log.warning("%s: config.json ties the output layer to the embeddings, but the checkpoint stores a "
+                "different lm_head.weight; using the stored one (as transformers does)", model_dir)
+    return replace(config, tie_word_embeddings=False)
 
 
 __all__ = [

@@ -18,6 +18,14 @@ _HF_MODEL_TYPE = {"gemma3": "gemma3_text"}  # and back
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma3": 256}  # the config classes' defaults when head_dim is absent
+# transformers' config-class defaults for fields a config.json leaves out: max_position_embeddings,
+# rms_norm_eps, num_key_value_heads (None: one per attention head)
+_DEFAULTS = {"llama": (2048, 1e-6, None), "qwen2": (32768, 1e-6, 32), "qwen3": (32768, 1e-6, 32),
+             "mistral": (131072, 1e-6, 8), "phi3": (4096, 1e-5, None), "gemma3": (131072, 1e-6, 4)}
+# transformers builds these families' attention projections with a fixed bias, whatever the config
+# says: Qwen2's q/k/v always have one, Mistral's and Phi-3's never
+_FIXED_ATTENTION_BIAS = {"qwen2": True, "mistral": False, "phi3": False}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _GEMMA_GLOBAL_THETA, _GEMMA_LOCAL_THETA = 1_000_000.0, 10_000.0
 _LAYER_KINDS = ("full_attention", "sliding_attention")
 # Gemma 3 configs carry attn_logit_softcapping, but neither transformers' Gemma 3 nor llama.cpp applies
@@ -67,15 +75,23 @@ def _rope_settings(arch: str, d: dict[str, Any]) -> tuple[float, dict[str, Any],
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"rope scaling type {rope_type!r} is not supported by tokenleap (it implements "
                           f"{', '.join(ROPE_TYPES)}); use a checkpoint without it")
+    if arch == "phi3" and rope_type != "default":  # (transformers' Phi-3 takes longrope alone)
+        raise ConfigError(f"rope scaling type {rope_type!r} is not one Phi-3 takes (transformers allows only "
+                          f"longrope there, which tokenleap does not support); use a checkpoint without it")
     scaling: dict[str, Any] = {}
     if rope_type != "default":
         scaling = {k: v for k, v in glob.items() if v is not None}
         scaling["rope_type"] = rope_type
         if "factor" not in scaling and rope_type != "yarn":
             raise ConfigError(f"rope scaling {rope_type!r} needs a 'factor'")
+        if rope_type == "llama3":
+            missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+            if missing:
+                raise ConfigError(f"rope scaling 'llama3' needs {', '.join(missing)}")
         if rope_type in ("llama3", "yarn"):
             orig = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-            scaling["original_max_position_embeddings"] = int(orig or d.get("max_position_embeddings", 4096))
+            scaling["original_max_position_embeddings"] = int(orig or d.get("max_position_embeddings",
+                                                                            _DEFAULTS[arch][0]))
         bad = sorted(k for k, v in scaling.items() if not isinstance(v, (int, float, str, bool)))
         if bad:
             raise ConfigError(f"rope scaling {rope_type!r} has unsupported entries {bad}")
@@ -93,6 +109,8 @@ def _sliding(arch: str, d: dict[str, Any], layers: int) -> tuple[int | None, tup
     types = tuple(d.get("layer_types") or ())
     if arch == "llama":
         return None, ()
+    if arch == "mistral":
+        window = d.get("sliding_window", 4096)  # (a key set to null: no window)
     if arch in ("qwen2", "qwen3"):
         if not d.get("use_sliding_window"):
             return None, ()
@@ -126,6 +144,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     act = d.get("hidden_activation") or d.get("hidden_act") or default_act
     head_dim = d.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch) or int(d["hidden_size"]) // heads
     scalar = d.get("query_pre_attn_scalar", 256 if arch == "gemma3" else None)
+    positions, eps, kv_heads = _DEFAULTS[arch]
     return ModelConfig(
         architecture=arch,
         vocab_size=int(d["vocab_size"]),
@@ -133,13 +152,13 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=int(d["intermediate_size"]),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+        num_key_value_heads=int(d.get("num_key_value_heads") or kv_heads or heads),
         head_dim=int(head_dim),
-        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        max_position_embeddings=int(d.get("max_position_embeddings", positions)),
         rope_theta=theta,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(d.get("rms_norm_eps", eps)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "gemma3")),
-        attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+        attention_bias=_FIXED_ATTENTION_BIAS.get(arch, bool(d.get("attention_bias", False))),
         mlp_bias=arch == "llama" and bool(d.get("mlp_bias", False)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=eos_ids,
