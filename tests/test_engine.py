@@ -130,12 +130,14 @@ class Letters:
         return "_abcd"[i]
 
 
-def test_a_stop_string_inside_min_tokens_is_passed_over_whatever_a_step_adds():
+@pytest.mark.parametrize("stops", [("bc",), ("bc", "zzzzzzzzzz")])
+def test_a_stop_string_inside_min_tokens_is_passed_over_whatever_a_step_adds(stops):
     """Only stop strings ending in a token past ``min_tokens`` count, whether the tokens come one a
     step (the text handed out between steps) or all in one step: "bc" ends at token 3 of "abcdabc",
-    inside min_tokens 4, so the reply ends at the second "bc"."""
+    inside min_tokens 4, so the reply ends at the second "bc" -- also beside a longer stop string
+    (each string's window is its own length, as vLLM looks)."""
     def sequence():
-        return Sequence(seq_id=0, prompt=[0], params=SamplingParams(max_tokens=20, stop=("bc",), min_tokens=4),
+        return Sequence(seq_id=0, prompt=[0], params=SamplingParams(max_tokens=20, stop=stops, min_tokens=4),
                         eos_ids=frozenset(), detokenizer=ToyDetokenizer(Letters()))
     tokens = [1, 2, 3, 4, 1, 2, 3]
     one_by_one, streamed = sequence(), ""

@@ -86,9 +86,8 @@ class Sequence:
         tokens a step added, and it never starts in text already handed out (``take_text``)."""
         if not self.params.stop or self.num_generated < self.params.min_tokens or not new_chars:
             return False
-        longest = max(len(s) for s in self.params.stop)
-        window_start = max(0, len(self.text) - new_chars - longest + 1)
-        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, window_start)) >= 0]
+        end = len(self.text) - new_chars + 1  # (each stop string's window: its endings in the new text)
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, max(0, end - len(s)))) >= 0]
         if not hits:
             return False
         i, self.stop_reason = min(hits, key=lambda hit: hit[0])
