@@ -201,6 +201,12 @@ def test_logprobs_match_the_chat_endpoints(server):
     streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
     done = next(e for e in events if e.type == "response.output_text.done").logprobs
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in done] == [w[:2] for w in want]
+    # the end token adds no text: its logprob still reaches the stream (in a delta of no text)
+    ended = {**kw, "extra_body": {"min_tokens": 3, "logit_bias": {"2": 100}}}
+    events = list(c.responses.create(**ended, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done").logprobs
+    assert len(done) == 4 and [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in done]
     assert c.responses.create(model=NAME, input="score me", max_output_tokens=6, temperature=0,
                               top_logprobs=2).output[0].content[0].logprobs == []  # not asked for in include
     with pytest.raises(openai.BadRequestError, match="top_logprobs must be"):
