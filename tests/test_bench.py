@@ -180,6 +180,9 @@ def test_cli_end_to_end_with_hf_peer(smollm2_gguf, tmp_path, capsys):
         assert status["llamacpp-plain"] == "skipped"
     assert results["machine"]["cpu_flags"].keys() >= {"avx512f", "amx_bf16"}
     assert results["versions"]["torch"] and results["command"].startswith("tokenleap bench")
+    # how busy the machine was, at both ends (a loaded machine slows every engine, not all alike)
+    assert len(results["machine"]["load_average"]) == len(results["load_average_end"]) == 3
+    assert "- load average (1 / 5 / 15 min) at the start: " in (out / "report.md").read_text()
 
 
 # -- runner logic with fake methods ---------------------------------------------------------------------

@@ -74,6 +74,15 @@ def _mem_total_gb() -> float | None:
     return None
 
 
+def load_average() -> list[float] | None:
+    """The 1 / 5 / 15-minute load averages: a run on a machine busy with other work (load above its
+    usable cores) times every engine slower, and not all alike (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
@@ -87,6 +96,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_flags": {f: f in flags for f in CPU_FLAGS},
         "memory_gb": _mem_total_gb(),
         "torch_threads": torch.get_num_threads(),
+        "load_average": load_average(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
     }

@@ -131,6 +131,8 @@ def _build_llamacpp(spec: MethodSpec, pool: ModelPool) -> "LlamaCppMethod":
                           n_threads_batch=threads, draft_model=draft, verbose=False)
     method = LlamaCppMethod(spec.name, llm, target.tokenizer)
     method.detail = {"engine": "llama.cpp", "weights": Path(target.gguf_path).name, "threads": threads}
+    if draft is not None:  # (llama_cpp_python's lookup computes logits for every prompt row, llama.cpp's own does not)
+        method.detail["engine"] = "llama.cpp through llama_cpp_python's prompt lookup (logits of every row)"
     return method
 
 

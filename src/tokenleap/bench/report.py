@@ -58,8 +58,14 @@ def _setup(results: dict[str, Any]) -> list[str]:
         f"{s['repeats']} repeat(s), chat template {'on' if s['chat'] else 'off'}, warm-up excluded",
         f"- machine: {m.get('cpu', '?')}, {m.get('usable_cores', '?')} usable cores, "
         f"{m.get('memory_gb', '?')} GB; flags: {flags}; torch threads {m.get('torch_threads', '?')}",
+        f"- load average (1 / 5 / 15 min) at the start: {_loads(m.get('load_average'))}, at the end: "
+        f"{_loads(results.get('load_average_end'))}",
         f"- versions: {versions}",
     ]
+
+
+def _loads(loads: list[float] | None) -> str:
+    return " / ".join(f"{x:.2f}" for x in loads) if loads else "-"
 
 
 def _equality(results: dict[str, Any]) -> list[str]:

@@ -20,7 +20,7 @@ from tokenleap.config import SamplingParams
 from tokenleap.bench import summary as S
 from tokenleap.bench.common import PEER, BenchError, BenchMethod, MethodInfo
 from tokenleap.bench.datasets import BenchPrompt
-from tokenleap.bench.machine import memory_status, peak_rss_mb
+from tokenleap.bench.machine import load_average, memory_status, peak_rss_mb
 
 RESULTS_LOG, RUN_FILE, RESULTS_FILE = "results.jsonl", "run.json", "results.json"
 SCHEMA = "tokenleap-bench/1"
@@ -274,6 +274,7 @@ def finish(settings: BenchSettings, prompts: list[BenchPrompt], log: ResultsLog,
     eq = S.equality(records, settings.greedy)
     results = {
         "schema": SCHEMA, **context, "finished": _dt.datetime.now().isoformat(timespec="seconds"),
+        "load_average_end": load_average(),
         "settings": {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
                      "seed": settings.seed, "repeats": settings.repeats, "chat": settings.chat,
                      "warmup_tokens": settings.warmup_tokens, "pass_at_1": settings.pass_at_1,

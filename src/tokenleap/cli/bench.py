@@ -22,6 +22,8 @@ _EPILOG = f"""methods: {', '.join(FAMILIES)}
            stored per model -- tokenleap calibrate --, or a list like skip=4-6+10-14) |
            eagle:k=auto,head=auto (a trained draft head: head=auto the one tokenleap train-head stored, or a file) |
            hf-assisted:k=5 | hf-prompt-lookup:k=10,max=2 | llamacpp-prompt-lookup:k=10,max=2
+           (llama_cpp_python's lookup: it computes logits for every prompt row, so its prefill is slower
+           than llama.cpp's own lookup decoding)
   plain is always run (speedups and the equality check are relative to it); sampled runs are seeded
   per prompt (--seed + prompt index), so tokenleap's methods must equal plain then too (peers are not
   compared). Figures: docs/METRICS.md.
