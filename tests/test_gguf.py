@@ -276,3 +276,4 @@ def test_real_smollm2_header_and_tensors():
     assert q.shape == (576, 576) and torch.isfinite(q).all()
     assert g.raw_tensor("model.layers.0.mlp.up_proj.weight")[0] == Q.Q4_1
     assert len(g.tokenizer_metadata()["tokenizer.ggml.tokens"]) == 49152
+

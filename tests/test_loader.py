@@ -272,3 +272,17 @@ def test_real_qwen_0_5b_loads(tmp_path_factory):
     bias = ck.weights["model.layers.0.self_attn.q_proj.bias"]
     assert bias.shape == (896,) and torch.isfinite(bias.float()).all()
     assert np.isfinite(ck.weights["lm_head.weight"][:8].float().numpy()).all()
+
+
+@pytest.mark.parametrize("qtype,int8_layers", [(Q.F16, 0), (Q.Q8_0, 0), (Q.Q4_0, 0), (Q.Q5_0, 0)])
+def test_int4_from_a_gguf_is_int4(tmp_path, tokenizer_stub, qtype, int8_layers):
+    """``--quant int4`` re-packs a file's own 4-bit blocks and keeps its other tensors at int8; a file
+    with no 4-bit tensor at all (F16, Q8_0, Q5_0) becomes int4 throughout, as asked (not int8)."""
+    from tokenleap.models.checkpoint import load_checkpoint
+    from tokenleap.models.pretrained import _quantized
+    from tokenleap.models.qlinear import Int4Linear, Int8Linear
+    path = write_tiny_gguf(tmp_path / "l.gguf", "llama", tiny_state("llama", seed=1), qtype=qtype)
+    ckpt = load_checkpoint(path, torch.float32, tmp_path / "cache")
+    model = _quantized(ckpt, None, torch.float32, "int4", None, gguf_other="int8")  # (load_model's step)
+    kinds = [type(m) for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert kinds and kinds.count(Int8Linear) == int8_layers and len(kinds) >= 2 * 3 + 1  # (fused q/k/v, gate/up)

@@ -88,7 +88,8 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     With ``quant="int4"`` a GGUF's own 4-bit blocks are re-packed exactly and its other tensors
     (Q5/Q6/Q8, e.g. the LM head llama.cpp's Q4_K_M keeps at 6 bits) are quantized with
     ``gguf_other``: int8 by default, keeping their precision; drafts pass "int4", since a
-    draft's precision moves only acceptance, never the output.
+    draft's precision moves only acceptance, never the output. A file with no 4-bit tensors
+    becomes int4 throughout.
     """
     if quant not in QUANT_MODES:
         raise ConfigError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
@@ -118,9 +119,12 @@ def _quantized(ckpt: Checkpoint, tokenizer: Tokenizer, dt: torch.dtype, quant: s
     """The checkpoint's model built and quantized with ``quant`` (see ``load_model``)."""
     model = build_transformer(ckpt.config, ckpt.weights, dt)
     if quant == "int4" and ckpt.gguf_path is not None:
-        # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other
-        from tokenleap.models.quant import quantize_from_gguf_
-        quantize_from_gguf_(model, ckpt.gguf_path, other=gguf_other)
+        # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other -- in a
+        # file with no 4-bit tensors at all (F16, BF16, Q8_0, Q5_K_M...) every one becomes int4, as asked
+        from tokenleap.models.gguf import GGUFFile
+        from tokenleap.models.quant import has_4bit_blocks, quantize_from_gguf_
+        gguf = GGUFFile(ckpt.gguf_path)
+        quantize_from_gguf_(model, gguf, other=gguf_other if has_4bit_blocks(gguf) else "int4")
     elif quant == "w8a8":
         _quantize_w8a8(model, tokenizer, ckpt, dt, Path(cache_dir) if cache_dir else None)
     elif quant != "none":

@@ -165,6 +165,14 @@ def fuse_projections_(model: nn.Module) -> int:
     return joined
 
 
+_GGUF_4BIT = ("Q4_0", "Q4_1", "Q4_K")  # the block types Int4Linear takes exactly
+
+
+def has_4bit_blocks(gguf: Any) -> bool:
+    """Whether a GGUF file (a ``GGUFFile``) stores any weight in a block type ``Int4Linear`` takes."""
+    return any(getattr(info.qtype, "name", "") in _GGUF_4BIT for info in gguf.infos.values())
+
+
 def quantize_from_gguf_(model: nn.Module, gguf: Any, other: str = "int8", skip_lm_head: bool = False,
                         compute_dtype: torch.dtype = torch.bfloat16) -> QuantReport:
     """Quantize ``model`` (built from the same GGUF) in place, reusing the file's 4-bit blocks.
@@ -192,7 +200,7 @@ def quantize_from_gguf_(model: nn.Module, gguf: Any, other: str = "int8", skip_l
         if tuple(shape) != (lin.out_features, lin.in_features):
             raise ValueError(f"{hf_name} is {tuple(shape)} in the GGUF but {name} is "
                              f"{(lin.out_features, lin.in_features)}; build the model from the same file")
-        if getattr(qtype, "name", "") in ("Q4_0", "Q4_1", "Q4_K"):
+        if getattr(qtype, "name", "") in _GGUF_4BIT:
             reason = int4_unsupported_reason(*shape, 32)
             if reason is None:
                 new = Int4Linear.from_gguf(qtype, raw, shape, lin.bias, compute_dtype)
