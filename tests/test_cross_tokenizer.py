@@ -77,6 +77,9 @@ def test_tokenizers_differ_and_are_told_apart():
     assert TARGET_TOK.encode("abcd", add_special_tokens=False) != DRAFT_TOK.encode("abcd", add_special_tokens=False)
     assert not same_tokenizer(TARGET_TOK, DRAFT_TOK)
     assert same_tokenizer(TARGET_TOK, bpe(LETTERS, [("a", "b"), ("c", "d"), ("ab", "c"), ("e", "e")]))
+    padded = bpe(LETTERS, [("a", "b"), ("c", "d"), ("ab", "c"), ("e", "e")])
+    padded.backend.add_special_tokens([f"[PAD{i}]" for i in range(12, 16)])  # (a GGUF of a padded vocabulary)
+    assert padded.vocab_size == TARGET_TOK.vocab_size + 4 and same_tokenizer(TARGET_TOK, padded)
 
 
 @pytest.mark.parametrize("kind", list(PARAMS))

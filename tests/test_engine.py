@@ -11,6 +11,8 @@ from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.errors import PromptTooLongError
 from tokenleap.models.build import build_transformer
+from tokenleap.spec.proposers.cascade import CascadeDraftProposer
+from tokenleap.spec.proposers.draft_head import ReducedVocabHead
 from tokenleap.spec.proposers.draft_model import DraftModelProposer
 from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.sequence import Sequence
@@ -56,6 +58,43 @@ def test_greedy_speculative_equals_plain(target, k):
             seq = run(engine(target, make(), k), prompt, params)
             assert seq.generated == want, f"{name} k={k} prompt={prompt}"
             assert seq.finish_reason == "length"
+
+
+def _resized(model, vocab: int, seed: int = 5):
+    """``model`` with its embedding and head cut or padded to ``vocab`` rows (padding: random
+    embeddings, zero head rows -- an untrained row, as a padded vocabulary's are, seldom wins)."""
+    cfg = replace(model.config, vocab_size=vocab)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    extra = random_weights(cfg, seed)
+    extra["lm_head.weight"].zero_()
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = weights[name][:vocab]
+        weights[name] = torch.cat([w, extra[name][len(w):]]) if len(w) < vocab else w
+    return build_transformer(cfg, weights, torch.float32)
+
+
+@pytest.mark.parametrize("draft_vocab,target_vocab", [(VOCAB, VOCAB + 32), (VOCAB + 32, VOCAB)])
+def test_a_draft_padded_to_another_vocabulary_size_is_lossless(target, draft_vocab, target_vocab):
+    """Qwen2.5's 0.5B-3B hold 151,936 embedding rows and its 7B and larger 152,064, one tokenizer: the
+    draft's logits are fitted to the target's size, greedy and seeded output equal plain decoding's,
+    and a draft that is the target's own weights still agrees nearly always."""
+    tgt = _resized(target, target_vocab, seed=3)
+    draft = _resized(target, draft_vocab, seed=4)
+    with pytest.raises(Exception, match="differs from the target's"):
+        DraftModelProposer(draft, target_vocab, 128)
+    for params in (SamplingParams(max_tokens=30, ignore_eos=True),
+                   SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=11)):
+        for prompt in PROMPTS:
+            want = run(Engine(tgt, ToyTokenizer(target_vocab, (2,)), max_len=128), prompt, params).generated
+            for kind, head in ((DraftModelProposer, None), (CascadeDraftProposer, None),
+                               (DraftModelProposer, ReducedVocabHead(draft.lm_head, 40))):
+                proposer = kind(draft, target_vocab, 128, head=head, fit_vocab=True)
+                eng = Engine(tgt, ToyTokenizer(target_vocab, (2,)), max_len=128, proposer=proposer,
+                             controller=ControllerConfig(max_k=6, fixed_k=4))
+                seq = run(eng, prompt, params)
+                assert seq.generated == want, (kind, head, params, prompt)
+                if params.greedy and head is None:
+                    assert seq.stats.draft_acceptance_rate > 0.5
 
 
 def test_self_draft_accepts_everything_and_random_draft_little(target):

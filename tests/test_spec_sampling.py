@@ -36,8 +36,8 @@ PROMPT = [0, 1, 2, 1]
 PARAMS = dict(temperature=0.9, top_k=0, top_p=1.0)
 
 
-def model(seed: int, scale: float):
-    cfg = tiny_config("llama", vocab=V, hidden=32, intermediate=64, heads=2, kv_heads=1)
+def model(seed: int, scale: float, vocab: int = V):
+    cfg = tiny_config("llama", vocab=vocab, hidden=32, intermediate=64, heads=2, kv_heads=1)
     return build_transformer(cfg, random_weights(cfg, seed, scale=scale), torch.float32)
 
 
@@ -73,7 +73,8 @@ def sample_counts(target, draft, seed: int, monkeypatch, penalties: dict | None 
     """Counts of N_SAMPLES continuations, each its own request. Unseeded requests (rejection
     sampling) get generators seeded from this test's stream; seeded ones (noise keyed by position)
     get seeds from it. ``controller``: the engine's (default: chains of 3)."""
-    eng = Engine(target, ToyTokenizer(V, eos=()), max_len=32, proposer=DraftModelProposer(draft, V, 32),
+    proposer = DraftModelProposer(draft, V, 32, fit_vocab=draft.config.vocab_size != V)
+    eng = Engine(target, ToyTokenizer(V, eos=()), max_len=32, proposer=proposer,
                  controller=controller or ControllerConfig(max_k=3, fixed_k=3))
     gen = torch.Generator().manual_seed(seed)
 
@@ -127,6 +128,16 @@ def test_engine_sampling_with_penalties_matches_target_distribution(pair, monkey
     assert max(abs(exact[k] - v) for k, v in exact_distribution(target).items()) > 0.02  # they act
     counts = sample_counts(target, draft, seed=6, monkeypatch=monkeypatch, penalties=penalties)
     assert p_value(counts, exact) > 1e-3
+
+
+@pytest.mark.parametrize("draft_vocab", [2, 5])
+def test_a_draft_of_another_vocabulary_size_samples_the_target_distribution(pair, monkeypatch, draft_vocab):
+    """A draft whose embedding matrix is padded to another size than the target's (same tokenizer):
+    its logits fitted to the target's ids (the missing one never drafted, the extra ones dropped),
+    rejection sampling stays exact."""
+    target, _ = pair
+    counts = sample_counts(target, model(13, 2.0, vocab=draft_vocab), seed=7, monkeypatch=monkeypatch)
+    assert p_value(counts, exact_distribution(target)) > 1e-3
 
 
 def biased_verifier(draft_tokens, draft_probs, target_probs, generator=None):

@@ -282,6 +282,9 @@ class Transformer(TracksChanges):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.init_rotary()
         self.use_fused_layers = True
+        # a draft fed a target's ids, whose embedding matrix has more rows than this one's (a padded
+        # vocabulary, one tokenizer): an id past this table reads this id's row instead (None: none may)
+        self.stand_in_id: int | None = None
 
     @property
     def use_fused_layers(self) -> bool:
@@ -324,6 +327,8 @@ class Transformer(TracksChanges):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[rows] ids -> [rows, hidden] in the model dtype; Gemma scales by sqrt(hidden) in the table's
         dtype first, as transformers does."""
+        if self.stand_in_id is not None:
+            tokens = torch.where(tokens < self.config.vocab_size, tokens, self.stand_in_id)  # [rows]
         x = self.model.embed_tokens(tokens)  # [rows, hidden]
         if self.config.gemma_style:
             x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)

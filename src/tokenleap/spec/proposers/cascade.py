@@ -127,8 +127,8 @@ class CascadeDraftProposer(DraftModelProposer):
     def _row_heads(self, seq_ids: list[int]):
         """The reduced-vocabulary head for rows of these sequences (one head per row), or None."""
         if self.head is None:
-            return None
-        return BatchHead([self._heads[s] for s in seq_ids])
+            return self._fitted(None)
+        return self._fitted(BatchHead([self._heads[s] for s in seq_ids]))
 
 
 __all__ = ["CascadeDraftProposer"]

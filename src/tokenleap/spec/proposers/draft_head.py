@@ -56,7 +56,7 @@ class ReducedVocabHead:
         return lambda x: layer(x)[:, :n]
 
     def for_prompt(self, prompt: list[int]) -> "SequenceHead":
-        p = torch.tensor(sorted(set(prompt)), dtype=torch.long)
+        p = torch.tensor(sorted(i for i in set(prompt) if i < self.vocab), dtype=torch.long)  # (a target's padding ids: none)
         extra = p[~self._in_static[p]] if p.numel() else p  # [e]
         return SequenceHead(self, extra, self._rows(extra) if extra.numel() else None)
 
@@ -94,3 +94,21 @@ def _subset_logits(shared: ReducedVocabHead, x: torch.Tensor, parts: list[tuple[
         if head.extra is not None:
             out[rows, head.extra_ids] = head.extra(x[rows]).float()
     return out
+
+
+class VocabFit:
+    """A draft head's logits fitted to the target's vocabulary size, for a draft of the target's
+    tokenizer whose embedding matrix is padded to another size (Qwen2.5's 0.5B-3B hold 151,936 rows,
+    its 7B and larger 152,064; no real token lies in the padding): columns the draft lacks are -inf
+    (never drafted), columns the target lacks are dropped. The draft then draws from, and reports,
+    exactly this distribution over the target's ids, so verification stays exact."""
+
+    def __init__(self, head: Callable[..., torch.Tensor], vocab: int) -> None:
+        self.head, self.vocab = head, vocab
+
+    def __call__(self, x: torch.Tensor, row_exact: bool = False) -> torch.Tensor:
+        logits = self.head(x, row_exact)  # [rows, draft vocab]
+        extra = self.vocab - logits.shape[-1]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))  # [rows, vocab]
+        return logits[:, :self.vocab]  # [rows, vocab]

@@ -21,7 +21,7 @@ from tokenleap.spec.confidence import Calibration, ConfidenceLog, should_stop, t
 from tokenleap.spec.sampling import greedy, params_probs, sample
 from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.proposers.base import Draft, DraftRequest
-from tokenleap.spec.proposers.draft_head import BatchHead, ReducedVocabHead
+from tokenleap.spec.proposers.draft_head import BatchHead, ReducedVocabHead, VocabFit
 from tokenleap.spec.proposers.draft_tree import GrownTree, accept_path, grow
 
 
@@ -117,13 +117,18 @@ class DraftModelProposer:
 
     def __init__(self, model: Transformer, target_vocab_size: int, max_len: int, num_slots: int = 1,
                  cache: KVCache | None = None, head: ReducedVocabHead | None = None,
-                 catch_up_chunk: int = 256) -> None:
-        if model.config.vocab_size != target_vocab_size:
+                 catch_up_chunk: int = 256, fit_vocab: bool = False) -> None:
+        """``fit_vocab``: the draft shares the target's tokenizer but its embedding matrix is padded to
+        another size; its logits are fitted to the target's (``draft_head.VocabFit``)."""
+        if model.config.vocab_size != target_vocab_size and not fit_vocab:
             raise TokenleapError(
                 f"draft model vocabulary ({model.config.vocab_size} tokens) differs from the target's "
                 f"({target_vocab_size}); a draft model must share the target's tokenizer")
         self.model = model
         self.head = head  # None: the model's own full-vocabulary head
+        self.target_vocab = target_vocab_size if model.config.vocab_size != target_vocab_size else None
+        if target_vocab_size > model.config.vocab_size:  # the target may emit an id past the draft's rows
+            model.stand_in_id = 0
         # a longer backlog is fed this many tokens a call (no draft for that sequence meanwhile),
         # so one sequence's catch-up never stalls the others of its batch for long
         self.catch_up_chunk = catch_up_chunk
@@ -232,9 +237,16 @@ class DraftModelProposer:
 
     def _head_for(self, seq_ids: list[int]):
         if self.head is None:
-            return None
+            return self._fitted(None)
         heads = [self._heads[s] for s in seq_ids]
-        return heads[0] if len(heads) == 1 else BatchHead(heads)
+        return self._fitted(heads[0] if len(heads) == 1 else BatchHead(heads))
+
+    def _fitted(self, head):
+        """``head`` (None: the model's own) with its logits fitted to the target's vocabulary where
+        the two sizes differ; else ``head`` unchanged."""
+        if self.target_vocab is None:
+            return head
+        return VocabFit(head or self.model.lm_head, self.target_vocab)
 
     def backlog(self, seq_id: int, tokens: list[int]) -> int:
         return max(0, len(tokens) - self._fed[seq_id] - _STEP_TOKENS)

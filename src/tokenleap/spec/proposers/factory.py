@@ -115,7 +115,9 @@ def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num
         inner = kind(draft.model, draft.model.config.vocab_size, max_len, num_slots, cache=cache, head=head)
         return CrossTokenizerProposer(inner, target_tokenizer, draft.tokenizer)
     extra = {"pool": pool} if kind is CascadeDraftProposer else {}
-    return kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head, **extra)
+    # the target's tokenizer, its embedding matrix padded to another size (Qwen2.5 7B+ beside 0.5B-3B)
+    fit = target_tokenizer is not None
+    return kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head, fit_vocab=fit, **extra)
 
 
 def uses_draft(spec: SpecConfig) -> bool:
