@@ -127,12 +127,37 @@ def test_sizes_and_speculative_settings_are_checked_before_loading():
                       (dict(speculative={"method": "layerskip", "skip_layers": 5}), "skip_layers"),
                       (dict(speculative={"method": "draft", "draft_model": "m", "draft_quant": "q3"}), "draft_quant"),
                       (dict(speculative={"method": "ngram", "draft_vocab": "x"}), "draft_vocab"),
-                      (dict(speculative={"method": "draft", "draft_model": 5}), "draft_model")):
+                      (dict(speculative={"method": "draft", "draft_model": 5}), "draft_model"),
+                      # a setting only another method reads is refused, as the command line refuses its flag
+                      (dict(speculative={"method": "ngram", "draft_model": "m"}), "draft_model goes with"),
+                      (dict(speculative={"method": "lookahead", "draft_quant": "int4"}), "draft_quant and"),
+                      (dict(speculative={"method": "draft", "model": "m", "skip_layers": "1-3"}), "skip_layers"),
+                      (dict(speculative={"method": "ngram", "draft_head": "h.pt"}), "draft_head goes"),
+                      (dict(speculative={"num_tokens": 4}), "num_tokens sets"),
+                      (dict(speculative={"model": "m", "draft_model": "m"}), "not both")):
         with pytest.raises(ConfigError, match=words):
             LLM("no-such-model", **kw)  # (the model is never looked up)
     llm = LLM.from_loaded(make_llm(None).target, max_model_len=64)
     assert llm.max_len == 64
     assert SpecConfig(method="draft", draft_model=Path("/models/d")).draft_model == "/models/d"  # a Path is a path
+
+
+def test_speculative_settings_take_vllms_spellings_and_the_command_lines_defaults():
+    """vLLM's speculative_config names (num_speculative_tokens, model, prompt_lookup_max / _min, method
+    draft_model; an eagle model is the head), a draft model alone meaning method "draft" and method
+    "auto" alone picking an installed draft, as ``--draft-model`` / ``--spec auto`` do."""
+    from tokenleap.api import _spec_config
+    ngram = _spec_config({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3,
+                          "prompt_lookup_min": 1})
+    assert (ngram.method, ngram.num_tokens, ngram.ngram_max, ngram.ngram_min) == ("ngram", 5, 3, 1)
+    for d in ({"model": "d"}, {"method": "draft_model", "model": "d"}, {"draft_model": "d"}):
+        spec = _spec_config({**d, "num_speculative_tokens": 3})
+        assert (spec.method, spec.draft_model, spec.num_tokens) == ("draft", "d", 3), d
+    assert _spec_config({"method": "eagle", "model": "head.pt"}).draft_head == "head.pt"
+    assert _spec_config({"method": "auto"}).draft_model == "auto"
+    assert _spec_config({"method": "auto", "draft_model": None}).draft_model is None  # (auto without a draft)
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):  # the error names what is accepted
+        _spec_config({"method": "ngram", "num_spec_tokens": 5})
 
 
 def test_a_context_past_the_models_positions_is_cut_with_a_warning(caplog):

@@ -263,14 +263,12 @@ def _text_content(message: Any) -> Any:
 
 
 def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:
-    """``speculative`` as a SpecConfig: a dict holds its fields (as vLLM's ``speculative_config``)."""
+    """``speculative`` as a SpecConfig: a dict holds its fields, or vLLM's ``speculative_config``
+    names (``SpecConfig.from_dict``)."""
     if speculative is None:
         return SpecConfig()
     if isinstance(speculative, dict):
-        try:
-            return SpecConfig(**speculative)
-        except TypeError as e:
-            raise ConfigError(f"speculative: {e} (the fields are SpecConfig's)") from None
+        return SpecConfig.from_dict(speculative)
     if not isinstance(speculative, SpecConfig):
         raise ConfigError(f"speculative must be a SpecConfig or a dict of its fields, got {type(speculative).__name__}")
     return speculative

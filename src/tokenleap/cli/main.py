@@ -165,7 +165,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
 _SPEC_FLAGS = {"num_tokens": "--num-spec-tokens", "max_num_tokens": "--max-spec-tokens", "ngram_max": "--ngram-max",
                "ngram_min": "--ngram-min", "ngram_pool": "--ngram-pool", "max_tree_nodes": "--max-tree-nodes",
                "lookahead_window": "--lookahead-window", "lookahead_ngram": "--lookahead-ngram",
-               "lookahead_guesses": "--lookahead-guesses", "draft_vocab": "--draft-vocab"}
+               "lookahead_guesses": "--lookahead-guesses", "draft_vocab": "--draft-vocab",
+               "draft_quant": "--draft-quant", "draft_dtype": "--draft-dtype"}
 
 
 def _spec_from_flags(args: argparse.Namespace) -> SpecConfig:
