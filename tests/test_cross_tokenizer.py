@@ -315,3 +315,19 @@ def test_bench_cross_tokenizer_row_equals_plain(smollm2_gguf, tmp_path):
     draft_row = [r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())
                  if r.get("method") == "draft:k=3"]
     assert draft_row and sum(r["stats"]["draft_tokens"] for r in draft_row) > 0  # it did draft
+
+
+def test_the_draft_model_is_named_where_speculation_is_described(target, draft):
+    """--stats and the server's startup line say which draft model drafts, at which precision, and
+    whether it drafts through text (another tokenizer)."""
+    from tokenleap.cli.serve import _speculation
+    from tokenleap.models.pretrained import LoadedModel
+    from tokenleap.spec.proposers.base import draft_model_note
+    from tokenleap.spec.proposers.factory import draft_proposer
+    other = LoadedModel(draft, DRAFT_TOK, torch.float32, "none", "catalog:tiny-draft", None)
+    through_text = draft_proposer(other, target.config.vocab_size, 64, target_tokenizer=TARGET_TOK)
+    assert draft_model_note(through_text) == "draft model tiny-draft (float32), another tokenizer: drafts through text"
+    same = LoadedModel(tiny_model("qwen2", seed=2, vocab=TARGET_TOK.vocab_size), TARGET_TOK, torch.float32, "int4",
+                       "hf:/models/d", None)
+    chain = draft_proposer(same, target.config.vocab_size, 64, target_tokenizer=TARGET_TOK)
+    assert _speculation(chain) == "draft (draft model hf:/models/d (int4))"

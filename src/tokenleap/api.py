@@ -19,7 +19,7 @@ from tokenleap.config import ConfigError, SamplingParams, SpecConfig, is_int
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import PREFILL_CHUNK, Engine
 from tokenleap.models.pretrained import LoadedModel, load_model
-from tokenleap.spec.proposers.base import Proposer, output_pool_note
+from tokenleap.spec.proposers.base import Proposer, draft_model_note, output_pool_note
 from tokenleap.spec.proposers.factory import load_draft, proposer_for, resolve_auto_draft, uses_draft
 from tokenleap.outputs import RequestOutput, StreamChunk, grouped, request_output
 
@@ -108,7 +108,8 @@ class LLM:
             arms = getattr(engine.proposer, "arms", None)
             if arms is not None:
                 line += f" (proposers: {', '.join(arms)})"
-            for note in (output_pool_note(engine.proposer), getattr(engine.proposer, "note", None)):
+            for note in (draft_model_note(engine.proposer), output_pool_note(engine.proposer),
+                         getattr(engine.proposer, "note", None)):
                 line += f"; {note}" if note else ""
         if self.spec_note:
             line += f"; {self.spec_note}"

@@ -184,10 +184,10 @@ def _speculation(proposer) -> str:
     """The startup line's speculation: off, a method, or auto with its proposers and how its draft was chosen."""
     if proposer is None:
         return "off"
-    from tokenleap.spec.proposers.base import output_pool_note
+    from tokenleap.spec.proposers.base import draft_model_note, output_pool_note
     arms = getattr(proposer, "arms", None)
     notes = [", ".join(arms)] if arms is not None else []
-    notes += [n for n in (getattr(proposer, "note", None), output_pool_note(proposer)) if n]
+    notes += [n for n in (draft_model_note(proposer), getattr(proposer, "note", None), output_pool_note(proposer)) if n]
     return f"{proposer.name} ({'; '.join(notes)})" if notes else proposer.name
 
 

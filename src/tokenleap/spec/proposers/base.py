@@ -157,6 +157,12 @@ def output_pool_note(proposer) -> str | None:
     return f"n-gram lookup in the last {pools[0].max_tokens} tokens of earlier outputs too" if pools else None
 
 
+def draft_model_note(proposer) -> str | None:
+    """A startup line's words for the draft model the proposer (or one of its parts) drafts with:
+    which model, at which precision, and whether it drafts through text (None: no draft model)."""
+    return next((note for part in _parts(proposer) if (note := getattr(part, "draft_note", None))), None)
+
+
 def output_pools(proposer) -> list:
     """The distinct output pools the proposer's parts look text up in."""
     pools = {id(pool): pool for part in _parts(proposer) if (pool := getattr(part, "output_pool", None)) is not None}

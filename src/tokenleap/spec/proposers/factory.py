@@ -111,13 +111,23 @@ def draft_proposer(draft: LoadedModel, target_vocab_size: int, max_len: int, num
         specials = draft.tokenizer.backend.get_added_tokens_decoder().keys()
         head = ReducedVocabHead(draft.model.lm_head, draft_vocab, specials)
     kind = CascadeDraftProposer if draft_spec == "ngram" else DraftModelProposer
+    note = f"draft model {draft.source.removeprefix('catalog:')} ({_precision(draft)})"
     if target_tokenizer is not None and not same_tokenizer(target_tokenizer, draft.tokenizer):
         inner = kind(draft.model, draft.model.config.vocab_size, max_len, num_slots, cache=cache, head=head)
-        return CrossTokenizerProposer(inner, target_tokenizer, draft.tokenizer)
+        proposer = CrossTokenizerProposer(inner, target_tokenizer, draft.tokenizer)
+        proposer.draft_note = f"{note}, another tokenizer: drafts through text"
+        return proposer
     extra = {"pool": pool} if kind is CascadeDraftProposer else {}
     # the target's tokenizer, its embedding matrix padded to another size (Qwen2.5 7B+ beside 0.5B-3B)
     fit = target_tokenizer is not None
-    return kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head, fit_vocab=fit, **extra)
+    proposer = kind(draft.model, target_vocab_size, max_len, num_slots, cache=cache, head=head, fit_vocab=fit, **extra)
+    proposer.draft_note = note
+    return proposer
+
+
+def _precision(model: LoadedModel) -> str:
+    """"int4", or the dtype's name for unquantized weights."""
+    return model.quant if model.quant != "none" else str(model.dtype).removeprefix("torch.")
 
 
 def uses_draft(spec: SpecConfig) -> bool:
