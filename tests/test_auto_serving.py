@@ -103,6 +103,33 @@ def test_resolve_auto_draft(monkeypatch):
     assert same.draft_model == "m.gguf" and none is None
 
 
+def test_a_target_given_as_a_catalog_models_file_gets_its_draft(monkeypatch, tmp_path):
+    """A target named by the path of a catalog model's GGUF (the installed file, or a copy of it
+    elsewhere: its size and SHA-256) is that catalog model, and auto picks its draft."""
+    from dataclasses import replace
+    from tokenleap.config import SpecConfig
+    from tokenleap.models import catalog, pairing
+    from tokenleap.spec.proposers.factory import resolve_auto_draft
+    monkeypatch.setattr(pairing, "_installed", lambda name, cache_dir: True)
+    monkeypatch.setattr(pairing, "available_memory", lambda: 8 << 30)
+    name = "qwen2.5-coder-1.5b-instruct"
+    installed, copy, other = tmp_path / "installed.gguf", tmp_path / "copy.gguf", tmp_path / "other.gguf"
+    installed.write_bytes(b"GGUF" + b"x" * 60)
+    copy.write_bytes(installed.read_bytes())
+    other.write_bytes(b"GGUF" + b"y" * 60)
+    monkeypatch.setitem(catalog.CATALOG, name, replace(catalog.CATALOG[name], size=64,
+                                                        sha256=catalog.sha256_file(installed)))
+    draft = "qwen2.5-coder-0.5b-instruct"  # (still the smaller one)
+    monkeypatch.setitem(catalog.CATALOG, draft, replace(catalog.CATALOG[draft], size=32))
+    monkeypatch.setattr(catalog, "joined_path", lambda n, cache_dir=None: installed if n == name else None)
+    auto = SpecConfig(method="auto", draft_model="auto")
+    for model in (f"gguf:{installed}", str(copy)):
+        spec, note = resolve_auto_draft(auto, model, None)
+        assert spec.draft_model == "qwen2.5-coder-0.5b-instruct" and "installed" in note, model
+    spec, note = resolve_auto_draft(auto, f"gguf:{other}", None)
+    assert spec.draft_model is None and "not a catalog model" in note
+
+
 # -- the command line -----------------------------------------------------------------------------
 def parse(argv: list[str]) -> argparse.Namespace:
     from tokenleap.cli.main import build_parser

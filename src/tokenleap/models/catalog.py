@@ -264,6 +264,24 @@ def joined_path(name: str, cache_dir: Path | None = None) -> Path | None:
     return target if target.is_file() else None
 
 
+def catalog_name_of(model: str, cache_dir: Path | None = None) -> str | None:
+    """The catalog name of a model given by name, by its source ("catalog:NAME", "gguf:PATH") or by
+    the path of a GGUF file: an installed entry's own file, or a copy of one (its size and SHA-256);
+    None for anything else."""
+    name = model.removeprefix("catalog:")
+    if name in CATALOG:
+        return name
+    path = Path(model.removeprefix("gguf:")).expanduser()
+    if not path.is_file():
+        return None
+    for entry in CATALOG.values():
+        known = joined_path(entry.name, cache_dir)
+        if known is not None and known.is_file() and os.path.samefile(known, path):
+            return entry.name
+    size = path.stat().st_size
+    return next((e.name for e in CATALOG.values() if e.size == size and sha256_file(path) == e.sha256), None)
+
+
 def list_models(cache_dir: Path | None = None) -> list[dict]:
     """One dict per catalog model, for ``tokenleap models``: cheap, never joins or hashes."""
     rows = []

@@ -140,8 +140,10 @@ def resolve_auto_draft(spec: SpecConfig, model: str, cache_dir: str | Path | Non
     and a sentence saying what was picked and why; other specs unchanged (no sentence)."""
     if spec.method != "auto" or spec.draft_model != "auto":
         return spec, None
+    from tokenleap.models.catalog import catalog_name_of
     from tokenleap.models.pairing import pick_draft
-    pick = pick_draft(model.removeprefix("catalog:"), cache_dir, quant=None if spec.draft_quant == "none" else spec.draft_quant)
+    name = catalog_name_of(model, Path(cache_dir) if cache_dir else None) or model.removeprefix("catalog:")
+    pick = pick_draft(name, cache_dir, quant=None if spec.draft_quant == "none" else spec.draft_quant)
     return replace(spec, draft_model=pick.name, draft_quant=pick.quant if pick.name else spec.draft_quant), pick.reason
 
 
