@@ -67,8 +67,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "per request and step, the proposer that pays (n-gram, the draft model -- without "
                         "--draft-model an installed catalog draft of the target's tokenizer, if memory "
                         "allows --, other methods), else plain decoding")
-    p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft")
-    p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4")
+    p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft or auto (auto without "
+                                        "it picks an installed catalog draft of the target's tokenizer, at int4)")
+    p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4 (a draft "
+                                                         "auto picks is int4 unless this says int8)")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
     p.add_argument("--draft-spec", choices=["none", "ngram"], default="none",
                    help="--spec draft: speculate the draft model's own steps by n-gram lookup (a cascade)")
