@@ -64,3 +64,23 @@ def test_a_stream_holds_back_only_text_a_stop_string_could_still_start_with():
     assert seq.append([6]) == 1 and seq.take_text() == "\n    y"  # "y": not the stop after all
     assert seq.append([8]) == 1 and seq.take_text() == ""  # "z" may begin "zz"
     assert seq.append([8]) == 1 and seq.finished and seq.text == "x = 1\n    y" and seq.take_text() == ""
+
+
+def test_the_held_back_ending_is_the_longest_that_begins_a_stop_string():
+    """``OpenStops`` (read incrementally, each character once) against the definition: the longest
+    ending of the text that is a proper prefix of some stop string, over random texts that grow in
+    random pieces and stop strings that overlap themselves (and match whole inside min_tokens)."""
+    import random
+    from tokenleap.spec.stop_strings import OpenStops
+
+    def by_definition(text, stops):
+        return max([n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+
+    rng = random.Random(0)
+    for trial in range(2000):
+        alphabet = "ab" if trial % 2 else "abc"
+        stops = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+        scan, text = OpenStops(stops), ""
+        for _ in range(rng.randint(1, 10)):
+            text += "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4)))
+            assert scan.open_length(text) == by_definition(text, stops), (stops, text)

@@ -11,6 +11,7 @@ from tokenleap.config import SamplingParams
 from tokenleap.spec.seeded import SeededNoise
 from tokenleap.spec.logprobs import TokenLogprob
 from tokenleap.spec.stats import SpecStats
+from tokenleap.spec.stop_strings import OpenStops
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Sequence:
     attached_before: bool = False  # attached once already (a later attach resumes after a preemption)
     constraint: Any = None  # structured.Constraint: the grammar state of a structured-output request
     first_token_time: float | None = None  # (perf_counter) for t_max_predict_ms
+    open_stops: OpenStops | None = None  # how much of the text's end could still begin a stop string
     saw_new_line: bool = False  # t_max_predict_ms: the reply has had a new line
     indent_checked: int = 0  # n_indent: text before this has had its lines' indentation checked
 
@@ -136,19 +138,10 @@ class Sequence:
             if nl >= 0 and not self.text[nl + 1:].strip(" \t"):
                 end = nl
         if not self.finished and self.params.stop:  # the text's end that a stop string could still start with
-            end = max(self.streamed, min(end, len(self.text) - _open_stop(self.text, self.params.stop)))
+            if self.open_stops is None:
+                self.open_stops = OpenStops(self.params.stop)
+            end = max(self.streamed, min(end, len(self.text) - self.open_stops.open_length(self.text)))
         piece = self.text[self.streamed:end]
         self.streamed = end
         return piece
 
-
-def _open_stop(text: str, stops: tuple[str, ...]) -> int:
-    """The length of ``text``'s longest ending that begins some stop string (0: none does): the
-    characters a stream holds back until the stop string is complete or can no longer be."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
