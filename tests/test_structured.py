@@ -373,3 +373,44 @@ def test_server_rejects_bad_constraints(server):
             c.completions.create(model="m", prompt="x", max_tokens=5, extra_body=body)
     r = c.completions.create(model="m", prompt="x", max_tokens=5, temperature=0, extra_body={"guided_choice": ["ok"]})
     assert r.choices[0].text == "ok"  # still serving
+
+
+def test_a_long_choice_list_is_followed_and_its_matcher_built_once(monkeypatch):
+    """2,500 choices (past llguidance's 2,000 items a parser row, as rule alternatives) are one lexeme:
+    replies are one of them, a choice that is a prefix of another included; the matcher is built once
+    for a spec (``prepare``, off a server's event loop) and copied for each sequence, and an error's
+    text is cut short."""
+    import types
+
+    import llguidance
+    import tokenleap.spec.structured as structured
+    choices = [f"c{i}" for i in range(2500)]
+    spec = StructuredOutput(choice=choices)
+    built = []
+
+    class Counting:  # llguidance's matcher, its constructions counted
+        def __new__(cls, *a, **kw):
+            built.append(1)
+            return llguidance.LLMatcher(*a, **kw)
+
+    for name in ("grammar_from_lark", "grammar_from_regex", "grammar_from_json_schema", "validate_grammar"):
+        setattr(Counting, name, staticmethod(getattr(llguidance.LLMatcher, name)))
+    counting = types.SimpleNamespace(LLMatcher=Counting, LLTokenizer=llguidance.LLTokenizer,
+                                     TokenizerWrapper=llguidance.TokenizerWrapper)
+    monkeypatch.setattr(structured, "_llguidance", lambda: counting)
+    constraints = Constraints(TOK, VOCAB, (2,))
+    constraints.prepare(spec)
+    first, second = constraints.make(spec), constraints.make(spec)
+    assert len(built) == 1 and first.matcher is not second.matcher
+    c1, five = TOK.encode("c1"), TOK.encode("5")
+    first.advance(c1)  # "c1" is complete (the reply may end) and begins "c15", "c150", ...
+    ok = first.allowed()
+    assert ok[2] and ok[five[0]]
+    assert second.allowed()[TOK.encode("c")[0]] and not second.allowed()[five[0]]  # a copy has its own state
+    eng = engine()
+    for seed in range(3):
+        reply = run(eng, "pick one", SamplingParams(max_tokens=8, temperature=1.0, seed=seed, structured=spec))
+        assert reply.text in choices, reply.text
+    with pytest.raises(ConfigError) as e:
+        Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(grammar="start: " + " ".join(["("] * 3000)))
+    assert len(str(e.value)) < 700

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -65,7 +67,8 @@ class Constraint:
         """The sequence kept ``tokens`` (each allowed by its masked row)."""
         for t in tokens:
             if not self._ends(t) and not self.matcher.consume_token(t):
-                raise RuntimeError(f"structured output: the grammar refused a chosen token: {self.matcher.get_error()}")
+                raise RuntimeError(f"structured output: the grammar refused a chosen token: "
+                                   f"{_short(self.matcher.get_error())}")
 
     def draft(self, logits: torch.Tensor) -> torch.Tensor:
         """A draft's ``logits`` [1, vocab] masked for the state after what it drafted so far (a
@@ -91,6 +94,15 @@ class Constraint:
         return token in self.eos_ids and (self.matcher.is_stopped() or self.matcher.is_accepting())
 
 
+_CHOICES_AS_RULE = 1000  # a choice list longer than this is one lexeme (see grammar_of)
+_TEMPLATES = 16  # grammar matchers kept for the next request of the same spec
+_ERROR_CHARS = 500  # llguidance's messages can hold its whole parser state (hundreds of KB)
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= _ERROR_CHARS else message[:_ERROR_CHARS] + " ..."
+
+
 @functools.lru_cache(maxsize=64)
 def grammar_of(spec: StructuredOutput) -> str:
     """``spec`` as an llguidance grammar, checked (no tokenizer needed: callers check early);
@@ -104,15 +116,18 @@ def grammar_of(spec: StructuredOutput) -> str:
         elif spec.regex is not None:
             grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
         elif spec.choice is not None:
-            grammar = llg.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+            options = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            # a long list as one lexeme: as rule alternatives, every option is an item of one parser row,
+            # and llguidance's rows hold at most 2000
+            grammar = llg.LLMatcher.grammar_from_lark(f"start: {options}" if len(spec.choice) <= _CHOICES_AS_RULE
+                                                      else f"start: CHOICE\nCHOICE: {options}")
         else:  # Lark, or GBNF (llama.cpp's grammars, and vLLM's guided_grammar) converted to Lark
             grammar = llg.LLMatcher.grammar_from_lark(_lark(spec.grammar))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"invalid {spec.kind} for structured output: {e}") from None
     error = llg.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
-        raise ConfigError(f"invalid {spec.kind} for structured output: {error.strip()}")
+        raise ConfigError(f"invalid {spec.kind} for structured output: {_short(error.strip())}")
     return grammar
 
 
@@ -165,18 +180,33 @@ class Constraints:
     def __init__(self, tokenizer: Any, vocab: int, eos_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, tuple(eos_ids)
         self._lltok: Any = None
+        # spec -> a matcher at the grammar's start, copied for each sequence: a big schema's matcher takes
+        # seconds to build, and a request of n replies needs n (the most recent specs kept)
+        self._templates: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._lock = threading.Lock()  # (``prepare`` runs on a server's worker threads)
 
     def prepare(self, spec: StructuredOutput) -> None:
         """Build what ``make`` needs for ``spec`` ahead (a server does it off its event loop)."""
-        grammar_of(spec)
-        self._tokenizer()
+        self._template(spec)
 
     def make(self, spec: StructuredOutput) -> Constraint:
         """A fresh constraint for ``spec``; an invalid schema, regex or grammar is a ConfigError."""
+        return Constraint(self._template(spec).deep_copy(), self.vocab, self.eos_ids)
+
+    def _template(self, spec: StructuredOutput) -> Any:
+        with self._lock:
+            matcher = self._templates.get(spec)
+            if matcher is not None:
+                self._templates.move_to_end(spec)
+                return matcher
         matcher = _llguidance().LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0)
         if matcher.is_error():
-            raise ConfigError(f"invalid {spec.kind} for structured output: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab, self.eos_ids)
+            raise ConfigError(f"invalid {spec.kind} for structured output: {_short(matcher.get_error())}")
+        with self._lock:
+            self._templates[spec] = matcher
+            while len(self._templates) > _TEMPLATES:
+                self._templates.popitem(last=False)
+        return matcher
 
     def _tokenizer(self) -> Any:
         if self._lltok is None:
