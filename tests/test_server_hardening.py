@@ -265,6 +265,27 @@ def test_a_client_closing_mid_body_logs_one_line(caplog):
     assert not any(r.exc_info or "unhandled" in r.getMessage() for r in caplog.records)
 
 
+def test_a_body_over_the_limit_is_refused_before_it_is_held_whole():
+    """413 at once for a Content-Length over the limit (nothing of the body read), and for a chunked
+    body as soon as its chunks pass the limit -- in each API's error form."""
+    from tokenleap.serve.body import MAX_BODY_BYTES
+    with LiveServer(make_app(api_key=None)) as s:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {50 * MAX_BODY_BYTES}\r\n\r\n".encode())
+            head = sock.recv(65536).decode(errors="replace")  # (no byte of the body sent)
+        assert head.startswith("HTTP/1.1 413") and "request body over" in head
+
+        def chunks():
+            yield b'{"prompt": "'
+            for _ in range(MAX_BODY_BYTES // (1 << 20) + 2):
+                yield b"a" * (1 << 20)
+            yield b'"}'
+        r = httpx.post(s.url + "/api/generate", content=chunks(), timeout=30)
+        assert r.status_code == 413 and "request body over" in r.json()["error"]  # (Ollama's error form)
+        assert httpx.get(s.url + "/health").status_code == 200
+
+
 def test_admission_counts_a_requests_choices():
     """max_num_seqs 2 + max_waiting 4: a request of n=6 fills the batch and the queue; while it runs,
     one more sequence is a 503 saying what it adds; once it is done, requests are taken again; one

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenleap.serve.body import MAX_BODY_BYTES
 from tokenleap.serve.messages_api import anthropic_error
 from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
 from tokenleap.serve.ollama_routes import PREFIX as OLLAMA_PREFIX
@@ -27,6 +28,7 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_disconnect)
     app.add_middleware(_AnswerUnhandled)
+    app.add_middleware(_BodyLimit)
 
 
 def error_body(path: str, exc: APIError) -> dict:
@@ -82,3 +84,36 @@ class _AnswerUnhandled:
             log.exception("unhandled error", exc_info=exc)
             request = HTTPRequest(scope)
             await _response(request, APIError(500, "internal server error", "server_error"))(scope, receive, send)
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+
+
+class _BodyLimit:
+    """A request body over ``MAX_BODY_BYTES`` is refused (413) as soon as that is known: by its
+    Content-Length before any of it is read, else as its chunks arrive -- never after holding it all."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            await _response(HTTPRequest(scope), _too_large())(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > MAX_BODY_BYTES:
+                    raise _too_large()  # (out of the route's body read: answered by the APIError handler)
+            return message
+
+        await self.app(scope, counted, send)
