@@ -294,6 +294,10 @@ def test_auto_draft_arm_is_a_cascade_unless_trees_are_on(models):
     trees = LLM.from_loaded(loaded(target), SpecConfig(method="auto", draft_model="d", tree="on"), draft=loaded(draft))
     assert isinstance(chains.proposer.arms["draft"], CascadeDraftProposer)
     assert not isinstance(trees.proposer.arms["draft"], CascadeDraftProposer)
+    # the draft's own settings (the int4 auto picks, a dtype) and layer skip's keep the other arms in
+    for extra in ({"draft_quant": "int4"}, {"draft_dtype": "float32"}, {"skip_layers": "0"}):
+        llm = LLM.from_loaded(loaded(target), SpecConfig(method="auto", draft_model="d", **extra), draft=loaded(draft))
+        assert {"draft", "ngram"} <= set(llm.proposer.arms), extra
 
 
 def test_spec_config_auto():

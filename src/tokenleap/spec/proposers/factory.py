@@ -192,12 +192,15 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
             continue
         if name == "lookahead" and not lookahead_joins_auto(draft is not None):
             continue
+        # the arm's own settings: none of the draft model's (its precision, say), the skipped layers only for
+        # layer skip (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers
+        # only, and says nothing of its calibration, since it may not join)
+        arm_spec = replace(spec, method=name, draft_model=None, draft_quant="none", draft_dtype=None,
+                           skip_layers=spec.skip_layers if name == "layerskip" else "auto",
+                           layerskip_lookup=False, ngram_pool=0)
         try:
-            # (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers only, and
-            # says nothing of its calibration, since it may not join)
-            arm = proposer_for(replace(spec, method=name, draft_model=None, layerskip_lookup=False, ngram_pool=0),
-                               target, None, max_len, num_slots, cache_dir, log=lambda _: None)
-        except (ConfigError, TokenleapError, ImportError):  # a method this build does not have (yet)
+            arm = proposer_for(arm_spec, target, None, max_len, num_slots, cache_dir, log=lambda _: None)
+        except (ConfigError, TokenleapError, ImportError):  # a method this build cannot run here
             continue
         if name == "ngram" and pool is not None:
             arm.output_pool = pool
