@@ -124,10 +124,12 @@ def test_a_target_given_as_a_catalog_models_file_gets_its_draft(monkeypatch, tmp
     monkeypatch.setattr(catalog, "joined_path", lambda n, cache_dir=None: installed if n == name else None)
     auto = SpecConfig(method="auto", draft_model="auto")
     for model in (f"gguf:{installed}", str(copy)):
-        spec, note = resolve_auto_draft(auto, model, None)
+        spec, note = resolve_auto_draft(auto, model, tmp_path)
         assert spec.draft_model == "qwen2.5-coder-0.5b-instruct" and "installed" in note, model
-    spec, note = resolve_auto_draft(auto, f"gguf:{other}", None)
+    spec, note = resolve_auto_draft(auto, f"gguf:{other}", tmp_path)
     assert spec.draft_model is None and "not a catalog model" in note
+    monkeypatch.setattr(catalog, "sha256_file", lambda *a: pytest.fail("a known copy was hashed again"))
+    assert catalog.catalog_name_of(str(copy), tmp_path) == name  # (its marker from the first look)
 
 
 # -- the command line -----------------------------------------------------------------------------
