@@ -28,7 +28,7 @@ from tokenleap.config import ConfigError, StructuredOutput
 from pydantic import ValidationError
 
 from tokenleap.serve.protocol import ChatRequest, FunctionDef, NamedToolChoice, ToolDef, bad_request, structured_output
-from tokenleap.spec.structured import grammar_of
+from tokenleap.spec.structured import closed_objects, grammar_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```"
@@ -165,7 +165,7 @@ def _several_calls(call: dict[str, Any]) -> str:
     ``call`` (the opening tag already forced) and may close it and make more, each in its tags."""
     return (f'start: call ("\\n{CLOSE}" more*)?\n'
             f'more: "\\n{OPEN}\\n" call "\\n{CLOSE}"\n'
-            f'call: %json {json.dumps(call, ensure_ascii=False)}\n')
+            f'call: %json {json.dumps(closed_objects(call), ensure_ascii=False)}\n')  # (as a json spec is)
 
 
 def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[dict[str, Any]]]:
