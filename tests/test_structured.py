@@ -414,3 +414,34 @@ def test_a_long_choice_list_is_followed_and_its_matcher_built_once(monkeypatch):
     with pytest.raises(ConfigError) as e:
         Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(grammar="start: " + " ".join(["("] * 3000)))
     assert len(str(e.value)) < 700
+
+
+def test_grammars_that_overflowed_the_compilers_stack_are_compiled_or_refused():
+    """llguidance's compiler recurses along chains of rules and references: a JSON schema chaining
+    1,000 $refs overflowed a default 8 MiB stack and a GBNF chain of 5,000 rules likewise (a segfault
+    that took the server down). Compiled on a thread of a large stack, the first is a grammar (and a
+    matcher); past the caps (rules, $refs) a grammar is a ConfigError, a 400 for a server."""
+    import subprocess
+    import sys
+    script = """
+import json
+from tokenleap.config import StructuredOutput
+from tokenleap.spec.structured import grammar_of
+n = 1000
+defs = {f"d{i}": {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}]}
+        for i in range(n)}
+defs[f"d{n}"] = {"type": "integer"}
+print(len(grammar_of(StructuredOutput(json={"$ref": "#/$defs/d0", "$defs": defs}))))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and int(done.stdout) > 0, done.stderr[-500:]  # (a segfault: -11)
+    chain = "root ::= r0\n" + "".join(f'r{i} ::= "a{i}" r{i + 1} | "b{i}"\n' for i in range(5000)) + 'r5000 ::= "z"\n'
+    with pytest.raises(ConfigError, match="rules; at most"):
+        Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(grammar=chain))
+    refs = {"type": "object", "properties": {f"p{i}": {"$ref": "#/$defs/x"} for i in range(3000)},
+            "$defs": {"x": {"type": "integer"}}}
+    with pytest.raises(ConfigError, match=r"\$refs; at most"):
+        Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(json=refs))
+    small = "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1} | "b"\n' for i in range(300)) + 'r300 ::= "z"\n'
+    c = Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(grammar=small))  # a chain of 300 rules: built
+    assert c.allowed()[TOK.encode("a")[0]]

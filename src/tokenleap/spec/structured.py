@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -107,11 +109,47 @@ def _short(message: str) -> str:
 def grammar_of(spec: StructuredOutput) -> str:
     """``spec`` as an llguidance grammar, checked (no tokenizer needed: callers check early);
     an invalid schema, regex or grammar is a ConfigError that says what is wrong."""
+    return on_compiler_stack(_grammar_of, spec)
+
+
+def on_compiler_stack(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a thread of its own with a ``COMPILER_STACK`` stack: llguidance's compiler
+    recurses along a grammar's chains of rules and references, and a JSON schema chaining 1,000
+    ``$ref``s overflowed a default 8 MiB stack (a segfault that took a whole server down). The stack
+    is reserved address space, used only as deep as a grammar goes."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 -- raised again in the caller's thread
+            result["error"] = e
+    with _STACK_LOCK:  # (the stack size is the process's setting for threads started meanwhile)
+        before = threading.stack_size(COMPILER_STACK)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compiler", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+COMPILER_STACK = 1 << 30
+_STACK_LOCK = threading.Lock()
+MAX_REFS = 2000  # a JSON schema's "$ref"s: chains of them recurse in the compiler (see on_compiler_stack)
+
+
+def _grammar_of(spec: StructuredOutput) -> str:
     llg = _llguidance()
     try:
         if spec.json_object:
             grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"})
         elif spec.json is not None:
+            if (refs := spec.json.count('"$ref"')) > MAX_REFS:
+                raise ValueError(f"the schema has {refs} $refs; at most {MAX_REFS} are taken")
             grammar = llg.LLMatcher.grammar_from_json_schema(closed_objects(json.loads(spec.json)))
         elif spec.regex is not None:
             grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
@@ -165,12 +203,22 @@ def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
 
 
 def _lark(grammar: str) -> str:
-    """``grammar`` in Lark syntax: as given, or converted from GBNF (``root ::= ...`` rules)."""
+    """``grammar`` in Lark syntax: as given, or converted from GBNF (``root ::= ...`` rules), with at
+    most ``MAX_GRAMMAR_RULES`` rules: llguidance's compiler recurses along chains of rules, and a chain
+    of 5,000 overflowed its thread's stack (a segfault that took the whole server down)."""
     from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
     try:
-        return any_to_lark(grammar)
+        lark = any_to_lark(grammar)
     except GbnfToLarkError as e:
         raise ValueError(f"GBNF: {e}") from None
+    rules = len(_RULE.findall(lark))
+    if rules > MAX_GRAMMAR_RULES:
+        raise ValueError(f"the grammar has {rules} rules; at most {MAX_GRAMMAR_RULES} are taken")
+    return lark
+
+
+MAX_GRAMMAR_RULES = 1000
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?\d+)?[ \t]*:", re.MULTILINE)  # a Lark rule's start
 
 
 class Constraints:
@@ -199,7 +247,8 @@ class Constraints:
             if matcher is not None:
                 self._templates.move_to_end(spec)
                 return matcher
-        matcher = _llguidance().LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0)
+        grammar = grammar_of(spec)
+        matcher = on_compiler_stack(lambda: _llguidance().LLMatcher(self._tokenizer(), grammar, log_level=0))
         if matcher.is_error():
             raise ConfigError(f"invalid {spec.kind} for structured output: {_short(matcher.get_error())}")
         with self._lock:
