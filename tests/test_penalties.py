@@ -131,3 +131,27 @@ def test_bias_and_repetition_penalty_as_transformers_processes_them():
     want = RepetitionPenaltyLogitsProcessor(2.0)(ids, want)
     got = apply_penalties(logits, SamplingParams(logit_bias=bias, repetition_penalty=2.0), prompt, generated, [])
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_barred_sequences_by_their_index_equal_the_rule():
+    """Barred sequences are indexed once (by prefix) -- a row costs a lookup per prefix length, not a
+    loop over every word -- and bar exactly what the rule says: a sequence's last token in a row whose
+    history ends with the rest of it; single tokens everywhere."""
+    import random
+    from tokenleap.spec.penalties import _bar_words
+    rng = random.Random(3)
+    for _ in range(200):
+        vocab = 12
+        words = tuple({tuple(rng.randrange(vocab + 2) for _ in range(rng.randint(1, 4))): None
+                       for _ in range(rng.randint(1, 8))})
+        generated = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+        draft = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+        got = torch.zeros(len(draft) + 1, vocab)
+        _bar_words(got, words, generated, draft)
+        want = torch.zeros_like(got)
+        for i in range(len(draft) + 1):
+            history = generated + draft[:i]
+            for *rest, last in words:
+                if last < vocab and (not rest or history[len(history) - len(rest):] == rest and len(history) >= len(rest)):
+                    want[i, last] = float("-inf")
+        assert torch.equal(got, want), (words, generated, draft)

@@ -44,7 +44,7 @@ def apply_penalties(
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
         out = _penalize(out, params, prompt, generated, draft)
     if params.allowed_token_ids:
-        allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
+        allowed = _id_tensor(params.allowed_token_ids, vocab)  # [n]
         masked = torch.full_like(out, float("-inf"))
         masked[:, allowed] = out[:, allowed]
         out = masked
@@ -72,34 +72,65 @@ def for_vocabulary(params: SamplingParams, tokenizer, vocab: int) -> SamplingPar
         raise ConfigError(f"logit_bias must map token ids in [0, {vocab})")
     if not params.bad_words:
         return params
-    words = bad_word_sequences(lambda text: encode_plain(tokenizer, text), params.bad_words)
-    return replace(params, bad_words=(), bad_word_ids=params.bad_word_ids + words)
+    return replace(params, bad_words=(), bad_word_ids=params.bad_word_ids + _tokenized(tokenizer, params.bad_words))
+
+
+@functools.lru_cache(maxsize=32)
+def _tokenized(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """``bad_word_sequences`` once per tokenizer and word list (a request of n choices asks n times)."""
+    return bad_word_sequences(lambda text: encode_plain(tokenizer, text), words)
+
+
+@functools.lru_cache(maxsize=64)
+def _stop_tensor(stop_ids: tuple[int, ...], eos_ids: frozenset[int], vocab: int) -> torch.Tensor:  # [n] long
+    return _id_tensor(tuple(sorted({*eos_ids, *stop_ids})), vocab)
+
+
+@functools.lru_cache(maxsize=64)
+def _id_tensor(ids: tuple[int, ...], vocab: int) -> torch.Tensor:  # [n] long: the ids in the vocabulary
+    return torch.tensor([t for t in ids if t < vocab], dtype=torch.long)
 
 
 def bad_word_sequences(encode: Callable[[str], list[int]], words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     """The token sequences that spell each of ``words`` (vLLM's ``bad_words``): the word as written
     and with a leading space, since a word inside text usually starts with one; ``encode`` adds no
     special tokens."""
-    out: list[tuple[int, ...]] = []
+    out: dict[tuple[int, ...], None] = {}  # (in order, each once)
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = tuple(encode(text))
-            if ids and ids not in out:
-                out.append(ids)
+            if ids:
+                out[ids] = None
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=32)
+def _word_index(words: tuple[tuple[int, ...], ...], vocab: int) -> tuple[torch.Tensor, dict[int, dict[tuple, list[int]]]]:
+    """Barred sequences as (last tokens barred everywhere [n], {prefix length: {prefix: last tokens}}),
+    built once: a row then costs a lookup per prefix length, not a loop over every word."""
+    always, by_prefix = set(), {}
+    for *rest, last in words:
+        if last >= vocab:
+            continue
+        if rest:
+            by_prefix.setdefault(len(rest), {}).setdefault(tuple(rest), []).append(last)
+        else:
+            always.add(last)
+    return torch.tensor(sorted(always), dtype=torch.long), by_prefix
 
 
 def _bar_words(out: torch.Tensor, words: tuple[tuple[int, ...], ...], generated: list[int],
                draft: list[int]) -> None:  # out: [k+1, vocab] float32, changed in place
-    vocab = out.shape[1]
-    longest = max(len(w) for w in words) - 1
+    always, by_prefix = _word_index(words, out.shape[1])
+    if len(always):
+        out[:, always] = float("-inf")
+    longest = max(by_prefix, default=0)
     history = generated[-longest:] if longest else []
     for i in range(out.shape[0]):
         tail = history + draft[:i]  # row i's generated history (its last tokens)
-        for word in words:
-            *rest, last = word
-            if last < vocab and (not rest or (len(tail) >= len(rest) and tail[len(tail) - len(rest):] == rest)):
-                out[i, last] = float("-inf")
+        for n, prefixes in by_prefix.items():
+            if len(tail) >= n and (lasts := prefixes.get(tuple(tail[len(tail) - n:]))):
+                out[i, lasts] = float("-inf")
 
 
 def _penalize(out: torch.Tensor, params: SamplingParams, prompt: list[int], generated: list[int],
@@ -146,7 +177,7 @@ def suppress_early_stops(logits: torch.Tensor, params: SamplingParams, generated
     if generated >= params.min_tokens:
         return logits
     out = logits.clone()  # [k+1, vocab]
-    stops = [t for t in {*eos_ids, *params.stop_token_ids} if t < out.shape[1]]
+    stops = _stop_tensor(params.stop_token_ids, frozenset(eos_ids), out.shape[1])  # [n]
     for i in range(min(out.shape[0], params.min_tokens - generated)):
         row = out[i].clone()
         row[stops] = float("-inf")

@@ -45,6 +45,7 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt)
+        self.stop_ids = frozenset(self.params.stop_token_ids)  # (a list of a million ids: a lookup, not a scan)
 
     @property
     def generated(self) -> list[int]:
@@ -67,7 +68,7 @@ class Sequence:
             self.tokens.append(tok)
             kept += 1
             eos = tok in self.eos_ids and not self.params.ignore_eos
-            if eos or tok in self.params.stop_token_ids:
+            if eos or tok in self.stop_ids:
                 self.finish_reason = "stop"
                 self.stop_reason = None if eos else tok
                 self.text += self.detokenizer.flush()
