@@ -58,9 +58,8 @@ async def _client_disconnect(request: HTTPRequest, _: ClientDisconnect) -> Respo
     return Response(status_code=499)
 
 
-class _AnswerUnhandled:
-    """An error no handler took: logged, and a 500 sent if the response has not started (a stream
-    cut mid-way has nothing left to answer with, so the error goes on to close the connection)."""
+class _HTTPMiddleware:
+    """An ASGI middleware that sees HTTP requests (``handle``) and passes anything else through."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -69,6 +68,17 @@ class _AnswerUnhandled:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class _AnswerUnhandled(_HTTPMiddleware):
+    """An error no handler took: logged, and a 500 sent if the response has not started (a stream
+    cut mid-way has nothing left to answer with, so the error goes on to close the connection)."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def watched(message: Message) -> None:
@@ -90,17 +100,11 @@ def _too_large() -> APIError:
     return APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
 
 
-class _BodyLimit:
+class _BodyLimit(_HTTPMiddleware):
     """A request body over ``MAX_BODY_BYTES`` is refused (413) as soon as that is known: by its
     Content-Length before any of it is read, else as its chunks arrive -- never after holding it all."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             await _response(HTTPRequest(scope), _too_large())(scope, receive, send)
