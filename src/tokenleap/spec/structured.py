@@ -125,12 +125,19 @@ def on_compiler_stack(fn: Callable[..., Any], *args: Any) -> Any:
         except BaseException as e:  # noqa: BLE001 -- raised again in the caller's thread
             result["error"] = e
     with _STACK_LOCK:  # (the stack size is the process's setting for threads started meanwhile)
-        before = threading.stack_size(COMPILER_STACK)
+        try:
+            before = threading.stack_size(COMPILER_STACK)
+        except (ValueError, RuntimeError):  # a platform that sets no thread stack sizes: here, as before
+            return fn(*args)
         try:
             thread = threading.Thread(target=run, name="grammar-compiler", daemon=True)
             thread.start()
+        except RuntimeError:  # no room for such a stack (a limit on address space): here, as before
+            thread = None
         finally:
             threading.stack_size(before)
+    if thread is None:
+        return fn(*args)
     thread.join()
     if "error" in result:
         raise result["error"]
