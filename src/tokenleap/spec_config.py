@@ -18,7 +18,7 @@ _VLLM_NAMES = {"num_speculative_tokens": "num_tokens", "model": "draft_model", "
 class SpecConfig:
     """How to speculate. ``method=None`` means plain decoding."""
 
-    method: str | None = None  # None | "draft" | "ngram" | "lookahead"
+    method: str | None = None  # None (plain decoding) or one of __post_init__'s methods
     draft_model: str | None = None  # "auto" (method "auto" only): an installed catalog draft, see models/pairing.py
     draft_quant: str = "none"
     draft_dtype: str | None = None
