@@ -130,6 +130,14 @@ def test_a_target_given_as_a_catalog_models_file_gets_its_draft(monkeypatch, tmp
     assert spec.draft_model is None and "not a catalog model" in note
     monkeypatch.setattr(catalog, "sha256_file", lambda *a: pytest.fail("a known copy was hashed again"))
     assert catalog.catalog_name_of(str(copy), tmp_path) == name  # (its marker from the first look)
+    monkeypatch.undo()  # a cache that cannot be written (read-only): the copy is still known, only hashed again
+    monkeypatch.setitem(catalog.CATALOG, name, replace(catalog.CATALOG[name], size=64,
+                                                        sha256=catalog.sha256_file(installed)))
+
+    def read_only(*a):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(catalog, "_write_marker", read_only)
+    assert catalog.catalog_name_of(str(copy), tmp_path / "elsewhere") == name
 
 
 # -- the command line -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.sampling import logits_to_probs, make_generator
 from tokenleap.serve.scheduler import SchedulerConfig
 from tokenleap.serve.app import ServerConfig, create_app
-from tokenleap.spec.structured import Constraints
+from tokenleap.spec.structured import Constraints, grammar_of
 
 from conftest import ToyDetokenizer, random_weights, tiny_config, tiny_model
 from serving_helpers import LiveServer
@@ -445,3 +445,5 @@ print(len(grammar_of(StructuredOutput(json={"$ref": "#/$defs/d0", "$defs": defs}
     small = "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1} | "b"\n' for i in range(300)) + 'r300 ::= "z"\n'
     c = Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(grammar=small))  # a chain of 300 rules: built
     assert c.allowed()[TOK.encode("a")[0]]
+    flat = "root ::= " + " | ".join(f"c{i}" for i in range(1500)) + "\n" + "".join(f'c{i} ::= "t{i}"\n' for i in range(1500))
+    assert grammar_of(StructuredOutput(grammar=flat))  # (llama.cpp writes grammars of this many rules for schemas)

@@ -287,7 +287,10 @@ def catalog_name_of(model: str, cache_dir: Path | None = None) -> str | None:
         if _marker_ok(marker, path):
             return entry.name
         if sha256_file(path) == entry.sha256:
-            _write_marker(marker, path)
+            try:
+                _write_marker(marker, path)
+            except OSError:  # a read-only cache: hashed again next time
+                pass
             return entry.name
     return None
 
