@@ -152,6 +152,7 @@ def test_barred_sequences_by_their_index_equal_the_rule():
         for i in range(len(draft) + 1):
             history = generated + draft[:i]
             for *rest, last in words:
-                if last < vocab and (not rest or history[len(history) - len(rest):] == rest and len(history) >= len(rest)):
+                ends_with_rest = len(history) >= len(rest) and history[len(history) - len(rest):] == rest
+                if last < vocab and (not rest or ends_with_rest):
                     want[i, last] = float("-inf")
         assert torch.equal(got, want), (words, generated, draft)

@@ -445,5 +445,6 @@ print(len(grammar_of(StructuredOutput(json={"$ref": "#/$defs/d0", "$defs": defs}
     small = "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1} | "b"\n' for i in range(300)) + 'r300 ::= "z"\n'
     c = Constraints(TOK, VOCAB, (2,)).make(StructuredOutput(grammar=small))  # a chain of 300 rules: built
     assert c.allowed()[TOK.encode("a")[0]]
-    flat = "root ::= " + " | ".join(f"c{i}" for i in range(1500)) + "\n" + "".join(f'c{i} ::= "t{i}"\n' for i in range(1500))
+    flat = ("root ::= " + " | ".join(f"c{i}" for i in range(1500)) + "\n"
+            + "".join(f'c{i} ::= "t{i}"\n' for i in range(1500)))
     assert grammar_of(StructuredOutput(grammar=flat))  # (llama.cpp writes grammars of this many rules for schemas)

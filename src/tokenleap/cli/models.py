@@ -26,7 +26,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     from tokenleap.models.checkpoint import converted_dtypes
     if args.action not in ("list", "install"):
         if args.name is not None:
-            raise UsageError(f"unknown action {args.action!r}: use list or install (tokenleap models [list|install] NAME)")
+            raise UsageError(f"unknown action {args.action!r}: use list or install "
+                             "(tokenleap models [list|install] NAME)")
         args.action, args.name = "list", args.action  # `tokenleap models NAME`: that one's line
     if args.action == "install":
         if not args.name:

@@ -105,7 +105,8 @@ def bad_word_sequences(encode: Callable[[str], list[int]], words: tuple[str, ...
 
 
 @functools.lru_cache(maxsize=32)
-def _word_index(words: tuple[tuple[int, ...], ...], vocab: int) -> tuple[torch.Tensor, dict[int, dict[tuple, list[int]]]]:
+def _word_index(words: tuple[tuple[int, ...], ...],
+                vocab: int) -> tuple[torch.Tensor, dict[int, dict[tuple, list[int]]]]:
     """Barred sequences as (last tokens barred everywhere [n], {prefix length: {prefix: last tokens}}),
     built once: a row then costs a lookup per prefix length, not a loop over every word."""
     always, by_prefix = set(), {}

@@ -56,7 +56,8 @@ class ReducedVocabHead:
         return lambda x: layer(x)[:, :n]
 
     def for_prompt(self, prompt: list[int]) -> "SequenceHead":
-        p = torch.tensor(sorted(i for i in set(prompt) if i < self.vocab), dtype=torch.long)  # (a target's padding ids: none)
+        # (a target's padding ids past this head's rows: none)
+        p = torch.tensor(sorted(i for i in set(prompt) if i < self.vocab), dtype=torch.long)
         extra = p[~self._in_static[p]] if p.numel() else p  # [e]
         return SequenceHead(self, extra, self._rows(extra) if extra.numel() else None)
 
