@@ -75,7 +75,7 @@ class ResponseWriter:
 
         split = ReplyStream(self.reasoning, self.tools)
         text, thought, reason, calls, logprobs, items = "", "", None, [], [], []
-        unsent: list[dict[str, Any]] = []  # logprobs of tokens whose text has not gone out in a delta yet
+        sent = 0  # logprobs[:sent] have gone out in deltas (or are left to the done events)
         opened = None  # the item being written: "reasoning", "message" (or None)
 
         def where() -> dict[str, Any]:
@@ -137,7 +137,6 @@ class ResponseWriter:
             reason = out.finish_reason or reason
             lp = self._logprobs(scored)
             logprobs += lp
-            unsent += lp
             more, piece, parts, calls = split.feed(piece, out.finish_reason is not None)
             if more:
                 if opened is None:
@@ -155,8 +154,8 @@ class ResponseWriter:
                 text += piece
                 # a token adding no text (part of a character, the end token) sends its logprobs with the
                 # next delta; text held back where a call may begin: its logprobs come with the done events
-                sent, unsent = (unsent if split.calling is None else []), []
-                yield event("response.output_text.delta", **where(), delta=piece, logprobs=sent)
+                unsent, sent = (logprobs[sent:] if split.calling is None else []), len(logprobs)
+                yield event("response.output_text.delta", **where(), delta=piece, logprobs=unsent)
             if parts and opened is not None:  # the reasoning or the message ends where the first call begins
                 yield close_reasoning() if opened == "reasoning" else close_message("completed")
                 opened = None
@@ -170,8 +169,8 @@ class ResponseWriter:
             if opened != "message":
                 opened = "message"
                 yield open_message()
-            if unsent and split.calling is None:  # the last tokens added no text (the end token)
-                yield event("response.output_text.delta", **where(), delta="", logprobs=unsent)
+            if sent < len(logprobs) and split.calling is None:  # the last tokens added no text (the end token)
+                yield event("response.output_text.delta", **where(), delta="", logprobs=logprobs[sent:])
             yield close_message(status)
         # a call the reply broke off in (or that did not parse in the end) is incomplete
         yield close_call("completed" if writing and writing[0]["call_id"] in {c["id"] for c in calls}
