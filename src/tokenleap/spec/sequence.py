@@ -38,7 +38,6 @@ class Sequence:
     attached_before: bool = False  # attached once already (a later attach resumes after a preemption)
     constraint: Any = None  # structured.Constraint: the grammar state of a structured-output request
     first_token_time: float | None = None  # (perf_counter) for t_max_predict_ms
-    open_stops: OpenStops | None = None  # how much of the text's end could still begin a stop string
     saw_new_line: bool = False  # t_max_predict_ms: the reply has had a new line
     indent_checked: int = 0  # n_indent: text before this has had its lines' indentation checked
 
@@ -46,6 +45,7 @@ class Sequence:
         if not self.tokens:
             self.tokens = list(self.prompt)
         self.stop_ids = frozenset(self.params.stop_token_ids)  # (a list of a million ids: a lookup, not a scan)
+        self.open_stops = OpenStops(self.params.stop)  # how much of the text's end could still begin a stop string
 
     @property
     def generated(self) -> list[int]:
@@ -139,8 +139,6 @@ class Sequence:
             if nl >= 0 and not self.text[nl + 1:].strip(" \t"):
                 end = nl
         if not self.finished and self.params.stop:  # the text's end that a stop string could still start with
-            if self.open_stops is None:
-                self.open_stops = OpenStops(self.params.stop)
             end = max(self.streamed, min(end, len(self.text) - self.open_stops.open_length(self.text)))
         piece = self.text[self.streamed:end]
         self.streamed = end
