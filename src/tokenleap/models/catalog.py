@@ -279,11 +279,11 @@ def catalog_name_of(model: str, cache_dir: Path | None = None) -> str | None:
         if known is not None and known.is_file() and os.path.samefile(known, path):
             return entry.name
     size = path.stat().st_size
+    # a copy is hashed once: a marker (its path, size and time) says so on later loads
+    copies = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "gguf" / "copies"
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     for entry in (e for e in CATALOG.values() if e.size == size):
-        # a copy is hashed once: a marker (its path, size and time) says so on later loads
-        where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-        marker = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "gguf" / "copies" / (
-            f"{entry.name}-{where}.sha256-ok")
+        marker = copies / f"{entry.name}-{where}.sha256-ok"
         if _marker_ok(marker, path):
             return entry.name
         if sha256_file(path) == entry.sha256:
