@@ -10,7 +10,9 @@ import http.client
 import json
 import logging
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -457,3 +459,45 @@ def test_completions_add_special_tokens_false_leaves_the_bos_out():
                                                 post("/v1/completions", {**body, "add_special_tokens": False})])
     assert with_bos.json()["usage"]["prompt_tokens"] == len("hello") + 1
     assert without.json()["usage"]["prompt_tokens"] == len("hello")
+
+
+HELD_ROUTES = [  # (path, body): each asks for the text "hold" to be tokenized
+    ("/v1/completions", {"prompt": "hold", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 2}),
+    ("/v1/responses", {"input": "hold", "max_output_tokens": 2}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 2}),
+    ("/completion", {"prompt": "hold", "n_predict": 2}),
+    ("/api/generate", {"model": "m", "prompt": "hold", "raw": True, "stream": False, "options": {"num_predict": 2}}),
+    ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "hold"}], "stream": False,
+                   "options": {"num_predict": 2}}),
+    ("/tokenize", {"prompt": "hold"}),
+]
+
+
+def test_a_prompt_being_tokenized_does_not_hold_up_the_event_loop():
+    """Each API's prompt work runs off the event loop: while one request's tokenization is held up,
+    /health and a streamed reply to another client go on (were it on the loop, both would wait)."""
+    eng = paged_engine()
+    tokenizer = eng.tokenizer
+    encode, gate, entered = tokenizer.encode, threading.Event(), threading.Event()
+
+    def held(text, *args, **kwargs):
+        if isinstance(text, str) and "hold" in text:
+            entered.set()
+            gate.wait(20)
+        return encode(text, *args, **kwargs)
+    tokenizer.encode = held
+    with LiveServer(make_app(eng, api_key=None)) as s, ThreadPoolExecutor(1) as pool:
+        for path, body in HELD_ROUTES:
+            entered.clear()
+            gate.clear()
+            slow = pool.submit(httpx.post, s.url + path, json=body, timeout=60)
+            try:
+                assert entered.wait(20), path
+                assert httpx.get(s.url + "/health", timeout=5).status_code == 200, path
+                other = {"prompt": "other", "max_tokens": 3, "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", s.url + "/v1/completions", json=other, timeout=5) as r:
+                    assert r.status_code == 200 and "[DONE]" in r.read().decode(), path
+            finally:
+                gate.set()
+            assert slow.result().status_code == 200, (path, slow.result().text)

@@ -4,7 +4,8 @@
 /completion, /infill, /props, /slots and /apply-template.
 
 The model lives in the app; requests become ``scheduler.Request``s processed by the scheduler's
-background thread (continuous batching), so no model work runs on the asyncio loop. Each HTTP
+background thread (continuous batching), so no model work runs on the asyncio loop, and a request's
+prompt is tokenized on a pool of prompt threads (``off_loop``), so no prompt holds it up either. Each HTTP
 request owns an ``asyncio.Queue``; the scheduler thread puts outputs on it with
 ``loop.call_soon_threadsafe``. A client that disconnects (a cancelled stream, or the disconnect
 message a non-streaming request's watcher awaits) has its sequences cancelled at once: the scheduler
@@ -21,10 +22,11 @@ import datetime
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -60,6 +62,8 @@ from tokenleap.serve.ollama_routes import OllamaRoutes
 from tokenleap.serve.tools import ToolPlan, plan_tools, reply_grammar
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
+T = TypeVar("T")
+PROMPT_THREADS = 4  # requests tokenized at once, off the event loop (each holds its prompt's text and ids)
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,10 @@ class OpenAIServer:
         self.created = now()
         self._tokens: TokenText | None = None  # token texts for logprobs, cached across requests
         self.prompts = Prompts(self.tokenizer, engine.model.config.vocab_size)  # requests' prompts -> ids
+        # requests' prompt work (tokenizing, the chat template, echo text) runs on threads of its own, so a
+        # long prompt holds up neither the event loop that streams the other replies and answers /health
+        # nor a short prompt sent after it (up to PROMPT_THREADS long ones at once)
+        self._prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="tokenleap-prompts")
 
     # -- app --------------------------------------------------------------------------------
     def app(self) -> FastAPI:
@@ -141,6 +149,12 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is not None and req.suffix is not None:
             raise bad_request("truncate_prompt_tokens would cut a fill-in-the-middle prompt's start: leave it "
                               "out with suffix", "truncate_prompt_tokens")
+        prompts, budgets, fmt, view = await self.off_loop(lambda: self._completion_prompts(req))
+        return await self._run(request, req, prompts, budgets, fmt, req.logprobs, view)
+
+    def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[int], Format, PromptView]:
+        """A completion request's prompts as ids, each one's token budget, its reply format and what
+        of the prompt its choices show (echo, prompt logprobs)."""
         encode = fim_encoder(self.tokenizer, req) if req.suffix is not None else \
             (lambda p: self.prompts.encode(p, req.add_special_tokens is not False))
         prompts = [truncate_prompt(p, req.truncate_prompt_tokens, self.engine.max_len)
@@ -159,8 +173,8 @@ class OpenAIServer:
             texts = prompts if req.truncate_prompt_tokens is not None else texts
             echo = [t if isinstance(t, str) else self.tokenizer.decode(t, skip_special_tokens=False)
                     for t in texts for _ in range(req.n)]
-        view = PromptView(echo, req.logprobs if req.echo else None, echo_only, check_prompt_logprobs(req))
-        return await self._run(request, req, prompts, budgets, fmt, req.logprobs, view)
+        return prompts, budgets, fmt, PromptView(echo, req.logprobs if req.echo else None, echo_only,
+                                                 check_prompt_logprobs(req))
 
     async def chat(self, request: HTTPRequest) -> Response:
         self._auth(request)
@@ -171,6 +185,13 @@ class OpenAIServer:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                               "top_logprobs")
+        prompt, budget, fmt, view, prediction = await self.off_loop(lambda: self._chat_prompt(req))
+        return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
+                               view, prediction)
+
+    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], int, Format, PromptView, tuple[int, ...]]:
+        """A chat request's prompt ids (the template rendered), its token budget, reply format, echo and
+        prompt logprobs, and its prediction's ids."""
         tools = self._plan_tools(req)
         messages = chat_messages(req)
         prompt = truncate_prompt(self.prompts.encode_chat(messages, tools, chat_options(req)),
@@ -187,8 +208,7 @@ class OpenAIServer:
         echo = req.echo and messages[-1]["role"] == ("assistant" if new_turn else messages[-1]["role"])
         view = PromptView([messages[-1]["content"]] * req.n if echo else None,
                           prompt_logprobs=check_prompt_logprobs(req))
-        return await self._run(request, req, [prompt], [budget], fmt, (req.top_logprobs or 0) if req.logprobs else None,
-                               view, self._prediction(req))
+        return prompt, budget, fmt, view, self._prediction(req)
 
     async def models(self, request: HTTPRequest) -> dict[str, Any]:
         """OpenAI's model list; Anthropic's for its clients (they send ``anthropic-version``)."""
@@ -221,6 +241,11 @@ class OpenAIServer:
     async def docs(self, request: HTTPRequest) -> Response:
         self._auth(request)
         return get_swagger_ui_html(openapi_url="/openapi.json", title="tokenleap API")
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """``work()`` -- a request's tokenization and the checks that need its ids -- on a prompt
+        thread; what it raises (a 400) raises here."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_threads, work)
 
     async def health(self) -> Response:
         ok = self.scheduler.alive

@@ -69,8 +69,8 @@ class EmbeddingRoutes:
         req = parse_body(await request.body(), EmbeddingRequest)
         server._check_model(req.model)
         self.check_dimensions(req.dimensions)
-        ids = self.token_lists(req.input, keep_last=req.truncate_prompt_tokens,
-                               add_special_tokens=req.add_special_tokens is not False)
+        ids = await server.off_loop(lambda: self.token_lists(req.input, keep_last=req.truncate_prompt_tokens,
+                                                             add_special_tokens=req.add_special_tokens is not False))
         vectors = await self.vectors(ids, pooling)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encoded(v if req.normalize is False else normalize_embedding(v, 2), req)}
@@ -90,7 +90,7 @@ class EmbeddingRoutes:
         given = [v for v in (req.content, req.input) if v is not None]
         if len(given) != 1:
             raise bad_request("give the text to embed as content (or input)", "content")
-        vectors = await self.vectors(self.token_lists(given[0]), pooling)
+        vectors = await self.vectors(await server.off_loop(lambda: self.token_lists(given[0])), pooling)
         return [{"index": i, "embedding": normalize_embedding(v.reshape(-1, v.shape[-1]), req.embd_normalize).tolist()}
                 for i, v in enumerate(vectors)]
 

@@ -195,7 +195,7 @@ class LlamaCppRoutes:
         body = parse_body(await request.body(), LlamaCompletionRequest)
         req = body.completion(server)
         server._check(req)
-        prompts = [_join(p, server) for p in _prompts(body.prompt)]
+        prompts = await server.off_loop(lambda: [_join(p, server) for p in _prompts(body.prompt)])
         # (one result is an object, several an array: llama.cpp's rule, a one-prompt list included)
         return await self._run(request, body, req, prompts, "completion", multi=len(prompts) > 1 or req.n > 1)
 
@@ -211,14 +211,18 @@ class LlamaCppRoutes:
         except ConfigError as e:
             raise bad_request(str(e), "input_suffix") from None
         limit = -1 if body.n_predict is None or body.n_predict < 0 else body.n_predict
-        try:
-            ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt)
-            cut = len(ids) + max(limit, 0) > server.engine.max_len  # cut as llama.cpp cuts it
-            if cut:
-                ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt,
-                                      fit=(server.engine.max_len, limit))
-        except (ValueError, TypeError, UnicodeError) as e:
-            raise bad_request(f"the input could not be tokenized: {e}", "input_prefix") from None
+
+        def encode():
+            try:
+                ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt)
+                cut = len(ids) + max(limit, 0) > server.engine.max_len  # cut as llama.cpp cuts it
+                if cut:
+                    ids, fim = encode_fim(server.tokenizer, body.input_prefix, body.input_suffix, files, body.prompt,
+                                          fit=(server.engine.max_len, limit))
+            except (ValueError, TypeError, UnicodeError) as e:
+                raise bad_request(f"the input could not be tokenized: {e}", "input_prefix") from None
+            return ids, fim, cut
+        ids, fim, cut = await server.off_loop(encode)
         req.stop_token_ids = list(fim.stop_ids)
         return await self._run(request, body, req, [ids], "infill", multi=req.n > 1, truncated=cut)
 

@@ -86,5 +86,6 @@ class LlamaCppInfoRoutes:
         req = parse_body(await request.body(), ChatRequest)
         server._check_model(req.model)
         tools = server._plan_tools(req)
-        return {"prompt": server.prompts.render_chat(chat_messages(req), tools, chat_options(req))}
+        return {"prompt": await server.off_loop(
+            lambda: server.prompts.render_chat(chat_messages(req), tools, chat_options(req)))}
 

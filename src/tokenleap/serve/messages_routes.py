@@ -33,7 +33,7 @@ class MessagesRoutes:
         server = self.server
         server._auth(request)
         req = parse_body(await request.body(), MessagesRequest)
-        chat, tools, prompt = self._prompt(req)
+        chat, tools, prompt = await server.off_loop(lambda: self._prompt(req))
         budget = check_max_tokens(req.max_tokens, len(prompt), server.engine.max_len, None)
         writer = MessageWriter(server.cfg.model_name, tools, server._reasoning(chat, prompt))
         job = await server._start(chat, [prompt], [budget], reply_grammar(tools, chat))
@@ -45,7 +45,8 @@ class MessagesRoutes:
 
     async def count_tokens(self, request: HTTPRequest) -> dict[str, int]:
         self.server._auth(request)
-        _, _, prompt = self._prompt(parse_body(await request.body(), CountTokensRequest))
+        req = parse_body(await request.body(), CountTokensRequest)
+        _, _, prompt = await self.server.off_loop(lambda: self._prompt(req))
         return {"input_tokens": len(prompt)}
 
     def _prompt(self, req: CountTokensRequest):

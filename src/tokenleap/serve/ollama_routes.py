@@ -112,7 +112,8 @@ class OllamaRoutes:
         window = context_window(body, server.engine.max_len)
         messages, options = chat_messages(chat), chat_options(chat)
         encode = lambda kept: server.prompts.encode_chat(kept, tools, options)  # noqa: E731
-        prompt = fit_turns(messages, encode, window - 1)[1] if body.truncate is not False else encode(messages)
+        prompt = await server.off_loop(
+            lambda: fit_turns(messages, encode, window - 1)[1] if body.truncate is not False else encode(messages))
         job = await server._start(chat, [prompt], [self._budget(chat.max_tokens, len(prompt), window)],
                                   reply_grammar(tools, chat), logprobs)
         writer = ReplyWriter(name, True, job, tools, server._reasoning(chat, prompt),
@@ -132,12 +133,7 @@ class OllamaRoutes:
         server._check(req)
         logprobs = logprobs_wanted(body)
         window = context_window(body, server.engine.max_len)
-        ids, templated = self._prompt(body, req)
-        if body.context:
-            context = server.prompts.encode(list(body.context), param="context")
-            if body.truncate is not False:  # the oldest tokens go where the window is short of room
-                context = context[max(0, len(context) + len(ids) + 1 - window):]
-            ids = context + ids
+        ids, templated = await server.off_loop(lambda: self._prompt(body, req, window))
         reasoning = server._reasoning(ChatRequest.model_construct(), ids) if templated else None
         job = await server._start(req, [ids], [self._budget(req.max_tokens, len(ids), window)],
                                   structured_output(req), logprobs)
@@ -145,9 +141,10 @@ class OllamaRoutes:
                              context=ids)
         return await self._answer(request, job, writer, req.stream, "generate")
 
-    def _prompt(self, body: GenerateBody, req: CompletionRequest) -> tuple[list[int], bool]:
+    def _prompt(self, body: GenerateBody, req: CompletionRequest, window: int) -> tuple[list[int], bool]:
         """The generate request's prompt ids, and whether the chat template rendered them: the gap
-        between prompt and ``suffix`` (FIM), the ``raw`` prompt, or prompt and ``system`` as a chat."""
+        between prompt and ``suffix`` (FIM), the ``raw`` prompt, or prompt and ``system`` as a chat;
+        after the ``context`` a previous reply returned (its oldest tokens cut to fit the ``window``)."""
         server = self.server
         if body.suffix:
             try:
@@ -155,13 +152,20 @@ class OllamaRoutes:
             except ConfigError as e:
                 raise bad_request(str(e), "suffix") from None
             req.stop_token_ids = list(fim.stop_ids)
-            return ids, False
-        if body.raw or not getattr(server.tokenizer, "chat_template", None):
-            return server.prompts.encode(body.prompt or ""), False
-        messages = [{"role": "system", "content": body.system}] if body.system else []
-        options = {"add_generation_prompt": True, **thinking_kwargs(body)}
-        return server.prompts.encode_chat(messages + [{"role": "user", "content": body.prompt or ""}], ToolPlan(),
-                                   options), True
+            templated = False
+        elif body.raw or not getattr(server.tokenizer, "chat_template", None):
+            ids, templated = server.prompts.encode(body.prompt or ""), False
+        else:
+            messages = [{"role": "system", "content": body.system}] if body.system else []
+            options = {"add_generation_prompt": True, **thinking_kwargs(body)}
+            ids, templated = server.prompts.encode_chat(
+                messages + [{"role": "user", "content": body.prompt or ""}], ToolPlan(), options), True
+        if body.context:
+            context = server.prompts.encode(list(body.context), param="context")
+            if body.truncate is not False:  # the oldest tokens go where the window is short of room
+                context = context[max(0, len(context) + len(ids) + 1 - window):]
+            ids = context + ids
+        return ids, templated
 
     def _budget(self, requested: int | None, prompt_len: int, window: int) -> int:
         """Tokens the reply may have: ``num_predict`` (None: up to the window's end), cut to the room
@@ -192,7 +196,8 @@ class OllamaRoutes:
         body = parse_body(await request.body(), EmbedBody)
         name = self._check_model(body.model)
         self.embeddings.check_dimensions(body.dimensions)
-        ids = self.embeddings.token_lists(body.input, truncate=body.truncate is not False)
+        truncate = body.truncate is not False
+        ids = await server.off_loop(lambda: self.embeddings.token_lists(body.input, truncate=truncate))
         vectors = await self.embeddings.vectors(ids, pooling)
         return {"model": name, "embeddings": [normalize_embedding(v.float(), 2).tolist() for v in vectors],
                 "total_duration": int((time.monotonic() - t0) * 1e9), "load_duration": 0,
@@ -206,7 +211,8 @@ class OllamaRoutes:
         self._check_model(body.model)
         if not body.prompt:
             return {"embedding": []}
-        vector, = await self.embeddings.vectors(self.embeddings.token_lists(body.prompt, truncate=True), pooling)
+        ids = await server.off_loop(lambda: self.embeddings.token_lists(body.prompt, truncate=True))
+        vector, = await self.embeddings.vectors(ids, pooling)
         return {"embedding": vector.float().tolist()}
 
     # -- the model --------------------------------------------------------------------------

@@ -62,12 +62,15 @@ class ResponsesRoutes:
         server._check(chat)
         tools = server._plan_tools(chat)
         options = chat_options(chat)
-        messages, ids = chat_messages(chat), None
-        if req.truncation == "auto":  # the oldest turns go first (as OpenAI's), then any token cut asked for
-            messages, ids = fit_turns(messages, lambda ms: server.prompts.encode_chat(ms, tools, options),
-                                      server.engine.max_len - (req.max_output_tokens or 1))
-        ids = ids if ids is not None else server.prompts.encode_chat(messages, tools, options)
-        prompt = truncate_prompt(ids, req.truncate_prompt_tokens, server.engine.max_len)
+
+        def encode() -> list[int]:
+            messages, ids = chat_messages(chat), None
+            if req.truncation == "auto":  # the oldest turns go first (as OpenAI's), then any token cut asked for
+                messages, ids = fit_turns(messages, lambda ms: server.prompts.encode_chat(ms, tools, options),
+                                          server.engine.max_len - (req.max_output_tokens or 1))
+            ids = ids if ids is not None else server.prompts.encode_chat(messages, tools, options)
+            return truncate_prompt(ids, req.truncate_prompt_tokens, server.engine.max_len)
+        prompt = await server.off_loop(encode)
         budget = check_max_tokens(req.max_output_tokens, len(prompt), server.engine.max_len, None,
                                   "max_output_tokens")
         logprobs = logprobs_wanted(req)

@@ -68,6 +68,10 @@ class TokenRoutes:
         server._auth(request)
         req = parse_body(await request.body(), TokenizeRequest)
         server._check_model(req.model)
+        return await server.off_loop(lambda: self._tokenize(req))
+
+    def _tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        server = self.server
         given = [v for v in (req.prompt, req.content, req.messages) if v is not None]
         if len(given) != 1:
             raise bad_request("give exactly one of prompt (or content) or messages")
@@ -95,7 +99,8 @@ class TokenRoutes:
         req = parse_body(await request.body(), DetokenizeRequest)
         server._check_model(req.model)
         check_token_ids(req.tokens, server.engine.model.config.vocab_size, "tokens")
-        text = server.tokenizer.decode(req.tokens, skip_special_tokens=False)  # (special tokens spelled, as both do)
+        # (special tokens spelled, as both do)
+        text = await server.off_loop(lambda: server.tokenizer.decode(req.tokens, skip_special_tokens=False))
         return {"prompt": text, "content": text}  # (vLLM's name, llama.cpp's)
 
     async def tokenizer_info(self, request: HTTPRequest) -> dict[str, Any]:
