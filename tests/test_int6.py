@@ -30,7 +30,7 @@ def w6a8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     xg = x.float().view(m, k // 32, 32)
     amax = xg.abs().amax(-1, keepdim=True)
-    xq = torch.round(xg * (127 / amax))
+    xq = torch.round(xg * (torch.full_like(amax, 127.0) / amax))  # correctly rounded, as 127.f / amax
     return (xq.double() * (amax / 127).double()).view(m, k) @ weight.double().T
 
 

@@ -278,7 +278,9 @@ def _w4a8_reference(x: torch.Tensor, q, scale, low) -> torch.Tensor:
     m, k = x.shape
     xg = x.reshape(m, k // 32, 32)
     amax = xg.abs().amax(-1, keepdim=True)  # [M, K/32, 1]
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel
+    # float32 127 / amax correctly rounded, as the kernel's 127.f / amax (torch's `127 / t` is
+    # reciprocal(t) * 127: one ulp off for ~1 value in 4, which flips an xq now and then)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xg * inv)  # [M, K/32, 32]
     xd = (xq.double() * (amax / 127).double()).reshape(m, k)
     w = q.double() * scale.double().repeat_interleave(32, 1) + low.double().repeat_interleave(32, 1)
