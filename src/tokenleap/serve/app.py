@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -38,10 +36,9 @@ from tokenleap.errors import PromptTooLongError
 from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.body import parse_body
-from tokenleap.serve.protocol import (APIError, ChatRequest, CompletionRequest, bad_request, sampling_params,
-                                      structured_output)
-from tokenleap.serve.request_checks import check_common, check_logit_bias, check_prompt_logprobs, check_token_ids
-from tokenleap.serve.responses import Format, TokenText, add_prompt_logprobs, new_id, now, usage_options
+from tokenleap.serve.protocol import APIError, ChatRequest, CompletionRequest, bad_request, sampling_params
+from tokenleap.serve.request_checks import check_prompt_logprobs
+from tokenleap.serve.responses import Format, add_prompt_logprobs, new_id, now, usage_options
 from tokenleap.serve.chunks import openai_chunks
 from tokenleap.serve.response_store import DEFAULT_CAPACITY, LRUStore, ResponseStore
 from tokenleap.serve.responses_routes import ResponsesRoutes
@@ -50,20 +47,17 @@ from tokenleap.serve.metrics import make_registry
 from tokenleap.serve.jobs import ClientGone, Job, PromptView
 from tokenleap.serve.error_handlers import add_error_handlers
 from tokenleap.serve.origins import add_origin_checks
-from tokenleap.serve.prompts import Prompts
+from tokenleap.serve.checks_and_prompts import ChecksAndPrompts
 from tokenleap.serve.infill import fim_encoder
 from tokenleap.serve.llamacpp import LlamaCppRoutes
 from tokenleap.serve.messages_routes import MessagesRoutes
-from tokenleap.serve.reasoning import Reasoning, opened_by, template_thinks
 from tokenleap.serve.llamacpp_info import LlamaCppInfoRoutes
 from tokenleap.serve.token_routes import TokenRoutes
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_routes import OllamaRoutes
-from tokenleap.serve.tools import ToolPlan, plan_tools, reply_grammar
+from tokenleap.serve.tools import reply_grammar
 
 request_log = logging.getLogger("tokenleap.serve.requests")  # one line per finished request
-T = TypeVar("T")
-PROMPT_THREADS = 4  # requests tokenized at once, off the event loop (each holds its prompt's text and ids)
 
 
 @dataclass(frozen=True)
@@ -82,7 +76,7 @@ class ServerConfig:
     quantization: str | None = None  # how the weights are stored, as Ollama's /api/tags shows it (None: the dtype)
 
 
-class OpenAIServer:
+class OpenAIServer(ChecksAndPrompts):
     """The request handlers around one engine and its scheduler (``scheduler``: one built elsewhere,
     by default one from ``config.scheduler``; either way the app's lifespan starts and stops it).
     ``response_store`` keeps Responses API objects: in memory, ``config.responses_store`` of them
@@ -96,12 +90,7 @@ class OpenAIServer:
         self.proposer_name = engine.proposer.name if engine.proposer is not None else "none"
         self.registry = make_registry(self.scheduler.snapshot, config.model_name)
         self.created = now()
-        self._tokens: TokenText | None = None  # token texts for logprobs, cached across requests
-        self.prompts = Prompts(self.tokenizer, engine.model.config.vocab_size)  # requests' prompts -> ids
-        # requests' prompt work (tokenizing, the chat template, echo text) runs on threads of its own, so a
-        # long prompt holds up neither the event loop that streams the other replies and answers /health
-        # nor a short prompt sent after it (up to PROMPT_THREADS long ones at once)
-        self._prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="tokenleap-prompts")
+        super().__init__()  # the prompt encoder, its threads, the token texts
 
     # -- app --------------------------------------------------------------------------------
     def app(self) -> FastAPI:
@@ -242,11 +231,6 @@ class OpenAIServer:
         self._auth(request)
         return get_swagger_ui_html(openapi_url="/openapi.json", title="tokenleap API")
 
-    async def off_loop(self, work: Callable[[], T]) -> T:
-        """``work()`` -- a request's tokenization and the checks that need its ids -- on a prompt
-        thread; what it raises (a 400) raises here."""
-        return await asyncio.get_running_loop().run_in_executor(self._prompt_threads, work)
-
     async def health(self) -> Response:
         ok = self.scheduler.alive
         return JSONResponse({"status": "ok" if ok else "scheduler stopped"}, status_code=200 if ok else 503)
@@ -349,65 +333,6 @@ class OpenAIServer:
 
     def _log(self, job: Job, fmt: Format) -> None:
         request_log.info(job.log_line(fmt.id, self.proposer_name))
-
-    # -- checks and prompts -----------------------------------------------------------------
-    def _auth(self, request: HTTPRequest) -> None:
-        key = self.cfg.api_key
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
-            token = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>' "
-                                "(or 'x-api-key: <key>')", "authentication_error", None, "invalid_api_key")
-
-    def _check(self, req) -> None:
-        self._check_model(req.model)
-        check_common(req)
-        check_logit_bias(req.logit_bias, self.engine.model.config.vocab_size)
-        for name in ("stop_token_ids", "allowed_token_ids"):
-            check_token_ids(getattr(req, name), self.engine.model.config.vocab_size, name)
-        stops = {*(() if req.ignore_eos else self.engine.eos_ids), *(req.stop_token_ids or ())}
-        if req.min_tokens and req.allowed_token_ids and set(req.allowed_token_ids) <= stops:
-            raise bad_request("allowed_token_ids holds only tokens that end the reply, which min_tokens forbids "
-                              "before its count", "allowed_token_ids")
-
-    def _plan_tools(self, req: ChatRequest) -> ToolPlan:
-        tools = plan_tools(req, getattr(self.tokenizer, "chat_template", None))
-        if tools.prefix:  # a forced call's grammar takes this reply: the format is still checked
-            structured_output(req)
-        return tools
-
-    def _prediction(self, req: ChatRequest) -> tuple[int, ...]:
-        """OpenAI's ``prediction`` (its text's token ids): the lookup drafters propose from it too."""
-        if req.prediction is None:
-            return ()
-        content = req.prediction.content
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
-        return tuple(self.prompts.encode(text, False, "prediction")) if text else ()
-
-    def _reasoning(self, req: ChatRequest, prompt: list[int]) -> Reasoning | None:
-        """How the replies' thinking is split from their content: where the chat template writes
-        thinking blocks, unless the server or the request (llama.cpp's reasoning_format) says none."""
-        if not self.cfg.reasoning or req.reasoning_format == "none":
-            return None
-        if not template_thinks(getattr(self.tokenizer, "chat_template", None)):
-            return None
-        return Reasoning(opened_by(self._token_text(True).joined(prompt[-8:])), req.include_reasoning is not False)
-
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name.removesuffix(":latest") not in (self.cfg.model_name, *self.cfg.model_aliases):
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"'{self.cfg.model_name}'", "invalid_request_error", "model", "model_not_found")
-
-    def _token_text(self, wanted: bool, as_ids: bool | None = False) -> TokenText | None:
-        """The tokens' texts for logprobs (``as_ids``: vLLM's return_tokens_as_token_ids), if ``wanted``."""
-        if not wanted:
-            return None
-        if self._tokens is None:
-            self._tokens = TokenText(self.tokenizer)
-        return self._tokens.with_ids() if as_ids else self._tokens
 
 
 def create_app(engine, config: ServerConfig, scheduler: Scheduler | None = None) -> FastAPI:
