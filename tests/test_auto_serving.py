@@ -101,6 +101,16 @@ def test_resolve_auto_draft(monkeypatch):
     assert spec.draft_model == "qwen2.5-coder-0.5b-instruct" and spec.draft_quant == "int4" and note
     same, none = resolve_auto_draft(SpecConfig(method="auto", draft_model="m.gguf"), "x", None)
     assert same.draft_model == "m.gguf" and none is None
+    # a draft named for auto drafts at auto's precision unless one is given; "none" asks for unquantized,
+    # for a picked draft too
+    assert same.draft_quant == "int4"
+    for quant in ("none", "int8"):
+        named, _ = resolve_auto_draft(SpecConfig(method="auto", draft_model="m.gguf", draft_quant=quant), "x", None)
+        picked, _ = resolve_auto_draft(SpecConfig(method="auto", draft_model="auto", draft_quant=quant),
+                                       "catalog:qwen2.5-coder-1.5b-instruct", None)
+        assert named.draft_quant == picked.draft_quant == quant
+    # method draft: unset is unquantized, as before
+    assert SpecConfig(method="draft", draft_model="m.gguf").draft_quant is None
 
 
 def test_a_target_given_as_a_catalog_models_file_gets_its_draft(monkeypatch, tmp_path):
@@ -154,7 +164,10 @@ def test_cli_spec_auto_picks_a_draft_unless_one_is_named(tmp_path):
     assert spec.method == "auto" and spec.draft_model == "auto"
     spec = spec_config(parse(["generate", "--model", str(gguf), "--spec", "auto", "--draft-model", str(gguf),
                               "--prompt", "x"]))
-    assert spec.draft_model == str(gguf)
+    assert spec.draft_model == str(gguf) and spec.draft_quant is None  # (auto's precision: resolve_auto_draft)
+    spec = spec_config(parse(["generate", "--model", str(gguf), "--spec", "auto", "--draft-quant", "none",
+                              "--prompt", "x"]))
+    assert spec.draft_quant == "none"  # asked for: an unquantized draft
 
 
 def test_cli_draft_model_alone_implies_draft_and_spec_none_refuses_one(tmp_path, capsys):

@@ -20,7 +20,9 @@ class SpecConfig:
 
     method: str | None = None  # None (plain decoding) or one of __post_init__'s methods
     draft_model: str | None = None  # "auto" (method "auto" only): an installed catalog draft, see models/pairing.py
-    draft_quant: str = "none"
+    # the draft model's weights: None (not set) is "none" for method "draft", and for "auto" the precision
+    # it picks drafts at (int4, models/pairing.py), the draft named or picked; "none" asks for unquantized
+    draft_quant: str | None = None
     draft_dtype: str | None = None
     draft_spec: str | None = None  # None | "ngram": n-gram lookup speculates the draft model's own steps (cascade)
     num_tokens: int | str = "auto"  # "auto" or a fixed draft length >= 1
@@ -68,7 +70,7 @@ class SpecConfig:
         _check(self.draft_vocab is None or (is_int(self.draft_vocab) and self.draft_vocab >= 0),
                f"draft_vocab must be None or an integer >= 0 (0: the draft's full head), got {self.draft_vocab!r}")
         _check(isinstance(self.extra, dict), f"extra must be a dict, got {self.extra!r}")
-        _check(self.draft_quant in QUANT_MODES,
+        _check(self.draft_quant is None or self.draft_quant in QUANT_MODES,
                f"draft_quant {self.draft_quant!r} is not a quantization; choose one of {', '.join(QUANT_MODES)}")
         from tokenleap.spec.proposers.layerskip import parse_skip_layers
         parse_skip_layers(self.skip_layers)  # ConfigError on a bad list (layer indices are checked at load)
@@ -106,7 +108,7 @@ class SpecConfig:
         drafting = self.method in ("draft", "auto")
         _check(self.draft_model is None or drafting,
                f"draft_model goes with method 'draft' or 'auto' (method {self.method!r} uses no draft model)")
-        _check(drafting or (self.draft_quant == "none" and self.draft_dtype is None),
+        _check(drafting or (self.draft_quant is None and self.draft_dtype is None),
                "draft_quant and draft_dtype set a draft model's weights: they go with method 'draft' or 'auto'")
         _check(self.skip_layers == "auto" or self.method in ("layerskip", "auto"),
                "skip_layers goes with method 'layerskip'")

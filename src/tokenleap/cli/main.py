@@ -69,8 +69,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "allows --, other methods), else plain decoding")
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft or auto (auto without "
                                         "it picks an installed catalog draft of the target's tokenizer, at int4)")
-    p.add_argument("--draft-quant", default="none", help="draft weight quantization: none, int8, int4 (a draft "
-                                                         "auto picks is int4 unless this says int8)")
+    p.add_argument("--draft-quant", default=None, help="draft weight quantization: none, int8, int4 (default: "
+                                                         "none for --spec draft, int4 for --spec auto's draft)")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
     p.add_argument("--draft-spec", choices=["none", "ngram"], default="none",
                    help="--spec draft: speculate the draft model's own steps by n-gram lookup (a cascade)")
@@ -199,10 +199,10 @@ def check_model_args(args: argparse.Namespace) -> None:
 
 
 def check_quant_dtype(quants: dict[str, str], dtypes: dict[str, str | None]) -> None:
-    """Each flag's quantization is one tokenleap has, each dtype (None: unset) one it computes in."""
+    """Each flag's quantization (None: unset) is one tokenleap has, each dtype (None: unset) one it computes in."""
     from tokenleap.models.checkpoint import as_dtype
     for flag, value in quants.items():
-        if value not in QUANT_MODES:
+        if value is not None and value not in QUANT_MODES:
             raise UsageError(f"{flag} {value!r} is not a quantization; choose one of {', '.join(QUANT_MODES)}")
     for flag, value in dtypes.items():
         if value is not None and value != "auto":

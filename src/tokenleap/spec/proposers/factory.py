@@ -13,7 +13,7 @@ from tokenleap.spec.proposers.base import Proposer
 
 def load_draft(spec: SpecConfig, target: LoadedModel, cache_dir: str | Path | None) -> LoadedModel:
     """``spec``'s draft model, in the target's dtype unless ``spec.draft_dtype`` says otherwise."""
-    return load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant,
+    return load_model(spec.draft_model, dtype=spec.draft_dtype or target.dtype, quant=spec.draft_quant or "none",
                       cache_dir=cache_dir, gguf_other="int4")
 
 
@@ -137,13 +137,16 @@ def uses_draft(spec: SpecConfig) -> bool:
 
 def resolve_auto_draft(spec: SpecConfig, model: str, cache_dir: str | Path | None) -> tuple[SpecConfig, str | None]:
     """``spec`` with ``draft_model="auto"`` replaced by the draft ``models.pairing`` picks (or none),
-    and a sentence saying what was picked and why; other specs unchanged (no sentence)."""
-    if spec.method != "auto" or spec.draft_model != "auto":
+    and a sentence saying what was picked and why; a draft named for ``auto`` without a precision
+    gets the one auto picks drafts at (no sentence); other specs unchanged (no sentence)."""
+    from tokenleap.models.pairing import AUTO_DRAFT_QUANT, pick_draft
+    if spec.method != "auto" or not spec.draft_model:
         return spec, None
+    if spec.draft_model != "auto":
+        return (spec if spec.draft_quant is not None else replace(spec, draft_quant=AUTO_DRAFT_QUANT)), None
     from tokenleap.models.catalog import catalog_name_of
-    from tokenleap.models.pairing import pick_draft
     name = catalog_name_of(model, Path(cache_dir) if cache_dir else None) or model.removeprefix("catalog:")
-    pick = pick_draft(name, cache_dir, quant=None if spec.draft_quant == "none" else spec.draft_quant)
+    pick = pick_draft(name, cache_dir, quant=spec.draft_quant)
     return replace(spec, draft_model=pick.name, draft_quant=pick.quant if pick.name else spec.draft_quant), pick.reason
 
 
@@ -195,7 +198,7 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
         # the arm's own settings: none of the draft model's (its precision, say), the skipped layers only for
         # layer skip (the n-gram arm stands for prompt lookup: the layer-skip arm drafts with its layers
         # only, and says nothing of its calibration, since it may not join)
-        arm_spec = replace(spec, method=name, draft_model=None, draft_quant="none", draft_dtype=None,
+        arm_spec = replace(spec, method=name, draft_model=None, draft_quant=None, draft_dtype=None,
                            skip_layers=spec.skip_layers if name == "layerskip" else "auto",
                            layerskip_lookup=False, ngram_pool=0)
         try:
