@@ -144,9 +144,10 @@ def test_a_target_given_as_a_catalog_models_file_gets_its_draft(monkeypatch, tmp
     monkeypatch.setitem(catalog.CATALOG, name, replace(catalog.CATALOG[name], size=64,
                                                         sha256=catalog.sha256_file(installed)))
 
-    def read_only(*a):
+    def read_only(*a, **k):
         raise OSError(30, "Read-only file system")
-    monkeypatch.setattr(catalog, "_write_marker", read_only)
+    monkeypatch.setattr(catalog.Path, "write_text", read_only)
+    monkeypatch.setattr(catalog.Path, "mkdir", read_only)
     assert catalog.catalog_name_of(str(copy), tmp_path / "elsewhere") == name
 
 

@@ -139,6 +139,21 @@ def test_real_smollm2_resolves_in_place(tmp_path):
     assert (tmp_path / "gguf" / "smollm2-135m-instruct.sha256-ok").is_file()
 
 
+def test_a_read_only_cache_verifies_the_file_each_time(fake_install, tmp_path, monkeypatch):
+    """Where the cache cannot be written (an image's, another user's) the GGUF is joined or hashed as
+    ever; only the stamp that spares the next hash is not kept."""
+    fake_install([b"a" * 30, b"b" * 30])
+    cache = tmp_path / "cache"
+    path = catalog.resolve_gguf("fake-model", cache)
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+    (cache / "gguf" / "fake-model.gguf.sha256-ok").unlink()
+    monkeypatch.setattr(catalog.Path, "write_text", read_only)
+    assert catalog.resolve_gguf("fake-model", cache) == path
+    assert not (cache / "gguf" / "fake-model.gguf.sha256-ok").exists()
+
+
 def test_verified_join_survives_uninstalled_parts(fake_install, tmp_path, monkeypatch):
     fake_install([b"a" * 30, b"b" * 30])
     cache = tmp_path / "cache"

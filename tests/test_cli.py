@@ -83,6 +83,26 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
     assert proc.returncode == 141 and b"Traceback" not in err, err.decode()
 
 
+def test_a_cache_that_cannot_be_written_is_one_line_naming_the_file(capsys, tmp_path, monkeypatch):
+    """An OSError on a file (a read-only cache, a directory where a file should be) ends the command
+    with one line naming the file -- for one in tokenleap's cache, what to do -- not a traceback."""
+    from tokenleap import api
+    from tokenleap.cli.main import main
+    inside = tmp_path / "converted" / "model.safetensors"
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system", str(inside))
+    monkeypatch.setattr(api, "LLM", read_only)
+    argv = ["generate", "--model", "smollm2-135m-instruct", "--prompt", "hi", "--cache-dir", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"Read-only file system: {inside} (in tokenleap's cache {tmp_path}" in err
+    monkeypatch.setattr(api, "LLM", lambda *a, **k: (_ for _ in ()).throw(IsADirectoryError(
+        21, "Is a directory", "/elsewhere/x.gguf")))
+    assert main(argv) == 2
+    assert capsys.readouterr().err == "tokenleap: error: Is a directory: /elsewhere/x.gguf\n"
+
+
 def test_prompts_file_errors(capsys, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

@@ -93,3 +93,17 @@ def test_two_copies_of_the_same_sources_build_apart(monkeypatch, tmp_path):
             q.write_bytes(p.read_bytes())
     one, two = (kernels.directory_for(c) for c in copies)
     assert one != two and one == kernels.directory_for(copies[0]) and one.parent == two.parent
+
+
+def test_a_finished_build_in_a_read_only_cache_is_loaded_as_it_is(fake_build, tmp_path, monkeypatch):
+    """torch's build takes a lock file in the build directory: where that cannot be written (a cache
+    in an image, another user's), a finished build's library is loaded directly -- no lock, no
+    build, no fall-back to the AVX2 files."""
+    so = tmp_path / str(len(kernels.SOURCES)) / "tokenleap_kernels.so"
+    so.write_bytes(b"")
+    loaded: list[str] = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(kernels.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(kernels, "build_lock", lambda out: pytest.fail("a lock was taken"))
+    kernels.build()
+    assert loaded == [str(so)] and fake_build == []

@@ -93,3 +93,32 @@ def test_listing_packed_copies_compiles_no_kernels(tmp_path, monkeypatch):
     assert packed_cache.stored(gguf, tmp_path) == []
     (compiler.directory_for(compiler.SOURCES) / "tokenleap_kernels.so").write_bytes(b"")
     assert compiler.built() and kernels.ready()
+
+
+def test_bytes_changed_on_disk_or_another_models_file_are_found_and_rebuilt(smollm2_gguf, tmp_path, caplog):
+    """A copy whose bytes changed after it was written (its zip members' CRC-32s no longer match) and one
+    copied over it from another quantization are refused, then quantized again: never loaded silently."""
+    ref = logits(pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path).model)
+    [path] = packed_files(tmp_path)
+    raw = bytearray(path.read_bytes())
+    at = len(raw) // 2  # inside the largest tensor's data
+    raw[at:at + 64] = bytes(b ^ 0x5A for b in raw[at:at + 64])
+    path.write_bytes(bytes(raw))
+    again = pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path)
+    assert "CRC-32" in caplog.text and torch.equal(logits(again.model), ref)
+    caplog.clear()
+    pretrained.load_model(smollm2_gguf, quant="int8", cache_dir=tmp_path / "other")
+    [int8] = packed_files(tmp_path / "other")
+    path.write_bytes(int8.read_bytes())  # another quantization's copy under this one's name
+    again = pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path)
+    assert "another model or quantization" in caplog.text and torch.equal(logits(again.model), ref)
+    assert packed_cache.load(path) is not None  # (rebuilt, stamped: read as it is from now on)
+
+
+def test_a_read_only_cache_loses_the_copy_only(smollm2_gguf, tmp_path, monkeypatch, caplog):
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(torch, "save", read_only)
+    monkeypatch.setattr(packed_cache.Path, "unlink", read_only)
+    loaded = pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path)
+    assert "could not keep the quantized model" in caplog.text and loaded.model is not None

@@ -308,6 +308,20 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # (the interpreter's own flush at exit would raise again)
         return 141  # what a shell reports for a process ended by SIGPIPE
+    except OSError as e:  # a file it cannot read or write (a read-only cache, a directory in its place)
+        print(f"tokenleap: error: {os_error_line(e, getattr(args, 'cache_dir', None))}", file=sys.stderr)
+        return 2
+
+
+def os_error_line(e: OSError, cache_dir: str | None) -> str:
+    """``e`` in one line: what failed on which file, and for a file in tokenleap's cache what to do."""
+    from tokenleap.models.catalog import default_cache_dir
+    line = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    if e.filename and Path(os.fsdecode(e.filename)).absolute().is_relative_to(cache.absolute()):
+        line += (f" (in tokenleap's cache {cache}: make it writable, remove the damaged entry, or give another "
+                 "directory with TOKENLEAP_CACHE or --cache-dir)")
+    return line
 
 
 if __name__ == "__main__":

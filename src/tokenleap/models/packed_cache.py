@@ -12,16 +12,21 @@ builds and quantizes models (``tokenleap/models`` and ``tokenleap/kernels``, tok
 torch's versions) and of what decides the packed layouts on this machine (whether the compiled
 kernels run, the CPU's flags, ``TOKENLEAP_AMX``) -- a changed quantizer, or a cache directory shared
 with another kind of machine, never reads a file made otherwise. One file is kept per model key:
-storing a new one removes the others. A file that cannot be read is removed and rebuilt. The files
+storing a new one removes the others. A file that cannot be read is removed and rebuilt, and so is
+one whose bytes changed on disk after it was written (its zip members' CRC-32s, checked on the first
+load of each file, which a stamp beside it records: ``file_stamps``) or that holds another key's model
+(its name is stored in it: a file copied over another). The files
 are tokenleap's own, written to the user's cache; they are unpickled (``weights_only=False``: the
 modules are tokenleap's classes), so the cache directory must be the user's. ``TOKENLEAP_PACKED_CACHE=0``
 turns the cache off.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import zipfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,6 +34,7 @@ import torch
 
 import tokenleap
 from tokenleap import kernels
+from tokenleap.models.file_stamps import stamped, write_stamp
 from tokenleap.models.transformer import Transformer
 
 log = logging.getLogger("tokenleap.models")
@@ -66,41 +72,65 @@ def path_for(cache_dir: Path, key: str) -> Path:
 
 
 def load(path: Path) -> Transformer | None:
-    """The model stored at ``path`` (its tensors memory-mapped), or None: none there, or unreadable
-    (then removed, to be stored again)."""
+    """The model stored at ``path`` (its tensors memory-mapped), or None: none there, or unreadable,
+    changed on disk since it was written, or another model's (then removed, to be stored again)."""
     if not path.is_file():
         return None
+    checked = stamped(_stamp_path(path), path)
     try:
-        model = torch.load(path, mmap=True, weights_only=False)
+        problem = None if checked else _bad_member(path)
+        model = None if problem else torch.load(path, mmap=True, weights_only=False)
     except Exception as e:  # a torn or foreign file: rebuilt by the caller
-        log.warning("packed model %s could not be read (%s); quantizing again", path, e)
-        path.unlink(missing_ok=True)
+        problem = str(e)
+    if problem is None and (not isinstance(model, Transformer) or model.__dict__.get("_packed_name") != path.name):
+        problem = "it holds another model or quantization"  # (copied or renamed into place)
+    if problem is not None:
+        log.warning("packed model %s could not be read (%s); quantizing again", path, problem)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
         return None
-    if not isinstance(model, Transformer):
-        path.unlink(missing_ok=True)
-        return None
+    if not checked:
+        write_stamp(_stamp_path(path), path)
     model.__dict__.pop("_backend", None)  # (a choice made in another process: chosen again here)
     return model
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".ok")
+
+
+def _bad_member(path: Path) -> str | None:
+    """The first member of the file (a zip) whose CRC-32 does not match, or None: about 2 GB/s, done
+    when the file is new to this cache (its stamp missing or stale), so bytes changed on disk since
+    it was written are found before they are loaded."""
+    with zipfile.ZipFile(path) as z:
+        bad = z.testzip()
+    return None if bad is None else f"its member {bad} fails its CRC-32 check"
 
 
 def store(model: Transformer, path: Path) -> None:
     """Save ``model`` at ``path`` (written aside, then renamed into place: a reader never sees half a
     file) and remove the files of the same model made by other code; a failure (a full disk, a module
     that cannot be pickled) only loses the cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     model.__dict__.pop("_backend", None)  # (this process's choice: not stored)
+    model._packed_name = path.name  # load() refuses a file renamed or copied over another
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(model, tmp)
         os.replace(tmp, path)
-    except Exception as e:  # a full disk, or a module that cannot be pickled: the load goes on uncached
+        write_stamp(_stamp_path(path), path)
+    except Exception as e:  # a full disk, a read-only cache, a module that cannot be pickled: uncached
         log.warning("could not keep the quantized model in %s (%s)", path.parent, e)
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return
     stem = path.name.removesuffix(f"-{build_digest()}{_SUFFIX}")
     for old in path.parent.glob(f"{stem}-*{_SUFFIX}"):
         if old != path and len(old.name) == len(path.name):  # (same key, another code digest)
-            old.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                old.unlink(missing_ok=True)
+                _stamp_path(old).unlink(missing_ok=True)
 
 
 def stored(gguf: Path, cache_dir: Path | None = None) -> list[dict]:
