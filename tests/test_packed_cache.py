@@ -122,3 +122,23 @@ def test_a_read_only_cache_loses_the_copy_only(smollm2_gguf, tmp_path, monkeypat
     monkeypatch.setattr(packed_cache.Path, "unlink", read_only)
     loaded = pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path)
     assert "could not keep the quantized model" in caplog.text and loaded.model is not None
+
+
+def test_a_store_removes_the_temp_files_of_stores_killed_mid_save(smollm2_gguf, tmp_path):
+    """A process killed while saving leaves its temp file (a model's size): the next store removes it
+    once its process is gone and it is old, and leaves a live or recent one's alone."""
+    import os
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    orphan, young = packed / f"m-int4.pt.{dead.pid}.tmp", packed / f"n-int4.pt.{dead.pid}.tmp"
+    live = packed / f"m-int4.pt.{os.getpid()}.tmp"
+    for f in (orphan, young, live):
+        f.write_bytes(b"x" * 100)
+    for f in (orphan, live):
+        os.utime(f, (1, 1))  # (old)
+    pretrained.load_model(smollm2_gguf, quant="int4", cache_dir=tmp_path)
+    assert not orphan.exists() and young.exists() and live.exists() and len(packed_files(tmp_path)) == 1

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 import zipfile
 from functools import lru_cache
 from pathlib import Path
@@ -113,6 +114,7 @@ def store(model: Transformer, path: Path) -> None:
     file) and remove the files of the same model made by other code; a failure (a full disk, a module
     that cannot be pickled) only loses the cache."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    _remove_orphans(path.parent)
     model.__dict__.pop("_backend", None)  # (this process's choice: not stored)
     model._packed_name = path.name  # load() refuses a file renamed or copied over another
     try:
@@ -131,6 +133,28 @@ def store(model: Transformer, path: Path) -> None:
             with contextlib.suppress(OSError):
                 old.unlink(missing_ok=True)
                 _stamp_path(old).unlink(missing_ok=True)
+
+
+def _remove_orphans(directory: Path, min_age: float = 600.0) -> None:
+    """Remove the temp files of stores whose process died mid-save (killed: up to a model's size
+    each), older than ``min_age`` seconds: a store takes seconds, and a process of that pid on
+    another machine sharing the directory would have finished it by then."""
+    now = time.time()
+    for tmp in directory.glob(f"*{_SUFFIX}.*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and not _alive(int(pid)) and now - tmp.stat().st_mtime > min_age:
+                tmp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        return True
+    return True
 
 
 def stored(gguf: Path, cache_dir: Path | None = None) -> list[dict]:
