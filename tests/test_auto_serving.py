@@ -109,8 +109,9 @@ def test_resolve_auto_draft(monkeypatch):
         picked, _ = resolve_auto_draft(SpecConfig(method="auto", draft_model="auto", draft_quant=quant),
                                        "catalog:qwen2.5-coder-1.5b-instruct", None)
         assert named.draft_quant == picked.draft_quant == quant
-    # method draft: unset is unquantized, as before
+    # method draft: unset is unquantized, as before; "none" (the old default) still goes with any method
     assert SpecConfig(method="draft", draft_model="m.gguf").draft_quant is None
+    assert SpecConfig(method="ngram", draft_quant="none").method == "ngram"
 
 
 def test_a_target_given_as_a_catalog_models_file_gets_its_draft(monkeypatch, tmp_path):

@@ -101,6 +101,10 @@ def test_a_cache_that_cannot_be_written_is_one_line_naming_the_file(capsys, tmp_
         21, "Is a directory", "/elsewhere/x.gguf")))
     assert main(argv) == 2
     assert capsys.readouterr().err == "tokenleap: error: Is a directory: /elsewhere/x.gguf\n"
+    for e in (OSError(28, "No space left on device"), OSError(9, "Bad file descriptor", 987)):  # no file named
+        monkeypatch.setattr(api, "LLM", lambda *a, **k: (_ for _ in ()).throw(e))
+        with pytest.raises(OSError):  # (its traceback says where)
+            main(argv)
 
 
 def test_prompts_file_errors(capsys, tmp_path):

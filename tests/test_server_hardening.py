@@ -501,3 +501,4 @@ def test_a_prompt_being_tokenized_does_not_hold_up_the_event_loop():
             finally:
                 gate.set()
             assert slow.result().status_code == 200, (path, slow.result().text)
+    assert s.app.state.server._prompt_threads is None  # (let go with the app's lifespan)

@@ -290,6 +290,23 @@ def test_smollm2_ids_match_transformers(smol, hf_smol):
         assert smol.encode(text) == hf_smol.encode(text), repr(text)
 
 
+def test_long_texts_are_encoded_as_short_ones_are(smol):
+    """Texts past ``_DETACHED_CHARS`` go through the backend's batch encode (which lets other threads
+    run meanwhile: a server's event loop while a prompt thread tokenizes): the ids of its one-text
+    encode, the same errors, with and without special tokens parsed."""
+    from tokenleap.text import tokenizer as tokenizer_module
+    rng = random.Random(1)
+    for n in range(4):
+        text = "".join(rng.choice(TEXTS + _random_texts(50, n)) for _ in range(3000))
+        assert len(text) > tokenizer_module._DETACHED_CHARS
+        for special in (True, False):
+            assert smol.encode(text, special) == smol._backend.encode(text, add_special_tokens=special).ids
+        literal = smol.encode(text, add_special_tokens=False, parse_special=False)  # (specials' spellings as text)
+        assert literal == smol._literal.encode(text, add_special_tokens=False).ids != smol.encode(text, False)
+    with pytest.raises(ConfigError, match="not valid Unicode"):
+        smol.encode("x" * 30000 + "\udcff")
+
+
 def test_smollm2_known_ids(smol):
     assert smol.vocab_size == 49152 and smol.bos_token_id == 1 and smol.eos_token_id == 2
     assert smol.eos_token_ids == (2, 0)

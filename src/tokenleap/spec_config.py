@@ -108,7 +108,7 @@ class SpecConfig:
         drafting = self.method in ("draft", "auto")
         _check(self.draft_model is None or drafting,
                f"draft_model goes with method 'draft' or 'auto' (method {self.method!r} uses no draft model)")
-        _check(drafting or (self.draft_quant is None and self.draft_dtype is None),
+        _check(drafting or (self.draft_quant in (None, "none") and self.draft_dtype is None),
                "draft_quant and draft_dtype set a draft model's weights: they go with method 'draft' or 'auto'")
         _check(self.skip_layers == "auto" or self.method in ("layerskip", "auto"),
                "skip_layers goes with method 'layerskip'")

@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # (the interpreter's own flush at exit would raise again)
         return 141  # what a shell reports for a process ended by SIGPIPE
     except OSError as e:  # a file it cannot read or write (a read-only cache, a directory in its place)
+        if not isinstance(e.filename, (str, bytes, os.PathLike)) or os.environ.get("TOKENLEAP_TRACEBACK"):
+            raise  # (not a file's error -- a socket's, a library's, a bug's: its traceback says where)
         print(f"tokenleap: error: {os_error_line(e, getattr(args, 'cache_dir', None))}", file=sys.stderr)
         return 2
 

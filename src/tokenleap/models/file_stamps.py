@@ -1,7 +1,8 @@
-"""Stamps that say a file was checked as it is now -- its resolved path, size, modification time and
-inode, written to a small file of their own -- so a costly check (a GGUF's SHA-256, a packed copy's
-CRC-32s) runs again only once the file has changed. Writing one is best effort: a cache that cannot be
-written (read-only) only means checking again next time."""
+"""Stamps that say a file was checked as it is now -- its resolved path, size and modification time,
+written to a small file of their own -- so a costly check (a GGUF's SHA-256, a packed copy's CRC-32s)
+runs again only once the file has changed. (No inode: a cache copied into an image, times kept, stays
+checked.) Writing one is best effort: a cache that cannot be written (read-only) only means checking
+again next time."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +12,7 @@ from pathlib import Path
 
 def _stamp(path: Path) -> str:
     st = path.stat()
-    return f"{path.resolve()} {st.st_size} {st.st_mtime_ns} {st.st_ino}\n"
+    return f"{path.resolve()} {st.st_size} {st.st_mtime_ns}\n"
 
 
 def stamped(marker: Path, path: Path) -> bool:

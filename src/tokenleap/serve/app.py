@@ -101,6 +101,7 @@ class OpenAIServer(ChecksAndPrompts):
                 yield
             finally:
                 self.scheduler.shutdown()
+                self.stop_prompt_threads()
 
         app = FastAPI(title="tokenleap", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         add_error_handlers(app)  # (before CORS: its middleware wraps the error answers too)

@@ -32,12 +32,20 @@ class ChecksAndPrompts:
         # requests' prompt work (tokenizing, the chat template, echo text) runs on threads of its own, so a
         # long prompt holds up neither the event loop that streams the other replies and answers /health
         # nor a short prompt sent after it (up to PROMPT_THREADS long ones at once)
-        self._prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="tokenleap-prompts")
+        self._prompt_threads: ThreadPoolExecutor | None = None  # (made at the first request)
 
     async def off_loop(self, work: Callable[[], T]) -> T:
         """``work()`` -- a request's tokenization and the checks that need its ids -- on a prompt
         thread; what it raises (a 400) raises here."""
+        if self._prompt_threads is None:
+            self._prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="tokenleap-prompts")
         return await asyncio.get_running_loop().run_in_executor(self._prompt_threads, work)
+
+    def stop_prompt_threads(self) -> None:
+        """Let the prompt threads go (the app's lifespan ends); a later request makes new ones."""
+        threads, self._prompt_threads = self._prompt_threads, None
+        if threads is not None:
+            threads.shutdown(wait=False, cancel_futures=True)
 
     def _auth(self, request: HTTPRequest) -> None:
         key = self.cfg.api_key

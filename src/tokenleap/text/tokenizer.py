@@ -201,6 +201,9 @@ class Tokenizer:
                 self._literal = literal
             backend = self._literal
         try:
+            if len(text) > _DETACHED_CHARS:  # (tokenizers' encode holds the GIL throughout; encode_batch lets
+                # it go, so a long prompt on a prompt thread leaves the event loop free)
+                return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             try:
@@ -293,6 +296,7 @@ class Tokenizer:
         return ids
 
 
+_DETACHED_CHARS = 20_000  # texts longer than this are encoded with the GIL released
 _BACKENDS: dict[str, _Backend] = {}  # digest of a tokenizer.json -> its backend (read-only once built)
 _BACKENDS_MAX = 8
 
