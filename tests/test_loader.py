@@ -80,6 +80,22 @@ def test_changed_gguf_is_converted_again(tmp_path, tokenizer_stub):
     assert torch.equal(second.weights["model.norm.weight"], torch.from_numpy(ref))
 
 
+def test_a_damaged_converted_copy_is_converted_again(tmp_path, tokenizer_stub, caplog):
+    """tokenleap's converted copy of a GGUF truncated, emptied or with a config that does not parse
+    (a full disk, a killed copy): converted again on the next load, not an error every time after."""
+    sd = tiny_state("llama")
+    path = write_tiny_gguf(tmp_path / "t.gguf", "llama", sd)
+    cache = tmp_path / "c"
+    out = load_checkpoint(path, torch.float32, cache_dir=cache).tokenizer_dir
+    for name, damage in (("model.safetensors", lambda b: b[:len(b) // 2]), ("model.safetensors", lambda b: b""),
+                         ("config.json", lambda b: b"{")):
+        caplog.clear()
+        (out / name).write_bytes(damage((out / name).read_bytes()))
+        again = load_checkpoint(path, torch.float32, cache_dir=cache)
+        assert "converting it again" in caplog.text and again.tokenizer_dir == out, name
+        assert all(torch.equal(again.weights[k], torch.from_numpy(v)) for k, v in sd.items())
+
+
 def test_truncated_gguf_fails_before_conversion(tmp_path, tokenizer_stub):
     path = write_tiny_gguf(tmp_path / "t.gguf", "llama", tiny_state("llama"))
     path.write_bytes(path.read_bytes()[:-1000])

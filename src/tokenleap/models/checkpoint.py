@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -23,6 +24,8 @@ from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import hf
 from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
 from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
+
+log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1  # bump when the converted layout or numerics change: old caches are then ignored
 _HEADER_BYTES = 1 << 20  # how much of the GGUF the cache key hashes
@@ -88,8 +91,16 @@ def _looks_like_gguf(path: Path) -> bool:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path, source: str) -> Checkpoint:
+    """The GGUF's converted checkpoint; one found damaged (truncated, emptied, a config that does not
+    parse: tokenleap's own copy, which nothing else writes) is converted again, once."""
     out = convert_gguf(path, dtype, cache_dir)
-    config, weights = hf.load_hf_dir(out, dtype)
+    try:
+        config, weights = hf.load_hf_dir(out, dtype)
+    except ModelFormatError as e:
+        log.warning("the converted copy of %s is damaged (%s); converting it again", path.name, e)
+        shutil.rmtree(out, ignore_errors=True)
+        out = convert_gguf(path, dtype, cache_dir)
+        config, weights = hf.load_hf_dir(out, dtype)
     return Checkpoint(config, weights, out, source=source, gguf_path=path)
 
 
