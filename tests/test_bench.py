@@ -6,6 +6,7 @@ needs no model (failing peers, scheduling) uses fake methods.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -385,7 +386,12 @@ def test_missing_peer_package_is_skipped(monkeypatch):
                                  ModelPool(ModelOptions("unused-model")))
     assert built == []
     assert [i.status for i in infos] == ["skipped", "skipped"]
-    assert "pip install llama-cpp-python" in infos[0].reason
+    assert "pip install llama-cpp-python==0.3.36 diskcache" in infos[0].reason
+    # installed, but a module it imports is not (llama-cpp-python does not pull in diskcache): what to install
+    monkeypatch.setattr(peers, "_installed", lambda module: True)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    built, infos = build_methods(parse_methods("llamacpp-plain", add_plain=False), ModelPool(ModelOptions("unused")))
+    assert built == [] and infos[0].status == "failed" and "diskcache`" in infos[0].reason
 
 
 # -- HumanEval pass@1 ---------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def build_peer(spec: MethodSpec, pool: ModelPool, info: MethodInfo) -> Any | Non
     """The peer method, or None with ``info.status`` set to skipped / failed and the reason."""
     package = "transformers" if spec.family.startswith("hf-") else "llama_cpp"
     if not _installed(package):
-        pip = "transformers accelerate" if package == "transformers" else "llama-cpp-python==0.3.36"
+        pip = "transformers accelerate" if package == "transformers" else "llama-cpp-python==0.3.36 diskcache"
         info.status, info.reason = "skipped", f"{package} is not installed (pip install {pip})"
         return None
     try:
@@ -117,7 +117,11 @@ class HFMethod:
 
 # -- llama.cpp ---------------------------------------------------------------------------------
 def _build_llamacpp(spec: MethodSpec, pool: ModelPool) -> "LlamaCppMethod":
-    import llama_cpp
+    try:
+        import llama_cpp
+    except ModuleNotFoundError as e:  # (its package does not pull in diskcache, which it imports)
+        raise ModuleNotFoundError(f"{e}: the llama.cpp peers need `pip install llama-cpp-python==0.3.36 "
+                                  "diskcache` (which builds llama.cpp from source: minutes)") from None
     target = pool.target()
     if target.gguf_path is None:
         raise ValueError("llama.cpp needs a GGUF target (a catalog name or a .gguf file)")
