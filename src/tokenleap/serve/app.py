@@ -17,7 +17,6 @@ line per finished request (``tokenleap.serve.requests``).
 """
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
 import logging
@@ -280,7 +279,7 @@ class OpenAIServer(ChecksAndPrompts):
         ``prediction``: token ids the replies are expected to resemble)."""
         if spec is not None:  # the first structured request builds the grammar tokenizer (~1 s): off the loop
             try:
-                await asyncio.get_running_loop().run_in_executor(None, self.engine.constraints.prepare, spec)
+                await self.off_loop(lambda: self.engine.constraints.prepare(spec))
             except ConfigError as e:
                 raise bad_request(str(e), "response_format") from None
         job = self._submit(req, prompts, budgets, logprobs, view, spec, prediction)
