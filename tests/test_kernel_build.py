@@ -3,10 +3,22 @@ that cannot build the AMX files still gets the AVX2 kernels (the build retried w
 The compiler is replaced by a stand-in, so nothing is compiled here."""
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch.utils.cpp_extension
 
 import tokenleap.kernels.compiler as kernels
+
+
+def _library(cut: int = 0) -> bytes:
+    """A stand-in ELF library: a 64-byte header whose one-entry section table ends the file, less ``cut`` bytes."""
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", head, 0x28, 64)
+    struct.pack_into("<HH", head, 0x3A, 64, 1)
+    whole = bytes(head) + bytes(64)
+    return whole[: len(whole) - cut]
 
 
 @pytest.fixture
@@ -40,8 +52,8 @@ def test_amx_compile_failure_falls_back_to_avx2_kernels(fake_build, capsys):
 
 
 def test_a_cached_build_prints_nothing(fake_build, capsys, tmp_path):
-    (tmp_path / str(len(kernels.AVX2_ONLY)) / "tokenleap_kernels_avx2.so").write_bytes(b"")
-    (tmp_path / str(len(kernels.SOURCES)) / "tokenleap_kernels.so").write_bytes(b"")
+    (tmp_path / str(len(kernels.AVX2_ONLY)) / "tokenleap_kernels_avx2.so").write_bytes(_library())
+    (tmp_path / str(len(kernels.SOURCES)) / "tokenleap_kernels.so").write_bytes(_library())
     kernels.compile_sources(kernels.AVX2_ONLY, "tokenleap_kernels_avx2")
     assert capsys.readouterr().err == ""
 
@@ -100,10 +112,46 @@ def test_a_finished_build_in_a_read_only_cache_is_loaded_as_it_is(fake_build, tm
     in an image, another user's), a finished build's library is loaded directly -- no lock, no
     build, no fall-back to the AVX2 files."""
     so = tmp_path / str(len(kernels.SOURCES)) / "tokenleap_kernels.so"
-    so.write_bytes(b"")
+    so.write_bytes(_library())
     loaded: list[str] = []
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)
     monkeypatch.setattr(kernels.os, "access", lambda path, mode: False)
     monkeypatch.setattr(kernels, "build_lock", lambda out: pytest.fail("a lock was taken"))
     kernels.build()
     assert loaded == [str(so)] and fake_build == []
+
+
+@pytest.mark.parametrize("cut", [1, 64, 128])
+def test_a_library_cut_short_is_linked_again(fake_build, tmp_path, capsys, cut):
+    """A link step killed part-way leaves a truncated (or empty) library that the build tool counts as
+    built; loading a truncated one kills the process with SIGBUS. It is removed and built again."""
+    so = tmp_path / str(len(kernels.AVX2_ONLY)) / "tokenleap_kernels_avx2.so"
+    so.write_bytes(_library(cut))
+    kernels.compile_sources(kernels.AVX2_ONLY, "tokenleap_kernels_avx2")
+    err = capsys.readouterr().err
+    assert not so.exists() and len(fake_build) == 1  # the stand-in build writes nothing
+    assert "is damaged (cut short); building it again" in err and "compiling the CPU kernels" in err
+
+
+def test_a_library_cut_short_in_a_read_only_cache_is_refused(fake_build, tmp_path, monkeypatch):
+    so = tmp_path / str(len(kernels.SOURCES)) / "tokenleap_kernels.so"
+    so.write_bytes(_library(8))
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: pytest.fail("a damaged library was loaded"))
+    monkeypatch.setattr(kernels.os, "access", lambda path, mode: False)
+    with pytest.raises(kernels.DamagedBuild, match="cut short.*TOKENLEAP_CACHE"):
+        kernels.build()
+    assert fake_build == []  # no fall-back build into the read-only cache
+
+
+def test_whole_library_reads_a_real_build(tmp_path):
+    import tokenleap.kernels as k
+
+    if not k.available():
+        pytest.skip("no compiled kernels here")
+    so = next(p for s in (kernels.SOURCES, kernels.AVX2_ONLY) for p in kernels.directory_for(s).glob("*.so"))
+    assert kernels.whole_library(so)
+    data = so.read_bytes()
+    for cut in (1, len(data) // 2):
+        (tmp_path / "cut.so").write_bytes(data[:-cut])
+        assert not kernels.whole_library(tmp_path / "cut.so")
+    assert not kernels.whole_library(tmp_path / "missing.so")

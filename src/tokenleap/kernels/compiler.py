@@ -5,7 +5,9 @@ headers, flags, torch version and the sources' location. A compiler that cannot 
 files (an older GCC) still gets the AVX2 kernels: the build is retried with ``amx_stub.cpp`` in
 their place, which reports that no tile may run. A build prints one line to stderr when it starts
 and one with the time it took; a lock left by a killed build is removed (torch's build would wait
-on it for ever), one held by a live build waited on.
+on it for ever), one held by a live build waited on. A library cut short on disk (a link step
+killed part-way leaves one that the build tool counts as finished) is removed and linked again:
+loading a truncated one kills the process with SIGBUS.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import struct
 import sys
 import time
 from collections.abc import Iterator
@@ -45,6 +48,26 @@ def directory_for(sources: list[Path]) -> Path:
     d = default_cache_dir() / "kernels" / key.hexdigest()[:16]
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+class DamagedBuild(RuntimeError):
+    """A kernel library on disk is cut short where it cannot be rebuilt (a read-only cache)."""
+
+
+def whole_library(so: Path) -> bool:
+    """Whether ``so`` is a whole 64-bit ELF library: its header's section table, which the linker
+    writes last, at the end of the file, lies inside the file."""
+    try:
+        with open(so, "rb") as f:
+            head, size = f.read(64), os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:
+        return False
+    order = "<" if head[5] == 1 else ">"
+    (table,) = struct.unpack_from(order + "Q", head, 0x28)
+    entry, count = struct.unpack_from(order + "HH", head, 0x3A)
+    return count > 0 and table + entry * count <= size
 
 
 @contextmanager
@@ -81,9 +104,16 @@ def compile_sources(sources: list[Path], name: str) -> None:
     out = directory_for(sources)
     so = out / f"{name}.so"
     if so.is_file() and not os.access(out, os.W_OK):  # a read-only cache (an image's, another user's):
-        torch.ops.load_library(str(so))                # torch's build would take its lock file there
+        if not whole_library(so):                      # torch's build would take its lock file there
+            raise DamagedBuild(f"the CPU kernel library {so} is damaged (cut short) and its directory is read-only; "
+                               "remove it, or point TOKENLEAP_CACHE at a writable directory")
+        torch.ops.load_library(str(so))
         return
     with build_lock(out):
+        if so.is_file() and not whole_library(so):
+            print(f"tokenleap: the CPU kernel library {so} is damaged (cut short); building it again",
+                  file=sys.stderr, flush=True)
+            so.unlink()
         fresh = not any(out.glob("*.so"))
         if fresh:
             print(f"tokenleap: compiling the CPU kernels ({', '.join(p.name for p in sources)}) into {out}, "
@@ -104,6 +134,8 @@ def build() -> None:
     """The full build; where the AMX files do not compile, the AVX2 kernels without them."""
     try:
         compile_sources(SOURCES, "tokenleap_kernels")
+    except DamagedBuild:
+        raise
     except Exception as e:  # e.g. a compiler without AMX intrinsics: keep the AVX2 kernels
         log.warning("tokenleap CPU kernels: the full build failed (%s); building them without the AMX files",
                     f"{type(e).__name__}: {str(e).strip()[-200:]}")
