@@ -87,13 +87,40 @@ def test_a_damaged_converted_copy_is_converted_again(tmp_path, tokenizer_stub, c
     path = write_tiny_gguf(tmp_path / "t.gguf", "llama", sd)
     cache = tmp_path / "c"
     out = load_checkpoint(path, torch.float32, cache_dir=cache).tokenizer_dir
+    flip = lambda b: b[:-5] + bytes([b[-5] ^ 0x40]) + b[-4:]  # noqa: E731 -- one bit of the last weight
     for name, damage in (("model.safetensors", lambda b: b[:len(b) // 2]), ("model.safetensors", lambda b: b""),
-                         ("config.json", lambda b: b"{")):
+                         ("config.json", lambda b: b"{"), ("model.safetensors", flip), ("tokenizer.json", flip),
+                         ("source.json", lambda b: b"[1]")):
         caplog.clear()
         (out / name).write_bytes(damage((out / name).read_bytes()))
         again = load_checkpoint(path, torch.float32, cache_dir=cache)
         assert "converting it again" in caplog.text and again.tokenizer_dir == out, name
         assert all(torch.equal(again.weights[k], torch.from_numpy(v)) for k, v in sd.items())
+
+
+def test_converted_weights_are_checked_once_after_they_change(tmp_path, tokenizer_stub, monkeypatch):
+    """The weights' CRC-32 is read only where their stamp is stale (not after the conversion itself, nor
+    at later loads); a copy damaged where the cache cannot be rewritten is refused, naming the file."""
+    path = write_tiny_gguf(tmp_path / "t.gguf", "llama", tiny_state("llama"))
+    cache = tmp_path / "c"
+    out = load_checkpoint(path, torch.float32, cache_dir=cache).tokenizer_dir
+    read: list[str] = []
+    crc = loader._crc32
+    monkeypatch.setattr(loader, "_crc32", lambda f: read.append(f.name) or crc(f))
+    load_checkpoint(path, torch.float32, cache_dir=cache)
+    assert "model.safetensors" not in read and "tokenizer.json" in read
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # same bytes, a new time: checked once, then stamped again
+    read.clear()
+    load_checkpoint(path, torch.float32, cache_dir=cache)
+    load_checkpoint(path, torch.float32, cache_dir=cache)
+    assert read.count("model.safetensors") == 1
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    monkeypatch.setattr(loader.shutil, "rmtree", lambda *a, **k: None)  # as in a read-only cache
+    monkeypatch.setattr(loader, "GGUFFile", lambda *a: pytest.fail("converted in a read-only cache"))
+    with pytest.raises(ModelFormatError, match="model.safetensors has changed since it was converted"):
+        load_checkpoint(path, torch.float32, cache_dir=cache)
 
 
 def test_truncated_gguf_fails_before_conversion(tmp_path, tokenizer_stub):

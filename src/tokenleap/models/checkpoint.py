@@ -3,7 +3,10 @@
 Resolution: a catalog short name -> its verified GGUF; an existing ``.gguf`` file; an existing
 Hugging Face directory (config.json + *.safetensors). A GGUF is dequantized once into
 ``<cache_dir>/converted/<key>/`` (model.safetensors in the compute dtype, config.json, tokenizer
-files); later loads memory-map that directory and take about a second.
+files); later loads memory-map that directory and take about a second. Its ``source.json`` holds the
+CRC-32 of every file written there: the small files are checked at each load, the weights where their
+stamp (``file_stamps``) is missing or stale -- once after they changed on disk -- and a copy that
+fails is converted again.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import math
 import os
 import shutil
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import hf
 from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
+from tokenleap.models.file_stamps import stamped, write_stamp
 from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
 
 log = logging.getLogger(__name__)
@@ -95,13 +100,47 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path, source: str) -> 
     parse: tokenleap's own copy, which nothing else writes) is converted again, once."""
     out = convert_gguf(path, dtype, cache_dir)
     try:
+        _check_converted(out)
         config, weights = hf.load_hf_dir(out, dtype)
     except ModelFormatError as e:
         log.warning("the converted copy of %s is damaged (%s); converting it again", path.name, e)
         shutil.rmtree(out, ignore_errors=True)
         out = convert_gguf(path, dtype, cache_dir)
+        _check_converted(out)  # where the cache is read-only, the damaged copy is still there: refused
         config, weights = hf.load_hf_dir(out, dtype)
     return Checkpoint(config, weights, out, source=source, gguf_path=path)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _check_converted(out: Path) -> None:
+    """Raise ``ModelFormatError`` where a file of the converted copy ``out`` no longer has the CRC-32
+    written at its conversion (a copy from before checksums were written passes unchecked)."""
+    try:
+        sums = json.loads((out / "source.json").read_text(encoding="utf-8")).get("crc32", {})
+        if not isinstance(sums, dict):
+            raise ValueError("no table of CRC-32s")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelFormatError(f"{out / 'source.json'} is unreadable ({e})") from e
+    weights = out / "model.safetensors"
+    for name, want in sorted(sums.items()):
+        f = out / name
+        if f == weights and stamped(out / ".model.checked", weights):
+            continue
+        try:
+            got = _crc32(f)
+        except OSError as e:
+            raise ModelFormatError(f"{f} is unreadable ({e})") from e
+        if got != want:
+            raise ModelFormatError(f"{f} has changed since it was converted (its CRC-32 does not match)")
+        if f == weights:
+            write_stamp(out / ".model.checked", weights)
 
 
 def conversion_key(gguf_path: Path, dtype: torch.dtype) -> str:
@@ -168,6 +207,7 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
                 shutil.rmtree(out, ignore_errors=True)  # an incomplete leftover, if any
                 try:
                     os.rename(tmp, out)
+                    write_stamp(out / ".model.checked", out / "model.safetensors")  # just written: checked
                 except OSError:
                     if not _is_complete(out):
                         raise
@@ -193,8 +233,9 @@ def _check_disk_space(gg: GGUFFile, dtype: torch.dtype, root: Path) -> None:
 
 
 def _write_converted(gg: GGUFFile, dtype: torch.dtype, out: Path) -> None:
-    """model.safetensors (streamed, one tensor in memory at a time), config.json, tokenizer files."""
-    _write_safetensors(gg, dtype, out / "model.safetensors")
+    """model.safetensors (streamed, one tensor in memory at a time), config.json, tokenizer files, and
+    source.json: where they came from, and their CRC-32s."""
+    crc = _write_safetensors(gg, dtype, out / "model.safetensors")
     config = gg.config.to_hf_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -202,13 +243,14 @@ def _write_converted(gg: GGUFFile, dtype: torch.dtype, out: Path) -> None:
 
     write_tokenizer_files(gg.tokenizer_metadata(), out)
     st = gg.path.stat()
+    sums = {f.name: _crc32(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != "model.safetensors"}
     source = {"gguf": str(gg.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-              "dtype": str(dtype), "converter_version": CONVERTER_VERSION}
+              "dtype": str(dtype), "converter_version": CONVERTER_VERSION, "crc32": {**sums, "model.safetensors": crc}}
     (out / "source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
 
 
-def _write_safetensors(gg: GGUFFile, dtype: torch.dtype, path: Path) -> None:
-    """Write a safetensors file tensor by tensor: header from the GGUF shapes, then the data."""
+def _write_safetensors(gg: GGUFFile, dtype: torch.dtype, path: Path) -> int:
+    """Write a safetensors file tensor by tensor: header from the GGUF shapes, then the data; its CRC-32."""
     from tqdm import tqdm
 
     names = gg.hf_names()
@@ -222,15 +264,18 @@ def _write_safetensors(gg: GGUFFile, dtype: torch.dtype, path: Path) -> None:
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
+    head = struct.pack("<Q", len(blob)) + blob
+    crc = zlib.crc32(head)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        f.write(head)
         for name in tqdm(names, desc=f"converting {gg.path.name} to {dtype}", unit="tensor",
                          disable=None, leave=False):
-            tensor = gg.tensor(name, dtype).contiguous()  # HF shape, e.g. [out, in]
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            data = gg.tensor(name, dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data  # HF shape
+            crc = zlib.crc32(data, crc)
+            f.write(data)
     if path.stat().st_size != 8 + len(blob) + offset:
         raise ModelFormatError(f"writing {path} produced a file of the wrong size; is the disk full?")
+    return crc
 
 
 __all__ = ["Checkpoint", "load_checkpoint", "convert_gguf", "conversion_key", "as_dtype"]
