@@ -471,6 +471,7 @@ HELD_ROUTES = [  # (path, body): each asks for the text "hold" to be tokenized
     ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "hold"}], "stream": False,
                    "options": {"num_predict": 2}}),
     ("/tokenize", {"prompt": "hold"}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "bad_words": ["hold"]}),  # tokenized as the sequence is made
 ]
 
 

@@ -282,7 +282,9 @@ class OpenAIServer(ChecksAndPrompts):
                 await self.off_loop(lambda: self.engine.constraints.prepare(spec))
             except ConfigError as e:
                 raise bad_request(str(e), "response_format") from None
-        job = self._submit(req, prompts, budgets, logprobs, view, spec, prediction)
+        # (off the loop: a sequence's creation tokenizes its bad_words and copies its grammar's matcher)
+        seqs = await self.off_loop(lambda: self._sequences(req, prompts, budgets, logprobs, view, spec, prediction))
+        job = self._submit(seqs, sum(len(p) for p in prompts), view)
         if self.cfg.log_prompts:  # as the client sent it: a completion's prompt, or the chat messages
             job.prompt_text = req.prompt if isinstance(getattr(req, "prompt", None), str) else json.dumps(
                 req.prompt if hasattr(req, "prompt") else [m.model_dump(exclude_none=True) for m in req.messages],
@@ -297,8 +299,13 @@ class OpenAIServer(ChecksAndPrompts):
             job.cancel()
             self._log(job, fmt)
 
-    def _submit(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
-                view: PromptView, structured=None, prediction: tuple[int, ...] = ()) -> Job:
+    def _sequences(self, req, prompts: list[list[int]], budgets: list[int], logprobs: int | None,
+                   view: PromptView, structured=None, prediction: tuple[int, ...] = ()) -> list:
+        """The request's sequences, ``n`` a prompt, each checked (a 400 naming what is wrong)."""
+        if len(prompts) * req.n > self.scheduler.capacity:  # never admitted, however long the client waits
+            raise bad_request(f"this request has {len(prompts) * req.n} sequences (n times its prompts) but the "
+                              f"server takes at most {self.scheduler.capacity} at once (--max-num-seqs plus "
+                              f"--max-waiting)", "n")
         seqs = []
         for prompt, budget in zip(prompts, budgets):
             for choice in range(req.n):
@@ -309,11 +316,10 @@ class OpenAIServer(ChecksAndPrompts):
                     raise bad_request(str(e), "prompt", "context_length_exceeded") from None
                 except ConfigError as e:  # an empty prompt, or a schema, regex or grammar that does not compile
                     raise bad_request(str(e), "response_format" if prompt else "prompt") from None
-        if len(seqs) > self.scheduler.capacity:  # never admitted, however long the client waits
-            raise bad_request(f"this request has {len(seqs)} sequences (n times its prompts) but the server "
-                              f"takes at most {self.scheduler.capacity} at once (--max-num-seqs plus "
-                              f"--max-waiting)", "n")
-        job = Job(self.scheduler, seqs, sum(len(p) for p in prompts), view)
+        return seqs
+
+    def _submit(self, seqs: list, prompt_tokens: int, view: PromptView) -> Job:
+        job = Job(self.scheduler, seqs, prompt_tokens, view)
         try:
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
