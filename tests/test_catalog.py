@@ -86,11 +86,37 @@ def test_join_verify_and_reuse(fake_install, tmp_path, monkeypatch):
     path = catalog.resolve_gguf("fake-model", cache)
     assert path == cache / "gguf" / "fake-model.gguf" and path.read_bytes() == b"".join(chunks)
     assert (cache / "gguf" / "fake-model.gguf.sha256-ok").is_file()
-    assert not list((cache / "gguf").glob(".*tmp"))  # temp file renamed away
+    assert not list((cache / "gguf").glob("*.tmp"))  # temp file renamed away
     monkeypatch.setattr(catalog, "sha256_file", lambda *a, **k: pytest.fail("re-hashed a verified file"))
     assert catalog.resolve_gguf("fake-model", cache) == path
     row = next(r for r in catalog.list_models(cache) if r["name"] == "fake-model")
     assert row["installed"] and row["path"] == path
+
+
+def test_concurrent_first_loads_join_once(fake_install, tmp_path, monkeypatch):
+    """Processes starting at once wait for the one joining and take its file: joined again, it would
+    get a new time, and so a new conversion key (the first conversion's copy left behind)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    fake_install([b"GGUF" + bytes(300), b"y" * 3000])
+    joins, inside = [], threading.Event()
+    join = catalog._join_parts
+
+    def slow_join(*args):
+        joins.append(1)
+        inside.set()
+        threading.Event().wait(0.3)  # the others arrive while this one joins
+        join(*args)
+
+    monkeypatch.setattr(catalog, "_join_parts", slow_join)
+    cache = tmp_path / "cache"
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(catalog.resolve_gguf, "fake-model", cache)
+        assert inside.wait(10)
+        others = [pool.submit(catalog.resolve_gguf, "fake-model", cache) for _ in range(2)]
+        paths = {first.result(), *(f.result() for f in others)}
+    assert len(joins) == 1 and paths == {cache / "gguf" / "fake-model.gguf"}
 
 
 def test_corrupted_joined_file_is_rejoined(fake_install, tmp_path):

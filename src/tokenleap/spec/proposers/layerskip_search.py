@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from tokenleap.cache.contiguous import KVCache
+from tokenleap.models.cache_files import written_aside
 from tokenleap.models.transformer import Segment, Transformer
 
 
@@ -226,7 +227,5 @@ def load_calibration(path: Path, num_layers: int) -> Calibration | None:
 
 
 def save_calibration(path: Path, cal: Calibration) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cal.to_dict(), indent=1), encoding="utf-8")
-    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    with written_aside(path) as tmp:  # a concurrent reader sees the old file or the new one
+        tmp.write_text(json.dumps(cal.to_dict(), indent=1), encoding="utf-8")

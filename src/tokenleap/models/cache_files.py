@@ -1,0 +1,62 @@
+"""Files in tokenleap's cache: written aside then renamed into place, made by one process at a time,
+and stamped once checked.
+
+A stamp says a file was checked as it is now -- its resolved path, size and modification time, written
+to a small file of its own -- so a costly check (a GGUF's SHA-256, a packed copy's CRC-32s) runs again
+only once the file has changed. (No inode: a cache copied into an image, times kept, stays checked.)
+Writing one is best effort: a cache that cannot be written (read-only) only means checking again next
+time."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _stamp(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()} {st.st_size} {st.st_mtime_ns}\n"
+
+
+def stamped(marker: Path, path: Path) -> bool:
+    """Whether ``marker`` holds the stamp of ``path`` as the file is now."""
+    try:
+        return marker.read_text() == _stamp(path)
+    except OSError:
+        return False
+
+
+def write_stamp(marker: Path, path: Path) -> None:
+    """The stamp of ``path`` into ``marker``, where the cache can be written."""
+    with contextlib.suppress(OSError), written_aside(marker) as tmp:
+        tmp.write_text(_stamp(path))
+
+
+@contextlib.contextmanager
+def written_aside(path: Path) -> Iterator[Path]:
+    """A temp name beside ``path`` (``NAME.PID.tmp``: one a process, so two writers never mix) to write
+    to; renamed over ``path`` when the block ends without an error (a reader sees the old file or the
+    new one, never half of one), removed when it fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """``path`` (a lock file, made if missing) held by this process alone for the block: a second one
+    waits. The system lets go of it when its holder dies, so a killed process leaves no stale lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
