@@ -82,8 +82,8 @@ def build_lock(build_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"tokenleap: waiting for another process to finish building the CPU kernels in {build_dir}",
-                  file=sys.stderr, flush=True)
+            print("tokenleap: waiting for another process to finish building or checking the CPU kernels in "
+                  f"{build_dir}", file=sys.stderr, flush=True)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             stale = build_dir / "lock"
