@@ -269,3 +269,40 @@ def test_n_completions_a_prompt_as_vllms_outputs(kind):
         next(llm.stream("why", greedy))
     with pytest.raises(ConfigError, match="n must be an integer >= 1"):
         SamplingParams(n=0)
+
+
+def test_a_bad_prompt_in_a_batch_is_named_by_the_callers_index():
+    """Refused before any work, naming the prompt as the caller numbered it (n > 1 repeats prompts
+    inside the batch: the index is the caller's, not the repeated list's)."""
+    llm = make_llm(None, max_model_len=64)
+    good = SamplingParams(max_tokens=2, temperature=0.8, seed=1, n=3)
+    bad = replace(good, stop_token_ids=(10_000,))
+    with pytest.raises(ConfigError, match=r"^prompt 2 of the batch: stop_token_ids"):
+        llm.generate([[5, 6], [7, 8], [9, 10]], [good, good, bad])
+    with pytest.raises(ConfigError, match=r"^prompt 1 of the batch: the prompt is empty"):
+        llm.generate([[5, 6], []], good)
+    with pytest.raises(Exception, match=r"^prompt 1 of the batch: the prompt has 100 tokens"):
+        llm.generate([[5, 6], [3] * 100], good)
+
+
+def test_a_slot_taken_after_the_check_sends_generate_to_a_batch_engine(monkeypatch):
+    """Another thread may take LLM.engine's last slot between generate's check and the allocation:
+    the call then runs on a batch engine of its own (the same output), not a "streams open" error."""
+    llm = make_llm("ngram")
+    params = SamplingParams(max_tokens=6)
+    want = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    cache = llm.engine.cache
+    taken = cache.allocate()  # as if a thread took it just after the check below saw it free
+    monkeypatch.setattr(type(cache), "num_free_slots", property(lambda self: 1))
+    assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == want
+    cache.free(taken)
+
+
+def test_an_llm_pickles_after_use_and_its_copy_builds_its_own_engine():
+    import pickle
+
+    llm = make_llm("ngram")
+    params = SamplingParams(max_tokens=5)
+    want = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    copy = pickle.loads(pickle.dumps(llm))
+    assert copy._engine is None and copy.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == want

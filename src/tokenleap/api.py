@@ -6,6 +6,8 @@ as if alone, so each output is token-identical to generating that prompt by itse
 seeded sampling)."""
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -22,6 +24,11 @@ from tokenleap.models.pretrained import LoadedModel, load_model
 from tokenleap.spec.proposers.base import Proposer, draft_model_note, output_pool_note
 from tokenleap.spec.proposers.factory import load_draft, proposer_for, resolve_auto_draft, uses_draft
 from tokenleap.outputs import RequestOutput, StreamChunk, grouped, request_output
+from tokenleap.cache.contiguous import CacheFullError
+
+
+class StreamsBusy(ConfigError):
+    """Every slot of ``LLM.engine`` is held (open streams, or one-prompt generates on other threads)."""
 
 
 def _check_sizes(max_model_len: int | None, num_slots: int, max_num_seqs: int) -> None:
@@ -68,6 +75,16 @@ class LLM:
         self.prefill_chunk = PREFILL_CHUNK  # of every engine built here
         self.num_slots = num_slots
         self._engine: Engine | None = None
+        self._engine_lock = threading.Lock()  # LLM.engine's one build, when callers on several threads race to it
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the request engine (its KV cache, proposer and locks) is this process's: a copy builds its own
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_engine_lock")}
+        return {**state, "_engine": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._engine_lock = threading.Lock()
 
     @property
     def engine(self) -> Engine:
@@ -77,8 +94,10 @@ class LLM:
         turn of a conversation (or the same system prompt again) starts from it. Batches and chat
         sessions run on paged engines of their own, and never pay for this one's cache."""
         if self._engine is None:
-            from tokenleap.serve.batch import request_engine
-            self._engine = request_engine(self)
+            with self._engine_lock:
+                if self._engine is None:
+                    from tokenleap.serve.batch import request_engine
+                    self._engine = request_engine(self)
         return self._engine
 
     @property
@@ -147,12 +166,19 @@ class LLM:
             raise ConfigError(f"stream gives one completion (n is {params.n}): generate or chat give n")
         ids = self.encode(prompt, chat)
         engine = self.engine  # (built on first use: not part of the request's time)
+        busy = (f"every one of this LLM's {self.num_slots} streams is in use (streams still open, or one-prompt "
+                "generate calls on other threads): read a stream to its end or close() it before starting another "
+                "(or give LLM num_slots)")
         if not engine.cache.num_free_slots:
-            raise ConfigError(f"every one of this LLM's {self.num_slots} streams is still open: read a stream to "
-                              "its end or close() it before starting another (or give LLM num_slots)")
+            raise StreamsBusy(busy)
         t0 = time.perf_counter()
+        steps = engine.generate(ids, params)
+        try:
+            first = next(steps)  # takes a slot (and prefills): another thread may have taken the last one since
+        except CacheFullError:
+            raise StreamsBusy(busy) from None
         seq = None
-        for seq, piece in engine.generate(ids, params):
+        for seq, piece in itertools.chain([first], steps):
             if not seq.finished:
                 yield StreamChunk(piece, seq.generated, False)
             else:
@@ -178,15 +204,20 @@ class LLM:
         else:
             per_prompt = [_checked(params)] * len(prompts)
         counts = [p.n for p in per_prompt]
+        origins = list(range(len(prompts)))
         if counts != [1] * len(prompts):  # each completion a sequence (seeded: the j-th with seed + j)
             prompts = [p for p, n in zip(prompts, counts) for _ in range(n)]
+            origins = [i for i, n in enumerate(counts) for _ in range(n)]
             per_prompt = [replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                           for p in per_prompt for j in range(p.n)]
         if len(prompts) == 1 and self.engine.cache.num_free_slots:  # (else: an open stream holds the slot)
-            *_, last = self.stream(prompts[0], per_prompt[0], chat)
-            return [last.output]
+            try:
+                *_, last = self.stream(prompts[0], per_prompt[0], chat)
+                return [last.output]
+            except StreamsBusy:
+                pass  # another thread took the slot since: a batch engine of its own, as below
         from tokenleap.serve.batch import generate_batch
-        return grouped(*generate_batch(self, list(prompts), per_prompt, chat), counts)
+        return grouped(*generate_batch(self, list(prompts), per_prompt, chat, origins), counts)
 
     def infill(self, prefix: str, suffix: str, params: SamplingParams | None = None) -> RequestOutput:
         """The code for the gap between ``prefix`` and ``suffix`` (fill-in-the-middle, for code models

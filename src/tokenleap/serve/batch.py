@@ -81,15 +81,34 @@ def _paged_engine(llm: "LLM", blocks: int, slots: int) -> Engine:
                   tree_nodes=llm.spec.tree_nodes)
 
 
-def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams],
-                   chat: bool) -> tuple[list["RequestOutput"], list[SpecStats]]:
+def _naming(origins: list[int], i: int, e: Exception) -> Exception:
+    """``e`` (a prompt's or its parameters' error) with the caller's prompt index in front of its message."""
+    e.args = (f"prompt {origins[i]} of the batch: {e.args[0] if e.args else e}",) + e.args[1:]
+    return e
+
+
+def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams], chat: bool,
+                   origins: list[int] | None = None) -> tuple[list["RequestOutput"], list[SpecStats]]:
     """``prompts`` (text or token ids) decoded together: the outputs and each one's counters, in the
-    prompts' order."""
+    prompts' order (``origins``: the caller's index of each, where ``n`` > 1 repeated prompts; errors name it)."""
+    from tokenleap.config import ConfigError
+    from tokenleap.errors import PromptTooLongError
     from tokenleap.outputs import request_output
-    ids = [llm.encode(p, chat) for p in prompts]
+    origins = origins or list(range(len(prompts)))
+    ids = []
+    for i, p in enumerate(prompts):
+        try:
+            ids.append(llm.encode(p, chat))
+        except ConfigError as e:
+            raise _naming(origins, i, e) from None
     engine = batch_engine(llm, [len(p) + (sp.max_tokens or llm.max_len) + llm.spec.max_num_tokens + 1
                                 for p, sp in zip(ids, params)])
-    seqs = [engine.create(p, sp) for p, sp in zip(ids, params)]  # validates every prompt before any work
+    seqs = []  # every prompt validated before any work
+    for i, (p, sp) in enumerate(zip(ids, params)):
+        try:
+            seqs.append(engine.create(p, sp))
+        except (ConfigError, PromptTooLongError) as e:
+            raise _naming(origins, i, e) from None
     sched = Scheduler(engine, SchedulerConfig(max_num_seqs=engine.cache.num_slots, max_waiting=len(seqs),
                                               log_interval=0))
     done: dict[int, float] = {}
@@ -108,7 +127,7 @@ def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams],
     sched.run_until_idle()
     if errors:
         i, message = min(errors.items())
-        raise BatchRequestError(f"prompt {i} of the batch failed: {message}")
+        raise BatchRequestError(f"prompt {origins[i]} of the batch failed: {message}")
     outputs = []
     for prompt, seq, i in zip(prompts, seqs, range(len(seqs))):
         seq.stats.total_seconds = done[i] - t0
