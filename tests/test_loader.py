@@ -123,6 +123,26 @@ def test_converted_weights_are_checked_once_after_they_change(tmp_path, tokenize
         load_checkpoint(path, torch.float32, cache_dir=cache)
 
 
+def test_a_conversion_killed_part_way_leaves_no_temp_directory_behind(tmp_path, tokenizer_stub):
+    """A kill -9 during a first conversion leaves its temp directory (up to the model's size); the next
+    conversion of that GGUF removes those of dead processes, not a live one's."""
+    import os
+    import subprocess
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", "llama", tiny_state("llama"))
+    cache = tmp_path / "c"
+    root = cache / "converted"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = loader.conversion_key(path, torch.float32)
+    gone, alive = root / f".tmp-{name}-{dead.pid}", root / f".tmp-{name}-{os.getppid()}"
+    for d in (gone, alive):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"half")
+    load_checkpoint(path, torch.float32, cache_dir=cache)
+    assert not gone.exists() and alive.exists()
+
+
 def test_truncated_gguf_fails_before_conversion(tmp_path, tokenizer_stub):
     path = write_tiny_gguf(tmp_path / "t.gguf", "llama", tiny_state("llama"))
     path.write_bytes(path.read_bytes()[:-1000])

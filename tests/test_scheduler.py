@@ -125,6 +125,31 @@ def test_cancelled_requests_free_everything_at_once():
     assert sched.stats.finished == {"abort": 4, "length": 4}
 
 
+def test_abort_all_ends_running_queued_and_just_submitted_requests_with_an_error():
+    """A server whose shutdown grace ran out: every request -- running, waiting, or submitted since the
+    last iteration -- gets one error output and frees its slot; an abort with nothing to end is spent
+    on the next iteration, not kept for a later request."""
+    eng = paged_engine("draft", blocks=64)
+    sched = Scheduler(eng, SchedulerConfig(max_num_seqs=2, log_interval=0))
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    sinks = [submit(sched, prompt, params) for prompt, _ in workload(4)]
+    for _ in range(3):
+        sched.iterate()
+    late = submit(sched, workload(5)[-1][0], params)
+    sched.abort_all("the server is shutting down")
+    assert not sched.idle
+    sched.iterate()
+    for sink in [*sinks, late]:
+        assert sink.finish_reason == "error" and sink.outputs[-1].error == "the server is shutting down"
+        assert [o.finish_reason for o in sink.outputs].count("error") == 1
+    assert sched.idle and eng.cache.num_free_slots == eng.cache.num_slots and eng.cache.num_used_blocks == 0
+    sched.abort_all("nothing to end")
+    sched.run_until_idle()
+    after = submit(sched, workload(1)[0][0], SamplingParams(max_tokens=3, ignore_eos=True))
+    sched.run_until_idle()
+    assert after.finish_reason == "length" and len(after.tokens) == 3
+
+
 @pytest.mark.parametrize("where", ["prefill", "propose"])
 def test_a_failing_request_does_not_disturb_the_others(where):
     eng = paged_engine("ngram", k=2)

@@ -56,6 +56,59 @@ def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, mon
     assert "--host '999.1.1.1' is not an address" in capsys.readouterr().err
 
 
+def test_a_port_taken_while_the_model_loads_is_refused_not_served_silently(capsys, monkeypatch):
+    """Two servers that bound one port while both were loading: the second's listen() fails, which
+    uvloop's server would swallow (running for ever with no socket). It stops with a clear line."""
+    from tokenleap.cli import serve as serve_cli
+    from tokenleap.cli.main import main
+    port, other = _free_port(), socket.socket()
+
+    def load_while_another_takes_the_port(args):
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        return object(), None
+    monkeypatch.setattr(serve_cli, "build_app", load_while_another_takes_the_port)
+    try:
+        assert main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port)]) == 2
+    finally:
+        other.close()
+    err = capsys.readouterr().err
+    assert "another server took the port while this one was loading" in err and "serving" not in err
+
+
+def test_sigterm_ends_a_long_stream_after_the_shutdown_timeout(smollm2_gguf):
+    """SIGTERM with a stream far from done: the server says it is shutting down, the stream gets an
+    error event and [DONE] once --shutdown-timeout has passed, and the process exits (uvicorn alone
+    would wait for the whole reply)."""
+    import signal
+    import time
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tokenleap.cli.main", "serve", "--model", "smollm2-135m-instruct", "--port",
+           str(port), "--spec", "none", "--log-interval", "0", "--shutdown-timeout", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _healthy(url) or proc.poll() is not None, 300) and proc.poll() is None
+        body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert proc.wait(30) in (0, -signal.SIGTERM) and time.monotonic() - t0 < 20
+        events = [line.removeprefix("data: ") for line in rest if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "the server is shutting down" in events[-2]
+        assert "tokenleap: shutting down: 1 request(s) in flight" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+
+
 def test_smollm2_through_the_cli(smollm2_gguf):
     port = _free_port()
     cmd = [sys.executable, "-m", "tokenleap.cli.main", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),

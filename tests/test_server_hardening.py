@@ -503,3 +503,22 @@ def test_a_prompt_being_tokenized_does_not_hold_up_the_event_loop():
                 gate.set()
             assert slow.result().status_code == 200, (path, slow.result().text)
     assert s.app.state.server._prompt_threads is None  # (let go with the app's lifespan)
+
+
+def test_refused_requests_are_logged_once_each_without_the_key(app, caplog):
+    """A request refused before it started (a bad parameter, a wrong key, an unknown model or route)
+    leaves one log line naming the route, the status and why; the key sent is never in it."""
+    caplog.set_level(logging.INFO, logger="tokenleap.serve.requests")
+    bad_key = {"headers": {"Authorization": "Bearer not-the-key-123"}, "json": {"prompt": "a", "max_tokens": 1}}
+    answers = call(app, [post("/v1/completions", {"prompt": "a", "max_tokens": 1, "temperature": -1}),
+                         ("POST", "/v1/completions", bad_key),
+                         post("/v1/completions", {"model": "other", "prompt": "a"}),
+                         ("GET", "/v1/nothing-here", {"headers": AUTH})])
+    assert [a.status_code for a in answers] == [400, 401, 404, 404]
+    lines = [r.getMessage() for r in caplog.records if r.name == "tokenleap.serve.requests"]
+    assert len(lines) == 4, lines
+    for line, status in zip(lines, (400, 401, 404, 404)):
+        assert f"-> {status} (" in line and " from " in line
+    assert "POST /v1/completions -> 400" in lines[0] and "temperature" in lines[0]
+    assert "GET /v1/nothing-here -> 404" in lines[3]
+    assert not any("not-the-key-123" in line for line in lines)

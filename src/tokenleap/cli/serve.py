@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import os
@@ -32,23 +33,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--shutdown-timeout", type=lambda v: _positive_float(v, allow_zero=True), default=10.0,
+                   metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long the requests in flight may go on before "
+                   "they are ended with an error (default: 10; docker stop waits 10 s, systemd 90 s)")
     p.add_argument("--api-key", default=os.environ.get("TOKENLEAP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every API request -- OpenAI's, "
                         "Ollama's, Anthropic's and llama.cpp's routes; /health, /ping, /version and /metrics stay open "
                         "(default: $TOKENLEAP_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoded together")
-    p.add_argument("--max-waiting", type=non_negative_int, default=64, help="queued sequences before requests get 503")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoded together (default: 16)")
+    p.add_argument("--max-waiting", type=non_negative_int, default=64,
+                   help="queued sequences before requests get 503 (default: 64)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV-cache blocks (default: from --kv-cache-gb)")
-    p.add_argument("--kv-cache-gb", type=_positive_float, default=4.0, help="KV-cache memory budget (target model)")
-    p.add_argument("--prefill-chunk", type=positive_int, default=256, help="prompt tokens per prefill chunk")
+    p.add_argument("--kv-cache-gb", type=_positive_float, default=4.0,
+                   help="KV-cache memory budget, target model (default: 4.0)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256,
+                   help="prompt tokens per prefill chunk (default: 256)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (default: reuse prompt windows another request computed)")
     p.add_argument("--log-interval", type=lambda v: _positive_float(v, allow_zero=True), default=10.0,
-                   help="seconds between stats log lines (0: none)")
+                   help="seconds between stats log lines (0: none; default: 10)")
     p.add_argument("--log-prompts", action="store_true",
                    help="put each request's prompt text in its log line (default: counts and times only)")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -132,8 +139,6 @@ def model_aliases(model: str) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
     if args.replicas > 1 or args.autoscale or args.ray_address:  # Ray Serve (cli/replicas.py)
@@ -148,16 +153,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
+    try:  # listen here: uvloop's server ignores a failed listen() (two servers that bound the port
+        sock.listen(2048)  # while both were loading), and the second would run for ever, serving nothing
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (another server took the "
+                         "port while this one was loading; choose another --port)") from None
+    from tokenleap.serve.graceful import GracefulServer, server_config
+
     name = args.served_model_name or args.model
     if not _is_loopback(args.host) and not args.api_key:
         print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
     cache = engine.cache
-    print(f"tokenleap: serving {name} on http://{args.host}:{args.port}/v1 (Ollama's API at /api, Anthropic's at "
+    host = f"[{args.host}]" if ":" in args.host else args.host  # (an IPv6 address in a URL)
+    print(f"tokenleap: serving {name} on http://{host}:{args.port}/v1 (Ollama's API at /api, Anthropic's at "
           f"/v1/messages) -- {cache.num_blocks} KV blocks of "
           f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
           f"speculation: {_speculation(engine.proposer)}, "
           f"prefix caching: {'on' if cache.prefix_caching else 'off'}", file=sys.stderr)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    server = GracefulServer(server_config(app, args.shutdown_timeout), app.state.server.scheduler,
+                            args.shutdown_timeout)
+    server.run(sockets=[sock])
     return 0
 
 
@@ -174,8 +190,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server using it? "
-                         "choose another --port)") from None
+        hint = " (is another server using it? choose another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
     sock.set_inheritable(True)
     return sock
 

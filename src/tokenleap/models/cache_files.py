@@ -15,6 +15,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (the writer of a ``NAME.PID.tmp`` file)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        return True
+    return True
+
+
 def _stamp(path: Path) -> str:
     st = path.stat()
     return f"{path.resolve()} {st.st_size} {st.st_mtime_ns}\n"

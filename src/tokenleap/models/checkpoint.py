@@ -27,7 +27,7 @@ from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import hf
 from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
-from tokenleap.models.cache_files import stamped, write_stamp
+from tokenleap.models.cache_files import process_alive, stamped, write_stamp
 from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,10 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
     try:
         _check_disk_space(gg, dtype, root)
         tmp = root / f".tmp-{out.name}-{os.getpid()}"
+        for old in root.glob(f".tmp-{out.name}-*"):  # a conversion killed part-way: up to the model's size
+            pid = old.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not process_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:

@@ -36,7 +36,7 @@ import torch
 
 import tokenleap
 from tokenleap import kernels
-from tokenleap.models.cache_files import stamped, write_stamp, written_aside
+from tokenleap.models.cache_files import process_alive, stamped, write_stamp, written_aside
 from tokenleap.models.transformer import Transformer
 
 log = logging.getLogger("tokenleap.models")
@@ -141,18 +141,8 @@ def _remove_orphans(directory: Path, min_age: float = 600.0) -> None:
     for tmp in directory.glob(f"*{_SUFFIX}.*.tmp"):
         pid = tmp.name.rsplit(".", 2)[-2]
         with contextlib.suppress(OSError):
-            if pid.isdigit() and not _alive(int(pid)) and now - tmp.stat().st_mtime > min_age:
+            if pid.isdigit() and not process_alive(int(pid)) and now - tmp.stat().st_mtime > min_age:
                 tmp.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (another user's)
-        return True
-    return True
 
 
 def stored(gguf: Path, cache_dir: Path | None = None) -> list[dict]:

@@ -21,6 +21,7 @@ from tokenleap.serve.ollama_routes import PREFIX as OLLAMA_PREFIX
 from tokenleap.serve.protocol import APIError
 
 log = logging.getLogger("tokenleap.serve")
+refused_log = logging.getLogger("tokenleap.serve.requests")  # beside the finished requests' lines
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -41,6 +42,11 @@ def error_body(path: str, exc: APIError) -> dict:
 
 
 def _response(request: HTTPRequest, exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error answer, and one log line saying what was refused and why (an operator otherwise sees
+    nothing of requests that never started: uvicorn's access log is off)."""
+    client = request.client
+    refused_log.info("%s %s -> %d (%s) from %s: %s", request.method, request.url.path, exc.status, exc.code or exc.type,
+                     f"{client.host}:{client.port}" if client else "?", exc.message)
     return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=headers)
 
 

@@ -80,6 +80,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by arrival
         self._inbox: list[Request] = []
         self._cancelled: list[Request] = []
+        self._abort: str | None = None  # abort_all's message, until the next iteration ends every request
         self._calls: list[tuple[Callable[[], Any], Future]] = []
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
@@ -149,13 +150,21 @@ class Scheduler:
         for _, future in calls:
             future.set_exception(QueueFullError("the server is shutting down"))
 
+    def abort_all(self, message: str) -> None:
+        """End every running and queued sequence with ``message`` (a stream gets an error event) at the
+        next iteration; from any thread (a server shutting down whose grace period ran out)."""
+        with self._cond:
+            self._abort = message
+            self._cond.notify()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     @property
     def idle(self) -> bool:
-        return not (self.running or self.waiting or self._inbox or self._cancelled or self._calls)
+        return not (self.running or self.waiting or self._inbox or self._cancelled or self._calls
+                    or self._abort is not None)
 
     def snapshot(self) -> ServeSnapshot:
         t = self.engine.totals
@@ -199,6 +208,7 @@ class Scheduler:
             inbox, self._inbox = self._inbox, []
             cancelled, self._cancelled = self._cancelled, []
             calls, self._calls = self._calls[:1], self._calls[1:]  # one a step: the rest after it
+            abort, self._abort = self._abort, None
         for fn, future in calls:
             if future.set_running_or_notify_cancel():
                 try:
@@ -209,6 +219,8 @@ class Scheduler:
             bisect.insort(self.waiting, r, key=lambda q: q.arrival)
         for r in cancelled:
             self._drop(r)
+        for r in self.running + self.waiting if abort is not None else ():
+            self._fail(r, abort)
         self._admit()
         self._prefill()
         self._decode()

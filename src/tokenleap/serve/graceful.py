@@ -1,0 +1,41 @@
+"""uvicorn's server with a bounded, announced shutdown.
+
+On SIGTERM or Ctrl-C uvicorn stops taking connections and then waits for every open one to end, with
+no limit: a stream of thousands of tokens keeps the process alive for minutes, saying nothing, until a
+supervisor kills it (docker stop after 10 s, systemd after 90 s) and the clients get a bare end of
+stream. This server says what it waits for, lets the requests in flight go on for ``grace`` seconds,
+then ends those still running or queued with an error (a stream gets its error event and ``[DONE]``),
+so the connections close and the app shuts down in order. A second Ctrl-C stops at once (uvicorn's
+own force exit).
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+import uvicorn
+
+from tokenleap.serve.scheduler import Scheduler
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float) -> None:
+        super().__init__(config)
+        self.scheduler, self.grace = scheduler, grace
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        busy = len(self.server_state.tasks)
+        if busy:
+            print(f"tokenleap: shutting down: {busy} request(s) in flight, ended in {self.grace:g} s if still "
+                  "running (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        else:
+            print("tokenleap: shutting down", file=sys.stderr, flush=True)
+        asyncio.get_running_loop().call_later(self.grace, self.scheduler.abort_all, "the server is shutting down")
+        await super().shutdown(sockets)
+
+
+def server_config(app, grace: float) -> uvicorn.Config:
+    """The app's uvicorn settings: its own logging left alone (tokenleap logs each request), and uvicorn's
+    hard limit on the wait a few seconds past ``grace`` (tasks that outlive the abort are cancelled)."""
+    return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace + 5)
