@@ -97,6 +97,9 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     from tokenleap.spec.engine import Engine
     from tokenleap.models.pretrained import load_model
     from tokenleap.cache.paged import PagedKVCache, num_blocks_for_budget
+    if prefix_caching and prefill_chunk % block_size:
+        raise UsageError(f"prefix caching reuses whole prefill chunks: --prefill-chunk ({prefill_chunk}) must be "
+                         f"a multiple of --block-size ({block_size}), or pass --no-prefix-caching")
     spec = spec or SpecConfig()
     target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
     cfg = target.model.config
@@ -104,9 +107,6 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     per_seq = -(-(max_len + 1) // block_size)
     budget = num_blocks_for_budget(cfg, target.model.dtype, block_size, int(kv_cache_gb * 2**30))
     blocks = num_kv_blocks or max(min(max_num_seqs * per_seq, budget), per_seq)
-    if prefix_caching and prefill_chunk % block_size:
-        raise UsageError(f"prefix caching reuses whole prefill chunks: --prefill-chunk ({prefill_chunk}) must be "
-                         f"a multiple of --block-size ({block_size}), or pass --no-prefix-caching")
     cache = PagedKVCache(cfg, blocks, max_len, target.model.dtype, block_size, num_slots=max_num_seqs,
                          prefix_caching=prefix_caching)
     fixed = None if spec.num_tokens == "auto" else int(spec.num_tokens)
