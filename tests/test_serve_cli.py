@@ -162,3 +162,12 @@ def test_bfloat16_serving_engine_with_float32_activations(smollm2_gguf):
         *_, (seq, _) = engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))
         outputs.append(seq.generated)
     assert len(outputs[0]) == 16 and outputs[1] == outputs[0]
+
+
+def test_a_prefill_chunk_the_blocks_do_not_divide_is_refused_before_loading(monkeypatch):
+    import tokenleap.models.pretrained as pretrained
+    from tokenleap.cli.main import UsageError
+    from tokenleap.cli.serve import build_engine
+    monkeypatch.setattr(pretrained, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(UsageError, match=r"--prefill-chunk \(7\) must be a multiple of --block-size \(16\)"):
+        build_engine("smollm2-135m-instruct", prefill_chunk=7, block_size=16)
