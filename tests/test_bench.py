@@ -311,7 +311,7 @@ def test_equality_and_own_baselines():
 def test_malformed_jsonl_names_the_line(tmp_path, capsys):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "category": "x"\n')
-    with pytest.raises(BenchError, match=r"line 3: not valid JSON"):
+    with pytest.raises(BenchError, match=r"line 3: not valid JSON \(.*, column \d+\)$"):
         load_dataset(str(path))
     path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(BenchError, match=r"line 2: .*\"prompt\""):

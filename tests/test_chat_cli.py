@@ -52,7 +52,12 @@ def test_the_oldest_turns_go_when_the_context_is_full():
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for text in ["a long first message " * 2, "a second one", "a third one here"]:
         out = session.reply(text, params, lambda _: None)
-        assert out.prompt_tokens + 16 <= 128
+        assert out.prompt_tokens + 20 <= 128 and len(out.token_ids) == 20  # room for the whole reply kept
+    longer = ChatSession(llm)  # a reply of up to a quarter of the window keeps its room: older turns go first
+    thirty = SamplingParams(max_tokens=30, ignore_eos=True)
+    assert len(longer.reply("a" * 5, thirty, lambda _: None).token_ids) == 30
+    second = longer.reply("b" * 10, thirty, lambda _: None)  # with the first turn: 109 tokens of prompt
+    assert longer.dropped == 2 and len(second.token_ids) == 30 and second.prompt_tokens + 30 <= 128
     assert session.dropped >= 2 and session.messages[0]["role"] == "user"
     assert session.messages[-2]["content"] == "a third one here"
     ref = llm.chat(session.messages[:-1], params)[0]  # what is left, from scratch
@@ -140,3 +145,6 @@ def test_ctrl_c_drops_continued_lines_and_asks_again(monkeypatch, capsys):
     assert _read_message(True) is None
     typed("one\\", "two\\", EOFError())
     assert _read_message(True) == "one\ntwo"
+    typed("piped\\", KeyboardInterrupt())  # a script's input: interrupted (main exits 130), not a normal end
+    with pytest.raises(KeyboardInterrupt):
+        _read_message(False)

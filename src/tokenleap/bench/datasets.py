@@ -152,7 +152,7 @@ def _parse_line(path: Path, n: int, line: str) -> BenchPrompt:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise BenchError(f"{path} line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise BenchError(f"{path} line {n}: not valid JSON ({e.msg}, column {e.colno})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
         raise BenchError(f"{path} line {n}: each line needs a non-empty string field \"prompt\"")
     category = obj.get("category", "default")

@@ -6,9 +6,11 @@ Every turn renders the whole conversation with the model's chat template and dec
 engine of one slot whose prefix cache keeps what earlier turns computed, so a turn computes only what
 is new since: the new message, where the cache keeps single blocks of prompts and replies (an int4 /
 int6 model on the compiled layers); else about the last reply too (whole prefill windows of prompts). A conversation that
-outgrows the context window loses its oldest turns (the system prompt stays). Ctrl-C stops a reply
+outgrows the context window loses its oldest turns (the system prompt stays), so that a reply has
+room for up to a quarter of the window; a reply cut by the window's end says so. Ctrl-C stops a reply
 where it is (what was written stays in the conversation); at the prompt, Ctrl-C or Ctrl-D ends the
-session. Lines ending in a backslash continue on the next line.
+session (Ctrl-C on piped input: interrupted, exit 130). Lines ending in a backslash continue on the
+next line.
 """
 from __future__ import annotations
 
@@ -48,19 +50,20 @@ class ChatSession:
     def clear(self) -> None:
         self.messages = []
 
-    def prompt_ids(self, reply_room: int) -> list[int]:
+    def prompt_ids(self, reply_room: int, least_room: int | None = None) -> list[int]:
         """The conversation rendered for the next reply, its oldest turns dropped until it and
         ``reply_room`` tokens fit the context (a ConfigError, the conversation untouched, if the last
-        message does not fit even alone)."""
-        if reply_room >= self.engine.max_len:
+        message does not fit even alone with ``least_room`` tokens, by default ``reply_room``)."""
+        least_room = reply_room if least_room is None else least_room
+        if least_room >= self.engine.max_len:
             raise ConfigError(f"the context window ({self.engine.max_len} tokens) leaves no room for a message "
-                              f"and a reply of {reply_room} tokens (raise --max-model-len)")
+                              f"and a reply of {least_room} tokens (raise --max-model-len)")
         system = self._encode([]) if self.system else []
-        if len(system) + reply_room > self.engine.max_len:
+        if len(system) + least_room > self.engine.max_len:
             raise ConfigError(f"the system prompt (--system) is {len(system)} tokens with the chat template; the "
                               f"context window is {self.engine.max_len} (raise --max-model-len, or shorten it)")
         alone = self._encode(self.messages[-1:])
-        if len(alone) + reply_room > self.engine.max_len:
+        if len(alone) + least_room > self.engine.max_len:
             raise ConfigError(f"the message is {len(alone)} tokens with the chat template; the context window is "
                               f"{self.engine.max_len} (raise --max-model-len, or write less)")
         from tokenleap.serve.context_window import fit_turns
@@ -80,7 +83,10 @@ class ChatSession:
         from tokenleap.outputs import request_output
         self.messages.append({"role": "user", "content": text})
         try:
-            ids = self.prompt_ids(min(params.max_tokens, 16))
+            # room for the reply: up to a quarter of the window (older turns go first); a message is
+            # refused only where not even 16 tokens are left for it
+            room = min(params.max_tokens, max(16, self.engine.max_len // 4))
+            ids = self.prompt_ids(room, min(params.max_tokens, 16))
         except ConfigError:
             self.messages.pop()
             raise
@@ -160,6 +166,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                   "messages were dropped", file=sys.stderr)
         if stop.hit:
             print("[tokenleap] reply stopped", file=sys.stderr)
+        elif out.finish_reason == "length" and out.prompt_tokens + len(out.token_ids) >= session.engine.max_len:
+            print(f"[tokenleap] the reply reached the end of the context window ({session.engine.max_len} tokens) "
+                  "and was cut; the next message drops the oldest turns (or raise --max-model-len)", file=sys.stderr)
         if args.stats:
             print(f"[tokenleap] {stats_line(out.stats)}; prompt {out.prompt_tokens} tokens, "
                   f"{session.cached_tokens} of them cached", file=sys.stderr)
@@ -178,8 +187,9 @@ def _read_message(interactive: bool) -> str | None:
         try:
             line = input(prompt if interactive else "")
         except KeyboardInterrupt:
-            if interactive:
-                print(file=sys.stderr)
+            if not interactive:
+                raise  # a script's input cut by Ctrl-C: main reports "interrupted" and exits 130
+            print(file=sys.stderr)
             if not lines:
                 return None
             lines, prompt = [], "> "
