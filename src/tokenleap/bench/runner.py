@@ -211,8 +211,8 @@ class _Run:
         for r in ([record] if record is not ref else same):
             diff = S.first_difference(r["token_ids"], ref["token_ids"])
             if r is not ref and diff is not None:
-                who = "peer " if r["kind"] == PEER else ""
-                _say(f"[bench] MISMATCH: {who}{r['method']} differs from plain on {r['prompt_id']} "
+                what = "peer output differs (its own arithmetic)" if r["kind"] == PEER else "MISMATCH"
+                _say(f"[bench] {what}: {r['method']} differs from plain on {r['prompt_id']} "
                      f"(repeat {r['repeat']}) at generated token {diff}")
 
     def loop(self) -> None:
