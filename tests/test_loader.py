@@ -136,11 +136,15 @@ def test_a_conversion_killed_part_way_leaves_no_temp_directory_behind(tmp_path, 
     dead.wait()
     name = loader.conversion_key(path, torch.float32)
     gone, alive = root / f".tmp-{name}-{dead.pid}", root / f".tmp-{name}-{os.getppid()}"
+    recent = root / f".tmp-{name}-{dead.pid + 100_000}"  # a dead pid's, written in a minute ago: kept
+    recent.mkdir(parents=True)  # (on a shared cache, another machine's live conversion looks dead here)
     for d in (gone, alive):
         d.mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"half")
+        for f in (d / "model.safetensors", d):  # nothing written in them for an hour
+            os.utime(f, (f.stat().st_atime - 3600, f.stat().st_mtime - 3600))
     load_checkpoint(path, torch.float32, cache_dir=cache)
-    assert not gone.exists() and alive.exists()
+    assert not gone.exists() and alive.exists() and recent.exists()
 
 
 def test_truncated_gguf_fails_before_conversion(tmp_path, tokenizer_stub):

@@ -293,7 +293,8 @@ def test_a_slot_taken_after_the_check_sends_generate_to_a_batch_engine(monkeypat
     want = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
     cache = llm.engine.cache
     taken = cache.allocate()  # as if a thread took it just after the check below saw it free
-    monkeypatch.setattr(type(cache), "num_free_slots", property(lambda self: 1))
+    free = type(cache).num_free_slots  # (this cache only: the batch engine's own must count truly)
+    monkeypatch.setattr(type(cache), "num_free_slots", property(lambda self: 1 if self is cache else free.fget(self)))
     assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == want
     cache.free(taken)
 

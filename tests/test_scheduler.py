@@ -5,7 +5,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from tokenleap.config import ConfigError, SamplingParams
-from tokenleap.serve.scheduler import Request, Scheduler, SchedulerConfig
+from tokenleap.serve.scheduler import QueueFullError, Request, Scheduler, SchedulerConfig
 from tokenleap.serve.metrics import ServeSnapshot, log_line, make_registry
 
 from serving_helpers import FailingProposer, alone, paged_engine, workload
@@ -141,10 +141,13 @@ def test_abort_all_ends_running_queued_and_just_submitted_requests_with_an_error
     sched.iterate()
     for sink in [*sinks, late]:
         assert sink.finish_reason == "error" and sink.outputs[-1].error == "the server is shutting down"
-        assert [o.finish_reason for o in sink.outputs].count("error") == 1
+        assert [o.finish_reason for o in sink.outputs].count("error") == 1 and sink.outputs[-1].error_status == 503
+    with pytest.raises(QueueFullError, match="shutting down"):  # a request made after the abort: refused
+        submit(sched, workload(1)[0][0], params)
     assert sched.idle and eng.cache.num_free_slots == eng.cache.num_slots and eng.cache.num_used_blocks == 0
     sched.abort_all("nothing to end")
     sched.run_until_idle()
+    sched._closed = None  # (what start() does: a restarted app's scheduler takes requests again)
     after = submit(sched, workload(1)[0][0], SamplingParams(max_tokens=3, ignore_eos=True))
     sched.run_until_idle()
     assert after.finish_reason == "length" and len(after.tokens) == 3

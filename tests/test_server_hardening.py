@@ -512,7 +512,7 @@ def test_refused_requests_are_logged_once_each_without_the_key(app, caplog):
     bad_key = {"headers": {"Authorization": "Bearer not-the-key-123"}, "json": {"prompt": "a", "max_tokens": 1}}
     answers = call(app, [post("/v1/completions", {"prompt": "a", "max_tokens": 1, "temperature": -1}),
                          ("POST", "/v1/completions", bad_key),
-                         post("/v1/completions", {"model": "other", "prompt": "a"}),
+                         post("/v1/completions", {"model": "other\n2026 INFO forged line", "prompt": "a"}),
                          ("GET", "/v1/nothing-here", {"headers": AUTH})])
     assert [a.status_code for a in answers] == [400, 401, 404, 404]
     lines = [r.getMessage() for r in caplog.records if r.name == "tokenleap.serve.requests"]
@@ -522,3 +522,4 @@ def test_refused_requests_are_logged_once_each_without_the_key(app, caplog):
     assert "POST /v1/completions -> 400" in lines[0] and "temperature" in lines[0]
     assert "GET /v1/nothing-here -> 404" in lines[3]
     assert not any("not-the-key-123" in line for line in lines)
+    assert all("\n" not in line for line in lines) and "other\\n2026 INFO forged line" in lines[2]

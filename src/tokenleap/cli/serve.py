@@ -34,9 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    p.add_argument("--shutdown-timeout", type=lambda v: _positive_float(v, allow_zero=True), default=10.0,
+    p.add_argument("--shutdown-timeout", type=lambda v: _positive_float(v, allow_zero=True), default=8.0,
                    metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long the requests in flight may go on before "
-                   "they are ended with an error (default: 10; docker stop waits 10 s, systemd 90 s)")
+                   "they are ended with an error (default: 8, inside docker stop's 10 s; systemd waits 90 s)")
     p.add_argument("--api-key", default=os.environ.get("TOKENLEAP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every API request -- OpenAI's, "
                         "Ollama's, Anthropic's and llama.cpp's routes; /health, /ping, /version and /metrics stay open "
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds between stats log lines (0: none; default: 10)")
     p.add_argument("--log-prompts", action="store_true",
                    help="put each request's prompt text in its log line (default: counts and times only)")
-    p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished or refused request")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="origins a browser may call the API from (CORS), e.g. https://app.example or '*' "
                         "(default: pages served from this machine -- localhost, 127.0.0.1 -- and desktop apps' "
@@ -157,8 +157,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.listen(2048)  # while both were loading), and the second would run for ever, serving nothing
     except OSError as e:
         sock.close()
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} (another server took the "
-                         "port while this one was loading; choose another --port)") from None
+        hint = (" (another server took the port while this one was loading; choose another --port)"
+                if e.errno == errno.EADDRINUSE else "")
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint}") from None
     from tokenleap.serve.graceful import GracefulServer, server_config
 
     name = args.served_model_name or args.model

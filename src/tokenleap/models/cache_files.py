@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,11 +48,13 @@ def write_stamp(marker: Path, path: Path) -> None:
 
 @contextlib.contextmanager
 def written_aside(path: Path) -> Iterator[Path]:
-    """A temp name beside ``path`` (``NAME.PID.tmp``: one a process, so two writers never mix) to write
+    """A temp name beside ``path`` (``NAME.tTID.PID.tmp``: one a thread, so two writers never mix) to write
     to; renamed over ``path`` when the block ends without an error (a reader sees the old file or the
     new one, never half of one), removed when it fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    # (the thread too: two threads of one process must not write one file; the PID stays last but one,
+    # where packed_cache._remove_orphans reads it)
+    tmp = path.with_name(f"{path.name}.t{threading.get_native_id()}.{os.getpid()}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)

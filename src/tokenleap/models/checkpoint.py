@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,7 +122,9 @@ def _crc32(path: Path) -> int:
 
 def _check_converted(out: Path) -> None:
     """Raise ``ModelFormatError`` where a file of the converted copy ``out`` no longer has the CRC-32
-    written at its conversion (a copy from before checksums were written passes unchecked)."""
+    written at its conversion (a copy from before checksums were written passes unchecked). The
+    weights (gigabytes) are checked where their stamp is stale and can be written again, so once:
+    in a read-only cache they would be read in full at every start, quantized loads included."""
     try:
         sums = json.loads((out / "source.json").read_text(encoding="utf-8")).get("crc32", {})
         if not isinstance(sums, dict):
@@ -131,7 +134,7 @@ def _check_converted(out: Path) -> None:
     weights = out / "model.safetensors"
     for name, want in sorted(sums.items()):
         f = out / name
-        if f == weights and stamped(out / ".model.checked", weights):
+        if f == weights and (stamped(out / ".model.checked", weights) or not os.access(out, os.W_OK)):
             continue
         try:
             got = _crc32(f)
@@ -197,12 +200,9 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
         return out
     gg = GGUFFile(gguf_path)  # validates header and tensor ranges before the long work
     try:
+        _remove_dead_conversions(root, out.name)  # first: what they hold counts against the space check
         _check_disk_space(gg, dtype, root)
         tmp = root / f".tmp-{out.name}-{os.getpid()}"
-        for old in root.glob(f".tmp-{out.name}-*"):  # a conversion killed part-way: up to the model's size
-            pid = old.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not process_alive(int(pid)):
-                shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
@@ -220,6 +220,21 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
     finally:
         gg.close()
     return out
+
+
+def _remove_dead_conversions(root: Path, name: str, min_age: float = 600.0) -> None:
+    """Temp directories of conversions killed part-way (up to the model's size each): their process is
+    gone and nothing was written in them for ``min_age`` seconds (a cache shared with another PID
+    namespace -- a container, another host -- may hold a live conversion whose PID is not seen here)."""
+    now = time.time()
+    for old in root.glob(f".tmp-{name}-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        try:
+            newest = max([old.stat().st_mtime, *(f.stat().st_mtime for f in old.iterdir())])
+        except OSError:
+            continue
+        if pid.isdigit() and not process_alive(int(pid)) and now - newest > min_age:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _converted_nbytes(gg: GGUFFile, dtype: torch.dtype) -> int:

@@ -41,12 +41,17 @@ def error_body(path: str, exc: APIError) -> dict:
     return exc.body()
 
 
+def _one_line(text: str) -> str:
+    """``text`` with its line breaks escaped: a client's words (a model name, a path) cannot forge log lines."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
 def _response(request: HTTPRequest, exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     """The error answer, and one log line saying what was refused and why (an operator otherwise sees
     nothing of requests that never started: uvicorn's access log is off)."""
     client = request.client
-    refused_log.info("%s %s -> %d (%s) from %s: %s", request.method, request.url.path, exc.status, exc.code or exc.type,
-                     f"{client.host}:{client.port}" if client else "?", exc.message)
+    refused_log.info("%s %s -> %d (%s) from %s: %s", request.method, _one_line(request.url.path), exc.status,
+                     exc.code or exc.type, f"{client.host}:{client.port}" if client else "?", _one_line(exc.message))
     return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=headers)
 
 

@@ -81,6 +81,7 @@ class Scheduler:
         self._inbox: list[Request] = []
         self._cancelled: list[Request] = []
         self._abort: str | None = None  # abort_all's message, until the next iteration ends every request
+        self._closed: str | None = None  # abort_all's message: later submissions refused with it
         self._calls: list[tuple[Callable[[], Any], Future]] = []
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
@@ -103,6 +104,8 @@ class Scheduler:
         batch -- and by none while the KV pool is what holds sequences back, since a free place
         then admits nobody. ``QueueFullError`` otherwise."""
         with self._cond:
+            if self._closed is not None:
+                raise QueueFullError(self._closed)
             queued = len(self.waiting) + len(self._inbox)
             free = 0 if self._short else max(0, self.max_seqs - len(self.running))
             if queued + len(requests) > self.cfg.max_waiting + free:
@@ -134,7 +137,7 @@ class Scheduler:
 
     def start(self) -> None:
         """Run the loop on a background thread (again after ``shutdown``: an app's lifespan restarts it)."""
-        self._stopping = False
+        self._stopping, self._closed = False, None
         self._thread = threading.Thread(target=self._run, name="tokenleap-scheduler", daemon=True)
         self._thread.start()
 
@@ -151,10 +154,11 @@ class Scheduler:
             future.set_exception(QueueFullError("the server is shutting down"))
 
     def abort_all(self, message: str) -> None:
-        """End every running and queued sequence with ``message`` (a stream gets an error event) at the
-        next iteration; from any thread (a server shutting down whose grace period ran out)."""
+        """End every running and queued sequence with ``message`` (a 503; a stream gets an error event)
+        at the next iteration, and refuse later submissions until ``start``; from any thread (a server
+        shutting down whose grace period ran out)."""
         with self._cond:
-            self._abort = message
+            self._abort = self._closed = message
             self._cond.notify()
 
     @property
@@ -220,7 +224,7 @@ class Scheduler:
         for r in cancelled:
             self._drop(r)
         for r in self.running + self.waiting if abort is not None else ():
-            self._fail(r, abort)
+            self._fail(r, abort, 503)  # (a client may retry elsewhere)
         self._admit()
         self._prefill()
         self._decode()
