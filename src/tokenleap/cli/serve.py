@@ -160,7 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         hint = (" (another server took the port while this one was loading; choose another --port)"
                 if e.errno == errno.EADDRINUSE else "")
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint}") from None
-    from tokenleap.serve.graceful import GracefulServer, server_config
+    from tokenleap.serve.graceful import GracefulServer
 
     name = args.served_model_name or args.model
     if not _is_loopback(args.host) and not args.api_key:
@@ -172,9 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
           f"speculation: {_speculation(engine.proposer)}, "
           f"prefix caching: {'on' if cache.prefix_caching else 'off'}", file=sys.stderr)
-    server = GracefulServer(server_config(app, args.shutdown_timeout), app.state.server.scheduler,
-                            args.shutdown_timeout)
-    server.run(sockets=[sock])
+    GracefulServer(app, app.state.server.scheduler, args.shutdown_timeout).run(sockets=[sock])
     return 0
 
 

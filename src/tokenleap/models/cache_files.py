@@ -12,12 +12,12 @@ import contextlib
 import fcntl
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 
-def process_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this machine (the writer of a ``NAME.PID.tmp`` file)."""
+def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -25,6 +25,20 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # (another user's)
         return True
     return True
+
+
+def abandoned(temp: Path, pid: str, min_age: float = 600.0) -> bool:
+    """Whether ``temp`` (a file or a directory of files being written) was left by a writer killed
+    part-way: its ``pid`` names no process here and nothing in it changed for ``min_age`` seconds (a
+    cache shared with another machine or container may hold a live writer whose pid is not seen here)."""
+    if not pid.isdigit() or _process_alive(int(pid)):
+        return False
+    try:
+        newest = max([temp.stat().st_mtime, *(f.stat().st_mtime for f in temp.iterdir())] if temp.is_dir()
+                     else [temp.stat().st_mtime])
+    except OSError:
+        return False
+    return time.time() - newest > min_age
 
 
 def _stamp(path: Path) -> str:

@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import struct
-import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import hf
 from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
-from tokenleap.models.cache_files import process_alive, stamped, write_stamp
+from tokenleap.models.cache_files import abandoned, stamped, write_stamp
 from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
 
 log = logging.getLogger(__name__)
@@ -120,6 +119,10 @@ def _crc32(path: Path) -> int:
     return crc
 
 
+def _weights_stamp(out: Path) -> Path:
+    return out / ".model.checked"
+
+
 def _check_converted(out: Path) -> None:
     """Raise ``ModelFormatError`` where a file of the converted copy ``out`` no longer has the CRC-32
     written at its conversion (a copy from before checksums were written passes unchecked). The
@@ -134,7 +137,7 @@ def _check_converted(out: Path) -> None:
     weights = out / "model.safetensors"
     for name, want in sorted(sums.items()):
         f = out / name
-        if f == weights and (stamped(out / ".model.checked", weights) or not os.access(out, os.W_OK)):
+        if f == weights and (stamped(_weights_stamp(out), weights) or not os.access(out, os.W_OK)):
             continue
         try:
             got = _crc32(f)
@@ -143,7 +146,7 @@ def _check_converted(out: Path) -> None:
         if got != want:
             raise ModelFormatError(f"{f} has changed since it was converted (its CRC-32 does not match)")
         if f == weights:
-            write_stamp(out / ".model.checked", weights)
+            write_stamp(_weights_stamp(out), weights)
 
 
 def conversion_key(gguf_path: Path, dtype: torch.dtype) -> str:
@@ -211,7 +214,7 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
                 shutil.rmtree(out, ignore_errors=True)  # an incomplete leftover, if any
                 try:
                     os.rename(tmp, out)
-                    write_stamp(out / ".model.checked", out / "model.safetensors")  # just written: checked
+                    write_stamp(_weights_stamp(out), out / "model.safetensors")  # just written: checked
                 except OSError:
                     if not _is_complete(out):
                         raise
@@ -222,18 +225,10 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
     return out
 
 
-def _remove_dead_conversions(root: Path, name: str, min_age: float = 600.0) -> None:
-    """Temp directories of conversions killed part-way (up to the model's size each): their process is
-    gone and nothing was written in them for ``min_age`` seconds (a cache shared with another PID
-    namespace -- a container, another host -- may hold a live conversion whose PID is not seen here)."""
-    now = time.time()
+def _remove_dead_conversions(root: Path, name: str) -> None:
+    """Temp directories of conversions killed part-way (up to the model's size each)."""
     for old in root.glob(f".tmp-{name}-*"):
-        pid = old.name.rsplit("-", 1)[-1]
-        try:
-            newest = max([old.stat().st_mtime, *(f.stat().st_mtime for f in old.iterdir())])
-        except OSError:
-            continue
-        if pid.isdigit() and not process_alive(int(pid)) and now - newest > min_age:
+        if abandoned(old, old.name.rsplit("-", 1)[-1]):
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import time
 import zipfile
 from functools import lru_cache
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 
 import tokenleap
 from tokenleap import kernels
-from tokenleap.models.cache_files import process_alive, stamped, write_stamp, written_aside
+from tokenleap.models.cache_files import abandoned, stamped, write_stamp, written_aside
 from tokenleap.models.transformer import Transformer
 
 log = logging.getLogger("tokenleap.models")
@@ -119,7 +118,7 @@ def store(model: Transformer, path: Path) -> None:
     model.__dict__.pop("_backend", None)  # (this process's choice: not stored)
     model._packed_name = path.name  # load() refuses a file renamed or copied over another
     try:
-        with written_aside(path) as tmp:  # (NAME.PID.tmp: what _remove_orphans looks for)
+        with written_aside(path) as tmp:  # (NAME.tTID.PID.tmp: what _remove_orphans looks for)
             torch.save(model, tmp)
         write_stamp(_stamp_path(path), path)
     except Exception as e:  # a full disk, a read-only cache, a module that cannot be pickled: uncached
@@ -137,11 +136,9 @@ def _remove_orphans(directory: Path, min_age: float = 600.0) -> None:
     """Remove the temp files of stores whose process died mid-save (killed: up to a model's size
     each), older than ``min_age`` seconds: a store takes seconds, and a process of that pid on
     another machine sharing the directory would have finished it by then."""
-    now = time.time()
     for tmp in directory.glob(f"*{_SUFFIX}.*.tmp"):
-        pid = tmp.name.rsplit(".", 2)[-2]
-        with contextlib.suppress(OSError):
-            if pid.isdigit() and not process_alive(int(pid)) and now - tmp.stat().st_mtime > min_age:
+        if abandoned(tmp, tmp.name.rsplit(".", 2)[-2], min_age):
+            with contextlib.suppress(OSError):
                 tmp.unlink()
 
 

@@ -20,8 +20,10 @@ from tokenleap.serve.scheduler import Scheduler
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float) -> None:
-        super().__init__(config)
+    def __init__(self, app, scheduler: Scheduler, grace: float) -> None:
+        # tokenleap logs each request itself (uvicorn's access log off); uvicorn's own hard limit on the
+        # wait sits a few seconds past ``grace``: tasks that outlive the abort are cancelled
+        super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace + 5))
         self.scheduler, self.grace = scheduler, grace
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -33,9 +35,3 @@ class GracefulServer(uvicorn.Server):
             print("tokenleap: shutting down", file=sys.stderr, flush=True)
         asyncio.get_running_loop().call_later(self.grace, self.scheduler.abort_all, "the server is shutting down")
         await super().shutdown(sockets)
-
-
-def server_config(app, grace: float) -> uvicorn.Config:
-    """The app's uvicorn settings: its own logging left alone (tokenleap logs each request), and uvicorn's
-    hard limit on the wait a few seconds past ``grace`` (tasks that outlive the abort are cancelled)."""
-    return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace + 5)
