@@ -15,7 +15,8 @@ from tokenleap.spec.engine import Engine
 from tokenleap.errors import TokenleapError
 from tokenleap.cache.paged import PagedKVCache
 from tokenleap.spec.proposers.lookahead import window_rows
-from tokenleap.serve.scheduler import Output, Request, Scheduler, SchedulerConfig
+from tokenleap.serve.request import Output, Request
+from tokenleap.serve.scheduler import Scheduler, SchedulerConfig
 from tokenleap.spec.stats import SpecStats
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ from fastapi import Request as HTTPRequest
 
 from tokenleap.serve.protocol import failed
 from tokenleap.serve.responses import Scored, prediction_tokens_kept, usage
-from tokenleap.serve.scheduler import Output, Request, Scheduler
+from tokenleap.serve.request import Output, Request
+from tokenleap.serve.scheduler import Scheduler
 from tokenleap.serve.metrics import request_log_line
 
 _GONE = -1  # the index a disconnect watcher puts on the queue
