@@ -58,3 +58,21 @@ def test_a_named_held_out_set_is_not_trained_on():
     assert report["texts"] == 9 and report["held_out"] == 3 and "held_out_agreement" in report
     _, report = train_head(model, fit, cfg, train=TrainConfig(epochs=1, accumulate=2), valid=[])
     assert report["texts"] == 9 and report["held_out"] == 0 and "held_out_agreement" not in report
+
+
+def test_a_feature_store_killed_mid_save_leaves_nothing_behind(tmp_path):
+    """A run killed while saving features leaves its temp file (up to a gigabyte): the next store in
+    that directory removes it once its writer is gone and it is old, and leaves a live writer's alone."""
+    import os
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"0123456789abcdef01234567.pt.t7.{dead.pid}.tmp"
+    live = tmp_path / f"89abcdef0123456789abcdef.pt.t7.{os.getpid()}.tmp"
+    for f in (orphan, live):
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (1, 1))  # (old)
+    store = FeatureStore(tmp_path, SimpleNamespace(source="tiny", dtype=torch.float32, quant="none"))
+    store.get(_model(), [[5, 6, 7, 8, 9]], "a")
+    assert not orphan.exists() and live.exists() and len(list(tmp_path.glob("*.pt"))) == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tokenleap.heads.eagle import default_head_path
-from tokenleap.models.cache_files import written_aside
+from tokenleap.models.cache_files import remove_abandoned, written_aside
 from tokenleap.models.embed import embed
 
 MIN_TOKENS = 3  # a text trains the head on pairs (f_t, x_{t+1}) -> f_{t+1}: two at least, from three tokens
@@ -91,6 +91,7 @@ class FeatureStore:
                 self.log(f"{path} holds other texts: computing {label}'s features again")
         self.log(f"{label}: computing the features of {sum(map(len, sequences))} tokens")
         examples = collect_features(model, sequences, self.log)
+        remove_abandoned(path.parent, "*.pt")  # stores killed part-way (up to a gigabyte each)
         with written_aside(path) as tmp:  # an interrupted run leaves no partial file
             torch.save({"tokens": [e.tokens for e in examples], "feats": [e.feats for e in examples]}, tmp)
         return examples

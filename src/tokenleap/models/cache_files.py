@@ -41,6 +41,16 @@ def abandoned(temp: Path, pid: str, min_age: float = 600.0) -> bool:
     return time.time() - newest > min_age
 
 
+def remove_abandoned(directory: Path, pattern: str, min_age: float = 600.0) -> None:
+    """Remove the temp files ``written_aside`` left in ``directory`` for the names matching ``pattern``
+    (a glob such as ``*.pt``) whose writer was killed part-way (``abandoned``): each may be as large
+    as the file it was to become, and nothing else ever removes it."""
+    for tmp in directory.glob(f"{pattern}.*.tmp"):  # (NAME.tTID.PID.tmp; NAME.PID.tmp before)
+        if abandoned(tmp, tmp.name.rsplit(".", 2)[-2], min_age):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
 def _stamp(path: Path) -> str:
     st = path.stat()
     return f"{path.resolve()} {st.st_size} {st.st_mtime_ns}\n"
@@ -67,7 +77,7 @@ def written_aside(path: Path) -> Iterator[Path]:
     new one, never half of one), removed when it fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # (the thread too: two threads of one process must not write one file; the PID stays last but one,
-    # where packed_cache._remove_orphans reads it)
+    # where remove_abandoned reads it)
     tmp = path.with_name(f"{path.name}.t{threading.get_native_id()}.{os.getpid()}.tmp")
     try:
         yield tmp

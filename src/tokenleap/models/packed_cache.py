@@ -35,7 +35,7 @@ import torch
 
 import tokenleap
 from tokenleap import kernels
-from tokenleap.models.cache_files import abandoned, stamped, write_stamp, written_aside
+from tokenleap.models.cache_files import remove_abandoned, stamped, write_stamp, written_aside
 from tokenleap.models.transformer import Transformer
 
 log = logging.getLogger("tokenleap.models")
@@ -114,11 +114,11 @@ def store(model: Transformer, path: Path) -> None:
     """Save ``model`` at ``path`` (written aside, then renamed into place: a reader never sees half a
     file) and remove the files of the same model made by other code; a failure (a full disk, a module
     that cannot be pickled) only loses the cache."""
-    _remove_orphans(path.parent)
+    remove_abandoned(path.parent, f"*{_SUFFIX}")  # stores killed part-way, up to a model's size each
     model.__dict__.pop("_backend", None)  # (this process's choice: not stored)
     model._packed_name = path.name  # load() refuses a file renamed or copied over another
     try:
-        with written_aside(path) as tmp:  # (NAME.tTID.PID.tmp: what _remove_orphans looks for)
+        with written_aside(path) as tmp:  # (NAME.tTID.PID.tmp: what remove_abandoned looks for)
             torch.save(model, tmp)
         write_stamp(_stamp_path(path), path)
     except Exception as e:  # a full disk, a read-only cache, a module that cannot be pickled: uncached
@@ -130,16 +130,6 @@ def store(model: Transformer, path: Path) -> None:
             with contextlib.suppress(OSError):
                 old.unlink(missing_ok=True)
                 _stamp_path(old).unlink(missing_ok=True)
-
-
-def _remove_orphans(directory: Path, min_age: float = 600.0) -> None:
-    """Remove the temp files of stores whose process died mid-save (killed: up to a model's size
-    each), older than ``min_age`` seconds: a store takes seconds, and a process of that pid on
-    another machine sharing the directory would have finished it by then."""
-    for tmp in directory.glob(f"*{_SUFFIX}.*.tmp"):
-        if abandoned(tmp, tmp.name.rsplit(".", 2)[-2], min_age):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
 
 def stored(gguf: Path, cache_dir: Path | None = None) -> list[dict]:
