@@ -1,6 +1,7 @@
 """``tokenleap serve`` through the real command line with the real SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -54,6 +55,11 @@ def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, mon
         assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert main(["serve", "--model", "smollm2-135m-instruct", "--host", "999.1.1.1"]) == 2
     assert "--host '999.1.1.1' is not an address" in capsys.readouterr().err
+    assert main(["serve", "--model", "smollm2-135m-instruct", "--port", "65536"]) == 2
+    assert "--port must be in 0..65535" in capsys.readouterr().err
+    # (Ray Serve's proxy needs a port of its own, named: 0 is for one process only)
+    assert main(["serve", "--model", "smollm2-135m-instruct", "--port", "0", "--replicas", "2"]) == 2
+    assert "--port must be in 1..65535" in capsys.readouterr().err
 
 
 def test_a_port_taken_while_the_model_loads_is_refused_not_served_silently(capsys, monkeypatch):
@@ -110,12 +116,15 @@ def test_sigterm_ends_a_long_stream_after_the_shutdown_timeout(smollm2_gguf):
 
 
 def test_smollm2_through_the_cli(smollm2_gguf):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tokenleap.cli.main", "serve", "--model", "smollm2-135m-instruct", "--port", str(port),
+    # --port 0: the system picks a free port, which the start line names
+    cmd = [sys.executable, "-m", "tokenleap.cli.main", "serve", "--model", "smollm2-135m-instruct", "--port", "0",
            "--max-model-len", "512", "--api-key", "k", "--spec", "ngram", "--max-num-seqs", "4", "--log-interval", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
     try:
+        started = next((line for line in proc.stderr if "tokenleap: serving" in line), "")
+        port = re.search(r" on http://127\.0\.0\.1:(\d+)/v1 ", started)
+        assert port and int(port.group(1)) > 0, started or proc.stderr.read()
+        url = f"http://127.0.0.1:{port.group(1)}"
         assert wait_until(lambda: _healthy(url) or proc.poll() is not None, 300) and proc.poll() is None, \
             proc.stderr.read() if proc.poll() is not None else "no answer"
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=300)

@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (default: 8000; 0: a free one, named in the start line)")
     p.add_argument("--shutdown-timeout", type=lambda v: _positive_float(v, allow_zero=True), default=8.0,
                    metavar="SECONDS", help="on SIGTERM or Ctrl-C, how long the requests in flight may go on before "
                    "they are ended with an error (default: 8, inside docker stop's 10 s; systemd waits 90 s)")
@@ -139,15 +140,17 @@ def model_aliases(model: str) -> tuple[str, ...]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if not 1 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 1..65535, got {args.port}")
-    if args.replicas > 1 or args.autoscale or args.ray_address:  # Ray Serve (cli/replicas.py)
+    replicas = args.replicas > 1 or args.autoscale or args.ray_address
+    if not (1 if replicas else 0) <= args.port <= 65535:  # (0: a free port the system picks, named at start)
+        raise UsageError(f"--port must be in {1 if replicas else 0}..65535, got {args.port}")
+    if replicas:  # Ray Serve (cli/replicas.py)
         from tokenleap.cli.replicas import serve_replicas
         return serve_replicas(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.disable_log_requests:
         logging.getLogger("tokenleap.serve.requests").setLevel(logging.WARNING)
     sock = listening_socket(args.host, args.port)  # before the model loads: a busy port fails at once
+    args.port = sock.getsockname()[1]  # (--port 0: the one the system picked)
     try:
         app, engine = build_app(args)
     except BaseException:
