@@ -5,8 +5,8 @@ no limit: a stream of thousands of tokens keeps the process alive for minutes, s
 supervisor kills it (docker stop after 10 s, systemd after 90 s) and the clients get a bare end of
 stream. This server says what it waits for, lets the requests in flight go on for ``grace`` seconds,
 then ends those still running or queued with an error (a stream gets its error event and ``[DONE]``),
-so the connections close and the app shuts down in order. A second Ctrl-C stops at once (uvicorn's
-own force exit).
+so the connections close and the app shuts down in order. A second Ctrl-C stops at once: the
+requests still running are ended then and there.
 """
 from __future__ import annotations
 
@@ -35,3 +35,18 @@ class GracefulServer(uvicorn.Server):
             print("tokenleap: shutting down", file=sys.stderr, flush=True)
         asyncio.get_running_loop().call_later(self.grace, self.scheduler.abort_all, "the server is shutting down")
         await super().shutdown(sockets)
+        if self.force_exit:  # a second Ctrl-C: uvicorn stops waiting and skips the app's shutdown
+            await self._stop_now()
+
+    async def _stop_now(self) -> None:
+        """End the requests still running at once (a stream gets its error event), give their
+        connections a moment to say so, then shut the app down: left to the process's exit, each open
+        stream and the app's lifespan died in a KeyboardInterrupt traceback, about 100 lines apiece."""
+        self.scheduler.abort_all("the server was stopped")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 1.0
+        while self.server_state.tasks and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for task in self.server_state.tasks:  # (a handler that did not end: cancelled quietly)
+            task.cancel()
+        await self.lifespan.shutdown()
