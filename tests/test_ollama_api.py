@@ -80,6 +80,11 @@ def test_generate_continues_its_context_and_stops_where_asked(server):
     stop = ref.text[3:5]
     cut = c.generate(model=NAME, prompt="abc", options={"temperature": 0, "num_predict": 10, "stop": [stop]})
     assert cut.response == ref.text[:ref.text.find(stop)] and cut.done_reason == "stop"
+    # its context holds the text returned, not the stop string's tokens (as Ollama's), streamed or not
+    assert cut.context[cut.prompt_eval_count:] == tok.encode(cut.response)
+    cut_lines = list(c.generate(model=NAME, prompt="abc", stream=True,
+                                options={"temperature": 0, "num_predict": 10, "stop": [stop]}))
+    assert cut_lines[-1].context == cut.context
     streamed = list(c.generate(model=NAME, prompt="abc", stream=True, options={"temperature": 0, "num_predict": 10}))
     assert "".join(p.response for p in streamed) == ref.text and streamed[-1].context == r.context
     # nothing to generate from: the model is loaded, as Ollama answers it

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -224,13 +224,14 @@ class ReplyWriter:
     come (``lines``) and the whole reply (``final``). ``tools``: the chat's tool plan, whose calls
     become ``message.tool_calls``; ``reasoning``: how a thinking model's block is split off, into
     ``thinking``; ``tokens``: token texts for logprobs (None: none asked for); ``context``: the
-    prompt's ids, which a generate reply's ``context`` continues with the reply's."""
+    prompt's ids, which a generate reply's ``context`` continues with the reply's; ``encode``: the
+    text's ids, for a reply a stop string cut (its context holds the returned text, as Ollama's)."""
 
     def __init__(self, model: str, chat: bool, job: Job, tools: ToolPlan = ToolPlan(),
                  reasoning: Reasoning | None = None, tokens: TokenText | None = None,
-                 context: list[int] | None = None) -> None:
+                 context: list[int] | None = None, encode: Callable[[str], list[int]] | None = None) -> None:
         self.model, self.chat, self.job, self.tools, self.reasoning = model, chat, job, tools, reasoning
-        self.tokens, self.context = tokens, context
+        self.tokens, self.context, self.encode = tokens, context, encode
 
     def final(self, text: str, reason: str | None, scored: list[Scored]) -> dict[str, Any]:
         thought = None
@@ -240,25 +241,25 @@ class ReplyWriter:
                           else (text, []))
         obj = self._piece(content or "", thought if self.reasoning is not None and self.reasoning.include else None,
                           calls, scored)
-        return {**obj, **self._done(reason)}
+        return {**obj, **self._done(reason, text)}
 
     async def lines(self) -> AsyncIterator[str]:
         """The stream: a line a piece of text (thinking and content apart), a line for the tool calls,
         then the last line; an ``{"error"}`` line if the request fails."""
         split = ReplyStream(self.reasoning, self.tools)
-        reason = None
+        reason, text = None, ""
         async for i, out in self.job.outputs():
             if out.error:
                 yield _line({"error": f"the request failed: {out.error}"})
                 return
             piece, scored = self.job.piece(i, out)
-            reason = out.finish_reason or reason
+            reason, text = out.finish_reason or reason, text + piece
             thought, piece, _, calls = split.feed(piece, out.finish_reason is not None)  # (calls whole, as Ollama's)
             if thought or piece or (scored and self.tokens is not None):
                 yield _line(self._piece(piece, thought or None, [], scored))
             if calls:
                 yield _line(self._piece("", None, calls, []))
-        yield _line({**self._piece("", None, [], []), **self._done(reason)})
+        yield _line({**self._piece("", None, [], []), **self._done(reason, text)})
 
     def _piece(self, text: str, thought: str | None, calls: list[dict], scored: list[Scored]) -> dict[str, Any]:
         obj: dict[str, Any] = {"model": self.model, "created_at": created_at()}
@@ -278,8 +279,9 @@ class ReplyWriter:
         obj["done"] = False
         return obj
 
-    def _done(self, reason: str | None) -> dict[str, Any]:
-        """The last object's fields: why the reply ended, the counts and timings (nanoseconds)."""
+    def _done(self, reason: str | None, text: str = "") -> dict[str, Any]:
+        """The last object's fields: why the reply ended, the counts and timings (nanoseconds); ``text``:
+        the whole reply as generated (its thinking included)."""
         job = self.job
         request = job.requests[0]
         end = time.monotonic()
@@ -290,7 +292,8 @@ class ReplyWriter:
             "prompt_eval_duration": _ns(first - job.t0), "eval_count": job.generated[0],
             "eval_duration": _ns(end - first)}
         if self.context is not None:
-            out["context"] = self.context + list(request.seq.generated)
+            cut = isinstance(job.stop_reason(0), str) and self.encode is not None  # a stop string's tokens dropped
+            out["context"] = self.context + (self.encode(text) if cut else list(request.seq.generated))
         return out
 
 

@@ -138,7 +138,8 @@ class OllamaRoutes:
         job = await server._start(req, [ids], [self._budget(req.max_tokens, len(ids), window)],
                                   structured_output(req), logprobs)
         writer = ReplyWriter(name, False, job, ToolPlan(), reasoning, server._token_text(logprobs is not None),
-                             context=ids)
+                             context=ids,
+                             encode=lambda text: server.prompts.encode(text, add_special_tokens=False) if text else [])
         return await self._answer(request, job, writer, req.stream, "generate")
 
     def _prompt(self, body: GenerateBody, req: CompletionRequest, window: int) -> tuple[list[int], bool]:
