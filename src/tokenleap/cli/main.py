@@ -87,8 +87,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
                    help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N "
                         "(default: %(default)s)")
-    p.add_argument("--max-spec-tokens", type=positive_int, default=8, help="upper bound for the adaptive draft length")
-    p.add_argument("--ngram-max", type=positive_int, default=4)
+    p.add_argument("--max-spec-tokens", type=positive_int, default=8,
+                   help="upper bound for the adaptive draft length (default: 8)")
+    p.add_argument("--ngram-max", type=positive_int, default=4,
+                   help="longest suffix match n-gram lookup drafts from (default: 4)")
     p.add_argument("--ngram-min", type=positive_int, default=None,
                    help=f"shortest suffix match n-gram lookup drafts from (default {SpecConfig.ngram_min}, "
                         "at most --ngram-max)")
@@ -103,11 +105,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the most drafted nodes a token tree may hold; under --spec-tree auto the controller "
                         "chooses up to it (default: %(default)s)")
     p.add_argument("--lookahead-window", type=positive_int, default=SpecConfig.lookahead_window,
-                   help="--spec lookahead: future positions W of the Jacobi window")
+                   help=f"--spec lookahead: future positions W of the Jacobi window (default: {SpecConfig.lookahead_window})")
     p.add_argument("--lookahead-ngram", type=positive_int, default=SpecConfig.lookahead_ngram,
-                   help="--spec lookahead: n-gram size N (the window has N - 1 levels)")
+                   help=f"--spec lookahead: n-gram size N (the window has N - 1 levels; default: {SpecConfig.lookahead_ngram})")
     p.add_argument("--lookahead-guesses", type=positive_int, default=SpecConfig.lookahead_guesses,
-                   help="--spec lookahead: n-gram guesses G verified per step")
+                   help=f"--spec lookahead: n-gram guesses G verified per step (default: {SpecConfig.lookahead_guesses})")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window (default: 4096, or the model's positions if fewer)")
     p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")
