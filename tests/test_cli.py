@@ -101,6 +101,11 @@ def test_a_cache_that_cannot_be_written_is_one_line_naming_the_file(capsys, tmp_
         21, "Is a directory", "/elsewhere/x.gguf")))
     assert main(argv) == 2
     assert capsys.readouterr().err == "tokenleap: error: Is a directory: /elsewhere/x.gguf\n"
+    # a parent of the cache that cannot be made (a read-only home): what to do as well
+    monkeypatch.setattr(api, "LLM", lambda *a, **k: (_ for _ in ()).throw(PermissionError(
+        13, "Permission denied", str(tmp_path / "home"))))
+    assert main([*argv[:-1], str(tmp_path / "home" / ".cache" / "tokenleap")]) == 2
+    assert "Permission denied: " in (err := capsys.readouterr().err) and "TOKENLEAP_CACHE or --cache-dir" in err
     for e in (OSError(28, "No space left on device"), OSError(9, "Bad file descriptor", 987)):  # no file named
         monkeypatch.setattr(api, "LLM", lambda *a, **k: (_ for _ in ()).throw(e))
         with pytest.raises(OSError):  # (its traceback says where)

@@ -322,9 +322,13 @@ def os_error_line(e: OSError, cache_dir: str | None) -> str:
     from tokenleap.models.catalog import default_cache_dir
     line = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    if e.filename and Path(os.fsdecode(e.filename)).absolute().is_relative_to(cache.absolute()):
+    failed = Path(os.fsdecode(e.filename)).absolute() if e.filename else None
+    if failed is not None and failed.is_relative_to(cache.absolute()):
         line += (f" (in tokenleap's cache {cache}: make it writable, remove the damaged entry, or give another "
                  "directory with TOKENLEAP_CACHE or --cache-dir)")
+    elif failed is not None and cache.absolute().is_relative_to(failed):  # (making the cache's parents: a
+        line += (f" (making tokenleap's cache {cache}: give a writable directory with TOKENLEAP_CACHE or "
+                 "--cache-dir)")  # read-only or missing home, as a service account's)
     return line
 
 
