@@ -7,10 +7,11 @@ from tokenleap.spec.bandit import Bandit, BanditConfig
 from bandit_helpers import FLAT, bandit, costs
 
 
-def draft_lengths(deepen_every: int, steps: int = 40) -> list[int]:
+def draft_lengths(deepen_every: int, steps: int = 40, deepen_on_whole: bool = False) -> list[int]:
     """The draft arm's k over ``steps`` steps of a text it drafts well at every depth, after its
     second position failed the only time it was drafted (the first step of the sequence)."""
-    b, target = bandit(draft_cost=0.003, settle_steps=0, deepen_every=deepen_every), costs(FLAT)
+    b, target = bandit(draft_cost=0.003, settle_steps=0, deepen_every=deepen_every,
+                       deepen_on_whole=deepen_on_whole), costs(FLAT)
     seq = b.new_sequence()
     for _ in range(10):
         b.observe_acceptance(seq, "ngram", 4, 0)
@@ -33,6 +34,30 @@ def test_a_depth_judged_poor_once_is_drafted_again():
     ks = draft_lengths(deepen_every=8)
     assert ks[0] == 1 and 2 in ks[:8]  # position 2 is tried again within deepen_every steps ...
     assert min(ks[-5:]) >= 3  # ... and once the text shows it passes, the draft grows
+
+
+def test_a_draft_accepted_whole_grows_a_token_a_step():
+    slow = draft_lengths(deepen_every=8)
+    ks = draft_lengths(deepen_every=8, deepen_on_whole=True)
+    assert ks[:3] == [2, 3, 4] and set(ks[2:]) == {4}  # one deeper after each whole acceptance, to max_k
+    assert slow[:4] == [1, 1, 1, 1]  # (by the interval alone: one deeper only after deepen_every steps)
+
+
+def test_a_failed_deepening_stops_the_growth():
+    b, target = bandit(draft_cost=0.003, settle_steps=0, deepen_every=10**6), costs(FLAT)
+    seq = b.new_sequence()
+    for _ in range(10):
+        b.observe_acceptance(seq, "ngram", 4, 0)
+    b.observe_acceptance(seq, "draft", 4, 1)
+    for _ in range(6):
+        b.observe_acceptance(seq, "draft", 1, 1)
+    ks = []
+    for _ in range(12):
+        choice = b.plan(seq, 1, target, {}, 100, 4)[0]
+        ks.append(choice.k)
+        b.observe_acceptance(seq, "draft", choice.k, min(choice.k, 2))  # the text takes two tokens, never three
+        b.drafted(seq, "draft")
+    assert ks[:2] == [2, 3] and set(ks[2:]) == {2}  # position 3 failed once: no growth after it
 
 
 def probes(remaining: int | None, steps: int = 60) -> list[int]:

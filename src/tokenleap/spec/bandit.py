@@ -30,7 +30,9 @@ lookup matches now and then, the draft model fills the rest); an arm
 behind the first, which drafts only when the arms before it have nothing, within its one step.
 Acceptance is only seen up to the depth drafted, so the first choice drafts one token deeper when
 that position has gone ``deepen_every`` steps unmeasured for the sequence (each deepened position
-that fails doubles that wait, ``deepen_backoff``). A new sequence's
+that fails doubles that wait, ``deepen_backoff``), and at once after a draft accepted whole while no
+deepened position has failed since one passed (``deepen_on_whole``): on text the draft follows
+exactly the chain grows a token a step, as the engine's controller grows it. A new sequence's
 first ``settle_steps`` steps choose no arm that needs a catch-up (a draft model's prefill) while a
 shadow arm measures the text meanwhile, so that prefill is spent only where this text, not earlier
 ones, says the draft beats the free arm. While a draft model that pays is in step with the sequence,
@@ -110,8 +112,9 @@ class Bandit:
         if not first:
             d = state.deepened
             if d and proposed >= d and accepted + 1 >= d:  # the deepened position was reached: passed or failed
-                state.deepen_misses = 0 if accepted >= d else min(state.deepen_misses + 1, self.cfg.deepen_backoff)
+                state.deepen_misses = 0 if accepted >= d else state.deepen_misses + 1
             state.deepened = 0
+            state.whole = proposed if proposed and accepted >= proposed else 0
         if proposed > first:
             state.acceptance.observe(proposed, accepted, first)
             self.arms[arm].costs.observe_acceptance(proposed, accepted, first)
@@ -197,10 +200,14 @@ class Bandit:
         marked as seen."""
         state, k = seq.arms[choice.arm], choice.k
         state.deepened = 0
-        if (not self.arms[choice.arm].shadow and k < max_k
-                and seq.steps - state.depth_seen[k] >= self.cfg.deepen_every << state.deepen_misses):
-            k += 1
-            state.deepened = k
+        if not self.arms[choice.arm].shadow and k < max_k:
+            if self.cfg.deepen_on_whole and not state.deepen_misses and state.whole >= k:
+                k = min(state.whole + 1, max_k)
+                state.deepened = k
+            elif seq.steps - state.depth_seen[k] >= self.cfg.deepen_every << min(state.deepen_misses,
+                                                                                 self.cfg.deepen_backoff):
+                k += 1
+                state.deepened = k
         state.depth_seen[:k] = [seq.steps] * k
         return choice if k == choice.k else replace(choice, k=k)
 

@@ -40,6 +40,11 @@ class BanditConfig:
     # 2**deepen_backoff times deepen_every), one that passes restores it: on int4 targets an extra
     # row is not free, and a position that keeps failing must not cost a draft token every 8 steps
     deepen_backoff: int = 3
+    # a draft accepted whole drafts one deeper at the next step (while no deepened position has failed
+    # since one last passed): on text the draft follows exactly (a list, a count, a copied block) the
+    # chain grows a token a step to max_k, as the engine's own controller grows it, instead of a token
+    # every ``deepen_every`` steps against deeper estimates still held at the prior
+    deepen_on_whole: bool = True
     # a probe that finds none of its tokens accepted doubles the arm's wait before its next probe in
     # the sequence (up to 2**probe_backoff times probe_every); a draft accepted whole resets it: an arm
     # that keeps missing on this text (lookahead's guesses on prose) stops taxing every 16th step
@@ -123,6 +128,7 @@ class SeqArmState:
     probe_misses: int = 0  # probes in a row none of whose tokens were accepted
     deepened: int = 0  # the depth of the arm's draft in flight drafted one deeper (``Bandit._deepen``), or 0
     deepen_misses: int = 0  # deepened positions in a row that failed
+    whole: int = 0  # the depth of the arm's last draft for the sequence if it was accepted whole, else 0
     drafted_any: bool = False  # the arm drafted for the sequence at least once
     chosen: bool = False  # it drafted for the sequence on its merits (not as a probe)
     stale_probed: bool = False  # it was probed for the sequence as a stale arm
