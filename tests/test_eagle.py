@@ -172,13 +172,36 @@ def test_head_file_round_trip_and_refusals(trained, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ConfigError, match="cannot read the draft head"):
         EagleHead.load(tmp_path / "junk.safetensors")
-    from safetensors.torch import save_file
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
     save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ConfigError, match="not a tokenleap draft head"):
         EagleHead.load(tmp_path / "other.safetensors")
     wider = tiny_model("qwen2", seed=4, vocab=VOCAB, hidden=128, intermediate=128, layers=2)
     with pytest.raises(ConfigError, match="hidden size 64"):
         EagleProposer(loaded, wider)
+    import os
+    mask = os.umask(0o022)
+    try:  # written with the process's umask (a head an admin trains is readable by a server's user)
+        head.save(tmp_path / "shared.safetensors")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "shared.safetensors").stat().st_mode & 0o777 == 0o644
+    # a diverged training's weights: not saved, and such a file (made elsewhere) not loaded -- its
+    # drafts crashed every sampled request (a NaN distribution)
+    import copy
+    diverged = copy.deepcopy(head)
+    with torch.no_grad():
+        next(diverged.parameters()).fill_(float("nan"))
+    with pytest.raises(ConfigError, match="non-finite weights"):
+        diverged.save(tmp_path / "nan.safetensors")
+    assert not (tmp_path / "nan.safetensors").exists()
+    tensors = load_file(str(path))
+    tensors = {k: torch.full_like(v, float("inf")) if k == "fc.weight" else v for k, v in tensors.items()}
+    with safe_open(str(path), framework="pt") as f:
+        save_file(tensors, str(tmp_path / "inf.safetensors"), metadata=f.metadata())
+    with pytest.raises(ConfigError, match="non-finite weights"):
+        EagleHead.load(tmp_path / "inf.safetensors")
 
 
 def test_train_head_command_and_spec_eagle_on_a_real_model(capsys, tmp_path, smollm2_gguf):
@@ -223,8 +246,9 @@ def test_eagle_flags_checked_before_loading(capsys, tmp_path):
                          (["--spec", "eagle", "--draft-model", model], "not a draft model")):
         assert main(["generate", "--model", model, "--prompt", "hi", *args]) == 2
         assert needle in capsys.readouterr().err
-    assert main(["train-head", "--model", model, "--lr", "0"]) == 2
-    assert "--lr must be positive" in capsys.readouterr().err
+    for lr in ("0", "inf", "nan"):
+        assert main(["train-head", "--model", model, "--lr", lr]) == 2
+        assert "--lr must be a positive finite number" in capsys.readouterr().err
     (tmp_path / "a_file").write_text("x")  # an --output the head could not be saved at: said before any work
     for output, needle in ((tmp_path, "is a directory"), (tmp_path / "a_file" / "h.safetensors", "is a file")):
         assert main(["train-head", "--model", model, "--output", str(output)]) == 2
@@ -235,6 +259,11 @@ def test_eagle_flags_checked_before_loading(capsys, tmp_path):
         bad.write_text(text)
         with pytest.raises(UsageError, match="not a replies file"):
             _replies(None, [], 8, bad)
+    from types import SimpleNamespace
+    llm = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=100))))
+    bad.write_text('{"prompt": [1, 2], "output": [3, 150]}\n')  # another model's replies
+    with pytest.raises(UsageError, match="outside this model's vocabulary"):
+        _replies(llm, [], 8, bad)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from importlib import resources
@@ -31,14 +33,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--quant", default="int4", help="the target's quantization while generating and computing "
-                                                    "features: none, int8, int4 (default)")
+                                                    "features: none, int8, int4 (default), w8a8 (AMX-INT8 CPUs)")
     p.add_argument("--prompts", help="JSONL file with a \"prompt\" per line (default: tokenleap's training prompts)")
     p.add_argument("--texts", nargs="*", default=[], metavar="FILE",
                    help="text or code files trained on as they are (cut into pieces of 1,024 tokens)")
     p.add_argument("--replies", metavar="FILE", help="JSONL of generated replies: read if it exists, else written")
     p.add_argument("--max-tokens", type=positive_int, default=384, help="longest generated reply")
-    p.add_argument("--epochs", type=positive_int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--epochs", type=positive_int, default=4, help="passes over the training texts (default: 4)")
+    p.add_argument("--lr", type=float, default=1e-3, help="the optimizer's learning rate (default: 1e-3)")
     p.add_argument("--second-step", action="store_true",
                    help="also train the second draft token from the head's own prediction (twice the time)")
     p.add_argument("--intermediate-size", type=positive_int, default=None,
@@ -58,22 +60,27 @@ def _log(msg: str) -> None:
     print(f"[train-head] {msg}", file=sys.stderr, flush=True)
 
 
-def _check_output(path: Path) -> None:
-    """A usage error if the head cannot be saved at ``path``: a directory, or under a file."""
+def _check_output(path: Path, flag: str = "--output") -> None:
+    """A usage error if the head cannot be saved at ``path``: a directory, under a file, or in a
+    directory this process cannot write (``flag`` names where the path came from)."""
     if path.is_dir():
-        raise UsageError(f"--output {path} is a directory: give the head's file, e.g. {path / 'head.safetensors'}")
+        raise UsageError(f"{flag} {path} is a directory: give the head's file, e.g. {path / 'head.safetensors'}")
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
-        raise UsageError(f"--output {path}: {parent} is a file, not a directory")
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):  # (EROFS even for root)
+        raise UsageError(f"{flag} {path}: {parent} is not writable")
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
     check_quant_dtype({"--quant": args.quant}, {"--dtype": args.dtype})
     check_model_ref("--model", args.model, args.cache_dir)
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise UsageError(f"--lr must be a positive finite number, got {args.lr}")
     if args.output:  # checked before hours of work, not at the save
         _check_output(Path(args.output))
+    if args.replies and not Path(args.replies).exists():  # written after the generation: checked before it
+        _check_output(Path(args.replies), "--replies")
     prompts = read_prompts_file(args.prompts) if args.prompts else default_prompts()
     texts = [read_text_arg(path, "--texts") for path in args.texts]
     from tokenleap.api import LLM
@@ -87,6 +94,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
               speculative={"method": "auto", "draft_model": "auto"}, max_num_seqs=8, num_slots=8)
     root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     name = llm.target.source.removeprefix("catalog:")
+    out = Path(args.output) if args.output else default_head_path(root, name)
+    if not args.output:  # (the default place, in the cache: before the replies and the training)
+        _check_output(out, "the head's place in the cache,")
     store = FeatureStore.for_target(root, llm.target, _log)
     replies = Path(args.replies) if args.replies else None
     train = TrainConfig(epochs=args.epochs, lr=args.lr, second_step=args.second_step)
@@ -96,11 +106,12 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         examples += store.get(llm.target.model, text_pieces(llm.tokenizer.encode(text), train.window), path)
     _log(f"{len(examples) + len(valid)} texts, {sum(int(e.tokens.shape[0]) for e in examples + valid)} tokens "
          f"({time.perf_counter() - t0:.0f} s)")
+    if not examples:
+        raise UsageError("nothing to train on: the replies and --texts hold no text of 3 tokens or more")
     model = llm.target.model
     cfg = EagleConfig.for_target(model.config, args.intermediate_size, target=args.model)
     specials = llm.tokenizer.backend.get_added_tokens_decoder().keys()
     head, report = train_head(model, examples, cfg, specials, train, _log, valid=valid)
-    out = Path(args.output) if args.output else default_head_path(root, name)
     head.save(out)
     report.update(path=str(out), intermediate_size=cfg.intermediate_size,
                   total_seconds=round(time.perf_counter() - t0, 1))
@@ -123,6 +134,10 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
         except (ValueError, KeyError, TypeError) as e:
             raise UsageError(f"--replies {path}: not a replies file this command wrote (each line a JSON object "
                              f"with token id lists \"prompt\" and \"output\"): {e}") from None
+        vocab = llm.target.model.config.vocab_size
+        if any(not 0 <= t < vocab for ids in out for t in ids):
+            raise UsageError(f"--replies {path}: token ids outside this model's vocabulary ({vocab}): "
+                             "a replies file written for another model")
         _log(f"{len(rows)} replies read from {path}")
         return out
     rows, t0 = [], time.perf_counter()
@@ -132,5 +147,6 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
         rows += [{"prompt": list(o.prompt), "output": list(o.token_ids)} for o in llm.chat(batch, params)]
         _log(f"replies: {len(rows)}/{len(prompts)} ({time.perf_counter() - t0:.0f} s)")
     if path is not None:  # written whole: an interrupted run leaves no file a rerun would take as complete
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return [r["prompt"] + r["output"] for r in rows]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenleap.errors import ConfigError
+from tokenleap.models.cache_files import remove_abandoned, written_aside
 
 _META_KEY = "tokenleap_eagle"
 LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -172,12 +173,19 @@ class EagleHead(nn.Module):
         return pred, layer(self.cfg, lin, lambda n: self.norms[n], pred[:-1], embeds[1:], positions[1:], again)
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
+        """Write the head to ``path`` (aside, then renamed into place, with the process's umask: a head
+        an admin trains is readable by the server's user); a ConfigError for non-finite weights."""
+        from safetensors.torch import save
         tensors = {f"{n}.weight": m.weight.detach().contiguous() for n, m in self.linears.items()}
         tensors["fc.bias"] = self.linears["fc"].bias.detach().contiguous()
         tensors.update({f"{n}.weight": p.detach().contiguous() for n, p in self.norms.items()})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata={_META_KEY: json.dumps(asdict(self.cfg))})
+        if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+            raise ConfigError("the trained head has non-finite weights (training diverged: try a smaller --lr); "
+                              "not saved")
+        data = save(tensors, metadata={_META_KEY: json.dumps(asdict(self.cfg))})
+        remove_abandoned(path.parent, "*.safetensors")  # saves killed part-way
+        with written_aside(path) as tmp:
+            tmp.write_bytes(data)
 
     @classmethod
     def load(cls, path: Path) -> "EagleHead":
@@ -196,6 +204,9 @@ class EagleHead(nn.Module):
                 head.linears["fc"].bias.data.copy_(f.get_tensor("fc.bias"))
                 for n, p in head.norms.items():
                     p.data.copy_(f.get_tensor(f"{n}.weight"))
+            if not all(bool(torch.isfinite(p).all()) for p in head.parameters()):
+                raise ConfigError(f"the draft head {path} has non-finite weights (a diverged training): "
+                                  "train it again with a smaller --lr")
         except (SafetensorError, OSError, KeyError, RuntimeError, TypeError, ValueError) as e:
             raise ConfigError(f"cannot read the draft head {path}: {e}") from e
         return head

@@ -92,6 +92,9 @@ class FeatureStore:
         self.log(f"{label}: computing the features of {sum(map(len, sequences))} tokens")
         examples = collect_features(model, sequences, self.log)
         remove_abandoned(path.parent, "*.pt")  # stores killed part-way (up to a gigabyte each)
-        with written_aside(path) as tmp:  # an interrupted run leaves no partial file
-            torch.save({"tokens": [e.tokens for e in examples], "feats": [e.feats for e in examples]}, tmp)
+        try:
+            with written_aside(path) as tmp:  # an interrupted run leaves no partial file
+                torch.save({"tokens": [e.tokens for e in examples], "feats": [e.feats for e in examples]}, tmp)
+        except (OSError, RuntimeError) as e:  # a read-only cache: train on them anyway (torch raises RuntimeError)
+            self.log(f"{label}: features not kept ({e})")
         return examples
