@@ -3,6 +3,7 @@ that must first catch up is looked at again, and which arms may catch up to fill
 from __future__ import annotations
 
 from tokenleap.spec.bandit import Bandit, BanditConfig
+from tokenleap.spec.bandit_state import Choice
 
 from bandit_helpers import FLAT, bandit, costs
 
@@ -41,6 +42,20 @@ def test_a_draft_accepted_whole_grows_a_token_a_step():
     ks = draft_lengths(deepen_every=8, deepen_on_whole=True)
     assert ks[:3] == [2, 3, 4] and set(ks[2:]) == {4}  # one deeper after each whole acceptance, to max_k
     assert slow[:4] == [1, 1, 1, 1]  # (by the interval alone: one deeper only after deepen_every steps)
+
+
+def test_only_the_last_step_s_whole_draft_deepens_the_next():
+    """A whole draft some steps ago (plain steps or other arms since, or a probe's) leaves the plan's k
+    alone: only the step right after it drafts past it."""
+    b = bandit(draft_cost=0.003, settle_steps=0, deepen_every=10**6)
+    seq = b.new_sequence()
+    seq.steps = 10
+    b.observe_acceptance(seq, "draft", 3, 3)  # the draft of step 10, accepted whole
+    seq.steps = 11  # (the next plan's step)
+    assert b._deepen(seq, Choice("draft", 1, 1.0), 4).k == 4
+    b.observe_acceptance(seq, "draft", 3, 3)
+    seq.steps = 30  # ... and after eighteen steps without it
+    assert b._deepen(seq, Choice("draft", 1, 1.0), 4).k == 1
 
 
 def test_a_failed_deepening_stops_the_growth():

@@ -200,8 +200,9 @@ def test_head_file_round_trip_and_refusals(trained, tmp_path):
     tensors = {k: torch.full_like(v, float("inf")) if k == "fc.weight" else v for k, v in tensors.items()}
     with safe_open(str(path), framework="pt") as f:
         save_file(tensors, str(tmp_path / "inf.safetensors"), metadata=f.metadata())
-    with pytest.raises(ConfigError, match="non-finite weights"):
+    with pytest.raises(ConfigError, match="non-finite weights") as refused:
         EagleHead.load(tmp_path / "inf.safetensors")
+    assert "cannot read" not in str(refused.value)  # said once, not wrapped again
 
 
 def test_train_head_command_and_spec_eagle_on_a_real_model(capsys, tmp_path, smollm2_gguf):
@@ -253,6 +254,9 @@ def test_eagle_flags_checked_before_loading(capsys, tmp_path):
     for output, needle in ((tmp_path, "is a directory"), (tmp_path / "a_file" / "h.safetensors", "is a file")):
         assert main(["train-head", "--model", model, "--output", str(output)]) == 2
         assert needle in capsys.readouterr().err
+    # a --replies file to write where none can be: said before the replies are generated
+    assert main(["train-head", "--model", model, "--replies", str(tmp_path / "a_file" / "r.jsonl")]) == 2
+    assert "--replies" in (err := capsys.readouterr().err) and "is a file" in err
     from tokenleap.cli.train_head import _replies
     bad = tmp_path / "replies.jsonl"
     for text in ('{"prompt": [1, 2]}\n', "not json\n", '{"prompt": "ab", "output": [1]}\n'):

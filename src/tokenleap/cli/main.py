@@ -60,7 +60,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16, float16")
-    p.add_argument("--quant", default="none", help="quantization: none, int8, int4 (weight-only), w8a8 (int8 weights and activations; AMX-INT8 CPUs)")
+    p.add_argument("--quant", default="none", help="quantization: none, int8, int4 (weight-only), w8a8 (int8 "
+                                                    "weights and activations; AMX-INT8 CPUs)")
     p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "eagle", "auto"],
                    default=None,
                    help="speculative method (not given: draft with --draft-model, else none; serve: auto); auto: "
@@ -105,11 +106,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the most drafted nodes a token tree may hold; under --spec-tree auto the controller "
                         "chooses up to it (default: %(default)s)")
     p.add_argument("--lookahead-window", type=positive_int, default=SpecConfig.lookahead_window,
-                   help=f"--spec lookahead: future positions W of the Jacobi window (default: {SpecConfig.lookahead_window})")
+                   help="--spec lookahead: future positions W of the Jacobi window (default: %(default)s)")
     p.add_argument("--lookahead-ngram", type=positive_int, default=SpecConfig.lookahead_ngram,
-                   help=f"--spec lookahead: n-gram size N (the window has N - 1 levels; default: {SpecConfig.lookahead_ngram})")
+                   help="--spec lookahead: n-gram size N (the window has N - 1 levels; default: %(default)s)")
     p.add_argument("--lookahead-guesses", type=positive_int, default=SpecConfig.lookahead_guesses,
-                   help=f"--spec lookahead: n-gram guesses G verified per step (default: {SpecConfig.lookahead_guesses})")
+                   help="--spec lookahead: n-gram guesses G verified per step (default: %(default)s)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context window (default: 4096, or the model's positions if fewer)")
     p.add_argument("--cache-dir", default=None, help="where converted models are kept (default: XDG cache)")

@@ -207,6 +207,8 @@ class EagleHead(nn.Module):
             if not all(bool(torch.isfinite(p).all()) for p in head.parameters()):
                 raise ConfigError(f"the draft head {path} has non-finite weights (a diverged training): "
                                   "train it again with a smaller --lr")
+        except ConfigError:  # (a ValueError: said once, not wrapped in "cannot read")
+            raise
         except (SafetensorError, OSError, KeyError, RuntimeError, TypeError, ValueError) as e:
             raise ConfigError(f"cannot read the draft head {path}: {e}") from e
         return head

@@ -25,8 +25,16 @@ class GracefulServer(uvicorn.Server):
         # wait sits a few seconds past ``grace``: tasks that outlive the abort are cancelled
         super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace + 5))
         self.scheduler, self.grace = scheduler, grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.force_exit and self._loop is not None:  # a second Ctrl-C: end the streams now -- on Python
+            # 3.12+ uvicorn's shutdown still awaits Server.wait_closed(), which waits for every connection
+            self._loop.call_soon_threadsafe(self.scheduler.abort_all, "the server was stopped")
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         busy = len(self.server_state.tasks)
         if busy:
             print(f"tokenleap: shutting down: {busy} request(s) in flight, ended in {self.grace:g} s if still "

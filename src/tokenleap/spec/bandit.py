@@ -115,6 +115,7 @@ class Bandit:
                 state.deepen_misses = 0 if accepted >= d else state.deepen_misses + 1
             state.deepened = 0
             state.whole = proposed if proposed and accepted >= proposed else 0
+            state.whole_step = seq.steps  # (the plan's step it answers: only the next plan deepens on it)
         if proposed > first:
             state.acceptance.observe(proposed, accepted, first)
             self.arms[arm].costs.observe_acceptance(proposed, accepted, first)
@@ -193,7 +194,9 @@ class Bandit:
         return ranked
 
     def _deepen(self, seq: SeqBandit, choice: Choice, max_k: int) -> Choice:
-        """``choice`` one token deeper if the arm has not drafted that position for this sequence in
+        """``choice`` one token past the arm's last draft if that draft, at the step before, was accepted
+        whole (``deepen_on_whole``, while no deepened position has failed since one passed), else one
+        token deeper if the arm has not drafted that position for this sequence in
         ``deepen_every`` steps (not for shadow arms: on the steps they do not draft, their whole
         proposal is compared with the tokens the step emits, and on the steps they draft, the
         position past the drafted ones with the step's bonus token); the positions drafted are
@@ -201,7 +204,8 @@ class Bandit:
         state, k = seq.arms[choice.arm], choice.k
         state.deepened = 0
         if not self.arms[choice.arm].shadow and k < max_k:
-            if self.cfg.deepen_on_whole and not state.deepen_misses and state.whole >= k:
+            if (self.cfg.deepen_on_whole and not state.deepen_misses and state.whole >= k
+                    and state.whole_step == seq.steps - 1):
                 k = min(state.whole + 1, max_k)
                 state.deepened = k
             elif seq.steps - state.depth_seen[k] >= self.cfg.deepen_every << min(state.deepen_misses,

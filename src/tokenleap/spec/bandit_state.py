@@ -129,6 +129,7 @@ class SeqArmState:
     deepened: int = 0  # the depth of the arm's draft in flight drafted one deeper (``Bandit._deepen``), or 0
     deepen_misses: int = 0  # deepened positions in a row that failed
     whole: int = 0  # the depth of the arm's last draft for the sequence if it was accepted whole, else 0
+    whole_step: int = -1  # the sequence's step count when ``whole`` was observed
     drafted_any: bool = False  # the arm drafted for the sequence at least once
     chosen: bool = False  # it drafted for the sequence on its merits (not as a probe)
     stale_probed: bool = False  # it was probed for the sequence as a stale arm
