@@ -361,3 +361,9 @@ def test_calibrate_on_the_real_model_and_its_exit_status(smollm2_gguf, tmp_path,
     monkeypatch.setattr(calibrate_cli, "_measure", lambda *a: {**real(*a), "outputs_equal": False})
     assert main(argv) == 1
     assert "differed from plain decoding" in capsys.readouterr().err
+    # a cache the calibration cannot be stored in: said before the search (which ran whole, then failed)
+    from tokenleap.spec.proposers import layerskip_search
+    monkeypatch.setattr(layerskip_search, "search", lambda *a, **k: pytest.fail("searched"))
+    monkeypatch.setattr(calibrate_cli, "_writable", lambda d: False)  # (root writes through chmod)
+    assert main(argv) == 2
+    assert "cannot store the calibration under" in capsys.readouterr().err

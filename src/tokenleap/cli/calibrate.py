@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-from tokenleap.cli.main import check_model_ref, check_quant_dtype, positive_int, read_prompts_file
+from tokenleap.cli.main import UsageError, check_model_ref, check_quant_dtype, positive_int, read_prompts_file
 
 DEFAULT_PROMPTS = (
     "Complete the following Python function:\n\n```python\nfrom typing import List\n\n\n"
@@ -46,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_calibrate)
 
 
+def _writable(directory) -> bool:
+    return os.access(directory, os.W_OK | os.X_OK)  # (False on a read-only file system, root too)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     check_quant_dtype({"--quant": args.quant}, {"--dtype": args.dtype})
     check_model_ref("--model", args.model, args.cache_dir)
@@ -64,6 +69,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     target = load_model(args.model, dtype=args.dtype, quant=args.quant, cache_dir=args.cache_dir)
     tok, model = target.tokenizer, target.model
+    path = ls.store_path(args.cache_dir, model_key(target.source, target.gguf_path, target.dtype, target.quant))
+    place = next((p for p in path.parents if p.exists()), None)
+    if place is not None and not _writable(place):  # said before the search, not after it
+        raise UsageError(f"cannot store the calibration under {place}: not writable (give a writable cache with "
+                         "TOKENLEAP_CACHE or --cache-dir)")
     ids = [tok.encode(p) if args.no_chat else tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
     plain = Engine(model, tok, max_len=max(len(i) for i in ids) + args.max_tokens + 16)
@@ -73,7 +83,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         texts.append(p + seq.generated)
     log(f"searching {model.config.num_hidden_layers} layers on {len(texts)} prompts ...")
     cal = ls.search(model, texts, ls.SearchConfig(candidates=args.candidates), log=log)
-    path = ls.store_path(args.cache_dir, model_key(target.source, target.gguf_path, target.dtype, target.quant))
     ls.save_calibration(path, cal)
     measured = _measure(model, tok, ids, params, plain, LayerSkipProposer(model, cal.skip_set))
     result = {"model": target.source, "dtype": str(target.dtype).removeprefix("torch."), "quant": target.quant,
