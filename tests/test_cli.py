@@ -421,3 +421,11 @@ def test_a_prediction_file_drafts_from_its_text_on_real_model(capsys, tmp_path, 
     assert with_it["stats"]["accepted_tokens"] > without["stats"]["accepted_tokens"] + 10
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "x", "--prediction",
                           str(tmp_path / "missing.txt")], "--prediction", "does not exist")
+
+
+def test_verify_without_a_method_says_what_it_needs(capsys, no_model_loads):
+    """Not a complaint about --num-spec-tokens (verify's own default), which the user never gave."""
+    for extra in ([], ["--spec", "none"]):
+        assert main(["verify", "--model", SMOL, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "verify compares speculative decoding with plain decoding" in err and "num-spec-tokens" not in err

@@ -86,10 +86,12 @@ def register(subparsers) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tokenleap.spec.certify import DEFAULT_PROMPTS, CertifyConfig, certify
 
-    spec = spec_config(args)  # checks the model flags before anything loads
-    if spec.method is None:
+    # (before spec_config: verify's own default --num-spec-tokens would have it refuse a missing method
+    # as "--num-spec-tokens ... goes with a speculative method", a flag the user never gave)
+    if args.spec in (None, "none") and not args.draft_model:
         raise UsageError("verify compares speculative decoding with plain decoding: "
                          "give --draft-model NAME_OR_PATH or --spec ngram")
+    spec = spec_config(args)  # checks the model flags before anything loads
     texts = read_prompts_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     try:
         cfg = CertifyConfig(max_tokens=args.max_tokens, temperature=args.temperature, samples=args.samples,
