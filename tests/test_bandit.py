@@ -2,21 +2,23 @@
 that must first catch up is looked at again, and which arms may catch up to fill in for another."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tokenleap.spec.bandit import Bandit, BanditConfig
 from tokenleap.spec.bandit_state import Choice
 
 from bandit_helpers import FLAT, bandit, costs
 
 
-def draft_lengths(deepen_every: int, steps: int = 40, deepen_on_whole: bool = False) -> list[int]:
-    """The draft arm's k over ``steps`` steps of a text it drafts well at every depth, after its
-    second position failed the only time it was drafted (the first step of the sequence)."""
-    b, target = bandit(draft_cost=0.003, settle_steps=0, deepen_every=deepen_every,
-                       deepen_on_whole=deepen_on_whole), costs(FLAT)
+def planned_lengths(config: dict, first: int, steps: int, takes: Callable[[int], int]) -> list[int]:
+    """The draft arm's k over ``steps`` steps of a sequence in which n-gram lookup missed and the draft
+    arm's one draft of ``first`` tokens had its second position fail (six one-token drafts passed since);
+    the text takes ``takes(k)`` of each k drafted. ``config``: the bandit's settings."""
+    b, target = bandit(draft_cost=0.003, settle_steps=0, **config), costs(FLAT)
     seq = b.new_sequence()
     for _ in range(10):
         b.observe_acceptance(seq, "ngram", 4, 0)
-    b.observe_acceptance(seq, "draft", 4, 1)  # position 1 passed, position 2 failed
+    b.observe_acceptance(seq, "draft", first, 1)  # position 1 passed, position 2 failed
     for _ in range(6):
         b.observe_acceptance(seq, "draft", 1, 1)
     ks = []
@@ -24,9 +26,15 @@ def draft_lengths(deepen_every: int, steps: int = 40, deepen_on_whole: bool = Fa
         choice = b.plan(seq, 1, target, {}, 100, 4)[0]
         assert choice.arm == "draft"
         ks.append(choice.k)
-        b.observe_acceptance(seq, "draft", choice.k, choice.k)  # the text takes every drafted token
+        b.observe_acceptance(seq, "draft", choice.k, takes(choice.k))
         b.drafted(seq, "draft")
     return ks
+
+
+def draft_lengths(deepen_every: int, steps: int = 40, deepen_on_whole: bool = False) -> list[int]:
+    """The draft arm's k on a text it drafts well at every depth (``planned_lengths``)."""
+    return planned_lengths({"deepen_every": deepen_every, "deepen_on_whole": deepen_on_whole}, 4, steps,
+                           lambda k: k)  # the text takes every drafted token
 
 
 def test_a_depth_judged_poor_once_is_drafted_again():
@@ -59,19 +67,7 @@ def test_only_the_last_step_s_whole_draft_deepens_the_next():
 
 
 def test_a_failed_deepening_stops_the_growth():
-    b, target = bandit(draft_cost=0.003, settle_steps=0, deepen_every=10**6), costs(FLAT)
-    seq = b.new_sequence()
-    for _ in range(10):
-        b.observe_acceptance(seq, "ngram", 4, 0)
-    b.observe_acceptance(seq, "draft", 4, 1)
-    for _ in range(6):
-        b.observe_acceptance(seq, "draft", 1, 1)
-    ks = []
-    for _ in range(12):
-        choice = b.plan(seq, 1, target, {}, 100, 4)[0]
-        ks.append(choice.k)
-        b.observe_acceptance(seq, "draft", choice.k, min(choice.k, 2))  # the text takes two tokens, never three
-        b.drafted(seq, "draft")
+    ks = planned_lengths({"deepen_every": 10**6}, 4, 12, lambda k: min(k, 2))  # two tokens taken, never three
     assert ks[:2] == [2, 3] and set(ks[2:]) == {2}  # position 3 failed once: no growth after it
 
 
@@ -97,21 +93,7 @@ def probes(remaining: int | None, steps: int = 60) -> list[int]:
 
 def deepenings(deepen_backoff: int, steps: int = 120) -> int:
     """Steps the draft arm drafts past position 1 on a text that never takes position 2."""
-    b, target = bandit(draft_cost=0.003, settle_steps=0, deepen_backoff=deepen_backoff), costs(FLAT)
-    seq = b.new_sequence()
-    for _ in range(10):
-        b.observe_acceptance(seq, "ngram", 4, 0)
-    b.observe_acceptance(seq, "draft", 2, 1)
-    for _ in range(6):
-        b.observe_acceptance(seq, "draft", 1, 1)
-    deeper = 0
-    for _ in range(steps):
-        choice = b.plan(seq, 1, target, {}, 100, 4)[0]
-        assert choice.arm == "draft"
-        deeper += choice.k > 1
-        b.observe_acceptance(seq, "draft", choice.k, 1)
-        b.drafted(seq, "draft")
-    return deeper
+    return sum(k > 1 for k in planned_lengths({"deepen_backoff": deepen_backoff}, 2, steps, lambda k: 1))
 
 
 def test_a_deepened_position_that_keeps_failing_is_tried_less_often():
