@@ -364,6 +364,6 @@ def test_calibrate_on_the_real_model_and_its_exit_status(smollm2_gguf, tmp_path,
     # a cache the calibration cannot be stored in: said before the search (which ran whole, then failed)
     from tokenleap.spec.proposers import layerskip_search
     monkeypatch.setattr(layerskip_search, "search", lambda *a, **k: pytest.fail("searched"))
-    monkeypatch.setattr(calibrate_cli, "_writable", lambda d: False)  # (root writes through chmod)
+    monkeypatch.setattr(calibrate_cli, "unwritable_place", lambda path: path.parent)  # (root writes through chmod)
     assert main(argv) == 2
     assert "cannot store the calibration under" in capsys.readouterr().err

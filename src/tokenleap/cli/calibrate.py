@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-from tokenleap.cli.main import UsageError, check_model_ref, check_quant_dtype, positive_int, read_prompts_file
+from tokenleap.cli.main import (UsageError, check_model_ref, check_quant_dtype, positive_int, read_prompts_file,
+                                unwritable_place)
 
 DEFAULT_PROMPTS = (
     "Complete the following Python function:\n\n```python\nfrom typing import List\n\n\n"
@@ -47,10 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_calibrate)
 
 
-def _writable(directory) -> bool:
-    return os.access(directory, os.W_OK | os.X_OK)  # (False on a read-only file system, root too)
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
     check_quant_dtype({"--quant": args.quant}, {"--dtype": args.dtype})
     check_model_ref("--model", args.model, args.cache_dir)
@@ -70,8 +66,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     target = load_model(args.model, dtype=args.dtype, quant=args.quant, cache_dir=args.cache_dir)
     tok, model = target.tokenizer, target.model
     path = ls.store_path(args.cache_dir, model_key(target.source, target.gguf_path, target.dtype, target.quant))
-    place = next((p for p in path.parents if p.exists()), None)
-    if place is not None and not _writable(place):  # said before the search, not after it
+    place = unwritable_place(path)
+    if place is not None:  # said before the search, not after it
         raise UsageError(f"cannot store the calibration under {place}: not writable (give a writable cache with "
                          "TOKENLEAP_CACHE or --cache-dir)")
     ids = [tok.encode(p) if args.no_chat else tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]

@@ -318,6 +318,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def unwritable_place(path: Path) -> Path | None:
+    """The nearest existing ancestor of ``path`` where a file cannot be made under it -- a file, or a
+    directory this process cannot write (``os.access``: a read-only file system refuses root too) --
+    else None: said before long work, not at its save."""
+    place = next((p for p in path.parents if p.exists()), None)
+    if place is None or (place.is_dir() and os.access(place, os.W_OK | os.X_OK)):
+        return None
+    return place
+
+
 def os_error_line(e: OSError, cache_dir: str | None) -> str:
     """``e`` in one line: what failed on which file, and for a file in tokenleap's cache what to do."""
     from tokenleap.models.catalog import default_cache_dir

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from importlib import resources
 from pathlib import Path
 
 from tokenleap.cli.main import (UsageError, check_model_ref, check_quant_dtype, positive_int, read_prompts_file,
-                                read_text_arg)
+                                read_text_arg, unwritable_place)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,11 +64,10 @@ def _check_output(path: Path, flag: str = "--output") -> None:
     directory this process cannot write (``flag`` names where the path came from)."""
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a directory: give the head's file, e.g. {path / 'head.safetensors'}")
-    parent = next((p for p in path.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
-    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):  # (EROFS even for root)
-        raise UsageError(f"{flag} {path}: {parent} is not writable")
+    place = unwritable_place(path)
+    if place is not None:
+        why = "not writable" if place.is_dir() else "a file, not a directory"
+        raise UsageError(f"{flag} {path}: {place} is {why}")
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
