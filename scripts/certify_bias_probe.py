@@ -35,13 +35,17 @@ def main() -> None:
     for name, patch in bugs.items():
         for attr, fn in patch.items():
             setattr(verify, attr, fn)
-        counts = collections.Counter()
+        counts, zs, seen = collections.Counter(), [], []
         for r in range(seeds):
             cfg = CertifyConfig(samples=samples, seed=1000 * r + 7, block=6)
-            dist, power = check_distribution(make, PROMPTS[0], cfg)
-            counts["certified"] += dist.passed and power.passed
+            dist, power, acceptance = check_distribution(make, PROMPTS[0], cfg)
+            counts["certified"] += dist.passed and power.passed and acceptance.passed
             counts["distribution failed"] += not dist.passed
-        print(f"{name}: {seeds} seeds, {samples} samples: {dict(counts)}", flush=True)
+            counts["acceptance failed"] += not acceptance.passed
+            zs.append(acceptance.figures["z"])
+            seen.append(acceptance.figures["detectable_factor"])
+        print(f"{name}: {seeds} seeds, {samples} samples: {dict(counts)}; acceptance z {min(zs):+.1f} .. "
+              f"{max(zs):+.1f}, detectable factor {min(seen):.3f} .. {max(seen):.3f}", flush=True)
         for attr, fn in real.items():
             setattr(verify, attr, fn)
 

@@ -17,6 +17,7 @@ import torch
 
 import tokenleap.spec.certify as certify_module
 import tokenleap.spec.step_verify as step_verify
+import tokenleap.spec.verify as verify_module
 from tokenleap.spec.certify import (CertifyConfig, Certificate, certify, check_distribution, check_greedy,
                                chi2_homogeneity)
 from tokenleap.spec.controller import ControllerConfig
@@ -48,11 +49,11 @@ def peaked_model(seed: int, lead: float):
     return build_transformer(cfg, w, torch.float32)
 
 
-def engine_factory(target, draft):
+def engine_factory(target, draft, tree_nodes: int = 0):
     def make(speculative: bool) -> Engine:
         proposer = DraftModelProposer(draft, V, 32, num_slots=SLOTS) if speculative else None
         return Engine(target, ToyTokenizer(V, eos=()), max_len=32, num_slots=SLOTS, proposer=proposer,
-                      controller=ControllerConfig(max_k=4, fixed_k=4))
+                      controller=ControllerConfig(max_k=4, fixed_k=4), tree_nodes=tree_nodes)
     return make
 
 
@@ -70,12 +71,15 @@ def test_certifies_a_correct_engine(factory):
     cert = certify(factory, PROMPTS, CFG)
     report = cert.report()
     assert cert.passed, report
-    assert [c.name for c in cert.checks] == ["greedy", "seeded", "distribution", "power", "block-rule"]
+    names = ["greedy", "seeded", "distribution", "power", "block-rule", "acceptance"]
+    assert [c.name for c in cert.checks] == names
     assert all(line.startswith("PASS") for line in report.splitlines()[:-1]) and "lossless" in report
     by_name = {c.name: c.figures for c in cert.checks}
     assert by_name["greedy"]["accepted_tokens"] > 0 and by_name["distribution"]["accepted_tokens"] > 0
     assert by_name["power"]["p_value"] < CFG.alpha <= by_name["distribution"]["p_value"]
     assert by_name["block-rule"]["rows"] == 3 * CFG.block
+    count = by_name["acceptance"]
+    assert count["trials"] > CFG.samples and count["p_value"] >= CFG.alpha and 1 < count["detectable_factor"] < 1.1
     json.dumps(cert.to_dict())  # the --json form
 
 
@@ -103,6 +107,35 @@ def test_fails_a_verifier_that_accepts_too_often(factory, monkeypatch):
     assert line.startswith("FAIL  distribution") and "do not follow the plain distribution" in line, report
     assert report.splitlines()[1].startswith("PASS  power"), report  # the test could see it: a real failure
     assert "NOT certified" in report
+
+
+def test_the_acceptance_count_fails_a_verifier_the_distribution_tests_pass(factory, monkeypatch):
+    """Drafts kept with min(1, 1.1 p/q): the fit and homogeneity tests cannot tell at these sample
+    sizes (the bias sits on the drafted tokens, diluted over the vocabulary), the count of kept
+    drafts against the exact expectation does -- and under-acceptance fails it as well."""
+    real = verify_module._num_accepted
+    for factor, sign in ((1.1, 1), (0.9, -1)):
+        monkeypatch.setattr(verify_module, "_num_accepted", lambda x, q, p, u, f=factor: real(x, q, p, u / f))
+        cfg = CertifyConfig(samples=300, block=6)
+        distribution, power, acceptance = check_distribution(factory, PROMPTS[0], cfg)
+        assert distribution.passed and power.passed, (distribution.summary, power.summary)
+        assert not acceptance.passed and "not kept as often as min(1, p/q) says" in acceptance.summary
+        assert sign * acceptance.figures["z"] > 3, acceptance.summary
+
+
+def test_a_tree_proposer_counts_its_walks(target, monkeypatch):
+    """Draft trees: the first child at each node of the walk is a trial; a right verifier passes."""
+    walks = []
+    real = Engine._verify_tree
+
+    def counted(self, seq, tree, rows):
+        walks.append(tree.size)
+        return real(self, seq, tree, rows)
+    monkeypatch.setattr(Engine, "_verify_tree", counted)
+    cfg = CertifyConfig(samples=200, block=6)
+    acceptance = check_distribution(engine_factory(target, peaked_model(12, 1.0), tree_nodes=8), PROMPTS[0], cfg)[2]
+    assert walks and max(walks) > 5  # trees, not chains, were verified
+    assert acceptance.passed and acceptance.figures["trials"] >= cfg.samples, acceptance.summary
 
 
 def test_fails_a_greedy_verifier_that_keeps_one_wrong_token(target, monkeypatch):
@@ -182,9 +215,10 @@ def test_verify_command_reports_each_check_and_exits_1_on_failure(factory, monke
             "--max-tokens", "8"]
     assert main(argv) == 1
     out = capsys.readouterr().out.splitlines()
-    assert [ln.split()[1] for ln in out[:5]] == ["greedy", "seeded", "distribution", "power", "block-rule"]
+    assert [ln.split()[1] for ln in out[:6]] == ["greedy", "seeded", "distribution", "power", "block-rule",
+                                                 "acceptance"]
     assert out[3].startswith("FAIL  power") and out[-1] == "verdict: NOT certified"
     assert out[0].startswith("PASS  greedy") and "2/2 prompts token-identical" in out[0]
     assert main(argv + ["--json"]) == 1
     cert = json.loads(capsys.readouterr().out)
-    assert cert["passed"] is False and cert["prompts"] == 2 and len(cert["checks"]) == 5
+    assert cert["passed"] is False and cert["prompts"] == 2 and len(cert["checks"]) == 6

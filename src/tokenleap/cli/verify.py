@@ -23,6 +23,10 @@ _EPILOG = """checks (one line each, PASS or FAIL):
   power         the fit test, with the same --samples, rejects plain sampling at T*0.9 against the T
                 probabilities (p < --alpha); if not, the sample count is too small to certify anything
   block-rule    a one-token step's logits equal, bit for bit, the matching row of a k-token block
+  acceptance    the drafts the distribution check's speculative samples tested (run to --trial-tokens
+                tokens) were kept as often as min(1, p/q) with the target's exact p says (a normal test
+                of the count, two-sided, p >= --alpha); the line says how large an over-acceptance
+                factor the run could see
 example:
   tokenleap verify --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
       --quant int4 --draft-quant int4
@@ -71,14 +75,20 @@ def register(subparsers) -> None:
                                                      "(default: a small built-in set)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--samples", type=positive_int, default=300,
-                   help="samples per arm of the distribution check (plain, speculative, biased)")
-    p.add_argument("--max-tokens", type=positive_int, default=32, help="tokens per prompt (greedy, seeded)")
-    p.add_argument("--temperature", type=_positive_float, default=1.0, help="temperature of the sampled checks")
+                   help="samples per arm of the distribution check (plain, speculative, biased; default: 300)")
+    p.add_argument("--max-tokens", type=positive_int, default=32,
+                   help="tokens per prompt (greedy, seeded; default: 32)")
+    p.add_argument("--temperature", type=_positive_float, default=1.0,
+                   help="temperature of the sampled checks (default: 1.0)")
     p.add_argument("--positions", type=_positions, default=2,
-                   help="the distribution check compares the joint of the first N generated tokens")
-    p.add_argument("--alpha", type=_probability, default=0.01, help="significance level of both tests")
-    p.add_argument("--seed", type=int, default=0, help="seeds of the seeded check and of every random stream")
-    p.add_argument("--batch", type=positive_int, default=16, help="samples decoded together")
+                   help="the distribution check compares the joint of the first N generated tokens (default: 2)")
+    p.add_argument("--alpha", type=_probability, default=0.01,
+                   help="significance level of every test (default: 0.01)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds of the seeded check and of every random stream (default: 0)")
+    p.add_argument("--trial-tokens", type=positive_int, default=16,
+                   help="tokens each speculative sample runs to, for the acceptance count (default: 16)")
+    p.add_argument("--batch", type=positive_int, default=16, help="samples decoded together (default: 16)")
     p.add_argument("--json", action="store_true", help="print the certificate as one JSON object")
     p.set_defaults(func=cmd_verify)
 
@@ -95,7 +105,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     texts = read_prompts_file(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     try:
         cfg = CertifyConfig(max_tokens=args.max_tokens, temperature=args.temperature, samples=args.samples,
-                            positions=args.positions, alpha=args.alpha, seed=args.seed)
+                            positions=args.positions, alpha=args.alpha, seed=args.seed,
+                            trial_tokens=args.trial_tokens)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     make, encode = engine_factory(args, spec)

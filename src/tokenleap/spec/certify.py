@@ -14,7 +14,11 @@ checks that each compare a plain engine against a speculative one built by the s
   test cannot see that bias, it could not have seen a broken verifier either, and the sample count
   is too small to certify anything;
 * **block rule** -- the logits of a one-token step equal, bit for bit, the matching row of a
-  k-token verification block (what makes greedy speculation exact in the first place).
+  k-token verification block (what makes greedy speculation exact in the first place);
+* **acceptance** -- the drafts the distribution check's speculative samples tested (each sample run
+  to ``trial_tokens`` tokens) were kept as often as ``min(1, p/q)`` with the target's exact ``p``
+  says (``acceptance.py``): the directed test of the verifier's rule, which sees a few percent of
+  over-acceptance that the distribution tests see only diluted over the vocabulary.
 
 A check whose speculative engine drafted nothing fails too: it would certify plain decoding
 against itself. The functions are pure apart from the engines: they take an
@@ -31,6 +35,7 @@ import torch
 
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.spec.acceptance import Trial, acceptance_count, acceptance_mean, acceptance_verdict
 from tokenleap.spec.engine import Engine
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.transformer import Segment
@@ -60,10 +65,11 @@ class CertifyConfig:
     alpha: float = 0.01  # test level: plain vs speculative must not reject, the bias must
     bias: float = 0.9  # the power check's temperature factor
     block: int = 8  # rows of the block in the one-row-vs-block check
+    trial_tokens: int = 16  # tokens each speculative sample runs to, for the acceptance count's trials
     seed: int = 0  # seeds of the seeded check and of every random stream
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "samples", "positions", "block"):
+        for name in ("max_tokens", "samples", "positions", "block", "trial_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -177,15 +183,18 @@ def check_seeded(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConf
 
 # -- the distribution check -----------------------------------------------------------------
 def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int, positions: int,
-                  seed: int, batch: int | None = None) -> tuple[dict[tuple[int, ...], int], SpecStats]:
+                  seed: int, batch: int | None = None, trials: list | None = None, tokens: int = 0
+                  ) -> tuple[dict[tuple[int, ...], int], SpecStats]:
     """Counts of the first ``positions`` generated tokens over ``n`` unseeded samples (rejection
     sampling), each request with its own generator drawn from a stream seeded by ``seed``.
 
     ``positions + 1`` tokens are generated so that every counted position after the first (which
     the prefill samples) goes through verification of a draft. Requests run ``batch`` at a time
     (default: the engine's cache slots) through batched steps -- each sequence's tokens are those
-    it would get alone, since every row is computed row-exact."""
-    params = SamplingParams(max_tokens=positions + 1, temperature=temperature, ignore_eos=True)
+    it would get alone, since every row is computed row-exact. ``trials``, if given, receives each
+    verification trial (``acceptance.Trial``) with its prefix: ``(generated[:position], trial)``;
+    ``tokens`` generates more than ``positions + 1`` tokens (more trials; the counts are the same)."""
+    params = SamplingParams(max_tokens=max(tokens, positions + 1), temperature=temperature, ignore_eos=True)
     stream = torch.Generator().manual_seed(torch_seed(seed))
     batch = max(1, min(batch or engine.cache.num_slots, n))
     counts: dict[tuple[int, ...], int] = {}
@@ -196,6 +205,7 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
             for _ in range(min(batch, n - start)):
                 seq = engine.create(prompt, params)
                 seq.generator = make_generator(int(torch.randint(0, 2**62, (1,), generator=stream)))
+                seq.trials = [] if trials is not None else None
                 engine.attach(seq)
                 seqs.append(seq)
                 while engine.prefill_step(seq):
@@ -209,6 +219,9 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
             stats.merge(seq.stats)
             key = tuple(seq.generated[:positions])
             counts[key] = counts.get(key, 0) + 1
+            if trials is not None:
+                out = seq.generated  # (a trial past the end, of a draft cut at max_tokens, has no known prefix)
+                trials += [(tuple(out[:t.position]), t) for t in seq.trials if t.position <= len(out)]
     return counts, stats
 
 
@@ -262,14 +275,17 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
     t, n = cfg.temperature, cfg.samples
     prompts = [prompts] if prompts and isinstance(prompts[0], int) else prompts
     for index, prompt in enumerate(prompts):
-        spec_counts, stats = sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 2)
+        trials: list[tuple[tuple[int, ...], Trial]] = []
+        spec_counts, stats = sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 2, trials=trials,
+                                           tokens=cfg.trial_tokens)
         if stats.draft_tokens > 0:
             break
     base, _ = sample_counts(plain, prompt, t, n, cfg.positions, cfg.seed + 1)
     biased, _ = sample_counts(plain, prompt, t * cfg.bias, n, cfg.positions, cfg.seed + 3)
     same = chi2_homogeneity(base, spec_counts)
     power = chi2_homogeneity(base, biased)
-    probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
+    tested = {prefix + (trial.token,) for prefix, trial in trials}  # their prefixes' rows are needed too
+    probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased) | tested, t)
     stream = torch.Generator().manual_seed(torch_seed(cfg.seed + 4))
     fit_plain, fit_spec, fit_bias = (fit_of(c, probs, stream) for c in (base, spec_counts, biased))
     head = f"prompt {index}, first {cfg.positions} tokens at T={t:g}, {n} samples each"
@@ -305,7 +321,16 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
                      "fit_ks": round(fit_bias.ks.statistic, 5), "fit_loglik_z": round(fit_bias.score.z, 4),
                      "p_value": fit_bias.p_value, "chi2": round(power.statistic, 4), "dof": power.dof,
                      "homogeneity_p_value": power.p_value, "categories": power.categories}
-    return [result, CheckResult("power", detected, summary, power_figures)]
+    return [result, CheckResult("power", detected, summary, power_figures), check_acceptance(trials, probs, cfg)]
+
+
+def check_acceptance(trials: list[tuple[tuple[int, ...], Trial]], probs: dict[tuple[int, ...], torch.Tensor],
+                     cfg: CertifyConfig) -> CheckResult:
+    """The distribution check's speculative samples, counted (``acceptance``): drafts kept against
+    the number the target's exact probabilities ``probs`` (by prefix) predict."""
+    means = [acceptance_mean(float(probs[prefix][trial.token]), trial.q) for prefix, trial in trials]
+    passed, summary, figures = acceptance_verdict(acceptance_count([t for _, t in trials], means), cfg.alpha)
+    return CheckResult("acceptance", passed, summary, figures)
 
 
 # -- the one-row-vs-block rule --------------------------------------------------------------
@@ -355,12 +380,14 @@ def certify(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConfig | 
     say("seeded")
     seeded = check_seeded(make, prompts, cfg)
     say("distribution")
-    distribution = check_distribution(make, prompts, cfg)
+    distribution, power, acceptance = check_distribution(make, prompts, cfg)
     say("block-rule")
     block = check_block_rule(make(False), prompts, continuations, cfg)
-    return Certificate((greedy, seeded, *distribution, block))
+    return Certificate((greedy, seeded, distribution, power, block, acceptance))  # (acceptance last: the
+    # first five keep the places they had in --json's list before it)
 
 
 __all__ = ["DEFAULT_PROMPTS", "CertifyConfig", "CheckResult", "Certificate", "EngineFactory", "certify",
-           "check_greedy", "check_seeded", "check_distribution", "check_block_rule", "chi2_homogeneity",
+           "check_greedy", "check_seeded", "check_distribution", "check_acceptance", "check_block_rule",
+           "chi2_homogeneity",
            "sample_counts", "run_request", "plain_next_probs", "fit_of"]

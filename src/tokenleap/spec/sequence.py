@@ -40,6 +40,8 @@ class Sequence:
     first_token_time: float | None = None  # (perf_counter) for t_max_predict_ms
     saw_new_line: bool = False  # t_max_predict_ms: the reply has had a new line
     indent_checked: int = 0  # n_indent: text before this has had its lines' indentation checked
+    # unseeded verification's trials (acceptance.Trial), kept only where a list is set: tokenleap verify's count
+    trials: list | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenleap.config import ConfigError
+from tokenleap.spec.acceptance import chain_trials, tree_trials
 from tokenleap.spec.penalties import apply_penalties, suppress_early_stops
 from tokenleap.spec.proposers.base import Draft
 from tokenleap.spec.sampling import argmax_rows, params_probs
@@ -124,7 +125,11 @@ def verify_chain(seq: Sequence, draft: Draft | None, rows: TargetRows) -> Verifi
     probs = params_probs(logits, p)  # [k + 1, vocab]
     if isinstance(seq.generator, SeededNoise):  # row 0 chooses the token at position len(tokens)
         return verify_coupled(tokens, probs, seq.generator, len(seq.tokens))
-    return verify_sampling(tokens, draft.probs if draft else None, probs, seq.generator)
+    q = draft.probs if draft else None
+    result = verify_sampling(tokens, q, probs, seq.generator)
+    if seq.trials is not None:
+        seq.trials += chain_trials(seq.num_generated, drafted, q, result.num_accepted)
+    return result
 
 
 def verify_tree(seq: Sequence, tree: TokenTree, rows: TargetRows) -> TreeVerification:
@@ -138,7 +143,10 @@ def verify_tree(seq: Sequence, tree: TokenTree, rows: TargetRows) -> TreeVerific
     probs = params_probs(logits, p)  # [n, vocab]
     if isinstance(seq.generator, SeededNoise):  # the root's row chooses the token at position len(tokens)
         return verify_tree_coupled(tree, probs, seq.generator, len(seq.tokens))
-    return verify_tree_sampling(tree, probs, seq.generator)
+    result = verify_tree_sampling(tree, probs, seq.generator)
+    if seq.trials is not None:
+        seq.trials += tree_trials(seq.num_generated, tree, result.path)
+    return result
 
 
 __all__ = ["TargetRows", "share_rows", "adjusts_rows", "target_logits", "tree_target_logits", "verify_chain",
