@@ -140,6 +140,25 @@ def test_a_draft_of_another_vocabulary_size_samples_the_target_distribution(pair
     assert p_value(counts, exact_distribution(target)) > 1e-3
 
 
+def test_a_draft_whose_rows_are_nan_drafts_from_a_uniform_q_and_stays_exact(pair, monkeypatch):
+    """A diverged draft (NaN logits: its head's weights broke, or activations overflowed) neither
+    drafts an id past the vocabulary nor changes what is sampled: its rows count as a uniform q."""
+    target, _ = pair
+    broken = model(12, 2.0)
+    broken.lm_head.weight.data.fill_(float("nan"))
+    drafted = []
+    real = DraftModelProposer.propose_many
+
+    def propose_many(self, requests):
+        out = real(self, requests)
+        drafted.extend(t for d in out if d is not None for t in d.tokens)
+        return out
+    monkeypatch.setattr(DraftModelProposer, "propose_many", propose_many)
+    counts = sample_counts(target, broken, seed=8, monkeypatch=monkeypatch)
+    assert drafted and set(drafted) <= set(range(V))
+    assert p_value(counts, exact_distribution(target)) > 1e-3
+
+
 def biased_verifier(draft_tokens, draft_probs, target_probs, generator=None):
     """Rejection sampling with a bug: a rejected position resamples from p, not the residual."""
     k = draft_tokens.shape[0]

@@ -326,7 +326,11 @@ class DraftModelProposer:
         request's noise, the choice the target makes if its distribution is the draft's."""
         if params.greedy:
             return int(greedy(logits)[0]), None
-        probs = params_probs(logits, params)
+        probs = params_probs(logits, params)  # [1, vocab]
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+            # a diverged draft row (NaN or inf logits): drafting from the uniform q keeps verification
+            # exact; sampling the broken row would pick an id past the vocabulary
+            probs = torch.full_like(probs, 1.0 / probs.shape[-1])
         if isinstance(generator, SeededNoise):
             return int(generator.choose(probs, pos)[0]), probs
         return int(sample(probs, generator)[0]), probs  # probs: [1, vocab]
