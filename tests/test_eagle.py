@@ -203,6 +203,19 @@ def test_head_file_round_trip_and_refusals(trained, tmp_path):
     with pytest.raises(ConfigError, match="non-finite weights") as refused:
         EagleHead.load(tmp_path / "inf.safetensors")
     assert "cannot read" not in str(refused.value)  # said once, not wrapped again
+    # metadata naming an impossible shape: one line, before any tensor is made (no torch warning)
+    import json
+    import warnings
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["tokenleap_eagle"])
+    for change, said in (({"num_heads": 0}, "num_heads 0"), ({"num_kv_heads": 3}, "evenly"),
+                         ({"rope_theta": "x"}, "rope_theta")):
+        save_file(load_file(str(path)), str(tmp_path / "shape.safetensors"),
+                  metadata={"tokenleap_eagle": json.dumps({**meta, **change})})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ConfigError, match=said):
+                EagleHead.load(tmp_path / "shape.safetensors")
 
 
 def test_train_head_command_and_spec_eagle_on_a_real_model(capsys, tmp_path, smollm2_gguf):

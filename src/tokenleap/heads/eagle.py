@@ -47,6 +47,20 @@ class EagleConfig:
     subset: int  # the head drafts among the first ``subset`` token ids, the specials and the prompt's
     target: str = ""  # the target model it was trained beside (a note; the shapes are what is checked)
 
+    def __post_init__(self) -> None:
+        sizes = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size", "subset")
+        bad = [f"{n} {getattr(self, n)!r}" for n in sizes
+               if not isinstance(getattr(self, n), int) or isinstance(getattr(self, n), bool) or getattr(self, n) < 1]
+        if bad:
+            raise ConfigError(f"a draft head's shape needs positive integers; this one has {', '.join(bad)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"a draft head's {self.num_heads} attention heads do not share its "
+                              f"{self.num_kv_heads} key-value heads evenly")
+        for n in ("rope_theta", "rms_eps"):
+            value = getattr(self, n)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ConfigError(f"a draft head's {n} must be a positive number, got {value!r}")
+
     @classmethod
     def for_target(cls, cfg, intermediate_size: int | None = None, subset: int = 32768,
                    target: str = "") -> "EagleConfig":
