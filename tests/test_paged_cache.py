@@ -102,3 +102,14 @@ def test_draft_out_of_blocks_drafts_nothing_instead_of_failing():
     prop.begin(0, list(range(3, 30)))
     assert prop.propose(0, list(range(3, 30)), 3, SamplingParams(), None) is None
     assert cache.num_used_blocks == 0  # the failed feed was rolled back
+
+
+def test_a_cache_larger_than_memory_is_a_config_error_naming_its_size():
+    """Sizes no machine holds (here about 1.5 PiB): one line with the size asked for, not torch's
+    allocator traceback."""
+    from tokenleap.config import ConfigError
+    cfg = tiny_model("llama", seed=0).config
+    with pytest.raises(ConfigError, match=r"KV cache for 2000000000 slots of 512 tokens needs [\d.]+ GiB"):
+        KVCache(cfg, 2_000_000_000, 512, torch.float32)
+    with pytest.raises(ConfigError, match=r"2000000000 blocks of 16 tokens \(4 sequences\).*--kv-cache-gb"):
+        PagedKVCache(cfg, 2_000_000_000, 512, torch.float32, num_slots=4)

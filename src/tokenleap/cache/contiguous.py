@@ -8,19 +8,35 @@ from __future__ import annotations
 
 import torch
 
-from tokenleap.config import ModelConfig
+from tokenleap.config import ConfigError, ModelConfig
 
 
 class CacheFullError(RuntimeError):
     """No free slot is left, or a write goes past the cache's maximum length."""
 
 
+def layer_tensors(config: ModelConfig, shape: tuple[int, ...], dtype: torch.dtype, device, what: str
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Zeroed keys and values of ``shape`` for every layer; a ConfigError saying how much ``what``
+    (the sizes that set it, e.g. "8 slots of 4096 tokens") asked for when memory cannot hold it."""
+    try:
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    except (RuntimeError, MemoryError) as e:  # torch's allocator: "can't allocate memory"
+        if "allocate" not in str(e) and not isinstance(e, MemoryError):
+            raise
+        size = 2 * config.num_hidden_layers * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        raise ConfigError(f"the KV cache for {what} needs {size / 2**30:.1f} GiB, more than this machine can "
+                          "allocate: lower what sets its size (sequences decoded at once, the context window, "
+                          "serve's --kv-cache-gb)") from None
+    return k, v
+
+
 class KVCache:
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         shape = (num_slots, config.num_key_value_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.k, self.v = layer_tensors(config, shape, dtype, device, f"{num_slots} slots of {max_len} tokens")
         self.max_len = max_len
         self.num_slots = num_slots
         self.lengths = [0] * num_slots

@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 import torch
 
-from tokenleap.cache.contiguous import CacheFullError
+from tokenleap.cache.contiguous import CacheFullError, layer_tensors
 from tokenleap.config import ConfigError, ModelConfig
 
 
@@ -44,8 +44,8 @@ class PagedKVCache:
         if block_size < 1 or num_blocks < 1 or num_slots < 1:
             raise ConfigError("a paged KV cache needs block_size, num_blocks and num_slots >= 1")
         shape = (config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.k, self.v = layer_tensors(config, shape, dtype, device,
+                                       f"{num_blocks} blocks of {block_size} tokens ({num_slots} sequences)")
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.max_len = max_len
         self.lengths = [0] * num_slots
