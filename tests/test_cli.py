@@ -49,17 +49,17 @@ def test_unsupported_architecture(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,needle", [
-    ("--temperature", "-1", "temperature must be >= 0"),
-    ("--top-p", "0", "top_p must be in (0, 1]"),
-    ("--top-p", "1.5", "top_p must be in (0, 1]"),
-    ("--top-k", "-2", "top_k must be an integer >= 0"),
-    ("--max-tokens", "0", "max_tokens must be an integer >= 1"),
-    ("--logprobs", "30", "logprobs must be an integer in [0, 20]"),
-    ("--presence-penalty", "5", "presence_penalty must be in [-2, 2]"),
-    ("--min-tokens", "500", "min_tokens must be an integer in [0, max_tokens]"),
+    ("--temperature", "-1", "--temperature must be >= 0"),
+    ("--top-p", "0", "--top-p must be in (0, 1]"),
+    ("--top-p", "1.5", "--top-p must be in (0, 1]"),
+    ("--top-k", "-2", "--top-k must be an integer >= 0"),
+    ("--max-tokens", "0", "--max-tokens must be an integer >= 1"),
+    ("--logprobs", "30", "--logprobs must be an integer in [0, 20]"),
+    ("--presence-penalty", "5", "--presence-penalty must be in [-2, 2]"),
+    ("--min-tokens", "500", "--min-tokens must be an integer in [0, max_tokens]"),
     # accepted by a looser check once, then an overflow, a division by zero or an hour of bookkeeping
-    ("--temperature", "1e39", "temperature must be >= 0 and fit a 32-bit float"),
-    ("--repetition-penalty", "1e-300", "repetition_penalty must be in [1e-6, 100]"),
+    ("--temperature", "1e39", "--temperature must be >= 0 and fit a 32-bit float"),
+    ("--repetition-penalty", "1e-300", "--repetition-penalty must be in [1e-6, 100]"),
     ("--max-spec-tokens", "1000000", "--max-spec-tokens must be an integer in 1 .. 256"),
     ("--num-spec-tokens", "1000", "--num-spec-tokens must be 'auto' or an integer in 1 .. 256"),
 ])

@@ -273,12 +273,23 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace, **extra: Any) -> SamplingParams:
-    """``SamplingParams`` of the ``add_sampling_args`` flags (``extra``: further fields)."""
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
-                          ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                          min_tokens=args.min_tokens, **extra)
+    """``SamplingParams`` of the ``add_sampling_args`` flags (``extra``: further fields); a value the
+    params refuse is a usage error naming the flag (``--top-p``), not the API field (``top_p``)."""
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()),
+                              ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                              min_tokens=args.min_tokens, **extra)
+    except ConfigError as e:
+        field = re.match(r"(\w+) ", str(e))
+        if field and field.group(1) in _SAMPLING_FLAGS:
+            raise UsageError(f"--{field.group(1).replace('_', '-')}{str(e)[field.end() - 1:]}") from None
+        raise
+
+
+_SAMPLING_FLAGS = {"max_tokens", "logprobs", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_tokens"}  # each field's flag: --top-p
 
 
 def build_parser() -> argparse.ArgumentParser:
