@@ -184,6 +184,9 @@ def test_cli_end_to_end_with_hf_peer(smollm2_gguf, tmp_path, capsys):
     # how busy the machine was, at both ends (a loaded machine slows every engine, not all alike)
     assert len(results["machine"]["load_average"]) == len(results["load_average_end"]) == 3
     assert "- load average (1 / 5 / 15 min) at the start: " in (out / "report.md").read_text()
+    said = capsys.readouterr().err.splitlines()[-1]  # the files named are the files written
+    assert said.startswith(f"results in {out}/") and results["plots"]
+    assert all(p in said and (out / p).is_file() for p in results["plots"])  # (names in the folder)
 
 
 # -- runner logic with fake methods ---------------------------------------------------------------------

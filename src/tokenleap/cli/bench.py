@@ -91,7 +91,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     draft_quant=args.draft_quant, resume=args.resume, chat=not args.no_chat,
                     pass_at_1=args.pass_at_1, cache_dir=args.cache_dir, threads=args.threads,
                     progress=not args.no_progress, command=command_line(args))
-    print(f"results in {args.out}/ (results.json, report.md, results.jsonl, plots)", file=sys.stderr)
+    plots = results.get("plots", [])  # (file names in args.out)
+    print(f"results in {args.out}/ (results.json, report.md, results.jsonl{''.join(', ' + p for p in plots)})",
+          file=sys.stderr)
     kinds = {m["name"]: m["kind"] for m in results["methods"]}
     lossy = [m for m in results["equality"].get("mismatches", []) if kinds.get(m["method"]) == "tokenleap"]
     return 1 if lossy else 0  # a tokenleap method that is not lossless fails the command
