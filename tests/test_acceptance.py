@@ -41,7 +41,14 @@ def test_the_count_against_a_hand_computation():
     trials = [Trial(i, 1, 1.0, ok) for i, ok in enumerate([True, True, False, True])]
     count = acceptance_count(trials, [0.5, 0.5, 0.5, 0.5])
     assert (count.accepted, count.expected, count.variance) == (3, 2.0, 1.0)
-    assert count.z == pytest.approx(1.0) and count.p_value == pytest.approx(0.3173105, rel=1e-6)
+    # so little spread is tested exactly: P(X >= 3) = 5 / 16 for four fair coins, two-sided twice that
+    assert count.z == pytest.approx(1.0) and count.p_value == pytest.approx(0.625)
+    wide = acceptance_count([Trial(i, 1, 1.0, i < 60) for i in range(100)], [0.5] * 100)  # variance 25
+    assert wide.z == pytest.approx(2.0) and wide.p_value == pytest.approx(0.0455003, rel=1e-5)  # normal
+    # means piled near 1: one ordinary rejection among 100 is no evidence (z -2.85: the normal rule fails it)
+    peaked = acceptance_count([Trial(i, 1, 1.0, i > 0) for i in range(100)], [0.999] * 100)
+    assert peaked.z < -2.8 and peaked.p_value == pytest.approx(2 * (1 - 0.999 ** 100), rel=1e-6)  # 0.19
+    assert not peaked.rejects(0.01)
     certain = acceptance_count([Trial(0, 1, 1.0, False)], [1.0])  # a draft certain to be kept, rejected
     assert certain.z == -math.inf and certain.rejects(0.01)
 

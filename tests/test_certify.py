@@ -187,6 +187,12 @@ def test_the_distribution_check_samples_after_the_first_prompt_the_method_drafts
     assert "--prompts" in result.summary
 
 
+def test_a_prompt_that_fills_the_context_is_named_as_the_reason_nothing_was_drafted(factory):
+    result, _, acceptance = check_distribution(factory, [[5, 3, 1] * 10], CertifyConfig(samples=12, block=6))
+    assert not result.passed and "a prompt leaves 2 tokens of the 32-token context window" in result.summary
+    assert not acceptance.passed and "no draft was tested" in acceptance.summary
+
+
 def test_power_failure_fails_the_certificate(factory):
     """Too few samples to see the temperature bias: the report says so and the run fails."""
     power = check_distribution(factory, PROMPTS[0], CertifyConfig(samples=12, block=6))[1]

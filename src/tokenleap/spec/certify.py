@@ -308,8 +308,11 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
         summary += (f"; plain's own samples do not fit the computed probabilities (p {fit_plain.p_value:.3g}): "
                     "the reference is wrong, nothing is certified")
     elif stats.draft_tokens == 0:
-        summary += (f"; nothing was drafted after any of the {len(prompts)} prompts, so speculation was not "
-                    "exercised (give --prompts with text the method drafts from, e.g. text that repeats)")
+        summary += f"; nothing was drafted after any of the {len(prompts)} prompts, so speculation was not exercised"
+        room = min(spec.max_len - len(p) for p in prompts)
+        summary += (f" (a prompt leaves {max(room, 0)} tokens of the {spec.max_len}-token context window: give a "
+                    "larger --max-model-len or shorter --prompts)" if room < cfg.positions + 2 else
+                    " (give --prompts with text the method drafts from, e.g. text that repeats)")
     result = CheckResult("distribution", ok, summary, figures)
     detected = fit_bias.rejects(cfg.alpha)
     summary = (f"plain at T={t * cfg.bias:g} against the T={t:g} probabilities ({n} samples): KS "
@@ -329,7 +332,8 @@ def check_acceptance(trials: list[tuple[tuple[int, ...], Trial]], probs: dict[tu
     """The distribution check's speculative samples, counted (``acceptance``): drafts kept against
     the number the target's exact probabilities ``probs`` (by prefix) predict."""
     means = [acceptance_mean(float(probs[prefix][trial.token]), trial.q) for prefix, trial in trials]
-    passed, summary, figures = acceptance_verdict(acceptance_count([t for _, t in trials], means), cfg.alpha)
+    tested = [t for _, t in trials]
+    passed, summary, figures = acceptance_verdict(acceptance_count(tested, means), cfg.alpha, tested)
     return CheckResult("acceptance", passed, summary, figures)
 
 
