@@ -157,7 +157,8 @@ def acceptance_verdict(count: AcceptanceCount, alpha: float, trials: list[Trial]
     if count.rejects(alpha):
         return False, summary + "drafts are not kept as often as min(1, p/q) says", figures
     if math.isfinite(seen):
-        return True, summary + f"a verifier accepting with min(1, {seen:.2f} p/q) would be seen (half the time)", figures
+        return True, summary + f"a verifier accepting with min(1, {seen:.2f} p/q) would be seen (half the time)", \
+            figures
     return True, summary + "every draft was certain to be kept, so no over-acceptance could be seen", figures
 
 
