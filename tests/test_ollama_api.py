@@ -192,6 +192,9 @@ def test_errors_take_ollamas_form(server):
     with pytest.raises(ollama.ResponseError) as e:
         c.chat(model="llama3.2", messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 404 and NAME in e.value.error
+    # names match whatever their case, as Ollama's do (the reply names the model as served)
+    assert c.chat(model=NAME.upper() + ":Latest", messages=[{"role": "user", "content": "x"}],
+                  options={"num_predict": 1}).model == NAME + ":latest"
     user = [{"role": "user", "content": "x"}]
     for path, body, words in (
             ("chat", {"messages": user, "options": {"mirostat": 2}}, "mirostat"),

@@ -12,8 +12,8 @@
   the one model it was started with;
 - ``GET /`` (and ``HEAD``): "tokenleap is running", where Ollama's clients check that a server is up.
 
-A request names the model as served, as one of its aliases, or either with ``:latest``; another name
-is a 404. Errors take Ollama's form, ``{"error": "..."}`` (``error_handlers.py``).
+A request names the model as served, as one of its aliases, or either with ``:latest``, in any case
+(as Ollama's names); another name is a 404. Errors take Ollama's form, ``{"error": "..."}`` (``error_handlers.py``).
 """
 from __future__ import annotations
 
@@ -275,7 +275,8 @@ class OllamaRoutes:
         cfg = self.server.cfg
         if not name:
             raise bad_request("model is required", "model")
-        if name.removesuffix(":latest") not in (cfg.model_name, *cfg.model_aliases):
+        # case-insensitive, as Ollama's own names are ("Llama3.1" finds "llama3.1"); the OpenAI routes match exactly
+        if name.casefold().removesuffix(":latest") not in {n.casefold() for n in (cfg.model_name, *cfg.model_aliases)}:
             raise APIError(404, f"model '{name}' not found: this server serves '{self._tagged()}'", "not_found")
         return self._tagged()
 
