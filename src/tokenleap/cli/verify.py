@@ -24,9 +24,9 @@ _EPILOG = """checks (one line each, PASS or FAIL):
                 probabilities (p < --alpha); if not, the sample count is too small to certify anything
   block-rule    a one-token step's logits equal, bit for bit, the matching row of a k-token block
   acceptance    the drafts the distribution check's speculative samples tested (run to --trial-tokens
-                tokens) were kept as often as min(1, p/q) with the target's exact p says (a normal test
-                of the count, two-sided, p >= --alpha); the line says how large an over-acceptance
-                factor the run could see
+                tokens) were kept as often as min(1, p/q) with the target's exact p says (the count's
+                two-sided test, normal or exact where it has little spread, p >= --alpha); the line
+                says the smallest c a verifier accepting with min(1, c p/q) would need to be seen
 example:
   tokenleap verify --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
       --quant int4 --draft-quant int4
