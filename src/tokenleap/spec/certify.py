@@ -270,7 +270,10 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
     goodness-of-fit test checks every sampled token against the target's exact plain distribution
     for its prefix (``stat_tests.fit_test``); plain's own samples must pass it as well (a check
     of the reference probabilities). Power: plain sampling at T * ``bias`` must be rejected by the
-    goodness-of-fit test -- the one a certificate can rest on at a few hundred samples."""
+    goodness-of-fit test -- the one a certificate can rest on at a few hundred samples.
+
+    Returns the distribution, power and acceptance checks (``check_acceptance``: the speculative
+    samples, run to ``cfg.trial_tokens`` tokens, give its trials)."""
     plain, spec = make(False), make(True)
     t, n = cfg.temperature, cfg.samples
     prompts = [prompts] if prompts and isinstance(prompts[0], int) else prompts
