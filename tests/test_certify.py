@@ -123,6 +123,20 @@ def test_the_acceptance_count_fails_a_verifier_the_distribution_tests_pass(facto
         assert sign * acceptance.figures["z"] > 3, acceptance.summary
 
 
+def test_trial_means_read_the_rows_plain_next_probs_computes(target):
+    """Each trial's mean from one forward over its sample (rows read and dropped) equals the one from
+    the fit test's table of rows by prefix -- the same bitwise rows, for the root row and deeper ones."""
+    from tokenleap.spec.acceptance import Trial, acceptance_mean
+    from tokenleap.spec.exact_probs import plain_next_probs, trial_means
+    samples = [((7, 9, 11, 13), [Trial(1, 9, 1.0, True), Trial(2, 12, 0.25, False)]),
+               ((7, 3), [Trial(0, 5, 0.5, False), Trial(2, 4, 1.0, False)]),  # position 2: past the end, kept
+               ((8,), [])]
+    tested, means = trial_means(target, PROMPTS[0], samples, 0.8)
+    table = plain_next_probs(target, PROMPTS[0], {(7, 9, 11, 13), (7, 3, 4)}, 0.8)
+    want = [acceptance_mean(float(table[s[:t.position]][t.token]), t.q) for s, ts in samples for t in ts]
+    assert tested == [t for _, ts in samples for t in ts] and means == want and 0 < min(means) < max(means) <= 1
+
+
 def test_a_tree_proposer_counts_its_walks(target, monkeypatch):
     """Draft trees: the first child at each node of the walk is a trial; a right verifier passes."""
     walks = []

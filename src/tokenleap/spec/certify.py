@@ -35,11 +35,12 @@ import torch
 
 from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError, SamplingParams
-from tokenleap.spec.acceptance import Trial, acceptance_count, acceptance_mean, acceptance_verdict
+from tokenleap.spec.acceptance import Trial, acceptance_count, acceptance_verdict
 from tokenleap.spec.engine import Engine
+from tokenleap.spec.exact_probs import plain_next_probs, trial_means
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.transformer import Segment
-from tokenleap.spec.sampling import logits_to_probs, make_generator, torch_seed
+from tokenleap.spec.sampling import make_generator, torch_seed
 from tokenleap.spec.sequence import Sequence
 from tokenleap.spec.stat_tests import Fit, chi2_homogeneity, fit_test
 
@@ -192,7 +193,7 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
     the prefill samples) goes through verification of a draft. Requests run ``batch`` at a time
     (default: the engine's cache slots) through batched steps -- each sequence's tokens are those
     it would get alone, since every row is computed row-exact. ``trials``, if given, receives each
-    verification trial (``acceptance.Trial``) with its prefix: ``(generated[:position], trial)``;
+    sample's generated tokens and its verification trials (``acceptance.Trial``);
     ``tokens`` generates more than ``positions + 1`` tokens (more trials; the counts are the same)."""
     params = SamplingParams(max_tokens=max(tokens, positions + 1), temperature=temperature, ignore_eos=True)
     stream = torch.Generator().manual_seed(torch_seed(seed))
@@ -221,31 +222,8 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
             counts[key] = counts.get(key, 0) + 1
             if trials is not None:
                 out = seq.generated  # (a trial past the end, of a draft cut at max_tokens, has no known prefix)
-                trials += [(tuple(out[:t.position]), t) for t in seq.trials if t.position <= len(out)]
+                trials.append((tuple(out), [t for t in seq.trials if t.position <= len(out)]))
     return counts, stats
-
-
-def plain_next_probs(model, prompt: list[int], samples: set[tuple[int, ...]], temperature: float
-                     ) -> dict[tuple[int, ...], torch.Tensor]:
-    """The plain sampler's exact distribution of the next token after ``prompt + prefix``, for every
-    proper prefix (the empty one included) of every sampled tuple: one row-exact forward per
-    distinct longest prefix, rows bitwise those of plain decoding (the block rule)."""
-    longest = sorted({s[:-1] for s in samples if s})
-    room = len(prompt) + max((len(p) for p in longest), default=0)
-    cache = KVCache(model.config, 1, room, model.dtype)
-    slot = cache.allocate()
-    last = torch.tensor([len(prompt) - 1])
-    first = model(torch.tensor(prompt), [Segment(slot, 0, len(prompt))], cache, logit_rows=last).logits  # [1, vocab]
-    out = {(): logits_to_probs(first, temperature)[0]}
-    for prefix in longest:
-        if not prefix or prefix in out:
-            continue
-        logits = model(torch.tensor(prefix), [Segment(slot, len(prompt), len(prefix))], cache,
-                       row_exact=True).logits  # [len(prefix), vocab]
-        probs = logits_to_probs(logits, temperature)  # [len(prefix), vocab]
-        for j in range(len(prefix)):
-            out.setdefault(prefix[:j + 1], probs[j])
-    return out
 
 
 def fit_of(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], torch.Tensor],
@@ -278,7 +256,7 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
     t, n = cfg.temperature, cfg.samples
     prompts = [prompts] if prompts and isinstance(prompts[0], int) else prompts
     for index, prompt in enumerate(prompts):
-        trials: list[tuple[tuple[int, ...], Trial]] = []
+        trials: list[tuple[tuple[int, ...], list[Trial]]] = []  # (a sample's tokens, its trials)
         spec_counts, stats = sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 2, trials=trials,
                                            tokens=cfg.trial_tokens)
         if stats.draft_tokens > 0:
@@ -287,8 +265,7 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
     biased, _ = sample_counts(plain, prompt, t * cfg.bias, n, cfg.positions, cfg.seed + 3)
     same = chi2_homogeneity(base, spec_counts)
     power = chi2_homogeneity(base, biased)
-    tested = {prefix + (trial.token,) for prefix, trial in trials}  # their prefixes' rows are needed too
-    probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased) | tested, t)
+    probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
     stream = torch.Generator().manual_seed(torch_seed(cfg.seed + 4))
     fit_plain, fit_spec, fit_bias = (fit_of(c, probs, stream) for c in (base, spec_counts, biased))
     head = f"prompt {index}, first {cfg.positions} tokens at T={t:g}, {n} samples each"
@@ -327,15 +304,15 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
                      "fit_ks": round(fit_bias.ks.statistic, 5), "fit_loglik_z": round(fit_bias.score.z, 4),
                      "p_value": fit_bias.p_value, "chi2": round(power.statistic, 4), "dof": power.dof,
                      "homogeneity_p_value": power.p_value, "categories": power.categories}
-    return [result, CheckResult("power", detected, summary, power_figures), check_acceptance(trials, probs, cfg)]
+    acceptance = check_acceptance(plain.model, prompt, trials, cfg)
+    return [result, CheckResult("power", detected, summary, power_figures), acceptance]
 
 
-def check_acceptance(trials: list[tuple[tuple[int, ...], Trial]], probs: dict[tuple[int, ...], torch.Tensor],
+def check_acceptance(model, prompt: list[int], samples: list[tuple[tuple[int, ...], list[Trial]]],
                      cfg: CertifyConfig) -> CheckResult:
-    """The distribution check's speculative samples, counted (``acceptance``): drafts kept against
-    the number the target's exact probabilities ``probs`` (by prefix) predict."""
-    means = [acceptance_mean(float(probs[prefix][trial.token]), trial.q) for prefix, trial in trials]
-    tested = [t for _, t in trials]
+    """The distribution check's speculative samples (their tokens and trials), counted
+    (``acceptance``): drafts kept against the number the target's exact probabilities predict."""
+    tested, means = trial_means(model, prompt, samples, cfg.temperature)
     passed, summary, figures = acceptance_verdict(acceptance_count(tested, means), cfg.alpha, tested)
     return CheckResult("acceptance", passed, summary, figures)
 
