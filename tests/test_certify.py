@@ -189,6 +189,8 @@ def test_the_distribution_check_samples_after_the_first_prompt_the_method_drafts
     def sample_counts(engine, prompt, *args, **kwargs):
         counts, stats = real(engine, prompt, *args, **kwargs)
         sampled.append(list(prompt))
+        if list(prompt) in silent and kwargs.get("trials") is not None:
+            kwargs["trials"].clear()  # (as if nothing were drafted: no draft was tested either)
         return counts, SpecStats() if list(prompt) in silent else stats  # (as if nothing were drafted)
     monkeypatch.setattr(certify_module, "sample_counts", sample_counts)
     cfg = CertifyConfig(samples=40, block=6)
@@ -197,7 +199,8 @@ def test_the_distribution_check_samples_after_the_first_prompt_the_method_drafts
     assert sampled[:2] == PROMPTS[:2] and set(map(tuple, sampled[2:])) == {tuple(PROMPTS[1])}
     silent[:] = PROMPTS
     result = check_distribution(factory, PROMPTS, cfg)[0]
-    assert not result.passed and "nothing was drafted after any of the 3 prompts" in result.summary
+    assert not result.passed
+    assert "no draft was tested at the first 2 tokens after any of the 3 prompts" in result.summary
     assert "--prompts" in result.summary
 
 
@@ -205,6 +208,25 @@ def test_a_prompt_that_fills_the_context_is_named_as_the_reason_nothing_was_draf
     result, _, acceptance = check_distribution(factory, [[5, 3, 1] * 10], CertifyConfig(samples=12, block=6))
     assert not result.passed and "a prompt leaves 2 tokens of the 32-token context window" in result.summary
     assert not acceptance.passed and "no draft was tested" in acceptance.summary
+
+
+def test_drafts_past_the_counted_positions_do_not_exercise_the_distribution_check(target):
+    """A method that drafts only from the fifth token on: the samples run to 16 tokens for the
+    acceptance count, but the two distribution tests see the first 2, where nothing was verified --
+    plain against plain, which must not pass as exercised."""
+    class LateDrafter(DraftModelProposer):
+        def propose_many(self, requests):
+            out = super().propose_many(requests)
+            return [d if len(r.tokens) - len(PROMPTS[0]) >= 4 else None for r, d in zip(requests, out)]
+
+    def make(speculative: bool) -> Engine:
+        proposer = LateDrafter(peaked_model(12, 1.0), V, 32, num_slots=SLOTS) if speculative else None
+        return Engine(target, ToyTokenizer(V, eos=()), max_len=32, num_slots=SLOTS, proposer=proposer,
+                      controller=ControllerConfig(max_k=4, fixed_k=4))
+    result, _, acceptance = check_distribution(make, PROMPTS[0], CertifyConfig(samples=40, block=6))
+    assert result.figures["draft_tokens"] > 0 and result.figures["verified_positions"] == 0
+    assert not result.passed and "no draft was tested at the first 2 tokens" in result.summary
+    assert acceptance.figures["trials"] > 0  # (the count has its trials, later in the samples)
 
 
 def test_power_failure_fails_the_certificate(factory):

@@ -259,7 +259,10 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
         trials: list[tuple[tuple[int, ...], list[Trial]]] = []  # (a sample's tokens, its trials)
         spec_counts, stats = sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 2, trials=trials,
                                            tokens=cfg.trial_tokens)
-        if stats.draft_tokens > 0:
+        # drafts tested at the counted positions (1 .. positions - 1; 0 is the prefill's): the samples
+        # now run to trial_tokens, so stats.draft_tokens also counts drafts the two tests never see
+        verified = sum(t.position < cfg.positions for _, ts in trials for t in ts)
+        if verified > 0:
             break
     base, _ = sample_counts(plain, prompt, t, n, cfg.positions, cfg.seed + 1)
     biased, _ = sample_counts(plain, prompt, t * cfg.bias, n, cfg.positions, cfg.seed + 3)
@@ -275,20 +278,21 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
                "fit_pit_mean": round(fit_spec.ks.mean, 5), "fit_loglik_z": round(fit_spec.score.z, 4),
                "fit_tokens": fit_spec.ks.n, "fit_p_value": fit_spec.p_value,
                "plain_fit_p_value": fit_plain.p_value, "draft_tokens": stats.draft_tokens,
-               "accepted_tokens": stats.accepted_tokens}
+               "accepted_tokens": stats.accepted_tokens, "verified_positions": verified}
     rejected = same.rejects(cfg.alpha) or fit_spec.rejects(cfg.alpha)
-    ok = not rejected and not fit_plain.rejects(cfg.alpha) and stats.draft_tokens > 0
+    ok = not rejected and not fit_plain.rejects(cfg.alpha) and verified > 0
     summary = (f"{head}: homogeneity chi2 {same.statistic:.1f}, dof {same.dof}, p {same.p_value:.3g}; "
                f"fit to the exact plain probabilities over {fit_spec.ks.n} tokens: KS {fit_spec.ks.statistic:.4f}, "
                f"log-likelihood z {fit_spec.score.z:+.2f}, p {fit_spec.p_value:.3g} (alpha {cfg.alpha:g}); "
-               f"{_drafted(stats)}")
+               f"{_drafted(stats)}, {verified} tested at the counted positions")
     if rejected:
         summary += "; speculative samples do not follow the plain distribution"
     elif fit_plain.rejects(cfg.alpha):
         summary += (f"; plain's own samples do not fit the computed probabilities (p {fit_plain.p_value:.3g}): "
                     "the reference is wrong, nothing is certified")
-    elif stats.draft_tokens == 0:
-        summary += f"; nothing was drafted after any of the {len(prompts)} prompts, so speculation was not exercised"
+    elif verified == 0:
+        summary += (f"; no draft was tested at the first {cfg.positions} tokens after any of the {len(prompts)} "
+                    "prompts, so speculation was not exercised")
         room = min(spec.max_len - len(p) for p in prompts)
         summary += (f" (a prompt leaves {max(room, 0)} tokens of the {spec.max_len}-token context window: give a "
                     "larger --max-model-len or shorter --prompts)" if room < cfg.positions + 2 else
