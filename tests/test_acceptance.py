@@ -51,6 +51,14 @@ def test_the_count_against_a_hand_computation():
     assert not peaked.rejects(0.01)
     certain = acceptance_count([Trial(0, 1, 1.0, False)], [1.0])  # a draft certain to be kept, rejected
     assert certain.z == -math.inf and certain.rejects(0.01)
+    # trials certain either way only shift the count: fifty sure ones beside the four fair coins
+    shifted = acceptance_count(trials + [Trial(9, 1, 1.0, True)] * 50 + [Trial(9, 1, 1.0, False)] * 50,
+                               [0.5] * 4 + [1.0] * 50 + [0.0] * 50)
+    assert shifted.p_value == pytest.approx(0.625)
+    broken = acceptance_count(trials + [Trial(9, 1, 1.0, False)], [0.5] * 4 + [1.0])  # a sure one rejected
+    assert broken.impossible == 1 and broken.p_value == 0.0 and broken.rejects(0.01)
+    failed, summary, figures = acceptance_verdict(broken, 0.01)
+    assert not failed and "1 drafts went the way min(1, p/q) made impossible" in summary and figures["impossible"] == 1
 
 
 def _simulated(factor: float, n: int, seed: int) -> tuple[list[Trial], list[float]]:
@@ -87,3 +95,9 @@ def test_the_verdict_says_what_failed_and_what_a_pass_could_see():
     assert not bad and "not kept as often as min(1, p/q) says" in summary
     none, summary, _ = acceptance_verdict(acceptance_count([], []), 0.01)
     assert not none and "no draft was tested" in summary
+    sure, summary, figures = acceptance_verdict(acceptance_count([Trial(1, 0, 1.0, True)] * 30, [1.0] * 30), 0.01)
+    assert sure and "outcome was certain" in summary and figures["detectable_factor"] is None
+    # little spread, one ordinary rejection: passes, and says no factor can be stated (not "certain")
+    flat = acceptance_count([Trial(1, 0, 1.0, i > 0) for i in range(150)], [0.97] * 150)
+    ok, summary, _ = acceptance_verdict(flat, 0.01)
+    assert ok and "too little spread (sum pi(1 - pi) = 4.37)" in summary and "certain" not in summary

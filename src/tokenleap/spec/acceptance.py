@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from statistics import NormalDist
 
 import torch
@@ -75,6 +76,7 @@ class AcceptanceCount:
     expected: float
     variance: float
     means: tuple[float, ...]  # each trial's acceptance probability, for detectable_factor
+    impossible: int = 0  # trials whose outcome had probability 0 (a mean of 1 rejected, of 0 kept)
 
     @property
     def z(self) -> float:
@@ -83,20 +85,25 @@ class AcceptanceCount:
             return diff / math.sqrt(self.variance)
         return 0.0 if abs(diff) < 1e-9 else math.copysign(math.inf, diff)  # every trial was certain
 
-    @property
+    @cached_property
     def p_value(self) -> float:
         """Two-sided. The normal approximation only where the count has spread enough for it; below
         that (means piled near 0 or 1: a peaked target, few trials) the exact Poisson-binomial tail,
         since there one unexpected outcome moves z by several units (100 trials at 0.999: the normal
-        rule fails a right verifier 9.5% of the time at alpha 0.01)."""
+        rule fails a right verifier 9.5% of the time at alpha 0.01). Trials certain either way (a mean
+        of 0 or 1) only shift the count; the rest are convolved, O(n^2) in their number."""
+        if self.impossible:  # one outcome a right verifier never gives is proof enough
+            return 0.0
         if self.variance >= EXACT_BELOW or not self.means:
             return math.erfc(abs(self.z) / math.sqrt(2))
-        dist = torch.zeros(len(self.means) + 1, dtype=torch.float64)
+        unsure = [m for m in self.means if 0 < m < 1]
+        k = self.accepted - sum(m >= 1 for m in self.means)  # kept among the unsure ones
+        dist = torch.zeros(len(unsure) + 1, dtype=torch.float64)  # [n + 1]: P(count == j)
         dist[0] = 1.0
-        for i, m in enumerate(self.means):  # the count's exact distribution, O(n^2) only for a small spread
+        for i, m in enumerate(unsure):
             dist[1:i + 2] = dist[1:i + 2] * (1 - m) + dist[0:i + 1] * m
             dist[0] *= 1 - m
-        low, high = float(dist[:self.accepted + 1].sum()), float(dist[self.accepted:].sum())
+        low, high = float(dist[:k + 1].sum()), float(dist[k:].sum())
         return min(1.0, 2 * min(low, high))
 
     def rejects(self, alpha: float) -> bool:
@@ -112,8 +119,9 @@ class AcceptanceCount:
 def acceptance_count(trials: list[Trial], means: list[float]) -> AcceptanceCount:
     """The count of ``trials`` against their acceptance probabilities ``means`` (one each)."""
     assert len(trials) == len(means), f"one mean per trial: {len(trials)} trials, {len(means)} means"
+    impossible = sum((m >= 1 and not t.accepted) or (m <= 0 and t.accepted) for t, m in zip(trials, means))
     return AcceptanceCount(len(trials), sum(t.accepted for t in trials), sum(means),
-                           sum(m * (1 - m) for m in means), tuple(means))
+                           sum(m * (1 - m) for m in means), tuple(means), impossible)
 
 
 def acceptance_mean(p_token: float, q: float) -> float:
@@ -146,7 +154,7 @@ def acceptance_verdict(count: AcceptanceCount, alpha: float, trials: list[Trial]
     trials = trials or []
     seen = detectable_factor(count, alpha)
     figures = {"trials": count.trials, "accepted": count.accepted, "expected": round(count.expected, 3),
-               "z": round(count.z, 4), "p_value": count.p_value, "alpha": alpha,
+               "z": round(count.z, 4), "p_value": count.p_value, "alpha": alpha, "impossible": count.impossible,
                "detectable_factor": round(seen, 4) if math.isfinite(seen) else None,
                "shift_sd_at_1_1": round(count.shift(1.1), 3)}
     where = f" (positions {min(t.position for t in trials)}-{max(t.position for t in trials)})" if trials else ""
@@ -154,12 +162,19 @@ def acceptance_verdict(count: AcceptanceCount, alpha: float, trials: list[Trial]
                f"{count.expected:.1f} expected, z {count.z:+.2f}, p {count.p_value:.3g} (alpha {alpha:g}); ")
     if count.trials == 0:
         return False, summary + "no draft was tested, so nothing is counted", figures
+    if count.impossible:
+        return False, summary + (f"{count.impossible} drafts went the way min(1, p/q) made impossible (a draft "
+                                 "certain to be kept was rejected, or one never to be kept was kept)"), figures
     if count.rejects(alpha):
         return False, summary + "drafts are not kept as often as min(1, p/q) says", figures
     if math.isfinite(seen):
         return True, summary + f"a verifier accepting with min(1, {seen:.2f} p/q) would be seen (half the time)", \
             figures
-    return True, summary + "every draft was certain to be kept, so no over-acceptance could be seen", figures
+    if count.variance == 0:
+        return True, summary + "every draft's outcome was certain (min(1, p/q) of 0 or 1): no over-acceptance " \
+            "could be seen", figures
+    return True, summary + (f"the count has too little spread (sum pi(1 - pi) = {count.variance:.3g}) to state "
+                            "an over-acceptance it would see"), figures
 
 
 __all__ = ["Trial", "chain_trials", "tree_trials", "AcceptanceCount", "acceptance_count", "acceptance_mean",
