@@ -43,7 +43,7 @@ def main() -> None:
             counts["distribution failed"] += not dist.passed
             counts["acceptance failed"] += not acceptance.passed
             zs.append(acceptance.figures["z"])
-            seen.append(acceptance.figures["detectable_factor"])
+            seen.append(acceptance.figures["detectable_factor"] or float("inf"))  # (None: no factor could be stated)
         print(f"{name}: {seeds} seeds, {samples} samples: {dict(counts)}; acceptance z {min(zs):+.1f} .. "
               f"{max(zs):+.1f}, detectable factor {min(seen):.3f} .. {max(seen):.3f}", flush=True)
         for attr, fn in real.items():

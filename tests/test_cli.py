@@ -56,7 +56,7 @@ def test_unsupported_architecture(capsys, tmp_path):
     ("--max-tokens", "0", "--max-tokens must be an integer >= 1"),
     ("--logprobs", "30", "--logprobs must be an integer in [0, 20]"),
     ("--presence-penalty", "5", "--presence-penalty must be in [-2, 2]"),
-    ("--min-tokens", "500", "--min-tokens must be an integer in [0, max_tokens]"),
+    ("--min-tokens", "500", "--min-tokens must be an integer in [0, --max-tokens]"),
     # accepted by a looser check once, then an overflow, a division by zero or an hour of bookkeeping
     ("--temperature", "1e39", "--temperature must be >= 0 and fit a 32-bit float"),
     ("--repetition-penalty", "1e-300", "--repetition-penalty must be in [1e-6, 100]"),

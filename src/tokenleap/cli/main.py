@@ -282,14 +282,15 @@ def sampling_from_args(args: argparse.Namespace, **extra: Any) -> SamplingParams
                               frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                               min_tokens=args.min_tokens, **extra)
     except ConfigError as e:
-        field = re.match(r"(\w+) ", str(e))
-        if field and field.group(1) in _SAMPLING_FLAGS:
-            raise UsageError(f"--{field.group(1).replace('_', '-')}{str(e)[field.end() - 1:]}") from None
-        raise
+        message = str(e).replace(" (or None: up to the context's end)", "")  # (None is the API's, no flag's)
+        if not re.match(rf"({'|'.join(_SAMPLING_FLAGS)}) ", message):
+            raise
+        raise UsageError(re.sub(rf"\b({'|'.join(_SAMPLING_FLAGS)})\b",
+                                lambda m: "--" + m.group(1).replace("_", "-"), message)) from None
 
 
-_SAMPLING_FLAGS = {"max_tokens", "logprobs", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_tokens"}  # each field's flag: --top-p
+_SAMPLING_FLAGS = ("max_tokens", "logprobs", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")  # --top-p, ...
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,7 +83,8 @@ def register(subparsers) -> None:
     p.add_argument("--positions", type=_positions, default=2,
                    help="the distribution check compares the joint of the first N generated tokens (default: 2)")
     p.add_argument("--alpha", type=_probability, default=0.01,
-                   help="significance level of every test (default: 0.01)")
+                   help="significance level of every test; a right engine fails one of the four sampled tests about "
+                        "3-4x this often: rerun with another --seed before concluding (default: 0.01)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds of the seeded check and of every random stream (default: 0)")
     p.add_argument("--trial-tokens", type=positive_int, default=16,

@@ -276,7 +276,8 @@ class OllamaRoutes:
         if not name:
             raise bad_request("model is required", "model")
         # case-insensitive, as Ollama's own names are ("Llama3.1" finds "llama3.1"); the OpenAI routes match exactly
-        if name.casefold().removesuffix(":latest") not in {n.casefold() for n in (cfg.model_name, *cfg.model_aliases)}:
+        served = {n.casefold().removesuffix(":latest") for n in (cfg.model_name, *cfg.model_aliases)}
+        if name.casefold().removesuffix(":latest") not in served:
             raise APIError(404, f"model '{name}' not found: this server serves '{self._tagged()}'", "not_found")
         return self._tagged()
 

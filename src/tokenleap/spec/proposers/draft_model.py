@@ -7,6 +7,7 @@ the whole prompt when the engine skipped the draft's prefill because speculation
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -327,7 +328,7 @@ class DraftModelProposer:
         if params.greedy:
             return int(greedy(logits)[0]), None
         probs = params_probs(logits, params)  # [1, vocab]
-        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        if not 0 < float(probs.sum()) < math.inf:  # (probabilities are never negative: one sum tells)
             # a diverged draft row (NaN or inf logits): drafting from the uniform q keeps verification
             # exact; sampling the broken row would pick an id past the vocabulary
             probs = torch.full_like(probs, 1.0 / probs.shape[-1])
