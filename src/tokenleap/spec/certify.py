@@ -256,14 +256,19 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
     t, n = cfg.temperature, cfg.samples
     prompts = [prompts] if prompts and isinstance(prompts[0], int) else prompts
     for index, prompt in enumerate(prompts):
+        # drafts tested at the counted positions (1 .. positions - 1; 0 is the prefill's) are what
+        # exercise the two tests. Short samples (positions + 1 tokens, a stream of their own) find the
+        # first prompt with any, so the long samples the count needs run after one prompt only.
+        if index < len(prompts) - 1:
+            pilot: list[tuple[tuple[int, ...], list[Trial]]] = []
+            sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 5, trials=pilot)
+            if not any(tr.position < cfg.positions for _, ts in pilot for tr in ts):
+                continue
         trials: list[tuple[tuple[int, ...], list[Trial]]] = []  # (a sample's tokens, its trials)
         spec_counts, stats = sample_counts(spec, prompt, t, n, cfg.positions, cfg.seed + 2, trials=trials,
                                            tokens=cfg.trial_tokens)
-        # drafts tested at the counted positions (1 .. positions - 1; 0 is the prefill's): the samples
-        # now run to trial_tokens, so stats.draft_tokens also counts drafts the two tests never see
-        verified = sum(t.position < cfg.positions for _, ts in trials for t in ts)
-        if verified > 0:
-            break
+        break
+    verified = sum(tr.position < cfg.positions for _, ts in trials for tr in ts)
     base, _ = sample_counts(plain, prompt, t, n, cfg.positions, cfg.seed + 1)
     biased, _ = sample_counts(plain, prompt, t * cfg.bias, n, cfg.positions, cfg.seed + 3)
     same = chi2_homogeneity(base, spec_counts)
