@@ -49,9 +49,9 @@ def peaked_model(seed: int, lead: float):
     return build_transformer(cfg, w, torch.float32)
 
 
-def engine_factory(target, draft, tree_nodes: int = 0):
+def engine_factory(target, draft, tree_nodes: int = 0, proposer_class=DraftModelProposer):
     def make(speculative: bool) -> Engine:
-        proposer = DraftModelProposer(draft, V, 32, num_slots=SLOTS) if speculative else None
+        proposer = proposer_class(draft, V, 32, num_slots=SLOTS) if speculative else None
         return Engine(target, ToyTokenizer(V, eos=()), max_len=32, num_slots=SLOTS, proposer=proposer,
                       controller=ControllerConfig(max_k=4, fixed_k=4), tree_nodes=tree_nodes)
     return make
@@ -221,10 +221,7 @@ def test_drafts_past_the_counted_positions_do_not_exercise_the_distribution_chec
             out = super().propose_many(requests)
             return [d if len(r.tokens) - len(PROMPTS[0]) >= 4 else None for r, d in zip(requests, out)]
 
-    def make(speculative: bool) -> Engine:
-        proposer = LateDrafter(peaked_model(12, 1.0), V, 32, num_slots=SLOTS) if speculative else None
-        return Engine(target, ToyTokenizer(V, eos=()), max_len=32, num_slots=SLOTS, proposer=proposer,
-                      controller=ControllerConfig(max_k=4, fixed_k=4))
+    make = engine_factory(target, peaked_model(12, 1.0), proposer_class=LateDrafter)
     result, _, acceptance = check_distribution(make, PROMPTS[0], CertifyConfig(samples=40, block=6))
     assert result.figures["draft_tokens"] > 0 and result.figures["verified_positions"] == 0
     assert not result.passed and "no draft was tested at the first 2 tokens" in result.summary

@@ -240,9 +240,9 @@ def fit_of(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], torc
 def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]],
                        cfg: CertifyConfig) -> list[CheckResult]:
     """Unseeded sampling, plain vs speculative, by two tests, and their power on a known bias, on the
-    first of ``prompts`` (a prompt, or a list of them) whose samples the method drafts for -- a
-    method that finds nothing to draft after one prompt (n-gram lookup after a story's opening)
-    is tested on the next.
+    first of ``prompts`` (a prompt, or a list of them) after which the method drafts within the
+    counted positions -- a method that finds nothing to draft there after one prompt (n-gram lookup
+    after a story's opening) is tested on the next.
 
     The homogeneity test compares the two samples' joint counts of the first tokens. The
     goodness-of-fit test checks every sampled token against the target's exact plain distribution
