@@ -62,25 +62,63 @@ def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, mon
     assert "--port must be in 1..65535" in capsys.readouterr().err
 
 
-def test_a_port_taken_while_the_model_loads_is_refused_not_served_silently(capsys, monkeypatch):
-    """Two servers that bound one port while both were loading: the second's listen() fails, which
-    uvloop's server would swallow (running for ever with no socket). It stops with a clear line."""
+def test_while_the_model_loads_every_path_answers_503_in_its_apis_error_form(capsys, monkeypatch):
+    """The port listens before the model loads: a probe or a client gets 503 "loading" (llama.cpp's
+    answer; "connection refused" before), in the error object of the API its path belongs to, and a
+    second server cannot take the port meanwhile. A failed load closes the port."""
     from tokenleap.cli import serve as serve_cli
     from tokenleap.cli.main import main
-    port, other = _free_port(), socket.socket()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    seen = {}
 
-    def load_while_another_takes_the_port(args):
-        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        other.bind(("127.0.0.1", port))
-        other.listen()
-        return object(), None
-    monkeypatch.setattr(serve_cli, "build_app", load_while_another_takes_the_port)
+    def loading(args):
+        with httpx.Client(timeout=10) as c:
+            seen["health"] = c.get(url + "/health")
+            seen["head"] = c.head(url + "/health")
+            seen["chat"] = c.post(url + "/v1/chat/completions",
+                                  json={"messages": [{"role": "user", "content": "x" * 5000}]})
+            seen["ollama"] = c.post(url + "/api/generate", json={"model": "m", "prompt": "hi"})
+            seen["anthropic"] = c.post(url + "/v1/messages", json={})
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        raise RuntimeError("the load failed")
+    monkeypatch.setattr(serve_cli, "build_app", loading)
+    with pytest.raises(RuntimeError, match="the load failed"):
+        main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port)])
+    assert f"loading smollm2-135m-instruct; {url} answers 503" in capsys.readouterr().err
+    assert all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in seen.values())
+    assert seen["head"].content == b""
+    openai_error = {"message": "the model is loading; retry shortly", "type": "unavailable_error", "param": None,
+                    "code": "model_loading"}
+    assert seen["health"].json() == seen["chat"].json() == {"error": openai_error}
+    assert seen["ollama"].json() == {"error": "the model is loading; retry shortly"}
+    assert seen["anthropic"].json()["type"] == "error"
+    with socket.socket() as again:  # the port was closed with the failed load
+        again.bind(("127.0.0.1", port))
+
+
+def test_the_loading_responder_hands_its_socket_on_listening():
+    """Stopped, the responder leaves the socket listening and in its blocking mode: a connection made
+    after ``stop`` waits in the backlog for the real server's accept."""
+    from tokenleap.cli.serve import listening_socket
+    from tokenleap.serve.loading import LoadingResponder
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
     try:
-        assert main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port)]) == 2
+        responder = LoadingResponder(sock).start()
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 503
+        responder.stop()
+        assert sock.getblocking()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            conn, _ = sock.accept()
+            client.sendall(b"ping")
+            assert conn.recv(4) == b"ping"
+            conn.close()
     finally:
-        other.close()
-    err = capsys.readouterr().err
-    assert "another server took the port while this one was loading" in err and "serving" not in err
+        sock.close()
 
 
 @pytest.mark.parametrize("signals,timeout,message", [

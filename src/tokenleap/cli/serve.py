@@ -151,26 +151,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("tokenleap.serve.requests").setLevel(logging.WARNING)
     sock = listening_socket(args.host, args.port)  # before the model loads: a busy port fails at once
     args.port = sock.getsockname()[1]  # (--port 0: the one the system picked)
+    from tokenleap.serve.loading import LoadingResponder
+
+    url = f"http://{_url_host(args.host)}:{args.port}"
+    print(f"tokenleap: loading {args.model}; {url} answers 503 until it is ready", file=sys.stderr)
+    responder = LoadingResponder(sock).start()
     try:
         app, engine = build_app(args)
     except BaseException:
+        responder.stop()
         sock.close()
         raise
-    try:  # listen here: uvloop's server ignores a failed listen() (two servers that bound the port
-        sock.listen(2048)  # while both were loading), and the second would run for ever, serving nothing
-    except OSError as e:
-        sock.close()
-        hint = (" (another server took the port while this one was loading; choose another --port)"
-                if e.errno == errno.EADDRINUSE else "")
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint}") from None
+    responder.stop()
     from tokenleap.serve.graceful import GracefulServer
 
     name = args.served_model_name or args.model
     if not _is_loopback(args.host) and not args.api_key:
         print(f"tokenleap: warning: serving on {args.host} without --api-key", file=sys.stderr)
     cache = engine.cache
-    host = f"[{args.host}]" if ":" in args.host else args.host  # (an IPv6 address in a URL)
-    print(f"tokenleap: serving {name} on http://{host}:{args.port}/v1 (Ollama's API at /api, Anthropic's at "
+    print(f"tokenleap: serving {name} on {url}/v1 (Ollama's API at /api, Anthropic's at "
           f"/v1/messages) -- {cache.num_blocks} KV blocks of "
           f"{cache.block_size} tokens ({cache.nbytes / 2**30:.2f} GiB), max {args.max_num_seqs} sequences, "
           f"speculation: {_speculation(engine.proposer)}, "
@@ -180,8 +179,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host``:``port`` for the server (as vLLM binds before it builds the engine);
-    a UsageError that says why where the address cannot be had."""
+    """A socket listening on ``host``:``port`` for the server, opened before the engine is built (it answers
+    503 while the model loads, ``serve/loading.py``); a UsageError that says why where the address cannot
+    be had."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as e:
@@ -190,12 +190,17 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         hint = " (is another server using it? choose another --port)" if e.errno == errno.EADDRINUSE else ""
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # (an IPv6 address in a URL)
 
 
 def _speculation(proposer) -> str:

@@ -1,0 +1,102 @@
+"""The server's answer while its model loads: 503 "the model is loading" on every path.
+
+``tokenleap serve`` listens before it builds the engine, so a busy port fails at once and a client (a
+readiness probe, ``curl --retry``, a script polling ``/health``) gets an HTTP answer it can retry on
+instead of "connection refused" -- as llama.cpp's server does. Each connection is read up to its
+headers (and a declared body, so closing does not reset the connection before the client reads the
+answer), answered with the error object of the API its path belongs to and closed. Once the engine
+is built the responder stops and hands the listening socket, its queued connections included, to
+the real server.
+"""
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import threading
+
+MESSAGE = "the model is loading; retry shortly"
+_MAX_HEAD = 64 * 1024  # bytes of request line and headers read at most
+_MAX_DRAIN = 1 << 20  # bytes of a declared body read before answering; a larger one is answered unread
+_TIMEOUT = 5.0  # seconds a connection may take to send its request
+
+
+def loading_body(path: str) -> bytes:
+    """The 503 body for a request to ``path``: the same error objects the running server sends."""
+    from tokenleap.serve.error_handlers import error_body
+    from tokenleap.serve.protocol import APIError
+    return json.dumps(error_body(path, APIError(503, MESSAGE, "unavailable_error", None, "model_loading"))).encode()
+
+
+def _answer(conn: socket.socket) -> None:
+    """Read one request's head (and its body up to ``_MAX_DRAIN``) and answer it 503."""
+    try:
+        conn.settimeout(_TIMEOUT)
+        data = b""
+        while b"\r\n\r\n" not in data and len(data) < _MAX_HEAD:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("GET", "/")
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length" and value.strip().isdigit():
+                length = int(value.strip())
+        if length <= _MAX_DRAIN:
+            while len(body) < length:
+                chunk = conn.recv(min(65536, length - len(body)))
+                if not chunk:
+                    break
+                body += chunk
+        payload = loading_body(path)
+        header = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
+        conn.sendall(header if method == "HEAD" else header + payload)
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:  # the client left or stalled: nothing to answer
+        pass
+    finally:
+        conn.close()
+
+
+class LoadingResponder:
+    """Answers connections on a listening socket with 503 from a background thread until ``stop``;
+    the socket stays open (and listening) for the server that follows."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        loading_body("/")  # import the error objects now, not at the first request
+        self._stop = threading.Event()
+        self._blocking = sock.getblocking()
+        self._thread = threading.Thread(target=self._serve, name="tokenleap-loading", daemon=True)
+
+    def start(self) -> LoadingResponder:
+        self.sock.setblocking(False)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop answering (a connection already accepted is still answered) and restore the socket."""
+        self._stop.set()
+        self._thread.join()
+        self.sock.setblocking(self._blocking)
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.sock, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                if not sel.select(timeout=0.1):
+                    continue
+                try:
+                    conn, _ = self.sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:  # the socket was closed under it (a failed load)
+                    return
+                conn.setblocking(True)
+                threading.Thread(target=_answer, args=(conn,), name="tokenleap-loading-answer", daemon=True).start()
