@@ -104,12 +104,34 @@ def test_draft_out_of_blocks_drafts_nothing_instead_of_failing():
     assert cache.num_used_blocks == 0  # the failed feed was rolled back
 
 
-def test_a_cache_larger_than_memory_is_a_config_error_naming_its_size():
+def test_a_cache_larger_than_memory_is_a_config_error_naming_its_size(monkeypatch):
     """Sizes no machine holds (here about 1.5 PiB): one line with the size asked for, not torch's
-    allocator traceback."""
+    allocator traceback -- from the memory check, and from the allocator where memory cannot be read."""
+    from tokenleap.cache import contiguous
     from tokenleap.config import ConfigError
     cfg = tiny_model("llama", seed=0).config
-    with pytest.raises(ConfigError, match=r"KV cache for 2000000000 slots of 512 tokens needs [\d.]+ GiB"):
-        KVCache(cfg, 2_000_000_000, 512, torch.float32)
-    with pytest.raises(ConfigError, match=r"2000000000 blocks of 16 tokens \(4 sequences\).*--kv-cache-gb"):
-        PagedKVCache(cfg, 2_000_000_000, 512, torch.float32, num_slots=4)
+    for figures in (contiguous.meminfo, lambda field: None):
+        monkeypatch.setattr(contiguous, "meminfo", figures)
+        with pytest.raises(ConfigError, match=r"KV cache for 2000000000 slots of 512 tokens needs [\d.]+ GiB"):
+            KVCache(cfg, 2_000_000_000, 512, torch.float32)
+        with pytest.raises(ConfigError, match=r"2000000000 blocks of 16 tokens \(4 sequences\).*--kv-cache-gb"):
+            PagedKVCache(cfg, 2_000_000_000, 512, torch.float32, num_slots=4)
+
+
+def test_a_cache_the_allocator_grants_but_memory_cannot_hold_is_refused_before_it_is_touched(monkeypatch):
+    """Zeroing a cache larger than available memory and free swap gets the process killed (the
+    allocator grants it within the overcommit limit): the figures are checked first."""
+    from tokenleap.cache import contiguous
+    from tokenleap.config import ConfigError
+    cfg = tiny_model("llama", seed=0).config
+    size = 2 * cfg.num_hidden_layers * 64 * cfg.num_key_value_heads * 512 * cfg.head_dim * 4  # 64 slots, fp32
+    figures = {"MemAvailable": size // 2, "SwapFree": size // 4}
+    monkeypatch.setattr(contiguous, "meminfo", figures.get)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises(ConfigError, match=r"64 slots of 512 tokens needs [\d.]+ GiB, and [\d.]+ GiB of memory is "
+                                          r"available: lower"):
+        KVCache(cfg, 64, 512, torch.float32)
+    monkeypatch.undo()
+    figures["SwapFree"] = size // 2  # with swap enough
+    monkeypatch.setattr(contiguous, "meminfo", figures.get)
+    assert KVCache(cfg, 64, 512, torch.float32).num_slots == 64

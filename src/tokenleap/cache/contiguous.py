@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tokenleap.config import ConfigError, ModelConfig
+from tokenleap.meminfo import meminfo
 
 
 class CacheFullError(RuntimeError):
@@ -18,17 +19,24 @@ class CacheFullError(RuntimeError):
 def layer_tensors(config: ModelConfig, shape: tuple[int, ...], dtype: torch.dtype, device, what: str
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Zeroed keys and values of ``shape`` for every layer; a ConfigError saying how much ``what``
-    (the sizes that set it, e.g. "8 slots of 4096 tokens") asked for when memory cannot hold it."""
+    (the sizes that set it, e.g. "8 slots of 4096 tokens") asked for when memory cannot hold it --
+    checked against the memory available (with free swap) first, because zeroing a cache the
+    allocator grants but memory cannot hold gets the process killed, not an error."""
+    size = 2 * config.num_hidden_layers * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"the KV cache for {what} needs {size / 2**30:.1f} GiB, {why}: lower what sets its "
+                           "size (sequences decoded at once, the context window, serve's --kv-cache-gb)")
+    available = meminfo("MemAvailable") if torch.device(device).type == "cpu" else None
+    if available is not None and size > available + (meminfo("SwapFree") or 0):
+        raise refuse(f"and {available / 2**30:.1f} GiB of memory is available")
     try:
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
     except (RuntimeError, MemoryError) as e:  # torch's allocator: "can't allocate memory"
         if "allocate" not in str(e) and not isinstance(e, MemoryError):
             raise
-        size = 2 * config.num_hidden_layers * torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        raise ConfigError(f"the KV cache for {what} needs {size / 2**30:.1f} GiB, more than this machine can "
-                          "allocate: lower what sets its size (sequences decoded at once, the context window, "
-                          "serve's --kv-cache-gb)") from None
+        raise refuse("more than this machine can allocate") from None
     return k, v
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenleap.meminfo import meminfo
+
 # catalog name -> tokenizer family (models of one family share the vocabulary, token for token)
 TOKENIZER_FAMILY: dict[str, str] = {
     "qwen2.5-coder-1.5b-instruct": "qwen2.5",
@@ -34,14 +36,8 @@ class DraftPick:
 
 
 def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """MemAvailable in bytes (None where it cannot be read)."""
+    return meminfo("MemAvailable")
 
 
 def _installed(name: str, cache_dir: str | Path | None) -> bool:
