@@ -125,16 +125,28 @@ def test_the_acceptance_count_fails_a_verifier_the_distribution_tests_pass(facto
         assert sign * acceptance.figures["z"] > 3, acceptance.summary
 
 
-def test_trial_means_read_the_rows_plain_next_probs_computes(target):
-    """Each trial's mean from one forward over its sample (rows read and dropped) equals the one from
-    the fit test's table of rows by prefix -- the same bitwise rows, for the root row and deeper ones."""
+def test_trial_means_read_the_rows_plain_next_probs_computes(target, monkeypatch):
+    """Each trial's mean equals the one from the fit test's table of rows by prefix -- the same bitwise
+    rows, for the root row and deeper ones -- with the samples' shared prefixes computed once: the
+    forwards feed 2 + 1 + 2 + 1 tokens for these samples, not 2 + 2 + 4 + 5, and the trials come back in
+    the samples' order."""
     from tokenleap.spec.acceptance import Trial, acceptance_mean
     from tokenleap.spec.exact_probs import plain_next_probs, trial_means
     samples = [((7, 9, 11, 13), [Trial(1, 9, 1.0, True), Trial(2, 12, 0.25, False)]),
                ((7, 3), [Trial(0, 5, 0.5, False), Trial(2, 4, 1.0, False)]),  # position 2: past the end, kept
-               ((8,), [])]
+               ((8,), []),
+               ((7, 9, 11, 13, 2), [Trial(4, 6, 0.3, False), Trial(1, 9, 0.9, True)]),
+               ((7, 9, 11, 13, 5, 1), [Trial(5, 2, 0.6, False)])]
+    fed, real = [], type(target).forward
+
+    def counted(self, tokens, *args, **kwargs):
+        fed.append(len(tokens))
+        return real(self, tokens, *args, **kwargs)
+    monkeypatch.setattr(type(target), "forward", counted)
     tested, means = trial_means(target, PROMPTS[0], samples, 0.8)
-    table = plain_next_probs(target, PROMPTS[0], {(7, 9, 11, 13), (7, 3, 4)}, 0.8)
+    assert sorted(fed[1:]) == [1, 1, 2, 2], fed  # (the prompt's forward first)
+    monkeypatch.undo()
+    table = plain_next_probs(target, PROMPTS[0], {s + (0,) for s, _ in samples}, 0.8)
     want = [acceptance_mean(float(table[s[:t.position]][t.token]), t.q) for s, ts in samples for t in ts]
     assert tested == [t for _, ts in samples for t in ts] and means == want and 0 < min(means) < max(means) <= 1
 

@@ -4,8 +4,8 @@
 Every row comes from a row-exact forward of the plain target, bitwise the row plain decoding
 computes for that prefix (the block rule), so the only noise left in a test is the samples' own.
 Rows are large (one float per vocabulary entry: 600 KB at 150k tokens), so the fit test keeps the
-few short prefixes it needs whole, and the acceptance count reads one probability from each row of a
-sample and lets the row go.
+few short prefixes it needs whole, and the acceptance count keeps only the rows of the sample it
+reads (those it shares with the next sample are reused, not computed again).
 """
 from __future__ import annotations
 
@@ -49,26 +49,29 @@ def plain_next_probs(model, prompt: list[int], samples: set[tuple[int, ...]], te
 def trial_means(model, prompt: list[int], samples: list[tuple[tuple[int, ...], list[Trial]]], temperature: float
                 ) -> tuple[list[Trial], list[float]]:
     """Each trial's acceptance probability ``min(1, p(x) / q(x))``, ``p`` the plain sampler's exact
-    distribution after the trial's prefix (``sample[:position]``): one row-exact forward per sample
-    over its tokens up to its deepest trial, each row read for its trials and dropped. Returns the
-    trials in the order of their means."""
+    distribution after the trial's prefix (``sample[:position]``), in the samples' order. The samples
+    are taken in token order, so each shares the longest prefix it can with the one before: its
+    forward (row-exact) starts where that shared prefix ends, over the cache the earlier one wrote,
+    and the shared rows are reused -- the same bitwise rows as a forward over each sample alone.
+    Returns the trials in the order of their means."""
     deepest = max((t.position for _, trials in samples for t in trials), default=0)
     cache, slot, first = _prompt_row(model, prompt, len(prompt) + max(deepest, 1), temperature)
-    tested, means = [], []
-    for sample, trials in samples:
-        if not trials:
-            continue
-        depth = max(t.position for t in trials)
-        probs = None
-        if depth:  # row j - 1 is the distribution after sample[:j]
-            logits = model(torch.tensor(sample[:depth]), [Segment(slot, len(prompt), depth)], cache,
-                           row_exact=True).logits  # [depth, vocab]
-            probs = logits_to_probs(logits, temperature)  # [depth, vocab]
-        for t in trials:
-            row = first if t.position == 0 else probs[t.position - 1]  # [vocab]
-            tested.append(t)
-            means.append(acceptance_mean(float(row[t.token]), t.q))
-    return tested, means
+    means_of: dict[int, list[float]] = {}
+    done: tuple[int, ...] = ()  # the tokens whose rows ``rows`` holds (row j - 1: after done[:j])
+    rows = first.new_empty((0, first.numel()))  # [len(done), vocab]
+    for i in sorted((i for i, (_, trials) in enumerate(samples) if trials), key=lambda i: samples[i][0]):
+        sample, trials = samples[i]
+        tokens = tuple(sample[:max(t.position for t in trials)])
+        shared = next((j for j, (a, b) in enumerate(zip(tokens, done)) if a != b), min(len(tokens), len(done)))
+        if len(tokens) > shared:
+            logits = model(torch.tensor(tokens[shared:]), [Segment(slot, len(prompt) + shared, len(tokens) - shared)],
+                           cache, row_exact=True).logits  # [len(tokens) - shared, vocab]
+            rows = torch.cat([rows[:shared], logits_to_probs(logits, temperature)])  # [len(tokens), vocab]
+            done = tokens
+        means_of[i] = [acceptance_mean(float((first if t.position == 0 else rows[t.position - 1])[t.token]), t.q)
+                       for t in trials]
+    tested = [t for i in sorted(means_of) for t in samples[i][1]]
+    return tested, [m for i in sorted(means_of) for m in means_of[i]]
 
 
 __all__ = ["plain_next_probs", "trial_means"]
