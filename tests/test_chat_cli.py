@@ -127,7 +127,8 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was():
 
 def test_ctrl_c_drops_continued_lines_and_asks_again(monkeypatch, capsys):
     """A message continued with "\\" and then Ctrl-C: the pending lines are dropped and a fresh prompt
-    asked (a shell's rule), Ctrl-C at a fresh prompt ends the chat, the end of input sends what is pending."""
+    asked (a shell's rule), Ctrl-C twice in a row at a fresh prompt ends the chat (once: it says how to quit),
+    the end of input sends what is pending."""
     from tokenleap.cli.chat import _read_message
 
     def typed(*events):
@@ -141,8 +142,13 @@ def test_ctrl_c_drops_continued_lines_and_asks_again(monkeypatch, capsys):
         monkeypatch.setattr("builtins.input", fake_input)
     typed("Say banana\\", KeyboardInterrupt(), "Say apple")
     assert _read_message(True) == "Say apple"
-    typed(KeyboardInterrupt())
+    capsys.readouterr()
+    typed(KeyboardInterrupt(), "still here")  # one Ctrl-C at a fresh prompt: how to quit, and the chat goes on
+    assert _read_message(True) == "still here" and "Ctrl-C again, Ctrl-D or /exit quits" in capsys.readouterr().err
+    typed(KeyboardInterrupt(), KeyboardInterrupt())  # twice in a row: the end
     assert _read_message(True) is None
+    typed(KeyboardInterrupt(), "x\\", KeyboardInterrupt(), KeyboardInterrupt(), "y")  # not in a row: asks again
+    assert _read_message(True) == "y"
     typed("one\\", "two\\", EOFError())
     assert _read_message(True) == "one\ntwo"
     typed("piped\\", KeyboardInterrupt())  # a script's input: interrupted (main exits 130), not a normal end

@@ -8,8 +8,8 @@ is new since: the new message, where the cache keeps single blocks of prompts an
 int6 model on the compiled layers); else about the last reply too (whole prefill windows of prompts). A conversation that
 outgrows the context window loses its oldest turns (the system prompt stays), so that a reply has
 room for up to a quarter of the window; a reply cut by the window's end says so. Ctrl-C stops a reply
-where it is (what was written stays in the conversation); at the prompt, Ctrl-C or Ctrl-D ends the
-session (Ctrl-C on piped input: interrupted, exit 130). Lines ending in a backslash continue on the
+where it is (what was written stays in the conversation); at the prompt, Ctrl-D, /exit or Ctrl-C twice
+ends the session (Ctrl-C on piped input: interrupted, exit 130). Lines ending in a backslash continue on the
 next line.
 """
 from __future__ import annotations
@@ -180,9 +180,11 @@ def _write(piece: str) -> None:
 
 
 def _read_message(interactive: bool) -> str | None:
-    """The next message (continued lines joined), or None at the end of input or Ctrl-C. Ctrl-C with
-    continued lines pending drops them and asks again (as a shell does); the end of input sends them."""
-    lines, prompt = [], "> "
+    """The next message (continued lines joined), or None at the end of input or a second Ctrl-C in a row at
+    a fresh prompt (the first says how to quit: a Ctrl-C meant for a reply that had just ended does not
+    lose the conversation, as in Node's REPL). Ctrl-C with continued lines pending drops them and asks
+    again (as a shell does); the end of input sends them."""
+    lines, prompt, warned = [], "> ", False
     while True:
         try:
             line = input(prompt if interactive else "")
@@ -190,14 +192,17 @@ def _read_message(interactive: bool) -> str | None:
             if not interactive:
                 raise  # a script's input cut by Ctrl-C: main reports "interrupted" and exits 130
             print(file=sys.stderr)
-            if not lines:
+            if not lines and warned:
                 return None
-            lines, prompt = [], "> "
+            if not lines:
+                print("(Ctrl-C again, Ctrl-D or /exit quits)", file=sys.stderr)
+            warned, lines, prompt = not lines, [], "> "
             continue
         except EOFError:
             if interactive:
                 print(file=sys.stderr)
             return "\n".join(lines) if lines else None
+        warned = False
         if line.endswith("\\"):
             lines.append(line[:-1])
             prompt = "... "
