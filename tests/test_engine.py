@@ -250,6 +250,10 @@ def test_a_prefill_that_fails_or_is_interrupted_frees_its_slot(target):
         run(eng, PROMPTS[0], SamplingParams(max_tokens=5, allowed_token_ids=(VOCAB + 5,)))  # (refused up front)
     with pytest.raises(ConfigError, match=r"logit_bias must map token ids in \[0, 96\)"):
         run(eng, PROMPTS[0], SamplingParams(max_tokens=5, logit_bias={VOCAB + 5: 3.0}))  # (not silently ignored)
+    with pytest.raises(ConfigError, match=r"bad_word_ids must be token ids in \[0, 96\)"):
+        run(eng, PROMPTS[0], SamplingParams(max_tokens=5, bad_word_ids=((3, VOCAB),)))  # (a word never barred)
+    with pytest.raises(ConfigError, match=r"prediction must be token ids in \[0, 96\)"):
+        run(eng, PROMPTS[0], SamplingParams(max_tokens=5, prediction=(4, VOCAB + 1)))
     forward = eng.model.forward
 
     def interrupted(*a, **kw):

@@ -65,9 +65,11 @@ def _bias_tensors(logit_bias: tuple[tuple[int, float], ...], vocab: int) -> tupl
 def for_vocabulary(params: SamplingParams, tokenizer, vocab: int) -> SamplingParams:
     """``params`` checked against a vocabulary of ``vocab`` ids (its token-id fields) and with vLLM's
     ``bad_words`` tokenized into ``bad_word_ids``, beside any given as ids."""
-    for name in ("allowed_token_ids", "stop_token_ids"):
+    for name in ("allowed_token_ids", "stop_token_ids", "prediction"):
         if any(t >= vocab for t in getattr(params, name)):
             raise ConfigError(f"{name} must be token ids in [0, {vocab})")
+    if any(t >= vocab for w in params.bad_word_ids for t in w):  # (one would never match: a word not barred)
+        raise ConfigError(f"bad_word_ids must be token ids in [0, {vocab})")
     if any(t >= vocab for t, _ in params.logit_bias):  # (vLLM refuses them too, rather than ignore them)
         raise ConfigError(f"logit_bias must map token ids in [0, {vocab})")
     if not params.bad_words:
