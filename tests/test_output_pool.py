@@ -120,9 +120,11 @@ def test_an_output_written_before_is_drafted_from_the_pool_and_the_output_is_unc
     assert run(auto, params).generated == plain and run(auto, params).generated == plain
     solo = engine(target, AutoProposer({"ngram": NgramProposer(4, 2, OutputPool(n_min=2, n_max=6))},
                                        BanditConfig(max_k=6)))
-    solo_first, solo_again = run(solo, params), run(solo, params)
-    assert solo_first.generated == solo_again.generated == plain
-    assert solo_again.stats.proposer_tokens.get("ngram-pool", 0) > 0  # auto keeps the arm's finer label
+    # auto keeps the arm's finer label. (Whether the arm drafts at all is auto's choice by measured costs,
+    # which on a busy machine can decode one regeneration plainly: up to three regenerations are asked.)
+    agains = [run(solo, params) for _ in range(4)]
+    assert all(s.generated == plain for s in agains)
+    assert any(s.stats.proposer_tokens.get("ngram-pool", 0) > 0 for s in agains[1:])
     other = OutputPool(n_min=2, n_max=6)
     other.add([(t * 7 + 3) % VOCAB for t in plain])  # an unrelated earlier output: proposals that miss
     assert run(engine(target, NgramProposer(4, 2, other)), params).generated == plain
