@@ -53,6 +53,9 @@ def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, mon
         monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
         assert main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port), "--replicas", "2"]) == 2
         assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["serve", "--model", "no-such-model"]) == 2  # before the port opens and says it is loading
+    err = capsys.readouterr().err
+    assert "'no-such-model' is neither a catalog model" in err and "loading" not in err
     assert main(["serve", "--model", "smollm2-135m-instruct", "--host", "999.1.1.1"]) == 2
     assert "--host '999.1.1.1' is not an address" in capsys.readouterr().err
     assert main(["serve", "--model", "smollm2-135m-instruct", "--port", "65536"]) == 2

@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from tokenleap.spec.tree_budget import machine_tree_mode
-from tokenleap.cli.main import UsageError, add_model_args, non_negative_int, positive_int, spec_config
+from tokenleap.cli.main import (UsageError, add_model_args, check_model_ref, non_negative_int, positive_int,
+                                spec_config)
 from tokenleap.config import SpecConfig
 
 # heavy modules (torch, fastapi) are imported when serving, so other sub-commands start fast
@@ -149,6 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.disable_log_requests:
         logging.getLogger("tokenleap.serve.requests").setLevel(logging.WARNING)
+    check_model_ref("--model", args.model, args.cache_dir)  # (a name that cannot load: before the port opens)
     sock = listening_socket(args.host, args.port)  # before the model loads: a busy port fails at once
     args.port = sock.getsockname()[1]  # (--port 0: the one the system picked)
     from tokenleap.serve.loading import LoadingResponder
