@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenleap.config import ConfigError
 from tokenleap.spec.sampling import logits_to_probs
 from tokenleap.spec.stat_tests import ks_uniform, pit_values
 
@@ -82,3 +83,20 @@ def test_loglik_score_rejects_an_impossible_token():
     from tokenleap.spec.stat_tests import loglik_score
     probs = torch.tensor([[0.5, 0.5, 0.0]])
     assert loglik_score(torch.tensor([2]), probs).p_value == 0.0
+
+
+def test_tokens_sharing_rows_give_what_a_row_per_token_gives():
+    """The fit test handed each distinct row once (``row_of``: the row each token reads), worked on a few
+    rows at a time, gives bitwise the transforms and score of a row per token -- over several chunks."""
+    from tokenleap.spec.stat_tests import _CHUNK, fit_test, loglik_score
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.softmax(torch.randn(3 * _CHUNK + 1, 500, generator=gen) * 3, -1)  # [25, 500]
+    row_of = torch.randint(0, rows.shape[0], (400,), generator=gen)
+    tokens = torch.multinomial(rows[row_of], 1, generator=gen).flatten()
+    each = pit_values(tokens, rows[row_of], torch.Generator().manual_seed(1))
+    assert torch.equal(pit_values(tokens, rows, torch.Generator().manual_seed(1), row_of), each)
+    assert loglik_score(tokens, rows, row_of) == loglik_score(tokens, rows[row_of])
+    assert (fit_test(tokens, rows, torch.Generator().manual_seed(2), row_of)
+            == fit_test(tokens, rows[row_of], torch.Generator().manual_seed(2)))
+    with pytest.raises(ConfigError, match="every token needs its distribution row"):
+        pit_values(tokens, rows, gen, row_of[:-1])

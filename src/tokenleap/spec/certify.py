@@ -228,13 +228,15 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
 
 def fit_of(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], torch.Tensor],
            generator: torch.Generator) -> Fit:
-    """Every position of every sample tested against its exact plain distribution (``stat_tests``)."""
-    tokens, rows = [], []
+    """Every position of every sample tested against its exact plain distribution (``stat_tests``);
+    each distinct prefix's row is handed over once, with the index of the row each token reads."""
+    tokens, row_of, prefixes = [], [], {}
     for sample, count in sorted(counts.items()):
         for j, tok in enumerate(sample):
             tokens += [tok] * count
-            rows += [probs[sample[:j]]] * count
-    return fit_test(torch.tensor(tokens), torch.stack(rows), generator)
+            row_of += [prefixes.setdefault(sample[:j], len(prefixes))] * count
+    rows = torch.stack([probs[prefix] for prefix in prefixes])  # [distinct prefixes, vocab] (insertion order)
+    return fit_test(torch.tensor(tokens), rows, generator, torch.tensor(row_of))
 
 
 def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]],

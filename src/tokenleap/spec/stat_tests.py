@@ -104,17 +104,39 @@ def ks_uniform(u: torch.Tensor) -> Uniformity:  # u: [n] values in [0, 1)
     return Uniformity(d, n, float(x.mean()), p)
 
 
-def pit_values(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+_CHUNK = 8  # distribution rows worked on at once: a row of a 150k vocabulary is 1.2 MB in float64, and
+# the transform keeps about six such arrays a row (all 600 tokens of a certificate at once took 4 GB)
+
+
+def _rows_of(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | None):
+    """Each token's row of ``probs`` (``row_of`` # [n] long; default: token i's is row i), checked, and
+    the chunks of rows to work on with the tokens that read each: (start, rows # [c, vocab] float64,
+    tokens' indices # [m], their rows within the chunk # [m])."""
+    row_of = torch.arange(tokens.numel()) if row_of is None else row_of.long()
+    if row_of.numel() != tokens.numel():
+        raise ConfigError("every token needs its distribution row")
+    for start in range(0, probs.shape[0], _CHUNK):
+        p = probs[start:start + _CHUNK].double()  # [c, vocab]
+        index = ((row_of >= start) & (row_of < start + p.shape[0])).nonzero().flatten()  # [m]
+        yield p, index, row_of[index] - start
+
+
+def pit_values(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator,
+               row_of: torch.Tensor | None = None) -> torch.Tensor:
     """Randomized probability integral transforms of drawn ``tokens`` # [n] long under the
-    distributions they were meant to follow, ``probs`` # [n, vocab]; returns u # [n] float64."""
-    p = probs.double()  # [n, vocab]
-    order = torch.argsort(-p, dim=-1, stable=True)  # [n, vocab]: descending probability, ties by id
-    rank = torch.argsort(order, dim=-1)  # [n, vocab]: each token's place in that order
-    sorted_p = torch.gather(p, 1, order)  # [n, vocab]
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [n, vocab]: mass ranked ahead of each place
-    r = rank.gather(1, tokens.view(-1, 1)).squeeze(1)  # [n]
-    lo = before.gather(1, r.view(-1, 1)).squeeze(1)  # [n]
-    mass = p.gather(1, tokens.view(-1, 1)).squeeze(1)  # [n]
+    distributions they were meant to follow: the rows of ``probs`` # [rows, vocab], token i's row
+    ``row_of[i]`` (default: row i; tokens that share a prefix share a row, ranked once); returns
+    u # [n] float64."""
+    lo = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]: mass ranked ahead of each token
+    mass = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]
+    for p, index, local in _rows_of(tokens, probs, row_of):
+        order = torch.argsort(-p, dim=-1, stable=True)  # [c, vocab]: descending probability, ties by id
+        rank = torch.argsort(order, dim=-1)  # [c, vocab]: each token's place in that order
+        sorted_p = torch.gather(p, 1, order)  # [c, vocab]
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [c, vocab]: mass ranked ahead of each place
+        t = tokens[index]  # [m]
+        lo[index] = before[local, rank[local, t]]
+        mass[index] = p[local, t]
     v = torch.rand(tokens.numel(), generator=generator, dtype=torch.float64)  # [n]
     return (lo + v * mass).clamp(0.0, 1.0 - 1e-12)
 
@@ -131,13 +153,18 @@ class LikelihoodScore:
         return self.p_value < alpha
 
 
-def loglik_score(tokens: torch.Tensor, probs: torch.Tensor) -> LikelihoodScore:
-    """``tokens`` # [n] long drawn (supposedly) from the rows of ``probs`` # [n, vocab]."""
-    p = probs.double()  # [n, vocab]
-    logp = torch.where(p > 0, p.log(), torch.zeros_like(p))  # [n, vocab]; 0 log 0 = 0
-    mean = (p * logp).sum(-1)  # [n]: E log p(t) = minus the entropy
-    var = (p * logp * logp).sum(-1) - mean * mean  # [n]
-    drawn = p.gather(1, tokens.view(-1, 1)).squeeze(1)  # [n]
+def loglik_score(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | None = None) -> LikelihoodScore:
+    """``tokens`` # [n] long drawn (supposedly) from the rows of ``probs`` # [rows, vocab] (token i's row
+    ``row_of[i]``, default row i)."""
+    mean = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]: E log p(t) = minus the entropy
+    var = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]
+    drawn = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]
+    for p, index, local in _rows_of(tokens, probs, row_of):
+        logp = torch.where(p > 0, p.log(), torch.zeros_like(p))  # [c, vocab]; 0 log 0 = 0
+        row_mean = (p * logp).sum(-1)  # [c]
+        mean[index] = row_mean[local]
+        var[index] = ((p * logp * logp).sum(-1) - row_mean * row_mean)[local]
+        drawn[index] = p[local, tokens[index]]
     if bool((drawn <= 0).any()):  # a token the distribution cannot produce
         return LikelihoodScore(float("-inf"), tokens.numel(), 0.0)
     sd = float(var.clamp_min(0).sum().sqrt())
@@ -162,9 +189,11 @@ class Fit:
         return self.p_value < alpha
 
 
-def fit_test(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator) -> Fit:
-    """``tokens`` # [n] against ``probs`` # [n, vocab]: KS on the randomized PIT and the likelihood score."""
-    return Fit(ks_uniform(pit_values(tokens, probs, generator)), loglik_score(tokens, probs))
+def fit_test(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator,
+             row_of: torch.Tensor | None = None) -> Fit:
+    """``tokens`` # [n] against the rows of ``probs`` # [rows, vocab] (token i's row ``row_of[i]``,
+    default row i): KS on the randomized PIT and the likelihood score."""
+    return Fit(ks_uniform(pit_values(tokens, probs, generator, row_of)), loglik_score(tokens, probs, row_of))
 
 
 __all__ = ["Fit", "Homogeneity", "LikelihoodScore", "Uniformity", "chi2_homogeneity", "fit_test", "ks_uniform",
