@@ -100,3 +100,5 @@ def test_tokens_sharing_rows_give_what_a_row_per_token_gives():
             == fit_test(tokens, rows[row_of], torch.Generator().manual_seed(2)))
     with pytest.raises(ConfigError, match="every token needs its distribution row"):
         pit_values(tokens, rows, gen, row_of[:-1])
+    with pytest.raises(ConfigError, match="every token needs its distribution row"):
+        loglik_score(tokens, rows[:-1], row_of.clamp_min(rows.shape[0] - 1))

@@ -113,7 +113,8 @@ def _rows_of(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | N
     the chunks of rows to work on with the tokens that read each: (start, rows # [c, vocab] float64,
     tokens' indices # [m], their rows within the chunk # [m])."""
     row_of = torch.arange(tokens.numel()) if row_of is None else row_of.long()
-    if row_of.numel() != tokens.numel():
+    if row_of.numel() != tokens.numel() or (row_of.numel() and not 0 <= int(row_of.min()) <= int(row_of.max())
+                                             < probs.shape[0]):
         raise ConfigError("every token needs its distribution row")
     for start in range(0, probs.shape[0], _CHUNK):
         p = probs[start:start + _CHUNK].double()  # [c, vocab]
