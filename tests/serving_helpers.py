@@ -28,6 +28,14 @@ class ChatToyTokenizer(ToyTokenizer):
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+class EncodeChatToy(ChatToyTokenizer):
+    """The toy chat template behind ``encode_chat`` (what real tokenizers have), tools shown as text."""
+
+    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, tools=None, **kw):
+        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message)
+        return self.encode(("<tools>" + ",".join(t["function"]["name"] for t in tools) if tools else "") + text)
+
+
 BOS = 1
 
 

@@ -13,7 +13,7 @@ from tokenleap.config import ConfigError, SamplingParams, SpecConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.models.pretrained import LoadedModel
 
-from serving_helpers import VOCAB, ChatToyTokenizer, model, workload
+from serving_helpers import VOCAB, ChatToyTokenizer, EncodeChatToy, model, workload
 
 SPECS = {None: SpecConfig(), "ngram": SpecConfig(method="ngram"),
          "draft": SpecConfig(method="draft", draft_model="tiny-draft", num_tokens=3)}
@@ -166,14 +166,6 @@ def test_a_context_past_the_models_positions_is_cut_with_a_warning(caplog):
     with caplog.at_level("WARNING", logger="tokenleap"):
         assert LLM.from_loaded(target, max_model_len=positions * 2).max_len == positions
     assert f"max_model_len {positions * 2} is more than the {positions} positions" in caplog.text
-
-
-class EncodeChatToy(ChatToyTokenizer):
-    """The toy chat template behind ``encode_chat`` (what real tokenizers have), tools shown as text."""
-
-    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, tools=None, **kw):
-        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message)
-        return self.encode(("<tools>" + ",".join(t["function"]["name"] for t in tools) if tools else "") + text)
 
 
 def test_chat_renders_each_conversation_and_generates_it():

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tokenleap.api_async import AsyncCalls
 from tokenleap.spec.tree_budget import machine_tree_mode
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig, is_int
 from tokenleap.spec.controller import ControllerConfig
@@ -40,7 +41,7 @@ def _check_sizes(max_model_len: int | None, num_slots: int, max_num_seqs: int) -
             raise ConfigError(f"{name} must be an integer >= 1, got {n!r}")
 
 
-class LLM:
+class LLM(AsyncCalls):
     """A target model, its tokenizer, and optionally a speculative proposer."""
 
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto", quant: str = "none",
