@@ -40,7 +40,7 @@ def _healthy(url: str) -> bool:
 def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, monkeypatch):
     from tokenleap.cli import serve as serve_cli
     from tokenleap.cli.main import main
-    monkeypatch.setattr(serve_cli, "build_app", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(serve_cli, "build_app", lambda *a: pytest.fail("the model was loaded"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -75,7 +75,7 @@ def test_while_the_model_loads_every_path_answers_503_in_its_apis_error_form(cap
     url = f"http://127.0.0.1:{port}"
     seen = {}
 
-    def loading(args):
+    def loading(args, spec=None):
         with httpx.Client(timeout=10) as c:
             seen["health"] = c.get(url + "/health")
             seen["head"] = c.head(url + "/health")
@@ -99,8 +99,10 @@ def test_while_the_model_loads_every_path_answers_503_in_its_apis_error_form(cap
     assert seen["health"].json() == seen["chat"].json() == {"error": openai_error}
     assert seen["ollama"].json() == {"error": "the model is loading; retry shortly"}
     assert seen["anthropic"].json()["type"] == "error"
-    with socket.socket() as again:  # the port was closed with the failed load
+    with socket.socket() as again:  # the port was closed with the failed load (its served connections may
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # linger in TIME_WAIT: bind as a server does)
         again.bind(("127.0.0.1", port))
+        again.listen()
 
 
 def test_the_loading_responder_hands_its_socket_on_listening():

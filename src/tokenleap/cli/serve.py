@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tokenleap.spec.tree_budget import machine_tree_mode
-from tokenleap.cli.main import (UsageError, add_model_args, check_model_ref, non_negative_int, positive_int,
+from tokenleap.cli.main import (UsageError, add_model_args, non_negative_int, positive_int,
                                 spec_config)
 from tokenleap.config import SpecConfig
 
@@ -99,9 +99,7 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     from tokenleap.spec.engine import Engine
     from tokenleap.models.pretrained import load_model
     from tokenleap.cache.paged import PagedKVCache, num_blocks_for_budget
-    if prefix_caching and prefill_chunk % block_size:
-        raise UsageError(f"prefix caching reuses whole prefill chunks: --prefill-chunk ({prefill_chunk}) must be "
-                         f"a multiple of --block-size ({block_size}), or pass --no-prefix-caching")
+    _check_chunks(prefix_caching, prefill_chunk, block_size)
     spec = spec or SpecConfig()
     target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
     cfg = target.model.config
@@ -119,6 +117,17 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
         proposer = None  # the default: auto only with a choice to make (n-gram alone: plain, as always)
     return Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer, controller=ctl,
                   prefill_chunk=prefill_chunk, cache=cache, tree_nodes=spec.tree_nodes)
+
+
+def _check_chunks(prefix_caching: bool, prefill_chunk: int, block_size: int) -> None:
+    if prefix_caching and prefill_chunk % block_size:
+        raise UsageError(f"prefix caching reuses whole prefill chunks: --prefill-chunk ({prefill_chunk}) must be "
+                         f"a multiple of --block-size ({block_size}), or pass --no-prefix-caching")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """The engine flags ``build_engine`` would refuse, checked before anything loads."""
+    _check_chunks(not args.no_prefix_caching, args.prefill_chunk, args.block_size)
 
 
 def _proposer(spec: SpecConfig, target, max_len: int, blocks: int, block_size: int, slots: int,
@@ -150,7 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.disable_log_requests:
         logging.getLogger("tokenleap.serve.requests").setLevel(logging.WARNING)
-    check_model_ref("--model", args.model, args.cache_dir)  # (a name that cannot load: before the port opens)
+    spec = serve_spec_config(args)  # (every flag that can be checked without loading: before the port opens)
+    check_engine_args(args)
     sock = listening_socket(args.host, args.port)  # before the model loads: a busy port fails at once
     args.port = sock.getsockname()[1]  # (--port 0: the one the system picked)
     from tokenleap.serve.loading import LoadingResponder
@@ -159,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"tokenleap: loading {args.model}; {url} answers 503 until it is ready", file=sys.stderr)
     responder = LoadingResponder(sock).start()
     try:
-        app, engine = build_app(args)
+        app, engine = build_app(args, spec)
     except BaseException:
         responder.stop()
         sock.close()
@@ -216,12 +226,12 @@ def _speculation(proposer) -> str:
     return f"{proposer.name} ({'; '.join(notes)})" if notes else proposer.name
 
 
-def build_app(args: argparse.Namespace):
+def build_app(args: argparse.Namespace, spec: SpecConfig | None = None):
     """The serving engine and its FastAPI app, from the parsed ``serve`` command line (also what each
-    ``--replicas`` replica runs)."""
+    ``--replicas`` replica runs); ``spec``: ``serve_spec_config(args)`` where the caller has it already."""
     from tokenleap.serve.scheduler import SchedulerConfig
     from tokenleap.serve.app import ServerConfig, create_app
-    engine = build_engine(args.model, spec=serve_spec_config(args), dtype=args.dtype, quant=args.quant,
+    engine = build_engine(args.model, spec=spec or serve_spec_config(args), dtype=args.dtype, quant=args.quant,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir,
