@@ -1,6 +1,7 @@
 """``LLM``'s coroutines: ``astream`` gives ``stream``'s chunks while the event loop keeps running, and a
 reader that stops early (cancelled, or leaving its loop) stops the generation and frees its slot --
-after the step in flight, never under it; ``agenerate`` / ``achat`` give ``generate`` / ``chat``'s outputs."""
+after the step in flight, never under it; ``agenerate`` / ``achat`` give ``generate`` / ``chat``'s outputs,
+and cancelled, stop before their next step."""
 from __future__ import annotations
 
 import asyncio
@@ -107,3 +108,50 @@ def test_leaving_the_loop_early_frees_the_slot_and_the_coroutines_give_the_block
     assert free == llm.num_slots
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(["abcabc", "xyz"], PARAMS)]
     assert replies[0].token_ids == llm.chat(conversation, PARAMS)[0].token_ids
+
+
+def _gate_steps(monkeypatch, engine_class, at: int):
+    """Every engine's steps counted; the ``at``-th waits for the gate (``stepping`` set while it waits)."""
+    gate, stepping, calls = threading.Event(), threading.Event(), []
+    real = engine_class.step
+
+    def step(engine, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            stepping.set()
+            gate.wait(10)
+        return real(engine, *args, **kwargs)
+    monkeypatch.setattr(engine_class, "step", step)
+    return gate, stepping, calls
+
+
+def _cancel_mid_call(call, gate, stepping):
+    """Run the coroutine ``call()``, cancel it while a step waits at the gate, then open the gate."""
+    async def main():
+        task = asyncio.create_task(call())
+        await asyncio.to_thread(stepping.wait, 10)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gate.set()
+    asyncio.run(main())
+
+
+def test_a_cancelled_agenerate_or_achat_stops_before_its_next_step(monkeypatch):
+    """A one-prompt call (the LLM's own engine) and a batch (an engine of its own): cancelled while a step
+    runs, neither takes another step, and the LLM's slot is free again. (``asyncio.run`` returns once
+    its worker threads have ended: the counts are final.)"""
+    from tokenleap.spec.engine import Engine
+    llm = make_llm()
+    _, _, full = _gate_steps(monkeypatch, Engine, at=0)
+    llm.generate("abcabc", PARAMS)
+    assert len(full) > 4  # (the whole generation takes many steps)
+    monkeypatch.undo()
+    for call in (lambda: llm.agenerate("abcabc", PARAMS),
+                 lambda: llm.achat([{"role": "user", "content": "abc"}], PARAMS),
+                 lambda: llm.agenerate(["abcabc", "xyz"], PARAMS)):
+        gate, stepping, calls = _gate_steps(monkeypatch, Engine, at=2)
+        _cancel_mid_call(call, gate, stepping)
+        assert len(calls) == 2 and llm.engine.cache.num_free_slots == llm.num_slots
+        monkeypatch.undo()
+    assert llm.generate("abcabc", PARAMS)[0].token_ids == llm.generate("abcabc", PARAMS)[0].token_ids

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tokenleap.api_async import AsyncCalls
+from tokenleap.cancellation import check_cancelled
 from tokenleap.spec.tree_budget import machine_tree_mode
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig, is_int
 from tokenleap.spec.controller import ControllerConfig
@@ -179,11 +180,15 @@ class LLM(AsyncCalls):
         except CacheFullError:
             raise StreamsBusy(busy) from None
         seq = None
-        for seq, piece in itertools.chain([first], steps):
-            if not seq.finished:
-                yield StreamChunk(piece, seq.generated, False)
-            else:
-                last_piece = piece
+        try:
+            for seq, piece in itertools.chain([first], steps):
+                check_cancelled()  # (an agenerate / achat given up: before the next step)
+                if not seq.finished:
+                    yield StreamChunk(piece, seq.generated, False)
+                else:
+                    last_piece = piece
+        finally:
+            steps.close()  # (frees the slot now when the caller stops early)
         assert seq is not None
         yield StreamChunk(last_piece, seq.generated, True, request_output(prompt, seq, time.perf_counter() - t0))
 

@@ -6,7 +6,7 @@ tokens are computed (the model's products release the GIL). ``astream`` steps it
 per worker call: cancelling the task that reads it, or leaving its ``async for``, stops the generation
 after the step in flight and frees its slot (wrap it in ``contextlib.aclosing`` to have that happen at
 once rather than when the generator is collected). ``agenerate`` and ``achat`` run ``generate`` /
-``chat`` whole on a thread: a cancelled call returns at once, its generation runs to its end.
+``chat`` on a thread: cancelling them stops the generation before its next step (``cancellation.py``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tokenleap.cancellation import cancel_scope
 from tokenleap.config import SamplingParams
+from tokenleap.errors import GenerationCancelled
 from tokenleap.outputs import RequestOutput, StreamChunk
 
 _DONE = object()
@@ -58,12 +60,30 @@ class AsyncCalls:
 
     async def agenerate(self, prompts: Any, params: Any = None, chat: bool = False,
                         **kwargs: Any) -> list[RequestOutput]:
-        """``generate`` on a worker thread (the same arguments and outputs)."""
-        return await asyncio.to_thread(self.generate, prompts, params, chat, **kwargs)
+        """``generate`` on a worker thread (the same arguments and outputs); cancelled, it stops before the
+        next step and frees what it held."""
+        return await _cancellable(self.generate, prompts, params, chat, **kwargs)
 
     async def achat(self, messages: Any, params: Any = None, **kwargs: Any) -> list[RequestOutput]:
-        """``chat`` on a worker thread (the same arguments and outputs)."""
-        return await asyncio.to_thread(self.chat, messages, params, **kwargs)
+        """``chat`` on a worker thread (the same arguments and outputs); cancelled, as ``agenerate``."""
+        return await _cancellable(self.chat, messages, params, **kwargs)
+
+
+async def _cancellable(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` on a worker thread, told to stop when the awaiting task is cancelled."""
+    event = threading.Event()
+
+    def run() -> Any:
+        with cancel_scope(event):
+            try:
+                return call(*args, **kwargs)
+            except GenerationCancelled:
+                return None  # (nobody awaits it any more)
+    try:
+        return await asyncio.to_thread(run)
+    except asyncio.CancelledError:
+        event.set()
+        raise
 
 
 __all__ = ["AsyncCalls"]

@@ -20,4 +20,9 @@ class PromptTooLongError(TokenleapError):
     """A prompt that does not fit the context window."""
 
 
-__all__ = ["ConfigError", "TokenleapError", "ModelNotFoundError", "ModelFormatError", "PromptTooLongError"]
+class GenerationCancelled(TokenleapError):
+    """A blocking call whose caller gave up (a cancelled ``agenerate`` / ``achat``): it stopped between steps."""
+
+
+__all__ = ["ConfigError", "TokenleapError", "ModelNotFoundError", "ModelFormatError", "PromptTooLongError",
+           "GenerationCancelled"]

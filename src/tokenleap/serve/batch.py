@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from tokenleap.cancellation import check_cancelled
 from tokenleap.config import SamplingParams
 from tokenleap.spec.engine import Engine
 from tokenleap.errors import TokenleapError
@@ -125,7 +126,9 @@ def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams], chat
 
     t0 = time.perf_counter()
     sched.submit([Request(seq, sink(i)) for i, seq in enumerate(seqs)])
-    sched.run_until_idle()
+    while not sched.idle:
+        check_cancelled()  # (an agenerate / achat given up: the call's own engine is dropped with its blocks)
+        sched.iterate()
     if errors:
         i, message = min(errors.items())
         raise BatchRequestError(f"prompt {origins[i]} of the batch failed: {message}")
