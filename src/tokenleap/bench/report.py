@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tokenleap.bench.machine import BUSY_SHARE
+
 _MAX_LISTED = 50
 
 
@@ -59,9 +61,14 @@ def _setup(results: dict[str, Any]) -> list[str]:
         f"- machine: {m.get('cpu', '?')}, {m.get('usable_cores', '?')} usable cores, "
         f"{m.get('memory_gb', '?')} GB; flags: {flags}; torch threads {m.get('torch_threads', '?')}",
         f"- load average (1 / 5 / 15 min) at the start: {_loads(m.get('load_average'))}, at the end: "
-        f"{_loads(results.get('load_average_end'))}",
+        f"{_loads(results.get('load_average_end'))}; other processes' share of the CPU time during the run: "
+        f"{_share(results.get('others_cpu_share'))}",
         f"- versions: {versions}",
     ]
+
+
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
 
 
 def _loads(loads: list[float] | None) -> str:
@@ -155,6 +162,10 @@ def console_summary(results: dict[str, Any]) -> str:
     for m in results["methods"]:
         if m["status"] != "ok":
             out.append(f"{m['name']}: {m['status']} ({m['reason']})")
+    busy = results.get("others_cpu_share")
+    if busy is not None and busy > BUSY_SHARE:
+        out.append(f"warning: other processes used {busy:.0%} of this machine's CPU time during the run: the "
+                   "timings are slower and noisier than on an idle machine")
     kinds = {m["name"]: m["kind"] for m in results["methods"]}
     mm = results["equality"].get("mismatches", [])
     ours = sum(1 for m in mm if kinds.get(m["method"]) == "tokenleap")

@@ -20,7 +20,7 @@ from tokenleap.config import SamplingParams
 from tokenleap.bench import summary as S
 from tokenleap.bench.common import PEER, BenchError, BenchMethod, MethodInfo
 from tokenleap.bench.datasets import BenchPrompt
-from tokenleap.bench.machine import load_average, memory_status, peak_rss_mb
+from tokenleap.bench.machine import BUSY_SHARE, cpu_times, load_average, memory_status, others_share, peak_rss_mb
 
 RESULTS_LOG, RUN_FILE, RESULTS_FILE = "results.jsonl", "run.json", "results.json"
 SCHEMA = "tokenleap-bench/1"
@@ -246,6 +246,7 @@ def run_bench(settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: l
     log = ResultsLog(out / RESULTS_LOG)
     run = _Run(settings, prompts, prompt_ids, methods, log, stop_ids)
     started = _dt.datetime.now().isoformat(timespec="seconds")
+    cpu_start = _warn_if_busy()
     try:
         run.loop()
     except KeyboardInterrupt:
@@ -253,7 +254,22 @@ def run_bench(settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: l
              "run the same command with --resume to continue")
         raise
     infos = _mark_failed(infos or [MethodInfo(m.name, m.name, m.kind) for m in methods], run.failed)
-    return finish(settings, prompts, log, infos, {**(context or {}), "started": started})
+    busy = others_share(cpu_start, cpu_times())
+    return finish(settings, prompts, log, infos, {**(context or {}), "started": started, "others_cpu_share": busy})
+
+
+def _warn_if_busy() -> tuple[float, float, float] | None:
+    """Half a second of the machine's CPU counters before the first request: where other processes are
+    using the CPUs, say so before a long run rather than after. Returns the counters at the end of it."""
+    import time
+    before = cpu_times()
+    time.sleep(0.5)
+    after = cpu_times()
+    share = others_share(before, after)
+    if share is not None and share > BUSY_SHARE:
+        _say(f"[bench] warning: other processes are using {share:.0%} of this machine's CPU time: every method "
+             "will time slower and noisier than on an idle machine (compare runs made alike)")
+    return after
 
 
 def _mark_failed(infos: list[MethodInfo], failed: dict[str, str]) -> list[MethodInfo]:
