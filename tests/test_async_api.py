@@ -1,21 +1,22 @@
-"""``LLM``'s coroutines: ``astream`` gives ``stream``'s chunks while the event loop keeps running, and a
-reader that stops early (cancelled, or leaving its loop) stops the generation and frees its slot --
-after the step in flight, never under it; ``agenerate`` / ``achat`` give ``generate`` / ``chat``'s outputs,
-and cancelled, stop before their next step."""
+"""``LLM``'s coroutines: ``astream`` requests open at once are decoded together by the LLM's scheduler,
+each output token-identical to its request alone, while the event loop keeps running; a reader that
+stops early (cancelled, or leaving its loop) is dropped at the next iteration and its slot freed;
+``agenerate`` / ``achat`` give ``generate`` / ``chat``'s outputs and, cancelled, stop before their next step."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
-import time
 
+import pytest
 import torch
 
 from tokenleap.api import LLM
-from tokenleap.config import SamplingParams, SpecConfig
+from tokenleap.config import ConfigError, SamplingParams, SpecConfig
+from tokenleap.errors import PromptTooLongError
 from tokenleap.models.pretrained import LoadedModel
 
-from serving_helpers import VOCAB, EncodeChatToy, model
+from serving_helpers import VOCAB, EncodeChatToy, model, wait_until
 
 PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
 
@@ -25,13 +26,9 @@ def make_llm() -> LLM:
     return LLM.from_loaded(loaded, SpecConfig(method="ngram"), max_model_len=96)
 
 
-def _wait_for(condition, seconds: float = 10.0) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
+def _all_free(llm: LLM) -> bool:
+    scheduler = llm._coroutines
+    return scheduler.idle and scheduler.engine.cache.num_free_slots == scheduler.engine.cache.num_slots
 
 
 def test_astream_gives_streams_chunks_while_the_loop_runs():
@@ -52,44 +49,56 @@ def test_astream_gives_streams_chunks_while_the_loop_runs():
         return got, ticks
     got, ticks = asyncio.run(main())
     # (how many tokens each chunk holds is the step's: the draft lengths follow measured costs)
-    assert "".join(c.text for c in got) == "".join(c.text for c in want) and got[-1].finished
-    assert got[-1].output.token_ids == want[-1].output.token_ids and len(got[-1].token_ids) == 40
+    assert "".join(c.text for c in got) == "".join(c.text for c in want) == got[-1].output.text and got[-1].finished
+    assert got[-1].output.token_ids == want[-1].output.token_ids == got[-1].token_ids and len(got[-1].token_ids) == 40
     assert ticks >= len(got)  # the loop ran between the chunks
-    assert llm.engine.cache.num_free_slots == llm.num_slots
+    assert wait_until(lambda: _all_free(llm))
 
 
-def test_a_cancelled_reader_frees_its_slot_after_the_step_in_flight(monkeypatch):
+def test_concurrent_astreams_are_decoded_together_each_as_if_alone(monkeypatch):
+    """Six streams at once on an LLM of one slot (its ``stream`` would refuse the second): all are served,
+    in batches, greedy and seeded outputs equal to each prompt generated alone."""
+    from tokenleap.spec.engine import Engine
     llm = make_llm()
-    want = llm.generate("abcabc", PARAMS)[0].token_ids
-    gate, stepping = threading.Event(), threading.Event()
-    real = llm.stream
+    prompts = ["abcabc", "xyz", "hello", "abab", "qq", "zzzz"]
+    cases = [PARAMS] + [SamplingParams(max_tokens=30, temperature=0.9, seed=s, ignore_eos=True) for s in (3, 11)]
+    want = [[llm.generate(p, params)[0].token_ids for p in prompts] for params in cases]
+    widest, real = [], Engine.step
+    monkeypatch.setattr(Engine, "step", lambda e, seqs, *a, **k: widest.append(len(seqs)) or real(e, seqs, *a, **k))
 
-    def gated(*args, **kwargs):  # the second chunk's step waits for the gate
-        steps = real(*args, **kwargs)
-        yield next(steps)
-        stepping.set()
-        gate.wait(10)
-        yield from steps
-    monkeypatch.setattr(llm, "stream", gated)
+    async def one(prompt, params):
+        return [c async for c in llm.astream(prompt, params)][-1].output.token_ids
+
+    async def main(params):
+        return list(await asyncio.gather(*(one(p, params) for p in prompts)))
+    assert [asyncio.run(main(params)) for params in cases] == want
+    assert max(widest) > 1  # (batched, not one after another)
+    assert wait_until(lambda: _all_free(llm))
+
+
+def test_a_cancelled_reader_is_dropped_at_the_next_iteration(monkeypatch):
+    from tokenleap.spec.engine import Engine
+    llm = make_llm()
+    gate, stepping, calls = _gate_steps(monkeypatch, Engine, at=2)
 
     async def main():
-        first = asyncio.Event()
+        chunks = []
 
         async def read():
-            async for _ in llm.astream("abcabc", PARAMS):
-                first.set()
+            async for c in llm.astream("abcabc", PARAMS):
+                chunks.append(c)
         task = asyncio.create_task(read())
-        await asyncio.wait_for(first.wait(), 10)
         await asyncio.to_thread(stepping.wait, 10)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        held = llm.engine.cache.num_free_slots  # the step in flight still holds it: not closed under it
         gate.set()
-        return held, await asyncio.to_thread(_wait_for, lambda: llm.engine.cache.num_free_slots == llm.num_slots)
-    assert asyncio.run(main()) == (0, True)
+        return chunks
+    chunks = asyncio.run(main())
+    assert wait_until(lambda: _all_free(llm))
+    assert len(calls) == 2 and not any(c.finished for c in chunks)  # no step after the one in flight
     monkeypatch.undo()
-    assert llm.generate("abcabc", PARAMS)[0].token_ids == want  # the engine goes on as before
+    assert llm.generate("abcabc", PARAMS)[0].token_ids == llm.generate("abcabc", PARAMS)[0].token_ids
 
 
 def test_leaving_the_loop_early_frees_the_slot_and_the_coroutines_give_the_blocking_calls_outputs():
@@ -100,14 +109,26 @@ def test_leaving_the_loop_early_frees_the_slot_and_the_coroutines_give_the_block
         async with contextlib.aclosing(llm.astream("abcabc", PARAMS)) as chunks:
             async for _ in chunks:
                 break
-        free = llm.engine.cache.num_free_slots
+        freed = await asyncio.to_thread(wait_until, lambda: _all_free(llm))
         outs = await llm.agenerate(["abcabc", "xyz"], PARAMS)
         replies = await llm.achat(conversation, sampling_params=PARAMS)
-        return free, outs, replies
-    free, outs, replies = asyncio.run(main())
-    assert free == llm.num_slots
+        return freed, outs, replies
+    freed, outs, replies = asyncio.run(main())
+    assert freed
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(["abcabc", "xyz"], PARAMS)]
     assert replies[0].token_ids == llm.chat(conversation, PARAMS)[0].token_ids
+
+
+def test_astream_refuses_what_it_cannot_run_before_it_queues():
+    llm = make_llm()
+
+    async def first(prompt, params):
+        return [c async for c in llm.astream(prompt, params)]
+    with pytest.raises(PromptTooLongError, match="context window is 96"):
+        asyncio.run(first("a" * 200, PARAMS))
+    with pytest.raises(ConfigError, match="astream gives one completion"):
+        asyncio.run(first("abc", SamplingParams(n=2)))
+    assert llm._coroutines is None or _all_free(llm)
 
 
 def _gate_steps(monkeypatch, engine_class, at: int):

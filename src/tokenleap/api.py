@@ -29,6 +29,9 @@ from tokenleap.outputs import RequestOutput, StreamChunk, grouped, request_outpu
 from tokenleap.cache.contiguous import CacheFullError
 
 
+_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock")
+
+
 class StreamsBusy(ConfigError):
     """Every slot of ``LLM.engine`` is held (open streams, or one-prompt generates on other threads)."""
 
@@ -78,15 +81,18 @@ class LLM(AsyncCalls):
         self.num_slots = num_slots
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()  # LLM.engine's one build, when callers on several threads race to it
+        self._coroutines = None  # astream's scheduler, started on first use (api_async.py)
+        self._coroutines_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        # the request engine (its KV cache, proposer and locks) is this process's: a copy builds its own
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_engine_lock")}
-        return {**state, "_engine": None}
+        # the engines (KV caches, proposers, the coroutines' scheduler thread) are this process's: a copy
+        # builds its own
+        state = {k: v for k, v in self.__dict__.items() if k not in _PROCESS_STATE}
+        return {**state, "_engine": None, "_coroutines": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._engine_lock = threading.Lock()
+        self._engine_lock, self._coroutines_lock = threading.Lock(), threading.Lock()
 
     @property
     def engine(self) -> Engine:

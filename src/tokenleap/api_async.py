@@ -1,26 +1,34 @@
 """``LLM``'s coroutines for asyncio applications (a FastAPI handler, an async agent): ``astream``,
 ``agenerate``, ``achat``.
 
-The blocking calls run on worker threads, so the application's event loop keeps answering while
-tokens are computed (the model's products release the GIL). ``astream`` steps its stream one chunk
-per worker call: cancelling the task that reads it, or leaving its ``async for``, stops the generation
-after the step in flight and frees its slot (wrap it in ``contextlib.aclosing`` to have that happen at
-once rather than when the generator is collected). ``agenerate`` and ``achat`` run ``generate`` /
-``chat`` on a thread: cancelling them stops the generation before its next step (``cancellation.py``).
+``astream`` requests join one scheduler of this LLM's, on a thread of its own: every stream open at
+once is decoded together (continuous batching, as the server runs it, over a paged engine of its own
+with ``max_num_seqs`` slots), those beyond it wait their turn, and the event loop keeps answering
+meanwhile. Each output is token-identical to the request decoded alone (row-exact batching, seeded
+noise by position). Cancelling the reading task, or leaving its ``async for``, drops the request at
+the scheduler's next iteration and frees its slot (``contextlib.aclosing`` makes a ``break`` do that at
+once, not when the generator is collected). ``agenerate`` and ``achat`` run ``generate`` / ``chat`` on
+a worker thread: cancelling them stops the generation before its next step (``cancellation.py``).
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from tokenleap.cancellation import cancel_scope
-from tokenleap.config import SamplingParams
-from tokenleap.errors import GenerationCancelled
-from tokenleap.outputs import RequestOutput, StreamChunk
+from tokenleap.config import ConfigError, SamplingParams
+from tokenleap.errors import GenerationCancelled, TokenleapError
+from tokenleap.outputs import RequestOutput, StreamChunk, request_output
 
-_DONE = object()
+# requests queued beyond the running batch before astream refuses one: the API queues, it does not shed load
+_MAX_WAITING = 1 << 16
+
+
+class GenerationFailed(TokenleapError):
+    """A streamed request the engine could not finish (the message says why)."""
 
 
 class AsyncCalls:
@@ -29,34 +37,51 @@ class AsyncCalls:
 
     async def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
                       chat: bool = False) -> AsyncIterator[StreamChunk]:
-        """``stream``'s chunks, each computed on a worker thread; ending early (a break, a cancelled
-        task) stops the generation after the step in flight and frees its slot."""
-        steps = self.stream(prompt, params, chat)
-        lock = threading.Lock()  # the generator runs on one thread at a time: a step, or the close after it
-
-        def step() -> Any:
-            with lock:
-                return next(steps, _DONE)
-
-        def close() -> None:
-            with lock:
-                steps.close()
-
+        """``stream``'s chunks, decoded together with every other ``astream`` open on this LLM; ending
+        early (a break, a cancelled task) drops the request at the next iteration and frees its slot."""
+        from tokenleap.api import _checked, _unwrapped
+        from tokenleap.serve.request import Request
+        prompt, params = _unwrapped(prompt), _checked(params)
+        if params.n > 1:
+            raise ConfigError(f"astream gives one completion (n is {params.n}): agenerate or achat give n")
+        ids = await asyncio.to_thread(self.encode, prompt, chat)  # (a long prompt: off the event loop)
+        scheduler = self._coroutine_scheduler()
+        seq = scheduler.engine.create(ids, params)
         loop = asyncio.get_running_loop()
-        in_flight = None
+        outputs: asyncio.Queue = asyncio.Queue()
+        request = Request(seq, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        t0 = time.perf_counter()
+        scheduler.submit([request])
+        generated: list[int] = []
         try:
             while True:
-                in_flight = loop.run_in_executor(None, step)
-                chunk = await in_flight
-                in_flight = None
-                if chunk is _DONE:
-                    return
-                yield chunk
+                out = await outputs.get()
+                if out.error:
+                    raise (ConfigError if out.error_status == 400 else GenerationFailed)(out.error)
+                generated += out.token_ids
+                if out.finish_reason is None:
+                    yield StreamChunk(out.text, list(generated), False)
+                    continue
+                seq.stats.total_seconds = time.perf_counter() - t0  # (the scheduler is done with seq)
+                yield StreamChunk(out.text, list(generated), True, request_output(prompt, seq, seq.stats.total_seconds))
+                return
         finally:
-            if in_flight is not None:  # cancelled mid-step: a thread closes the stream once the step ends
-                threading.Thread(target=close, name="tokenleap-astream-close", daemon=True).start()
-            else:
-                close()
+            scheduler.cancel(request)  # (a finished request: nothing to drop)
+
+    def _coroutine_scheduler(self):
+        """The scheduler ``astream`` requests join, and its engine (``serve.batch.coroutine_engine``), built
+        and started on first use; again if its thread has died."""
+        with self._coroutines_lock:
+            scheduler = self._coroutines
+            if scheduler is None or not scheduler.alive:
+                from tokenleap.serve.batch import coroutine_engine
+                from tokenleap.serve.scheduler import Scheduler, SchedulerConfig
+                engine = coroutine_engine(self)
+                scheduler = Scheduler(engine, SchedulerConfig(max_num_seqs=engine.cache.num_slots,
+                                                              max_waiting=_MAX_WAITING, log_interval=0))
+                scheduler.start()
+                self._coroutines = scheduler
+        return scheduler
 
     async def agenerate(self, prompts: Any, params: Any = None, chat: bool = False,
                         **kwargs: Any) -> list[RequestOutput]:
@@ -86,4 +111,4 @@ async def _cancellable(call: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-__all__ = ["AsyncCalls"]
+__all__ = ["AsyncCalls", "GenerationFailed"]

@@ -48,6 +48,12 @@ def request_engine(llm: "LLM") -> Engine:
     return _paged_engine(llm, llm.num_slots * _context_blocks(llm), llm.num_slots)
 
 
+def coroutine_engine(llm: "LLM") -> Engine:
+    """The engine of ``LLM.astream``'s scheduler: ``max_num_seqs`` slots and blocks for two whole contexts
+    (one, for one slot) -- many shorter requests at once, and a shortfall only preempts, which is exact."""
+    return _paged_engine(llm, min(llm.max_num_seqs, 2) * _context_blocks(llm), llm.max_num_seqs)
+
+
 def session_engine(llm: "LLM") -> Engine:
     """A paged engine for one conversation, a turn at a time: one cache slot, and blocks for two
     whole contexts -- the turn being generated, and the prompt windows earlier turns computed, which
