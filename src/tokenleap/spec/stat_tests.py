@@ -119,6 +119,8 @@ def _rows_of(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | N
     for start in range(0, probs.shape[0], _CHUNK):
         p = probs[start:start + _CHUNK].double()  # [c, vocab]
         index = ((row_of >= start) & (row_of < start + p.shape[0])).nonzero().flatten()  # [m]
+        if p.shape[0] == 1:  # torch splits a lone long row's sum among threads (another order of the terms
+            p = p.repeat(2, 1)  # than a row of a block): a copy beside it keeps every row's sums alike
         yield p, index, row_of[index] - start
 
 
