@@ -128,8 +128,11 @@ def test_a_cache_the_allocator_grants_but_memory_cannot_hold_is_refused_before_i
     figures = {"MemAvailable": size // 2, "SwapFree": size // 4}
     monkeypatch.setattr(contiguous, "meminfo", figures.get)
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated"))
-    with pytest.raises(ConfigError, match=r"64 slots of 512 tokens needs [\d.]+ GiB, and [\d.]+ GiB of memory is "
-                                          r"available: lower"):
+    with pytest.raises(ConfigError, match=r"64 slots of 512 tokens needs [\d.]+ GiB, and [\d.]+ GiB of memory and "
+                                          r"[\d.]+ GiB of swap are available: lower"):
+        KVCache(cfg, 64, 512, torch.float32)
+    figures["SwapFree"] = 0
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB, and [\d.]+ GiB of memory is available: lower"):
         KVCache(cfg, 64, 512, torch.float32)
     monkeypatch.undo()
     figures["SwapFree"] = size // 2  # with swap enough

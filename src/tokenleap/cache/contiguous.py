@@ -28,8 +28,10 @@ def layer_tensors(config: ModelConfig, shape: tuple[int, ...], dtype: torch.dtyp
         return ConfigError(f"the KV cache for {what} needs {size / 2**30:.1f} GiB, {why}: lower what sets its "
                            "size (sequences decoded at once, the context window, serve's --kv-cache-gb)")
     available = meminfo("MemAvailable") if torch.device(device).type == "cpu" else None
-    if available is not None and size > available + (meminfo("SwapFree") or 0):
-        raise refuse(f"and {available / 2**30:.1f} GiB of memory is available")
+    swap = meminfo("SwapFree") or 0
+    if available is not None and size > available + swap:
+        free = f"{available / 2**30:.1f} GiB of memory" + (f" and {swap / 2**30:.1f} GiB of swap are" if swap else " is")
+        raise refuse(f"and {free} available")
     try:
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
