@@ -56,6 +56,13 @@ def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, mon
     assert main(["serve", "--model", "no-such-model"]) == 2  # before the port opens and says it is loading
     err = capsys.readouterr().err
     assert "'no-such-model' is neither a catalog model" in err and "loading" not in err
+    # so is every flag that can be checked without the model
+    for flags, said in ((["--draft-model", "no-such-draft"], "'no-such-draft' is neither a catalog model"),
+                        (["--spec", "draft"], "--spec draft needs --draft-model"),
+                        (["--prefill-chunk", "7"], "--prefill-chunk (7) must be a multiple of --block-size (16)")):
+        assert main(["serve", "--model", "smollm2-135m-instruct", *flags]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "loading" not in err, err
     assert main(["serve", "--model", "smollm2-135m-instruct", "--host", "999.1.1.1"]) == 2
     assert "--host '999.1.1.1' is not an address" in capsys.readouterr().err
     assert main(["serve", "--model", "smollm2-135m-instruct", "--port", "65536"]) == 2
