@@ -1,6 +1,7 @@
 """``tokenleap serve`` through the real command line with the real SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
@@ -110,6 +111,31 @@ def test_while_the_model_loads_every_path_answers_503_in_its_apis_error_form(cap
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # linger in TIME_WAIT: bind as a server does)
         again.bind(("127.0.0.1", port))
         again.listen()
+
+
+def test_the_loading_responder_answers_a_client_waiting_to_send_its_body_and_one_sending_too_much():
+    """A request that waits for "100 Continue" before its body (curl does, past 1 MB) is answered at
+    once, not after the read times out; one whose body is past what is read still gets its answer."""
+    from tokenleap.cli.serve import listening_socket
+    from tokenleap.serve.loading import LoadingResponder
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    responder = LoadingResponder(sock).start()
+    try:
+        for head, body in ((b"Expect: 100-continue\r\nContent-Length: 1000\r\n", b""),
+                           (b"Content-Length: 3000000\r\n", b"x" * 3_000_000)):
+            with socket.create_connection(("127.0.0.1", port), timeout=3) as client:
+                client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+                if body:
+                    with contextlib.suppress(OSError):  # (answered unread: the send may meet a closed socket)
+                        client.sendall(body)
+                reply = b""
+                while chunk := client.recv(65536):  # (a stalled answer: socket.timeout fails the test)
+                    reply += chunk
+            assert reply.startswith(b"HTTP/1.1 503") and b"model_loading" in reply
+    finally:
+        responder.stop()
+        sock.close()
 
 
 def test_the_loading_responder_hands_its_socket_on_listening():

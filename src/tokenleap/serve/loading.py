@@ -3,8 +3,9 @@
 ``tokenleap serve`` listens before it builds the engine, so a busy port fails at once and a client (a
 readiness probe, ``curl --retry``, a script polling ``/health``) gets an HTTP answer it can retry on
 instead of "connection refused" -- as llama.cpp's server does. Each connection is read up to its
-headers (and a declared body, so closing does not reset the connection before the client reads the
-answer), answered with the error object of the API its path belongs to and closed. Once the engine
+headers (and a declared body, unless the client waits for a 100 Continue first), answered with the
+error object of the API its path belongs to and closed once the client has read it or a moment has
+passed (closing with unread input resets a connection, which can lose the answer). Once the engine
 is built the responder stops and hands the listening socket, its queued connections included, to
 the real server.
 """
@@ -14,11 +15,13 @@ import json
 import selectors
 import socket
 import threading
+import time
 
 MESSAGE = "the model is loading; retry shortly"
 _MAX_HEAD = 64 * 1024  # bytes of request line and headers read at most
 _MAX_DRAIN = 1 << 20  # bytes of a declared body read before answering; a larger one is answered unread
 _TIMEOUT = 5.0  # seconds a connection may take to send its request
+_LINGER = 1.0  # seconds an answered connection's leftover input is read before closing
 
 
 def loading_body(path: str) -> bytes:
@@ -42,12 +45,13 @@ def _answer(conn: socket.socket) -> None:
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
         method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("GET", "/")
-        length = 0
+        length, waits = 0, False
         for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length" and value.strip().isdigit():
-                length = int(value.strip())
-        if length <= _MAX_DRAIN:
+            name, _, value = (part.strip().lower() for part in line.partition(":"))
+            if name == "content-length" and value.isdigit():
+                length = int(value)
+            waits |= name == "expect" and value == "100-continue"  # the body comes only after a 100: answer now
+        if length <= _MAX_DRAIN and not waits:
             while len(body) < length:
                 chunk = conn.recv(min(65536, length - len(body)))
                 if not chunk:
@@ -58,10 +62,24 @@ def _answer(conn: socket.socket) -> None:
                   f"Content-Length: {len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
         conn.sendall(header if method == "HEAD" else header + payload)
         conn.shutdown(socket.SHUT_WR)
+        _drain(conn)
     except OSError:  # the client left or stalled: nothing to answer
         pass
     finally:
         conn.close()
+
+
+def _drain(conn: socket.socket) -> None:
+    """Read, for a moment, what the client still sends (a body not read, a pipelined request): closing a
+    socket with unread data resets the connection, and a reset can lose the answer before it is read."""
+    deadline = time.monotonic() + _LINGER
+    read = 0
+    while read < _MAX_DRAIN and (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        chunk = conn.recv(65536)
+        if not chunk:  # the client read the answer and closed
+            return
+        read += len(chunk)
 
 
 class LoadingResponder:
