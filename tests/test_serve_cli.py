@@ -73,6 +73,16 @@ def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, mon
     assert "--port must be in 1..65535" in capsys.readouterr().err
 
 
+def test_the_default_kv_budget_is_at_most_half_the_memory_available(monkeypatch):
+    """Without --kv-cache-gb: 4 GiB, or half of what the machine has available where that is less (the
+    cache's memory check would refuse a default the machine cannot hold); a budget given is kept."""
+    from tokenleap import meminfo
+    from tokenleap.cli.serve import kv_budget
+    for available, want in ((64 * 2**30, 4.0), (3 * 2**30, 1.5), (None, 4.0)):
+        monkeypatch.setattr(meminfo, "meminfo", lambda field, a=available: a if field == "MemAvailable" else None)
+        assert kv_budget(None) == want and kv_budget(6.0) == 6.0
+
+
 def test_while_the_model_loads_every_path_answers_503_in_its_apis_error_form(capsys, monkeypatch):
     """The port listens before the model loads: a probe or a client gets 503 "loading" (llama.cpp's
     answer; "connection refused" before), in the error object of the API its path belongs to, and a
