@@ -176,3 +176,37 @@ def test_a_cancelled_agenerate_or_achat_stops_before_its_next_step(monkeypatch):
         assert len(calls) == 2 and llm.engine.cache.num_free_slots == llm.num_slots
         monkeypatch.undo()
     assert llm.generate("abcabc", PARAMS)[0].token_ids == llm.generate("abcabc", PARAMS)[0].token_ids
+
+
+def test_streams_on_several_threads_step_the_engine_one_at_a_time(monkeypatch):
+    """``stream`` on two threads (an LLM of two slots): the shared engine never runs two steps at once,
+    and each output equals its prompt's alone."""
+    import time
+    from tokenleap.spec.engine import Engine
+    loaded = LoadedModel(model(1), EncodeChatToy(VOCAB), torch.float32, "none", "tiny", None)
+    llm = LLM.from_loaded(loaded, SpecConfig(method="ngram"), max_model_len=96, num_slots=2)
+    prompts = ["abcabc", "xyz"]
+    want = [llm.generate(p, PARAMS)[0].token_ids for p in prompts]
+    active, widest, real = [0], [0], Engine.step
+
+    def step(engine, *args, **kwargs):
+        active[0] += 1
+        widest[0] = max(widest[0], active[0])
+        time.sleep(0.002)  # (a step long enough for another thread to come in)
+        try:
+            return real(engine, *args, **kwargs)
+        finally:
+            active[0] -= 1
+    monkeypatch.setattr(Engine, "step", step)
+    got = [None, None]
+    start = threading.Barrier(2)
+
+    def run(i):
+        start.wait(10)
+        got[i] = [c for c in llm.stream(prompts[i], PARAMS)][-1].output.token_ids
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want and widest[0] == 1

@@ -6,7 +6,6 @@ as if alone, so each output is token-identical to generating that prompt by itse
 seeded sampling)."""
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from tokenleap.outputs import RequestOutput, StreamChunk, grouped, request_outpu
 from tokenleap.cache.contiguous import CacheFullError
 
 
-_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock")
+_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock", "_step_lock")
 
 
 class StreamsBusy(ConfigError):
@@ -83,6 +82,7 @@ class LLM(AsyncCalls):
         self._engine_lock = threading.Lock()  # LLM.engine's one build, when callers on several threads race to it
         self._coroutines = None  # astream's scheduler, started on first use (api_async.py)
         self._coroutines_lock = threading.Lock()
+        self._step_lock = threading.Lock()  # LLM.engine's steps, one at a time (streams on several threads)
 
     def __getstate__(self) -> dict[str, Any]:
         # the engines (KV caches, proposers, the coroutines' scheduler thread) are this process's: a copy
@@ -92,7 +92,7 @@ class LLM(AsyncCalls):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._engine_lock, self._coroutines_lock = threading.Lock(), threading.Lock()
+        self._engine_lock, self._coroutines_lock, self._step_lock = threading.Lock(), threading.Lock(), threading.Lock()
 
     @property
     def engine(self) -> Engine:
@@ -182,19 +182,24 @@ class LLM(AsyncCalls):
         t0 = time.perf_counter()
         steps = engine.generate(ids, params)
         try:
-            first = next(steps)  # takes a slot (and prefills): another thread may have taken the last one since
+            with self._step_lock:  # (streams on other threads step the same engine: one step at a time)
+                first = next(steps)  # takes a slot (and prefills): another thread may have taken the last one since
         except CacheFullError:
             raise StreamsBusy(busy) from None
-        seq = None
+        seq, item = None, first
         try:
-            for seq, piece in itertools.chain([first], steps):
-                check_cancelled()  # (an agenerate / achat given up: before the next step)
+            while item is not None:
+                seq, piece = item
                 if not seq.finished:
                     yield StreamChunk(piece, seq.generated, False)
                 else:
                     last_piece = piece
+                check_cancelled()  # (an agenerate / achat given up: before the next step)
+                with self._step_lock:
+                    item = next(steps, None)
         finally:
-            steps.close()  # (frees the slot now when the caller stops early)
+            with self._step_lock:
+                steps.close()  # (frees the slot now when the caller stops early)
         assert seq is not None
         yield StreamChunk(last_piece, seq.generated, True, request_output(prompt, seq, time.perf_counter() - t0))
 
