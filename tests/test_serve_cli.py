@@ -6,6 +6,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -143,6 +144,40 @@ def test_the_loading_responder_answers_a_client_waiting_to_send_its_body_and_one
                 while chunk := client.recv(65536):  # (a stalled answer: socket.timeout fails the test)
                     reply += chunk
             assert reply.startswith(b"HTTP/1.1 503") and b"model_loading" in reply
+    finally:
+        responder.stop()
+        sock.close()
+
+
+def test_the_loading_responder_answers_a_bounded_number_of_connections_at_once(monkeypatch):
+    """Connections that send nothing hold their answering threads; past the bound a connection is
+    closed at once (no thread more), and once they are answered the next one is answered again."""
+    from tokenleap.cli.serve import listening_socket
+    from tokenleap.serve import loading
+    monkeypatch.setattr(loading, "_MAX_ANSWERING", 2)
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    responder = loading.LoadingResponder(sock).start()
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def answer(client) -> bytes:
+        reply = b""
+        while chunk := client.recv(65536):
+            reply += chunk
+        return reply
+    try:
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=4) for _ in range(2)]
+        time.sleep(0.3)  # (both accepted, each thread waiting for its request)
+        with socket.create_connection(("127.0.0.1", port), timeout=4) as extra:
+            assert answer(extra) == b""  # closed unanswered
+        for client in slow:
+            client.sendall(request)
+            assert answer(client).startswith(b"HTTP/1.1 503")
+            client.close()
+        time.sleep(loading._LINGER + 0.5)  # (their threads end once the clients close, or after the linger)
+        with socket.create_connection(("127.0.0.1", port), timeout=4) as again:
+            again.sendall(request)
+            assert answer(again).startswith(b"HTTP/1.1 503")
     finally:
         responder.stop()
         sock.close()

@@ -22,6 +22,7 @@ _MAX_HEAD = 64 * 1024  # bytes of request line and headers read at most
 _MAX_DRAIN = 1 << 20  # bytes of a declared body read before answering; a larger one is answered unread
 _TIMEOUT = 5.0  # seconds a connection may take to send its request
 _LINGER = 1.0  # seconds an answered connection's leftover input is read before closing
+_MAX_ANSWERING = 64  # connections answered at once; one past them is closed unanswered (a client retries)
 
 
 def loading_body(path: str) -> bytes:
@@ -31,8 +32,8 @@ def loading_body(path: str) -> bytes:
     return json.dumps(error_body(path, APIError(503, MESSAGE, "unavailable_error", None, "model_loading"))).encode()
 
 
-def _answer(conn: socket.socket) -> None:
-    """Read one request's head (and its body up to ``_MAX_DRAIN``) and answer it 503."""
+def _answer(conn: socket.socket, done: threading.Semaphore) -> None:
+    """Read one request's head (and its body up to ``_MAX_DRAIN``) and answer it 503; then release ``done``."""
     try:
         conn.settimeout(_TIMEOUT)
         data = b""
@@ -67,6 +68,7 @@ def _answer(conn: socket.socket) -> None:
         pass
     finally:
         conn.close()
+        done.release()
 
 
 def _drain(conn: socket.socket) -> None:
@@ -90,6 +92,7 @@ class LoadingResponder:
         self.sock = sock
         loading_body("/")  # import the error objects now, not at the first request
         self._stop = threading.Event()
+        self._answering = threading.BoundedSemaphore(_MAX_ANSWERING)  # (a thread a connection: a bounded number)
         self._blocking = sock.getblocking()
         self._thread = threading.Thread(target=self._serve, name="tokenleap-loading", daemon=True)
 
@@ -116,5 +119,9 @@ class LoadingResponder:
                     continue
                 except OSError:  # the socket was closed under it (a failed load)
                     return
+                if not self._answering.acquire(blocking=False):  # many slow clients at once: no thread more
+                    conn.close()
+                    continue
                 conn.setblocking(True)
-                threading.Thread(target=_answer, args=(conn,), name="tokenleap-loading-answer", daemon=True).start()
+                threading.Thread(target=_answer, args=(conn, self._answering), name="tokenleap-loading-answer",
+                                 daemon=True).start()
