@@ -63,8 +63,9 @@ def main() -> None:
                 seconds, ids = asyncio.run(_serve(llm, prompts, params, level))
                 equal &= ids == want
                 rates.setdefault((name, level), []).append(sum(map(len, ids)) / seconds)
-    rows = [{"concurrency": level, **{name: round(statistics.median(rates[(name, level)]), 2) for name in engines},
-             "auto_over_plain": round(statistics.median(rates[("auto", level)]) / statistics.median(rates[("plain", level)]), 3)}
+    median = {key: statistics.median(values) for key, values in rates.items()}
+    rows = [{"concurrency": level, **{name: round(median[(name, level)], 2) for name in engines},
+             "auto_over_plain": round(median[("auto", level)] / median[("plain", level)], 3)}
             for level in args.concurrency]
     print(json.dumps({"rows": rows, "outputs_equal_generate": equal, "rates": {f"{n}@{c}": [round(r, 2) for r in v]
                                                                               for (n, c), v in rates.items()}}))
