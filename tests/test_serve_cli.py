@@ -78,10 +78,11 @@ def test_the_default_kv_budget_is_at_most_half_the_memory_available(monkeypatch)
     """Without --kv-cache-gb: 4 GiB, or half of what the machine has available where that is less (the
     cache's memory check would refuse a default the machine cannot hold); a budget given is kept."""
     from tokenleap import meminfo
-    from tokenleap.cli.serve import kv_budget
+    from tokenleap.cache.paged import DEFAULT_KV_GB, kv_budget_gb
+    assert DEFAULT_KV_GB == 4.0  # (serve's help says so)
     for available, want in ((64 * 2**30, 4.0), (3 * 2**30, 1.5), (None, 4.0)):
         monkeypatch.setattr(meminfo, "meminfo", lambda field, a=available: a if field == "MemAvailable" else None)
-        assert kv_budget(None) == want and kv_budget(6.0) == 6.0
+        assert kv_budget_gb(None) == want and kv_budget_gb(6.0) == 6.0
 
 
 def test_while_the_model_loads_every_path_answers_503_in_its_apis_error_form(capsys, monkeypatch):

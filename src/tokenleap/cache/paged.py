@@ -323,6 +323,20 @@ def prefix_keys(tokens: list[int], window: int, n: int, salt: bytes = b"") -> li
     return keys
 
 
+DEFAULT_KV_GB = 4.0  # a serving pool's budget unless the user sets one (see kv_budget_gb)
+
+
+def kv_budget_gb(kv_cache_gb: float | None = None) -> float:
+    """A serving pool's KV budget in GiB: ``kv_cache_gb`` as given; by default ``DEFAULT_KV_GB``, or half
+    the memory available where that is less (the rest for a draft model and its cache, and the process),
+    so a default never asks for memory the machine lacks (a pool under one sequence is raised to one)."""
+    if kv_cache_gb is not None:
+        return kv_cache_gb
+    from tokenleap.meminfo import meminfo
+    available = meminfo("MemAvailable")
+    return DEFAULT_KV_GB if available is None else min(DEFAULT_KV_GB, available / 2 / 2**30)
+
+
 def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, budget_bytes: int) -> int:
     """How many blocks of ``block_size`` tokens fit in ``budget_bytes`` for this model."""
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim

@@ -19,9 +19,6 @@ from tokenleap.config import SpecConfig
 # heavy modules (torch, fastapi) are imported when serving, so other sub-commands start fast
 
 
-DEFAULT_KV_GB = 4.0  # serve's KV budget without --kv-cache-gb (see kv_budget)
-
-
 def _positive_float(value: str, allow_zero: bool = False) -> float:
     """argparse type: a finite number > 0 (>= 0 with ``allow_zero``)."""
     try:
@@ -54,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV-cache blocks (default: from --kv-cache-gb)")
     p.add_argument("--kv-cache-gb", type=_positive_float, default=None,
-                   help=f"KV-cache memory budget, target model (default: {DEFAULT_KV_GB:g}, or half the memory "
+                   help="KV-cache memory budget, target model (default: 4, or half the memory "
                         "available once the model has loaded where that is less)")
     p.add_argument("--prefill-chunk", type=positive_int, default=256,
                    help="prompt tokens per prefill chunk (default: 256)")
@@ -97,19 +94,19 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
                  cache_dir: str | None = None, prefix_caching: bool = True):
     """A serving ``Engine``: the target on a PagedKVCache, and a proposer (a draft's cache paged too).
 
-    Default pool: room for ``max_num_seqs`` full-length sequences, capped at ``kv_budget(kv_cache_gb)``, and
+    Default pool: room for ``max_num_seqs`` full-length sequences, capped at ``kv_budget_gb(kv_cache_gb)``, and
     never below one full-length sequence (memory is only touched as blocks are written)."""
     from tokenleap.spec.controller import ControllerConfig
     from tokenleap.spec.engine import Engine
     from tokenleap.models.pretrained import load_model
-    from tokenleap.cache.paged import PagedKVCache, num_blocks_for_budget
+    from tokenleap.cache.paged import PagedKVCache, kv_budget_gb, num_blocks_for_budget
     _check_chunks(prefix_caching, prefill_chunk, block_size)
     spec = spec or SpecConfig()
     target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
     cfg = target.model.config
     max_len = target.context_length(max_model_len)
     per_seq = -(-(max_len + 1) // block_size)
-    budget = num_blocks_for_budget(cfg, target.model.dtype, block_size, int(kv_budget(kv_cache_gb) * 2**30))
+    budget = num_blocks_for_budget(cfg, target.model.dtype, block_size, int(kv_budget_gb(kv_cache_gb) * 2**30))
     blocks = num_kv_blocks or max(min(max_num_seqs * per_seq, budget), per_seq)
     cache = PagedKVCache(cfg, blocks, max_len, target.model.dtype, block_size, num_slots=max_num_seqs,
                          prefix_caching=prefix_caching)
@@ -121,17 +118,6 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
         proposer = None  # the default: auto only with a choice to make (n-gram alone: plain, as always)
     return Engine(target.model, target.tokenizer, max_len=max_len, proposer=proposer, controller=ctl,
                   prefill_chunk=prefill_chunk, cache=cache, tree_nodes=spec.tree_nodes)
-
-
-def kv_budget(kv_cache_gb: float | None) -> float:
-    """The KV budget in GiB: ``kv_cache_gb`` as given; by default ``DEFAULT_KV_GB``, or half the memory
-    available where that is less (the rest for a draft model and its cache, and the process), so the
-    default does not ask for memory the machine lacks (a pool under one sequence is raised to one)."""
-    if kv_cache_gb is not None:
-        return kv_cache_gb
-    from tokenleap.meminfo import meminfo
-    available = meminfo("MemAvailable")
-    return DEFAULT_KV_GB if available is None else min(DEFAULT_KV_GB, available / 2 / 2**30)
 
 
 def _check_chunks(prefix_caching: bool, prefill_chunk: int, block_size: int) -> None:

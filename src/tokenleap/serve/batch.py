@@ -49,9 +49,13 @@ def request_engine(llm: "LLM") -> Engine:
 
 
 def coroutine_engine(llm: "LLM") -> Engine:
-    """The engine of ``LLM.astream``'s scheduler: ``max_num_seqs`` slots and blocks for two whole contexts
-    (one, for one slot) -- many shorter requests at once, and a shortfall only preempts, which is exact."""
-    return _paged_engine(llm, min(llm.max_num_seqs, 2) * _context_blocks(llm), llm.max_num_seqs)
+    """The engine of ``LLM.astream``'s scheduler: ``max_num_seqs`` slots, and blocks for as many whole
+    contexts within the default serving budget (``kv_budget_gb``), never under one -- a shortfall only
+    preempts, which is exact."""
+    from tokenleap.cache.paged import kv_budget_gb, num_blocks_for_budget
+    model, context = llm.target.model, _context_blocks(llm)
+    budget = num_blocks_for_budget(model.config, model.dtype, BLOCK_SIZE, int(kv_budget_gb() * 2**30))
+    return _paged_engine(llm, max(min(llm.max_num_seqs * context, budget), context), llm.max_num_seqs)
 
 
 def session_engine(llm: "LLM") -> Engine:
