@@ -3,8 +3,8 @@
 
 ``astream`` requests join one scheduler of this LLM's, on a thread of its own: every stream open at
 once is decoded together (continuous batching, as the server runs it, over a paged engine of its own
-with ``max_num_seqs`` slots and ``tokenleap serve``'s default KV budget), those beyond it wait their turn, and the event loop keeps answering
-meanwhile. Each output is token-identical to the request decoded alone (row-exact batching, seeded
+with ``max_num_seqs`` slots and ``tokenleap serve``'s default KV budget), those beyond it wait their
+turn, and the event loop keeps answering meanwhile. Each output is token-identical to the request decoded alone (row-exact batching, seeded
 noise by position). Cancelling the reading task, or leaving its ``async for``, drops the request at
 the scheduler's next iteration and frees its slot (``contextlib.aclosing`` makes a ``break`` do that at
 once, not when the generator is collected). ``agenerate`` and ``achat`` run ``generate`` / ``chat`` on
