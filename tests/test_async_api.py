@@ -210,3 +210,79 @@ def test_streams_on_several_threads_step_the_engine_one_at_a_time(monkeypatch):
     for t in threads:
         t.join(60)
     assert got == want and widest[0] == 1
+
+
+def test_a_stream_collected_inside_another_streams_step_is_closed_after_it(monkeypatch):
+    """An abandoned stream held in a reference cycle, freed by a garbage collection inside another
+    stream's step on the same thread: its close waits for the end of that step (it waited for the
+    step's own gate before: a deadlock), then frees its slot."""
+    import gc
+    import weakref
+    from tokenleap.spec.engine import Engine
+    loaded = LoadedModel(model(1), EncodeChatToy(VOCAB), torch.float32, "none", "tiny", None)
+    llm = LLM.from_loaded(loaded, SpecConfig(method="ngram"), max_model_len=96, num_slots=2)
+    want = llm.generate("xyz", PARAMS)[0].token_ids  # (builds the engine: later objects are collectable)
+
+    class Holder:
+        pass
+
+    def abandon():
+        holder = Holder()
+        holder.me, holder.stream = holder, llm.stream("abcabc", PARAMS)
+        next(holder.stream)  # (holds a slot)
+        return weakref.ref(holder)
+    abandoned = abandon()
+    collected, real = [], Engine.step
+
+    def step(engine, *args, **kwargs):
+        if abandoned() is not None:
+            collected.append(gc.collect())
+        return real(engine, *args, **kwargs)
+    monkeypatch.setattr(Engine, "step", step)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(list(llm.stream("xyz", PARAMS))[-1].output.token_ids),
+                              daemon=True)
+    gc.disable()
+    try:
+        thread.start()
+        thread.join(30)
+    finally:
+        gc.enable()
+    assert not thread.is_alive() and got == [want] and abandoned() is None and collected
+    assert llm.engine.cache.num_free_slots == 2
+
+
+EXIT_WITH_STREAMS_OPEN = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from tokenleap.api import LLM
+from tokenleap.config import SamplingParams, SpecConfig
+from tokenleap.models.pretrained import LoadedModel
+from conftest import tiny_model
+from serving_helpers import EncodeChatToy
+m = tiny_model("qwen2", seed=1, vocab=96, hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1024)
+llm = LLM.from_loaded(LoadedModel(m, EncodeChatToy(96), torch.float32, "none", "tiny", None),
+                      SpecConfig(method="ngram"), max_model_len=512, max_num_seqs=4)
+async def main():
+    async def read(i):
+        async for _ in llm.astream("abc" * 10 + str(i), SamplingParams(max_tokens=450, ignore_eos=True)):
+            pass
+    tasks = [asyncio.create_task(read(i)) for i in range(4)]
+    await asyncio.sleep(1.0)
+    print("returning with streams open", flush=True)
+asyncio.run(main())
+"""
+
+
+def test_a_program_that_returns_with_streams_open_exits_cleanly():
+    """``asyncio.run`` returning while astream requests run: the scheduler's step in flight ends and its
+    thread stops at exit (a daemon thread inside a torch step when the interpreter finalized aborted
+    the process, exit status 134, in three runs of four)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", EXIT_WITH_STREAMS_OPEN, str(Path(__file__).parent)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "returning with streams open" in done.stdout, done.stderr[-2000:]

@@ -17,6 +17,7 @@ import torch
 
 from tokenleap.api_async import AsyncCalls
 from tokenleap.cancellation import check_cancelled
+from tokenleap.step_gate import StepGate
 from tokenleap.spec.tree_budget import machine_tree_mode
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig, is_int
 from tokenleap.spec.controller import ControllerConfig
@@ -28,7 +29,7 @@ from tokenleap.outputs import RequestOutput, StreamChunk, grouped, request_outpu
 from tokenleap.cache.contiguous import CacheFullError
 
 
-_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock", "_step_lock")
+_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock", "_steps")
 
 
 class StreamsBusy(ConfigError):
@@ -82,7 +83,7 @@ class LLM(AsyncCalls):
         self._engine_lock = threading.Lock()  # LLM.engine's one build, when callers on several threads race to it
         self._coroutines = None  # astream's scheduler, started on first use (api_async.py)
         self._coroutines_lock = threading.Lock()
-        self._step_lock = threading.Lock()  # LLM.engine's steps, one at a time (streams on several threads)
+        self._steps = StepGate()  # LLM.engine's steps, one at a time (streams on several threads)
 
     def __getstate__(self) -> dict[str, Any]:
         # the engines (KV caches, proposers, the coroutines' scheduler thread) are this process's: a copy
@@ -92,7 +93,8 @@ class LLM(AsyncCalls):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._engine_lock, self._coroutines_lock, self._step_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self._engine_lock, self._coroutines_lock, self._steps = threading.Lock(), threading.Lock(), StepGate()
+        self.__dict__.setdefault("_coroutines", None)  # (an LLM pickled before astream existed)
 
     @property
     def engine(self) -> Engine:
@@ -182,7 +184,7 @@ class LLM(AsyncCalls):
         t0 = time.perf_counter()
         steps = engine.generate(ids, params)
         try:
-            with self._step_lock:  # (streams on other threads step the same engine: one step at a time)
+            with self._steps.step():  # (streams on other threads step the same engine: one step at a time)
                 first = next(steps)  # takes a slot (and prefills): another thread may have taken the last one since
         except CacheFullError:
             raise StreamsBusy(busy) from None
@@ -195,11 +197,10 @@ class LLM(AsyncCalls):
                 else:
                     last_piece = piece
                 check_cancelled()  # (an agenerate / achat given up: before the next step)
-                with self._step_lock:
+                with self._steps.step():
                     item = next(steps, None)
         finally:
-            with self._step_lock:
-                steps.close()  # (frees the slot now when the caller stops early)
+            self._steps.close(steps)  # (frees the slot now when the caller stops early)
         assert seq is not None
         yield StreamChunk(last_piece, seq.generated, True, request_output(prompt, seq, time.perf_counter() - t0))
 

@@ -4,17 +4,21 @@
 ``astream`` requests join one scheduler of this LLM's, on a thread of its own: every stream open at
 once is decoded together (continuous batching, as the server runs it, over a paged engine of its own
 with ``max_num_seqs`` slots and ``tokenleap serve``'s default KV budget), those beyond it wait their
-turn, and the event loop keeps answering meanwhile. Each output is token-identical to the request decoded alone (row-exact batching, seeded
-noise by position). Cancelling the reading task, or leaving its ``async for``, drops the request at
-the scheduler's next iteration and frees its slot (``contextlib.aclosing`` makes a ``break`` do that at
-once, not when the generator is collected). ``agenerate`` and ``achat`` run ``generate`` / ``chat`` on
-a worker thread: cancelling them stops the generation before its next step (``cancellation.py``).
+turn, and the event loop keeps answering meanwhile. Each output is token-identical to the request
+decoded alone (row-exact batching, seeded noise by position). Cancelling the reading task, or leaving
+its ``async for``, drops the request at the scheduler's next iteration and frees its slot
+(``contextlib.aclosing`` makes a ``break`` do that at once, not when the generator is collected); at
+interpreter exit the step in flight ends before the scheduler's thread stops. ``agenerate`` and
+``achat`` run ``generate`` / ``chat`` on a worker thread: cancelling them stops the generation before
+its next step (``cancellation.py``).
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,9 +48,10 @@ class AsyncCalls:
         prompt, params = _unwrapped(prompt), _checked(params)
         if params.n > 1:
             raise ConfigError(f"astream gives one completion (n is {params.n}): agenerate or achat give n")
-        ids = await asyncio.to_thread(self.encode, prompt, chat)  # (a long prompt: off the event loop)
-        scheduler = self._coroutine_scheduler()
-        seq = scheduler.engine.create(ids, params)
+        # off the event loop: a long prompt's tokens, the first call's engine, a grammar's compilation
+        ids = await asyncio.to_thread(self.encode, prompt, chat)
+        scheduler = await asyncio.to_thread(self._coroutine_scheduler)
+        seq = await asyncio.to_thread(scheduler.engine.create, ids, params)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request = Request(seq, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
@@ -80,6 +85,7 @@ class AsyncCalls:
                 scheduler = Scheduler(engine, SchedulerConfig(max_num_seqs=engine.cache.num_slots,
                                                               max_waiting=_MAX_WAITING, log_interval=0))
                 scheduler.start()
+                atexit.register(_stop_at_exit, weakref.ref(scheduler))
                 self._coroutines = scheduler
         return scheduler
 
@@ -92,6 +98,15 @@ class AsyncCalls:
     async def achat(self, messages: Any, params: Any = None, **kwargs: Any) -> list[RequestOutput]:
         """``chat`` on a worker thread (the same arguments and outputs); cancelled, as ``agenerate``."""
         return await _cancellable(self.chat, messages, params, **kwargs)
+
+
+def _stop_at_exit(scheduler: "weakref.ref") -> None:
+    """At interpreter exit, let the scheduler's step in flight end and its thread stop: a daemon thread
+    still inside a step when the interpreter finalizes aborts the process (requests left open when
+    ``asyncio.run`` returns are dropped only at the next iteration)."""
+    alive = scheduler()
+    if alive is not None and alive.alive:
+        alive.shutdown()
 
 
 async def _cancellable(call: Any, *args: Any, **kwargs: Any) -> Any:

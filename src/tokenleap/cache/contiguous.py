@@ -30,7 +30,8 @@ def layer_tensors(config: ModelConfig, shape: tuple[int, ...], dtype: torch.dtyp
     available = meminfo("MemAvailable") if torch.device(device).type == "cpu" else None
     swap = meminfo("SwapFree") or 0
     if available is not None and size > available + swap:
-        free = f"{available / 2**30:.1f} GiB of memory" + (f" and {swap / 2**30:.1f} GiB of swap are" if swap else " is")
+        free = f"{available / 2**30:.1f} GiB of memory" + (f" and {swap / 2**30:.1f} GiB of swap are" if swap
+                                                            else " is")
         raise refuse(f"and {free} available")
     try:
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
