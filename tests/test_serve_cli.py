@@ -6,6 +6,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -148,6 +149,36 @@ def test_the_loading_responder_answers_a_client_waiting_to_send_its_body_and_one
     finally:
         responder.stop()
         sock.close()
+
+
+def test_an_answered_connections_leftover_input_is_read_before_it_closes(monkeypatch):
+    """After its answer the responder reads what the client still sends (a body it did not read, a
+    pipelined request) until the client closes, or for a moment at most: closing a TCP socket with
+    unread input sends a reset, which can destroy the answer before the client reads it."""
+    from tokenleap.serve import loading
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"x" * 50_000)
+        theirs.shutdown(socket.SHUT_WR)  # (sent everything, then closed its side)
+        loading._drain(ours)
+        ours.setblocking(False)
+        assert ours.recv(1) == b""  # nothing left unread: the client's close comes next
+    monkeypatch.setattr(loading, "_LINGER", 0.2)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"GET / HTTP/1.1\r\n\r\n")  # (a client that keeps its side open)
+        start = time.monotonic()
+        loading._drain(ours)
+        assert 0.15 < time.monotonic() - start < 5
+    drained = []  # and an answer does it
+    monkeypatch.setattr(loading, "_drain", drained.append)
+    ours, theirs = socket.socketpair()
+    with theirs:
+        theirs.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answering = threading.BoundedSemaphore(1)
+        answering.acquire()  # (as the responder does before it hands a connection over)
+        loading._answer(ours, answering)
+        assert drained == [ours] and theirs.recv(65536).startswith(b"HTTP/1.1 503")
 
 
 def test_the_loading_responder_answers_a_bounded_number_of_connections_at_once(monkeypatch):

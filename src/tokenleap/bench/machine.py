@@ -82,21 +82,30 @@ def load_average() -> list[float] | None:
 
 
 def cpu_times() -> tuple[float, float, float] | None:
-    """(the machine's busy CPU seconds, its total CPU seconds -- both summed over CPUs since boot --, the
-    CPU seconds of this process and its waited-for children); None where ``/proc/stat`` is missing.
+    """(busy CPU seconds, total CPU seconds -- since boot, summed over the CPUs this process may run on --,
+    the CPU seconds of this process and its waited-for children); None where ``/proc/stat`` is missing.
     Busy includes ``steal``: time a virtual machine's CPUs were given to others."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
         return None
-    if not fields or fields[0] != "cpu" or len(fields) < 5:
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    busy = total = 0
+    for line in lines:
+        fields = line.split()
+        if not fields or not fields[0].startswith("cpu") or fields[0] == "cpu" or len(fields) < 5:
+            continue
+        if usable is not None and int(fields[0][3:]) not in usable:
+            continue
+        ticks = [int(x) for x in fields[1:9]] + [0] * (9 - len(fields))  # user nice system idle iowait irq ...
+        busy += sum(ticks) - ticks[3] - ticks[4]
+        total += sum(ticks)
+    if not total:
         return None
-    ticks = [int(x) for x in fields[1:9]] + [0] * (9 - len(fields))  # user nice system idle iowait irq softirq steal
     hz = os.sysconf("SC_CLK_TCK")
-    busy = sum(ticks) - ticks[3] - ticks[4]
     own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
               for f in ("ru_utime", "ru_stime"))
-    return busy / hz, sum(ticks) / hz, own
+    return busy / hz, total / hz, own
 
 
 def others_share(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None

@@ -11,6 +11,7 @@ the real server.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import selectors
 import socket
@@ -76,12 +77,13 @@ def _drain(conn: socket.socket) -> None:
     socket with unread data resets the connection, and a reset can lose the answer before it is read."""
     deadline = time.monotonic() + _LINGER
     read = 0
-    while read < _MAX_DRAIN and (left := deadline - time.monotonic()) > 0:
-        conn.settimeout(left)
-        chunk = conn.recv(65536)
-        if not chunk:  # the client read the answer and closed
-            return
-        read += len(chunk)
+    with contextlib.suppress(OSError):  # (the moment passed, or the client reset: done either way)
+        while read < _MAX_DRAIN and (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            chunk = conn.recv(65536)
+            if not chunk:  # the client read the answer and closed
+                return
+            read += len(chunk)
 
 
 class LoadingResponder:
