@@ -80,21 +80,12 @@ def test_a_cancelled_reader_is_dropped_at_the_next_iteration(monkeypatch):
     from tokenleap.spec.engine import Engine
     llm = make_llm()
     gate, stepping, calls = _gate_steps(monkeypatch, Engine, at=2)
+    chunks = []
 
-    async def main():
-        chunks = []
-
-        async def read():
-            async for c in llm.astream("abcabc", PARAMS):
-                chunks.append(c)
-        task = asyncio.create_task(read())
-        await asyncio.to_thread(stepping.wait, 10)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        gate.set()
-        return chunks
-    chunks = asyncio.run(main())
+    async def read():
+        async for c in llm.astream("abcabc", PARAMS):
+            chunks.append(c)
+    _cancel_mid_call(read, gate, stepping)
     assert wait_until(lambda: _all_free(llm))
     assert len(calls) == 2 and not any(c.finished for c in chunks)  # no step after the one in flight
     monkeypatch.undo()
