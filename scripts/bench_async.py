@@ -2,7 +2,9 @@
 """``LLM.astream`` at several concurrency levels: total output tokens/s of N chat requests served by
 an asyncio application, each level's requests open at once (``--concurrency``) against one after
 another, plain decoding and speculation side by side in one run (levels take turns, ``--rounds``
-times). Every output is checked against ``LLM.generate`` of its prompt alone (greedy).
+times). Every output is checked against ``LLM.generate`` of its prompt alone (greedy). Every level
+serves the same prompts again, so the n-gram pool of earlier outputs is off by default (``--ngram-pool``):
+with it, later rounds draft whole replies from the first one's.
 
     python scripts/bench_async.py --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
         --quant int4 --draft-quant int4 --concurrency 1 2 4 --prompts 8 --max-tokens 96 --rounds 2
@@ -46,10 +48,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--ngram-pool", type=int, default=0, help="tokens of earlier outputs drafted from (0: off)")
     args = ap.parse_args()
     prompts = [p.user_message for p in load_dataset(args.dataset, args.prompts).prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
-    spec = {"method": "auto", "draft_model": args.draft_model, "draft_quant": args.draft_quant}
+    spec = {"method": "auto", "draft_model": args.draft_model, "draft_quant": args.draft_quant,
+            "ngram_pool": args.ngram_pool}
     engines = {"plain": LLM(args.model, quant=args.quant, max_model_len=args.max_model_len),
                "auto": LLM(args.model, quant=args.quant, speculative=spec, max_model_len=args.max_model_len)}
     want = [engines["plain"].generate(p, params, chat=True)[0].token_ids for p in prompts]
