@@ -215,6 +215,50 @@ def test_the_loading_responder_answers_a_bounded_number_of_connections_at_once(m
         sock.close()
 
 
+def test_while_loading_an_allowed_page_can_read_the_503_and_a_proxy_gets_its_apis_form():
+    """A page the server allows (--allowed-origins, or this machine's pages by default) gets its CORS
+    preflight answered 204 and the 503 with the header that lets it read it; another page's request gets
+    the 503 without it. An absolute-form target (a proxy's) is answered in its path's error form."""
+    from tokenleap.cli.serve import listening_socket
+    from tokenleap.serve.loading import LoadingResponder
+    for allowed, page, foreign in (((), "http://localhost:3000", "https://evil.example"),
+                                   (("https://app.example",), "https://app.example", "http://localhost:3000")):
+        sock = listening_socket("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        responder = LoadingResponder(sock, allowed).start()
+        try:
+            with httpx.Client(timeout=10) as c:
+                pre = c.options(url + "/v1/chat/completions", headers={
+                    "Origin": page, "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "content-type, authorization"})
+                assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == page
+                assert pre.headers["access-control-allow-methods"] == "POST"
+                assert pre.headers["access-control-allow-headers"] == "content-type, authorization"
+                read = c.post(url + "/v1/chat/completions", json={}, headers={"Origin": page})
+                assert read.status_code == 503 and read.headers["access-control-allow-origin"] == page
+                other = c.post(url + "/v1/chat/completions", json={}, headers={"Origin": foreign})
+                assert other.status_code == 503 and "access-control-allow-origin" not in other.headers
+                refused = c.options(url + "/v1/models", headers={"Origin": foreign,
+                                                                   "Access-Control-Request-Method": "GET"})
+                assert refused.status_code == 503 and "access-control-allow-origin" not in refused.headers
+        finally:
+            responder.stop()
+            sock.close()
+    sock = listening_socket("127.0.0.1", 0)
+    responder = LoadingResponder(sock).start()
+    try:
+        with socket.create_connection(sock.getsockname(), timeout=5) as client:
+            client.sendall(b"POST http://example.com/api/generate HTTP/1.1\r\nHost: example.com\r\n"
+                           b"Content-Length: 2\r\n\r\n{}")
+            reply = b""
+            while chunk := client.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 503") and reply.endswith(b'{"error": "the model is loading; retry shortly"}')
+    finally:
+        responder.stop()
+        sock.close()
+
+
 def test_the_loading_responder_hands_its_socket_on_listening():
     """Stopped, the responder leaves the socket listening and in its blocking mode: a connection made
     after ``stop`` waits in the backlog for the real server's accept."""

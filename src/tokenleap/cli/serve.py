@@ -168,7 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     url = f"http://{_url_host(args.host)}:{args.port}"
     print(f"tokenleap: loading {args.model}; {url} answers 503 until it is ready", file=sys.stderr)
-    responder = LoadingResponder(sock).start()
+    responder = LoadingResponder(sock, tuple(args.allowed_origins)).start()
     try:
         app, engine = build_app(args, spec)
     except BaseException:

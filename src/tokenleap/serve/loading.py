@@ -5,7 +5,9 @@ readiness probe, ``curl --retry``, a script polling ``/health``) gets an HTTP an
 instead of "connection refused" -- as llama.cpp's server does. Each connection is read up to its
 headers (and a declared body, unless the client waits for a 100 Continue first), answered with the
 error object of the API its path belongs to and closed once the client has read it or a moment has
-passed (closing with unread input resets a connection, which can lose the answer). Once the engine
+passed (closing with unread input resets a connection, which can lose the answer). A page the server
+allows (CORS, as ``serve/origins.py`` decides) may read the answer, and its preflight is answered 204
+so that it asks at all. Once the engine
 is built the responder stops and hands the listening socket, its queued connections included, to
 the real server.
 """
@@ -17,6 +19,7 @@ import selectors
 import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 MESSAGE = "the model is loading; retry shortly"
 _MAX_HEAD = 64 * 1024  # bytes of request line and headers read at most
@@ -33,8 +36,9 @@ def loading_body(path: str) -> bytes:
     return json.dumps(error_body(path, APIError(503, MESSAGE, "unavailable_error", None, "model_loading"))).encode()
 
 
-def _answer(conn: socket.socket, done: threading.Semaphore) -> None:
-    """Read one request's head (and its body up to ``_MAX_DRAIN``) and answer it 503; then release ``done``."""
+def _answer(conn: socket.socket, done: threading.Semaphore, origins: tuple[str, ...] = ()) -> None:
+    """Read one request's head (and its body up to ``_MAX_DRAIN``) and answer it 503 (a CORS preflight
+    from an allowed page, 204); then release ``done``. ``origins``: serve's --allowed-origins."""
     try:
         conn.settimeout(_TIMEOUT)
         data = b""
@@ -47,22 +51,19 @@ def _answer(conn: socket.socket, done: threading.Semaphore) -> None:
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
         method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("GET", "/")
-        length, waits = 0, False
-        for line in lines[1:]:
-            name, _, value = (part.strip().lower() for part in line.partition(":"))
-            if name == "content-length" and value.isdigit():
-                length = int(value)
-            waits |= name == "expect" and value == "100-continue"  # the body comes only after a 100: answer now
+        headers = {name.strip().lower(): value.strip()
+                   for name, _, value in (line.partition(":") for line in lines[1:])}
+        if "://" in path:  # (an absolute-form target, as a proxy sends: its path says which API)
+            path = urlsplit(path).path or "/"
+        length = int(headers["content-length"]) if headers.get("content-length", "").isdigit() else 0
+        waits = headers.get("expect", "").lower() == "100-continue"  # the body comes only after a 100: answer now
         if length <= _MAX_DRAIN and not waits:
             while len(body) < length:
                 chunk = conn.recv(min(65536, length - len(body)))
                 if not chunk:
                     break
                 body += chunk
-        payload = loading_body(path)
-        header = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
-        conn.sendall(header if method == "HEAD" else header + payload)
+        conn.sendall(_response(method, path, headers, origins))
         conn.shutdown(socket.SHUT_WR)
         _drain(conn)
     except OSError:  # the client left or stalled: nothing to answer
@@ -70,6 +71,27 @@ def _answer(conn: socket.socket, done: threading.Semaphore) -> None:
     finally:
         conn.close()
         done.release()
+
+
+def _response(method: str, path: str, headers: dict[str, str], origins: tuple[str, ...]) -> bytes:
+    """The answer: 503 with the path's error object; a page the server allows (CORS, as the running server
+    decides) gets the headers that let it read that answer, and its preflight a 204 that lets it ask."""
+    cors = ""
+    origin = headers.get("origin")
+    if origin is not None:
+        from tokenleap.serve.origins import origin_allowed
+        if "*" in origins or origin_allowed(origin, origins):
+            cors = f"Access-Control-Allow-Origin: {origin}\r\nVary: Origin\r\n"
+    if method == "OPTIONS" and cors and "access-control-request-method" in headers:
+        asked = headers.get("access-control-request-headers")
+        return ("HTTP/1.1 204 No Content\r\n" + cors
+                + f"Access-Control-Allow-Methods: {headers['access-control-request-method']}\r\n"
+                + (f"Access-Control-Allow-Headers: {asked}\r\n" if asked else "")
+                + "Content-Length: 0\r\nConnection: close\r\n\r\n").encode("latin-1")
+    payload = loading_body(path)
+    header = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n" + cors
+              + f"Content-Length: {len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode("latin-1")
+    return header if method == "HEAD" else header + payload
 
 
 def _drain(conn: socket.socket) -> None:
@@ -90,8 +112,8 @@ class LoadingResponder:
     """Answers connections on a listening socket with 503 from a background thread until ``stop``;
     the socket stays open (and listening) for the server that follows."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket, allowed_origins: tuple[str, ...] = ()) -> None:
+        self.sock, self.origins = sock, tuple(allowed_origins)
         loading_body("/")  # import the error objects now, not at the first request
         self._stop = threading.Event()
         self._answering = threading.BoundedSemaphore(_MAX_ANSWERING)  # (a thread a connection: a bounded number)
@@ -125,5 +147,5 @@ class LoadingResponder:
                     conn.close()
                     continue
                 conn.setblocking(True)
-                threading.Thread(target=_answer, args=(conn, self._answering), name="tokenleap-loading-answer",
-                                 daemon=True).start()
+                threading.Thread(target=_answer, args=(conn, self._answering, self.origins),
+                                 name="tokenleap-loading-answer", daemon=True).start()
