@@ -7,9 +7,8 @@ headers (and a declared body, unless the client waits for a 100 Continue first),
 error object of the API its path belongs to and closed once the client has read it or a moment has
 passed (closing with unread input resets a connection, which can lose the answer). A page the server
 allows (CORS, as ``serve/origins.py`` decides) may read the answer, and its preflight is answered 204
-so that it asks at all. Once the engine
-is built the responder stops and hands the listening socket, its queued connections included, to
-the real server.
+so that it asks at all. Once the engine is built the responder stops and hands the listening socket,
+its queued connections included, to the real server.
 """
 from __future__ import annotations
 
