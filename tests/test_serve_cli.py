@@ -181,6 +181,28 @@ def test_an_answered_connections_leftover_input_is_read_before_it_closes(monkeyp
         assert drained == [ours] and theirs.recv(65536).startswith(b"HTTP/1.1 503")
 
 
+def test_a_client_trickling_its_request_is_let_go_at_the_requests_deadline(monkeypatch):
+    """The time to send a request is for the whole request, not each read: a byte every 0.1 s does not
+    hold an answering thread past it."""
+    from tokenleap.serve import loading
+    monkeypatch.setattr(loading, "_TIMEOUT", 0.5)
+    ours, theirs = socket.socketpair()
+    answering = threading.BoundedSemaphore(1)
+    answering.acquire()
+    answered = threading.Thread(target=loading._answer, args=(ours, answering), daemon=True)
+    start = time.monotonic()
+    answered.start()
+    with theirs:
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n":  # (never the blank line that ends a head)
+            if not answered.is_alive():
+                break
+            with contextlib.suppress(OSError):
+                theirs.sendall(bytes([byte]))
+            time.sleep(0.1)
+    answered.join(10)
+    assert not answered.is_alive() and time.monotonic() - start < 2.5
+
+
 def test_the_loading_responder_answers_a_bounded_number_of_connections_at_once(monkeypatch):
     """Connections that send nothing hold their answering threads; past the bound a connection is
     closed at once (no thread more), and once they are answered the next one is answered again."""

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 MESSAGE = "the model is loading; retry shortly"
 _MAX_HEAD = 64 * 1024  # bytes of request line and headers read at most
 _MAX_DRAIN = 1 << 20  # bytes of a declared body read before answering; a larger one is answered unread
-_TIMEOUT = 5.0  # seconds a connection may take to send its request
+_TIMEOUT = 5.0  # seconds a connection may take to send its whole request
 _LINGER = 1.0  # seconds an answered connection's leftover input is read before closing
 _MAX_ANSWERING = 64  # connections answered at once; one past them is closed unanswered (a client retries)
 
@@ -38,10 +38,11 @@ def loading_body(path: str) -> bytes:
 def _answer(conn: socket.socket, done: threading.Semaphore, origins: tuple[str, ...] = ()) -> None:
     """Read one request's head (and its body up to ``_MAX_DRAIN``) and answer it 503 (a CORS preflight
     from an allowed page, 204); then release ``done``. ``origins``: serve's --allowed-origins."""
+    deadline = time.monotonic() + _TIMEOUT  # for the whole request, not each read: a trickle ends too
     try:
-        conn.settimeout(_TIMEOUT)
         data = b""
         while b"\r\n\r\n" not in data and len(data) < _MAX_HEAD:
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
             chunk = conn.recv(4096)
             if not chunk:
                 return
@@ -58,6 +59,7 @@ def _answer(conn: socket.socket, done: threading.Semaphore, origins: tuple[str, 
         waits = headers.get("expect", "").lower() == "100-continue"  # the body comes only after a 100: answer now
         if length <= _MAX_DRAIN and not waits:
             while len(body) < length:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
                 chunk = conn.recv(min(65536, length - len(body)))
                 if not chunk:
                     break
