@@ -56,6 +56,10 @@ def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, mon
         monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
         assert main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port), "--replicas", "2"]) == 2
         assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+        for flags, said in ((["--draft-model", "no-such-draft"], "'no-such-draft' is neither a catalog model"),
+                            (["--prefill-chunk", "7"], "must be a multiple of --block-size")):
+            assert main(["serve", "--model", "smollm2-135m-instruct", "--replicas", "2", *flags]) == 2
+            assert said in capsys.readouterr().err
     assert main(["serve", "--model", "no-such-model"]) == 2  # before the port opens and says it is loading
     err = capsys.readouterr().err
     assert "'no-such-model' is neither a catalog model" in err and "loading" not in err
