@@ -262,6 +262,8 @@ def test_while_loading_an_allowed_page_can_read_the_503_and_a_proxy_gets_its_api
                 assert pre.headers["access-control-allow-headers"] == "content-type, authorization"
                 read = c.post(url + "/v1/chat/completions", json={}, headers={"Origin": page})
                 assert read.status_code == 503 and read.headers["access-control-allow-origin"] == page
+                # (credentials as the running server allows them: with origins named)
+                assert read.headers.get("access-control-allow-credentials") == ("true" if allowed else None)
                 other = c.post(url + "/v1/chat/completions", json={}, headers={"Origin": foreign})
                 assert other.status_code == 503 and "access-control-allow-origin" not in other.headers
                 refused = c.options(url + "/v1/models", headers={"Origin": foreign,
@@ -280,6 +282,14 @@ def test_while_loading_an_allowed_page_can_read_the_503_and_a_proxy_gets_its_api
             while chunk := client.recv(65536):
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 503") and reply.endswith(b'{"error": "the model is loading; retry shortly"}')
+        with socket.create_connection(sock.getsockname(), timeout=5) as client:  # a bare line feed in a value
+            client.sendall(b"OPTIONS /v1/models HTTP/1.1\r\nOrigin: http://localhost:3000\r\n"
+                           b"Access-Control-Request-Method: GET\r\n"
+                           b"Access-Control-Request-Headers: content-type\nX-Injected: 1\r\n\r\n")
+            reply = b""
+            while chunk := client.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 204") and b"X-Injected" not in reply
     finally:
         responder.stop()
         sock.close()

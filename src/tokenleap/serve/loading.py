@@ -52,7 +52,8 @@ def _answer(conn: socket.socket, done: threading.Semaphore, origins: tuple[str, 
         parts = lines[0].split(" ")
         method, path = (parts[0], parts[1].split("?")[0]) if len(parts) >= 2 else ("GET", "/")
         headers = {name.strip().lower(): value.strip()
-                   for name, _, value in (line.partition(":") for line in lines[1:])}
+                   for name, _, value in (line.partition(":") for line in lines[1:])
+                   if value.isprintable()}  # (a value with a bare line feed is never echoed into the answer)
         if "://" in path:  # (an absolute-form target, as a proxy sends: its path says which API)
             path = urlsplit(path).path or "/"
         length = int(headers["content-length"]) if headers.get("content-length", "").isdigit() else 0
@@ -82,7 +83,9 @@ def _response(method: str, path: str, headers: dict[str, str], origins: tuple[st
     if origin is not None:
         from tokenleap.serve.origins import origin_allowed
         if "*" in origins or origin_allowed(origin, origins):
-            cors = f"Access-Control-Allow-Origin: {origin}\r\nVary: Origin\r\n"
+            # (credentials as the running server allows them: with origins named, not with '*' or by default)
+            cors = f"Access-Control-Allow-Origin: {origin}\r\nVary: Origin\r\n" + (
+                "Access-Control-Allow-Credentials: true\r\n" if origins and "*" not in origins else "")
     if method == "OPTIONS" and cors and "access-control-request-method" in headers:
         asked = headers.get("access-control-request-headers")
         return ("HTTP/1.1 204 No Content\r\n" + cors
