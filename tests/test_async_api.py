@@ -277,3 +277,21 @@ def test_a_program_that_returns_with_streams_open_exits_cleanly():
         done = subprocess.run([sys.executable, "-c", EXIT_WITH_STREAMS_OPEN, str(Path(__file__).parent)],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "returning with streams open" in done.stdout, done.stderr[-2000:]
+
+
+def test_an_llm_collected_after_astream_stops_its_scheduler_and_frees_its_engine():
+    """The scheduler's thread held its engine (a KV cache of up to the serving budget) for as long as the
+    process ran, after its LLM was gone; now the LLM's collection stops it."""
+    import gc
+    import weakref
+    llm = make_llm()
+
+    async def one():
+        return [c async for c in llm.astream("abcabc", PARAMS)][-1].output.token_ids
+    assert asyncio.run(one()) == llm.generate("abcabc", PARAMS)[0].token_ids
+    thread, engine = llm._coroutines._thread, weakref.ref(llm._coroutines.engine)
+    del llm
+    gc.collect()
+    thread.join(10)
+    gc.collect()
+    assert not thread.is_alive() and engine() is None

@@ -7,15 +7,15 @@ with ``max_num_seqs`` slots and ``tokenleap serve``'s default KV budget), those 
 turn, and the event loop keeps answering meanwhile. Each output is token-identical to the request
 decoded alone (row-exact batching, seeded noise by position). Cancelling the reading task, or leaving
 its ``async for``, drops the request at the scheduler's next iteration and frees its slot
-(``contextlib.aclosing`` makes a ``break`` do that at once, not when the generator is collected); at
-interpreter exit the step in flight ends before the scheduler's thread stops. ``agenerate`` and
+(``contextlib.aclosing`` makes a ``break`` do that at once, not when the generator is collected); when
+the LLM is collected, or the interpreter exits, the step in flight ends, then the scheduler's thread,
+and its engine is freed. ``agenerate`` and
 ``achat`` run ``generate`` / ``chat`` on a worker thread: cancelling them stops the generation before
 its next step (``cancellation.py``).
 """
 from __future__ import annotations
 
 import asyncio
-import atexit
 import threading
 import time
 import weakref
@@ -85,7 +85,7 @@ class AsyncCalls:
                 scheduler = Scheduler(engine, SchedulerConfig(max_num_seqs=engine.cache.num_slots,
                                                               max_waiting=_MAX_WAITING, log_interval=0))
                 scheduler.start()
-                atexit.register(_stop_at_exit, weakref.ref(scheduler))
+                weakref.finalize(self, _stop, scheduler)  # (when the LLM is collected, or at exit)
                 self._coroutines = scheduler
         return scheduler
 
@@ -100,13 +100,12 @@ class AsyncCalls:
         return await _cancellable(self.chat, messages, params, **kwargs)
 
 
-def _stop_at_exit(scheduler: "weakref.ref") -> None:
-    """At interpreter exit, let the scheduler's step in flight end and its thread stop: a daemon thread
-    still inside a step when the interpreter finalizes aborts the process (requests left open when
-    ``asyncio.run`` returns are dropped only at the next iteration)."""
-    alive = scheduler()
-    if alive is not None and alive.alive:
-        alive.shutdown()
+def _stop(scheduler) -> None:
+    """Stop a scheduler whose LLM is gone or whose interpreter is exiting: its step in flight ends, then its
+    thread, and the engine it held (a KV cache of up to the serving budget) is freed with it. A daemon
+    thread still inside a step when the interpreter finalizes aborts the process."""
+    if scheduler.alive:
+        scheduler.shutdown()
 
 
 async def _cancellable(call: Any, *args: Any, **kwargs: Any) -> Any:

@@ -143,9 +143,13 @@ class Scheduler(Results):
         self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the loop after its iteration in flight and fail what is left; from the loop's own thread
+        (a finalizer run by a collection inside a step), only ask it to stop."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if self._thread is threading.current_thread():
+            return
         if self._thread is not None:
             self._thread.join()
         for r in self.running + self.waiting + self._inbox:
