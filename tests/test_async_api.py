@@ -131,7 +131,7 @@ def _gate_steps(monkeypatch, engine_class, at: int):
         calls.append(1)
         if len(calls) == at:
             stepping.set()
-            gate.wait(10)
+            gate.wait(60)
         return real(engine, *args, **kwargs)
     monkeypatch.setattr(engine_class, "step", step)
     return gate, stepping, calls
@@ -141,7 +141,7 @@ def _cancel_mid_call(call, gate, stepping):
     """Run the coroutine ``call()``, cancel it while a step waits at the gate, then open the gate."""
     async def main():
         task = asyncio.create_task(call())
-        await asyncio.to_thread(stepping.wait, 10)
+        await asyncio.to_thread(stepping.wait, 60)  # (generous: a busy machine builds the engine slowly)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -26,9 +26,22 @@ class StepGate:
             try:
                 yield
             finally:
-                while self._deferred:  # (still the owner: a close set off by these is deferred too)
-                    self._deferred.pop().close()
-                self._owner = None
+                try:
+                    self._close_deferred()
+                finally:
+                    self._owner = None
+
+    def _close_deferred(self) -> None:
+        """Close every deferred generator (still the owner: a close one of them sets off is deferred too),
+        each whatever the others do; the first failure is raised after all are closed."""
+        error: BaseException | None = None
+        while self._deferred:
+            try:
+                self._deferred.pop().close()
+            except BaseException as e:  # (a KeyboardInterrupt too: the rest are closed first)
+                error = error or e
+        if error is not None:
+            raise error
 
     def close(self, steps: Generator) -> None:
         """Close a stream's engine generator, between steps."""

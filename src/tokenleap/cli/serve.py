@@ -154,8 +154,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replicas = args.replicas > 1 or args.autoscale or args.ray_address
     if not (1 if replicas else 0) <= args.port <= 65535:  # (0: a free port the system picks, named at start)
         raise UsageError(f"--port must be in {1 if replicas else 0}..65535, got {args.port}")
-    if replicas:  # Ray Serve (cli/replicas.py): the flags checked here, before Ray starts
-        serve_spec_config(argparse.Namespace(**vars(args)))  # (on a copy: each replica reads them as given)
+    if replicas:  # Ray Serve (cli/replicas.py): the flags checked here, before Ray starts -- on a cluster
+        if not args.ray_address:  # (--ray-address) the models are where the replicas run, maybe not here
+            serve_spec_config(argparse.Namespace(**vars(args)))  # (a copy: each replica reads them as given)
         check_engine_args(args)
         from tokenleap.cli.replicas import serve_replicas
         return serve_replicas(args)

@@ -25,6 +25,7 @@ _MAX_HEAD = 64 * 1024  # bytes of request line and headers read at most
 _MAX_DRAIN = 1 << 20  # bytes of a declared body read before answering; a larger one is answered unread
 _TIMEOUT = 5.0  # seconds a connection may take to send its whole request
 _LINGER = 1.0  # seconds an answered connection's leftover input is read before closing
+_METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"  # a preflight's answer, as the running server's
 _MAX_ANSWERING = 64  # connections answered at once; one past them is closed unanswered (a client retries)
 
 
@@ -65,6 +66,7 @@ def _answer(conn: socket.socket, done: threading.Semaphore, origins: tuple[str, 
                 if not chunk:
                     break
                 body += chunk
+        conn.settimeout(_TIMEOUT)  # (not what the last read left of the request's time)
         conn.sendall(_response(method, path, headers, origins))
         conn.shutdown(socket.SHUT_WR)
         _drain(conn)
@@ -89,7 +91,7 @@ def _response(method: str, path: str, headers: dict[str, str], origins: tuple[st
     if method == "OPTIONS" and cors and "access-control-request-method" in headers:
         asked = headers.get("access-control-request-headers")
         return ("HTTP/1.1 204 No Content\r\n" + cors
-                + f"Access-Control-Allow-Methods: {headers['access-control-request-method']}\r\n"
+                + f"Access-Control-Allow-Methods: {_METHODS}\r\n"
                 + (f"Access-Control-Allow-Headers: {asked}\r\n" if asked else "")
                 + "Content-Length: 0\r\nConnection: close\r\n\r\n").encode("latin-1")
     payload = loading_body(path)
@@ -151,5 +153,9 @@ class LoadingResponder:
                     conn.close()
                     continue
                 conn.setblocking(True)
-                threading.Thread(target=_answer, args=(conn, self._answering, self.origins),
-                                 name="tokenleap-loading-answer", daemon=True).start()
+                try:
+                    threading.Thread(target=_answer, args=(conn, self._answering, self.origins),
+                                     name="tokenleap-loading-answer", daemon=True).start()
+                except RuntimeError:  # (no thread to be had: this connection goes unanswered)
+                    conn.close()
+                    self._answering.release()
