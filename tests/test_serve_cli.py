@@ -332,13 +332,18 @@ def test_a_signal_ends_a_long_stream_with_an_error_event(smollm2_gguf, signals, 
     import signal
     import time
 
-    port = _free_port()
+    # --port 0: the port is the server's from the start (a port found free and then taken by another test
+    # in between failed the start, exit 2); the first line names it
     cmd = [sys.executable, "-m", "tokenleap.cli.main", "serve", "--model", "smollm2-135m-instruct", "--port",
-           str(port), "--spec", "none", "--log-interval", "0", "--shutdown-timeout", str(timeout)]
+           "0", "--spec", "none", "--log-interval", "0", "--shutdown-timeout", str(timeout)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_until(lambda: _healthy(url) or proc.poll() is not None, 300) and proc.poll() is None
+        loading = proc.stderr.readline()
+        port = re.search(r"http://127\.0\.0\.1:(\d+) answers 503", loading)
+        assert port, loading
+        url = f"http://127.0.0.1:{port.group(1)}"
+        assert wait_until(lambda: _healthy(url) or proc.poll() is not None, 300) and proc.poll() is None, \
+            proc.stderr.read() if proc.poll() is not None else "no answer"
         body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200, r.read()
