@@ -136,9 +136,8 @@ def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams], chat
 
     t0 = time.perf_counter()
     sched.submit([Request(seq, sink(i)) for i, seq in enumerate(seqs)])
-    while not sched.idle:
-        check_cancelled()  # (an agenerate / achat given up: the call's own engine is dropped with its blocks)
-        sched.iterate()
+    # (an agenerate / achat given up stops before the next iteration: the call's own engine goes with its blocks)
+    sched.run_until_idle(before=check_cancelled)
     if errors:
         i, message = min(errors.items())
         raise BatchRequestError(f"prompt {origins[i]} of the batch failed: {message}")

@@ -204,11 +204,14 @@ class Scheduler(Results):
                 for r in list(self.running):
                     self._fail(r, "internal error in the scheduler")
 
-    def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
-        """Drive the loop on the calling thread (tests, offline use)."""
+    def run_until_idle(self, max_iterations: int = 1_000_000, before: Callable[[], None] | None = None) -> None:
+        """Drive the loop on the calling thread (tests, offline use); ``before`` runs before each iteration
+        (it may raise to stop the run: a cancelled offline call)."""
         for _ in range(max_iterations):
             if self.idle:
                 return
+            if before is not None:
+                before()
             self.iterate()
         raise RuntimeError("the scheduler did not become idle")
 
