@@ -9,9 +9,8 @@ decoded alone (row-exact batching, seeded noise by position). Cancelling the rea
 its ``async for``, drops the request at the scheduler's next iteration and frees its slot
 (``contextlib.aclosing`` makes a ``break`` do that at once, not when the generator is collected); when
 the LLM is collected, or the interpreter exits, the step in flight ends, then the scheduler's thread,
-and its engine is freed. ``agenerate`` and
-``achat`` run ``generate`` / ``chat`` on a worker thread: cancelling them stops the generation before
-its next step (``cancellation.py``).
+and its engine is freed. ``agenerate`` and ``achat`` run ``generate`` / ``chat`` on a worker thread:
+cancelling them stops the generation before its next step (``cancellation.py``).
 """
 from __future__ import annotations
 

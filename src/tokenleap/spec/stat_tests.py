@@ -110,8 +110,8 @@ _CHUNK = 8  # distribution rows worked on at once: a row of a 150k vocabulary is
 
 def _rows_of(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | None):
     """Each token's row of ``probs`` (``row_of`` # [n] long; default: token i's is row i), checked, and
-    the chunks of rows to work on with the tokens that read each: (start, rows # [c, vocab] float64,
-    tokens' indices # [m], their rows within the chunk # [m])."""
+    the chunks of rows to work on with the tokens that read each: (rows # [c, vocab] float64, tokens'
+    indices # [m], their rows within the chunk # [m])."""
     row_of = torch.arange(tokens.numel()) if row_of is None else row_of.long()
     if row_of.numel() != tokens.numel() or (row_of.numel() and not 0 <= int(row_of.min()) <= int(row_of.max())
                                              < probs.shape[0]):
