@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tokenleap.api_async import AsyncCalls
+from tokenleap.lifetime import Lifetime
 from tokenleap.cancellation import check_cancelled
 from tokenleap.step_gate import StepGate
 from tokenleap.spec.tree_budget import machine_tree_mode
@@ -29,7 +30,7 @@ from tokenleap.outputs import RequestOutput, StreamChunk, grouped, request_outpu
 from tokenleap.cache.contiguous import CacheFullError
 
 
-_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock", "_steps")
+_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock", "_coroutines_stop", "_steps")
 
 
 class StreamsBusy(ConfigError):
@@ -45,7 +46,7 @@ def _check_sizes(max_model_len: int | None, num_slots: int, max_num_seqs: int) -
             raise ConfigError(f"{name} must be an integer >= 1, got {n!r}")
 
 
-class LLM(AsyncCalls):
+class LLM(AsyncCalls, Lifetime):
     """A target model, its tokenizer, and optionally a speculative proposer."""
 
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto", quant: str = "none",
@@ -82,19 +83,23 @@ class LLM(AsyncCalls):
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()  # LLM.engine's one build, when callers on several threads race to it
         self._coroutines = None  # astream's scheduler, started on first use (api_async.py)
+        self._coroutines_stop = None  # its finalizer (stops it when the LLM is collected, or at exit)
         self._coroutines_lock = threading.Lock()
         self._steps = StepGate()  # LLM.engine's steps, one at a time (streams on several threads)
+        self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
         # the engines (KV caches, proposers, the coroutines' scheduler thread) are this process's: a copy
         # builds its own
         state = {k: v for k, v in self.__dict__.items() if k not in _PROCESS_STATE}
-        return {**state, "_engine": None, "_coroutines": None}
+        return {**state, "_engine": None, "_coroutines": None, "_coroutines_stop": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._engine_lock, self._coroutines_lock, self._steps = threading.Lock(), threading.Lock(), StepGate()
-        self.__dict__.setdefault("_coroutines", None)  # (an LLM pickled before astream existed)
+        for name in ("_coroutines", "_coroutines_stop"):  # (an LLM pickled before astream existed)
+            self.__dict__.setdefault(name, None)
+        self.__dict__.setdefault("_closed", False)
 
     @property
     def engine(self) -> Engine:
@@ -103,6 +108,7 @@ class LLM(AsyncCalls):
         each, and its proposer. Its prefix cache keeps what earlier requests computed, so the next
         turn of a conversation (or the same system prompt again) starts from it. Batches and chat
         sessions run on paged engines of their own, and never pay for this one's cache."""
+        self._check_open()
         if self._engine is None:
             with self._engine_lock:
                 if self._engine is None:
@@ -127,6 +133,7 @@ class LLM(AsyncCalls):
     def describe(self, engine: Engine | None = None) -> str:
         """One line: what was loaded and the memory it holds (the KV cache: ``engine``'s, by default
         ``self.engine``'s)."""
+        self._check_open()
         from tokenleap.models.quant import weight_bytes
         t, engine = self.target, engine or self.engine
         line = (f"{t.source} ({t.dtype}, quant {t.quant}): weights {weight_bytes(t.model) / 2**30:.2f} GiB, "
@@ -149,6 +156,7 @@ class LLM(AsyncCalls):
         """A prompt's token ids: text encoded (``chat``: as a user message in the chat template), or
         token ids checked against the vocabulary (vLLM's ``{"prompt": text}`` and
         ``{"prompt_token_ids": ids}`` taken too)."""
+        self._check_open()
         prompt = _unwrapped(prompt)
         if isinstance(prompt, (list, tuple)):
             if prompt and not all(is_int(t) for t in prompt):
@@ -166,6 +174,7 @@ class LLM(AsyncCalls):
 
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's ``LLM.get_tokenizer``; also ``self.tokenizer``)."""
+        self._check_open()
         return self.tokenizer
 
     # -- generation -------------------------------------------------------------------------
@@ -197,6 +206,7 @@ class LLM(AsyncCalls):
                 else:
                     last_piece = piece
                 check_cancelled()  # (an agenerate / achat given up: before the next step)
+                self._check_open()
                 with self._steps.step():
                     item = next(steps, None)
         finally:
@@ -212,6 +222,7 @@ class LLM(AsyncCalls):
         or a list with one per prompt (as vLLM takes them); a prompt's ``n`` completions are its output's
         ``outputs``. Several prompts (and completions) are decoded together, up to ``max_num_seqs`` at a
         time. ``use_tqdm`` is taken for vLLM's callers and draws nothing."""
+        self._check_open()
         params = _one_of(params, sampling_params)
         prompts = _prompt_list(prompts)
         if isinstance(params, (list, tuple)):
@@ -248,6 +259,7 @@ class LLM(AsyncCalls):
     def infill_request(self, prefix: str, suffix: str,
                        params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
         """The fill-in-the-middle prompt's ids, and ``params`` with the FIM tokens that end a middle."""
+        self._check_open()
         from tokenleap.text.fim import encode_fim
         ids, fim = encode_fim(self.tokenizer, prefix, suffix)
         params = params or SamplingParams()
@@ -267,6 +279,7 @@ class LLM(AsyncCalls):
         a new turn; ``chat_template_kwargs``: extra template variables), then generated as ``generate``
         does (``sampling_params``, ``use_tqdm``: as there). An output's ``prompt`` is the rendered
         conversation's token ids."""
+        self._check_open()
         params = _one_of(params, sampling_params)
         if not messages:
             raise ConfigError("no messages given")
@@ -285,6 +298,7 @@ class LLM(AsyncCalls):
         (``pooling="mean"``: averaged over the tokens; ``"cls"``: the first token's; ``"none"``: a
         vector a token), L2-normalized unless ``normalize`` is false (``models/embed.py``; the
         server's ``--embeddings``)."""
+        self._check_open()
         from tokenleap.models.embed import embed
         ids = [self.encode(p) for p in _prompt_list(prompts)]
         if not all(0 < len(x) <= self.max_len for x in ids):

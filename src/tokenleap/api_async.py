@@ -8,8 +8,8 @@ turn, and the event loop keeps answering meanwhile. Each output is token-identic
 decoded alone (row-exact batching, seeded noise by position). Cancelling the reading task, or leaving
 its ``async for``, drops the request at the scheduler's next iteration and frees its slot
 (``contextlib.aclosing`` makes a ``break`` do that at once, not when the generator is collected); when
-the LLM is collected, or the interpreter exits, the step in flight ends, then the scheduler's thread,
-and its engine is freed. ``agenerate`` and ``achat`` run ``generate`` / ``chat`` on a worker thread:
+the LLM is closed or collected, or the interpreter exits, the step in flight ends, then the scheduler's
+thread, and its engine is freed. ``agenerate`` and ``achat`` run ``generate`` / ``chat`` on a worker thread:
 cancelling them stops the generation before its next step (``cancellation.py``).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tokenleap.cancellation import cancel_scope
 from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.errors import GenerationCancelled, TokenleapError
 from tokenleap.outputs import RequestOutput, StreamChunk, request_output
+from tokenleap.serve.request import QueueFullError
 
 # requests queued beyond the running batch before astream refuses one: the API queues, it does not shed load
 _MAX_WAITING = 1 << 16
@@ -55,12 +56,17 @@ class AsyncCalls:
         outputs: asyncio.Queue = asyncio.Queue()
         request = Request(seq, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
         t0 = time.perf_counter()
-        scheduler.submit([request])
+        try:
+            scheduler.submit([request])
+        except QueueFullError:
+            self._check_open()  # (closed since: its scheduler refuses)
+            raise
         generated: list[int] = []
         try:
             while True:
                 out = await outputs.get()
                 if out.error:
+                    self._check_open()  # (failed by close())
                     raise (ConfigError if out.error_status == 400 else GenerationFailed)(out.error)
                 generated += out.token_ids
                 if out.finish_reason is None:
@@ -76,15 +82,19 @@ class AsyncCalls:
         """The scheduler ``astream`` requests join, and its engine (``serve.batch.coroutine_engine``), built
         and started on first use; again if its thread has died."""
         with self._coroutines_lock:
+            self._check_open()
             scheduler = self._coroutines
             if scheduler is None or not scheduler.alive:
                 from tokenleap.serve.batch import coroutine_engine
                 from tokenleap.serve.scheduler import Scheduler, SchedulerConfig
+                if self._coroutines_stop is not None:  # (a dead thread's: let go of its engine)
+                    self._coroutines_stop()
                 engine = coroutine_engine(self)
                 scheduler = Scheduler(engine, SchedulerConfig(max_num_seqs=engine.cache.num_slots,
                                                               max_waiting=_MAX_WAITING, log_interval=0))
                 scheduler.start()
-                weakref.finalize(self, _stop, scheduler)  # (when the LLM is collected, or at exit)
+                # stops it when the LLM is collected, at exit, or at close()
+                self._coroutines_stop = weakref.finalize(self, _stop, scheduler)
                 self._coroutines = scheduler
         return scheduler
 
@@ -104,7 +114,7 @@ def _stop(scheduler) -> None:
     thread, and the engine it held (a KV cache of up to the serving budget) is freed with it. A daemon
     thread still inside a step when the interpreter finalizes aborts the process."""
     if scheduler.alive:
-        scheduler.shutdown()
+        scheduler.shutdown("this LLM was closed")
 
 
 async def _cancellable(call: Any, *args: Any, **kwargs: Any) -> Any:

@@ -24,5 +24,9 @@ class GenerationCancelled(TokenleapError):
     """A blocking call whose caller gave up (a cancelled ``agenerate`` / ``achat``): it stopped between steps."""
 
 
+class LLMClosedError(TokenleapError):
+    """A call on an ``LLM`` after its ``close()``."""
+
+
 __all__ = ["ConfigError", "TokenleapError", "ModelNotFoundError", "ModelFormatError", "PromptTooLongError",
-           "GenerationCancelled"]
+           "GenerationCancelled", "LLMClosedError"]

@@ -136,8 +136,9 @@ def generate_batch(llm: "LLM", prompts: list, params: list[SamplingParams], chat
 
     t0 = time.perf_counter()
     sched.submit([Request(seq, sink(i)) for i, seq in enumerate(seqs)])
-    # (an agenerate / achat given up stops before the next iteration: the call's own engine goes with its blocks)
-    sched.run_until_idle(before=check_cancelled)
+    # (an agenerate / achat given up, or the LLM closed, stops before the next iteration: the call's own engine
+    # goes with its blocks)
+    sched.run_until_idle(before=lambda: (check_cancelled(), llm._check_open()))
     if errors:
         i, message = min(errors.items())
         raise BatchRequestError(f"prompt {origins[i]} of the batch failed: {message}")

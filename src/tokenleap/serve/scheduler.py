@@ -142,21 +142,23 @@ class Scheduler(Results):
         self._thread = threading.Thread(target=self._run, name="tokenleap-scheduler", daemon=True)
         self._thread.start()
 
-    def shutdown(self) -> None:
-        """Stop the loop after its iteration in flight and fail what is left; from the loop's own thread
-        (a finalizer run by a collection inside a step), only ask it to stop."""
+    def shutdown(self, message: str = "the server is shutting down") -> None:
+        """Stop the loop after its iteration in flight and fail what is left with ``message``; later
+        submissions are refused with it (until ``start``). From the loop's own thread (a finalizer run by
+        a collection inside a step), only ask it to stop."""
         with self._cond:
             self._stopping = True
+            self._closed = message
             self._cond.notify()
         if self._thread is threading.current_thread():
             return
         if self._thread is not None:
             self._thread.join()
         for r in self.running + self.waiting + self._inbox:
-            self._fail(r, "the server is shutting down")
+            self._fail(r, message)
         calls, self._calls = self._calls, []
         for _, future in calls:
-            future.set_exception(QueueFullError("the server is shutting down"))
+            future.set_exception(QueueFullError(message))
 
     def abort_all(self, message: str) -> None:
         """End every running and queued sequence with ``message`` (a 503; a stream gets an error event)

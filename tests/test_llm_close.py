@@ -1,0 +1,129 @@
+"""``LLM.close()``: what an LLM holds is freed now, calls after it and streams still open fail clearly."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from tokenleap.api import LLM
+from tokenleap.config import SamplingParams, SpecConfig
+from tokenleap.errors import LLMClosedError
+from tokenleap.models.pretrained import LoadedModel
+from tokenleap.spec.engine import Engine
+
+from conftest import tiny_model
+from serving_helpers import VOCAB, EncodeChatToy
+
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def make_llm() -> LLM:
+    """(a model of its own: the helpers' shared one is kept for other tests)"""
+    loaded = LoadedModel(tiny_model("qwen2", seed=1, vocab=VOCAB), EncodeChatToy(VOCAB), torch.float32, "none",
+                         "tiny", None)
+    return LLM.from_loaded(loaded, SpecConfig(method="ngram"), max_model_len=96)
+
+
+async def _astream_ids(llm: LLM, prompt: str) -> list[int]:
+    return [c async for c in llm.astream(prompt, PARAMS)][-1].output.token_ids
+
+
+def _gate_steps(monkeypatch, at: int):
+    """Engine steps counted; the ``at``-th waits for ``gate`` (``stepping`` set while it waits)."""
+    gate, stepping, calls = threading.Event(), threading.Event(), []
+    real = Engine.step
+
+    def step(engine, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            stepping.set()
+            gate.wait(60)
+        return real(engine, *args, **kwargs)
+    monkeypatch.setattr(Engine, "step", step)
+    return gate, stepping, calls
+
+
+def test_close_frees_the_weights_engines_and_scheduler_and_later_calls_fail_clearly():
+    llm = make_llm()
+    want = llm.generate("abcabc", PARAMS)[0].token_ids
+    assert asyncio.run(_astream_ids(llm, "abcabc")) == want
+    assert [c for c in llm.stream("abcabc", PARAMS)][-1].output.token_ids == want
+    weights = weakref.ref(llm.target.model)
+    engines = [weakref.ref(llm.engine), weakref.ref(llm._coroutines.engine)]
+    thread = llm._coroutines._thread
+    llm.close()
+    gc.collect()
+    assert llm.closed and not thread.is_alive()
+    assert weights() is None and all(e() is None for e in engines)
+    calls = [lambda: llm.generate("abc", PARAMS), lambda: llm.generate(["abc", "xyz"], PARAMS),
+             lambda: list(llm.stream("abc", PARAMS)), lambda: llm.chat([{"role": "user", "content": "abc"}]),
+             lambda: llm.encode("abc"), lambda: llm.engine, lambda: llm.describe(), lambda: llm.embed("abc"),
+             lambda: llm.get_tokenizer(), lambda: asyncio.run(_astream_ids(llm, "abc")),
+             lambda: asyncio.run(llm.agenerate("abc", PARAMS))]
+    for call in calls:
+        with pytest.raises(LLMClosedError, match="closed"):
+            call()
+    llm.close()  # (again: nothing to do)
+
+
+def test_a_with_block_closes_the_llm():
+    with make_llm() as llm:
+        assert len(llm.generate("abcabc", PARAMS)[0].token_ids) == 40
+    assert llm.closed and llm.target is None
+
+
+def test_a_stream_on_another_thread_ends_after_the_step_in_flight(monkeypatch):
+    """close() waits for the step another thread has in flight, then that stream raises before its next."""
+    llm = make_llm()
+    gate, stepping, calls = _gate_steps(monkeypatch, at=3)
+    result: dict[str, object] = {}
+
+    def read() -> None:
+        try:
+            result["chunks"] = list(llm.stream("abcabc", PARAMS))
+        except Exception as e:  # (what the stream raised: checked below)
+            result["error"] = e
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert stepping.wait(60)
+    closer = threading.Thread(target=llm.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # waiting for the step in flight
+    gate.set()
+    closer.join(60)
+    reader.join(60)
+    assert not closer.is_alive() and not reader.is_alive()
+    assert isinstance(result.get("error"), LLMClosedError) and len(calls) == 3
+
+
+def test_an_open_astream_raises_once_the_llm_is_closed(monkeypatch):
+    llm = make_llm()
+    gate, stepping, calls = _gate_steps(monkeypatch, at=3)
+
+    async def main():
+        task = asyncio.create_task(_astream_ids(llm, "abcabc"))
+        await asyncio.to_thread(stepping.wait, 60)
+        closer = threading.Thread(target=llm.close)
+        closer.start()
+        gate.set()
+        await asyncio.to_thread(closer.join, 60)
+        with pytest.raises(LLMClosedError):
+            await asyncio.wait_for(task, 60)
+    asyncio.run(main())
+    assert len(calls) == 3
+
+
+def test_a_scheduler_shut_down_refuses_later_requests_rather_than_queue_them_for_ever():
+    from tokenleap.serve.request import QueueFullError, Request
+    llm = make_llm()
+    asyncio.run(_astream_ids(llm, "abc"))
+    scheduler = llm._coroutines
+    seq = scheduler.engine.create(llm.encode("abc"), PARAMS)
+    scheduler.shutdown("gone")
+    with pytest.raises(QueueFullError, match="gone"):
+        scheduler.submit([Request(seq, lambda out: None)])
