@@ -26,12 +26,10 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` when the prefix cache served any."""
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return out
+    """OpenAI's usage object, ``prompt_tokens_details.cached_tokens`` (the prompt tokens the prefix cache
+    served) always present, 0 included, as OpenAI sends it."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def prediction_tokens_kept(prediction: tuple[int, ...], generated: list[int]) -> int:
