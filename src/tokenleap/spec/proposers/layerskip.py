@@ -114,6 +114,7 @@ class _Lane(DraftingLane):
 
 
 LOOKUP_MIN = 2  # a lookup continuation stands in for the skipped-layer draft only after a match this long
+CALIBRATION_MIN_TOKENS = 32  # skip=auto calibrates once a request has this many tokens (plain steps before)
 HEAD_TOKENS = 32768  # the drafts' head scores the first this-many ids and the special tokens (layerskip_head.py)
 
 # calibrate(model, tokens) -> the skipped set for this model, chosen on one request's tokens
@@ -186,9 +187,12 @@ class LayerSkipProposer:
             raise ConfigError("the layer-skip proposer is not bound to an engine's cache (Engine does this)")
         out: list[Draft | None] = [None] * len(requests)
         catch_up = 0.0
-        if self.skip is None and requests:  # skip=auto: calibrate once, on this request's own tokens
+        longest = max((list(r.tokens) for r in requests), key=len, default=[])
+        if self.skip is None and len(longest) >= CALIBRATION_MIN_TOKENS:
+            # skip=auto: calibrate once, on a request's own tokens (the longest; a shorter text than this
+            # scores too few positions to choose by, and its choice is stored for the model)
             t0 = time.perf_counter()
-            self.skip = frozenset(self._calibrate(self.model, list(requests[0].tokens)))
+            self.skip = frozenset(self._calibrate(self.model, longest))
             catch_up = time.perf_counter() - t0  # one-off set-up work, not the draft's cost per token
         lanes = []
         for i, r in enumerate(requests):
@@ -198,6 +202,8 @@ class LayerSkipProposer:
                 continue
             if (copied := self._copied(r)) is not None:
                 out[i] = copied
+                continue
+            if self.skip is None:  # not calibrated yet: prompt lookup's drafts only
                 continue
             lanes.append(_Lane(i, r, committed, committed, r.tokens[-1], calibration=self.confidence.calibration))
         active = lanes
