@@ -125,13 +125,13 @@ def test_the_acceptance_count_fails_a_verifier_the_distribution_tests_pass(facto
         assert sign * acceptance.figures["z"] > 3, acceptance.summary
 
 
-def test_trial_means_read_the_rows_plain_next_probs_computes(target, monkeypatch):
-    """Each trial's mean equals the one from the fit test's table of rows by prefix -- the same bitwise
-    rows, for the root row and deeper ones -- with the samples' shared prefixes computed once: the
+def test_trial_means_read_the_rows_plain_next_figures_reduces(target, monkeypatch):
+    """Each trial's mean equals the one from the fit test's table of figures by prefix and token -- the
+    same bitwise rows, for the root row and deeper ones -- with the samples' shared prefixes computed once: the
     forwards feed 2 + 1 + 2 + 1 tokens for these samples, not 2 + 2 + 4 + 5, and the trials come back in
     the samples' order."""
     from tokenleap.spec.acceptance import Trial, acceptance_mean
-    from tokenleap.spec.exact_probs import plain_next_probs, trial_means
+    from tokenleap.spec.exact_probs import plain_next_figures, trial_means
     samples = [((7, 9, 11, 13), [Trial(1, 9, 1.0, True), Trial(2, 12, 0.25, False)]),
                ((7, 3), [Trial(0, 5, 0.5, False), Trial(2, 4, 1.0, False)]),  # position 2: past the end, kept
                ((8,), []),
@@ -146,9 +146,40 @@ def test_trial_means_read_the_rows_plain_next_probs_computes(target, monkeypatch
     tested, means = trial_means(target, PROMPTS[0], samples, 0.8)
     assert sorted(fed[1:]) == [1, 1, 2, 2], fed  # (the prompt's forward first)
     monkeypatch.undo()
-    table = plain_next_probs(target, PROMPTS[0], {s + (0,) for s, _ in samples}, 0.8)
-    want = [acceptance_mean(float(table[s[:t.position]][t.token]), t.q) for s, ts in samples for t in ts]
+    sampled = {s[:t.position] + (t.token,) for s, ts in samples for t in ts}
+    table = plain_next_figures(target, PROMPTS[0], sampled, 0.8)
+    want = [acceptance_mean(table[(s[:t.position], t.token)][1], t.q) for s, ts in samples for t in ts]
     assert tested == [t for _, ts in samples for t in ts] and means == want and 0 < min(means) < max(means) <= 1
+
+
+def test_the_fit_test_on_reduced_rows_gives_what_it_gives_on_whole_rows(target):
+    """``fit_of`` over ``plain_next_figures``' table (each row reduced to its sampled tokens' figures as it
+    is computed) gives bitwise the fit test over every prefix's whole row, each from a forward of its own."""
+    from tokenleap.cache.contiguous import KVCache
+    from tokenleap.models.transformer import Segment
+    from tokenleap.spec.certify import fit_of
+    from tokenleap.spec.exact_probs import plain_next_figures
+    from tokenleap.spec.sampling import logits_to_probs
+    from tokenleap.spec.stat_tests import fit_test
+    gen = torch.Generator().manual_seed(3)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(40):
+        sample = tuple(int(x) for x in torch.randint(0, 6, (3,), generator=gen))
+        counts[sample] = counts.get(sample, 0) + 1
+    table = plain_next_figures(target, PROMPTS[0], set(counts), 0.8)
+    tokens, rows = [], []
+    prompt = PROMPTS[0]
+    for sample, count in sorted(counts.items()):  # plain decoding of each sample: its prompt, then a token a step
+        cache = KVCache(target.config, 1, len(prompt) + 4, target.dtype)
+        slot = cache.allocate()
+        logits = target(torch.tensor(prompt), [Segment(slot, 0, len(prompt))], cache,
+                        logit_rows=torch.tensor([len(prompt) - 1])).logits  # [1, vocab]
+        for j, tok in enumerate(sample):
+            tokens += [tok] * count
+            rows += [logits_to_probs(logits, 0.8)[0]] * count
+            logits = target(torch.tensor([tok]), [Segment(slot, len(prompt) + j, 1)], cache, row_exact=True).logits
+    whole = fit_test(torch.tensor(tokens), torch.stack(rows), torch.Generator().manual_seed(4))
+    assert fit_of(counts, table, torch.Generator().manual_seed(4)) == whole and whole.ks.n == 120
 
 
 def test_a_tree_proposer_counts_its_walks(target, monkeypatch):

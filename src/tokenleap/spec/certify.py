@@ -37,12 +37,12 @@ from tokenleap.cache.contiguous import KVCache
 from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.spec.acceptance import Trial, acceptance_count, acceptance_verdict
 from tokenleap.spec.engine import Engine
-from tokenleap.spec.exact_probs import plain_next_probs, trial_means
+from tokenleap.spec.exact_probs import plain_next_figures, trial_means
 from tokenleap.spec.stats import SpecStats
 from tokenleap.models.transformer import Segment
 from tokenleap.spec.sampling import make_generator, torch_seed
 from tokenleap.spec.sequence import Sequence
-from tokenleap.spec.stat_tests import Fit, chi2_homogeneity, fit_test
+from tokenleap.spec.stat_tests import Fit, TokenFigures, chi2_homogeneity, fit_figures
 
 EngineFactory = Callable[[bool], Engine]  # speculative? -> an engine (the same target either way)
 
@@ -226,17 +226,16 @@ def sample_counts(engine: Engine, prompt: list[int], temperature: float, n: int,
     return counts, stats
 
 
-def fit_of(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], torch.Tensor],
+def fit_of(counts: dict[tuple[int, ...], int], table: dict[tuple[tuple[int, ...], int], tuple],
            generator: torch.Generator) -> Fit:
-    """Every position of every sample tested against its exact plain distribution (``stat_tests``);
-    each distinct prefix's row is handed over once, with the index of the row each token reads."""
-    tokens, row_of, prefixes = [], [], {}
+    """Every position of every sample tested against its exact plain distribution (``stat_tests``),
+    through the figures ``table`` holds by (prefix, token) (``exact_probs.plain_next_figures``)."""
+    figures = []
     for sample, count in sorted(counts.items()):
         for j, tok in enumerate(sample):
-            tokens += [tok] * count
-            row_of += [prefixes.setdefault(sample[:j], len(prefixes))] * count
-    rows = torch.stack([probs[prefix] for prefix in prefixes])  # [distinct prefixes, vocab] (insertion order)
-    return fit_test(torch.tensor(tokens), rows, generator, torch.tensor(row_of))
+            figures += [table[(sample[:j], tok)]] * count
+    lo, mass, mean, var = torch.tensor(figures, dtype=torch.float64).reshape(-1, 4).T  # [n] each
+    return fit_figures(TokenFigures(lo, mass, mean, var), generator)
 
 
 def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]],
@@ -275,9 +274,9 @@ def check_distribution(make: EngineFactory, prompts: list[int] | list[list[int]]
     biased, _ = sample_counts(plain, prompt, t * cfg.bias, n, cfg.positions, cfg.seed + 3)
     same = chi2_homogeneity(base, spec_counts)
     power = chi2_homogeneity(base, biased)
-    probs = plain_next_probs(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
+    table = plain_next_figures(plain.model, prompt, set(base) | set(spec_counts) | set(biased), t)
     stream = torch.Generator().manual_seed(torch_seed(cfg.seed + 4))
-    fit_plain, fit_spec, fit_bias = (fit_of(c, probs, stream) for c in (base, spec_counts, biased))
+    fit_plain, fit_spec, fit_bias = (fit_of(c, table, stream) for c in (base, spec_counts, biased))
     head = f"prompt {index}, first {cfg.positions} tokens at T={t:g}, {n} samples each"
     figures = {"prompt": index, "samples": n, "positions": cfg.positions, "temperature": t, "alpha": cfg.alpha,
                "chi2": round(same.statistic, 4), "dof": same.dof, "p_value": same.p_value,
@@ -385,4 +384,4 @@ def certify(make: EngineFactory, prompts: list[list[int]], cfg: CertifyConfig | 
 __all__ = ["DEFAULT_PROMPTS", "CertifyConfig", "CheckResult", "Certificate", "EngineFactory", "certify",
            "check_greedy", "check_seeded", "check_distribution", "check_acceptance", "check_block_rule",
            "chi2_homogeneity",
-           "sample_counts", "run_request", "plain_next_probs", "fit_of"]
+           "sample_counts", "run_request", "plain_next_figures", "fit_of"]

@@ -3,9 +3,10 @@
 
 Every row comes from a row-exact forward of the plain target, bitwise the row plain decoding
 computes for that prefix (the block rule), so the only noise left in a test is the samples' own.
-Rows are large (one float per vocabulary entry: 600 KB at 150k tokens), so the fit test keeps the
-few short prefixes it needs whole, and the acceptance count keeps only the rows of the sample it
-reads (those it shares with the next sample are reused, not computed again).
+Rows are large (one float per vocabulary entry: 600 KB at 150k tokens), so none is kept for long: the
+fit test's are reduced to the figures of the tokens sampled after them as each forward gives them,
+and the acceptance count keeps only the rows of the sample it reads (those it shares with the next
+sample are reused, not computed again).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tokenleap.cache.contiguous import KVCache
 from tokenleap.models.transformer import Segment
 from tokenleap.spec.acceptance import Trial, acceptance_mean
 from tokenleap.spec.sampling import logits_to_probs
+from tokenleap.spec.stat_tests import token_figures
 
 
 def _prompt_row(model, prompt: list[int], room: int, temperature: float) -> tuple[KVCache, int, torch.Tensor]:
@@ -26,24 +28,44 @@ def _prompt_row(model, prompt: list[int], room: int, temperature: float) -> tupl
     return cache, slot, logits_to_probs(first, temperature)[0]
 
 
-def plain_next_probs(model, prompt: list[int], samples: set[tuple[int, ...]], temperature: float
-                     ) -> dict[tuple[int, ...], torch.Tensor]:
-    """The plain sampler's exact distribution of the next token after ``prompt + prefix``, for every
-    proper prefix (the empty one included) of every sampled tuple: one row-exact forward per
-    distinct longest prefix, rows bitwise those of plain decoding (the block rule)."""
+Figures = tuple[float, float, float, float]  # stat_tests.TokenFigures' four values for one token
+
+
+def plain_next_figures(model, prompt: list[int], samples: set[tuple[int, ...]], temperature: float
+                       ) -> dict[tuple[tuple[int, ...], int], Figures]:
+    """For each position of each sampled tuple, keyed by (prefix, token), the figures the fit test reads
+    (``stat_tests.token_figures``) of that token under the plain sampler's exact distribution after
+    ``prompt + prefix``: one row-exact forward per distinct longest prefix, rows bitwise those of plain
+    decoding (the block rule), each reduced to its tokens' figures as soon as it is computed."""
+    successors: dict[tuple[int, ...], set[int]] = {}  # each prefix's sampled next tokens
+    for sample in samples:
+        for j, token in enumerate(sample):
+            successors.setdefault(sample[:j], set()).add(token)
     longest = sorted({s[:-1] for s in samples if s})
     room = len(prompt) + max((len(p) for p in longest), default=0)
     cache, slot, row = _prompt_row(model, prompt, room, temperature)
-    out = {(): row}
+    out: dict[tuple[tuple[int, ...], int], Figures] = {}
+    _reduce(out, [()], row[None], successors)
+    done = {()}
     for prefix in longest:
-        if not prefix or prefix in out:
+        if prefix in done:
             continue
         logits = model(torch.tensor(prefix), [Segment(slot, len(prompt), len(prefix))], cache,
                        row_exact=True).logits  # [len(prefix), vocab]
-        probs = logits_to_probs(logits, temperature)  # [len(prefix), vocab]
-        for j in range(len(prefix)):
-            out.setdefault(prefix[:j + 1], probs[j])
+        new = [j for j in range(len(prefix)) if prefix[:j + 1] not in done]
+        _reduce(out, [prefix[:j + 1] for j in new], logits_to_probs(logits[new], temperature), successors)
+        done.update(prefix[:j + 1] for j in new)
     return out
+
+
+def _reduce(out: dict, prefixes: list[tuple[int, ...]], rows: torch.Tensor, successors: dict) -> None:
+    """Add to ``out`` the figures of each prefix's sampled next tokens, prefix i's row ``rows[i]`` # [vocab]."""
+    pairs = [(i, t) for i, prefix in enumerate(prefixes) for t in sorted(successors.get(prefix, ()))]
+    if not pairs:
+        return
+    f = token_figures(torch.tensor([t for _, t in pairs]), rows, torch.tensor([i for i, _ in pairs]))
+    for k, (i, t) in enumerate(pairs):
+        out[(prefixes[i], t)] = (float(f.lo[k]), float(f.mass[k]), float(f.mean[k]), float(f.var[k]))
 
 
 def trial_means(model, prompt: list[int], samples: list[tuple[tuple[int, ...], list[Trial]]], temperature: float
@@ -74,4 +96,4 @@ def trial_means(model, prompt: list[int], samples: list[tuple[tuple[int, ...], l
     return tested, [m for i in sorted(means_of) for m in means_of[i]]
 
 
-__all__ = ["plain_next_probs", "trial_means"]
+__all__ = ["plain_next_figures", "trial_means"]

@@ -124,24 +124,56 @@ def _rows_of(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | N
         yield p, index, row_of[index] - start
 
 
-def pit_values(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator,
-               row_of: torch.Tensor | None = None) -> torch.Tensor:
-    """Randomized probability integral transforms of drawn ``tokens`` # [n] long under the
-    distributions they were meant to follow: the rows of ``probs`` # [rows, vocab], token i's row
-    ``row_of[i]`` (default: row i; tokens that share a prefix share a row, ranked once); returns
-    u # [n] float64."""
-    lo = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]: mass ranked ahead of each token
-    mass = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]
+@dataclass(frozen=True)
+class TokenFigures:
+    """What the two tests read of each drawn token's distribution, [n] float64 each: the mass ranked
+    ahead of the token (descending probability, ties by id), its own probability, and the row's
+    mean and variance of log p. A distribution row is reduced to these once, then dropped: the
+    certificate's rows (600 KB each at a 150k vocabulary) need not all be kept."""
+
+    lo: torch.Tensor
+    mass: torch.Tensor
+    mean: torch.Tensor
+    var: torch.Tensor
+
+    @staticmethod
+    def cat(parts: list["TokenFigures"]) -> "TokenFigures":
+        return TokenFigures(*(torch.cat([getattr(f, name) for f in parts])
+                              for name in ("lo", "mass", "mean", "var")))
+
+
+def token_figures(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | None = None) -> TokenFigures:
+    """``tokens`` # [n] long against the rows of ``probs`` # [rows, vocab] (token i's row ``row_of[i]``,
+    default row i; tokens that share a row have it ranked once), in one pass over the rows."""
+    n = tokens.numel()
+    lo, mass, mean, var = (torch.zeros(n, dtype=torch.float64) for _ in range(4))  # [n] each
     for p, index, local in _rows_of(tokens, probs, row_of):
-        order = torch.argsort(-p, dim=-1, stable=True)  # [c, vocab]: descending probability, ties by id
-        rank = torch.argsort(order, dim=-1)  # [c, vocab]: each token's place in that order
-        sorted_p = torch.gather(p, 1, order)  # [c, vocab]
+        sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)  # [c, vocab] each: ties by id
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(p.shape[1]).expand_as(order))  # [c, vocab]:
+        # each token's place in that order (the inverse permutation)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [c, vocab]: mass ranked ahead of each place
         t = tokens[index]  # [m]
         lo[index] = before[local, rank[local, t]]
         mass[index] = p[local, t]
-    v = torch.rand(tokens.numel(), generator=generator, dtype=torch.float64)  # [n]
-    return (lo + v * mass).clamp(0.0, 1.0 - 1e-12)
+        logp = torch.where(p > 0, p.log(), torch.zeros_like(p))  # [c, vocab]; 0 log 0 = 0
+        row_mean = (p * logp).sum(-1)  # [c]: E log p = minus the entropy
+        mean[index] = row_mean[local]
+        var[index] = ((p * logp * logp).sum(-1) - row_mean * row_mean)[local]
+    return TokenFigures(lo, mass, mean, var)
+
+
+def pit_from(figures: TokenFigures, generator: torch.Generator) -> torch.Tensor:
+    """The randomized probability integral transforms u # [n] float64 of tokens given their figures."""
+    v = torch.rand(figures.lo.numel(), generator=generator, dtype=torch.float64)  # [n]
+    return (figures.lo + v * figures.mass).clamp(0.0, 1.0 - 1e-12)
+
+
+def pit_values(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator,
+               row_of: torch.Tensor | None = None) -> torch.Tensor:
+    """Randomized probability integral transforms of drawn ``tokens`` # [n] long under the
+    distributions they were meant to follow: the rows of ``probs`` # [rows, vocab], token i's row
+    ``row_of[i]`` (default: row i); returns u # [n] float64."""
+    return pit_from(token_figures(tokens, probs, row_of), generator)
 
 
 @dataclass(frozen=True)
@@ -156,25 +188,22 @@ class LikelihoodScore:
         return self.p_value < alpha
 
 
+def score_from(figures: TokenFigures) -> LikelihoodScore:
+    """The likelihood score of tokens given their figures."""
+    n = figures.mass.numel()
+    if bool((figures.mass <= 0).any()):  # a token the distribution cannot produce
+        return LikelihoodScore(float("-inf"), n, 0.0)
+    sd = float(figures.var.clamp_min(0).sum().sqrt())
+    if sd == 0:  # every row a point mass, every draw on it
+        return LikelihoodScore(0.0, n, 1.0)
+    z = float((figures.mass.log() - figures.mean).sum()) / sd
+    return LikelihoodScore(z, n, math.erfc(abs(z) / math.sqrt(2)))
+
+
 def loglik_score(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | None = None) -> LikelihoodScore:
     """``tokens`` # [n] long drawn (supposedly) from the rows of ``probs`` # [rows, vocab] (token i's row
     ``row_of[i]``, default row i)."""
-    mean = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]: E log p(t) = minus the entropy
-    var = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]
-    drawn = torch.zeros(tokens.numel(), dtype=torch.float64)  # [n]
-    for p, index, local in _rows_of(tokens, probs, row_of):
-        logp = torch.where(p > 0, p.log(), torch.zeros_like(p))  # [c, vocab]; 0 log 0 = 0
-        row_mean = (p * logp).sum(-1)  # [c]
-        mean[index] = row_mean[local]
-        var[index] = ((p * logp * logp).sum(-1) - row_mean * row_mean)[local]
-        drawn[index] = p[local, tokens[index]]
-    if bool((drawn <= 0).any()):  # a token the distribution cannot produce
-        return LikelihoodScore(float("-inf"), tokens.numel(), 0.0)
-    sd = float(var.clamp_min(0).sum().sqrt())
-    if sd == 0:  # every row a point mass, every draw on it
-        return LikelihoodScore(0.0, tokens.numel(), 1.0)
-    z = float((drawn.log() - mean).sum()) / sd
-    return LikelihoodScore(z, tokens.numel(), math.erfc(abs(z) / math.sqrt(2)))
+    return score_from(token_figures(tokens, probs, row_of))
 
 
 @dataclass(frozen=True)
@@ -196,8 +225,13 @@ def fit_test(tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generat
              row_of: torch.Tensor | None = None) -> Fit:
     """``tokens`` # [n] against the rows of ``probs`` # [rows, vocab] (token i's row ``row_of[i]``,
     default row i): KS on the randomized PIT and the likelihood score."""
-    return Fit(ks_uniform(pit_values(tokens, probs, generator, row_of)), loglik_score(tokens, probs, row_of))
+    return fit_figures(token_figures(tokens, probs, row_of), generator)
 
 
-__all__ = ["Fit", "Homogeneity", "LikelihoodScore", "Uniformity", "chi2_homogeneity", "fit_test", "ks_uniform",
-           "loglik_score", "pit_values"]
+def fit_figures(figures: TokenFigures, generator: torch.Generator) -> Fit:
+    """``fit_test`` of tokens given their figures (``token_figures``)."""
+    return Fit(ks_uniform(pit_from(figures, generator)), score_from(figures))
+
+
+__all__ = ["Fit", "Homogeneity", "LikelihoodScore", "TokenFigures", "Uniformity", "chi2_homogeneity", "fit_figures",
+           "fit_test", "ks_uniform", "loglik_score", "pit_from", "pit_values", "score_from", "token_figures"]
