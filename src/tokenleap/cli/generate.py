@@ -3,8 +3,10 @@ with any speculation method, structured output, fill in the middle and predicted
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 
 from tokenleap.cli.main import (UsageError, add_model_args, add_sampling_args, read_prompts_file, read_text_arg,
@@ -17,7 +19,9 @@ from tokenleap.errors import TokenleapError
 def register(subparsers: argparse._SubParsersAction) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
     add_model_args(g)
-    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompt", help="prompt text (-: read it from standard input)")
+    g.add_argument("--file", "-f", "--prompt-file", dest="prompt_file", metavar="FILE",
+                   help="a UTF-8 text file holding the prompt (as llama.cpp's -f)")
     g.add_argument("--prompts-file", "--prompts", dest="prompts_file",
                    help="JSONL file with a \"prompt\" field per line")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -63,9 +67,10 @@ def structured_args(args: argparse.Namespace) -> StructuredOutput | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if (args.prompt is None) == (args.prompts_file is None):
-        raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
-    prompts = [args.prompt] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    if sum(x is not None for x in (args.prompt, args.prompt_file, args.prompts_file)) != 1:
+        raise UsageError("give exactly one of --prompt TEXT (- for standard input), --file PROMPT.txt or "
+                         "--prompts-file FILE.jsonl")
+    prompts = _prompts(args)
     if args.suffix is not None and args.chat:
         raise UsageError("--suffix (fill in the middle) takes a plain prompt, not --chat")
     params = sampling_from_args(args, logprobs=args.logprobs, structured=structured_args(args))
@@ -83,18 +88,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = replace(params, prediction=tuple(llm.tokenizer.encode(predicted, add_special_tokens=False)))
     if args.stats:
         print(f"[tokenleap] {llm.describe()}", file=sys.stderr)
-    for n, prompt in enumerate(prompts, 1):
-        try:
+    requests = []
+    for n, prompt in enumerate(prompts, 1):  # every prompt checked before any is generated
+        with _naming(args, n, len(prompts)):
             ids, fim_params = (llm.infill_request(prompt, args.suffix, params) if args.suffix is not None
-                               else (prompt, params))
-            for chunk in llm.stream(ids, fim_params, chat=args.chat):
+                               else (llm.encode(prompt, chat=args.chat), params))
+            llm.engine.create(ids, fim_params)  # (validation only: no cache touched)
+            requests.append((prompt, ids, fim_params))
+    for n, (prompt, ids, fim_params) in enumerate(requests, 1):
+        with _naming(args, n, len(prompts)):
+            for chunk in llm.stream(ids, fim_params):
                 if not args.json:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-        except (TokenleapError, ConfigError) as e:  # (a prompts file: which of its prompts)
-            if args.prompts_file is None:
-                raise
-            raise UsageError(f"{args.prompts_file}, prompt {n} of {len(prompts)}: {e}") from None
         out = chunk.output
         out.prompt = prompt  # (a fill-in-the-middle request ran on ids)
         if args.json:
@@ -104,3 +110,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.stats:
             print(f"[tokenleap] {stats_line(out.stats)}", file=sys.stderr)
     return 0
+
+
+def _prompts(args: argparse.Namespace) -> list:
+    """The prompts to generate from: ``--prompt`` (``-``: standard input), ``--file``'s text, or the JSONL file's."""
+    if args.prompts_file is not None:
+        return read_prompts_file(args.prompts_file)
+    if args.prompt_file is not None:
+        return [read_text_arg(args.prompt_file, "--file")]
+    if args.prompt == "-":
+        text = sys.stdin.read()
+        if not text.strip():
+            raise UsageError("--prompt -: standard input held no prompt")
+        return [text]
+    return [args.prompt]
+
+
+@contextlib.contextmanager
+def _naming(args: argparse.Namespace, n: int, total: int) -> Iterator[None]:
+    """A prompts file's errors name the prompt (its n-th of ``total``); a lone prompt's pass unchanged."""
+    try:
+        yield
+    except (TokenleapError, ConfigError) as e:
+        if args.prompts_file is None:
+            raise
+        raise UsageError(f"{args.prompts_file}, prompt {n} of {total}: {e}") from None
