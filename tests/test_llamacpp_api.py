@@ -208,12 +208,13 @@ def test_special_tokens_through_tokenize_and_detokenize():
 
 
 def test_n_cmpl_completions_of_each_prompt(server):
-    """n_cmpl: that many completions of each prompt, prompt by prompt; seeded ones at seed + i, each
-    equal to its prompt sampled alone with that seed."""
+    """n_cmpl: that many completions of each prompt, prompt by prompt; seeded ones at choice_seed(seed, i),
+    each equal to its prompt sampled alone with that seed."""
+    from tokenleap.spec.seeded import choice_seed
     body = {"prompt": ["hello there", [5, 6, 7]], "n_predict": 6, "seed": 3, "n_cmpl": 2, "ignore_eos": True}
     out = post(server, "/completion", body).json()
     sampled = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, ignore_eos=True, temperature_last=True)
-    want = [ref(ids, 6, seed=3 + c, **sampled).text for ids in (ids_of("hello there"), [5, 6, 7]) for c in range(2)]
+    want = [ref(ids, 6, seed=choice_seed(3, c), **sampled).text for ids in (ids_of("hello there"), [5, 6, 7]) for c in range(2)]
     assert [r["index"] for r in out] == [0, 1, 2, 3] and [r["content"] for r in out] == want
     one = post(server, "/completion", {**body, "prompt": "hello there"}).json()
     assert [r["content"] for r in one] == want[:2]

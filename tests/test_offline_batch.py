@@ -233,16 +233,20 @@ def test_the_servers_requests_carry_skip_special_tokens():
 @pytest.mark.parametrize("kind", [None, "draft"])
 def test_n_completions_a_prompt_as_vllms_outputs(kind):
     """SamplingParams.n: a prompt's n completions in ``outputs`` (vLLM's ``output.outputs[j]``), decoded
-    together; a seeded one's j-th is that prompt generated alone with seed + j, a greedy one's are all
-    plain greedy decoding's; the output's own fields are its first completion's."""
+    together; a seeded one's j-th is that prompt generated alone with choice_seed(seed, j) (not seed + j:
+    nearby seeds would share samples), a greedy one's are all plain greedy decoding's; the output's own
+    fields are its first completion's."""
+    from tokenleap.spec.seeded import choice_seed
     llm = make_llm(kind)
     seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=5, n=3, logprobs=1, ignore_eos=True)
     greedy = SamplingParams(max_tokens=8, n=2, ignore_eos=True)
     first, second, third = llm.generate(["hello there", "abcabc", "why"], [seeded, greedy, replace(greedy, n=1)])
-    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.index for c in first.outputs] == [0, 1, 2] and choice_seed(5, 0) == 5
     for j, c in enumerate(first.outputs):
-        alone = llm.generate("hello there", replace(seeded, n=1, seed=5 + j))[0]
+        alone = llm.generate("hello there", replace(seeded, n=1, seed=choice_seed(5, j)))[0]
         assert (c.text, c.token_ids, c.finish_reason) == (alone.text, alone.token_ids, alone.finish_reason)
+        if j:  # (seed + j's first completion is another sample)
+            assert c.token_ids != llm.generate("hello there", replace(seeded, n=1, seed=5 + j))[0].token_ids
         assert [t.token_id for t in c.logprobs] == alone.token_ids
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # (different seeds, different samples)
     assert (first.text, first.token_ids) == (first.outputs[0].text, first.outputs[0].token_ids)

@@ -85,7 +85,7 @@ def test_integers_past_int64_are_400_naming_the_field_streamed_or_not(app):
     ok = call(app, [post("/v1/completions", {"prompt": "ab", "max_tokens": 3, "top_k": 2**63 - 1,
                                              "temperature": 0.7, "seed": -2**63})])[0]
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    # so is the top of the seed's range, with n choices past it (seed + j)
+    # so is the top of the seed's range, with n choices (seeds hashed from it)
     top = call(app, [post("/v1/completions", {"prompt": "ab", "max_tokens": 3, "temperature": 0.7,
                                               "seed": 2**63 - 1, "n": 3})])[0]
     assert top.status_code == 200 and len(top.json()["choices"]) == 3, top.text

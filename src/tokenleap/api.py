@@ -22,6 +22,7 @@ from tokenleap.step_gate import StepGate
 from tokenleap.spec.tree_budget import machine_tree_mode
 from tokenleap.config import ConfigError, SamplingParams, SpecConfig, is_int
 from tokenleap.spec.controller import ControllerConfig
+from tokenleap.spec.seeded import choice_seed
 from tokenleap.spec.engine import PREFILL_CHUNK, Engine
 from tokenleap.models.pretrained import LoadedModel, load_model
 from tokenleap.spec.proposers.base import Proposer, draft_model_note, output_pool_note
@@ -234,10 +235,10 @@ class LLM(AsyncCalls, Lifetime):
             per_prompt = [_checked(params)] * len(prompts)
         counts = [p.n for p in per_prompt]
         origins = list(range(len(prompts)))
-        if counts != [1] * len(prompts):  # each completion a sequence (seeded: the j-th with seed + j)
+        if counts != [1] * len(prompts):  # each completion a sequence (seeded: the j-th with choice_seed(seed, j))
             prompts = [p for p, n in zip(prompts, counts) for _ in range(n)]
             origins = [i for i, n in enumerate(counts) for _ in range(n)]
-            per_prompt = [replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+            per_prompt = [replace(p, n=1, seed=None if p.seed is None else choice_seed(p.seed, j))
                           for p in per_prompt for j in range(p.n)]
         if len(prompts) == 1 and self.engine.cache.num_free_slots:  # (else: an open stream holds the slot)
             try:

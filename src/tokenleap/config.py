@@ -225,8 +225,8 @@ class SamplingParams:
     # line ends (0: off)
     n_indent: int = 0
     t_max_predict_ms: float = 0.0
-    # vLLM's: completions per prompt (LLM.generate / LLM.chat; a seeded request's j-th with seed + j);
-    # a sequence is one completion
+    # vLLM's: completions per prompt (LLM.generate / LLM.chat; a seeded request's j-th with
+    # seeded.choice_seed(seed, j)); a sequence is one completion
     n: int = 1
 
     def __post_init__(self) -> None:

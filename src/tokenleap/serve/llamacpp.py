@@ -21,8 +21,8 @@ an object; ``json_schema`` or ``grammar`` (GBNF) constrain the reply as ``respon
 ``guided_grammar`` do; ``n_probs`` N > 0 adds ``completion_probabilities``: each generated token's
 log-probability and the N most likely tokens, from the model's raw logits (llama.cpp's form without
 ``post_sampling_probs``, which is refused); ``return_tokens`` adds the generated ids; ``n_cmpl``
-completions of each prompt (a list: each prompt's in turn, seeded ones at seed, seed + 1, ...). Its
-other options (``cache_prompt``: the prefix cache is always on, ``samplers``, ``t_max_prompt_ms`` ...)
+completions of each prompt (a list: each prompt's in turn; seeded, the first at seed and the others at
+seeds hashed from (seed, j)). Its other options (``cache_prompt``: the prefix cache is always on, ``samplers``, ``t_max_prompt_ms`` ...)
 are ignored; ``n_indent`` and ``t_max_predict_ms`` stop a code completion as llama.cpp's do
 (``spec/sequence.py``); ``response_fields`` picks the final result's fields.
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from tokenleap.config import ConfigError, SamplingParams, StructuredOutput
+from tokenleap.spec.seeded import choice_seed
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -295,7 +296,7 @@ class ResponsesRequest(_Sampling):  # OpenAI's Responses API (responses_input.py
 def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, structured: StructuredOutput | None = None,
                     prediction: tuple[int, ...] = ()) -> SamplingParams:
-    """``SamplingParams`` for choice ``choice`` of ``req`` (seeded choices get seed + choice);
+    """``SamplingParams`` for choice ``choice`` of ``req`` (a seeded choice's seed: ``seeded.choice_seed``);
     ``structured``: the reply's grammar when the caller has it (the request's, or a forced tool call's);
     ``prediction``: the predicted output's token ids."""
     top_k = req.top_k if req.top_k is not None else 0
@@ -306,7 +307,7 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_k=0 if top_k == -1 else top_k, top_p=1.0 if req.top_p is None else req.top_p,
-            min_p=req.min_p or 0.0, seed=None if req.seed is None else req.seed + choice,
+            min_p=req.min_p or 0.0, seed=None if req.seed is None else choice_seed(req.seed, choice),
             stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,

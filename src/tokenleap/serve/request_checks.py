@@ -36,7 +36,7 @@ def check_common(req: _Sampling) -> None:
     refuse_unserved(req, _UNSERVED)
     if req.n is None or not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
-    # (choice j of a seeded request samples with seed + j: past 2**63 too, SamplingParams takes any integer)
+    # (choice j of a seeded request samples with seeded.choice_seed(seed, j), a 63-bit value)
     if req.seed is not None and not -2**63 <= req.seed < 2**63:
         raise bad_request(f"seed must be a 64-bit signed integer, got {req.seed}", "seed")
     if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:

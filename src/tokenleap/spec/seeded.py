@@ -45,6 +45,13 @@ def mix(x: int) -> int:
     return z ^ (z >> 31)
 
 
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of completion ``j`` of a seeded request with ``n`` > 1: ``seed`` itself for the first, for
+    the others a 63-bit value hashed from (seed, j) -- not ``seed + j``, which would make completion 1 of
+    seed S the first completion of seed S + 1 (requests at nearby seeds sharing most of their samples)."""
+    return seed if j == 0 else mix(mix(seed) + j) >> 1
+
+
 def _signed(x: int) -> int:
     """A 64-bit pattern as the signed value an int64 tensor holds."""
     x &= _MASK
