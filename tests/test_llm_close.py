@@ -73,7 +73,9 @@ def test_close_frees_the_weights_engines_and_scheduler_and_later_calls_fail_clea
 def test_a_with_block_closes_the_llm():
     with make_llm() as llm:
         assert len(llm.generate("abcabc", PARAMS)[0].token_ids) == 40
-    assert llm.closed and llm.target is None
+    assert llm.closed and not llm.target and not llm.draft
+    with pytest.raises(LLMClosedError):  # (a call that read the models just after the close: a clear error)
+        llm.target.model  # noqa: B018
 
 
 def test_a_stream_on_another_thread_ends_after_the_step_in_flight(monkeypatch):
@@ -127,3 +129,68 @@ def test_a_scheduler_shut_down_refuses_later_requests_rather_than_queue_them_for
     scheduler.shutdown("gone")
     with pytest.raises(QueueFullError, match="gone"):
         scheduler.submit([Request(seq, lambda out: None)])
+
+
+def test_a_close_during_the_engines_build_waits_for_it_and_drops_it(monkeypatch):
+    import tokenleap.serve.batch as batch
+    llm = make_llm()
+    building, release, real = threading.Event(), threading.Event(), batch.request_engine
+
+    def slow(l):
+        building.set()
+        release.wait(60)
+        return real(l)
+    monkeypatch.setattr(batch, "request_engine", slow)
+    result: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            result["engine"] = llm.engine
+        except Exception as e:  # (what the build raised: checked below)
+            result["error"] = e
+    builder = threading.Thread(target=build)
+    builder.start()
+    assert building.wait(60)
+    weights = weakref.ref(llm.target.model)
+    closer = threading.Thread(target=llm.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # waiting for the build
+    release.set()
+    closer.join(60)
+    builder.join(60)
+    gc.collect()
+    assert isinstance(result.get("error"), LLMClosedError) and llm._engine is None and weights() is None
+
+
+def test_a_stream_between_steps_when_closed_takes_no_further_step(monkeypatch):
+    """A reader on another thread that passed every check before the close and reaches the step gate after
+    it raises there: no step follows the close."""
+    llm = make_llm()
+    paused, release, entries, gate_step = threading.Event(), threading.Event(), [], llm._steps.step
+
+    def step():  # the reader's third step waits at the gate's door
+        if threading.current_thread() is reader:
+            entries.append(1)
+            if len(entries) == 3:
+                paused.set()
+                release.wait(60)
+        return gate_step()
+    monkeypatch.setattr(llm._steps, "step", step)
+    steps, real_step = [], Engine.step
+    monkeypatch.setattr(Engine, "step", lambda engine, *a, **k: steps.append(1) or real_step(engine, *a, **k))
+    result: dict[str, object] = {}
+
+    def read() -> None:
+        try:
+            result["chunks"] = list(llm.stream("abcabc", PARAMS))
+        except Exception as e:  # (what the stream raised: checked below)
+            result["error"] = e
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert paused.wait(60)
+    llm.close()
+    before = len(steps)
+    release.set()
+    reader.join(60)
+    assert isinstance(result.get("error"), LLMClosedError) and len(steps) == before

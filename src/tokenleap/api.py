@@ -110,12 +110,19 @@ class LLM(AsyncCalls, Lifetime):
         turn of a conversation (or the same system prompt again) starts from it. Batches and chat
         sessions run on paged engines of their own, and never pay for this one's cache."""
         self._check_open()
-        if self._engine is None:
+        engine = self._engine
+        if engine is None:
             with self._engine_lock:
+                self._check_open()  # (closed while this thread waited for another's build)
                 if self._engine is None:
                     from tokenleap.serve.batch import request_engine
-                    self._engine = request_engine(self)
-        return self._engine
+                    built = request_engine(self)
+                    if self.closed:  # (closed during the build: dropped, not kept -- nor by the error's frame)
+                        del built
+                        self._check_open()
+                    self._engine = built
+                engine = self._engine
+        return engine
 
     @property
     def proposer(self) -> Proposer | None:
@@ -195,6 +202,7 @@ class LLM(AsyncCalls, Lifetime):
         steps = engine.generate(ids, params)
         try:
             with self._steps.step():  # (streams on other threads step the same engine: one step at a time)
+                self._check_open()  # (closed since: inside the gate, so no step follows a close)
                 first = next(steps)  # takes a slot (and prefills): another thread may have taken the last one since
         except CacheFullError:
             raise StreamsBusy(busy) from None
@@ -207,8 +215,8 @@ class LLM(AsyncCalls, Lifetime):
                 else:
                     last_piece = piece
                 check_cancelled()  # (an agenerate / achat given up: before the next step)
-                self._check_open()
                 with self._steps.step():
+                    self._check_open()
                     item = next(steps, None)
         finally:
             self._steps.close(steps)  # (frees the slot now when the caller stops early)

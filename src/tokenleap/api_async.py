@@ -114,7 +114,7 @@ def _stop(scheduler) -> None:
     thread, and the engine it held (a KV cache of up to the serving budget) is freed with it. A daemon
     thread still inside a step when the interpreter finalizes aborts the process."""
     if scheduler.alive:
-        scheduler.shutdown("this LLM was closed")
+        scheduler.shutdown("this LLM was closed, or collected, or the interpreter is exiting")
 
 
 async def _cancellable(call: Any, *args: Any, **kwargs: Any) -> Any:

@@ -2,8 +2,24 @@
 from __future__ import annotations
 
 import gc
+import threading
+from typing import Any, TypeVar
 
 from tokenleap.errors import LLMClosedError
+
+_Self = TypeVar("_Self", bound="Lifetime")
+_CLOSED = "this LLM was closed: make a new one"
+
+
+class _Released:
+    """Stands in for a closed LLM's models and tokenizer: a call that got past the closed check just before
+    ``close()`` reads one of them raises ``LLMClosedError``, not an AttributeError on None."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise LLMClosedError(_CLOSED)
+
+    def __bool__(self) -> bool:
+        return False
 
 
 class Lifetime:
@@ -11,25 +27,29 @@ class Lifetime:
 
     def close(self) -> None:
         """Free what this LLM holds now rather than when it is collected (as llama-cpp-python's
-        ``Llama.close``): astream's scheduler thread and engine, the engine ``stream`` runs on, and the
-        models' weights, once nothing else refers to them. A step in flight ends first; a stream open
-        on another thread then raises ``LLMClosedError`` before its next step, an ``astream``
-        likewise, and so does every later call. Closing again does nothing; ``with LLM(...) as llm:``
-        closes at the block's end. Batches already running (``generate`` of several prompts on another
-        thread) stop before their next iteration."""
-        if self._closed:
-            return
-        self._closed = True
-        with self._coroutines_lock:
-            stop, self._coroutines, self._coroutines_stop = self._coroutines_stop, None, None
-        if stop is not None:
-            stop()  # (the scheduler's thread ends after its iteration in flight; its requests fail)
-        with self._steps.step():  # after a step another thread has in flight
-            self._engine = None
-        self.target = self.draft = self.tokenizer = None  # type: ignore[assignment]
-        gc.collect()  # (a stream's frames may hold the engine in a cycle)
+        ``Llama.close``): astream's scheduler thread and engine, the engine ``stream`` runs on (an engine
+        being built waits for its build to end), and the models' weights, once nothing else refers to
+        them. A step in flight ends first; a stream open on another thread then raises
+        ``LLMClosedError`` instead of its next step, an ``astream`` likewise, and so does every later
+        call. Closing again does nothing (a second close at the same time waits for the first);
+        ``with LLM(...) as llm:`` closes at the block's end. Batches already running (``generate`` of
+        several prompts on another thread) stop before their next iteration. It blocks until the
+        scheduler's thread has ended: from a coroutine, ``await asyncio.to_thread(llm.close)``."""
+        with self.__dict__.setdefault("_close_lock", threading.Lock()):
+            if self.__dict__.get("_closed"):
+                return
+            self._closed = True  # (from here no engine is built and no stream takes another step)
+            with self._coroutines_lock:
+                stop, self._coroutines, self._coroutines_stop = self._coroutines_stop, None, None
+            if stop is not None:
+                stop()  # (the scheduler's thread ends after its iteration in flight; its requests fail)
+            with self._steps.step():  # after a step another thread has in flight
+                with self._engine_lock:  # (and after a build in progress)
+                    self._engine = None
+            self.target = self.draft = self.tokenizer = _Released()  # type: ignore[assignment]
+            gc.collect()  # (a stream's frames may hold the engine in a cycle)
 
-    def __enter__(self) -> "Lifetime":
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -37,8 +57,8 @@ class Lifetime:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return bool(self.__dict__.get("_closed"))
 
     def _check_open(self) -> None:
         if self.__dict__.get("_closed"):
-            raise LLMClosedError("this LLM was closed: make a new one")
+            raise LLMClosedError(_CLOSED)

@@ -82,7 +82,7 @@ class Scheduler(Results):
         self._inbox: list[Request] = []
         self._cancelled: list[Request] = []
         self._abort: str | None = None  # abort_all's message, until the next iteration ends every request
-        self._closed: str | None = None  # abort_all's message: later submissions refused with it
+        self._closed: str | None = None  # abort_all's or shutdown's message: later submissions refused with it
         self._calls: list[tuple[Callable[[], Any], Future]] = []
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
@@ -131,7 +131,7 @@ class Scheduler(Results):
         future: Future = Future()
         with self._cond:
             if self._stopping:
-                raise QueueFullError("the server is shutting down")
+                raise QueueFullError(self._closed or "the server is shutting down")
             self._calls.append((fn, future))
             self._cond.notify()
         return future
