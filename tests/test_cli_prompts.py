@@ -19,14 +19,20 @@ def _ids(capsys, *args: str) -> list[list[int]]:
 
 
 def test_standard_input_and_a_text_file_give_what_the_flag_gives(capsys, tmp_path, monkeypatch, smollm2_gguf):
+    """As llama.cpp's -f, one final line end is dropped (``echo`` and editors end the text with one): the
+    prompt's tokens are those of the same text given to --prompt."""
     want = _ids(capsys, "--prompt", PROMPT)
-    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\ufeff" + PROMPT + "\n"))
     assert _ids(capsys, "--prompt", "-") == want
-    (tmp_path / "p.txt").write_text(PROMPT)
+    (tmp_path / "p.txt").write_text(PROMPT + "\n")
     assert _ids(capsys, "-f", str(tmp_path / "p.txt")) == want == _ids(capsys, "--file", str(tmp_path / "p.txt"))
     assert len(want) == 1 and len(want[0]) == 6
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT + "\n\n"))  # (only one line end goes)
+    assert _ids(capsys, "--prompt", "-") != want
     monkeypatch.setattr(sys, "stdin", io.StringIO("  \n"))
     assert_error(capsys, BASE + ["--prompt", "-"], "standard input held no prompt")
+    (tmp_path / "empty.txt").write_text("\n")
+    assert_error(capsys, BASE + ["--file", str(tmp_path / "empty.txt")], "empty.txt held no prompt")
     assert_error(capsys, BASE + ["--prompt", "hi", "--file", str(tmp_path / "p.txt")], "exactly one of --prompt")
     assert_error(capsys, BASE + ["--file", str(tmp_path / "missing.txt")], "missing.txt")
 

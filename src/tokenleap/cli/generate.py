@@ -20,8 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
     add_model_args(g)
     g.add_argument("--prompt", help="prompt text (-: read it from standard input)")
-    g.add_argument("--file", "-f", "--prompt-file", dest="prompt_file", metavar="FILE",
-                   help="a UTF-8 text file holding the prompt (as llama.cpp's -f)")
+    g.add_argument("--file", "-f", dest="prompt_file", metavar="FILE",
+                   help="a UTF-8 text file holding the prompt (as llama.cpp's -f: one final line end dropped)")
     g.add_argument("--prompts-file", "--prompts", dest="prompts_file",
                    help="JSONL file with a \"prompt\" field per line")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -116,14 +116,16 @@ def _prompts(args: argparse.Namespace) -> list:
     """The prompts to generate from: ``--prompt`` (``-``: standard input), ``--file``'s text, or the JSONL file's."""
     if args.prompts_file is not None:
         return read_prompts_file(args.prompts_file)
+    if args.prompt_file is None and args.prompt != "-":
+        return [args.prompt]
     if args.prompt_file is not None:
-        return [read_text_arg(args.prompt_file, "--file")]
-    if args.prompt == "-":
-        text = sys.stdin.read()
-        if not text.strip():
-            raise UsageError("--prompt -: standard input held no prompt")
-        return [text]
-    return [args.prompt]
+        where, text = f"--file {args.prompt_file}", read_text_arg(args.prompt_file, "--file")
+    else:
+        where, text = "--prompt -: standard input", sys.stdin.read().removeprefix("\ufeff")
+    text = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")  # (an editor's or echo's last line end)
+    if not text.strip():
+        raise UsageError(f"{where} held no prompt")
+    return [text]
 
 
 @contextlib.contextmanager
