@@ -26,9 +26,9 @@ asked for -- takes that continuation as its draft instead (free, deterministic: 
 only the others run the skipped-layer forwards: code being edited drafts as prompt lookup does, free
 text as layer skip does, with still no second model.
 
-``skip="auto"`` picks the skipped set at the first proposal by a short calibration on that
-request's own tokens (``layerskip_search.py``), unless one is given up front (cached on disk by
-``proposers.factory.build_proposer``).
+``skip="auto"`` picks the skipped set by a short calibration on a request's own tokens
+(``layerskip_search.py``) once one has ``CALIBRATION_MIN_TOKENS`` (plain steps before, bar prompt
+lookup's drafts), unless one is given up front (cached on disk by ``proposers.factory.build_proposer``).
 """
 from __future__ import annotations
 
@@ -130,12 +130,12 @@ class LayerSkipProposer:
 
     def __init__(self, model: Transformer, skip: frozenset[int] | None, calibrate: Calibrate | None = None,
                  head=None, lookup: NgramProposer | None = None, predicted_speedup: float | None = None) -> None:
-        """``skip``: the layers drafted rows skip; None: chosen by ``calibrate`` at the first proposal.
+        """``skip``: the layers drafted rows skip; None: chosen by ``calibrate`` once a request is long enough.
         ``head``: the drafts' LM head (``layerskip_head.prefix_head``: views of the target's); None: the target's.
         ``lookup``: prompt lookup, whose continuation replaces the draft of a sequence copying its text.
         ``predicted_speedup``: the stored calibration's prediction for drafting by these layers alone,
         measured on this machine (None: no stored calibration when built -- a skipped set given, or
-        one chosen at the first proposal)."""
+        one chosen later)."""
         if skip is None and calibrate is None:
             raise ConfigError("layer skip needs a skipped set or a calibration to choose one")
         if skip is not None:
@@ -187,12 +187,12 @@ class LayerSkipProposer:
             raise ConfigError("the layer-skip proposer is not bound to an engine's cache (Engine does this)")
         out: list[Draft | None] = [None] * len(requests)
         catch_up = 0.0
-        longest = max((list(r.tokens) for r in requests), key=len, default=[])
-        if self.skip is None and len(longest) >= CALIBRATION_MIN_TOKENS:
+        longest = max((r.tokens for r in requests), key=len, default=()) if self.skip is None else ()
+        if len(longest) >= CALIBRATION_MIN_TOKENS:
             # skip=auto: calibrate once, on a request's own tokens (the longest; a shorter text than this
             # scores too few positions to choose by, and its choice is stored for the model)
             t0 = time.perf_counter()
-            self.skip = frozenset(self._calibrate(self.model, longest))
+            self.skip = frozenset(self._calibrate(self.model, list(longest)))
             catch_up = time.perf_counter() - t0  # one-off set-up work, not the draft's cost per token
         lanes = []
         for i, r in enumerate(requests):
@@ -256,7 +256,7 @@ def _stderr(line: str) -> None:
 def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, lookup: int = 0) -> LayerSkipProposer:
     """The proposer for a loaded target (``models.pretrained.LoadedModel``): ``skip_layers`` a list,
     or ``"auto"``: the calibration stored for this model, dtype and quantization under the cache
-    dir, else one made at the first proposal on that request's tokens and stored for next time.
+    dir, else one made on a request's tokens once one has ``CALIBRATION_MIN_TOKENS`` and stored for next time.
     ``log(str)``: one line when a calibration is read or made (default: stderr). ``lookup`` > 0:
     copied text drafts by prompt lookup on suffixes of up to that many tokens (``LOOKUP_MIN`` at least)."""
     from tokenleap.models.checkpoint import model_key
