@@ -194,3 +194,52 @@ def test_a_stream_between_steps_when_closed_takes_no_further_step(monkeypatch):
     release.set()
     reader.join(60)
     assert isinstance(result.get("error"), LLMClosedError) and len(steps) == before
+
+
+def test_a_closed_llm_pickles_and_copies_and_a_close_inside_a_collection_returns():
+    import copy
+    import pickle
+    llm = make_llm()
+    assert len(llm.generate("abc", PARAMS)[0].token_ids) == 40
+
+    class Owner:  # (in a cycle: its __del__ runs inside a collection, here close()'s own)
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            llm.close()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        Owner()
+        closer = threading.Thread(target=llm.close, daemon=True)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()  # (the close inside the collection returned)
+    finally:
+        if enabled:
+            gc.enable()
+    for again in (pickle.loads(pickle.dumps(llm)), copy.deepcopy(llm)):
+        assert again.closed and not hasattr(again.target, "__deepcopy__")
+        with pytest.raises(LLMClosedError):
+            again.generate("abc", PARAMS)
+
+
+def test_a_close_inside_a_step_on_the_same_thread_does_not_wait_for_its_own_step(monkeypatch):
+    """(a finalizer or a signal handler run while this thread steps): the close returns, the stream then
+    raises before its next step."""
+    llm = make_llm()
+    calls, real = [], Engine.step
+
+    def step(engine, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            llm.close()
+        return real(engine, *args, **kwargs)
+    monkeypatch.setattr(Engine, "step", step)
+    done = []
+    reader = threading.Thread(target=lambda: done.append(pytest.raises(LLMClosedError, lambda: list(
+        llm.stream("abcabc", PARAMS)))), daemon=True)
+    reader.start()
+    reader.join(30)
+    assert done and not reader.is_alive() and len(calls) == 2 and llm.closed

@@ -31,7 +31,8 @@ from tokenleap.outputs import RequestOutput, StreamChunk, grouped, request_outpu
 from tokenleap.cache.contiguous import CacheFullError
 
 
-_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock", "_coroutines_stop", "_steps")
+_PROCESS_STATE = ("_engine", "_engine_lock", "_coroutines", "_coroutines_lock", "_coroutines_stop", "_steps",
+                  "_close_lock")
 
 
 class StreamsBusy(ConfigError):

@@ -16,6 +16,8 @@ class _Released:
     ``close()`` reads one of them raises ``LLMClosedError``, not an AttributeError on None."""
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (copy's, pickle's and hasattr's probes of special names: not there)
+            raise AttributeError(name)
         raise LLMClosedError(_CLOSED)
 
     def __bool__(self) -> bool:
@@ -35,7 +37,8 @@ class Lifetime:
         ``with LLM(...) as llm:`` closes at the block's end. Batches already running (``generate`` of
         several prompts on another thread) stop before their next iteration. It blocks until the
         scheduler's thread has ended: from a coroutine, ``await asyncio.to_thread(llm.close)``."""
-        with self.__dict__.setdefault("_close_lock", threading.Lock()):
+        # (reentrant: a finalizer the collection below runs may close again on this thread)
+        with self.__dict__.setdefault("_close_lock", threading.RLock()):
             if self.__dict__.get("_closed"):
                 return
             self._closed = True  # (from here no engine is built and no stream takes another step)
@@ -43,9 +46,12 @@ class Lifetime:
                 stop, self._coroutines, self._coroutines_stop = self._coroutines_stop, None, None
             if stop is not None:
                 stop()  # (the scheduler's thread ends after its iteration in flight; its requests fail)
-            with self._steps.step():  # after a step another thread has in flight
-                with self._engine_lock:  # (and after a build in progress)
-                    self._engine = None
+            if self._steps.held_here():  # (closed inside a step: a finalizer, a signal handler)
+                self._engine = None  # (that step's stream raises at its next check)
+            else:
+                with self._steps.step():  # after a step another thread has in flight
+                    with self._engine_lock:  # (and after a build in progress)
+                        self._engine = None
             self.target = self.draft = self.tokenizer = _Released()  # type: ignore[assignment]
             gc.collect()  # (a stream's frames may hold the engine in a cycle)
 

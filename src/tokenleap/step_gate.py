@@ -43,6 +43,10 @@ class StepGate:
         if error is not None:
             raise error
 
+    def held_here(self) -> bool:
+        """Whether the calling thread is inside a step."""
+        return self._owner == threading.get_ident()
+
     def close(self, steps: Generator) -> None:
         """Close a stream's engine generator, between steps."""
         if self._owner == threading.get_ident():
