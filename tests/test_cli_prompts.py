@@ -12,6 +12,10 @@ BASE = ["generate", "--model", "smollm2-135m-instruct", "--max-tokens", "6", "--
 PROMPT = "The three primary colors are"
 
 
+def _stdin(data: bytes) -> io.TextIOWrapper:
+    return io.TextIOWrapper(io.BytesIO(data), encoding="latin-1")  # (a locale that is not UTF-8)
+
+
 def _ids(capsys, *args: str) -> list[list[int]]:
     code, out, err = run_cli(capsys, *BASE, *args)
     assert code == 0, err
@@ -22,15 +26,17 @@ def test_standard_input_and_a_text_file_give_what_the_flag_gives(capsys, tmp_pat
     """As llama.cpp's -f, one final line end is dropped (``echo`` and editors end the text with one): the
     prompt's tokens are those of the same text given to --prompt."""
     want = _ids(capsys, "--prompt", PROMPT)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("\ufeff" + PROMPT + "\n"))
+    monkeypatch.setattr(sys, "stdin", _stdin(b"\xef\xbb\xbf" + PROMPT.encode() + b"\r\n"))
     assert _ids(capsys, "--prompt", "-") == want
     (tmp_path / "p.txt").write_text(PROMPT + "\n")
     assert _ids(capsys, "-f", str(tmp_path / "p.txt")) == want == _ids(capsys, "--file", str(tmp_path / "p.txt"))
     assert len(want) == 1 and len(want[0]) == 6
-    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT + "\n\n"))  # (only one line end goes)
+    monkeypatch.setattr(sys, "stdin", _stdin(PROMPT.encode() + b"\n\n"))  # (only one line end goes)
     assert _ids(capsys, "--prompt", "-") != want
-    monkeypatch.setattr(sys, "stdin", io.StringIO("  \n"))
+    monkeypatch.setattr(sys, "stdin", _stdin(b"  \n"))
     assert_error(capsys, BASE + ["--prompt", "-"], "standard input held no prompt")
+    monkeypatch.setattr(sys, "stdin", _stdin(b"Hello \xff\n"))  # (read as UTF-8, whatever the locale)
+    assert_error(capsys, BASE + ["--prompt", "-"], "standard input is not UTF-8 text (byte 6)")
     (tmp_path / "empty.txt").write_text("\n")
     assert_error(capsys, BASE + ["--file", str(tmp_path / "empty.txt")], "empty.txt held no prompt")
     assert_error(capsys, BASE + ["--prompt", "hi", "--file", str(tmp_path / "p.txt")], "exactly one of --prompt")

@@ -121,8 +121,13 @@ def _prompts(args: argparse.Namespace) -> list:
     if args.prompt_file is not None:
         where, text = f"--file {args.prompt_file}", read_text_arg(args.prompt_file, "--file")
     else:
-        where, text = "--prompt -: standard input", sys.stdin.read().removeprefix("\ufeff")
-    text = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")  # (an editor's or echo's last line end)
+        from tokenleap.text.files import decode_text
+        where = "--prompt -: standard input"
+        try:  # (its bytes, read as a file's are: not the locale's encoding)
+            text = decode_text(sys.stdin.buffer.read(), where)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    text = text.removesuffix("\n")  # (an editor's or echo's last line end)
     if not text.strip():
         raise UsageError(f"{where} held no prompt")
     return [text]

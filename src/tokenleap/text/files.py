@@ -19,4 +19,14 @@ def read_text_file(path: str | Path, what: str) -> str:
         raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
 
 
-__all__ = ["read_text_file"]
+def decode_text(data: bytes, what: str) -> str:
+    """``data`` (e.g. standard input's bytes) as ``read_text_file`` reads a file: UTF-8, a leading
+    byte-order mark dropped, line ends as universal newlines; a ValueError naming ``what`` if not UTF-8."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text (byte {e.start})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+__all__ = ["decode_text", "read_text_file"]
