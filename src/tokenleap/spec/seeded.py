@@ -35,6 +35,7 @@ import torch
 BLOCK = 256
 _MASK = (1 << 64) - 1
 _GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_CHOICES = 0x6E5F636F6D706C65  # choice_seed's own stream: its keys are not SeededNoise's position keys
 
 
 def mix(x: int) -> int:
@@ -49,7 +50,7 @@ def choice_seed(seed: int, j: int) -> int:
     """The seed of completion ``j`` of a seeded request with ``n`` > 1: ``seed`` itself for the first, for
     the others a 63-bit value hashed from (seed, j) -- not ``seed + j``, which would make completion 1 of
     seed S the first completion of seed S + 1 (requests at nearby seeds sharing most of their samples)."""
-    return seed if j == 0 else mix(mix(seed) + j) >> 1
+    return seed if j == 0 else mix(mix(seed ^ _CHOICES) + j) >> 1
 
 
 def _signed(x: int) -> int:
@@ -142,4 +143,4 @@ class SeededNoise:
         return best_token
 
 
-__all__ = ["SeededNoise", "splitmix64", "mix", "uniforms", "BLOCK"]
+__all__ = ["SeededNoise", "choice_seed", "splitmix64", "mix", "uniforms", "BLOCK"]
