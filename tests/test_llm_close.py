@@ -17,6 +17,7 @@ from tokenleap.spec.engine import Engine
 
 from conftest import tiny_model
 from serving_helpers import VOCAB, EncodeChatToy
+from test_async_api import _gate_steps as gate_steps
 
 PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
 
@@ -33,18 +34,21 @@ async def _astream_ids(llm: LLM, prompt: str) -> list[int]:
 
 
 def _gate_steps(monkeypatch, at: int):
-    """Engine steps counted; the ``at``-th waits for ``gate`` (``stepping`` set while it waits)."""
-    gate, stepping, calls = threading.Event(), threading.Event(), []
-    real = Engine.step
+    return gate_steps(monkeypatch, Engine, at)
 
-    def step(engine, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == at:
-            stepping.set()
-            gate.wait(60)
-        return real(engine, *args, **kwargs)
-    monkeypatch.setattr(Engine, "step", step)
-    return gate, stepping, calls
+
+def _read_in_thread(llm: LLM) -> tuple[threading.Thread, dict]:
+    """A thread reading a stream of ``llm`` to its end (started); what it read or raised lands in the dict."""
+    result: dict[str, object] = {}
+
+    def read() -> None:
+        try:
+            result["chunks"] = list(llm.stream("abcabc", PARAMS))
+        except Exception as e:  # (what the stream raised: the test checks it)
+            result["error"] = e
+    reader = threading.Thread(target=read)
+    reader.start()
+    return reader, result
 
 
 def test_close_frees_the_weights_engines_and_scheduler_and_later_calls_fail_clearly():
@@ -82,15 +86,7 @@ def test_a_stream_on_another_thread_ends_after_the_step_in_flight(monkeypatch):
     """close() waits for the step another thread has in flight, then that stream raises before its next."""
     llm = make_llm()
     gate, stepping, calls = _gate_steps(monkeypatch, at=3)
-    result: dict[str, object] = {}
-
-    def read() -> None:
-        try:
-            result["chunks"] = list(llm.stream("abcabc", PARAMS))
-        except Exception as e:  # (what the stream raised: checked below)
-            result["error"] = e
-    reader = threading.Thread(target=read)
-    reader.start()
+    reader, result = _read_in_thread(llm)
     assert stepping.wait(60)
     closer = threading.Thread(target=llm.close)
     closer.start()
@@ -168,9 +164,10 @@ def test_a_stream_between_steps_when_closed_takes_no_further_step(monkeypatch):
     it raises there: no step follows the close."""
     llm = make_llm()
     paused, release, entries, gate_step = threading.Event(), threading.Event(), [], llm._steps.step
+    me = threading.current_thread()
 
-    def step():  # the reader's third step waits at the gate's door
-        if threading.current_thread() is reader:
+    def step():  # the reader's third step waits at the gate's door (the close's own entry passes)
+        if threading.current_thread() is not me:
             entries.append(1)
             if len(entries) == 3:
                 paused.set()
@@ -179,15 +176,7 @@ def test_a_stream_between_steps_when_closed_takes_no_further_step(monkeypatch):
     monkeypatch.setattr(llm._steps, "step", step)
     steps, real_step = [], Engine.step
     monkeypatch.setattr(Engine, "step", lambda engine, *a, **k: steps.append(1) or real_step(engine, *a, **k))
-    result: dict[str, object] = {}
-
-    def read() -> None:
-        try:
-            result["chunks"] = list(llm.stream("abcabc", PARAMS))
-        except Exception as e:  # (what the stream raised: checked below)
-            result["error"] = e
-    reader = threading.Thread(target=read)
-    reader.start()
+    reader, result = _read_in_thread(llm)
     assert paused.wait(60)
     llm.close()
     before = len(steps)
