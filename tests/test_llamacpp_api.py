@@ -307,3 +307,16 @@ def test_max_tokens_names_n_predict_and_unserved_samplers_are_refused(server):
                         ("dynatemp_range", 0.5), ("top_n_sigma", 1.0)):
         r = post(server, "/completion", {**body, "n_predict": 2, name: value})
         assert r.status_code == 400 and name in r.json()["error"]["message"], name
+
+
+def test_llama_cpps_routes_answer_errors_in_its_form(server):
+    """/completion and /infill: llama.cpp's error object (``code`` the HTTP status; a prompt over the context
+    its own type); /v1/completions keeps OpenAI's."""
+    bad = post(server, "/completion", {"n_predict": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == 400, bad.text
+    assert bad.json()["error"]["type"] == "invalid_request_error" and bad.json()["error"]["message"]
+    long = post(server, "/completion", {"prompt": [5] * (MAX_LEN + 4), "n_predict": 2})
+    assert long.status_code == 400 and long.json()["error"]["type"] == "exceed_context_size_error", long.text
+    assert post(server, "/infill", {"input_prefix": 3}).json()["error"]["code"] == 400
+    openai = post(server, "/v1/completions", {"prompt": [5] * (MAX_LEN + 4), "max_tokens": 2}).json()["error"]
+    assert openai["code"] == "context_length_exceeded" and openai["type"] == "invalid_request_error"

@@ -1,5 +1,6 @@
 """The server's error bodies: every failure answers with OpenAI's error object (Anthropic's on the
-Messages API's routes, Ollama's ``{"error": message}`` on its ``/api/`` routes) -- an ``APIError`` as raised, Starlette's own HTTP errors (404, 405) in the
+Messages API's routes, Ollama's ``{"error": message}`` on its ``/api/`` routes, llama.cpp's -- ``code`` the
+HTTP status -- on its ``/completion`` and ``/infill``) -- an ``APIError`` as raised, Starlette's own HTTP errors (404, 405) in the
 same form, a client that left before sending its whole body as 499 (logged, nothing sent), anything
 else as a logged 500 -- answered by a middleware rather than an exception handler, because Starlette
 re-raises after its handler for ``Exception`` answers, and the server then closes the client's
@@ -15,6 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenleap.serve.body import MAX_BODY_BYTES
+from tokenleap.serve.llamacpp import PATHS as LLAMACPP_PATHS
 from tokenleap.serve.messages_api import anthropic_error
 from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
 from tokenleap.serve.ollama_routes import PREFIX as OLLAMA_PREFIX
@@ -38,6 +40,8 @@ def error_body(path: str, exc: APIError) -> dict:
         return {"error": exc.message}
     if path.startswith(MESSAGES_PATH):
         return anthropic_error(exc.status, exc.message)
+    if path in LLAMACPP_PATHS:
+        return exc.llamacpp_body()
     return exc.body()
 
 

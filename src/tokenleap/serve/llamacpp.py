@@ -177,6 +177,9 @@ class InfillRequest(_LlamaSampling):
 _STOP_TYPES = {"stop": "eos", "length": "limit"}  # a stop string: "word" (with its "stopping_word")
 
 
+PATHS = ("/completion", "/completions", "/infill")  # llama.cpp's own routes (its error form answers there)
+
+
 class LlamaCppRoutes:
     """llama.cpp's ``/completion`` and ``/infill`` for ``server`` (an ``app.OpenAIServer``: its
     checks, jobs and log)."""
@@ -185,9 +188,8 @@ class LlamaCppRoutes:
         self.server = server
 
     def add_to(self, app: FastAPI) -> None:
-        app.add_api_route("/completion", self.complete, methods=["POST"])
-        app.add_api_route("/completions", self.complete, methods=["POST"])
-        app.add_api_route("/infill", self.infill, methods=["POST"])
+        for path in PATHS:
+            app.add_api_route(path, self.infill if path == "/infill" else self.complete, methods=["POST"])
 
     async def complete(self, request: HTTPRequest) -> Response:
         server = self.server
@@ -308,7 +310,7 @@ class _Shape:
         reasons: dict[int, str | None] = {}
         async for i, out in self.job.outputs():
             if out.error:
-                yield _sse(failed(out.error, out.error_status).body())
+                yield _sse(failed(out.error, out.error_status).llamacpp_body())
                 return
             piece, scored = self.job.piece(i, out)
             reasons[i] = out.finish_reason or reasons.get(i)

@@ -43,6 +43,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def llamacpp_body(self) -> dict[str, Any]:
+        """llama.cpp's server's form: ``code`` the HTTP status, a prompt over the context its own type."""
+        kind = "exceed_context_size_error" if self.code == "context_length_exceeded" else self.type
+        return {"error": {"code": self.status, "message": self.message, "type": kind}}
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
