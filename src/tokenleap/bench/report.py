@@ -53,8 +53,8 @@ def _setup(results: dict[str, Any]) -> list[str]:
     return [
         f"- command: `{results.get('command', '-')}`",
         f"- run: {results.get('started', '-')} → {results.get('finished', '-')}",
-        f"- target: `{s.get('target')}` ({s.get('dtype')}, quant {s.get('quant')}); draft: `{s.get('draft')}` "
-        f"(quant {s.get('draft_quant')})",
+        f"- target: `{s.get('target')}` ({s.get('dtype')}, quant {s.get('quant')}); "
+        + (f"draft: `{s['draft']}` (quant {s.get('draft_quant')})" if s.get("draft") else "no draft model"),
         f"- dataset: `{ds.get('name', s.get('dataset'))}`, {ds.get('num_prompts', '?')} prompts: {cats}",
         f"- decoding: {s['max_new_tokens']} new tokens max, temperature {s['temperature']}, "
         f"{s['repeats']} repeat(s), chat template {'on' if s['chat'] else 'off'}, warm-up excluded",

@@ -244,10 +244,10 @@ def run_bench(settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: l
         raise BenchError("the method list must include plain: speedups and the equality check need it")
     out = open_out_dir(settings)
     log = ResultsLog(out / RESULTS_LOG)
-    run = _Run(settings, prompts, prompt_ids, methods, log, stop_ids)
     started = _dt.datetime.now().isoformat(timespec="seconds")
-    cpu_start = _warn_if_busy()
-    try:
+    try:  # (from the moment the directory exists: a Ctrl-C says how to go on from it)
+        run = _Run(settings, prompts, prompt_ids, methods, log, stop_ids)
+        cpu_start = _warn_if_busy()
         run.loop()
     except KeyboardInterrupt:
         _say(f"[bench] interrupted: {len(log.records)} finished requests are kept in {log.path}; "
