@@ -37,7 +37,11 @@ def cmd_models(args: argparse.Namespace) -> int:
         entry = get_entry(args.name)
         cmd = [sys.executable, "-m"] + shlex.split(entry.install_command())
         print("running:", " ".join(cmd), file=sys.stderr)
-        return subprocess.call(cmd)
+        code = subprocess.call(cmd)
+        if code == 0:  # (pip's own lines say little when it was there already)
+            path = next((r.get("path") for r in list_models(None) if r["name"] == entry.name), None)
+            print(f"{entry.name}: installed" + (f" at {path}" if path else ""), file=sys.stderr)
+        return code
     cache_dir = Path(args.cache_dir) if args.cache_dir else None
     if cache_dir is not None and cache_dir.expanduser().exists() and not cache_dir.expanduser().is_dir():
         raise UsageError(f"--cache-dir {args.cache_dir!r} is not a directory")

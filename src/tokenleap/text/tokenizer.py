@@ -249,8 +249,8 @@ class Tokenizer:
         if not self.chat_template:
             raise ChatTemplateError(
                 "this model has no chat template, so it cannot format chat messages: give it a plain text "
-                "prompt (the CLI without --chat; /v1/completions rather than a chat endpoint), or use an "
-                "instruct / chat model")
+                "prompt (generate without --chat, bench and calibrate with --no-chat; /v1/completions rather "
+                "than a chat endpoint), or use an instruct / chat model")
         _check_messages(messages)
         if "developer" not in self.chat_template:
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
