@@ -1,10 +1,10 @@
 """The server's error bodies: every failure answers with OpenAI's error object (Anthropic's on the
 Messages API's routes, Ollama's ``{"error": message}`` on its ``/api/`` routes, llama.cpp's -- ``code`` the
-HTTP status -- on its ``/completion`` and ``/infill``) -- an ``APIError`` as raised, Starlette's own HTTP errors (404, 405) in the
-same form, a client that left before sending its whole body as 499 (logged, nothing sent), anything
-else as a logged 500 -- answered by a middleware rather than an exception handler, because Starlette
-re-raises after its handler for ``Exception`` answers, and the server then closes the client's
-keep-alive connection."""
+HTTP status -- on its ``/completion`` and ``/infill``) -- an ``APIError`` as raised, Starlette's own HTTP
+errors (404, 405) in the same form, a client that left before sending its whole body as 499 (logged,
+nothing sent), anything else as a logged 500 -- answered by a middleware rather than an exception handler,
+because Starlette re-raises after its handler for ``Exception`` answers, and the server then closes the
+client's keep-alive connection."""
 from __future__ import annotations
 
 import logging
