@@ -49,7 +49,7 @@ class StepGate:
 
     def close(self, steps: Generator) -> None:
         """Close a stream's engine generator, between steps."""
-        if self._owner == threading.get_ident():
+        if self.held_here():
             self._deferred.append(steps)
             return
         with self.step():

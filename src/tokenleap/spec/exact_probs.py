@@ -64,8 +64,8 @@ def _reduce(out: dict, prefixes: list[tuple[int, ...]], rows: torch.Tensor, succ
     if not pairs:
         return
     f = token_figures(torch.tensor([t for _, t in pairs]), rows, torch.tensor([i for i, _ in pairs]))
-    for k, (i, t) in enumerate(pairs):
-        out[(prefixes[i], t)] = (float(f.lo[k]), float(f.mass[k]), float(f.mean[k]), float(f.var[k]))
+    for (i, t), values in zip(pairs, torch.stack([f.lo, f.mass, f.mean, f.var], 1).tolist()):  # [pairs, 4]
+        out[(prefixes[i], t)] = tuple(values)
 
 
 def trial_means(model, prompt: list[int], samples: list[tuple[tuple[int, ...], list[Trial]]], temperature: float

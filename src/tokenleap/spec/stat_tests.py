@@ -136,11 +136,6 @@ class TokenFigures:
     mean: torch.Tensor
     var: torch.Tensor
 
-    @staticmethod
-    def cat(parts: list["TokenFigures"]) -> "TokenFigures":
-        return TokenFigures(*(torch.cat([getattr(f, name) for f in parts])
-                              for name in ("lo", "mass", "mean", "var")))
-
 
 def token_figures(tokens: torch.Tensor, probs: torch.Tensor, row_of: torch.Tensor | None = None) -> TokenFigures:
     """``tokens`` # [n] long against the rows of ``probs`` # [rows, vocab] (token i's row ``row_of[i]``,
