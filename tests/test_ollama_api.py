@@ -4,6 +4,8 @@ equals the same prompt run alone with Ollama's sampling defaults, streamed or no
 thinking come back in Ollama's fields (a scripted model writes them); errors take Ollama's form."""
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import ollama
 import pytest
@@ -110,9 +112,11 @@ def test_a_conversation_over_the_window_loses_its_oldest_turns(server):
     # without num_predict the reply may fill the window's room, and no more
     r = c.chat(model=NAME, messages=kept, options={"temperature": 0, "num_ctx": len(prompt) + 3})
     assert r.eval_count <= 3 and (r.eval_count < 3 or r.done_reason == "length")
-    # truncate false, or a last message that alone overflows the window: a 400
+    # truncate false, or a last message over the window with num_keep -1 (nothing to cut): a 400
     for body in ({"messages": turns, "options": {"num_ctx": 100}, "truncate": False},
-                 {"messages": turns[-1:], "options": {"num_ctx": 10}}, {"messages": turns, "options": {"num_ctx": 0}}):
+                 {"messages": turns[-1:], "options": {"num_ctx": 10, "num_keep": -1}},
+                 {"messages": turns[-1:], "options": {"num_ctx": 10}, "truncate": False},
+                 {"messages": turns, "options": {"num_ctx": 0}}):
         r = httpx.post(f"{server.url}/api/chat", json={"model": NAME, "stream": False, **body}, timeout=30)
         assert r.status_code == 400 and "num_ctx" in r.json()["error"], r.text
     # generate: the oldest tokens of the context go
@@ -122,6 +126,34 @@ def test_a_conversation_over_the_window_loses_its_oldest_turns(server):
     cut = context[len(context) + 3 + 1 - 60:] + tok.encode("abc")
     assert r.prompt_eval_count == len(cut) == 59
     assert r.response == alone(cut, SamplingParams(max_tokens=1, repetition_penalty=1.1, repetition_last_n=64)).text
+
+
+def test_a_message_over_the_window_keeps_its_first_tokens_and_its_end(server):
+    """As Ollama's runner cuts a prompt over ``num_ctx``: its first ``num_keep`` tokens (4 by default)
+    and its end, to half the window, or to the window less ``num_predict`` where that is more."""
+    c, tok = client(server), ChatToyTokenizer(VOCAB)
+    turn = [{"role": "user", "content": "tell me about " + "abcdefgh" * 12 + " in short"}]
+    ids = tok.encode(tok.apply_chat_template(turn, add_generation_prompt=True))
+    assert len(ids) > 100
+    greedy = SamplingParams(max_tokens=1, repetition_penalty=1.1, repetition_last_n=64)
+    for options, cut in (({"num_ctx": 40}, ids[:4] + ids[-18:]),  # 4 + (40 - 4) // 2
+                         ({"num_ctx": 40, "num_keep": 10}, ids[:10] + ids[-15:]),
+                         ({"num_ctx": 40, "num_predict": 5}, ids[:4] + ids[-31:]),  # 40 - 5
+                         ({"num_ctx": 40, "num_predict": 30}, ids[:4] + ids[-18:])):  # half still
+        r = c.chat(model=NAME, messages=turn, options={"temperature": 0, **options})
+        assert r.prompt_eval_count == len(cut), options
+        budget = min(options.get("num_predict", 40), 40 - len(cut))  # (the reply stops at the window)
+        ref = alone(cut, dataclasses.replace(greedy, max_tokens=budget))
+        assert r.message.content == ref.text and r.eval_count == len(ref.generated), options
+    # generate cuts its prompt the same way; truncate false keeps it whole, so a 400
+    raw = tok.encode("0123456789" * 10)
+    r = c.generate(model=NAME, prompt="0123456789" * 10, raw=True,
+                   options={"temperature": 0, "num_ctx": 50, "num_predict": 3})
+    assert r.prompt_eval_count == 47 and r.context[:47] == raw[:4] + raw[-43:]
+    r = httpx.post(f"{server.url}/api/generate", json={"model": NAME, "prompt": "0123456789" * 10, "raw": True,
+                                                        "stream": False, "truncate": False,
+                                                        "options": {"num_ctx": 50}}, timeout=30)
+    assert r.status_code == 400 and "num_ctx" in r.json()["error"], r.text
 
 
 def test_fit_turns_keeps_the_system_message_and_the_latest_turns():
@@ -214,7 +246,7 @@ def test_errors_take_ollamas_form(server):
             ("generate", {"prompt": "x", "think": "very"}, "think"),
             ("chat", {"messages": user, "think": True}, '" does not support thinking'),  # (as Ollama)
             ("generate", {"prompt": "x", "think": "high"}, '" does not support thinking'),
-            ("generate", {"prompt": "x" * (MAX_LEN + 1)}, "maximum context length"),
+            ("generate", {"prompt": "x" * (MAX_LEN + 1), "truncate": False}, "maximum context length"),
             ("generate", {"prompt": "x", "suffix": "y"}, "fill-in-the-middle")):
         r = httpx.post(f"{server.url}/api/{path}", json={"model": NAME, "stream": False, **body}, timeout=30)
         assert r.status_code == 400 and list(r.json()) == ["error"] and words in r.json()["error"], (body, r.text)

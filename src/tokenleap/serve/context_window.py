@@ -1,6 +1,6 @@
 """How a request's prompt and reply share the context window: the reply's token budget
 (``check_max_tokens``), vLLM's ``truncate_prompt_tokens`` (``truncate_prompt``) and the Responses
-API's ``truncation: "auto"`` and Ollama's ``num_ctx`` (``fit_turns``)."""
+API's ``truncation: "auto"`` and Ollama's ``num_ctx`` (``fit_turns``, then ``keep_ends``)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -69,3 +69,13 @@ def fit_turns(messages: list[dict[str, Any]], encode: Callable[[list[dict[str, A
         else:
             lo = mid + 1
     return best if best is not None else (kept, got)  # none fits: the last tried, the shortest
+
+
+def keep_ends(ids: list[int], keep: int, limit: int) -> list[int]:
+    """The prompt cut to ``limit`` tokens as Ollama's runner cuts one over its window: its first ``keep``
+    tokens (at most ``limit - 1``, so the prompt's end, where a chat's reply opens, stays) and its
+    last ones; unchanged when it fits."""
+    if len(ids) <= limit:
+        return ids
+    keep = max(0, min(keep, limit - 1))
+    return ids[:keep] + ids[len(ids) - (limit - keep):]

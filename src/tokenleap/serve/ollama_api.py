@@ -24,8 +24,11 @@ unused: the model is the server's. Images get a 400.
 ``num_ctx`` is the request's context window (at most the server's ``--max-model-len``; absent: that
 length): a prompt that does not fit loses its oldest turns, as Ollama drops them -- system messages
 and the last message stay, the rest kept from the latest user turn back as far as the window allows
-(generate: the oldest tokens of ``context``) -- unless ``truncate`` is false, which makes it a 400; so
-does a prompt that still does not fit. The reply may fill what the window leaves.
+(generate: the oldest tokens of ``context``); a prompt that still leaves no room (one long message)
+keeps its first ``num_keep`` tokens (absent: 4, Ollama's default; negative: all) and its end, as
+Ollama's runner cuts it, so that it fills half the window, or more where a ``num_predict`` needs less
+room (``fit_window``). ``truncate: false`` makes a prompt over the window a 400, as a ``num_keep``
+that leaves nothing to cut does. The reply may fill what the window leaves.
 
 Replies stream by default (``stream`` absent or true), as Ollama's do: one JSON object a line, each
 piece of the reply with ``done: false``, then a last object with ``done: true``, ``done_reason``
@@ -41,6 +44,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from tokenleap.config import MAX_LOGPROBS
+from tokenleap.serve.context_window import keep_ends
 from tokenleap.serve.jobs import Job
 from tokenleap.serve.protocol import (ChatMessage, ChatRequest, CompletionRequest, FunctionCall, Int64,
                                       ResponseFormat, ToolCall, _Strict, bad_request, repeat_window)
@@ -58,6 +62,7 @@ class Options(_Strict):
     """The runtime options tokenleap honours or checks; others (load-time ones) are ignored."""
 
     num_ctx: Int64 | None = None
+    num_keep: Int64 | None = None  # tokens a prompt over the window keeps from its start (absent: 4)
     num_predict: Int64 | None = None
     temperature: float | None = None
     top_k: Int64 | None = None
@@ -83,7 +88,7 @@ class _Body(_Strict):
     think: bool | Literal["low", "medium", "high"] | None = None  # true / false, or an effort: thinking on
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
-    truncate: bool | None = None  # absent: true (a prompt over the window loses its oldest turns)
+    truncate: bool | None = None  # absent: true (a prompt over the window loses its oldest turns / tokens)
 
 
 class ChatBody(_Body):  # POST /api/chat
@@ -153,6 +158,20 @@ def context_window(body: _Body, max_len: int) -> int:
     if n < 1:
         raise bad_request(f"options.num_ctx must be >= 1, got {n}", "options")
     return min(n, max_len)
+
+
+def fit_window(body: _Body, ids: list[int], window: int) -> list[int]:
+    """``ids`` when they leave a reply room in ``window`` or ``truncate`` is false; else cut as Ollama
+    cuts a prompt over ``num_ctx``: the first ``num_keep`` tokens and the end, filling half the window
+    (after those kept) or, where a ``num_predict`` fits in less room, the window less that room."""
+    o = body.options or Options()
+    keep = 4 if o.num_keep is None else o.num_keep
+    if len(ids) < window or body.truncate is False or keep < 0:
+        return ids
+    limit = keep + (window - keep) // 2 if keep < window else window // 2
+    if o.num_predict is not None and 0 < o.num_predict < window:
+        limit = max(limit, window - o.num_predict)
+    return keep_ends(ids, keep, max(1, limit))
 
 
 def chat_request(body: ChatBody) -> ChatRequest:

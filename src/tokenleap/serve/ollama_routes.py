@@ -30,7 +30,7 @@ from tokenleap.models.catalog import CATALOG
 from tokenleap.models.embed import normalize_embedding
 from tokenleap.serve.embedding_routes import EmbeddingRoutes
 from tokenleap.serve.ollama_api import (ChatBody, GenerateBody, ReplyWriter, chat_request, context_window,
-                                        created_at, generate_request, load_reply, logprobs_wanted,
+                                        created_at, fit_window, generate_request, load_reply, logprobs_wanted,
                                         thinking_kwargs)
 from tokenleap.serve.context_window import fit_turns
 from tokenleap.serve.chat_render import chat_messages, chat_options
@@ -112,8 +112,12 @@ class OllamaRoutes:
         window = context_window(body, server.engine.max_len)
         messages, options = chat_messages(chat), chat_options(chat)
         encode = lambda kept: server.prompts.encode_chat(kept, tools, options)  # noqa: E731
-        prompt = await server.off_loop(
-            lambda: fit_turns(messages, encode, window - 1)[1] if body.truncate is not False else encode(messages))
+
+        def prompt_ids() -> list[int]:  # the oldest turns go first, then the long message's middle
+            if body.truncate is False:
+                return encode(messages)
+            return fit_window(body, fit_turns(messages, encode, window - 1)[1], window)
+        prompt = await server.off_loop(prompt_ids)
         job = await server._start(chat, [prompt], [self._budget(chat.max_tokens, len(prompt), window)],
                                   reply_grammar(tools, chat), logprobs)
         writer = ReplyWriter(name, True, job, tools, server._reasoning(chat, prompt),
@@ -166,7 +170,7 @@ class OllamaRoutes:
             if body.truncate is not False:  # the oldest tokens go where the window is short of room
                 context = context[max(0, len(context) + len(ids) + 1 - window):]
             ids = context + ids
-        return ids, templated
+        return fit_window(body, ids, window), templated
 
     def _budget(self, requested: int | None, prompt_len: int, window: int) -> int:
         """Tokens the reply may have: ``num_predict`` (None: up to the window's end), cut to the room
