@@ -118,7 +118,22 @@ def test_errors_take_anthropics_form(server):
                          "container"),
                         ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
                           "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tools"),
-                        ({"max_tokens": 10_000, "messages": [{"role": "user", "content": "x"}]}, "context length")):
+                        ({"max_tokens": 10_000, "messages": [{"role": "user", "content": "x"}]}, "context length"),
+                        ({"model": None, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}, "model"),
+                        ({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"name": "get_weather"}]}, "tools.0.input_schema"),
+                        ({"max_tokens": 3, "messages": [{"role": "user", "content": [
+                            {"type": "tool_result", "tool_use_id": "toolu_9", "content": "sunny"}]}]}, "toolu_9"),
+                        ({"max_tokens": 3, "messages": [
+                            {"role": "user", "content": "weather?"},
+                            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "w",
+                                                               "input": {}}]},
+                            {"role": "user", "content": [
+                                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "sunny"}]}]},
+                         "no tool_use block in the previous message")):
+        body = {"model": NAME, **body}
+        if body["model"] is None:
+            del body["model"]
         r = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
         err = r.json()
         assert r.status_code == 400 and err["type"] == "error", err
@@ -132,7 +147,7 @@ def test_errors_take_anthropics_form(server):
 
 
 def test_tool_use_and_tool_result_turns_become_the_chat_turns_of_a_call():
-    req = MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": "weather in Paris?"},
         {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
                                           {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
@@ -147,28 +162,28 @@ def test_tool_use_and_tool_result_turns_become_the_chat_turns_of_a_call():
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1"}
     assert chat_options(chat)["add_generation_prompt"] is True
     # a final assistant turn is continued (Anthropic's prefill)
-    prefill = chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+    prefill = chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]}))
     assert chat_options(prefill) == {"add_generation_prompt": False, "continue_final_message": True}
     # output_config.format: the reply follows a JSON schema, as response_format json_schema makes it
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    shaped = chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+    shaped = chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": "x"}], "output_config": {"format": {"type": "json_schema", "schema": schema}}}))
     assert shaped.response_format.type == "json_schema" and shaped.response_format.json_schema.schema_ == schema
     with pytest.raises(APIError, match="output_config.format must be"):
-        chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
                                                      "output_config": {"format": {"type": "xml"}}}))
     # the structured-outputs beta's spelling, output_format, is the same format
-    beta = chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [
+    beta = chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": "x"}], "output_format": {"type": "json_schema", "schema": schema}}))
     assert beta.response_format == shaped.response_format
     with pytest.raises(APIError, match="not both"):
-        chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
                                                      "output_format": {"type": "json_schema", "schema": schema},
                                                      "output_config": {"format": {"type": "json_schema",
                                                                                   "schema": schema}}}))
     with pytest.raises(APIError, match="output_format must be"):
-        chat_request(MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
                                                      "output_format": {"type": "json_schema"}}))
 
 

@@ -147,7 +147,12 @@ def test_what_cannot_be_done_is_a_clear_400(server):
            ({"input": "x", "conversation": "conv_1"}, "stored conversations"),
            ({"input": "x", "prompt": {"id": "pmpt_1"}}, "stored conversations and prompts"),
            ({"input": "x", "truncation": "oldest"}, "truncation must be 'auto' or 'disabled'"),
-           ({"input": "x" * 200, "max_output_tokens": 5, "truncation": "auto"}, "shorten the prompt")]
+           ({"input": "x" * 200, "max_output_tokens": 5, "truncation": "auto"}, "shorten the prompt"),
+           ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "call_9",
+                                                          "output": "sunny"}]}, "with call_id call_9"),
+           ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "early"},
+                       {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}]},
+            "No tool call found")]
     for body, message in bad:
         r = httpx.post(server.url + "/v1/responses", json={"model": NAME, **body},
                        headers={"Authorization": f"Bearer {KEY}"})

@@ -465,7 +465,7 @@ HELD_ROUTES = [  # (path, body): each asks for the text "hold" to be tokenized
     ("/v1/completions", {"prompt": "hold", "max_tokens": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 2}),
     ("/v1/responses", {"input": "hold", "max_output_tokens": 2}),
-    ("/v1/messages", {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 2}),
+    ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "hold"}], "max_tokens": 2}),
     ("/completion", {"prompt": "hold", "n_predict": 2}),
     ("/api/generate", {"model": "m", "prompt": "hold", "raw": True, "stream": False, "options": {"num_predict": 2}}),
     ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "hold"}], "stream": False,

@@ -3,9 +3,10 @@ chat path.
 
 A request becomes a ``ChatRequest``: ``system`` (a string or text blocks) as a system message, each
 turn's content blocks as chat messages -- ``text`` blocks joined, an assistant turn's ``tool_use``
-blocks as its tool calls, a user turn's ``tool_result`` blocks as tool messages before its text --
-``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice`` (auto, any, tool, none)
-in the chat forms, ``stop_sequences`` as stop strings, ``output_config.format`` (a JSON schema; the
+blocks as its tool calls, a user turn's ``tool_result`` blocks as tool messages before its text (each
+must answer a ``tool_use`` of the turn before, as Anthropic's API checks) -- ``tools`` (``name``,
+``description`` and the required ``input_schema``) and ``tool_choice`` (auto, any, tool, none) in the
+chat forms, ``stop_sequences`` as stop strings, ``output_config.format`` (a JSON schema; the
 beta's ``output_format`` too) as ``response_format``; the sampling fields the chat endpoint takes
 (``temperature``, ``top_p``, ``top_k``, ``seed``, penalties) may come as extra body fields. A
 conversation that ends with an assistant turn is continued (the reply goes on from that text, as
@@ -17,8 +18,8 @@ speculation as /v1/chat/completions.
 (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
 ``message_stop``). A thinking model's ``<think>`` block (``reasoning.py``) is a ``thinking`` block
 before the text; the request's ``thinking`` (enabled / disabled) reaches the chat template as its
-``enable_thinking`` (Qwen3's switch). ``metadata`` is accepted and unused; images, documents and
-server tools get a 400 that says so. Errors on these routes take Anthropic's form (``anthropic_error``).
+``enable_thinking`` (Qwen3's switch). ``model`` is required, as in Anthropic's API; ``metadata`` is
+accepted and unused; images, documents and server tools get a 400 that says so. Errors on these routes take Anthropic's form (``anthropic_error``).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from tokenleap.serve.tools import ToolPlan, arguments_object, function_tool
 
 
 class CountTokensRequest(_Strict):  # POST /v1/messages/count_tokens
-    model: str | None = None
+    model: str  # required, as Anthropic's API has it
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -81,7 +82,9 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
     if not req.messages:
         raise bad_request("messages: at least one message is required", "messages")
     for i, turn in enumerate(req.messages):
-        messages += _turn(i, turn)
+        before = messages[-1] if messages else None
+        messages += (added := _turn(i, turn))
+        _check_results(i, added, before)
     last = messages[-1]
     prefill = last.role == "assistant" and not last.tool_calls
     fields: dict[str, Any] = {}
@@ -141,6 +144,19 @@ def _turn(i: int, turn: dict[str, Any]) -> list[ChatMessage]:
     return results + ([ChatMessage(role="user", content="".join(texts))] if texts or not results else [])
 
 
+def _check_results(i: int, added: list[ChatMessage], before: ChatMessage | None) -> None:
+    """A 400, as Anthropic's API answers, where turn ``i``'s ``tool_result`` blocks (its ``tool``
+    messages, ``added``) answer a ``tool_use`` the turn before (``before``) did not make."""
+    made = set()
+    if before is not None and before.role == "assistant":
+        made = {call.id for call in before.tool_calls or []}
+    for message in added:
+        if message.role == "tool" and message.tool_call_id not in made:
+            raise bad_request(f"messages.{i}: tool_result for tool_use_id {message.tool_call_id!r}, which no "
+                              "tool_use block in the previous message has: each tool_result answers a tool_use "
+                              "of the assistant turn just before it", "messages")
+
+
 def _joined(value: Any, where: str) -> str:
     """The text of a string or a list of text blocks."""
     if isinstance(value, str):
@@ -167,6 +183,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef] | None:
         if tool.get("type", "custom") != "custom" or not isinstance(tool.get("name"), str):
             raise bad_request(f"tools.{i}: only client tools (a name and an input_schema) run here; this server "
                               "hosts no server tools", "tools")
+        if not isinstance(tool.get("input_schema"), dict):  # (required by Anthropic's API, an object schema)
+            raise bad_request(f"tools.{i}.input_schema: a JSON schema object is required", "tools")
         out.append(function_tool(f"tools.{i}", {"name": tool["name"], "description": tool.get("description"),
                                                  "parameters": tool.get("input_schema")}))
     return out or None

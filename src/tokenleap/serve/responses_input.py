@@ -8,7 +8,8 @@ speculation as /v1/chat/completions (``max_output_tokens`` is the reply's budget
 
 Supported: ``input`` as a string or a list of items -- messages (roles user, system, developer,
 assistant; content a string or ``input_text`` / ``output_text`` parts), ``function_call`` and
-``function_call_output`` items (an earlier turn's calls and their results) -- ``instructions``,
+``function_call_output`` items (an earlier turn's calls and their results; an output whose
+``call_id`` no call before it has is a 400, as OpenAI's) -- ``instructions``,
 ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (text, json_object,
 json_schema), function ``tools`` with ``tool_choice``, ``stream``, ``metadata``,
 ``include: ["message.output_text.logprobs"]`` with ``top_logprobs``, and the chat endpoint's
@@ -47,6 +48,7 @@ def chat_request(req: ResponsesRequest, earlier: list[dict[str, Any]] = ()) -> C
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     messages += [ChatMessage.model_validate(m) for m in earlier]
     messages += _input_messages(req.input)
+    _check_outputs(messages)
     common = sampling_fields(req)
     fmt = _response_format(req.text)
     if fmt is not None:
@@ -129,6 +131,17 @@ def _input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
     if not out:
         raise bad_request("input holds no message", "input")
     return out
+
+
+def _check_outputs(messages: list[ChatMessage]) -> None:
+    """A 400, as OpenAI's API answers, for a function_call_output whose call_id no function_call
+    before it (in the input or the previous response's conversation) has."""
+    made: set[str] = set()
+    for m in messages:
+        made.update(call.id for call in m.tool_calls or [])
+        if m.role == "tool" and m.tool_call_id not in made:
+            raise bad_request(f"No tool call found for function call output with call_id {m.tool_call_id}: a "
+                              "function_call_output answers a function_call that comes before it", "input")
 
 
 def _message(i: int, item: dict[str, Any]) -> ChatMessage:
