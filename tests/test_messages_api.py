@@ -171,19 +171,22 @@ def test_tool_use_and_tool_result_turns_become_the_chat_turns_of_a_call():
         {"role": "user", "content": "x"}], "output_config": {"format": {"type": "json_schema", "schema": schema}}}))
     assert shaped.response_format.type == "json_schema" and shaped.response_format.json_schema.schema_ == schema
     with pytest.raises(APIError, match="output_config.format must be"):
-        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5,
+                                                     "messages": [{"role": "user", "content": "x"}],
                                                      "output_config": {"format": {"type": "xml"}}}))
     # the structured-outputs beta's spelling, output_format, is the same format
     beta = chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": "x"}], "output_format": {"type": "json_schema", "schema": schema}}))
     assert beta.response_format == shaped.response_format
     with pytest.raises(APIError, match="not both"):
-        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5,
+                                                     "messages": [{"role": "user", "content": "x"}],
                                                      "output_format": {"type": "json_schema", "schema": schema},
                                                      "output_config": {"format": {"type": "json_schema",
                                                                                   "schema": schema}}}))
     with pytest.raises(APIError, match="output_format must be"):
-        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5,
+                                                     "messages": [{"role": "user", "content": "x"}],
                                                      "output_format": {"type": "json_schema"}}))
 
 

@@ -138,7 +138,8 @@ def test_anthropic_messages_get_a_thinking_block(thinking):
         assert [b.type for b in stream.get_final_message().content] == ["thinking", "tool_use"]
     # the request's thinking switch reaches the template as Qwen3's enable_thinking
     for kind, flag in (("enabled", True), ("disabled", False)):
-        req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5,
+                                              "messages": [{"role": "user", "content": "x"}],
                                               "thinking": {"type": kind, "budget_tokens": 1024}})
         assert chat_request(req).chat_template_kwargs == {"enable_thinking": flag}
 
