@@ -86,6 +86,14 @@ def test_a_stopped_reply_stays_and_the_next_turn_is_exact():
     assert session.engine.cache.lengths == [0]  # each turn's slot was freed
 
 
+def test_the_stats_line_names_the_dtype_plainly():
+    """chat --stats' startup line (``LLM.describe`` of the session's engine) names the dtype as ``float32``,
+    as generate's and the draft model's notes do, not as torch's ``torch.float32``."""
+    llm = session_llm("draft")
+    line = llm.describe(ChatSession(llm).engine)
+    assert "(float32, quant none)" in line and "torch." not in line
+
+
 def test_smollm2_chat_on_piped_stdin(smollm2_gguf):
     cmd = [sys.executable, "-m", "tokenleap.cli.main", "chat", "--model", "smollm2-135m-instruct", "--max-model-len",
            "512", "--max-tokens", "12", "--spec", "ngram", "--stats"]
@@ -105,7 +113,7 @@ def test_smollm2_chat_on_piped_stdin(smollm2_gguf):
                       greedy)[0].text
     third = llm.chat([{"role": "user", "content": "Name a color."}], greedy)[0].text
     assert run.stdout == f"{first}\n{second}\n{third}\n" and "Paris" in first
-    assert run.stderr.count("tok/s") == 3 and "new conversation" in run.stderr
+    assert run.stderr.count("tok/s") == 3 and "new conversation" in run.stderr and "torch." not in run.stderr
     clean = subprocess.run(cmd, input=b"Name a color.\n", capture_output=True, timeout=600)
     assert clean.returncode == 0 and clean.stdout.decode() == f"{third}\n", clean.stderr
 

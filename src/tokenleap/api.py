@@ -145,7 +145,8 @@ class LLM(AsyncCalls, Lifetime):
         self._check_open()
         from tokenleap.models.quant import weight_bytes
         t, engine = self.target, engine or self.engine
-        line = (f"{t.source} ({t.dtype}, quant {t.quant}): weights {weight_bytes(t.model) / 2**30:.2f} GiB, "
+        dtype = str(t.dtype).removeprefix("torch.")  # (bfloat16, as the draft note and bench's reports name it)
+        line = (f"{t.source} ({dtype}, quant {t.quant}): weights {weight_bytes(t.model) / 2**30:.2f} GiB, "
                 f"KV cache {engine.cache.nbytes / 2**20:.0f} MiB for {engine.max_len} tokens; "
                 f"decode rows: {t.model.backend.describe()}")
         if engine.proposer is not None:
