@@ -12,8 +12,8 @@ import json
 import sys
 import time
 
-from tokenleap.cli.main import (UsageError, check_model_ref, check_quant_dtype, positive_int, read_prompts_file,
-                                unwritable_place)
+from tokenleap.cli.main import (QUANT_HELP, UsageError, check_model_ref, check_quant_dtype, positive_int,
+                                read_prompts_file, unwritable_place)
 
 DEFAULT_PROMPTS = (
     "Complete the following Python function:\n\n```python\nfrom typing import List\n\n\n"
@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--spec", choices=["layerskip"], default="layerskip", help="the method to calibrate")
     p.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16, float16 (calibrations are stored per dtype)")
-    p.add_argument("--quant", default="none", help="none, int8, int4 (calibrations are stored per quantization)")
+    p.add_argument("--quant", default="none", help=f"{QUANT_HELP}; calibrations are stored per quantization")
     p.add_argument("--prompts", help="JSONL file with a \"prompt\" per line (default: two code prompts and a "
                                      "chat prompt)")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")

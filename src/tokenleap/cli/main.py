@@ -19,6 +19,10 @@ from tokenleap.config import QUANT_MODES, ConfigError, SamplingParams, SpecConfi
 from tokenleap.errors import TokenleapError
 
 
+QUANT_HELP = "none, int8, int4 (weight-only), w8a8 (int8 weights and activations; AMX-INT8 CPUs)"
+"""``--quant``'s values in every command's help: those of ``config.QUANT_MODES``, which ``check_quant_dtype`` takes."""
+
+
 class UsageError(TokenleapError):
     """Bad command-line input."""
 
@@ -60,8 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face model directory")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else float32), "
                                                     "float32, bfloat16, float16")
-    p.add_argument("--quant", default="none", help="quantization: none, int8, int4 (weight-only), w8a8 (int8 "
-                                                    "weights and activations; AMX-INT8 CPUs)")
+    p.add_argument("--quant", default="none", help=f"quantization: {QUANT_HELP}")
     p.add_argument("--spec", choices=["none", "draft", "ngram", "lookahead", "layerskip", "eagle", "auto"],
                    default=None,
                    help="speculative method (not given: draft with --draft-model, else none; serve: auto); auto: "
