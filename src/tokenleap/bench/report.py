@@ -52,7 +52,8 @@ def _setup(results: dict[str, Any]) -> list[str]:
     cats = ", ".join(f"{c} ({n})" for c, n in ds.get("categories", {}).items())
     return [
         f"- command: `{results.get('command', '-')}`",
-        f"- run: {results.get('started', '-')} → {results.get('finished', '-')}",
+        f"- run: {results.get('started', '-')} → {results.get('finished', '-')}"
+        + (f" (resumed {results['resumed']})" if results.get("resumed") else ""),
         f"- target: `{s.get('target')}` ({s.get('dtype')}, quant {s.get('quant')}); "
         + (f"draft: `{s['draft']}` (quant {s.get('draft_quant')})" if s.get("draft") else "no draft model"),
         f"- dataset: `{ds.get('name', s.get('dataset'))}`, {ds.get('num_prompts', '?')} prompts: {cats}",

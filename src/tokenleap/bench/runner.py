@@ -64,17 +64,23 @@ def check_out_dir(out: Path, resume: bool) -> None:
                          "continue the run in it, or choose another --out (nothing is overwritten)")
 
 
-def open_out_dir(settings: BenchSettings) -> Path:
-    """Create the output directory; refuse an existing one unless resuming a run of the same setup."""
+def open_out_dir(settings: BenchSettings, started: str) -> tuple[Path, str | None]:
+    """Create the output directory; refuse an existing one unless resuming a run of the same setup.
+    A new run's ``run.json`` keeps its setup and its start, ``started``, so that a resumed run reports
+    when the whole run began. Returns the directory and, when resuming, the first run's start (None for
+    a new run, or a ``run.json`` that holds no start)."""
     out = settings.out_dir
     run_file = out / RUN_FILE
     check_out_dir(out, settings.resume)
+    saved: dict[str, Any] = {}
     if settings.resume and run_file.is_file():
-        _check_identity(json.loads(run_file.read_text(encoding="utf-8")).get("identity", {}), settings.identity)
+        saved = json.loads(run_file.read_text(encoding="utf-8"))
+        _check_identity(saved.get("identity", {}), settings.identity)
     out.mkdir(parents=True, exist_ok=True)
     if not run_file.is_file():
-        run_file.write_text(json.dumps({"schema": SCHEMA, "identity": settings.identity}, indent=2) + "\n")
-    return out
+        run_file.write_text(json.dumps({"schema": SCHEMA, "identity": settings.identity, "started": started},
+                                       indent=2) + "\n")
+    return out, saved.get("started")
 
 
 def check_resume(out: Path, known: dict[str, Any]) -> None:
@@ -242,9 +248,11 @@ def run_bench(settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: l
     names = [m.name for m in methods]
     if S.PLAIN not in names:
         raise BenchError("the method list must include plain: speedups and the equality check need it")
-    out = open_out_dir(settings)
+    now = _dt.datetime.now().isoformat(timespec="seconds")
+    out, first_start = open_out_dir(settings, now)
     log = ResultsLog(out / RESULTS_LOG)
-    started = _dt.datetime.now().isoformat(timespec="seconds")
+    # (a resumed run: started is the first run's start, resumed this part's)
+    times = {"started": first_start, "resumed": now} if first_start else {"started": now}
     try:  # (from the moment the directory exists: a Ctrl-C says how to go on from it)
         run = _Run(settings, prompts, prompt_ids, methods, log, stop_ids)
         cpu_start = _warn_if_busy()
@@ -255,7 +263,7 @@ def run_bench(settings: BenchSettings, prompts: list[BenchPrompt], prompt_ids: l
         raise
     infos = _mark_failed(infos or [MethodInfo(m.name, m.name, m.kind) for m in methods], run.failed)
     busy = others_share(cpu_start, cpu_times())
-    return finish(settings, prompts, log, infos, {**(context or {}), "started": started, "others_cpu_share": busy})
+    return finish(settings, prompts, log, infos, {**(context or {}), **times, "others_cpu_share": busy})
 
 
 def _warn_if_busy() -> tuple[float, float, float] | None:
