@@ -38,3 +38,9 @@ def test_calibrate_takes_the_quantizations_its_help_and_its_error_name(capsys):
         code = main(["calibrate", "--model", "no-such-model", "--quant", mode])
         err = capsys.readouterr().err
         assert code == 2 and "is not a quantization" not in err and "--model 'no-such-model'" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_the_draft_s_quantization_help_names_every_mode(command):
+    text = next(a.help for a in _commands()[command]._actions if "--draft-quant" in a.option_strings)
+    assert all(mode in text for mode in QUANT_MODES), (command, text)

@@ -73,8 +73,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "allows --, other methods), else plain decoding")
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft or auto (auto without "
                                         "it picks an installed catalog draft of the target's tokenizer, at int4)")
-    p.add_argument("--draft-quant", default=None, help="draft weight quantization: none, int8, int4 (default: "
-                                                         "none for --spec draft, int4 for --spec auto's draft)")
+    p.add_argument("--draft-quant", default=None,
+                   help="draft weight quantization: none, int8, int4, w8a8 (default: none for --spec draft, int4 "
+                        "for --spec auto's draft)")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
     p.add_argument("--draft-spec", choices=["none", "ngram"], default="none",
                    help="--spec draft: speculate the draft model's own steps by n-gram lookup (a cascade)")
