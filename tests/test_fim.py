@@ -174,8 +174,9 @@ def test_llamacpp_infill_endpoint():
             "content", "timings/prompt_n", "nope", "truncated"]}, timeout=60).json()
         assert picked == {"content": ref.text, "timings/prompt_n": len(ids), "truncated": False}
         assert r["content"] == alone(cut, SamplingParams(max_tokens=8, stop_token_ids=fim.stop_ids)).text
-        bad = httpx.post(s.url + "/infill", json={**body, "input_extra": [{"text": 5}]}, timeout=60)
-        assert bad.status_code == 400, bad.text
+        for extra in ([{"text": 5}], [{"filename": "util.py"}]):  # a chunk's text: a string, required
+            bad = httpx.post(s.url + "/infill", json={**body, "input_extra": extra}, timeout=60)
+            assert bad.status_code == 400 and "text" in bad.json()["error"]["message"], bad.text
         # llama.cpp's readings: n_predict past the context runs to its end ("limit"), a temperature below 0 is greedy
         long_run = httpx.post(s.url + "/infill", json={**body, "n_predict": 10**6}, timeout=60).json()
         assert long_run["stop_type"] in ("limit", "eos") and long_run["tokens_evaluated"] < MAX_LEN

@@ -164,7 +164,7 @@ class LlamaCompletionRequest(_LlamaSampling):
 
 class InputChunk(_Strict):
     filename: str | None = None
-    text: str = ""
+    text: str  # (required, as llama.cpp checks each chunk for it)
 
 
 class InfillRequest(_LlamaSampling):
