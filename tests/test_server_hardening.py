@@ -124,6 +124,15 @@ def test_docs_behind_the_api_key_or_off():
     assert [r.status_code for r in off] == [404] * 4 and all("error" in r.json() for r in off)
 
 
+def test_probes_answer_without_the_api_key_and_the_model_routes_do_not():
+    """/health and Ollama's /api/version (what clients check before they call) need no key; the
+    routes that tell of the model do."""
+    got = call(make_app(), [("GET", "/health", {}), ("GET", "/api/version", {}), ("GET", "/api/tags", {}),
+                            ("GET", "/v1/models", {}), ("GET", "/api/tags", {"headers": AUTH})])
+    assert [r.status_code for r in got] == [200, 200, 401, 401, 200], [r.text for r in got]
+    assert got[1].json()["version"]
+
+
 def test_cors_for_allowed_origins_and_by_default_this_machines_pages():
     preflight = ("OPTIONS", "/v1/completions", {"headers": {"Origin": "https://app.example",
                                                               "Access-Control-Request-Method": "POST"}})

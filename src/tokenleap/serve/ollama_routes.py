@@ -251,8 +251,9 @@ class OllamaRoutes:
         """A liveness line at the root, where Ollama's clients look for their server."""
         return Response("tokenleap is running", media_type="text/plain")
 
-    async def version(self, request: HTTPRequest) -> dict[str, str]:
-        self.server._auth(request)
+    async def version(self) -> dict[str, str]:
+        """The version Ollama's clients check before they call (no API key asked: as /health, it tells
+        nothing of the model or its use)."""
         return {"version": OLLAMA_VERSION}
 
     async def pull(self, request: HTTPRequest) -> Response:
