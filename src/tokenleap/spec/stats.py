@@ -96,6 +96,16 @@ class SpecStats:
 
     @property
     def per_position_acceptance(self) -> list[float]:
+        """a_i = P(the first i drafts of a step are accepted), over the steps that drafted (vLLM's
+        figure): non-increasing in i, and ``1 + sum(a_i)`` is the acceptance length. A step that drafted
+        fewer than i tokens counts as not reaching i."""
+        return [a / self.draft_steps for a in self.position_accepted] if self.draft_steps else []
+
+    @property
+    def per_position_acceptance_at_depth(self) -> list[float]:
+        """Among the steps that drafted at least i tokens, the share whose first i were accepted: how
+        good the drafts are at depth i, apart from how often the draft length reached it (with an
+        adaptive length this may rise with i)."""
         return [a / p if p else 0.0 for a, p in zip(self.position_accepted, self.position_proposed)]
 
     @property
@@ -111,6 +121,7 @@ class SpecStats:
             "acceptance_length": round(self.acceptance_length, 4),
             "draft_acceptance_rate": round(self.draft_acceptance_rate, 4),
             "per_position_acceptance": [round(a, 4) for a in self.per_position_acceptance],
+            "per_position_acceptance_at_depth": [round(a, 4) for a in self.per_position_acceptance_at_depth],
             "draft_steps": self.draft_steps,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
