@@ -306,6 +306,10 @@ def test_a_non_streaming_client_that_leaves_is_cancelled():
         held.gate.set()
         assert wait_until(lambda: s.scheduler.idle)
         assert s.scheduler.stats.finished == {"abort": 1} and eng.cache.num_used_blocks == 0
+        # its first token came (the prefill's), so it counts in the time to first token, as vLLM's;
+        # the figures of a finished request do not take it
+        counts = {name: sum(h.counts) for name, h in s.scheduler.stats.histograms.read().items()}
+        assert counts["time_to_first_token_seconds"] == 1 and counts["e2e_request_latency_seconds"] == 0
 
 
 def test_chat_echo_starts_the_reply_with_the_message_it_continues(server):

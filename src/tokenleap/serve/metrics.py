@@ -60,8 +60,7 @@ class RequestTiming:
 
     def observations(self) -> dict[str, float]:
         decode = self.finished - self.first_token
-        out = {"time_to_first_token_seconds": self.first_token - self.arrival,
-               "e2e_request_latency_seconds": self.finished - self.arrival,
+        out = {"e2e_request_latency_seconds": self.finished - self.arrival,
                "request_queue_time_seconds": self.scheduled - self.arrival,
                "request_prefill_time_seconds": self.first_token - self.scheduled,
                "request_decode_time_seconds": decode,
@@ -95,10 +94,16 @@ class RequestHistograms:
         self._sums = dict.fromkeys(HISTOGRAMS, 0.0)
 
     def record(self, timing: RequestTiming) -> None:
-        """A finished request's observations."""
+        """A finished request's observations (its first token's: ``record_first_token``)."""
         with self._lock:
             for name, value in timing.observations().items():
                 self._observe(name, value)
+
+    def record_first_token(self, seconds: float) -> None:
+        """A request's first token came ``seconds`` after its arrival: observed then, as vLLM does, so a
+        request cancelled later still counts in the time to first token."""
+        with self._lock:
+            self._observe("time_to_first_token_seconds", seconds)
 
     def record_gap(self, seconds: float) -> None:
         """A request handed tokens ``seconds`` after its previous tokens (the inter-token latency)."""
@@ -122,7 +127,8 @@ class ServeStats:
     prompt_tokens: int = 0  # prompt tokens prefilled (recomputation after preemption not counted)
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
-    histograms: RequestHistograms = field(default_factory=RequestHistograms)  # finished requests (not aborted)
+    # finished requests (not aborted); the time to the first token of every request that had one
+    histograms: RequestHistograms = field(default_factory=RequestHistograms)
 
     def record_finish(self, reason: str) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1

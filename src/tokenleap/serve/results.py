@@ -34,6 +34,7 @@ class Results:
             now = time.monotonic()
             if req.first_token_time is None:
                 req.first_token_time = now
+                self.stats.histograms.record_first_token(now - req.arrival_time)
             else:
                 self.stats.histograms.record_gap(now - req.last_token_time)
             req.last_token_time = now
