@@ -73,11 +73,12 @@ def tiny_tokenizer_meta(vocab: int) -> dict:
 
 def write_tiny_gguf(path: Path, arch: str, sd: dict[str, np.ndarray], qtype: Q = Q.F32, heads=4, kv_heads=2,
                     layers=2, inter=128, permute: bool | None = None, extra: dict | None = None,
-                    raw: dict[str, tuple[Q, np.ndarray]] | None = None) -> Path:
-    """Write ``sd`` (HF names) as a GGUF; 2-D weights in ``qtype``, 1-D tensors in F32."""
+                    raw: dict[str, tuple[Q, np.ndarray]] | None = None, split_max_tensors: int = 0) -> Path:
+    """Write ``sd`` (HF names) as a GGUF; 2-D weights in ``qtype``, 1-D tensors in F32. With
+    ``split_max_tensors``, as gguf-split's shards of that many tensors: the first shard's path."""
     hidden, vocab = sd["model.embed_tokens.weight"].shape[1], sd["model.embed_tokens.weight"].shape[0]
     permute = arch == "llama" if permute is None else permute
-    w = GGUFWriter(str(path), arch)
+    w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     for key, val in {"block_count": layers, "context_length": 256, "embedding_length": hidden,
                      "feed_forward_length": inter, "attention.head_count": heads,
                      "attention.head_count_kv": kv_heads}.items():
@@ -111,7 +112,7 @@ def write_tiny_gguf(path: Path, arch: str, sd: dict[str, np.ndarray], qtype: Q =
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return min(path.parent.glob(f"{path.stem}-00001-of-*.gguf"), default=path) if split_max_tensors else path
 
 
 def test_name_mapping():

@@ -29,6 +29,7 @@ from tokenleap.models import hf
 from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
 from tokenleap.models.cache_files import abandoned, stamped, write_stamp
 from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
+from tokenleap.models.gguf_split import named_shards
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,12 @@ def _check_converted(out: Path) -> None:
 
 
 def conversion_key(gguf_path: Path, dtype: torch.dtype) -> str:
-    """Cache key: file stem, dtype, and a digest of size, mtime and the first MiB of the file."""
-    st = gguf_path.stat()
-    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{st.st_size}:{st.st_mtime_ns}:".encode())
+    """Cache key: file stem, dtype, and a digest of size, mtime and the first MiB of the file (and the
+    sizes and mtimes of a split GGUF's other shards)."""
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:".encode())  # (an unsplit file's key as it always was)
+    for i, path in enumerate(named_shards(gguf_path)):
+        st = path.stat()
+        digest.update(f"{path.name + ':' if i else ''}{st.st_size}:{st.st_mtime_ns}:".encode())
     with open(gguf_path, "rb") as f:
         digest.update(f.read(_HEADER_BYTES))
     return f"{gguf_path.stem}-{str(dtype).removeprefix('torch.')}-{digest.hexdigest()[:16]}"

@@ -13,7 +13,8 @@ permuted. Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate + up) are offered as t
 q/k/v and gate/up; Gemma 3's norm weights, stored by the converter as ``1 + weight``, are read back
 as Hugging Face's ``weight``. RoPE scaling metadata and Llama 3's ``rope_freqs`` tensor become the
 config's ``rope_scaling`` / ``rope_freq_factors``; a scaling tokenleap does not implement
-(``longrope``'s factor tensors, unknown types) is refused.
+(``longrope``'s factor tensors, unknown types) is refused. A split GGUF is read from its first shard,
+the others beside it (``gguf_split.py``).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models.gguf_arch import arch_fields, rope_freq_factors, rope_scaling_from_gguf
+from tokenleap.models.gguf_split import merged_tables, shard_count, shard_paths
 
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -87,6 +89,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # row-major (PyTorch / HF) order, e.g. [out, in]
     offset: int  # absolute byte offset of the data in the file
     nbytes: int
+    file: int = 0  # which shard of a split GGUF holds it (``gguf_split.py``)
 
     @property
     def byte_shape(self) -> tuple[int, ...]:
@@ -222,13 +225,17 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {self.path}")
         self.metadata, self.infos = read_header(self.path)
+        self.shards = [self.path]  # the files of a split GGUF, in order
+        if shard_count(self.metadata) > 1:
+            self.shards = shard_paths(self.path, self.metadata)
+            self.infos = merged_tables(self.shards, self.metadata, self.infos, read_header)
         self.architecture = str(self.metadata.get("general.architecture", ""))
         if self.architecture not in GGUF_ARCHITECTURES:
             raise ModelFormatError(
                 f"{self.path}: architecture {self.architecture or 'unknown'!r} is not supported; "
                 f"tokenleap runs GGUF files of {', '.join(GGUF_ARCHITECTURES)} models"
             )
-        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._data = [np.memmap(p, dtype=np.uint8, mode="r") for p in self.shards]  # one map a shard
         self._rope_scaling = rope_scaling_from_gguf(self)  # refuses what tokenleap cannot compute exactly
         self._views: dict[str, TensorInfo] = {}  # HF name -> its tensor, or its rows of a fused tensor
         for n, info in self.infos.items():
@@ -257,7 +264,7 @@ class GGUFFile:
         for module, n in zip(parts, rows):
             shape = (n, *info.shape[1:])
             out[f"model.layers.{m.group(1)}.{module}.{m.group(3)}"] = TensorInfo(
-                info.name, info.qtype, shape, info.offset + start * row_bytes, n * row_bytes)
+                info.name, info.qtype, shape, info.offset + start * row_bytes, n * row_bytes, info.file)
             start += n
         return out
 
@@ -330,7 +337,7 @@ class GGUFFile:
         exact: quantization blocks never cross rows); each row holds its quantization blocks.
         """
         info = self.info(hf_name)
-        raw = self._data[info.offset:info.offset + info.nbytes].reshape(info.byte_shape)  # [rows, row_bytes]
+        raw = self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)  # [rows, bytes]
         n_head = self._heads_to_unpermute(hf_name)
         if n_head is not None:
             raw = _unpermute_rows(raw, n_head)
@@ -339,7 +346,7 @@ class GGUFFile:
     def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized tensor in HF shape and order, e.g. [out, in] for projections."""
         info = self.info(hf_name)
-        raw = self._data[info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
+        raw = self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
         try:
             values = quants.dequantize(raw, info.qtype)  # float32, info.shape
         except NotImplementedError:
@@ -374,11 +381,11 @@ class GGUFFile:
         return out
 
     def close(self) -> None:
-        mm = getattr(self._data, "_mmap", None)
-        self._data = None
-        if mm is not None:
+        maps, self._data = self._data or [], None
+        for mm in (getattr(data, "_mmap", None) for data in maps):
             try:
-                mm.close()
+                if mm is not None:
+                    mm.close()
             except BufferError:  # views still alive elsewhere; the OS frees the map with them
                 pass
 

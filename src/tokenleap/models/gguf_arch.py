@@ -57,7 +57,7 @@ def rope_freq_factors(gg: Any, head_dim: int) -> tuple[float, ...]:
     info = gg.infos.get("rope_freqs.weight")
     if info is None:
         return ()
-    raw = gg._data[info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
+    raw = gg._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
     values = np.asarray(quants.dequantize(raw, info.qtype), dtype=np.float32).reshape(-1)
     if values.size != head_dim // 2:
         raise ModelFormatError(f"{gg.path}: rope_freqs has {values.size} values, expected {head_dim // 2}")
