@@ -171,7 +171,7 @@ def test_generation_blocks_render_their_body_and_special_spellings_can_be_text()
 
 
 def test_from_dir_errors(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="tokenizer.json"):
+    with pytest.raises(ModelFormatError, match="tokenizer.json"):  # (the directory exists: incomplete)
         Tokenizer.from_dir(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelFormatError):

@@ -51,7 +51,7 @@ def _check_sizes(max_model_len: int | None, num_slots: int, max_num_seqs: int) -
 class LLM(AsyncCalls, Lifetime):
     """A target model, its tokenizer, and optionally a speculative proposer."""
 
-    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto", quant: str = "none",
+    def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto", quant: str | None = "none",
                  speculative: SpecConfig | dict[str, Any] | None = None, max_model_len: int | None = None,
                  cache_dir: str | Path | None = None, num_slots: int = 1, max_num_seqs: int = 16) -> None:
         _check_sizes(max_model_len, num_slots, max_num_seqs)  # before the minutes a load can take

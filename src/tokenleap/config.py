@@ -20,8 +20,14 @@ FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters become float32 tensor
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's rule; 1e-38 would overflow the logits)
 
 
-class ConfigError(ValueError):
-    """A configuration or request value is invalid; the message says which and why."""
+class TokenleapError(Exception):
+    """Base class of user-facing errors (``errors.py`` has the others; this one is here, under
+    ``ConfigError``, because every module imports this one)."""
+
+
+class ConfigError(TokenleapError, ValueError):
+    """A configuration or request value is invalid; the message says which and why (a ``ValueError``
+    too, as Python's own bad-value errors)."""
 
 
 @dataclass(frozen=True)

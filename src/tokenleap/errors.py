@@ -1,11 +1,7 @@
 """Errors with messages meant for the user; the CLI prints them without a traceback."""
 from __future__ import annotations
 
-from tokenleap.config import ConfigError
-
-
-class TokenleapError(Exception):
-    """Base class of user-facing errors."""
+from tokenleap.config import ConfigError, TokenleapError  # (the base class; bad values: ConfigError)
 
 
 class ModelNotFoundError(TokenleapError):

@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 CONVERTER_VERSION = 1  # bump when the converted layout or numerics change: old caches are then ignored
 _HEADER_BYTES = 1 << 20  # how much of the GGUF the cache key hashes
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+                "half": torch.float16}  # (vLLM's --dtype spellings too)
 
 
 @dataclass

@@ -35,6 +35,12 @@ _LAYER_KINDS = ("full_attention", "sliding_attention")
 def _architecture(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(tokenleap architecture, the text model's config dict) -- unwraps Gemma 3's multimodal config."""
     model_type = str(d.get("model_type", "")).lower()
+    if not model_type:  # the class names this file's families have say which one it is
+        classes = {cls: arch for arch, cls in _HF_CLASSES.items()}
+        model_type = next((classes[a] for a in d.get("architectures") or [] if a in classes), "")
+        if not model_type:
+            raise ConfigError(f"config.json has no model_type (architectures: {d.get('architectures')!r}), so "
+                              f"its model family is unknown; tokenleap supports {', '.join(SUPPORTED_ARCHITECTURES)}")
     if model_type == "gemma3" and isinstance(d.get("text_config"), dict):
         text = dict(d["text_config"])
         for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):

@@ -81,7 +81,7 @@ def _own_memory(model: Transformer) -> None:
     modules_changed()  # .data bypasses the modules' tracking (backend.py re-chooses)
 
 
-def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quant: str = "none",
+def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quant: str | None = "none",
                cache_dir: str | Path | None = None, gguf_other: str = "int8") -> LoadedModel:
     """Load a catalog name, GGUF file or HF directory, quantized with ``quant``.
 
@@ -91,6 +91,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     draft's precision moves only acceptance, never the output. A file with no 4-bit tensors
     becomes int4 throughout.
     """
+    quant = "none" if quant is None else quant  # (as a draft's quant=None reads)
     if quant not in QUANT_MODES:
         raise ConfigError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
     if cache_dir and Path(cache_dir).expanduser().exists() and not Path(cache_dir).expanduser().is_dir():

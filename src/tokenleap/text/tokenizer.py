@@ -20,7 +20,7 @@ from tokenizers import models
 
 from tokenleap.config import ConfigError
 from tokenleap.text.detokenizer import IncrementalDetokenizer
-from tokenleap.errors import ModelFormatError, ModelNotFoundError, TokenleapError
+from tokenleap.errors import ModelFormatError
 from tokenleap.text.gguf_tokenizer import build_backend_tokenizer, char_to_byte, tokenizer_config_from_metadata
 from tokenleap.text.sentencepiece import piece_bytes
 
@@ -29,7 +29,7 @@ _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_o
 _DOC_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 
 
-class ChatTemplateError(TokenleapError, ConfigError):
+class ChatTemplateError(ConfigError):
     """No chat template, bad messages, or a template that failed to render."""
 
 
@@ -147,7 +147,7 @@ class Tokenizer:
         ``chat_template.jinja`` and ``generation_config.json`` from a directory."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
-            raise ModelNotFoundError(f"no tokenizer.json in {path}; the model directory is incomplete")
+            raise ModelFormatError(f"no tokenizer.json in {path}; the model directory is incomplete")
         backend = _backend_of(path / "tokenizer.json")
         config = _read_json(path / "tokenizer_config.json")
         if not _pick_template(config.get("chat_template")) and (path / "chat_template.jinja").is_file():
