@@ -34,7 +34,7 @@ from tokenleap.spec.proposers.base import Draft, DraftRequest, Proposer, begin_s
 from tokenleap.spec.report import DraftWork, SeqOutcome, StepReport, outcome, record_stats
 from tokenleap.spec.sampling import request_randomness
 from tokenleap.spec.sequence import Sequence
-from tokenleap.spec.step_verify import TargetRows, share_rows, verify_chain, verify_tree
+from tokenleap.spec.step_verify import TargetRows, check_finite, share_rows, verify_chain, verify_tree
 from tokenleap.spec.tree import TokenTree
 from tokenleap.spec.tree_verify import TreeVerification
 from tokenleap.spec.structured import Constraints
@@ -225,6 +225,7 @@ class Engine(Prefill):
         out = self.model(torch.tensor(tokens), segments, self.cache, row_exact=True)
         logits = out.logits  # [rows, vocab]
         elapsed = time.perf_counter() - t0
+        check_finite(logits)
         spans = [(seg.row_start, seg.length - _aux_rows(d)) for d, seg in zip(drafts, segments)]  # verified rows
         shared = share_rows(seqs, logits, spans)  # one argmax for the greedy sequences' rows
         outcomes = []

@@ -16,7 +16,7 @@ from tokenleap.spec.proposers.base import Proposer
 from tokenleap.spec.report import outcome, record_stats
 from tokenleap.spec.sequence import Sequence
 from tokenleap.spec.stats import SpecStats
-from tokenleap.spec.step_verify import TargetRows, verify_chain
+from tokenleap.spec.step_verify import TargetRows, check_finite, verify_chain
 
 
 class Prefill:
@@ -51,6 +51,7 @@ class Prefill:
         last_layer = (self.model.config.num_hidden_layers - 1,) if self._feature_takers else ()
         out = self.model(torch.tensor(chunk), [Segment(seq.slot, done, len(chunk))], self.cache,
                          logit_rows=rows, row_exact=exact, hidden_layers=last_layer)  # logits: [1 or len(chunk), vocab]
+        check_finite(out.logits)
         if last_layer:  # every row's features (the final norm's output) to a proposer drafting from them
             feats = self.model.model.norm(out.hidden[last_layer[0]])  # [len(chunk), hidden]
             for taker in self._feature_takers:

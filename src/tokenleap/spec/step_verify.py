@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenleap.config import ConfigError
+from tokenleap.errors import ModelFormatError
 from tokenleap.spec.acceptance import chain_trials, tree_trials
 from tokenleap.spec.penalties import apply_penalties, suppress_early_stops
 from tokenleap.spec.proposers.base import Draft
@@ -33,6 +34,16 @@ from tokenleap.spec.sequence import Sequence
 from tokenleap.spec.tree import TokenTree
 from tokenleap.spec.tree_verify import TreeVerification, verify_tree_choices, verify_tree_coupled, verify_tree_sampling
 from tokenleap.spec.verify import Verification, verify_coupled, verify_greedy_choices, verify_sampling
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """A ``ModelFormatError`` when a row of the target's ``logits`` [rows, vocab] holds NaN or +inf
+    (one max a row: NaN propagates through it): weights damaged past what any choice of token can
+    mean. Without it greedy decoding would read token 0 from such a row and sampling fail obscurely."""
+    if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        raise ModelFormatError("the model computed NaN or infinite logits: its weights are damaged (a corrupt "
+                               "file or conversion) or overflow this dtype; check the model file, or try "
+                               "--dtype float32")
 
 
 @dataclass(frozen=True, eq=False)
