@@ -1,17 +1,20 @@
 """The error classes a caller catches: every user-facing error, a bad value's ``ConfigError`` included,
-is a ``TokenleapError``; and the spellings of a dtype, a quantization and a config's family that users
-of vLLM and transformers write load as they expect."""
+is a ``TokenleapError``; the spellings of a dtype, a quantization and a config's family that users of
+vLLM and transformers write load as they expect; a GGUF that cannot load leaves no converted copy."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import tokenleap.errors as errors
 from tokenleap.config import ConfigError, SamplingParams
 from tokenleap.models import pretrained
-from tokenleap.models.checkpoint import as_dtype
+from tokenleap.models.checkpoint import as_dtype, load_checkpoint
 from tokenleap.models.hf_config import config_from_hf_dict
 from tokenleap.text.tokenizer import ChatTemplateError
+
+from test_gguf import tiny_state, write_tiny_gguf
 
 # a tiny model's config.json fields (test_architectures.py's shape)
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -42,3 +45,12 @@ def test_a_config_without_model_type_reads_its_family_from_architectures():
     d["architectures"] = ["FalconForCausalLM"]
     with pytest.raises(ConfigError, match="no model_type"):
         config_from_hf_dict(d)
+
+
+def test_a_gguf_of_the_wrong_layout_is_refused_before_its_conversion_is_written(tmp_path):
+    sd = tiny_state("llama")
+    sd["model.norm.weight"] = np.concatenate([sd["model.norm.weight"]] * 2)  # twice the hidden size
+    path = write_tiny_gguf(tmp_path / "wide.gguf", "llama", sd)
+    with pytest.raises(errors.ModelFormatError, match=r"model.norm.weight has shape \(128,\), expected \(64,\)"):
+        load_checkpoint(path, torch.float32, cache_dir=tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # no copy that can never load

@@ -41,25 +41,36 @@ def split_fused_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -
     return out
 
 
-def build_transformer(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
-    """Create the model without allocating random weights, then adopt ``weights`` (HF names)."""
-    weights = split_fused_weights(config, weights)
+def check_layout(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A ``ModelFormatError`` unless ``shapes`` (HF names, fused tensors split) are exactly the tensors
+    of ``config``'s model, each of its shape (a tied LM head and rotary buffers aside). Cheap (the
+    model is laid out on the meta device): a GGUF is checked so before its conversion is written."""
     with torch.device("meta"):
         model = Transformer(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = {k: tuple(v) for k, v in shapes.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
+        shapes.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
     if missing or unexpected:
         raise ModelFormatError(f"checkpoint does not match the {config.architecture} layout: "
                                f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ModelFormatError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        if shapes[name] != shape:
+            raise ModelFormatError(f"tensor {name} has shape {shapes[name]}, expected {shape}")
+
+
+def build_transformer(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    """Create the model without allocating random weights, then adopt ``weights`` (HF names)."""
+    weights = split_fused_weights(config, weights)
+    check_layout(config, {k: tuple(v.shape) for k, v in weights.items()})
+    with torch.device("meta"):
+        model = Transformer(config)
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
     state = {k: v.to(dtype) for k, v in weights.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:

@@ -28,6 +28,7 @@ from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import hf
 from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
 from tokenleap.models.cache_files import abandoned, stamped, write_stamp
+from tokenleap.models.build import check_layout
 from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
 from tokenleap.models.gguf_split import named_shards
 
@@ -208,6 +209,7 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
         return out
     gg = GGUFFile(gguf_path)  # validates header and tensor ranges before the long work
     try:
+        check_layout(gg.config, {name: gg.info(name).shape for name in gg.hf_names()})  # (nor a copy never loaded)
         _remove_dead_conversions(root, out.name)  # first: what they hold counts against the space check
         _check_disk_space(gg, dtype, root)
         tmp = root / f".tmp-{out.name}-{os.getpid()}"
