@@ -53,10 +53,13 @@ class LLM(AsyncCalls, Lifetime):
 
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype = "auto", quant: str | None = "none",
                  speculative: SpecConfig | dict[str, Any] | None = None, max_model_len: int | None = None,
-                 cache_dir: str | Path | None = None, num_slots: int = 1, max_num_seqs: int = 16) -> None:
+                 cache_dir: str | Path | None = None, num_slots: int = 1, max_num_seqs: int = 16,
+                 chat_template: str | None = None) -> None:
+        """``chat_template``: a Jinja template (or a file holding one) that renders chats instead of
+        the model's own, as vLLM's ``--chat-template``."""
         _check_sizes(max_model_len, num_slots, max_num_seqs)  # before the minutes a load can take
         speculative = _spec_config(speculative)
-        target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
+        target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir, chat_template=chat_template)
         self.cache_dir = cache_dir  # where a layer-skip calibration is stored
         spec, note = resolve_auto_draft(speculative, str(model), cache_dir)
         draft = load_draft(spec, target, cache_dir) if uses_draft(spec) else None

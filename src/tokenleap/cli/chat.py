@@ -20,7 +20,8 @@ import sys
 import time
 from typing import Any
 
-from tokenleap.cli.main import add_model_args, add_sampling_args, sampling_from_args, spec_config
+from tokenleap.cli.main import (add_chat_template_arg, add_model_args, add_sampling_args, sampling_from_args,
+                                spec_config)
 from tokenleap.cli.output import stats_line
 from tokenleap.config import ConfigError, SamplingParams
 
@@ -30,6 +31,7 @@ HELP = "/clear starts a new conversation, /exit (or Ctrl-D) quits, a line ending
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("chat", help="talk with a model in the terminal (multi-turn, streamed)")
     add_model_args(p)
+    add_chat_template_arg(p)
     p.add_argument("--system", help="system prompt (default: the chat template's own, if any)")
     add_sampling_args(p, max_tokens=1024)
     p.add_argument("--stats", action="store_true", help="after each reply: tokens/s and speculation metrics on stderr")
@@ -112,9 +114,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     spec = spec_config(args)
     from tokenleap.api import LLM
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec, max_model_len=args.max_model_len,
-              cache_dir=args.cache_dir)
+              cache_dir=args.cache_dir, chat_template=args.chat_template)
     if not getattr(llm.tokenizer, "chat_template", None):
-        raise ConfigError(f"{args.model} has no chat template: use an instruct / chat model, or tokenleap generate")
+        raise ConfigError(f"{args.model} has no chat template: use an instruct / chat model, give one with "
+                          "--chat-template, or tokenleap generate")
     session = ChatSession(llm, args.system)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # undecodable input: refused line by line, not a crash

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
-from tokenleap.cli.main import (UsageError, add_model_args, add_sampling_args, read_prompts_file, read_text_arg,
-                                sampling_from_args, spec_config)
+from tokenleap.cli.main import (UsageError, add_chat_template_arg, add_model_args, add_sampling_args,
+                                read_prompts_file, read_text_arg, sampling_from_args, spec_config)
 from tokenleap.cli.output import stats_line
 from tokenleap.config import ConfigError, StructuredOutput
 from tokenleap.errors import TokenleapError
@@ -19,6 +19,7 @@ from tokenleap.errors import TokenleapError
 def register(subparsers: argparse._SubParsersAction) -> None:
     g = subparsers.add_parser("generate", help="generate text from a prompt or a JSONL prompts file")
     add_model_args(g)
+    add_chat_template_arg(g)
     g.add_argument("--prompt", help="prompt text (-: read it from standard input)")
     g.add_argument("--file", "-f", dest="prompt_file", metavar="FILE",
                    help="a UTF-8 text file holding the prompt (as llama.cpp's -f: one final line end dropped)")
@@ -83,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     predicted = read_text_arg(args.prediction, "--prediction") if args.prediction is not None else None
     from tokenleap.api import LLM
     llm = LLM(args.model, dtype=args.dtype, quant=args.quant, speculative=spec,
-              max_model_len=args.max_model_len, cache_dir=args.cache_dir)
+              max_model_len=args.max_model_len, cache_dir=args.cache_dir, chat_template=args.chat_template)
     if predicted:  # the reply's expected text: the lookup drafters propose from it too
         params = replace(params, prediction=tuple(llm.tokenizer.encode(predicted, add_special_tokens=False)))
     if args.stats:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tokenleap.spec.tree_budget import machine_tree_mode
-from tokenleap.cli.main import (UsageError, add_model_args, non_negative_int, positive_int,
+from tokenleap.cli.main import (UsageError, add_chat_template_arg, add_model_args, non_negative_int, positive_int,
                                 spec_config)
 from tokenleap.config import SpecConfig
 
@@ -33,6 +33,7 @@ def _positive_float(value: str, allow_zero: bool = False) -> float:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
     add_model_args(p)
+    add_chat_template_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000,
                    help="port to listen on (default: 8000; 0: a free one, named in the start line)")
@@ -91,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "auto", quant: str = "none",
                  max_model_len: int | None = None, max_num_seqs: int = 16, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_gb: float | None = None, prefill_chunk: int = 256,
-                 cache_dir: str | None = None, prefix_caching: bool = True):
+                 cache_dir: str | None = None, prefix_caching: bool = True, chat_template: str | None = None):
     """A serving ``Engine``: the target on a PagedKVCache, and a proposer (a draft's cache paged too).
 
     Default pool: room for ``max_num_seqs`` full-length sequences, capped at ``kv_budget_gb(kv_cache_gb)``, and
@@ -102,7 +103,7 @@ def build_engine(model: str, *, spec: SpecConfig | None = None, dtype: str = "au
     from tokenleap.cache.paged import PagedKVCache, kv_budget_gb, num_blocks_for_budget
     _check_chunks(prefix_caching, prefill_chunk, block_size)
     spec = spec or SpecConfig()
-    target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir)
+    target = load_model(model, dtype=dtype, quant=quant, cache_dir=cache_dir, chat_template=chat_template)
     cfg = target.model.config
     max_len = target.context_length(max_model_len)
     per_seq = -(-(max_len + 1) // block_size)
@@ -239,7 +240,7 @@ def build_app(args: argparse.Namespace, spec: SpecConfig | None = None):
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_gb=args.kv_cache_gb, prefill_chunk=args.prefill_chunk, cache_dir=args.cache_dir,
-                          prefix_caching=not args.no_prefix_caching)
+                          prefix_caching=not args.no_prefix_caching, chat_template=args.chat_template)
     name = args.served_model_name or args.model
     config = ServerConfig(model_name=name, model_aliases=model_aliases(args.model), api_key=args.api_key,
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,

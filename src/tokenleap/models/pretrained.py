@@ -16,7 +16,7 @@ from tokenleap.models import packed_cache
 from tokenleap.models.hugepages import move_weights_
 from tokenleap.models.checkpoint import Checkpoint, as_dtype, load_checkpoint
 from tokenleap.models.transformer import Transformer
-from tokenleap.text.tokenizer import Tokenizer
+from tokenleap.text.tokenizer import Tokenizer, read_chat_template
 
 
 DEFAULT_CONTEXT = 4096  # tokens of context when none is asked for (at most the model's positions)
@@ -82,8 +82,10 @@ def _own_memory(model: Transformer) -> None:
 
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quant: str | None = "none",
-               cache_dir: str | Path | None = None, gguf_other: str = "int8") -> LoadedModel:
-    """Load a catalog name, GGUF file or HF directory, quantized with ``quant``.
+               cache_dir: str | Path | None = None, gguf_other: str = "int8",
+               chat_template: str | None = None) -> LoadedModel:
+    """Load a catalog name, GGUF file or HF directory, quantized with ``quant``; ``chat_template``
+    (a file or the template's text) replaces the model's own.
 
     With ``quant="int4"`` a GGUF's own 4-bit blocks are re-packed exactly and its other tensors
     (Q5/Q6/Q8, e.g. the LM head llama.cpp's Q4_K_M keeps at 6 bits) are quantized with
@@ -97,8 +99,11 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
     if cache_dir and Path(cache_dir).expanduser().exists() and not Path(cache_dir).expanduser().is_dir():
         raise ConfigError(f"the cache directory {str(cache_dir)!r} is not a directory")
     dt = resolve_dtype(dtype)
+    template = read_chat_template(chat_template) if chat_template is not None else None  # (before a long load)
     ckpt = load_checkpoint(str(name_or_path), dt, Path(cache_dir) if cache_dir else None)
     tokenizer = Tokenizer.from_dir(ckpt.tokenizer_dir)
+    if template is not None:
+        tokenizer.use_chat_template(template)
     keyed = ckpt.gguf_path is not None or ckpt.source.startswith("hf:")  # (model_key names its weight files)
     if quant in ("none", "w8a8") or not keyed or not packed_cache.enabled():
         model = _quantized(ckpt, tokenizer, dt, quant, cache_dir, gguf_other)

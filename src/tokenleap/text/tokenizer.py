@@ -91,6 +91,20 @@ def _compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
 
 
+def read_chat_template(value: str) -> str:
+    """A ``--chat-template`` value as the template: the text of the file it names, else the value itself
+    where it reads as a Jinja template (vLLM takes both), else an error that names it."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"cannot read the chat template file {str(path)!r}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ChatTemplateError(f"chat template {value!r}: no such file, and not a Jinja template (no {{{{ or {{%)")
+
+
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ChatTemplateError("messages must be a non-empty list of {'role': ..., 'content': ...}")
@@ -134,7 +148,8 @@ class Tokenizer:
         self.eos_token_id = self.token_to_id(self.eos_token)
         with_specials = backend.encode("a", add_special_tokens=True).ids
         self.add_bos_token = self.bos_token_id is not None and with_specials[:1] == [self.bos_token_id]
-        self.eos_token_ids = self._stop_ids(generation_config or {})
+        self._generation_config = dict(generation_config or {})
+        self.eos_token_ids = self._stop_ids(self._generation_config)
         # SentencePiece-style vocabulary (``▁`` for a space, ``<0xNN>`` byte pieces): token bytes
         # come from the spelling, since a decoder may strip a piece's leading space
         self._spm_pieces = isinstance(backend.model, models.BPE) and bool(backend.model.byte_fallback)
@@ -172,6 +187,19 @@ class Tokenizer:
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` instead of the model's own (vLLM's and llama.cpp's
+        ``--chat-template``): checked to parse now, and its turn-end token (``<|im_end|>``,
+        ``<|eot_id|>`` ...) made a stop token, as the model's own template's is."""
+        if not isinstance(template, str) or not template.strip():
+            raise ChatTemplateError("a chat template must be a non-empty Jinja template")
+        try:
+            _compile_template(template)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(str(e).replace("the model's chat template", "the chat template given")) from None
+        self.chat_template = template
+        self.eos_token_ids = self._stop_ids(self._generation_config)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))

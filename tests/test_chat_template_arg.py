@@ -1,0 +1,54 @@
+"""``--chat-template`` / ``LLM(chat_template=...)`` (vLLM's and llama.cpp's): a Jinja template, given
+as a file or as its text, renders chats instead of the model's own; its turn-end token stops replies;
+a template that does not parse, or a value that is neither, is refused before the model loads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenleap.cli.main import main
+from tokenleap.cli.serve import build_engine
+from tokenleap.models import pretrained
+from tokenleap.text.tokenizer import ChatTemplateError, Tokenizer, read_chat_template
+
+from test_tokenizer import CHATML, tiny_metadata
+
+PLAIN = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
+def test_a_template_replaces_the_models_and_its_turn_end_stops():
+    md = tiny_metadata(**{"tokenizer.chat_template": "[{{ messages[0]['content'] }}]"})
+    md["tokenizer.ggml.eos_token_id"] = md["tokenizer.ggml.tokens"].index("<|endoftext|>")
+    tok = Tokenizer.from_gguf_metadata(md)
+    im_end = tok.token_to_id("<|im_end|>")
+    assert im_end not in tok.eos_token_ids
+    tok.use_chat_template(CHATML)
+    assert tok.chat_template == CHATML and im_end in tok.eos_token_ids
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
+    with pytest.raises(ChatTemplateError, match="the chat template given does not parse"):
+        tok.use_chat_template("{% for m in messages %}")
+    assert tok.chat_template == CHATML  # (a refused one changes nothing)
+
+
+def test_a_file_or_the_templates_text(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(PLAIN, encoding="utf-8")
+    assert read_chat_template(str(path)) == PLAIN == read_chat_template(PLAIN)
+    with pytest.raises(ChatTemplateError, match="no such file, and not a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_generate_and_serve_render_with_it(smollm2_gguf, tmp_path, capsys):
+    path = tmp_path / "t.jinja"
+    path.write_text(PLAIN, encoding="utf-8")
+    code = main(["generate", "--model", str(smollm2_gguf), "--chat", "--chat-template", str(path), "--prompt", "hi",
+                 "--max-tokens", "2", "--json", "--cache-dir", str(tmp_path / "c")])
+    out = json.loads(capsys.readouterr().out)
+    model = pretrained.load_model(smollm2_gguf, cache_dir=tmp_path / "c")
+    assert code == 0 and out["prompt_tokens"] == len(model.tokenizer.encode("<<hi>>"))
+    engine = build_engine(str(smollm2_gguf), cache_dir=str(tmp_path / "c"), chat_template=PLAIN, max_model_len=64)
+    assert engine.tokenizer.chat_template == PLAIN
+    code = main(["generate", "--model", str(smollm2_gguf), "--chat", "--chat-template", "nothing.jinja",
+                 "--prompt", "hi", "--cache-dir", str(tmp_path / "c")])
+    assert code != 0 and "no such file" in capsys.readouterr().err
