@@ -210,11 +210,18 @@ def test_streamed_text_never_shows_a_stop_string(target):
     assert "".join(pieces) == ref[: ref.index(stop)]
 
 
-def test_a_draft_of_fewer_positions_drafts_only_within_them(target):
+def test_a_draft_of_fewer_positions_drafts_only_within_them(target, caplog):
     """A draft model whose context is shorter than the target's: past its positions (a long prompt,
-    or a reply that grows past them) the steps are plain; the output is the target's either way."""
+    or a reply that grows past them) the steps are plain, as a warning says; the output is the target's
+    either way."""
     cfg = replace(tiny_config("qwen2", vocab=VOCAB), max_position_embeddings=24)
     short = build_transformer(cfg, random_weights(cfg, 1), torch.float32)  # the target's weights
+    with caplog.at_level("WARNING", logger="tokenleap"):
+        DraftModelProposer(short, VOCAB, 128)
+        DraftModelProposer(short, VOCAB, 24)  # (a context within its positions: nothing to say)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the draft model reads 24 positions, fewer than the 128 of this context: a sequence past 24 tokens "
+        "decodes without it"]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for prompt in (PROMPTS[0], list(range(3, 33))):  # the reply passes 24 positions; the prompt alone does
         for tree in (0, 6):

@@ -7,6 +7,7 @@ the whole prompt when the engine skipped the draft's prefill because speculation
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -139,6 +140,10 @@ class DraftModelProposer:
         # the draft drafts only within its own positions (a draft of a shorter context than the
         # target's leaves longer sequences to plain steps, as vLLM does)
         self.max_len = min(self.cache.max_len, model.config.max_context)
+        if model.config.max_context < max_len:
+            logging.getLogger("tokenleap").warning(
+                "the draft model reads %d positions, fewer than the %d of this context: a sequence past %d tokens "
+                "decodes without it", model.config.max_context, max_len, model.config.max_context)
         self._slot: dict[int, int] = {}
         self._fed: dict[int, int] = {}
         self._prompt: dict[int, list[int]] = {}
