@@ -44,6 +44,7 @@ def test_text_input_and_instructions(server):
     assert r.output_text == ref.text and r.output[0].role == "assistant"
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(prompt), ref.num_generated)
     assert r.usage.total_tokens == len(prompt) + ref.num_generated
+    assert r.tool_choice == "auto" and r.tools == []  # (OpenAI's echo of a request without tools)
     check_status(r, ref)
     r = c.responses.create(model=NAME, instructions="be brief", input="why?", max_output_tokens=12, temperature=0,
                            metadata={"k": "v"})

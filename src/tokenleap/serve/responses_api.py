@@ -200,7 +200,7 @@ class ResponseWriter:
                 "background": bool(req.background), "truncation": req.truncation or "disabled",
                 "temperature": 1.0 if req.temperature is None else req.temperature,
                 "top_p": 1.0 if req.top_p is None else req.top_p,
-                "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
+                "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
                 "usage": usage}
 
