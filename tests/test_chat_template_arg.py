@@ -29,14 +29,18 @@ def test_a_template_replaces_the_models_and_its_turn_end_stops():
     with pytest.raises(ChatTemplateError, match="the chat template given does not parse"):
         tok.use_chat_template("{% for m in messages %}")
     assert tok.chat_template == CHATML  # (a refused one changes nothing)
+    tok.use_chat_template(PLAIN)  # the model's own turn end stays a stop: its fine-tuning still writes it
+    assert tok.chat_template == PLAIN and im_end in tok.eos_token_ids
 
 
 def test_a_file_or_the_templates_text(tmp_path):
     path = tmp_path / "t.jinja"
-    path.write_text(PLAIN, encoding="utf-8")
+    path.write_text("\ufeff" + PLAIN, encoding="utf-8")  # (an editor's byte-order mark: not template text)
     assert read_chat_template(str(path)) == PLAIN == read_chat_template(PLAIN)
     with pytest.raises(ChatTemplateError, match="no such file, and not a Jinja template"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ChatTemplateError, match="the chat template given does not parse"):
+        read_chat_template("{% for m in messages %}")  # (so refused before a model loads)
 
 
 def test_generate_and_serve_render_with_it(smollm2_gguf, tmp_path, capsys):

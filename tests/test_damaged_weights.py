@@ -34,6 +34,28 @@ def test_damaged_weights_stop_with_a_clear_error(value, params):
         list(eng.generate([3, 4, 5, 3, 4, 5, 3, 4], params))
 
 
+@pytest.mark.parametrize("proposer", [None, NgramProposer(3, 1)])
+def test_a_damaged_row_met_only_while_decoding_stops_at_that_step(proposer):
+    """The embedding row of the first token generated is NaN: the prefill is sound, the step that reads
+    the token back is not."""
+    prompt, params = [3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=6)
+    cfg = tiny_config("llama", vocab=VOCAB)
+    weights = random_weights(cfg, 3)
+    *_, (seq, _) = Engine(build_transformer(cfg, weights, torch.float32), ChatToyTokenizer(VOCAB),
+                          max_len=64).generate(prompt, params)
+    first = seq.generated[0]
+    assert first not in prompt
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights["model.embed_tokens.weight"][first] = float("nan")
+    eng = Engine(build_transformer(cfg, weights, torch.float32), ChatToyTokenizer(VOCAB), max_len=64,
+                 proposer=proposer)
+    steps = eng.generate(prompt, params)
+    seq, _ = next(steps)  # the prefill's token
+    assert seq.generated == [first]
+    with pytest.raises(ModelFormatError, match="NaN or infinite logits"):
+        list(steps)
+
+
 def test_the_check_reads_only_a_rows_maximum():
     check_finite(torch.tensor([[0.0, -float("inf"), 2.0], [1.0, 1.0, 1.0]]))  # a masked entry is fine
     for bad in (float("nan"), float("inf")):

@@ -161,6 +161,16 @@ def test_tool_use_and_tool_result_turns_become_the_chat_turns_of_a_call():
         {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1"}
     assert chat_options(chat)["add_generation_prompt"] is True
+    # consecutive turns of one role are one turn to Anthropic's API: results may be split over user turns
+    use = [{"type": "tool_use", "id": f"toolu_{i}", "name": "w", "input": {}} for i in (1, 2)]
+    result = [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "ok"} for i in (1, 2)]
+    for turns in ([{"role": "assistant", "content": use}, {"role": "user", "content": result[:1]},
+                   {"role": "user", "content": result[1:]}],
+                  [{"role": "assistant", "content": use[:1]}, {"role": "assistant", "content": use[1:]},
+                   {"role": "user", "content": result}]):
+        req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
+            {"role": "user", "content": "weather?"}, *turns]})
+        assert [m.tool_call_id for m in chat_request(req).messages if m.role == "tool"] == ["toolu_1", "toolu_2"]
     # a final assistant turn is continued (Anthropic's prefill)
     prefill = chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]}))

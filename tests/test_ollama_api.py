@@ -14,7 +14,7 @@ import torch
 from tokenleap.config import SamplingParams
 from tokenleap.serve.app import ServerConfig, create_app
 from tokenleap.serve.context_window import fit_turns
-from tokenleap.serve.ollama_api import ChatBody, GenerateBody, chat_request, generate_request
+from tokenleap.serve.ollama_api import ChatBody, GenerateBody, chat_request, fit_window, generate_request
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.protocol import APIError, sampling_params
 from tokenleap.serve.scheduler import SchedulerConfig
@@ -154,6 +154,14 @@ def test_a_message_over_the_window_keeps_its_first_tokens_and_its_end(server):
                                                         "stream": False, "truncate": False,
                                                         "options": {"num_ctx": 50}}, timeout=30)
     assert r.status_code == 400 and "num_ctx" in r.json()["error"], r.text
+
+
+def test_more_num_keep_never_keeps_fewer_tokens():
+    ids = list(range(100))
+    cut = {keep: fit_window(GenerateBody(model=NAME, options={"num_keep": keep}), ids, 10) for keep in range(0, 14)}
+    assert cut[4] == ids[:4] + ids[-3:] and cut[9] == cut[13] == ids[:8] + ids[-1:]
+    assert all(len(cut[k]) <= len(cut[k + 1]) for k in range(13)) and all(c[-1] == 99 for c in cut.values())
+    assert fit_window(GenerateBody(model=NAME, options={"num_keep": -1}), ids, 10) == ids  # (then a 400)
 
 
 def test_fit_turns_keeps_the_system_message_and_the_latest_turns():

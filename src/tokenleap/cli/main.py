@@ -63,7 +63,7 @@ def non_negative_int(value: str) -> int:
 def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) that renders chats instead of the "
-                        "model's own, as vLLM's and llama.cpp's --chat-template")
+                        "model's own, as vLLM's --chat-template (llama.cpp's --chat-template-file)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

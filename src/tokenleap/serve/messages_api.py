@@ -81,10 +81,16 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
     messages = [ChatMessage(role="system", content=_joined(req.system, "system"))] if req.system else []
     if not req.messages:
         raise bad_request("messages: at least one message is required", "messages")
+    made: set[str] = set()  # the tool_use ids of the latest run of assistant turns
     for i, turn in enumerate(req.messages):
-        before = messages[-1] if messages else None
-        messages += (added := _turn(i, turn))
-        _check_results(i, added, before)
+        added = _turn(i, turn)
+        if added[-1].role == "assistant":
+            if not (messages and messages[-1].role == "assistant"):
+                made = set()
+            made |= {call.id for call in added[-1].tool_calls or []}
+        else:
+            _check_results(i, added, made)
+        messages += added
     last = messages[-1]
     prefill = last.role == "assistant" and not last.tool_calls
     fields: dict[str, Any] = {}
@@ -144,12 +150,10 @@ def _turn(i: int, turn: dict[str, Any]) -> list[ChatMessage]:
     return results + ([ChatMessage(role="user", content="".join(texts))] if texts or not results else [])
 
 
-def _check_results(i: int, added: list[ChatMessage], before: ChatMessage | None) -> None:
-    """A 400, as Anthropic's API answers, where turn ``i``'s ``tool_result`` blocks (its ``tool``
-    messages, ``added``) answer a ``tool_use`` the turn before (``before``) did not make."""
-    made = set()
-    if before is not None and before.role == "assistant":
-        made = {call.id for call in before.tool_calls or []}
+def _check_results(i: int, added: list[ChatMessage], made: set[str]) -> None:
+    """A 400, as Anthropic's API answers, where user turn ``i``'s ``tool_result`` blocks (its ``tool``
+    messages, ``added``) answer a ``tool_use`` that the assistant turns just before did not make
+    (``made``: their ids; consecutive turns of one role count as one, as Anthropic's API merges them)."""
     for message in added:
         if message.role == "tool" and message.tool_call_id not in made:
             raise bad_request(f"messages.{i}: tool_result for tool_use_id {message.tool_call_id!r}, which no "

@@ -27,8 +27,8 @@ and the last message stay, the rest kept from the latest user turn back as far a
 (generate: the oldest tokens of ``context``); a prompt that still leaves no room (one long message)
 keeps its first ``num_keep`` tokens (absent: 4, Ollama's default; negative: all) and its end, as
 Ollama's runner cuts it, so that it fills half the window, or more where a ``num_predict`` needs less
-room (``fit_window``). ``truncate: false`` makes a prompt over the window a 400, as a ``num_keep``
-that leaves nothing to cut does. The reply may fill what the window leaves.
+room (``fit_window``). ``truncate: false`` makes a prompt over the window a 400, as a negative
+``num_keep`` does. The reply may fill what the window leaves.
 
 Replies stream by default (``stream`` absent or true), as Ollama's do: one JSON object a line, each
 piece of the reply with ``done: false``, then a last object with ``done: true``, ``done_reason``
@@ -168,7 +168,8 @@ def fit_window(body: _Body, ids: list[int], window: int) -> list[int]:
     keep = 4 if o.num_keep is None else o.num_keep
     if len(ids) < window or body.truncate is False or keep < 0:
         return ids
-    limit = keep + (window - keep) // 2 if keep < window else window // 2
+    keep = min(keep, window - 1)  # (one token of the end at least: where a chat's reply opens)
+    limit = keep + (window - keep) // 2
     if o.num_predict is not None and 0 < o.num_predict < window:
         limit = max(limit, window - o.num_predict)
     return keep_ends(ids, keep, max(1, limit))

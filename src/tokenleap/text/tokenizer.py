@@ -97,12 +97,23 @@ def read_chat_template(value: str) -> str:
     path = Path(value).expanduser()
     if path.is_file():
         try:
-            return path.read_text(encoding="utf-8")
+            template = path.read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is not template text)
         except (OSError, UnicodeDecodeError) as e:
             raise ChatTemplateError(f"cannot read the chat template file {str(path)!r}: {e}") from None
-    if "{{" in value or "{%" in value:
-        return value
-    raise ChatTemplateError(f"chat template {value!r}: no such file, and not a Jinja template (no {{{{ or {{%)")
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ChatTemplateError(f"chat template {value!r}: no such file, and not a Jinja template (no {{{{ or {{%)")
+    return _parsed(template)  # (refused here, before a model loads)
+
+
+def _parsed(template: str) -> str:
+    """``template`` once it is known to parse; else a ``ChatTemplateError`` that says it is the given one."""
+    try:
+        _compile_template(template)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(str(e).replace("the model's chat template", "the chat template given")) from None
+    return template
 
 
 def _check_messages(messages: Any) -> None:
@@ -166,7 +177,7 @@ class Tokenizer:
         backend = _backend_of(path / "tokenizer.json")
         config = _read_json(path / "tokenizer_config.json")
         if not _pick_template(config.get("chat_template")) and (path / "chat_template.jinja").is_file():
-            config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8-sig")
         return cls(backend, config, _read_json(path / "generation_config.json"))
 
     @classmethod
@@ -189,17 +200,13 @@ class Tokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
     def use_chat_template(self, template: str) -> None:
-        """Render chats with ``template`` instead of the model's own (vLLM's and llama.cpp's
-        ``--chat-template``): checked to parse now, and its turn-end token (``<|im_end|>``,
-        ``<|eot_id|>`` ...) made a stop token, as the model's own template's is."""
+        """Render chats with ``template`` instead of the model's own (vLLM's ``--chat-template``): checked
+        to parse now, and its turn-end token (``<|im_end|>``, ``<|eot_id|>`` ...) made a stop token
+        beside the model's own template's."""
         if not isinstance(template, str) or not template.strip():
             raise ChatTemplateError("a chat template must be a non-empty Jinja template")
-        try:
-            _compile_template(template)
-        except ChatTemplateError as e:
-            raise ChatTemplateError(str(e).replace("the model's chat template", "the chat template given")) from None
-        self.chat_template = template
-        self.eos_token_ids = self._stop_ids(self._generation_config)
+        self.chat_template = _parsed(template)  # the model's own turn-end stays a stop too (its tuning writes it)
+        self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + self._stop_ids(self._generation_config)))
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
