@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tokenleap.api_async import AsyncCalls
+from tokenleap.api_inputs import _checked, _one_of, _prompt_list, _shown, _text_content, _unwrapped
 from tokenleap.lifetime import Lifetime
 from tokenleap.cancellation import check_cancelled
 from tokenleap.step_gate import StepGate
@@ -165,16 +166,18 @@ class LLM(AsyncCalls, Lifetime):
         return line
 
     # -- prompts ----------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int] | dict[str, Any], chat: bool = False) -> list[int]:
-        """A prompt's token ids: text encoded (``chat``: as a user message in the chat template), or
-        token ids checked against the vocabulary (vLLM's ``{"prompt": text}`` and
-        ``{"prompt_token_ids": ids}`` taken too)."""
+    def encode(self, prompt: str | list[int] | dict[str, Any] | list[dict[str, Any]], chat: bool = False) -> list[int]:
+        """A prompt's token ids: text encoded (``chat``: as a user message in the chat template; a list
+        of messages, a conversation, rendered whole), or token ids checked against the vocabulary
+        (vLLM's ``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` taken too)."""
         self._check_open()
         prompt = _unwrapped(prompt)
+        if chat and isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode_chat([_text_content(m) for m in prompt])
         if isinstance(prompt, (list, tuple)):
             if prompt and not all(is_int(t) for t in prompt):
-                raise ConfigError("a prompt is text or a list of token ids (stream and infill take one prompt; "
-                                  "generate and chat take a list)")
+                raise ConfigError("a prompt is text or a list of token ids (a conversation, a list of messages, "
+                                  "with chat=True; stream and infill take one prompt; generate and chat take a list)")
             vocab = self.target.model.config.vocab_size
             if not all(0 <= t < vocab for t in prompt):
                 raise ConfigError(f"a prompt of token ids needs integers in [0, {vocab})")
@@ -191,9 +194,11 @@ class LLM(AsyncCalls, Lifetime):
         return self.tokenizer
 
     # -- generation -------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-               chat: bool = False) -> Iterator[StreamChunk]:
-        prompt, params = _unwrapped(prompt), _checked(params)
+    def stream(self, prompt: str | list[int] | list[dict[str, Any]], params: SamplingParams | None = None,
+               chat: bool = False, *, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """One prompt's reply as it is decoded (``chat``: the prompt, a text or a conversation, rendered
+        with the chat template); the last chunk carries the ``RequestOutput``."""
+        prompt, params = _unwrapped(prompt), _checked(_one_of(params, sampling_params))
         if params.n > 1:
             raise ConfigError(f"stream gives one completion (n is {params.n}): generate or chat give n")
         ids = self.encode(prompt, chat)
@@ -226,7 +231,8 @@ class LLM(AsyncCalls, Lifetime):
         finally:
             self._steps.close(steps)  # (frees the slot now when the caller stops early)
         assert seq is not None
-        yield StreamChunk(last_piece, seq.generated, True, request_output(prompt, seq, time.perf_counter() - t0))
+        yield StreamChunk(last_piece, seq.generated, True,
+                          request_output(_shown(prompt, ids), seq, time.perf_counter() - t0))
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False, *,
@@ -324,21 +330,6 @@ class LLM(AsyncCalls, Lifetime):
         return [v.tolist() for v in vectors]
 
 
-def _text_content(message: Any) -> Any:
-    """``message`` with OpenAI-style content parts (``[{"type": "text", "text": ...}]``) as the one
-    string the template takes, joined as the server joins them; other parts are refused."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ConfigError(f"a message's content parts must be text parts ({{'type': 'text', 'text': ...}}); "
-                              f"got {kind!r} (this engine reads text only)")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}  # (joined as the server's chat endpoint joins them)
-
 
 def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:
     """``speculative`` as a SpecConfig: a dict holds its fields, or vLLM's ``speculative_config``
@@ -350,46 +341,3 @@ def _spec_config(speculative: SpecConfig | dict[str, Any] | None) -> SpecConfig:
     if not isinstance(speculative, SpecConfig):
         raise ConfigError(f"speculative must be a SpecConfig or a dict of its fields, got {type(speculative).__name__}")
     return speculative
-
-
-def _checked(params: SamplingParams | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise ConfigError(f"params must be a SamplingParams (or a list of them), got {type(params).__name__}")
-    return params
-
-
-def _one_of(params, sampling_params):
-    """``generate``'s / ``chat``'s parameters, given under either name (not both)."""
-    if params is not None and sampling_params is not None:
-        raise ConfigError("give params or sampling_params, not both")
-    return sampling_params if params is None else params
-
-
-def _unwrapped(prompt: Any) -> Any:
-    """vLLM's prompt dicts as their text or token ids; anything else as it is."""
-    if not isinstance(prompt, dict):
-        return prompt
-    keys = set(prompt) - {"prompt"} if "prompt_token_ids" in prompt else set(prompt)
-    if keys == {"prompt_token_ids"}:  # (a "prompt" beside the ids is vLLM's text of them: the ids are read)
-        return prompt["prompt_token_ids"]
-    if keys == {"prompt"}:
-        return prompt["prompt"]
-    raise ConfigError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids'; got keys {sorted(prompt)}")
-
-
-def _prompt_list(prompts: str | list[int] | list[str] | list[list[int]]) -> list:
-    """One prompt (text, token ids or a vLLM prompt dict) as a list of one; a ConfigError for none.
-    Prompt dicts become their text or ids (an output's ``prompt``)."""
-    if isinstance(prompts, dict):
-        prompts = [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict):
-        prompts = [_unwrapped(p) for p in prompts]
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    if not prompts:
-        raise ConfigError("no prompts given")
-    if not isinstance(prompts, (list, tuple)):
-        raise ConfigError(f"prompts must be text, token ids or a list of either, got {type(prompts).__name__}")
-    return list(prompts)

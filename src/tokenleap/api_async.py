@@ -39,13 +39,13 @@ class AsyncCalls:
     """The coroutine forms of ``LLM``'s calls (a base of ``LLM``, whose ``stream``, ``generate`` and
     ``chat`` they run)."""
 
-    async def astream(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      chat: bool = False) -> AsyncIterator[StreamChunk]:
+    async def astream(self, prompt: Any, params: SamplingParams | None = None, chat: bool = False, *,
+                      sampling_params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
         """``stream``'s chunks, decoded together with every other ``astream`` open on this LLM; ending
         early (a break, a cancelled task) drops the request at the next iteration and frees its slot."""
-        from tokenleap.api import _checked, _unwrapped
+        from tokenleap.api_inputs import _checked, _one_of, _shown, _unwrapped
         from tokenleap.serve.request import Request
-        prompt, params = _unwrapped(prompt), _checked(params)
+        prompt, params = _unwrapped(prompt), _checked(_one_of(params, sampling_params))
         if params.n > 1:
             raise ConfigError(f"astream gives one completion (n is {params.n}): agenerate or achat give n")
         # off the event loop: a long prompt's tokens, the first call's engine, a grammar's compilation
@@ -73,7 +73,8 @@ class AsyncCalls:
                     yield StreamChunk(out.text, list(generated), False)
                     continue
                 seq.stats.total_seconds = time.perf_counter() - t0  # (the scheduler is done with seq)
-                yield StreamChunk(out.text, list(generated), True, request_output(prompt, seq, seq.stats.total_seconds))
+                yield StreamChunk(out.text, list(generated), True,
+                                  request_output(_shown(prompt, ids), seq, seq.stats.total_seconds))
                 return
         finally:
             scheduler.cancel(request)  # (a finished request: nothing to drop)

@@ -252,8 +252,17 @@ class SamplingParams:
                 object.__setattr__(self, "bad_word_ids", tuple(tuple(w) for w in self.bad_word_ids))
             except TypeError:
                 raise ConfigError("bad_word_ids must be sequences of token ids") from None
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        if self.logit_bias is None:
+            object.__setattr__(self, "logit_bias", ())
+        if isinstance(self.logit_bias, dict):  # (keys as OpenAI's JSON spells them, "1234", taken too)
+            items = [(int(t) if isinstance(t, str) and t.strip().isdigit() else t, b)
+                     for t, b in self.logit_bias.items()]
+            object.__setattr__(self, "logit_bias", tuple(sorted(items, key=lambda kv: kv[0] if is_int(kv[0]) else -1)))
+        if not isinstance(self.logit_bias, tuple):
+            try:
+                object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
+            except (TypeError, ValueError):
+                raise ConfigError("logit_bias must map token ids to biases ({id: bias})") from None
         _check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens must be an integer >= 1 (or None: up to the context's end), got {self.max_tokens!r}")
