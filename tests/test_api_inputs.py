@@ -43,6 +43,8 @@ def test_stream_takes_a_conversation_and_sampling_params_by_vllms_name():
 def test_logit_bias_as_none_or_with_string_keys():
     assert SamplingParams(logit_bias=None).logit_bias == ()
     assert SamplingParams(logit_bias={"12": 5, 3: -1}).logit_bias == ((3, -1), (12, 5))
-    for bad in ({"x": 1}, 5, {-1: 2}):
+    assert SamplingParams(logit_bias={"5": 100, 5: -100}).logit_bias == ((5, -100),)  # the last, as a dict keeps
+    assert SamplingParams(logit_bias=[(3, 1), (1, 2)]) == SamplingParams(logit_bias={1: 2, 3: 1})
+    for bad in ({"x": 1}, 5, {-1: 2}, {"²": 1}, {"１２": 1}, (1, 2), ((1,),), {"-1": 1}):
         with pytest.raises(ConfigError, match="logit_bias must map token ids"):
             SamplingParams(logit_bias=bad)

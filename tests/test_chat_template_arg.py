@@ -17,10 +17,14 @@ from test_tokenizer import CHATML, tiny_metadata
 PLAIN = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 
-def test_a_template_replaces_the_models_and_its_turn_end_stops():
-    md = tiny_metadata(**{"tokenizer.chat_template": "[{{ messages[0]['content'] }}]"})
+def _tokenizer(template: str) -> Tokenizer:
+    md = tiny_metadata(**{"tokenizer.chat_template": template})
     md["tokenizer.ggml.eos_token_id"] = md["tokenizer.ggml.tokens"].index("<|endoftext|>")
-    tok = Tokenizer.from_gguf_metadata(md)
+    return Tokenizer.from_gguf_metadata(md)
+
+
+def test_a_template_replaces_the_models_and_its_turn_end_stops():
+    tok = _tokenizer("[{{ messages[0]['content'] }}]")
     im_end = tok.token_to_id("<|im_end|>")
     assert im_end not in tok.eos_token_ids
     tok.use_chat_template(CHATML)
@@ -29,7 +33,15 @@ def test_a_template_replaces_the_models_and_its_turn_end_stops():
     with pytest.raises(ChatTemplateError, match="the chat template given does not parse"):
         tok.use_chat_template("{% for m in messages %}")
     assert tok.chat_template == CHATML  # (a refused one changes nothing)
-    tok.use_chat_template(PLAIN)  # the model's own turn end stays a stop: its fine-tuning still writes it
+    tok.use_chat_template(PLAIN)  # a given template's turn end goes with it
+    assert im_end not in tok.eos_token_ids
+
+
+def test_the_models_own_turn_end_stays_a_stop():
+    tok = _tokenizer(CHATML)  # (its fine-tuning writes <|im_end|> whatever template renders the prompt)
+    im_end = tok.token_to_id("<|im_end|>")
+    assert im_end in tok.eos_token_ids
+    tok.use_chat_template(PLAIN)
     assert tok.chat_template == PLAIN and im_end in tok.eos_token_ids
 
 
@@ -41,6 +53,10 @@ def test_a_file_or_the_templates_text(tmp_path):
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ChatTemplateError, match="the chat template given does not parse"):
         read_chat_template("{% for m in messages %}")  # (so refused before a model loads)
+    long = "{% for m in messages %}" + "x" * 400 + "{% endfor %}"  # (longer than a file name may be)
+    assert read_chat_template(long) == long
+    with pytest.raises(ChatTemplateError, match="cannot read the chat template file"):
+        read_chat_template("y" * 400)
 
 
 def test_generate_and_serve_render_with_it(smollm2_gguf, tmp_path, capsys):

@@ -13,7 +13,7 @@ from tokenleap.errors import PromptTooLongError
 from tokenleap.models.build import build_transformer
 from tokenleap.spec.proposers.cascade import CascadeDraftProposer
 from tokenleap.spec.proposers.draft_head import ReducedVocabHead
-from tokenleap.spec.proposers.draft_model import DraftModelProposer
+from tokenleap.spec.proposers.draft_model import DraftModelProposer, _warn_short
 from tokenleap.spec.proposers.ngram import NgramProposer
 from tokenleap.spec.sequence import Sequence
 
@@ -216,8 +216,10 @@ def test_a_draft_of_fewer_positions_drafts_only_within_them(target, caplog):
     either way."""
     cfg = replace(tiny_config("qwen2", vocab=VOCAB), max_position_embeddings=24)
     short = build_transformer(cfg, random_weights(cfg, 1), torch.float32)  # the target's weights
+    _warn_short.cache_clear()
     with caplog.at_level("WARNING", logger="tokenleap"):
         DraftModelProposer(short, VOCAB, 128)
+        DraftModelProposer(short, VOCAB, 128)  # (said once: an LLM builds a proposer for each of its engines)
         DraftModelProposer(short, VOCAB, 24)  # (a context within its positions: nothing to say)
     assert [r.getMessage() for r in caplog.records] == [
         "the draft model reads 24 positions, fewer than the 128 of this context: a sequence past 24 tokens "

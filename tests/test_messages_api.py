@@ -170,7 +170,18 @@ def test_tool_use_and_tool_result_turns_become_the_chat_turns_of_a_call():
                    {"role": "user", "content": result}]):
         req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
             {"role": "user", "content": "weather?"}, *turns]})
-        assert [m.tool_call_id for m in chat_request(req).messages if m.role == "tool"] == ["toolu_1", "toolu_2"]
+        joined = chat_request(req).messages  # (one assistant turn with both calls, then both results)
+        assert [m.role for m in joined] == ["user", "assistant", "tool", "tool"]
+        assert [c.id for c in joined[1].tool_calls] == ["toolu_1", "toolu_2"]
+        assert [m.tool_call_id for m in joined[2:]] == ["toolu_1", "toolu_2"]
+    # a reply split over assistant turns (its thinking apart) and a user turn split from its results: one each
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "weather?"}, {"role": "assistant", "content": use[:1]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": ""}]},
+        {"role": "user", "content": "here:"}, {"role": "user", "content": result[:1]}]})
+    joined = chat_request(req).messages
+    assert [(m.role, m.content) for m in joined] == [("user", "weather?"), ("assistant", ""), ("tool", "ok"),
+                                                     ("user", "here:")]
     # a final assistant turn is continued (Anthropic's prefill)
     prefill = chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]}))

@@ -7,6 +7,7 @@ reports the same clear message for the same bad value.
 from __future__ import annotations
 
 import json as _json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,17 +253,7 @@ class SamplingParams:
                 object.__setattr__(self, "bad_word_ids", tuple(tuple(w) for w in self.bad_word_ids))
             except TypeError:
                 raise ConfigError("bad_word_ids must be sequences of token ids") from None
-        if self.logit_bias is None:
-            object.__setattr__(self, "logit_bias", ())
-        if isinstance(self.logit_bias, dict):  # (keys as OpenAI's JSON spells them, "1234", taken too)
-            items = [(int(t) if isinstance(t, str) and t.strip().isdigit() else t, b)
-                     for t, b in self.logit_bias.items()]
-            object.__setattr__(self, "logit_bias", tuple(sorted(items, key=lambda kv: kv[0] if is_int(kv[0]) else -1)))
-        if not isinstance(self.logit_bias, tuple):
-            try:
-                object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
-            except (TypeError, ValueError):
-                raise ConfigError("logit_bias must map token ids to biases ({id: bias})") from None
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens must be an integer >= 1 (or None: up to the context's end), got {self.max_tokens!r}")
@@ -332,6 +323,25 @@ class SamplingParams:
 def is_int(x: Any) -> bool:
     """An integer, not a bool (``True`` is an ``int`` to Python, never a count or a token id here)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+_TOKEN_KEY = re.compile(r"\s*[0-9]+\s*")  # a token id as OpenAI's JSON keys spell it (ASCII digits only)
+
+
+def _bias_pairs(bias: Any) -> tuple:
+    """``logit_bias`` (a dict, pairs, or None) as (token id, bias) pairs sorted by id: keys spelled as
+    OpenAI's JSON spells them ("1234") read as ids, and a key given twice keeps its last bias, as a dict
+    does. The values are checked with the other fields."""
+    if bias is None:
+        return ()
+    try:
+        given = list(bias.items()) if isinstance(bias, dict) else [(t, b) for t, b in bias]
+    except (TypeError, ValueError):
+        raise ConfigError("logit_bias must map token ids to biases ({id: bias})") from None
+    merged: dict[Any, Any] = {}
+    for t, b in given:
+        merged[int(t) if isinstance(t, str) and _TOKEN_KEY.fullmatch(t) else t] = b
+    return tuple(sorted(merged.items(), key=lambda kv: kv[0] if is_int(kv[0]) else -1))
 
 
 def _is_number(x: Any) -> bool:

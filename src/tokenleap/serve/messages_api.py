@@ -19,7 +19,9 @@ speculation as /v1/chat/completions.
 ``message_stop``). A thinking model's ``<think>`` block (``reasoning.py``) is a ``thinking`` block
 before the text; the request's ``thinking`` (enabled / disabled) reaches the chat template as its
 ``enable_thinking`` (Qwen3's switch). ``model`` is required, as in Anthropic's API; ``metadata`` is
-accepted and unused; images, documents and server tools get a 400 that says so. Errors on these routes take Anthropic's form (``anthropic_error``).
+accepted and unused; images, documents and server tools get a 400 that says so. Consecutive turns of
+one role are one turn, as Anthropic's API joins them. Errors on these routes take Anthropic's form
+(``anthropic_error``).
 """
 from __future__ import annotations
 
@@ -81,13 +83,11 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
     messages = [ChatMessage(role="system", content=_joined(req.system, "system"))] if req.system else []
     if not req.messages:
         raise bad_request("messages: at least one message is required", "messages")
-    made: set[str] = set()  # the tool_use ids of the latest run of assistant turns
-    for i, turn in enumerate(req.messages):
+    made: set[str] = set()  # the tool_use ids of the assistant turn before
+    for i, turn in _joined_runs(req.messages):
         added = _turn(i, turn)
         if added[-1].role == "assistant":
-            if not (messages and messages[-1].role == "assistant"):
-                made = set()
-            made |= {call.id for call in added[-1].tool_calls or []}
+            made = {call.id for call in added[-1].tool_calls or []}
         else:
             _check_results(i, added, made)
         messages += added
@@ -150,10 +150,30 @@ def _turn(i: int, turn: dict[str, Any]) -> list[ChatMessage]:
     return results + ([ChatMessage(role="user", content="".join(texts))] if texts or not results else [])
 
 
+def _joined_runs(turns: list[Any]) -> list[tuple[int, Any]]:
+    """(index of its first turn, the turn) for each run of consecutive turns of one role, joined into one
+    turn of their content blocks in order, as Anthropic's API joins them (a split assistant reply is one
+    turn; tool results may come over several user turns). Turns that do not read as such stay apart, for
+    ``_turn`` to refuse."""
+    out: list[tuple[int, Any]] = []
+    for i, turn in enumerate(turns):
+        before = out[-1][1] if out else None
+        if (isinstance(turn, dict) and isinstance(before, dict) and turn.get("role") == before.get("role")
+                and all(isinstance(t.get("content"), (str, list)) for t in (turn, before))):
+            out[-1] = (out[-1][0], {**before, "content": _as_blocks(before["content"]) + _as_blocks(turn["content"])})
+        else:
+            out.append((i, turn))
+    return out
+
+
+def _as_blocks(content: str | list[Any]) -> list[Any]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
 def _check_results(i: int, added: list[ChatMessage], made: set[str]) -> None:
     """A 400, as Anthropic's API answers, where user turn ``i``'s ``tool_result`` blocks (its ``tool``
-    messages, ``added``) answer a ``tool_use`` that the assistant turns just before did not make
-    (``made``: their ids; consecutive turns of one role count as one, as Anthropic's API merges them)."""
+    messages, ``added``) answer a ``tool_use`` that the assistant turn just before did not make (``made``:
+    its ids)."""
     for message in added:
         if message.role == "tool" and message.tool_call_id not in made:
             raise bad_request(f"messages.{i}: tool_result for tool_use_id {message.tool_call_id!r}, which no "

@@ -92,18 +92,18 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def read_chat_template(value: str) -> str:
-    """A ``--chat-template`` value as the template: the text of the file it names, else the value itself
-    where it reads as a Jinja template (vLLM takes both), else an error that names it."""
+    """A ``--chat-template`` value as the template: the value itself where it reads as a Jinja template,
+    else the text of the file it names (vLLM takes both), else an error that names it."""
+    if "{{" in value or "{%" in value:  # (first: a long template is no path the file system can even look up)
+        return _parsed(value)
     path = Path(value).expanduser()
-    if path.is_file():
-        try:
-            template = path.read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is not template text)
-        except (OSError, UnicodeDecodeError) as e:
-            raise ChatTemplateError(f"cannot read the chat template file {str(path)!r}: {e}") from None
-    elif "{{" in value or "{%" in value:
-        template = value
-    else:
-        raise ChatTemplateError(f"chat template {value!r}: no such file, and not a Jinja template (no {{{{ or {{%)")
+    try:
+        if not path.is_file():
+            raise ChatTemplateError(f"chat template {value!r}: no such file, and not a Jinja template (no {{{{ "
+                                    "or {%)")
+        template = path.read_text(encoding="utf-8-sig")  # (an editor's byte-order mark is not template text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatTemplateError(f"cannot read the chat template file {str(path)!r}: {e}") from None
     return _parsed(template)  # (refused here, before a model loads)
 
 
@@ -160,7 +160,7 @@ class Tokenizer:
         with_specials = backend.encode("a", add_special_tokens=True).ids
         self.add_bos_token = self.bos_token_id is not None and with_specials[:1] == [self.bos_token_id]
         self._generation_config = dict(generation_config or {})
-        self.eos_token_ids = self._stop_ids(self._generation_config)
+        self.eos_token_ids = self._own_stops = self._stop_ids(self._generation_config)
         # SentencePiece-style vocabulary (``▁`` for a space, ``<0xNN>`` byte pieces): token bytes
         # come from the spelling, since a decoder may strip a piece's leading space
         self._spm_pieces = isinstance(backend.model, models.BPE) and bool(backend.model.byte_fallback)
@@ -206,7 +206,7 @@ class Tokenizer:
         if not isinstance(template, str) or not template.strip():
             raise ChatTemplateError("a chat template must be a non-empty Jinja template")
         self.chat_template = _parsed(template)  # the model's own turn-end stays a stop too (its tuning writes it)
-        self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + self._stop_ids(self._generation_config)))
+        self.eos_token_ids = tuple(dict.fromkeys(self._own_stops + self._stop_ids(self._generation_config)))
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))

@@ -7,6 +7,7 @@ the whole prompt when the engine skipped the draft's prefill because speculation
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -112,6 +113,14 @@ class _Lane(DraftingLane):
     calibration: Calibration | None = None
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_short(positions: int, max_len: int) -> None:
+    """Said once a process for each pair (an LLM builds a proposer for each of its engines)."""
+    logging.getLogger("tokenleap").warning(
+        "the draft model reads %d positions, fewer than the %d of this context: a sequence past %d tokens "
+        "decodes without it", positions, max_len, positions)
+
+
 class DraftModelProposer:
     name = "draft"
     drafts_trees = True  # a request with max_nodes gets a dynamic tree (draft_tree.py)
@@ -141,9 +150,7 @@ class DraftModelProposer:
         # target's leaves longer sequences to plain steps, as vLLM does)
         self.max_len = min(self.cache.max_len, model.config.max_context)
         if model.config.max_context < max_len:
-            logging.getLogger("tokenleap").warning(
-                "the draft model reads %d positions, fewer than the %d of this context: a sequence past %d tokens "
-                "decodes without it", model.config.max_context, max_len, model.config.max_context)
+            _warn_short(model.config.max_context, max_len)
         self._slot: dict[int, int] = {}
         self._fed: dict[int, int] = {}
         self._prompt: dict[int, list[int]] = {}
