@@ -35,6 +35,8 @@ def test_stream_takes_a_conversation_and_sampling_params_by_vllms_name():
     assert asyncio.run(collect())[-1].output.token_ids == want.token_ids
     with pytest.raises(ConfigError, match="a conversation, a list of messages, with chat=True"):
         list(llm.stream(CONVERSATION, PARAMS))
+    with pytest.raises(ConfigError, match="not a message: give a conversation"):
+        llm.generate(CONVERSATION, PARAMS, chat=True)
     with pytest.raises(ConfigError, match="not both"):
         list(llm.stream("abc", PARAMS, sampling_params=PARAMS))
     llm.close()

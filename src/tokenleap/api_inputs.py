@@ -53,6 +53,9 @@ def _unwrapped(prompt: Any) -> Any:
         return prompt["prompt_token_ids"]
     if keys == {"prompt"}:
         return prompt["prompt"]
+    if "role" in prompt:
+        raise ConfigError("a prompt is text or token ids, not a message: give a conversation (a list of messages) "
+                          "to chat, or to stream / astream with chat=True")
     raise ConfigError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids'; got keys {sorted(prompt)}")
 
 
