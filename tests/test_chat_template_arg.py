@@ -72,3 +72,14 @@ def test_generate_and_serve_render_with_it(smollm2_gguf, tmp_path, capsys):
     code = main(["generate", "--model", str(smollm2_gguf), "--chat", "--chat-template", "nothing.jinja",
                  "--prompt", "hi", "--cache-dir", str(tmp_path / "c")])
     assert code != 0 and "no such file" in capsys.readouterr().err
+
+
+def test_apply_chat_template_tokenize_gives_ids_as_transformers_does():
+    tok = _tokenizer(CHATML)
+    messages = [{"role": "user", "content": "the"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    assert isinstance(text, str) and ids == tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    # a request's template variables (chat_template_kwargs) cannot turn the rendered prompt into ids
+    assert tok.encode_chat(messages, tokenize=True) == tok.encode_chat(messages)

@@ -276,11 +276,17 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
-        """Render a conversation with the model's chat template, as transformers does. OpenAI's
-        ``developer`` messages (the instructions newer clients send instead of ``system``) are rendered
-        as ``system`` where the template has no developer role of its own: templates that predate it
-        drop such a message (Qwen2.5's) or write a turn the model never saw."""
+                            tools: list[dict[str, Any]] | None = None, *, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
+        """Render a conversation with the model's chat template, as transformers does (``tokenize=True``:
+        the text's token ids, as transformers gives them; the default here is the text, and the generation
+        prompt is added unless ``add_generation_prompt`` is false). OpenAI's ``developer`` messages (the
+        instructions newer clients send instead of ``system``) are rendered as ``system`` where the
+        template has no developer role of its own: templates that predate it drop such a message
+        (Qwen2.5's) or write a turn the model never saw."""
+        if tokenize:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs),
+                               add_special_tokens=False)
         if not self.chat_template:
             raise ChatTemplateError(
                 "this model has no chat template, so it cannot format chat messages: give it a plain text "
@@ -307,6 +313,7 @@ class Tokenizer:
         content, so the reply continues it."""
         if continue_final_message:  # the rendering is cut where this tag, after the final content, lands
             messages = _tag_final_message(messages)
+        kwargs.pop("tokenize", None)  # (a request's template variables cannot turn the text into ids)
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
                                         **kwargs)
         if continue_final_message:
