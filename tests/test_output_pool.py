@@ -121,8 +121,8 @@ def test_an_output_written_before_is_drafted_from_the_pool_and_the_output_is_unc
     solo = engine(target, AutoProposer({"ngram": NgramProposer(4, 2, OutputPool(n_min=2, n_max=6))},
                                        BanditConfig(max_k=6)))
     # auto keeps the arm's finer label. (Whether the arm drafts at all is auto's choice by measured costs,
-    # which on a busy machine can decode one regeneration plainly: up to three regenerations are asked.)
-    agains = [run(solo, params) for _ in range(4)]
+    # which on a busy machine can decode a regeneration plainly, probes and all: up to seven are asked.)
+    agains = [run(solo, params) for _ in range(8)]
     assert all(s.generated == plain for s in agains)
     assert any(s.stats.proposer_tokens.get("ngram-pool", 0) > 0 for s in agains[1:])
     other = OutputPool(n_min=2, n_max=6)
