@@ -9,6 +9,7 @@ from tokenleap.bench.datasets import DATASETS
 from tokenleap.bench.common import FAMILIES
 
 from tokenleap.cli.main import QUANT_HELP, check_model_ref, check_quant_dtype, positive_int
+from tokenleap.config import QUANT_MODES
 
 _EPILOG = f"""methods: {', '.join(FAMILIES)}
   options: draft:k=4 | draft:k=auto,kmax=8 | draft:vocab=0 (full draft head) | ngram:k=3,max=4,min=1 |
@@ -50,7 +51,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="bench-results", help="output directory (refused if it exists, unless --resume)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--quant", default="none", help=f"tokenleap target weights: {QUANT_HELP}")
-    p.add_argument("--draft-quant", default="none", help="tokenleap draft weights: none, int8, int4, w8a8")
+    p.add_argument("--draft-quant", default="none", help=f"tokenleap draft weights: {', '.join(QUANT_MODES)}")
     p.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished requests")
     p.add_argument("--no-chat", action="store_true", help="raw prompts, no chat template for instruct models")
     p.add_argument("--pass-at-1", action="store_true",

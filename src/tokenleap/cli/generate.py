@@ -12,7 +12,7 @@ from dataclasses import replace
 from tokenleap.cli.main import (UsageError, add_chat_template_arg, add_model_args, add_sampling_args,
                                 read_prompts_file, read_text_arg, sampling_from_args, spec_config)
 from tokenleap.cli.output import stats_line
-from tokenleap.config import ConfigError, StructuredOutput
+from tokenleap.config import StructuredOutput
 from tokenleap.errors import TokenleapError
 
 
@@ -139,7 +139,7 @@ def _naming(args: argparse.Namespace, n: int, total: int) -> Iterator[None]:
     """A prompts file's errors name the prompt (its n-th of ``total``); a lone prompt's pass unchanged."""
     try:
         yield
-    except (TokenleapError, ConfigError) as e:
+    except TokenleapError as e:
         if args.prompts_file is None:
             raise
         raise UsageError(f"{args.prompts_file}, prompt {n} of {total}: {e}") from None

@@ -80,8 +80,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="draft model (catalog name or path) for --spec draft or auto (auto without "
                                         "it picks an installed catalog draft of the target's tokenizer, at int4)")
     p.add_argument("--draft-quant", default=None,
-                   help="draft weight quantization: none, int8, int4, w8a8 (default: none for --spec draft, int4 "
-                        "for --spec auto's draft)")
+                   help=f"draft weight quantization: {', '.join(QUANT_MODES)} (default: none for --spec draft, "
+                        "int4 for --spec auto's draft)")
     p.add_argument("--draft-dtype", default=None, help="draft dtype (default: the target's)")
     p.add_argument("--draft-spec", choices=["none", "ngram"], default="none",
                    help="--spec draft: speculate the draft model's own steps by n-gram lookup (a cascade)")
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
-    except (TokenleapError, ConfigError) as e:
+    except TokenleapError as e:  # (a bad value's ConfigError among them)
         print(f"tokenleap: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # (on a terminal, on a line of its own after any streamed text)

@@ -41,12 +41,14 @@ def split_fused_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -
     return out
 
 
-def check_layout(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+def check_layout(config: ModelConfig, shapes: dict[str, tuple[int, ...]], model: Transformer | None = None) -> None:
     """A ``ModelFormatError`` unless ``shapes`` (HF names, fused tensors split) are exactly the tensors
     of ``config``'s model, each of its shape (a tied LM head and rotary buffers aside). Cheap (the
-    model is laid out on the meta device): a GGUF is checked so before its conversion is written."""
-    with torch.device("meta"):
-        model = Transformer(config)
+    model is laid out on the meta device, or ``model`` is that layout already): a GGUF is checked so
+    before its conversion is written."""
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     shapes = {k: tuple(v) for k, v in shapes.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
@@ -65,9 +67,9 @@ def check_layout(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> Non
 def build_transformer(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
     """Create the model without allocating random weights, then adopt ``weights`` (HF names)."""
     weights = split_fused_weights(config, weights)
-    check_layout(config, {k: tuple(v.shape) for k, v in weights.items()})
     with torch.device("meta"):
         model = Transformer(config)
+    check_layout(config, {k: tuple(v.shape) for k, v in weights.items()}, model)
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)

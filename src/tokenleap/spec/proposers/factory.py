@@ -203,7 +203,7 @@ def auto_proposer(spec: SpecConfig, target: LoadedModel, draft: LoadedModel | No
                            layerskip_lookup=False, ngram_pool=0)
         try:
             arm = proposer_for(arm_spec, target, None, max_len, num_slots, cache_dir, log=lambda _: None)
-        except (ConfigError, TokenleapError, ImportError):  # a method this build cannot run here
+        except (TokenleapError, ImportError):  # a method this build cannot run here
             continue
         if name == "ngram" and pool is not None:
             arm.output_pool = pool
