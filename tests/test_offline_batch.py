@@ -96,6 +96,9 @@ def test_vllm_style_calls_prompt_dicts_cumulative_logprob_and_max_tokens_none():
     by_dict = llm.generate([{"prompt": "hello there"}, {"prompt_token_ids": ids}], sampling_params=params,
                            use_tqdm=False)
     assert [o.token_ids for o in by_dict] == [want.token_ids] * 2 and by_dict[1].prompt == ids
+    # every output has vLLM's request_id (unique: one per request, a batch's and a stream's alike) and finished
+    ids_seen = [o.request_id for o in [want, *by_dict]]
+    assert all(i.isdigit() for i in ids_seen) and len(set(ids_seen)) == 3 and all(o.finished for o in by_dict)
     assert llm.generate({"prompt_token_ids": ids}, params)[0].token_ids == want.token_ids
     assert llm.get_tokenizer() is llm.tokenizer
     with pytest.raises(ConfigError, match="'prompt' .* or 'prompt_token_ids'"):

@@ -3,6 +3,7 @@ shapes (each completion's text, ids, finish and stop reasons, logprobs), the str
 a finished sequence becomes one."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +42,8 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
     prompt_token_ids: list[int] = field(default_factory=list)  # the prompt as the model read it
     outputs: list[CompletionOutput] = field(default_factory=list)  # SamplingParams.n completions
+    request_id: str = ""  # unique in the process, as vLLM's LLM numbers its requests ("0", "1", ...)
+    finished: bool = True  # a RequestOutput is made once its request has ended (vLLM's field, always True here)
 
     @property
     def num_tokens(self) -> int:
@@ -104,8 +107,11 @@ def completion_dict(c: CompletionOutput) -> dict[str, Any]:
                if c.logprobs is not None else {})}
 
 
+_request_ids = itertools.count()  # (next() on a count is atomic under the GIL: threads share it safely)
+
+
 def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> RequestOutput:
-    """A finished sequence's ``RequestOutput`` (``prompt``: as the caller gave it)."""
+    """A finished sequence's ``RequestOutput`` (``prompt``: as the caller gave it), with the next request id."""
     params = seq.params
     logprobs = list(seq.logprobs) if params.logprobs is not None else None
     return RequestOutput(prompt=prompt, text=seq.text, token_ids=seq.generated, prompt_tokens=len(seq.prompt),
@@ -115,4 +121,5 @@ def request_output(prompt: str | list[int], seq: Sequence, seconds: float) -> Re
                          stop_reason=seq.stop_reason, prompt_token_ids=list(seq.prompt),
                          outputs=[CompletionOutput(0, seq.text, seq.generated, seq.finish_reason, seq.stop_reason,
                                                    logprobs, None if logprobs is None
-                                                   else sum(t.logprob for t in logprobs))])
+                                                   else sum(t.logprob for t in logprobs))],
+                         request_id=str(next(_request_ids)))
