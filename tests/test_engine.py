@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tokenleap.config import GREEDY_BELOW, ConfigError, SamplingParams
+from tokenleap.config import MIN_TEMPERATURE, ConfigError, SamplingParams
 from tokenleap.spec.controller import ControllerConfig
 from tokenleap.spec.engine import Engine
 from tokenleap.errors import PromptTooLongError
@@ -152,16 +152,20 @@ def test_stop_token_ids_and_min_tokens(target):
         assert "".join(piece for _, piece in pieces) == seq.text, name
 
 
-def test_a_temperature_near_zero_is_greedy(target):
-    """Below ``GREEDY_BELOW`` a temperature is stored as 0 (vLLM's rule): 1e-38 would overflow
-    logits / T to infinity and leave no probabilities to sample from."""
-    greedy = plain(target, PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True)).generated
+def test_a_temperature_near_zero_is_raised_to_the_least_one(target, caplog):
+    """A temperature above 0 and below ``MIN_TEMPERATURE`` is raised to it with a warning (vLLM's
+    rule): 1e-38 would overflow logits / T to infinity and leave no probabilities to sample from.
+    Every method then samples as plain decoding at that temperature does; 0 stays greedy."""
+    least = SamplingParams(max_tokens=12, ignore_eos=True, temperature=MIN_TEMPERATURE, seed=3)
+    want = plain(target, PROMPTS[0], least).generated
     for t in (1e-38, 1e-30, 9e-6):
         params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, seed=3)
-        assert params.greedy
+        assert params.temperature == MIN_TEMPERATURE and not params.greedy
         for name, make in [("plain", lambda: None), *proposers(target)]:
-            assert run(engine(target, make(), 3), PROMPTS[0], params).generated == greedy, (name, t)
-    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+            assert run(engine(target, make(), 3), PROMPTS[0], params).generated == want, (name, t)
+    assert "temperature 1e-38 is below 0.01" in caplog.text
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.5).temperature == 0.5
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2  # -1: no seed (vLLM's)
 
 
 class Letters:

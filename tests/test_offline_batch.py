@@ -231,6 +231,10 @@ def test_the_servers_requests_carry_skip_special_tokens():
     assert sampling_params(off, 5, 0).skip_special_tokens is False
     assert sampling_params(CompletionRequest.model_validate({"prompt": "x", "skip_special_tokens": False}), 5,
                            0).skip_special_tokens is False
+    # seed -1 is no seed (vLLM's), for every choice; another seed gives each choice its own
+    unseeded = ChatRequest.model_validate({**chat, "seed": -1, "temperature": 1.0, "n": 2})
+    assert [sampling_params(unseeded, 5, j).seed for j in (0, 1)] == [None, None]
+    assert sampling_params(ChatRequest.model_validate({**chat, "seed": 7}), 5, 1).seed not in (None, 7)
 
 
 @pytest.mark.parametrize("kind", [None, "draft"])
@@ -266,8 +270,9 @@ def test_n_completions_a_prompt_as_vllms_outputs(kind):
     assert [c.token_ids for c in one.outputs] == [third.token_ids] * 2
     with pytest.raises(ConfigError, match="stream gives one completion"):
         next(llm.stream("why", greedy))
-    with pytest.raises(ConfigError, match="n must be an integer >= 1"):
-        SamplingParams(n=0)
+    for n in (0, 10**9):  # (vLLM's limit: 16384)
+        with pytest.raises(ConfigError, match=r"n must be an integer in \[1, 16384\]"):
+            SamplingParams(n=n)
 
 
 def test_a_bad_prompt_in_a_batch_is_named_by_the_callers_index():

@@ -61,7 +61,7 @@ def test_min_p():
     assert probs_of(min_p=1.0) == [0.0, 1.0, 0.0, 0.0]
 
 
-def test_order_temperature_then_top_k_then_top_p():
+def test_order_temperature_then_top_k_then_top_p():  # (min-p's place: test_sampling_order.py)
     # T = 2 flattens to sqrt(P4): 0.369, 0.261, 0.185, 0.185 -> top_p 0.7 keeps three tokens
     flat = P4.sqrt() * torch.tensor([1.0, 1.0, 0.0, 1.0])  # [4]
     assert probs_of(temperature=2.0, top_p=0.7) == pytest.approx((flat / flat.sum()).tolist())
@@ -82,7 +82,7 @@ def test_temperature_last_filters_the_untempered_distribution():
     assert probs_of(temperature=0.5, top_p=0.7, temperature_last=True) == pytest.approx([0, 0.8, 0, 0.2])
     logits = _lm_rows(3, 3000, 7, 6.0)  # [3, 3000]
     for kw in (dict(top_k=40), dict(top_p=0.8), dict(min_p=0.1), dict(top_k=30, top_p=0.9, min_p=0.05)):
-        keep = logits_to_probs(logits, **kw) > 0  # the kept set at T = 1
+        keep = logits_to_probs(logits, temperature_last=True, **kw) > 0  # the kept set at T = 1, llama.cpp's order
         want = torch.softmax((logits / 1.7).masked_fill(~keep, float("-inf")), dim=-1)
         got = logits_to_probs(logits, temperature=1.7, temperature_last=True, **kw)
         torch.testing.assert_close(got, want)

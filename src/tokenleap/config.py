@@ -7,6 +7,7 @@ reports the same clear message for the same bad value.
 from __future__ import annotations
 
 import json as _json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,9 @@ QUANT_MODES = ("none", "int8", "int4", "w8a8")  # weight quantizations (w8a8: mo
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (vLLM's default limit)
 MAX_DRAFT_TOKENS = 256  # the longest draft (or tree) a step may verify
 FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters become float32 tensors
-GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's rule; 1e-38 would overflow the logits)
+# vLLM's rule: a temperature above 0 and below this is raised to it (1e-38 would overflow the logits)
+MIN_TEMPERATURE = 0.01
+MAX_N = 16384  # most completions a prompt may ask for (vLLM's limit)
 
 
 class TokenleapError(Exception):
@@ -190,8 +193,9 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. ``temperature == 0`` means exact greedy (argmax); so does any
-    temperature below ``GREEDY_BELOW``, which is stored as 0."""
+    """Per-request decoding settings. ``temperature == 0`` means exact greedy (argmax); a temperature
+    above 0 and below ``MIN_TEMPERATURE`` is raised to it, with a warning (vLLM's rule). ``seed`` -1
+    means no seed (vLLM's, and llama.cpp's)."""
 
     max_tokens: int | None = 128  # None: up to the context window's end (vLLM's)
     temperature: float = 0.0
@@ -199,7 +203,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     # llama.cpp's order: top-k, top-p and min-p on the untempered distribution, temperature on what is left
-    # (default: Hugging Face's, temperature first; ``sampling.py``)
+    # (default: vLLM's, temperature first, then min-p, top-k, top-p; ``sampling.py``)
     temperature_last: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -254,14 +258,17 @@ class SamplingParams:
             except TypeError:
                 raise ConfigError("bad_word_ids must be sequences of token ids") from None
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        _check(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens must be an integer >= 1 (or None: up to the context's end), got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
                f"temperature must be >= 0 and fit a 32-bit float (at most {FLOAT32_MAX:.4g}), "
                f"got {self.temperature!r}")
-        if self.temperature < GREEDY_BELOW:  # logits / T would overflow float32 as T nears 0
-            object.__setattr__(self, "temperature", 0.0)
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow float32 as T nears 0
+            logging.getLogger("tokenleap").warning("temperature %g is below %g, which may overflow the logits; "
+                                                   "it is raised to %g", self.temperature, MIN_TEMPERATURE,
+                                                   MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         _check(is_int(self.top_k) and self.top_k >= -1,
                f"top_k must be an integer >= 0 (0 or -1, as vLLM's, disables it), got {self.top_k!r}")
         if self.top_k == -1:
@@ -271,6 +278,8 @@ class SamplingParams:
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        if self.seed == -1:
+            object.__setattr__(self, "seed", None)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -279,9 +288,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        # (below 1e-6 a logit divided by it leaves float32's range: the sampler would see inf)
-        _check(_is_number(self.repetition_penalty) and 1e-6 <= self.repetition_penalty <= 100,
-               f"repetition_penalty must be in [1e-6, 100] (1 disables it), got {self.repetition_penalty!r}")
+        # (past [1e-6, 1e6] a logit divided or multiplied by it leaves float32's range: the sampler would see inf)
+        _check(_is_number(self.repetition_penalty) and 1e-6 <= self.repetition_penalty <= 1e6,
+               f"repetition_penalty must be in [1e-6, 1e6] (1 disables it), got {self.repetition_penalty!r}")
         _check(is_int(self.repetition_last_n) and self.repetition_last_n >= 0,
                f"repetition_last_n must be an integer >= 0 (0: the whole prompt and output), "
                f"got {self.repetition_last_n!r}")

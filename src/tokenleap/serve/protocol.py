@@ -312,7 +312,7 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_k=0 if top_k == -1 else top_k, top_p=1.0 if req.top_p is None else req.top_p,
-            min_p=req.min_p or 0.0, seed=None if req.seed is None else choice_seed(req.seed, choice),
+            min_p=req.min_p or 0.0, seed=None if req.seed in (None, -1) else choice_seed(req.seed, choice),
             stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,

@@ -1,17 +1,21 @@
 """Logits -> probabilities, exact greedy, and seeded sampling. Pure functions.
 
-Filtering order (Hugging Face's; vLLM applies min-p before top-k / top-p):
+Filtering order (vLLM's):
 
 1. temperature: ``logits / T``; ``T == 0`` means greedy and yields a one-hot row at the argmax;
-2. top-k: keep the ``k`` highest logits (``k == 0`` disables);
-3. top-p (nucleus): keep the smallest set of most probable tokens whose cumulative probability
-   reaches ``top_p`` (``top_p == 1`` disables);
-4. min-p: drop tokens with ``p < min_p * p_max`` (``min_p == 0`` disables);
+2. min-p: drop tokens with ``p < min_p * p_max`` (``min_p == 0`` disables);
+3. top-k: keep the ``k`` highest logits (``k == 0`` disables);
+4. top-p (nucleus): keep the smallest set of the most probable tokens left whose cumulative
+   probability, renormalized over them, reaches ``top_p`` (``top_p == 1`` disables);
 5. renormalize with a softmax over the kept logits.
 
-With ``temperature_last`` (llama.cpp's default sampler chain) steps 2-4 judge the untempered
-distribution and the temperature divides the logits that are left: a high temperature then flattens
-the survivors without letting min-p's or top-p's tail back in.
+Min-p and top-k commute; min-p before top-p matters: top-p then measures the mass of what min-p
+left (vLLM's order; Hugging Face's and llama.cpp's apply top-p first, and min-p after it).
+
+With ``temperature_last`` (llama.cpp's default sampler chain: top-k, top-p, min-p, then the
+temperature) the filters judge the untempered distribution, in llama.cpp's order, and the
+temperature divides the logits that are left: a high temperature then flattens the survivors
+without letting min-p's or top-p's tail back in.
 
 The most probable token is always kept. Ties are broken by token id, lower id first (a stable
 descending sort), so "first max" is the rule everywhere, ``greedy`` included.
@@ -72,7 +76,7 @@ def logits_to_probs(
     x = raw / torch.where(is_greedy, 1.0, t)  # [n, vocab]
     last = _column(temperature_last, n, torch.bool)  # [n, 1]
     judged = torch.where(last, raw, x) if bool(last.any()) else x  # [n, vocab]: what the filters look at
-    keep = _keep_mask(judged, is_greedy, top_k, top_p, min_p)  # [n, vocab] bool, or None
+    keep = _keep_mask(judged, is_greedy, top_k, top_p, min_p, ~last)  # [n, vocab] bool, or None
     if keep is not None:
         x = x.masked_fill(~keep, float("-inf"))
     return torch.softmax(x, dim=-1)  # [n, vocab]
@@ -84,6 +88,7 @@ def _keep_mask(
     top_k: Param,
     top_p: Param,
     min_p: Param,
+    min_p_first: torch.Tensor,  # [n, 1] bool: min-p before top-p (vLLM's order), else after (llama.cpp's)
 ) -> torch.Tensor | None:  # [n, vocab] bool in vocabulary order; None when nothing is filtered
     n, vocab = x.shape
     k = _column(top_k, n, torch.long)  # [n, 1]
@@ -94,11 +99,11 @@ def _keep_mask(
     if not bool((k < vocab).any() or (p < 1).any() or (m > 0).any()):
         return None
     if vocab < 4 * _CANDIDATES:
-        return _keep_sorted(x, k, p, m)
-    keep, done = _keep_among_candidates(x, k, p, m, _CANDIDATES)
+        return _keep_sorted(x, k, p, m, min_p_first)
+    keep, done = _keep_among_candidates(x, k, p, m, _CANDIDATES, min_p_first)
     if not bool(done.all()):  # rows whose kept set may reach past the candidates: the full sort
         rest = ~done
-        keep[rest] = _keep_sorted(x[rest], k[rest], p[rest], m[rest])
+        keep[rest] = _keep_sorted(x[rest], k[rest], p[rest], m[rest], min_p_first[rest])
     return keep
 
 
@@ -107,13 +112,14 @@ def _keep_sorted(
     k: torch.Tensor,  # [n, 1] long, 1..vocab
     p: torch.Tensor,  # [n, 1] float32
     m: torch.Tensor,  # [n, 1] float32
+    min_p_first: torch.Tensor | None = None,  # [n, 1] bool (None: every row)
 ) -> torch.Tensor:  # [n, vocab] bool in vocabulary order
     """The filters on the whole row in stable descending order (lower id first among equals)."""
     vocab = x.shape[1]
     sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [n, vocab] each
     keep = torch.arange(vocab) < k  # [n, vocab], in sorted order from here on
     probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)  # [n, vocab]
-    return _scatter(_nucleus(keep, probs, p, m), order)
+    return _scatter(_nucleus(keep, probs, p, m, min_p_first), order)
 
 
 def _keep_among_candidates(
@@ -122,6 +128,7 @@ def _keep_among_candidates(
     p: torch.Tensor,  # [n, 1] float32
     m: torch.Tensor,  # [n, 1] float32
     c: int,
+    min_p_first: torch.Tensor | None = None,  # [n, 1] bool (None: every row)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # keep [n, vocab] bool, done [n] bool
     """The filters on each row's ``c`` highest logits only, in the full sort's order.
 
@@ -151,16 +158,28 @@ def _keep_among_candidates(
     if bool((k > c).any()):
         lse = torch.where(k <= c, lse, torch.logsumexp(x, dim=-1, keepdim=True))
     probs = torch.exp(vals - lse).masked_fill(~in_k, 0.0)  # [n, c]
-    keep_c = _nucleus(in_k, probs, p, m)  # [n, c]
-    done = whole & ~keep_c[:, -1] & ((k <= c) | (k >= vocab)).squeeze(1)
+    keep_c = _nucleus(in_k, probs, p, m, min_p_first)  # [n, c]
+    # top-p over min-p's renormalized mass needs all of that mass: a min-p set reaching the last candidate
+    # may reach past it
+    first = (m > 0) if min_p_first is None else (m > 0) & min_p_first  # [n, 1]
+    past = (first & (probs[:, -1:] >= m * probs[:, :1])).squeeze(1)  # [n]
+    done = whole & ~keep_c[:, -1] & ~past & ((k <= c) | (k >= vocab)).squeeze(1)
     return torch.zeros(n, vocab, dtype=torch.bool).scatter_(1, idx, keep_c), done
 
 
-def _nucleus(keep: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``keep`` (top-k, in sorted order) narrowed by top-p and min-p; probs: [n, width] in sorted order."""
+def _nucleus(keep: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, m: torch.Tensor,
+             min_p_first: torch.Tensor | None = None) -> torch.Tensor:
+    """``keep`` (top-k, in sorted order) narrowed by min-p and top-p (``min_p_first``: top-p over the
+    mass min-p left, renormalized; else over top-k's); probs: [n, width] in sorted order, top-k's
+    softmax (where top-k keeps tokens past ``width``, its mass there is not in the row)."""
+    by_min_p = probs >= m * probs[:, :1]  # [n, width]: p / p_max does not depend on normalization
+    first = (m > 0) if min_p_first is None else (m > 0) & min_p_first  # [n, 1]
+    if bool(first.any()):
+        # (a row whose min-p set reaches the last column is decided by the full sort: its sum is whole there)
+        kept = torch.where(keep & by_min_p, probs, 0.0)  # [n, width]
+        probs = torch.where(first, kept / kept.sum(dim=-1, keepdim=True), probs)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, width]
-    keep = keep & ((mass_before < p - _TOP_P_EPS) | (p >= 1))
-    keep &= probs >= m * probs[:, :1]  # p / p_max does not depend on normalization
+    keep = keep & ((mass_before < p - _TOP_P_EPS) | (p >= 1)) & by_min_p
     keep[:, 0] = True
     return keep
 
