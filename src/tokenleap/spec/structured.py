@@ -153,11 +153,11 @@ def _grammar_of(spec: StructuredOutput) -> str:
     llg = _llguidance()
     try:
         if spec.json_object:
-            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+            grammar = llg.LLMatcher.grammar_from_json_schema(bounded_whitespace({"type": "object"}))
         elif spec.json is not None:
             if (refs := spec.json.count('"$ref"')) > MAX_REFS:
                 raise ValueError(f"the schema has {refs} $refs; at most {MAX_REFS} are taken")
-            grammar = llg.LLMatcher.grammar_from_json_schema(closed_objects(json.loads(spec.json)))
+            grammar = llg.LLMatcher.grammar_from_json_schema(bounded_whitespace(closed_objects(json.loads(spec.json))))
         elif spec.regex is not None:
             grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
         elif spec.choice is not None:
@@ -174,6 +174,20 @@ def _grammar_of(spec: StructuredOutput) -> str:
     if error and not error.startswith("WARNING"):
         raise ConfigError(f"invalid {spec.kind} for structured output: {_short(error.strip())}")
     return grammar
+
+
+# the whitespace a JSON reply may have between two of its tokens: a line break and an indentation at most
+JSON_WHITESPACE = r"\n?[ \t]{0,40}"
+
+
+def bounded_whitespace(schema: Any) -> Any:
+    """``schema`` with its whitespace bounded (``JSON_WHITESPACE``) where it does not set llguidance's
+    JSON options itself (``x-guidance``): JSON may put any run of whitespace between its tokens, and a
+    small model that starts one can write newlines until its token limit and leave the reply
+    unfinished; one line break and its indentation keep compact and pretty-printed replies alike."""
+    if not isinstance(schema, dict) or "x-guidance" in schema:
+        return schema
+    return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
 # keywords whose value is one subschema / a list of them / a map of names to them
