@@ -34,10 +34,11 @@ async def openai_chunks(job: Job, fmt: Format) -> AsyncIterator[str]:
         ids = {"token_ids": out.token_ids} if fmt.token_ids else {}  # vLLM's return_token_ids: each chunk's
         if not fmt.chat:  # (a completion choice's first chunk carries its prompt's ids)
             ids, prompt_ids[i] = {**ids, **prompt_ids[i]}, {}
-        thought, text, parts, calls = splits[i].feed(text, reason is not None)
+        # (a call cut off by max_tokens is sent as far as it was written, with finish_reason "length", as OpenAI's)
+        thought, text, parts, calls = splits[i].feed(text, reason is not None, reason == "length")
         if thought:  # the thinking first, in a delta of its own
             yield sse(chunk_fmt.obj([chat_delta(i, {"reasoning_content": thought}, None)], **fmt.with_usage(job.usage)))
-        if calls:
+        if calls and reason != "length":
             reason = "tool_calls"
         if parts or calls:  # the content first, then the calls' parts, then a finish reason in a chunk of its
             # own (as OpenAI sends it: the openai SDK's stream helper closes a call's arguments on the chunk after it)

@@ -18,9 +18,10 @@ class ReplyStream:
         self.include = reasoning is not None and reasoning.include
         self.calling = ToolStream(tools.prefix, tools.names, tools.single) if tools.parse else None
 
-    def feed(self, piece: str, last: bool) -> tuple[str, str, list[CallPart], list[dict]]:
+    def feed(self, piece: str, last: bool, keep_cut: bool = False) -> tuple[str, str, list[CallPart], list[dict]]:
         """(reasoning to send, content to send, parts of calls to send, the calls: only with ``last``)
-        for the reply's next ``piece`` of text (``last``: the reply ends with it)."""
+        for the reply's next ``piece`` of text (``last``: the reply ends with it; ``keep_cut``: a call
+        it ends inside is one of the calls, ``tools.parse_tool_calls``')."""
         thought = ""
         if self.thinking is not None:
             thought, piece = self.thinking.feed(piece)
@@ -32,6 +33,6 @@ class ReplyStream:
         if self.calling is not None:
             piece, parts = self.calling.feed(piece)
             if last:
-                rest, calls, more = self.calling.finish()
+                rest, calls, more = self.calling.finish(keep_cut)
                 piece, parts = piece + rest, parts + more
         return (thought if self.include else ""), piece, parts, calls

@@ -198,8 +198,10 @@ class Format:
                 thought = ((found or None) if self.reasoning.include else None,)
             content: str | None = text if text or not thought or thought[0] is None else None
             if self.tools.parse:
-                content, calls = self.tools.calls(text)
-                return chat_choice(i, content, "tool_calls" if calls else reason, lp, calls, thought)
+                # (a call cut off by max_tokens is kept as far as it was written, with finish_reason "length")
+                content, calls = self.tools.calls(text, reason == "length")
+                return chat_choice(i, content, "tool_calls" if calls and reason != "length" else reason, lp, calls,
+                                   thought)
             return chat_choice(i, content, reason, lp, reasoning=thought)
         return completion_choice(i, text, reason, completion_logprobs(scored, self.tokens, offset)
                                  if self.tokens else None)

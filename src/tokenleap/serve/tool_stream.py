@@ -12,7 +12,8 @@ reply that is a bare JSON call wait for the end and go out whole. ``finish`` par
 
 A call whose start was sent stands: if the reply then breaks off inside it (max_tokens) or turns
 out malformed, ``finish`` leaves it out of the calls (as the non-streamed reply has it) and the
-writer closes what it opened.
+writer closes what it opened -- unless the writer keeps cut calls (OpenAI's chat completions at
+max_tokens), whose non-streamed reply has the call as far as it was written, as the stream sent it.
 """
 from __future__ import annotations
 
@@ -111,9 +112,10 @@ class ToolStream:
         content = "" if self.calling else self._content()
         return content, self._parts() if self.calling else []
 
-    def finish(self) -> tuple[str, list[dict[str, Any]], list[CallPart]]:
-        """(content still to send, the reply's calls, their parts still to send) once it is complete."""
-        content, calls = parse_tool_calls(self.text, self.names)
+    def finish(self, keep_cut: bool = False) -> tuple[str, list[dict[str, Any]], list[CallPart]]:
+        """(content still to send, the reply's calls, their parts still to send) once it is complete
+        (``keep_cut``: a call it broke off inside is one of them, ``parse_tool_calls``')."""
+        content, calls = parse_tool_calls(self.text, self.names, keep_cut)
         calls = calls[:1] if self.single else calls
         if not self.calls:
             if calls:  # the content before the first block (none before a bare call), then the calls whole

@@ -49,10 +49,10 @@ class ToolPlan:
     grammar: StructuredOutput | None = None  # what a forced call must look like (required / named)
     single: bool = False  # parallel_tool_calls false: a reply's first call only
 
-    def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def calls(self, text: str, keep_cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, calls) of a reply's ``text`` (``parse_tool_calls`` of the forced prefix and it),
         the first call alone where the request asked for one at most."""
-        content, calls = parse_tool_calls(self.prefix + text, self.names)
+        content, calls = parse_tool_calls(self.prefix + text, self.names, keep_cut)
         return content, calls[:1] if self.single else calls
 
 
@@ -113,7 +113,7 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
     # the reply is one call of a forced function whose arguments follow its parameters' schema,
     # as vLLM guides it; a function whose schema the grammar compiler cannot take has any object as
     # its arguments, and if nothing compiles the reply gets a forced opening only
-    arguments, defs = _lift_definitions([t.function.parameters or {"type": "object"} for t in forced])
+    arguments, defs = _lift_definitions([_arguments_schema(t.function.parameters) for t in forced])
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": args},
               "required": ["name", "arguments"], "additionalProperties": False}
              for t, args in zip(forced, arguments)]
@@ -132,6 +132,24 @@ def plan_tools(req: ChatRequest, chat_template: str | None) -> ToolPlan:
                                          if one else '"')
         return ToolPlan(tools, prefix, True, tuple(names), single=single)
     return ToolPlan(tools, OPEN + "\n", True, tuple(names), grammar, single)
+
+
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The schema a forced call's arguments follow: a function's ``parameters``, where a function
+    without them -- or with an object schema whose ``properties`` are given empty and that says
+    nothing of others, the usual spelling of a function that takes none -- takes an empty object
+    (OpenAI: "omitting parameters defines a function with an empty parameter list"), not any object
+    the model makes up. (A bare ``{"type": "object"}`` stays any object.)"""
+    if not parameters:
+        return dict(_NO_ARGUMENTS)
+    others = ("additionalProperties", "patternProperties", "$ref", "anyOf", "oneOf", "allOf")
+    if parameters.get("type") == "object" and parameters.get("properties") == {} and not any(
+            k in parameters for k in others):
+        return {**parameters, **_NO_ARGUMENTS}
+    return parameters
 
 
 def _lift_definitions(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -168,13 +186,17 @@ def _several_calls(call: dict[str, Any]) -> str:
             f'call: %json {json.dumps(closed_objects(call), ensure_ascii=False)}\n')  # (as a json spec is)
 
 
-def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, names: tuple[str, ...] = (), keep_cut: bool = False
+                     ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a reply's text. Each ``<tool_call>`` block (the last may lack its
     closing tag: the reply ended inside it) must hold a JSON object with a string "name" (a closing
     tag inside one of its strings is part of it); the content is the text before the first block
     (None when only whitespace). A last block cut off inside its object (no closing tag, the JSON
-    unfinished: the reply ran out of tokens) is dropped, so no call markup reaches the client;
-    another block that does not parse means no calls: the whole text is the content, unchanged.
+    unfinished: the reply ran out of tokens) is dropped, so no call markup reaches the client --
+    unless ``keep_cut`` (OpenAI's chat completions at ``finish_reason`` "length"), which keeps it as
+    a call once its function's name is written, its arguments the unfinished text written so far
+    (what a stream of it has sent); another block that does not parse means no calls: the whole
+    text is the content, unchanged.
     Without blocks, a reply that is nothing but a JSON object (or a list of them), bare or in a
     ```json (or bare ```) fence, naming one of ``names`` with "arguments", is a call too: coder
     models often answer so."""
@@ -189,6 +211,9 @@ def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None
             body = text[pos + len(OPEN):end if end >= 0 else len(text)]
             call = _call(body)
             if call is None and end < 0 and body.lstrip().startswith("{"):
+                cut = _cut_call(body) if keep_cut else None
+                if cut is not None:
+                    calls.append(cut)
                 break  # cut off inside the call
             if call is None:
                 return text, []
@@ -197,6 +222,24 @@ def parse_tool_calls(text: str, names: tuple[str, ...] = ()) -> tuple[str | None
             break
         pos = text.find(OPEN, end)
     return text[:start].strip() or None, calls
+
+
+# the opening of a call object cut off after its name: the name, then the arguments' value if it has begun
+_CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"arguments"\s*:\s*(?=\{))?', re.DOTALL)
+
+
+def _cut_call(body: str) -> dict[str, Any] | None:
+    """The call of a block cut off inside its object (``body``: from the opening tag to the reply's end)
+    whose function's name is written: its arguments the text of their object so far ("" if not begun)."""
+    m = _CUT_HEAD.match(body)
+    if m is None:
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except ValueError:
+        return None
+    arguments = body[m.end():] if body[m.end():m.end() + 1] == "{" else ""
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _object_block(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
