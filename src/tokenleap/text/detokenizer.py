@@ -1,6 +1,7 @@
 """Streaming detokenization: token ids in, text pieces out, never splitting a UTF-8 character."""
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""
         self._prefix = self._read = self._pending = 0
+        self._bounds = [0]  # the positions where the text decoded whole: characters' boundaries, ascending
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self.ids[start:end], skip_special_tokens=self._skip)
@@ -35,10 +37,13 @@ class IncrementalDetokenizer:
     def _context(self) -> str:
         """The window's already-emitted text, the window widened back while it decodes to nothing
         (skipped special tokens): a decoder that strips the text's first space (SentencePiece with a
-        space prefix) would otherwise strip the first new piece's."""
+        space prefix) would otherwise strip the first new piece's. It widens to the last boundary
+        of whole characters before it, never into a character: a byte-fallback decoder reads a run
+        of byte tokens as one UTF-8 sequence, and a stray byte of the character before would spoil
+        the next one's."""
         prefix_text = self._decode(self._prefix, self._read)
         while not prefix_text and self._prefix > 0:
-            self._prefix -= 1
+            self._prefix = self._bounds[bisect.bisect_left(self._bounds, self._prefix) - 1]
             prefix_text = self._decode(self._prefix, self._read)
         return prefix_text
 
@@ -63,6 +68,7 @@ class IncrementalDetokenizer:
         piece = text[start:stable] if stable > start else ""
         if stable == len(text):
             self._prefix, self._read, self._pending = self._read, len(self.ids), 0
+            self._bounds.append(self._read)
         else:
             self._pending += len(piece)
         self.text += piece
@@ -74,5 +80,6 @@ class IncrementalDetokenizer:
         piece = self._decode(self._prefix)[len(prefix_text) + self._pending:]
         self._prefix = self._read = len(self.ids)
         self._pending = 0
+        self._bounds.append(self._read)
         self.text += piece
         return piece
