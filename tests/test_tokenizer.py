@@ -324,6 +324,13 @@ def test_smollm2_chat_template_matches_transformers(smol, hf_smol):
             want = hf_smol.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
             assert smol.apply_chat_template(messages, add_generation_prompt=gen) == want
             assert smol.encode_chat(messages, add_generation_prompt=gen) == hf_smol.encode(want)
+    # an assistant prefill continued, through transformers' own spelling of it
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    want = hf_smol.apply_chat_template(prefill, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True)
+    assert want.endswith("The answer is")
+    assert smol.apply_chat_template(prefill, add_generation_prompt=False, continue_final_message=True) == want
+    assert smol.apply_chat_template(prefill, continue_final_message=True, tokenize=True) == hf_smol.encode(want)
 
 
 def test_smollm2_decode_round_trip(smol, hf_smol):

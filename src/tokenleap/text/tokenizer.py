@@ -277,13 +277,17 @@ class Tokenizer:
     # -- chat -----------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, *, tokenize: bool = False,
-                            **kwargs: Any) -> str | list[int]:
+                            continue_final_message: bool = False, **kwargs: Any) -> str | list[int]:
         """Render a conversation with the model's chat template, as transformers does (``tokenize=True``:
         the text's token ids, as transformers gives them; the default here is the text, and the generation
         prompt is added unless ``add_generation_prompt`` is false). OpenAI's ``developer`` messages (the
         instructions newer clients send instead of ``system``) are rendered as ``system`` where the
         template has no developer role of its own: templates that predate it drop such a message
-        (Qwen2.5's) or write a turn the model never saw."""
+        (Qwen2.5's) or write a turn the model never saw. ``continue_final_message``: the text stops right
+        after the final message's content (no generation prompt), so a reply continues it (``render_chat``)."""
+        if continue_final_message:
+            text = self.render_chat(messages, False, continue_final_message=True, tools=tools, **kwargs)
+            return self.encode(text, add_special_tokens=False) if tokenize else text
         if tokenize:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs),
                                add_special_tokens=False)
