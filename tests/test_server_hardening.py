@@ -456,6 +456,11 @@ def test_a_prompt_that_fills_the_context_is_the_prompts_400_whatever_max_tokens_
     assert [r.json()["error"]["param"] for r in got] == ["prompt", "prompt", "prompt", "max_tokens"]
     assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in got)
     assert "shorten the prompt" in got[0].json()["error"]["message"]
+    # a chat's prompt is its messages (OpenAI's param), whichever check finds it too long
+    chat = {"messages": [{"role": "user", "content": "a" * 200}]}
+    got = call(make_app(), [post("/v1/chat/completions", b) for b in (chat, {**chat, "max_tokens": 4})])
+    assert [(r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) for r in got] == [
+        (400, "messages", "context_length_exceeded")] * 2
 
 
 

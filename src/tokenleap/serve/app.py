@@ -36,6 +36,7 @@ from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.body import parse_body
 from tokenleap.serve.protocol import APIError, ChatRequest, CompletionRequest, bad_request, sampling_params
+from tokenleap.serve.request_ids import add_request_ids
 from tokenleap.serve.request_checks import check_prompt_logprobs
 from tokenleap.serve.responses import Format, add_prompt_logprobs, new_id, now, usage_options
 from tokenleap.serve.chunks import openai_chunks
@@ -108,6 +109,7 @@ class OpenAIServer(ChecksAndPrompts):
             app.add_api_route("/openapi.json", self.openapi, methods=["GET"], include_in_schema=False)
             app.add_api_route("/docs", self.docs, methods=["GET"], include_in_schema=False)
         add_origin_checks(app, self.cfg.allowed_origins)  # CORS, and other pages' requests refused
+        add_request_ids(app)  # (outermost: the answers of every middleware within carry the id too)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/chat/completions", self.chat, methods=["POST"])  # (llama.cpp serves both paths)
@@ -186,7 +188,7 @@ class OpenAIServer(ChecksAndPrompts):
         prompt = truncate_prompt(self.prompts.encode_chat(messages, tools, chat_options(req)),
                                  req.truncate_prompt_tokens, self.engine.max_len)
         named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named)
+        budget = check_max_tokens(getattr(req, named), len(prompt), self.engine.max_len, None, named, "messages")
         fmt = Format(new_id("chatcmpl"), "chat.completion", self.cfg.model_name, now(), chat=True,
                       **usage_options(req), tools=tools, token_ids=bool(req.return_token_ids),
                       tokens=self._token_text(bool(req.logprobs), req.return_tokens_as_token_ids),
@@ -306,16 +308,16 @@ class OpenAIServer(ChecksAndPrompts):
             raise bad_request(f"this request has {len(prompts) * req.n} sequences (n times its prompts) but the "
                               f"server takes at most {self.scheduler.capacity} at once (--max-num-seqs plus "
                               f"--max-waiting)", "n")
-        seqs = []
+        seqs, prompt_param = [], "messages" if isinstance(req, ChatRequest) else "prompt"
         for prompt, budget in zip(prompts, budgets):
             for choice in range(req.n):
                 params = sampling_params(req, budget, choice, logprobs, view.engine_logprobs, structured, prediction)
                 try:
                     seqs.append(self.engine.create(prompt, params))
                 except PromptTooLongError as e:
-                    raise bad_request(str(e), "prompt", "context_length_exceeded") from None
+                    raise bad_request(str(e), prompt_param, "context_length_exceeded") from None
                 except ConfigError as e:  # an empty prompt, or a schema, regex or grammar that does not compile
-                    raise bad_request(str(e), "response_format" if prompt else "prompt") from None
+                    raise bad_request(str(e), "response_format" if prompt else prompt_param) from None
         return seqs
 
     def _submit(self, seqs: list, prompt_tokens: int, view: PromptView) -> Job:

@@ -9,13 +9,14 @@ from tokenleap.serve.protocol import bad_request
 
 
 def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None,
-                     param: str = "max_tokens") -> int:
+                     param: str = "max_tokens", prompt_param: str = "prompt") -> int:
     """The completion budget: an explicit value (``param``: its name in the request) must be at least
-    1 and fit the context; a default is cut to fit. A prompt that leaves no room is the prompt's 400."""
+    1 and fit the context; a default is cut to fit. A prompt that leaves no room is the prompt's 400
+    (``prompt_param``: the prompt's name in the request, "messages" for a chat's, as OpenAI's)."""
     room = max_model_len - prompt_len
     if room < 1:  # no budget fits: the prompt is what to change, whatever max_tokens says
         raise bad_request(f"this model's maximum context length is {max_model_len} tokens and the prompt has "
-                          f"{prompt_len}: shorten the prompt (a reply needs at least one token of room)", "prompt",
+                          f"{prompt_len}: shorten the prompt (a reply needs at least one token of room)", prompt_param,
                           "context_length_exceeded")
     if requested is None:
         return min(default or room, room)

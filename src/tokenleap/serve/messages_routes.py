@@ -34,7 +34,7 @@ class MessagesRoutes:
         server._auth(request)
         req = parse_body(await request.body(), MessagesRequest)
         chat, tools, prompt = await server.off_loop(lambda: self._prompt(req))
-        budget = check_max_tokens(req.max_tokens, len(prompt), server.engine.max_len, None)
+        budget = check_max_tokens(req.max_tokens, len(prompt), server.engine.max_len, None, "max_tokens", "messages")
         writer = MessageWriter(server.cfg.model_name, tools, server._reasoning(chat, prompt))
         job = await server._start(chat, [prompt], [budget], reply_grammar(tools, chat))
         fmt = Format(writer.id, "message", server.cfg.model_name, now(), chat=True)

@@ -72,7 +72,7 @@ class ResponsesRoutes:
             return truncate_prompt(ids, req.truncate_prompt_tokens, server.engine.max_len)
         prompt = await server.off_loop(encode)
         budget = check_max_tokens(req.max_output_tokens, len(prompt), server.engine.max_len, None,
-                                  "max_output_tokens")
+                                  "max_output_tokens", "input")
         logprobs = logprobs_wanted(req)
         rid = new_id("resp")
         keep = None

@@ -1,0 +1,43 @@
+"""Every answer carries an ``x-request-id`` header, as OpenAI's API sends one (its SDK reads it into a
+response's ``_request_id``): the client's own ``X-Request-Id`` where it sent a usable one (vLLM's
+``--enable-request-id-headers`` echoes it likewise), else a new id -- one id to quote from a log line
+or a bug report."""
+from __future__ import annotations
+
+import re
+import uuid
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+HEADER = b"x-request-id"
+_USABLE = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # (a client's id goes back as is only when it cannot forge headers)
+
+
+def add_request_ids(app: FastAPI) -> None:
+    app.add_middleware(_RequestIds)
+
+
+def request_id(scope: Scope) -> str:
+    """The id of the request ``scope`` describes: its client's, if usable, else a new one."""
+    given = dict(scope.get("headers") or []).get(HEADER, b"")
+    return given.decode() if _USABLE.fullmatch(given) else f"req_{uuid.uuid4().hex}"
+
+
+class _RequestIds:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id(scope).encode()
+
+        async def with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != HEADER]
+                message = {**message, "headers": headers + [(HEADER, rid)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
