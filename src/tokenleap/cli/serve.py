@@ -42,8 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "they are ended with an error (default: 8, inside docker stop's 10 s; systemd waits 90 s)")
     p.add_argument("--api-key", default=os.environ.get("TOKENLEAP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every API request -- OpenAI's, "
-                        "Ollama's, Anthropic's and llama.cpp's routes; /health, /ping, /version and /metrics stay open "
-                        "(default: $TOKENLEAP_API_KEY)")
+                        "Ollama's, Anthropic's and llama.cpp's routes, /docs too; /health, /ping, /version, /metrics, "
+                        "Ollama's / and /api/version stay open (default: $TOKENLEAP_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoded together (default: 16)")
     p.add_argument("--max-waiting", type=non_negative_int, default=64,

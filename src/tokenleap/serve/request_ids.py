@@ -1,4 +1,5 @@
-"""Every answer carries an ``x-request-id`` header, as OpenAI's API sends one (its SDK reads it into a
+"""Every answer of the running server carries an ``x-request-id`` header (not the 503s sent while the
+model loads: ``loading.py`` answers those before the app exists), as OpenAI's API sends one (its SDK reads it into a
 response's ``_request_id``): the client's own ``X-Request-Id`` where it sent a usable one (vLLM's
 ``--enable-request-id-headers`` echoes it likewise), else a new id -- one id to quote from a log line
 or a bug report."""
