@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenleap.bench.common import BenchError
-from tokenleap.text.files import read_text_file
+from tokenleap.text.files import jsonl_lines, read_text_file
 
 DATASETS = ("humaneval", "codeedit", "chat", "mix", "fim")
 _DATA_DIR = Path(__file__).parent / "data"
@@ -136,7 +136,7 @@ def read_jsonl(path: Path) -> list[BenchPrompt]:
         raise BenchError(str(e)) from None
     prompts: list[BenchPrompt] = []
     seen: set[str] = set()
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(jsonl_lines(text), 1):
         if line.strip():
             prompt = _parse_line(path, n, line)
             if prompt.id in seen:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from tokenleap.cli.main import (UsageError, add_chat_template_arg, add_model_args, add_sampling_args,
-                                read_prompts_file, read_text_arg, sampling_from_args, spec_config)
+                                read_prompt_records, read_text_arg, sampling_from_args, spec_config)
 from tokenleap.cli.output import stats_line
 from tokenleap.config import StructuredOutput
 from tokenleap.errors import TokenleapError
@@ -71,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.prompt, args.prompt_file, args.prompts_file)) != 1:
         raise UsageError("give exactly one of --prompt TEXT (- for standard input), --file PROMPT.txt or "
                          "--prompts-file FILE.jsonl")
-    prompts = _prompts(args)
+    prompts, ids_given = _prompts(args)
     if args.suffix is not None and args.chat:
         raise UsageError("--suffix (fill in the middle) takes a plain prompt, not --chat")
     params = sampling_from_args(args, logprobs=args.logprobs, structured=structured_args(args))
@@ -104,8 +104,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
         out = chunk.output
         out.prompt = prompt  # (a fill-in-the-middle request ran on ids)
-        if args.json:
-            print(json.dumps(out.to_dict(), ensure_ascii=False))
+        if args.json:  # (a prompts file's outputs name their line: its index among the prompts, its "id")
+            named = {"index": n - 1, **ids_given[n - 1]} if args.prompts_file is not None else {}
+            print(json.dumps({**named, **out.to_dict()}, ensure_ascii=False))
         else:
             sys.stdout.write("\n")
         if args.stats:
@@ -113,12 +114,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompts(args: argparse.Namespace) -> list:
-    """The prompts to generate from: ``--prompt`` (``-``: standard input), ``--file``'s text, or the JSONL file's."""
+def _prompts(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
+    """The prompts to generate from: ``--prompt`` (``-``: standard input), ``--file``'s text, or the JSONL
+    file's; and each one's ``{"id": ...}`` where its line gave one."""
     if args.prompts_file is not None:
-        return read_prompts_file(args.prompts_file)
+        records = read_prompt_records(args.prompts_file)
+        return [r["prompt"] for r in records], [{"id": r["id"]} if "id" in r else {} for r in records]
     if args.prompt_file is None and args.prompt != "-":
-        return [args.prompt]
+        return [args.prompt], [{}]
     if args.prompt_file is not None:
         where, text = f"--file {args.prompt_file}", read_text_arg(args.prompt_file, "--file")
     else:
@@ -131,7 +134,7 @@ def _prompts(args: argparse.Namespace) -> list:
     text = text.removesuffix("\n")  # (an editor's or echo's last line end)
     if not text.strip():
         raise UsageError(f"{where} held no prompt")
-    return [text]
+    return [text], [{}]
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -166,6 +167,7 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
         args.draft_model = "auto"  # an installed catalog draft of the target's tokenizer, if memory allows
     if args.spec_tree == "on" and args.spec == "none":
         raise UsageError("--spec-tree on needs a proposer: --spec draft --draft-model M, or --spec ngram")
+    _refuse_unread_tuning(args)
     check_model_args(args)
     try:
         return _spec_from_flags(args)
@@ -174,6 +176,33 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
         for field_name, flag in _SPEC_FLAGS.items():
             message = re.sub(rf"\b{field_name}\b", flag, message)
         raise UsageError(message) from None
+
+
+# a proposer's tuning flags: (dest, flag, its default, the methods that read it; None: every speculative one)
+_TUNING = (("max_spec_tokens", "--max-spec-tokens", 8, None),
+           ("max_tree_nodes", "--max-tree-nodes", SpecConfig.max_tree_nodes, None),
+           ("ngram_pool", "--ngram-pool", SpecConfig.ngram_pool, None),
+           ("ngram_max", "--ngram-max", 4, ("ngram", "auto", "lookahead", "layerskip", "draft")),
+           ("ngram_min", "--ngram-min", None, ("ngram", "auto", "lookahead", "layerskip", "draft")),
+           ("draft_vocab", "--draft-vocab", 32768, ("draft", "auto", "eagle")),
+           ("lookahead_window", "--lookahead-window", SpecConfig.lookahead_window, ("lookahead", "auto")),
+           ("lookahead_ngram", "--lookahead-ngram", SpecConfig.lookahead_ngram, ("lookahead", "auto")),
+           ("lookahead_guesses", "--lookahead-guesses", SpecConfig.lookahead_guesses, ("lookahead", "auto")))
+
+
+def _refuse_unread_tuning(args: argparse.Namespace) -> None:
+    """A tuning flag given (not its default) where ``--spec`` makes nothing read it is a usage error, as
+    the other speculation flags are: silently ignored, it would look as if it had an effect."""
+    for dest, flag, default, methods in _TUNING:
+        if getattr(args, dest, default) == default:
+            continue
+        if args.spec == "none":
+            raise UsageError(f"{flag} tunes speculation, and --spec is none (plain decoding): give --spec "
+                             "(auto, ngram, draft, ...) or drop it")
+        if methods is not None and args.spec not in methods:
+            raise UsageError(f"{flag} is not read by --spec {args.spec}; it goes with --spec {', '.join(methods)}")
+        if dest.startswith("ngram_m") and args.spec == "draft" and args.draft_spec != "ngram":
+            raise UsageError(f"{flag} goes with --spec draft only with --draft-spec ngram (a cascade)")
 
 
 # SpecConfig's fields that a flag of another name sets
@@ -239,20 +268,33 @@ def check_model_ref(flag: str, name: str, cache_dir: str | None) -> None:
 
 
 def read_prompts_file(path: str) -> list[str]:
-    prompts = []
-    for n, line in enumerate(read_text_arg(path, "prompts file").splitlines(), 1):
+    """A JSONL prompts file's prompts (``read_prompt_records``)."""
+    return [r["prompt"] for r in read_prompt_records(path)]
+
+
+def read_prompt_records(path: str) -> list[dict]:
+    """A JSONL prompts file's lines, each an object with a non-empty string "prompt" (and any "id" the
+    output should carry); other fields are ignored, with one warning naming them (sampling settings are
+    the command's flags)."""
+    from tokenleap.text.files import jsonl_lines
+    records, ignored = [], set()
+    for n, line in enumerate(jsonl_lines(read_text_arg(path, "prompts file")), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UsageError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+            raise UsageError(f"{path} line {n}: not valid JSON ({e.msg}: column {e.colno})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
             raise UsageError(f"{path} line {n}: each line needs a non-empty string field \"prompt\"")
-        prompts.append(obj["prompt"])
-    if not prompts:
+        ignored.update(k for k in obj if k not in ("prompt", "id"))
+        records.append(obj)
+    if not records:
         raise UsageError(f"prompts file {path} is empty: it needs one JSON object with a \"prompt\" per line")
-    return prompts
+    if ignored:
+        print(f"tokenleap: warning: {path}: fields other than \"prompt\" and \"id\" are ignored "
+              f"({', '.join(sorted(ignored))}); give sampling settings as flags", file=sys.stderr)
+    return records
 
 
 def read_text_arg(path: str, flag: str) -> str:
@@ -317,11 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # named by the subcommand's parser: its --help lists the flags it takes
-        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        parser = build_parser()  # (its imports take a while: a Ctrl-C there is an interruption too)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown and args.command in INTERMIXED:  # a positional after an option (`models list --json NAME`)
+            argv = sys.argv[1:] if argv is None else argv
+            args = parser.commands[args.command].parse_intermixed_args(argv[argv.index(args.command) + 1:], args)
+        elif unknown:  # named by the subcommand's parser: its --help lists the flags it takes
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        if args.command != "serve":  # (the server logs through its own configuration)
+            _warnings_to_stderr()
         return args.func(args)
     except TokenleapError as e:  # (a bad value's ConfigError among them)
         print(f"tokenleap: error: {e}", file=sys.stderr)
@@ -338,6 +385,26 @@ def main(argv: list[str] | None = None) -> int:
             raise  # (not a file's error -- a socket's, a library's, a bug's: its traceback says where)
         print(f"tokenleap: error: {os_error_line(e, getattr(args, 'cache_dir', None))}", file=sys.stderr)
         return 2
+
+
+INTERMIXED = ("models",)  # commands whose positionals may come after their options (no subcommands of their own)
+
+
+def _warnings_to_stderr() -> None:
+    """The library's warnings (``logging``, logger "tokenleap") on standard error as the command's own
+    are: ``tokenleap: warning: ...`` (without a handler Python prints the bare message)."""
+    log = logging.getLogger("tokenleap")
+    if not log.handlers:
+        handler = logging.StreamHandler()  # (standard error, as it is when a record comes)
+        handler.setFormatter(_CommandFormat())
+        handler.setLevel(logging.WARNING)
+        log.addHandler(handler)
+        log.propagate = False
+
+
+class _CommandFormat(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"tokenleap: {record.levelname.lower()}: {record.getMessage()}"
 
 
 def unwritable_place(path: Path) -> Path | None:

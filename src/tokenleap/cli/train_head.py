@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tokenleap.cli.main import (UsageError, check_model_ref, check_quant_dtype, positive_int, read_prompts_file,
                                 read_text_arg, unwritable_place)
+from tokenleap.text.files import jsonl_lines
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def default_prompts() -> list[str]:
     text = resources.files("tokenleap.heads").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
-    return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return [json.loads(line)["prompt"] for line in jsonl_lines(text) if line.strip()]
 
 
 def _log(msg: str) -> None:
@@ -127,7 +128,7 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
     from tokenleap.config import SamplingParams
     if path is not None and path.exists():
         try:
-            rows = [json.loads(line) for line in read_text_arg(str(path), "--replies").splitlines() if line.strip()]
+            rows = [json.loads(line) for line in jsonl_lines(read_text_arg(str(path), "--replies")) if line.strip()]
             out = [[int(t) for t in r["prompt"]] + [int(t) for t in r["output"]] for r in rows]
         except (ValueError, KeyError, TypeError) as e:
             raise UsageError(f"--replies {path}: not a replies file this command wrote (each line a JSON object "

@@ -2,15 +2,25 @@
 mark dropped, with one message for each way it cannot be read."""
 from __future__ import annotations
 
+import stat
+import sys
 from pathlib import Path
 
 
 def read_text_file(path: str | Path, what: str) -> str:
-    """``path``'s text, or a ValueError naming ``what`` and why: missing, not a file, unreadable,
-    not UTF-8."""
+    """``path``'s text, or a ValueError naming ``what`` and why: missing, a directory, unreadable, not
+    UTF-8. ``-`` is standard input; a pipe (``/dev/stdin``, a shell's ``<(...)``) reads as a file does."""
+    if str(path) == "-":
+        return decode_text(sys.stdin.buffer.read(), f"{what} - (standard input)")
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{what} {path} " + ("is not a file" if p.exists() else "does not exist"))
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+        raise ValueError(f"{what} {path} is not a file")
     try:
         return p.read_text(encoding="utf-8-sig")
     except OSError as e:
@@ -29,4 +39,10 @@ def decode_text(data: bytes, what: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-__all__ = ["decode_text", "read_text_file"]
+def jsonl_lines(text: str) -> list[str]:
+    """A JSON Lines text's lines: split at line feeds only -- ``str.splitlines`` also splits at U+2028,
+    U+2029 and U+0085, which JSON writers leave raw inside strings."""
+    return text.split("\n")
+
+
+__all__ = ["decode_text", "jsonl_lines", "read_text_file"]

@@ -1,0 +1,112 @@
+"""The command line as scripts use it: a JSONL prompts file split at line feeds only (U+2028 inside a
+prompt), its outputs naming their line (index, id) and its ignored fields named once, a prompts file
+or --file read from standard input or a pipe, positionals after options, tuning flags nothing reads
+refused, the library's warnings in the command's form, and a Ctrl-C while the parser builds."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tokenleap.cli.main as cli
+from test_cli import assert_error, no_model_loads, run_cli  # noqa: F401 (no_model_loads: a fixture)
+
+SMOL = "smollm2-135m-instruct"
+BASE = ["generate", "--model", SMOL, "--max-tokens", "4", "--ignore-eos", "--json"]
+
+
+def test_a_prompts_files_lines_and_what_the_outputs_carry(capsys, tmp_path, smollm2_gguf):
+    path = tmp_path / "p.jsonl"
+    lines = [{"prompt": "one\u2028two\u2029three\x85four:", "id": "a", "max_tokens": 3, "temperature": 0.9},
+             {"prompt": "1, 2, 3,"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8")
+    code, out, err = run_cli(capsys, *BASE, "--prompts-file", str(path))
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r.get("index"), r.get("id")) for r in rows] == [(0, "a"), (1, None)]
+    assert [r["num_tokens"] for r in rows] == [4, 4]  # (the line's max_tokens is not read: the flag's is)
+    assert err.count("warning") == 1 and "are ignored (max_tokens, temperature)" in err
+    code, out, _ = run_cli(capsys, *BASE, "--prompt", lines[0]["prompt"])
+    assert json.loads(out)["token_ids"] == rows[0]["token_ids"] and "index" not in json.loads(out)
+    path.write_text('{"prompt": "x"}\n{"prompt": "unterminated\n', encoding="utf-8")
+    assert_error(capsys, BASE + ["--prompts-file", str(path)], "p.jsonl line 2: not valid JSON",
+                 "Unterminated string starting at: column 12")
+
+
+def test_standard_input_as_a_prompts_file_and_as_a_file(capsys, monkeypatch, smollm2_gguf):
+    def stdin(text: str):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode()), encoding="latin-1"))
+    want = run_cli(capsys, *BASE, "--prompt", "1, 2, 3,")[1]
+    stdin('{"prompt": "1, 2, 3,"}\n')
+    code, out, err = run_cli(capsys, *BASE, "--prompts-file", "-")
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == json.loads(want)["token_ids"]
+    stdin("1, 2, 3,\n")
+    assert json.loads(run_cli(capsys, *BASE, "--file", "-")[1])["token_ids"] == json.loads(want)["token_ids"]
+
+
+def test_a_pipe_is_a_file_to_read():
+    """/dev/stdin (a pipe here) and a shell's <(...) are read as files (llama.cpp's -f /dev/stdin)."""
+    from tokenleap.text.files import read_text_file
+    read, write = os.pipe()
+    os.write(write, "from a pipe\u2028".encode())
+    os.close(write)
+    try:
+        assert read_text_file(f"/dev/fd/{read}", "prompts file") == "from a pipe\u2028"
+    finally:
+        os.close(read)
+    with pytest.raises(ValueError, match="is not a file"):
+        read_text_file("/", "prompts file")
+
+
+def test_models_takes_its_name_after_an_option(capsys):
+    for argv in (["models", "list", "--json", SMOL], ["models", "--json", "list", SMOL], ["models", "--json", SMOL]):
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 0, err
+        assert [r["name"] for r in json.loads(out)] == [SMOL], argv
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--max-spec-tokens", "4"], "--max-spec-tokens tunes speculation, and --spec is none"),
+    (["--max-tree-nodes", "3"], "--max-tree-nodes tunes speculation"),
+    (["--draft-vocab", "100", "--spec", "ngram"], "--draft-vocab is not read by --spec ngram"),
+    (["--lookahead-window", "5", "--spec", "ngram"], "--lookahead-window is not read by --spec ngram"),
+    (["--ngram-max", "6", "--spec", "draft", "--draft-model", SMOL], "only with --draft-spec ngram"),
+    (["--ngram-pool", "0"], "--ngram-pool tunes speculation"),
+])
+def test_tuning_flags_nothing_reads_are_refused(capsys, no_model_loads, flags, needle):  # noqa: F811
+    assert_error(capsys, ["generate", "--model", SMOL, "--prompt", "x", *flags], needle)
+
+
+def test_tuning_flags_their_methods_read_are_taken(monkeypatch):
+    import argparse
+    taken = []
+    monkeypatch.setattr(cli, "check_model_args", lambda args: taken.append(args.spec))
+    for flags in (["--ngram-max", "6", "--spec", "lookahead"], ["--lookahead-window", "5", "--spec", "auto"],
+                  ["--ngram-max", "6", "--spec", "draft", "--draft-model", SMOL, "--draft-spec", "ngram"],
+                  ["--max-spec-tokens", "4", "--spec", "ngram"], ["--draft-vocab", "100", "--spec", "auto"]):
+        args = cli.build_parser().parse_args(["generate", "--model", SMOL, "--prompt", "x", *flags])
+        assert isinstance(args, argparse.Namespace)
+        cli.spec_config(args)
+    assert taken == ["lookahead", "auto", "draft", "ngram", "auto"]
+
+
+def test_the_librarys_warnings_come_in_the_commands_form():
+    """A warning logged by the library (the temperature raised to vLLM's least) reads as the command's own."""
+    code = ("import sys; from tokenleap.cli.main import main; "
+            "sys.exit(main(['generate', '--model', 'no-such-model', '--prompt', 'x', '--temperature', '1e-9']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "tokenleap: warning: temperature 1e-09 is below 0.01" in proc.stderr, proc.stderr
+
+
+def test_a_ctrl_c_while_the_parser_builds_is_an_interruption(capsys, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    code, _, err = run_cli(capsys, "generate", "--model", SMOL, "--prompt", "x")
+    assert code == 130 and "tokenleap: interrupted" in err and "Traceback" not in err
