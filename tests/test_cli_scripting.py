@@ -59,8 +59,9 @@ def test_a_pipe_is_a_file_to_read():
         assert read_text_file(f"/dev/fd/{read}", "prompts file") == "from a pipe\u2028"
     finally:
         os.close(read)
-    with pytest.raises(ValueError, match="is not a file"):
-        read_text_file("/", "prompts file")
+    for path in ("/", "/dev/zero", "/dev/null"):  # (a directory; devices that are no terminal: never-ending)
+        with pytest.raises(ValueError, match="is not a file"):
+            read_text_file(path, "prompts file")
 
 
 def test_models_takes_its_name_after_an_option(capsys):
@@ -75,7 +76,10 @@ def test_models_takes_its_name_after_an_option(capsys):
     (["--max-tree-nodes", "3"], "--max-tree-nodes tunes speculation"),
     (["--draft-vocab", "100", "--spec", "ngram"], "--draft-vocab is not read by --spec ngram"),
     (["--lookahead-window", "5", "--spec", "ngram"], "--lookahead-window is not read by --spec ngram"),
-    (["--ngram-max", "6", "--spec", "draft", "--draft-model", SMOL], "only with --draft-spec ngram"),
+    (["--ngram-max", "6", "--spec", "draft", "--draft-model", SMOL], "--ngram-max is not read by --spec draft"),
+    (["--ngram-min", "3", "--spec", "lookahead"], "--ngram-min is not read by --spec lookahead"),
+    (["--ngram-pool", "9", "--spec", "draft", "--draft-model", SMOL], "only with --draft-spec ngram"),
+    (["--draft-vocab", "100", "--spec", "eagle"], "--draft-vocab is not read by --spec eagle"),
     (["--ngram-pool", "0"], "--ngram-pool tunes speculation"),
 ])
 def test_tuning_flags_nothing_reads_are_refused(capsys, no_model_loads, flags, needle):  # noqa: F811
@@ -87,7 +91,7 @@ def test_tuning_flags_their_methods_read_are_taken(monkeypatch):
     taken = []
     monkeypatch.setattr(cli, "check_model_args", lambda args: taken.append(args.spec))
     for flags in (["--ngram-max", "6", "--spec", "lookahead"], ["--lookahead-window", "5", "--spec", "auto"],
-                  ["--ngram-max", "6", "--spec", "draft", "--draft-model", SMOL, "--draft-spec", "ngram"],
+                  ["--ngram-pool", "9", "--spec", "draft", "--draft-model", SMOL, "--draft-spec", "ngram"],
                   ["--max-spec-tokens", "4", "--spec", "ngram"], ["--draft-vocab", "100", "--spec", "auto"]):
         args = cli.build_parser().parse_args(["generate", "--model", SMOL, "--prompt", "x", *flags])
         assert isinstance(args, argparse.Namespace)
@@ -102,6 +106,22 @@ def test_the_librarys_warnings_come_in_the_commands_form():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "tokenleap: warning: temperature 1e-09 is below 0.01" in proc.stderr, proc.stderr
+    assert proc.stderr.count("temperature 1e-09") == 1  # (not printed again by Python's fallback)
+
+
+def test_a_commands_warning_handler_lives_as_long_as_the_command(capsys, caplog):
+    """In a process that goes on after a command (a test run, a program calling main), the handler goes
+    with the command, records still reach the program's own handlers, and the warning goes to the
+    standard error of the moment."""
+    import logging
+    log = logging.getLogger("tokenleap")
+    before = list(log.handlers)
+    code, _, err = run_cli(capsys, "generate", "--model", "no-such-model", "--prompt", "x", "--temperature", "1e-9")
+    assert code == 2 and "tokenleap: warning: temperature 1e-09 is below 0.01" in err
+    assert log.handlers == before and log.propagate
+    with caplog.at_level(logging.WARNING, logger="tokenleap"):
+        logging.getLogger("tokenleap.spec").warning("seen by the program's handler")
+    assert "seen by the program's handler" in caplog.text and capsys.readouterr().err == ""
 
 
 def test_a_ctrl_c_while_the_parser_builds_is_an_interruption(capsys, monkeypatch):

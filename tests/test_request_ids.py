@@ -18,3 +18,18 @@ def test_every_answer_has_a_request_id_and_a_clients_usable_one_comes_back():
     assert ids[2] == "trace-42.a:b" and ids[3] != "x" * 200  # (an id too long to echo: a new one)
     fresh = [ids[i] for i in (0, 1, 3, 4, 5, 6)]
     assert len(set(fresh)) == len(fresh) and all(i.startswith("req_") for i in fresh)
+
+
+def test_the_log_lines_carry_the_request_id(caplog):
+    """The finished request's log line and a refused request's name the id the answer carried."""
+    import logging
+    body = {"model": "m", "prompt": "ab", "max_tokens": 2}
+    headers = {**AUTH, "X-Request-Id": "trace-7"}
+    with caplog.at_level(logging.INFO, logger="tokenleap.serve"):
+        answers = call(make_app(), [("POST", "/v1/completions", {"headers": headers, "json": body}),
+                                    ("POST", "/v1/completions", {"headers": headers, "json": {**body, "stream": True}}),
+                                    ("POST", "/v1/completions", {"headers": headers, "json": {"prompt": 3}})])
+    assert [r.status_code for r in answers] == [200, 200, 400]
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum('x_request_id="trace-7"' in line for line in lines if line.startswith("request ")) == 2, lines
+    assert any("-> 400" in line and "(x-request-id trace-7)" in line for line in lines), lines

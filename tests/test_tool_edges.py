@@ -22,6 +22,11 @@ def test_a_cut_call_is_kept_as_far_as_it_was_written_only_when_asked():
     assert parse_tool_calls('<tool_call>{"name": "add", "argu', keep_cut=True)[1][0]["function"] == {
         "name": "add", "arguments": ""}
     assert parse_tool_calls('<tool_call>{"name": "ad', keep_cut=True) == (None, [])
+    # cut inside the closing tag, or past the arguments: the arguments end where their object closes
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": "}", "b": [1, {"c": 2}]}'
+    for tail in ('}\n</tool_c', ', "x": "y', '}'):
+        assert parse_tool_calls(call + tail, keep_cut=True)[1][0]["function"]["arguments"] == \
+            '{"a": "}", "b": [1, {"c": 2}]}', tail
     # whole calls before it stay as they were
     whole = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
     assert [c["function"]["arguments"] for c in parse_tool_calls(whole + CUT, keep_cut=True)[1]] == [
@@ -29,8 +34,10 @@ def test_a_cut_call_is_kept_as_far_as_it_was_written_only_when_asked():
 
 
 def test_a_streamed_cut_call_ends_as_its_unstreamed_reply_has_it():
+    closed = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_c'
     for pieces in (["Sure.\n<tool_call>", '\n{"name": "get_weather", "arguments": {"ci', 'ty": "Par'],
-                   ['<tool_call>\n{"name": "get_weather", "argu']):  # (the second: its head not yet sent)
+                   ['<tool_call>\n{"name": "get_weather", "argu'],  # (its head not yet sent)
+                   list(closed)):  # (a character at a time, cut inside the closing tag)
         s, parts = ToolStream("", ("get_weather",)), []
         for p in pieces:
             parts += s.feed(p)[1]

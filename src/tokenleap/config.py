@@ -288,7 +288,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        # (past [1e-6, 1e6] a logit divided or multiplied by it leaves float32's range: the sampler would see inf)
+        # (below 1e-6 a logit divided by it can leave float32's range, and the sampler would see inf; the upper
+        # bound is generous: vLLM takes any positive value, and 1e6 already bars a seen token outright)
         _check(_is_number(self.repetition_penalty) and 1e-6 <= self.repetition_penalty <= 1e6,
                f"repetition_penalty must be in [1e-6, 1e6] (1 disables it), got {self.repetition_penalty!r}")
         _check(is_int(self.repetition_last_n) and self.repetition_last_n >= 0,

@@ -8,11 +8,13 @@ line on stderr and exit code 2, without a traceback; flags that can be checked w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,10 +183,10 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
 # a proposer's tuning flags: (dest, flag, its default, the methods that read it; None: every speculative one)
 _TUNING = (("max_spec_tokens", "--max-spec-tokens", 8, None),
            ("max_tree_nodes", "--max-tree-nodes", SpecConfig.max_tree_nodes, None),
-           ("ngram_pool", "--ngram-pool", SpecConfig.ngram_pool, None),
-           ("ngram_max", "--ngram-max", 4, ("ngram", "auto", "lookahead", "layerskip", "draft")),
-           ("ngram_min", "--ngram-min", None, ("ngram", "auto", "lookahead", "layerskip", "draft")),
-           ("draft_vocab", "--draft-vocab", 32768, ("draft", "auto", "eagle")),
+           ("ngram_pool", "--ngram-pool", SpecConfig.ngram_pool, ("ngram", "auto", "draft")),
+           ("ngram_max", "--ngram-max", 4, ("ngram", "auto", "lookahead", "layerskip")),
+           ("ngram_min", "--ngram-min", None, ("ngram", "auto")),
+           ("draft_vocab", "--draft-vocab", 32768, ("draft", "auto")),
            ("lookahead_window", "--lookahead-window", SpecConfig.lookahead_window, ("lookahead", "auto")),
            ("lookahead_ngram", "--lookahead-ngram", SpecConfig.lookahead_ngram, ("lookahead", "auto")),
            ("lookahead_guesses", "--lookahead-guesses", SpecConfig.lookahead_guesses, ("lookahead", "auto")))
@@ -201,8 +203,8 @@ def _refuse_unread_tuning(args: argparse.Namespace) -> None:
                              "(auto, ngram, draft, ...) or drop it")
         if methods is not None and args.spec not in methods:
             raise UsageError(f"{flag} is not read by --spec {args.spec}; it goes with --spec {', '.join(methods)}")
-        if dest.startswith("ngram_m") and args.spec == "draft" and args.draft_spec != "ngram":
-            raise UsageError(f"{flag} goes with --spec draft only with --draft-spec ngram (a cascade)")
+        if dest == "ngram_pool" and args.spec == "draft" and args.draft_spec != "ngram":
+            raise UsageError(f"{flag} goes with --spec draft only with --draft-spec ngram (a cascade's guesses)")
 
 
 # SpecConfig's fields that a flag of another name sets
@@ -359,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None  # (an error while the parser builds has none)
     try:
         parser = build_parser()  # (its imports take a while: a Ctrl-C there is an interruption too)
         args, unknown = parser.parse_known_args(argv)
@@ -367,9 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             args = parser.commands[args.command].parse_intermixed_args(argv[argv.index(args.command) + 1:], args)
         elif unknown:  # named by the subcommand's parser: its --help lists the flags it takes
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-        if args.command != "serve":  # (the server logs through its own configuration)
-            _warnings_to_stderr()
-        return args.func(args)
+        if args.command == "serve":  # (the server logs through its own configuration)
+            return args.func(args)
+        with _warnings_to_stderr():
+            return args.func(args)
     except TokenleapError as e:  # (a bad value's ConfigError among them)
         print(f"tokenleap: error: {e}", file=sys.stderr)
         return 2
@@ -390,21 +394,31 @@ def main(argv: list[str] | None = None) -> int:
 INTERMIXED = ("models",)  # commands whose positionals may come after their options (no subcommands of their own)
 
 
-def _warnings_to_stderr() -> None:
-    """The library's warnings (``logging``, logger "tokenleap") on standard error as the command's own
-    are: ``tokenleap: warning: ...`` (without a handler Python prints the bare message)."""
-    log = logging.getLogger("tokenleap")
-    if not log.handlers:
-        handler = logging.StreamHandler()  # (standard error, as it is when a record comes)
-        handler.setFormatter(_CommandFormat())
-        handler.setLevel(logging.WARNING)
-        log.addHandler(handler)
-        log.propagate = False
+@contextlib.contextmanager
+def _warnings_to_stderr() -> Iterator[None]:
+    """While a command runs, the library's warnings (``logging``, logger "tokenleap") go to standard error
+    as the command's own messages do: ``tokenleap: warning: ...`` (without a handler Python prints the bare
+    message). Records still propagate (to a program's own handlers, if it set any: then they are not
+    printed twice by Python's fallback); the handler goes when the command ends."""
+    log, handler = logging.getLogger("tokenleap"), _CommandStderr()
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
 
 
-class _CommandFormat(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"tokenleap: {record.levelname.lower()}: {record.getMessage()}"
+class _CommandStderr(logging.Handler):
+    """Warnings and errors as ``tokenleap: LEVEL: message`` lines on ``sys.stderr`` as it is at each record."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"tokenleap: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+        except Exception:  # noqa: BLE001 -- logging's rule: a record that cannot be written is reported, not raised
+            self.handleError(record)
 
 
 def unwritable_place(path: Path) -> Path | None:

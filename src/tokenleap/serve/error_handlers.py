@@ -21,6 +21,7 @@ from tokenleap.serve.messages_api import anthropic_error
 from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
 from tokenleap.serve.ollama_routes import PREFIX as OLLAMA_PREFIX
 from tokenleap.serve.protocol import APIError
+from tokenleap.serve.request_ids import CURRENT
 
 log = logging.getLogger("tokenleap.serve")
 refused_log = logging.getLogger("tokenleap.serve.requests")  # beside the finished requests' lines
@@ -54,8 +55,9 @@ def _response(request: HTTPRequest, exc: APIError, headers: dict[str, str] | Non
     """The error answer, and one log line saying what was refused and why (an operator otherwise sees
     nothing of requests that never started: uvicorn's access log is off)."""
     client = request.client
-    refused_log.info("%s %s -> %d (%s) from %s: %s", request.method, _one_line(request.url.path), exc.status,
-                     exc.code or exc.type, f"{client.host}:{client.port}" if client else "?", _one_line(exc.message))
+    refused_log.info("%s %s -> %d (%s) from %s%s: %s", request.method, _one_line(request.url.path), exc.status,
+                     exc.code or exc.type, f"{client.host}:{client.port}" if client else "?",
+                     f" (x-request-id {CURRENT.get()})" if CURRENT.get() else "", _one_line(exc.message))
     return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=headers)
 
 

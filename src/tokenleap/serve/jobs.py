@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
+from tokenleap.serve.request_ids import CURRENT
 from tokenleap.serve.protocol import failed
 from tokenleap.serve.responses import Scored, prediction_tokens_kept, usage
 from tokenleap.serve.request import Output, Request
@@ -145,7 +146,8 @@ class Job:
         stats = [r.seq.stats for r in self.requests]
         first = [r.first_token_time for r in self.requests if r.first_token_time is not None]
         fields: dict[str, Any] = {
-            "id": request_id, "n": len(self.requests), "prompt_tokens": self.prompt_tokens,
+            "id": request_id, **({"x_request_id": CURRENT.get()} if CURRENT.get() else {}),
+            "n": len(self.requests), "prompt_tokens": self.prompt_tokens,
             "generated_tokens": sum(self.generated), "seconds": time.monotonic() - self.t0,
             **({"ttft": min(first) - self.t0} if first else {}), "proposer": proposer,  # (no token: no ttft)
             "drafted_tokens": sum(s.draft_tokens for s in stats), "accepted_tokens": sum(s.accepted_tokens for s in stats),

@@ -35,10 +35,10 @@ def add_origin_checks(app: FastAPI, allowed: tuple[str, ...]) -> None:
     the refusal of other pages' requests that can start work."""
     if allowed:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed), allow_methods=["*"], allow_headers=["*"],
-                           allow_credentials="*" not in allowed)
+                           allow_credentials="*" not in allowed, expose_headers=["x-request-id"])
     else:  # a chat page on this machine works out of the box; other sites' pages may not call in
         app.add_middleware(CORSMiddleware, allow_origin_regex=LOCAL_ORIGINS, allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=["x-request-id"])
     if "*" not in allowed:
         app.add_middleware(_RefuseForeignOrigins, allowed=allowed)
 

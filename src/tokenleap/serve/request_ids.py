@@ -1,18 +1,20 @@
 """Every answer of the running server carries an ``x-request-id`` header (not the 503s sent while the
-model loads: ``loading.py`` answers those before the app exists), as OpenAI's API sends one (its SDK reads it into a
-response's ``_request_id``): the client's own ``X-Request-Id`` where it sent a usable one (vLLM's
-``--enable-request-id-headers`` echoes it likewise), else a new id -- one id to quote from a log line
-or a bug report."""
+model loads: ``loading.py`` answers those before the app exists), as OpenAI's API sends one (its SDK
+reads it into a response's ``_request_id``): the client's own ``X-Request-Id`` where it sent a usable
+one (vLLM's ``--enable-request-id-headers`` echoes it likewise), else a new id. The request's log line
+and a refused request's carry it too (``CURRENT``): one id to quote from a log or a bug report."""
 from __future__ import annotations
 
 import re
 import uuid
+from contextvars import ContextVar
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = b"x-request-id"
 _USABLE = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # (a client's id goes back as is only when it cannot forge headers)
+CURRENT: ContextVar[str | None] = ContextVar("x_request_id", default=None)  # the id of the request being answered
 
 
 def add_request_ids(app: FastAPI) -> None:
@@ -33,7 +35,8 @@ class _RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = request_id(scope).encode()
+        text = request_id(scope)
+        rid = text.encode()
 
         async def with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -41,4 +44,8 @@ class _RequestIds:
                 message = {**message, "headers": headers + [(HEADER, rid)]}
             await send(message)
 
-        await self.app(scope, receive, with_id)
+        token = CURRENT.set(text)  # (the tasks the request starts, a stream's among them, see it too)
+        try:
+            await self.app(scope, receive, with_id)
+        finally:
+            CURRENT.reset(token)

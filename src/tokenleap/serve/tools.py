@@ -230,7 +230,8 @@ _CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"argu
 
 def _cut_call(body: str) -> dict[str, Any] | None:
     """The call of a block cut off inside its object (``body``: from the opening tag to the reply's end)
-    whose function's name is written: its arguments the text of their object so far ("" if not begun)."""
+    whose function's name is written: its arguments the text of their object so far ("" if not begun),
+    up to where that object closes if it did (what a stream of it sends: ``tool_stream``)."""
     m = _CUT_HEAD.match(body)
     if m is None:
         return None
@@ -238,8 +239,33 @@ def _cut_call(body: str) -> dict[str, Any] | None:
         name = json.loads(m.group(1))
     except ValueError:
         return None
-    arguments = body[m.end():] if body[m.end():m.end() + 1] == "{" else ""
+    start = m.end()
+    arguments = body[start:object_end(body, start)] if body[start:start + 1] == "{" else ""
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def object_end(text: str, start: int) -> int:
+    """Just past the JSON object or array that opens at ``start``, or ``len(text)`` if it does not close
+    there (strings and their escapes skipped; nothing else checked)."""
+    depth, string, escape = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if string:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"':
+                string = False
+        elif c == '"':
+            string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
 
 
 def _object_block(text: str, at: int) -> tuple[dict[str, Any] | None, int]:

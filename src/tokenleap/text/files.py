@@ -2,14 +2,16 @@
 mark dropped, with one message for each way it cannot be read."""
 from __future__ import annotations
 
+import os
 import stat
 import sys
 from pathlib import Path
 
 
 def read_text_file(path: str | Path, what: str) -> str:
-    """``path``'s text, or a ValueError naming ``what`` and why: missing, a directory, unreadable, not
-    UTF-8. ``-`` is standard input; a pipe (``/dev/stdin``, a shell's ``<(...)``) reads as a file does."""
+    """``path``'s text, or a ValueError naming ``what`` and why: missing, a directory or a device,
+    unreadable, not UTF-8. ``-`` is standard input; a pipe (``/dev/stdin``, a shell's ``<(...)``) and a
+    terminal read as a file does (a device that never ends, such as /dev/zero, is refused)."""
     if str(path) == "-":
         return decode_text(sys.stdin.buffer.read(), f"{what} - (standard input)")
     p = Path(path)
@@ -19,7 +21,7 @@ def read_text_file(path: str | Path, what: str) -> str:
         raise ValueError(f"{what} {path} does not exist") from None
     except OSError as e:
         raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
-    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or (stat.S_ISCHR(mode) and _is_terminal(p))):
         raise ValueError(f"{what} {path} is not a file")
     try:
         return p.read_text(encoding="utf-8-sig")
@@ -27,6 +29,17 @@ def read_text_file(path: str | Path, what: str) -> str:
         raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+
+
+def _is_terminal(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return os.isatty(fd)
+    finally:
+        os.close(fd)
 
 
 def decode_text(data: bytes, what: str) -> str:
