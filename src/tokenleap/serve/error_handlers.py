@@ -13,8 +13,9 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from tokenleap.serve.asgi import HTTPMiddleware
 from tokenleap.serve.body import MAX_BODY_BYTES
 from tokenleap.serve.llamacpp import PATHS as LLAMACPP_PATHS
 from tokenleap.serve.messages_api import anthropic_error
@@ -75,23 +76,7 @@ async def _client_disconnect(request: HTTPRequest, _: ClientDisconnect) -> Respo
     return Response(status_code=499)
 
 
-class _HTTPMiddleware:
-    """An ASGI middleware that sees HTTP requests (``handle``) and passes anything else through."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        await self.handle(scope, receive, send)
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raise NotImplementedError
-
-
-class _AnswerUnhandled(_HTTPMiddleware):
+class _AnswerUnhandled(HTTPMiddleware):
     """An error no handler took: logged, and a 500 sent if the response has not started (a stream
     cut mid-way has nothing left to answer with, so the error goes on to close the connection)."""
 
@@ -117,7 +102,7 @@ def _too_large() -> APIError:
     return APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
 
 
-class _BodyLimit(_HTTPMiddleware):
+class _BodyLimit(HTTPMiddleware):
     """A request body over ``MAX_BODY_BYTES`` is refused (413) as soon as that is known: by its
     Content-Length before any of it is read, else as its chunks arrive -- never after holding it all."""
 

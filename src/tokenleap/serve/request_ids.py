@@ -10,7 +10,9 @@ import uuid
 from contextvars import ContextVar
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from tokenleap.serve.asgi import HTTPMiddleware
 
 HEADER = b"x-request-id"
 _USABLE = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # (a client's id goes back as is only when it cannot forge headers)
@@ -27,14 +29,8 @@ def request_id(scope: Scope) -> str:
     return given.decode() if _USABLE.fullmatch(given) else f"req_{uuid.uuid4().hex}"
 
 
-class _RequestIds:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class _RequestIds(HTTPMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         text = request_id(scope)
         rid = text.encode()
 
