@@ -232,6 +232,8 @@ def test_the_servers_requests_carry_skip_special_tokens():
     assert sampling_params(CompletionRequest.model_validate({"prompt": "x", "skip_special_tokens": False}), 5,
                            0).skip_special_tokens is False
     # seed -1 is no seed (vLLM's), for every choice; another seed gives each choice its own
+    assert not sampling_params(ChatRequest.model_validate(chat), 5, 0).min_p_after_top_p  # (vLLM's order)
+    assert sampling_params(ChatRequest.model_validate({**chat, "min_p_after_top_p": True}), 5, 0).min_p_after_top_p
     unseeded = ChatRequest.model_validate({**chat, "seed": -1, "temperature": 1.0, "n": 2})
     assert [sampling_params(unseeded, 5, j).seed for j in (0, 1)] == [None, None]
     assert sampling_params(ChatRequest.model_validate({**chat, "seed": 7}), 5, 1).seed not in (None, 7)

@@ -305,10 +305,12 @@ def test_ollama_bodies_become_chat_and_completion_requests():
     params = sampling_params(chat, 50, 0)
     assert params.seed is None and (params.repetition_penalty, params.repetition_last_n) == (1.1, 0)  # -1: all
     assert (params.temperature, params.top_k, params.top_p) == (0.8, 40, 0.9) and chat.max_tokens is None
+    assert params.min_p_after_top_p  # (Ollama's sampler: top-k, temperature, top-p, then min-p)
     req = generate_request(GenerateBody.model_validate({"model": NAME, "prompt": "p", "format": "json",
                                                         "options": {"temperature": 0.2, "repeat_last_n": 0}}))
     params = sampling_params(req, 50, 0)
     assert params.repetition_penalty == 1.0 and params.temperature == 0.2 and req.response_format.type == "json_object"
+    assert params.min_p_after_top_p
     params = sampling_params(generate_request(GenerateBody.model_validate({"model": NAME, "prompt": "p"})), 50, 0)
     assert (params.repetition_penalty, params.repetition_last_n, params.temperature) == (1.1, 64, 0.8)
     assert chat_options(chat_request(ChatBody.model_validate({"model": NAME, "messages": [], "think": False}))) == {

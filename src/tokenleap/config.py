@@ -205,6 +205,9 @@ class SamplingParams:
     # llama.cpp's order: top-k, top-p and min-p on the untempered distribution, temperature on what is left
     # (default: vLLM's, temperature first, then min-p, top-k, top-p; ``sampling.py``)
     temperature_last: bool = False
+    # Hugging Face's and Ollama's order: top-p on top-k's distribution, then min-p (default: vLLM's, min-p
+    # first; temperature_last's llama.cpp order has it too)
+    min_p_after_top_p: bool = False
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -315,8 +318,8 @@ class SamplingParams:
                f"t_max_predict_ms must be a number >= 0, got {self.t_max_predict_ms!r}")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
-        _check(isinstance(self.temperature_last, bool),
-               f"temperature_last must be a bool, got {self.temperature_last!r}")
+        for name in ("temperature_last", "min_p_after_top_p"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

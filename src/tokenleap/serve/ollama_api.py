@@ -118,7 +118,8 @@ def sampling_fields(body: _Body) -> dict[str, Any]:
         value = getattr(o, name)
         return DEFAULT_OPTIONS[name] if value is None else value
     return {"temperature": given("temperature"), "top_k": given("top_k"), "top_p": given("top_p"),
-            "min_p": o.min_p, "seed": None if o.seed is None or o.seed < 0 else o.seed,
+            # (Ollama's sampler: top-k, temperature, top-p, then min-p)
+            "min_p": o.min_p, "min_p_after_top_p": True, "seed": None if o.seed is None or o.seed < 0 else o.seed,
             "stop": o.stop, "presence_penalty": o.presence_penalty, "frequency_penalty": o.frequency_penalty,
             **repeat_window(given("repeat_penalty"), given("repeat_last_n"), "options.repeat_last_n"),
             "max_tokens": None if o.num_predict is None or o.num_predict < 0 else o.num_predict,

@@ -119,6 +119,7 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = None
     repetition_last_n: Int64 | None = None  # llama.cpp's repeat_last_n: the penalty's window (0 / absent: all)
     logit_bias: dict[str, float] | None = None
+    min_p_after_top_p: bool | None = None  # Hugging Face's and Ollama's filter order (Ollama's routes set it)
     user: str | None = None
     # what this server cannot do, refused when asked for (request_checks.check_common), not ignored
     use_beam_search: bool | None = None
@@ -325,7 +326,8 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int, logprobs: int 
             allowed_token_ids=tuple(req.allowed_token_ids or ()), bad_words=tuple(req.bad_words or ()),
             prediction=prediction, n_indent=getattr(req, "n_indent", None) or 0,
             t_max_predict_ms=getattr(req, "t_max_predict_ms", None) or 0.0,
-            temperature_last=bool(getattr(req, "temperature_last", None)))
+            temperature_last=bool(getattr(req, "temperature_last", None)),
+            min_p_after_top_p=bool(req.min_p_after_top_p))
     except ConfigError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

@@ -12,9 +12,10 @@ Filtering order (vLLM's):
 Min-p and top-k commute; min-p before top-p matters: top-p then measures the mass of what min-p
 left (vLLM's order; Hugging Face's and llama.cpp's apply top-p first, and min-p after it).
 
-With ``temperature_last`` (llama.cpp's default sampler chain: top-k, top-p, min-p, then the
-temperature) the filters judge the untempered distribution, in llama.cpp's order, and the
-temperature divides the logits that are left: a high temperature then flattens the survivors
+With ``min_p_after_top_p`` (Hugging Face's and Ollama's order) top-p measures top-k's distribution
+and min-p comes after it. With ``temperature_last`` (llama.cpp's default sampler chain: top-k, top-p,
+min-p, then the temperature) the filters judge the untempered distribution, in that order too, and
+the temperature divides the logits that are left: a high temperature then flattens the survivors
 without letting min-p's or top-p's tail back in.
 
 The most probable token is always kept. Ties are broken by token id, lower id first (a stable
@@ -63,6 +64,7 @@ def logits_to_probs(
     top_p: Param = 1.0,
     min_p: Param = 0.0,
     temperature_last: Param = False,
+    min_p_after_top_p: Param = False,
 ) -> torch.Tensor:  # [n, vocab] float32
     """Filtered, renormalized float32 probabilities; see the module docstring for the order.
 
@@ -76,7 +78,8 @@ def logits_to_probs(
     x = raw / torch.where(is_greedy, 1.0, t)  # [n, vocab]
     last = _column(temperature_last, n, torch.bool)  # [n, 1]
     judged = torch.where(last, raw, x) if bool(last.any()) else x  # [n, vocab]: what the filters look at
-    keep = _keep_mask(judged, is_greedy, top_k, top_p, min_p, ~last)  # [n, vocab] bool, or None
+    after = _column(min_p_after_top_p, n, torch.bool)  # [n, 1]
+    keep = _keep_mask(judged, is_greedy, top_k, top_p, min_p, ~(last | after))  # [n, vocab] bool, or None
     if keep is not None:
         x = x.masked_fill(~keep, float("-inf"))
     return torch.softmax(x, dim=-1)  # [n, vocab]
@@ -88,7 +91,7 @@ def _keep_mask(
     top_k: Param,
     top_p: Param,
     min_p: Param,
-    min_p_first: torch.Tensor,  # [n, 1] bool: min-p before top-p (vLLM's order), else after (llama.cpp's)
+    min_p_first: torch.Tensor,  # [n, 1] bool: min-p before top-p (vLLM's order), else after (HF's, llama.cpp's)
 ) -> torch.Tensor | None:  # [n, vocab] bool in vocabulary order; None when nothing is filtered
     n, vocab = x.shape
     k = _column(top_k, n, torch.long)  # [n, 1]
@@ -293,6 +296,7 @@ class SamplingFilters:
     top_p: torch.Tensor  # [n] float32
     min_p: torch.Tensor  # [n] float32
     temperature_last: torch.Tensor  # [n] bool
+    min_p_after_top_p: torch.Tensor  # [n] bool
 
     @classmethod
     def from_params(
@@ -308,16 +312,17 @@ class SamplingFilters:
 
         return cls(column("temperature", torch.float32), column("top_k", torch.long),
                    column("top_p", torch.float32), column("min_p", torch.float32),
-                   column("temperature_last", torch.bool))
+                   column("temperature_last", torch.bool), column("min_p_after_top_p", torch.bool))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # logits [n, vocab] -> [n, vocab]
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p, self.temperature_last)
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p, self.temperature_last,
+                               self.min_p_after_top_p)
 
 
 def params_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [n, vocab] -> [n, vocab]
     """``logits_to_probs`` with one request's filters (every row)."""
     return logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p,
-                           params.temperature_last)
+                           params.temperature_last, params.min_p_after_top_p)
 
 
 __all__ = ["logits_to_probs", "params_probs", "greedy", "argmax_rows", "sample", "inverse_cdf", "rand_rows",
