@@ -130,3 +130,18 @@ def test_a_ctrl_c_while_the_parser_builds_is_an_interruption(capsys, monkeypatch
     monkeypatch.setattr(cli, "build_parser", interrupted)
     code, _, err = run_cli(capsys, "generate", "--model", SMOL, "--prompt", "x")
     assert code == 130 and "tokenleap: interrupted" in err and "Traceback" not in err
+
+
+def test_a_system_message_for_generate(capsys, smollm2_gguf):
+    """--system (llama.cpp's -sys): the prompt as a conversation after that system message, as LLM.chat runs it."""
+    from tokenleap import LLM, SamplingParams
+    conversation = [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Say hello."}]
+    code, out, err = run_cli(capsys, *BASE, "--system", conversation[0]["content"], "--prompt", "Say hello.")
+    assert code == 0, err
+    got = json.loads(out)
+    llm = LLM(SMOL)
+    want = llm.chat(conversation, SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert (got["prompt_tokens"], got["token_ids"]) == (want.prompt_tokens, want.token_ids)
+    # (the given system message replaces the template's own default one)
+    assert got["prompt_tokens"] == len(llm.encode(conversation, chat=True)) != len(llm.encode("Say hello.", chat=True))
+    assert_error(capsys, BASE + ["--system", "x", "--suffix", "y", "--prompt", "a"], "not --chat or --system")

@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--prompts-file", "--prompts", dest="prompts_file",
                    help="JSONL file with a \"prompt\" field per line")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message before the prompt (implies --chat; llama.cpp's -sys, vLLM chat's "
+                        "--system-prompt)")
     g.add_argument("--suffix", help="fill in the middle: the prompt is the code before the gap, this the code after")
     add_sampling_args(g, max_tokens=128)
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
@@ -72,8 +75,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("give exactly one of --prompt TEXT (- for standard input), --file PROMPT.txt or "
                          "--prompts-file FILE.jsonl")
     prompts, ids_given = _prompts(args)
+    if args.system is not None:
+        args.chat = True  # (a system message is a conversation's)
     if args.suffix is not None and args.chat:
-        raise UsageError("--suffix (fill in the middle) takes a plain prompt, not --chat")
+        raise UsageError("--suffix (fill in the middle) takes a plain prompt, not --chat or --system")
     params = sampling_from_args(args, logprobs=args.logprobs, structured=structured_args(args))
     if args.logprobs is not None and not args.json:
         print("tokenleap: warning: --logprobs shows in --json output only", file=sys.stderr)
@@ -93,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for n, prompt in enumerate(prompts, 1):  # every prompt checked before any is generated
         with _naming(args, n, len(prompts)):
             ids, fim_params = (llm.infill_request(prompt, args.suffix, params) if args.suffix is not None
-                               else (llm.encode(prompt, chat=args.chat), params))
+                               else (llm.encode(_conversation(prompt, args.system), chat=args.chat), params))
             llm.engine.create(ids, fim_params)  # (validation only: no cache touched)
             requests.append((prompt, ids, fim_params))
     for n, (prompt, ids, fim_params) in enumerate(requests, 1):
@@ -112,6 +117,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.stats:
             print(f"[tokenleap] {stats_line(out.stats)}", file=sys.stderr)
     return 0
+
+
+def _conversation(prompt: str, system: str | None) -> str | list[dict[str, str]]:
+    """The prompt as ``LLM.encode`` takes it: the text, or with a system message the two messages."""
+    if system is None:
+        return prompt
+    return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
 
 
 def _prompts(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
