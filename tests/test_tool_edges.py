@@ -37,7 +37,8 @@ def test_a_streamed_cut_call_ends_as_its_unstreamed_reply_has_it():
     closed = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_c'
     for pieces in (["Sure.\n<tool_call>", '\n{"name": "get_weather", "arguments": {"ci', 'ty": "Par'],
                    ['<tool_call>\n{"name": "get_weather", "argu'],  # (its head not yet sent)
-                   list(closed)):  # (a character at a time, cut inside the closing tag)
+                   list(closed),  # (a character at a time, cut inside the closing tag)
+                   ['<tool_call>{"name": "add", "arguments": {"a": 1, ', "x"]):  # (not JSON: the stream stops there)
         s, parts = ToolStream("", ("get_weather",)), []
         for p in pieces:
             parts += s.feed(p)[1]

@@ -21,12 +21,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tokenleap.serve.tools import CLOSE, FENCE, OPEN, new_call_id, parse_tool_calls, skip_space
+from tokenleap.serve.tools import CLOSE, FENCE, OPEN, ObjectScan, new_call_id, parse_tool_calls, skip_space
 
 _NAME = object()  # where the head of a call has the function's name (a JSON string)
 _HEAD = ("{", '"name"', ":", _NAME, ",", '"arguments"', ":")  # a streamable call's opening, whitespace between
 _MAX_HEAD = 1024  # characters a call's opening may take before it is taken for another shape
-_BARE = frozenset(" \t\r\n,:0123456789.+-eEtrufalsn")  # what JSON has outside strings besides brackets
 
 
 @dataclass(frozen=True)
@@ -53,42 +52,14 @@ def merged(parts: list[CallPart]) -> list[CallPart]:
     return out
 
 
-class _Call:
-    """A call being streamed: its arguments' object starts at ``start`` of the reply's text; ``pos``
-    is how far it has been read (bracket depth and string state kept between reads), ``sent`` how far
-    it has gone out."""
+class _Call(ObjectScan):
+    """A call being streamed: its arguments' object starts at ``start`` of the reply's text (``ObjectScan``:
+    how far it has been read); ``sent`` how far it has gone out."""
 
     def __init__(self, name: str, start: int) -> None:
+        super().__init__(start)
         self.id, self.name, self.start = new_call_id(), name, start
-        self.pos = self.sent = start
-        self.depth, self.string, self.escape = 0, False, False
-        self.done = self.bad = False  # the object closed; a character JSON does not allow there
-
-    def read(self, text: str) -> int:
-        """Read on to the end of ``text`` or of the object; returns how far the object's text is known."""
-        i = self.pos
-        while i < len(text) and not (self.done or self.bad):
-            c = text[i]
-            if self.string:
-                if self.escape:
-                    self.escape = False
-                elif c == "\\":
-                    self.escape = True
-                elif c == '"':
-                    self.string = False
-            elif c == '"':
-                self.string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                self.done = self.depth == 0
-            elif c not in _BARE:
-                self.bad = True
-                break
-            i += 1
-        self.pos = i
-        return i
+        self.sent = start
 
 
 class ToolStream:

@@ -231,7 +231,8 @@ _CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"argu
 def _cut_call(body: str) -> dict[str, Any] | None:
     """The call of a block cut off inside its object (``body``: from the opening tag to the reply's end)
     whose function's name is written: its arguments the text of their object so far ("" if not begun),
-    up to where that object closes if it did (what a stream of it sends: ``tool_stream``)."""
+    read as a stream of it reads them (``ObjectScan``: up to where the object closes, if it did), so the
+    stream has sent the same text."""
     m = _CUT_HEAD.match(body)
     if m is None:
         return None
@@ -240,32 +241,48 @@ def _cut_call(body: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     start = m.end()
-    arguments = body[start:object_end(body, start)] if body[start:start + 1] == "{" else ""
+    arguments = body[start:ObjectScan(start).read(body)] if body[start:start + 1] == "{" else ""
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def object_end(text: str, start: int) -> int:
-    """Just past the JSON object or array that opens at ``start``, or ``len(text)`` if it does not close
-    there (strings and their escapes skipped; nothing else checked)."""
-    depth, string, escape = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
+_BARE = frozenset(" \t\r\n,:0123456789.+-eEtrufalsn")  # what JSON has outside strings besides brackets
+
+
+class ObjectScan:
+    """A JSON object's text read from ``start`` on, as far as it is known: ``pos`` is how far it has
+    been read (bracket depth and string state kept between reads, so a stream reads each piece once);
+    ``done`` once the object closed, ``bad`` at a character JSON does not allow there."""
+
+    def __init__(self, start: int) -> None:
+        self.pos = start
+        self.depth, self.string, self.escape = 0, False, False
+        self.done = self.bad = False
+
+    def read(self, text: str) -> int:
+        """Read on to the end of ``text`` or of the object; returns how far the object's text is known."""
+        i = self.pos
+        while i < len(text) and not (self.done or self.bad):
+            c = text[i]
+            if self.string:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif c == '"':
+                    self.string = False
             elif c == '"':
-                string = False
-        elif c == '"':
-            string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
+                self.string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                self.done = self.depth == 0
+            elif c not in _BARE:
+                self.bad = True
+                break
+            i += 1
+        self.pos = i
+        return i
 
 
 def _object_block(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
