@@ -74,7 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.prompt, args.prompt_file, args.prompts_file)) != 1:
         raise UsageError("give exactly one of --prompt TEXT (- for standard input), --file PROMPT.txt or "
                          "--prompts-file FILE.jsonl")
-    prompts, ids_given = _prompts(args)
+    records = _prompts(args)
+    prompts = [r["prompt"] for r in records]
     if args.system is not None:
         args.chat = True  # (a system message is a conversation's)
     if args.suffix is not None and args.chat:
@@ -110,7 +111,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = chunk.output
         out.prompt = prompt  # (a fill-in-the-middle request ran on ids)
         if args.json:  # (a prompts file's outputs name their line: its index among the prompts, its "id")
-            named = {"index": n - 1, **ids_given[n - 1]} if args.prompts_file is not None else {}
+            line = records[n - 1]
+            named = ({"index": n - 1, **({"id": line["id"]} if "id" in line else {})}
+                     if args.prompts_file is not None else {})
             print(json.dumps({**named, **out.to_dict()}, ensure_ascii=False))
         else:
             sys.stdout.write("\n")
@@ -126,27 +129,21 @@ def _conversation(prompt: str, system: str | None) -> str | list[dict[str, str]]
     return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
 
 
-def _prompts(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
-    """The prompts to generate from: ``--prompt`` (``-``: standard input), ``--file``'s text, or the JSONL
-    file's; and each one's ``{"id": ...}`` where its line gave one."""
+def _prompts(args: argparse.Namespace) -> list[dict]:
+    """The prompts to generate from, each ``{"prompt": text}`` (a JSONL line's "id" kept): ``--prompt``
+    (``-``: standard input), ``--file``'s text, or the JSONL file's lines."""
     if args.prompts_file is not None:
-        records = read_prompt_records(args.prompts_file)
-        return [r["prompt"] for r in records], [{"id": r["id"]} if "id" in r else {} for r in records]
+        return read_prompt_records(args.prompts_file)
     if args.prompt_file is None and args.prompt != "-":
-        return [args.prompt], [{}]
+        return [{"prompt": args.prompt}]
     if args.prompt_file is not None:
         where, text = f"--file {args.prompt_file}", read_text_arg(args.prompt_file, "--file")
-    else:
-        from tokenleap.text.files import decode_text
-        where = "--prompt -: standard input"
-        try:  # (its bytes, read as a file's are: not the locale's encoding)
-            text = decode_text(sys.stdin.buffer.read(), where)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    else:  # (standard input's bytes, read as a file's are: not the locale's encoding)
+        where, text = "--prompt -: standard input", read_text_arg("-", "--prompt -")
     text = text.removesuffix("\n")  # (an editor's or echo's last line end)
     if not text.strip():
         raise UsageError(f"{where} held no prompt")
-    return [text], [{}]
+    return [{"prompt": text}]
 
 
 @contextlib.contextmanager

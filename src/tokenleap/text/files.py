@@ -13,7 +13,7 @@ def read_text_file(path: str | Path, what: str) -> str:
     unreadable, not UTF-8. ``-`` is standard input; a pipe (``/dev/stdin``, a shell's ``<(...)``) and a
     terminal read as a file does (a device that never ends, such as /dev/zero, is refused)."""
     if str(path) == "-":
-        return decode_text(sys.stdin.buffer.read(), f"{what} - (standard input)")
+        return decode_text(sys.stdin.buffer.read(), f"{what}: standard input")
     p = Path(path)
     try:
         mode = p.stat().st_mode
