@@ -164,8 +164,7 @@ def _keep_among_candidates(
     keep_c = _nucleus(in_k, probs, p, m, min_p_first)  # [n, c]
     # top-p over min-p's renormalized mass needs all of that mass: a min-p set reaching the last candidate
     # may reach past it
-    first = (m > 0) if min_p_first is None else (m > 0) & min_p_first  # [n, 1]
-    past = (first & (probs[:, -1:] >= m * probs[:, :1])).squeeze(1)  # [n]
+    past = (_min_p_first_rows(m, min_p_first) & (probs[:, -1:] >= m * probs[:, :1])).squeeze(1)  # [n]
     done = whole & ~keep_c[:, -1] & ~past & ((k <= c) | (k >= vocab)).squeeze(1)
     return torch.zeros(n, vocab, dtype=torch.bool).scatter_(1, idx, keep_c), done
 
@@ -176,7 +175,7 @@ def _nucleus(keep: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, m: torch.
     mass min-p left, renormalized; else over top-k's); probs: [n, width] in sorted order, top-k's
     softmax (where top-k keeps tokens past ``width``, its mass there is not in the row)."""
     by_min_p = probs >= m * probs[:, :1]  # [n, width]: p / p_max does not depend on normalization
-    first = (m > 0) if min_p_first is None else (m > 0) & min_p_first  # [n, 1]
+    first = _min_p_first_rows(m, min_p_first)  # [n, 1]
     if bool(first.any()):
         # (a row whose min-p set reaches the last column is decided by the full sort: its sum is whole there)
         kept = torch.where(keep & by_min_p, probs, 0.0)  # [n, width]
@@ -185,6 +184,11 @@ def _nucleus(keep: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, m: torch.
     keep = keep & ((mass_before < p - _TOP_P_EPS) | (p >= 1)) & by_min_p
     keep[:, 0] = True
     return keep
+
+
+def _min_p_first_rows(m: torch.Tensor, min_p_first: torch.Tensor | None) -> torch.Tensor:  # [n, 1] bool
+    """The rows whose top-p measures the mass min-p left: a min-p set, in vLLM's order (None: every row)."""
+    return (m > 0) if min_p_first is None else (m > 0) & min_p_first
 
 
 def _scatter(keep: torch.Tensor, order: torch.Tensor) -> torch.Tensor:  # [n, vocab] sorted -> vocabulary order
