@@ -141,12 +141,18 @@ def test_while_loading_an_allowed_page_can_read_the_503_and_a_proxy_gets_its_api
                 assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == page
                 assert "POST" in pre.headers["access-control-allow-methods"].split(", ")
                 assert pre.headers["access-control-allow-headers"] == "content-type, authorization"
-                read = c.post(url + "/v1/chat/completions", json={}, headers={"Origin": page})
+                read = c.post(url + "/v1/chat/completions", json={}, headers={"Origin": page,
+                                                                                 "X-Request-Id": "r-1"})
                 assert read.status_code == 503 and read.headers["access-control-allow-origin"] == page
+                # the request's id, the client's own, and a page may read it (as the running server's answers)
+                assert read.headers["x-request-id"] == "r-1"
+                assert read.headers["access-control-expose-headers"] == "x-request-id"
                 # (credentials as the running server allows them: with origins named)
                 assert read.headers.get("access-control-allow-credentials") == ("true" if allowed else None)
                 other = c.post(url + "/v1/chat/completions", json={}, headers={"Origin": foreign})
                 assert other.status_code == 503 and "access-control-allow-origin" not in other.headers
+                assert other.headers["x-request-id"].startswith("req_")
+                assert pre.headers["x-request-id"] != other.headers["x-request-id"]  # (a new one each)
                 refused = c.options(url + "/v1/models", headers={"Origin": foreign,
                                                                    "Access-Control-Request-Method": "GET"})
                 assert refused.status_code == 503 and "access-control-allow-origin" not in refused.headers

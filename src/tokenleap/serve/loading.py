@@ -7,8 +7,9 @@ headers (and a declared body, unless the client waits for a 100 Continue first),
 error object of the API its path belongs to and closed once the client has read it or a moment has
 passed (closing with unread input resets a connection, which can lose the answer). A page the server
 allows (CORS, as ``serve/origins.py`` decides) may read the answer, and its preflight is answered 204
-so that it asks at all. Once the engine is built the responder stops and hands the listening socket,
-its queued connections included, to the real server.
+so that it asks at all. Every answer carries an ``x-request-id``, as the running server's do. Once the
+engine is built the responder stops and hands the listening socket, its queued connections included,
+to the real server.
 """
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def _answer(conn: socket.socket, done: threading.Semaphore, origins: tuple[str, 
 def _response(method: str, path: str, headers: dict[str, str], origins: tuple[str, ...]) -> bytes:
     """The answer: 503 with the path's error object; a page the server allows (CORS, as the running server
     decides) gets the headers that let it read that answer, and its preflight a 204 that lets it ask."""
+    from tokenleap.serve.request_ids import given_or_new
+    rid = f"x-request-id: {given_or_new(headers.get('x-request-id', '').encode('latin-1'))}\r\n"
     cors = ""
     origin = headers.get("origin")
     if origin is not None:
@@ -90,12 +93,13 @@ def _response(method: str, path: str, headers: dict[str, str], origins: tuple[st
                 "Access-Control-Allow-Credentials: true\r\n" if origins and "*" not in origins else "")
     if method == "OPTIONS" and cors and "access-control-request-method" in headers:
         asked = headers.get("access-control-request-headers")
-        return ("HTTP/1.1 204 No Content\r\n" + cors
+        return ("HTTP/1.1 204 No Content\r\n" + rid + cors
                 + f"Access-Control-Allow-Methods: {_METHODS}\r\n"
                 + (f"Access-Control-Allow-Headers: {asked}\r\n" if asked else "")
                 + "Content-Length: 0\r\nConnection: close\r\n\r\n").encode("latin-1")
     payload = loading_body(path)
-    header = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n" + cors
+    expose = "Access-Control-Expose-Headers: x-request-id\r\n" if cors else ""  # (a page may read the id)
+    header = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n" + rid + cors + expose
               + f"Content-Length: {len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode("latin-1")
     return header if method == "HEAD" else header + payload
 

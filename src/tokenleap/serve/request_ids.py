@@ -1,6 +1,6 @@
-"""Every answer of the running server carries an ``x-request-id`` header (not the 503s sent while the
-model loads: ``loading.py`` answers those before the app exists), as OpenAI's API sends one (its SDK
-reads it into a response's ``_request_id``): the client's own ``X-Request-Id`` where it sent a usable
+"""Every answer of the server carries an ``x-request-id`` header (the 503s sent while the model loads
+too: ``loading.py`` asks ``given_or_new`` for theirs), as OpenAI's API sends one (its SDK reads it into
+a response's ``_request_id``): the client's own ``X-Request-Id`` where it sent a usable
 one (vLLM's ``--enable-request-id-headers`` echoes it likewise), else a new id. The request's log line
 and a refused request's carry it too (``CURRENT``): one id to quote from a log or a bug report."""
 from __future__ import annotations
@@ -25,7 +25,11 @@ def add_request_ids(app: FastAPI) -> None:
 
 def request_id(scope: Scope) -> str:
     """The id of the request ``scope`` describes: its client's, if usable, else a new one."""
-    given = dict(scope.get("headers") or []).get(HEADER, b"")
+    return given_or_new(dict(scope.get("headers") or []).get(HEADER, b""))
+
+
+def given_or_new(given: bytes) -> str:
+    """A client's ``X-Request-Id`` value ``given`` if usable (empty: none sent), else a new id."""
     return given.decode() if _USABLE.fullmatch(given) else f"req_{uuid.uuid4().hex}"
 
 
