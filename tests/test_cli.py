@@ -134,8 +134,8 @@ def test_prompts_file_errors(capsys, tmp_path):
 
 
 def test_flag_spellings_and_where_errors_point(capsys, tmp_path, smollm2_gguf):
-    """An unknown flag points at the subcommand's --help; --max-new-tokens / --max-tokens and --prompts are
-    other spellings of generate's and bench's flags; a prompts file's failing prompt is named."""
+    """An unknown flag points at the subcommand's --help; --max-new-tokens / --max-tokens and --prompts /
+    --prompts-file are other spellings of generate's, bench's and the other commands' flags; a prompts file's failing prompt is named."""
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", "x", "--prompt", "hi", "--threads", "2"])
     err = capsys.readouterr().err
@@ -144,6 +144,8 @@ def test_flag_spellings_and_where_errors_point(capsys, tmp_path, smollm2_gguf):
     args = build_parser().parse_args(["generate", "--model", "x", "--max-new-tokens", "7", "--prompts", "f.jsonl"])
     assert (args.max_tokens, args.prompts_file) == (7, "f.jsonl")
     assert build_parser().parse_args(["bench", "--target", "x", "--max-tokens", "9"]).max_new_tokens == 9
+    for command in (["verify", "--model", "x"], ["calibrate", "--model", "x"], ["train-head", "--model", "x"]):
+        assert build_parser().parse_args(command + ["--prompts-file", "f.jsonl"]).prompts == "f.jsonl"  # as generate
     from tokenleap.cli.bench import command_line  # what a bench's results.json records: flags, nothing else
     recorded = command_line(build_parser().parse_args(["bench", "--target", "x", "--limit", "2"]))
     assert recorded.startswith("tokenleap bench --target x") and "--limit 2" in recorded

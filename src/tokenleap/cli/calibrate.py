@@ -36,8 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16, float16 (calibrations are stored per dtype)")
     p.add_argument("--quant", default="none", help=f"{QUANT_HELP}; calibrations are stored per quantization")
-    p.add_argument("--prompts", help="JSONL file with a \"prompt\" per line (default: two code prompts and a "
-                                     "chat prompt)")
+    p.add_argument("--prompts", "--prompts-file", metavar="FILE",
+                   help="JSONL file with a \"prompt\" per line (default: two code prompts and a chat prompt)")
     p.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     p.add_argument("--max-tokens", type=positive_int, default=48,
                    help="tokens of the model's own output calibrated on, and decoded in the measurement")

@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--quant", default="int4", help="the target's quantization while generating and computing "
                                                     "features: none, int8, int4 (default), w8a8 (AMX-INT8 CPUs)")
-    p.add_argument("--prompts", help="JSONL file with a \"prompt\" per line (default: tokenleap's training prompts)")
+    p.add_argument("--prompts", "--prompts-file", metavar="FILE",
+                   help="JSONL file with a \"prompt\" per line (default: tokenleap's training prompts)")
     p.add_argument("--texts", nargs="*", default=[], metavar="FILE",
                    help="text or code files trained on as they are (cut into pieces of 1,024 tokens)")
     p.add_argument("--replies", metavar="FILE", help="JSONL of generated replies: read if it exists, else written")

@@ -71,7 +71,7 @@ def register(subparsers) -> None:
     for action in p._actions:  # (the shared flags' help states generate's defaults)
         if action.dest == "max_model_len":
             action.help = "context window (default: 512: the checks' prompts are short)"
-    p.add_argument("--prompts", metavar="FILE", help="JSONL file with a \"prompt\" per line "
+    p.add_argument("--prompts", "--prompts-file", metavar="FILE", help="JSONL file with a \"prompt\" per line "
                                                      "(default: a small built-in set)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--samples", type=positive_int, default=300,
