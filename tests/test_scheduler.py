@@ -225,6 +225,21 @@ def test_metrics_export_and_log_line():
     assert "prefix cache hit rate 50.0%" in log_line(prev, cached)
 
 
+def test_a_snapshot_reads_the_proposer_table_while_the_loop_adds_to_it():
+    """/metrics reads the totals on the HTTP thread while the scheduler's thread records steps: a
+    proposer named for the first time mid-read must not fail the scrape (the table is copied whole)."""
+    sched = run_workload("self-draft", blocks=128, n=2)
+
+    class Growing(dict):  # a step of a new proposer recorded while a reader walks the table
+        def items(self):
+            for i, item in enumerate(super().items()):
+                self[f"new-{i}"] = 1
+                yield item
+
+    sched.engine.totals.proposer_accepted = Growing(sched.engine.totals.proposer_accepted)
+    assert sched.engine.totals.proposer_accepted and sched.snapshot().accepted_by_proposer
+
+
 def test_one_admission_rule_counted_in_sequences():
     """Waiting sequences never pass max_waiting beyond the batch's free places -- and none of those
     while the KV pool holds sequences back (a free place then admits nobody): a request of n

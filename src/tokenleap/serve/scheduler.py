@@ -178,7 +178,11 @@ class Scheduler(Results):
                     or self._abort is not None)
 
     def snapshot(self) -> ServeSnapshot:
+        """The server's figures for ``/metrics``, read on the HTTP thread while the scheduler's thread
+        goes on: what a step can grow is copied in one call (a dict the loop adds a proposer to while a
+        Python loop walks it would raise)."""
         t = self.engine.totals
+        by_proposer = dict(t.proposer_accepted)
         return ServeSnapshot(
             time=time.monotonic(), running=len(self.running), waiting=len(self.waiting) + len(self._inbox),
             blocks_used=self.cache.num_used_blocks, blocks_total=self.cache.num_blocks,
@@ -188,7 +192,7 @@ class Scheduler(Results):
             accepted_per_pos=tuple(t.position_accepted), prefix_cache_queries=self.cache.prefix_queries,
             prefix_cache_hits=self.cache.prefix_hits, tree_steps=t.tree_steps, tree_nodes=t.tree_nodes,
             accepted_per_rank=tuple(t.rank_accepted), histograms=self.stats.histograms.read(),
-            accepted_by_proposer=tuple(sorted((n, a) for n, a in t.proposer_accepted.items() if n != "none")))
+            accepted_by_proposer=tuple(sorted((n, a) for n, a in by_proposer.items() if n != "none")))
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
