@@ -296,6 +296,18 @@ def test_gemma3_multimodal_wrapper_config_reads_its_text_config():
     text = transformers.Gemma3TextConfig(**(BASE | SPECS["gemma3"][1])).to_dict()
     cfg = ModelConfig.from_hf_dict({"model_type": "gemma3", "text_config": text, "eos_token_id": [1, 106]})
     assert cfg.architecture == "gemma3" and cfg.num_hidden_layers == 3 and cfg.query_pre_attn_scalar == 24
+    # a published 4B config: its text_config names only what differs from Gemma3TextConfig's defaults,
+    # which transformers fills in (vocabulary, heads, head size, ...)
+    sparse = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    cfg = ModelConfig.from_hf_dict({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                                    "eos_token_id": [1, 106], "text_config": sparse})
+    full = transformers.Gemma3TextConfig(**{k: v for k, v in sparse.items() if k != "model_type"})
+    assert (cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
+            cfg.query_pre_attn_scalar, cfg.max_position_embeddings, cfg.eos_token_ids) == (
+        full.vocab_size, full.num_attention_heads, full.num_key_value_heads, full.head_dim, 2560,
+        full.query_pre_attn_scalar, full.max_position_embeddings, (1, 106))
+    assert cfg.vocab_size == 262_208 and cfg.num_attention_heads == 8  # (not taken from the test's reference only)
 
 
 def test_fast_paths_kept_for_plain_layers_declined_for_others(saved):

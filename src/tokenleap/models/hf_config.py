@@ -22,6 +22,10 @@ _DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma3": 256}  # the config classes' default
 # rms_norm_eps, num_key_value_heads (None: one per attention head)
 _DEFAULTS = {"llama": (2048, 1e-6, None), "qwen2": (32768, 1e-6, 32), "qwen3": (32768, 1e-6, 32),
              "mistral": (131072, 1e-6, 8), "phi3": (4096, 1e-5, None), "gemma3": (131072, 1e-6, 4)}
+# the same for the sizes themselves, where a family's published configs rely on them: the multimodal
+# Gemma 3 checkpoints (4B, 12B, 27B) name in their text_config only what differs from Gemma3TextConfig
+_SIZE_DEFAULTS = {"gemma3": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                             "num_hidden_layers": 26, "num_attention_heads": 8}}
 # transformers builds these families' attention projections with a fixed bias, whatever the config
 # says: Qwen2's q/k/v always have one, Mistral's and Phi-3's never
 _FIXED_ATTENTION_BIAS = {"qwen2": True, "mistral": False, "phi3": False}
@@ -140,6 +144,7 @@ def _sliding(arch: str, d: dict[str, Any], layers: int) -> tuple[int | None, tup
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     """``ModelConfig`` from a Hugging Face config.json dictionary."""
     arch, d = _architecture(raw)
+    d = {**_SIZE_DEFAULTS.get(arch, {}), **d}
     heads = int(d["num_attention_heads"])
     layers = int(d["num_hidden_layers"])
     eos = d.get("eos_token_id")
