@@ -5,6 +5,8 @@ llama.cpp's converter does (written out independently of tokenleap's code).
 """
 from __future__ import annotations
 
+import json
+
 import importlib.util
 from pathlib import Path
 
@@ -67,15 +69,17 @@ def gguf_name(hf: str) -> str:
 
 
 def tiny_tokenizer_meta(vocab: int) -> dict:
-    tokens = [f"t{i}" for i in range(vocab - 2)] + ["<s>", "</s>"]
+    tokens = ["t", "1", "2"] + [f"t{i}" for i in range(vocab - 5)] + ["<s>", "</s>"]  # (merges' parts in it)
     return {"tokens": tokens, "merges": ["t 1", "t 2"], "types": [1] * (vocab - 2) + [3, 3]}
 
 
 def write_tiny_gguf(path: Path, arch: str, sd: dict[str, np.ndarray], qtype: Q = Q.F32, heads=4, kv_heads=2,
                     layers=2, inter=128, permute: bool | None = None, extra: dict | None = None,
-                    raw: dict[str, tuple[Q, np.ndarray]] | None = None, split_max_tensors: int = 0) -> Path:
+                    raw: dict[str, tuple[Q, np.ndarray]] | None = None, split_max_tensors: int = 0,
+                    pre: str = "default") -> Path:
     """Write ``sd`` (HF names) as a GGUF; 2-D weights in ``qtype``, 1-D tensors in F32. With
-    ``split_max_tensors``, as gguf-split's shards of that many tensors: the first shard's path."""
+    ``split_max_tensors``, as gguf-split's shards of that many tensors: the first shard's path.
+    ``pre``: the tokenizer's pre-tokenizer name."""
     hidden, vocab = sd["model.embed_tokens.weight"].shape[1], sd["model.embed_tokens.weight"].shape[0]
     permute = arch == "llama" if permute is None else permute
     w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
@@ -87,7 +91,7 @@ def write_tiny_gguf(path: Path, arch: str, sd: dict[str, np.ndarray], qtype: Q =
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     tok = tiny_tokenizer_meta(vocab)
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_string("tokenizer.ggml.pre", pre)
     w.add_array("tokenizer.ggml.tokens", tok["tokens"])
     w.add_array("tokenizer.ggml.merges", tok["merges"])
     w.add_array("tokenizer.ggml.token_type", tok["types"])
@@ -278,3 +282,38 @@ def test_real_smollm2_header_and_tensors():
     assert g.raw_tensor("model.layers.0.mlp.up_proj.weight")[0] == Q.Q4_1
     assert len(g.tokenizer_metadata()["tokenizer.ggml.tokens"]) == 49152
 
+
+
+def test_a_conversion_refuses_before_writing_the_weights_and_takes_llama_cpps_qwen2_aliases(tmp_path, monkeypatch):
+    """A pre-tokenizer tokenleap cannot build, or a tensor type it cannot dequantize, is refused with the
+    file's name before the long write of the weights; DeepSeek-R1-Distill-Qwen's pre-tokenizer name is
+    Qwen2's (as llama.cpp reads it)."""
+    import torch
+
+    import tokenleap.models.checkpoint as checkpoint
+    from tokenleap.models.checkpoint import convert_gguf
+    from tokenleap.text.tokenizer import Tokenizer
+
+    sd = tiny_state("qwen2")
+    qwen = convert_gguf(write_tiny_gguf(tmp_path / "q.gguf", "qwen2", sd, pre="qwen2"), torch.float32, tmp_path)
+    r1 = convert_gguf(write_tiny_gguf(tmp_path / "r1.gguf", "qwen2", sd, pre="deepseek-r1-qwen"), torch.float32,
+                      tmp_path)
+    pre = [json.loads((d / "tokenizer.json").read_text())["pre_tokenizer"] for d in (qwen, r1)]
+    assert pre[0] == pre[1] and r"[^\r\n\p{L}\p{N}]?\p{L}+" in pre[1]["pretokenizers"][0]["pattern"]["Regex"]
+    assert Tokenizer.from_dir(r1).encode("t1t2") == [0, 1, 0, 2]  # (Qwen2 splits digits off one by one)
+
+    def never(*a, **kw):
+        raise AssertionError("the weights were written before the refusal")
+
+    monkeypatch.setattr(checkpoint, "_write_safetensors", never)
+    bad_pre = write_tiny_gguf(tmp_path / "p.gguf", "qwen2", sd, pre="gpt-4o")
+    with pytest.raises(ModelFormatError, match=r"p\.gguf: unsupported GGUF pre-tokenizer 'gpt-4o'"):
+        convert_gguf(bad_pre, torch.float32, tmp_path)
+    from gguf import GGML_QUANT_SIZES
+    w = sd["model.layers.1.mlp.down_proj.weight"]  # [64, 128], as Q8_1 blocks (a type llama.cpp never stores)
+    block, size = GGML_QUANT_SIZES[Q.Q8_1]
+    q8_1 = np.zeros((w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
+    bad_type = write_tiny_gguf(tmp_path / "t.gguf", "qwen2", sd, pre="qwen2",
+                               raw={"model.layers.1.mlp.down_proj.weight": (Q.Q8_1, q8_1)})
+    with pytest.raises(ModelFormatError, match="Q8_1"):
+        convert_gguf(bad_type, torch.float32, tmp_path)

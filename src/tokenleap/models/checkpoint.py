@@ -254,15 +254,20 @@ def _check_disk_space(gg: GGUFFile, dtype: torch.dtype, root: Path) -> None:
 
 
 def _write_converted(gg: GGUFFile, dtype: torch.dtype, out: Path) -> None:
-    """model.safetensors (streamed, one tensor in memory at a time), config.json, tokenizer files, and
-    source.json: where they came from, and their CRC-32s."""
+    """Tokenizer files, model.safetensors (streamed, one tensor in memory at a time), config.json, and
+    source.json: where they came from, and their CRC-32s. What can be refused (a tokenizer tokenleap
+    cannot build, a tensor type it cannot dequantize) is refused before the weights' long write."""
+    from tokenleap.text.gguf_tokenizer import write_tokenizer_files  # lazy: only conversions need it
+
+    try:
+        write_tokenizer_files(gg.tokenizer_metadata(), out)
+    except ModelFormatError as e:
+        raise ModelFormatError(f"{gg.path}: {e}") from None
+    gg.check_types()
     crc = _write_safetensors(gg, dtype, out / "model.safetensors")
     config = gg.config.to_hf_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    from tokenleap.text.gguf_tokenizer import write_tokenizer_files  # lazy: only conversions need it
-
-    write_tokenizer_files(gg.tokenizer_metadata(), out)
     st = gg.path.stat()
     sums = {f.name: _crc32(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != "model.safetensors"}
     source = {"gguf": str(gg.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,

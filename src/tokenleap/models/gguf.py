@@ -343,17 +343,31 @@ class GGUFFile:
             raw = _unpermute_rows(raw, n_head)
         return info.qtype, raw, info.shape
 
+    def _dequantize(self, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
+        try:
+            return quants.dequantize(raw, info.qtype)  # float32
+        except NotImplementedError:
+            raise ModelFormatError(
+                f"{self.path}: tensor {info.name!r} is stored as {info.qtype.name}, which tokenleap cannot "
+                "dequantize; use a file quantized as Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ1..IQ4, F16, "
+                "BF16 or F32") from None
+
+    def check_types(self) -> None:
+        """Refuse now, not part-way through a conversion, a tensor type that cannot be dequantized: the
+        first row of one tensor of each type is dequantized."""
+        tried: set[GGMLQuantizationType] = set()
+        for hf_name in self.hf_to_gguf:
+            info = self.info(hf_name)
+            if info.qtype not in tried:
+                tried.add(info.qtype)
+                raw = self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
+                self._dequantize(info, raw[:1] if raw.ndim > 1 else raw)
+
     def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized tensor in HF shape and order, e.g. [out, in] for projections."""
         info = self.info(hf_name)
         raw = self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
-        try:
-            values = quants.dequantize(raw, info.qtype)  # float32, info.shape
-        except NotImplementedError:
-            raise ModelFormatError(
-                f"{self.path}: tensor {info.name!r} is stored as {info.qtype.name}, which tokenleap cannot "
-                "dequantize; use a file quantized as Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, F16, BF16 or F32"
-            ) from None
+        values = self._dequantize(info, raw)  # float32, info.shape
         out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True).reshape(info.shape))
         n_head = self._heads_to_unpermute(hf_name)
         if n_head is not None:

@@ -31,7 +31,7 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{name: ((_GPT2_SPLIT,), False) for name in ("gpt2", "gpt-2", "mpt", "olmo")},
     **{name: ((_DIGIT_SPLIT, _GPT2_SPLIT), False)
        for name in ("smollm", "starcoder", "refact", "codeshell", "command-r")},
-    **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "stablelm2")},
+    **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "stablelm2", "deepseek-r1-qwen")},
     **{name: ((_LLAMA3_SPLIT,), True) for name in ("llama-bpe", "llama3", "llama-v3", "falcon3")},
 }
 
@@ -86,8 +86,8 @@ def _pre_tokenizer_spec(pre: str | None) -> tuple[tuple[str, ...], bool]:
         return _PRE_TOKENIZERS["gpt2"]
     if pre not in _PRE_TOKENIZERS:
         raise ModelFormatError(
-            f"unsupported GGUF pre-tokenizer {pre!r}; tokenleap supports "
-            f"{', '.join(sorted(_PRE_TOKENIZERS))}")
+            f"unsupported GGUF pre-tokenizer {pre!r}; tokenleap supports {', '.join(sorted(_PRE_TOKENIZERS))} "
+            "-- load the model's Hugging Face directory instead (its tokenizer.json is read as it is)")
     return _PRE_TOKENIZERS[pre]
 
 
