@@ -317,3 +317,24 @@ def test_a_conversion_refuses_before_writing_the_weights_and_takes_llama_cpps_qw
                                raw={"model.layers.1.mlp.down_proj.weight": (Q.Q8_1, q8_1)})
     with pytest.raises(ModelFormatError, match="Q8_1"):
         convert_gguf(bad_type, torch.float32, tmp_path)
+
+
+def test_every_end_token_of_a_gguf_or_a_config_json_ends_a_reply(tmp_path):
+    """A GGUF's end-of-turn and end-of-message tokens stop generation beside its end-of-text (llama.cpp's
+    end-of-generation set), and so does each token of a config.json's ``eos_token_id`` list when there
+    is no generation_config.json (transformers' ``GenerationConfig.from_model_config``)."""
+    import torch
+
+    from tokenleap.models.checkpoint import convert_gguf
+    from tokenleap.text.tokenizer import Tokenizer
+
+    path = write_tiny_gguf(tmp_path / "e.gguf", "llama", tiny_state("llama"),
+                           extra={"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 8})
+    converted = convert_gguf(path, torch.float32, tmp_path)
+    assert {95, 7, 8} <= set(Tokenizer.from_dir(converted).eos_token_ids)
+    config = json.loads((converted / "config.json").read_text())
+    config["eos_token_id"] = [95, 9]
+    (converted / "config.json").write_text(json.dumps(config))
+    assert {95, 9} <= set(Tokenizer.from_dir(converted).eos_token_ids)
+    (converted / "generation_config.json").write_text(json.dumps({"eos_token_id": 95}))
+    assert 9 not in Tokenizer.from_dir(converted).eos_token_ids  # (generation_config.json's, where it names one)
