@@ -69,6 +69,16 @@ def test_add_bos_token_is_honoured_once():
     assert tok2.encode_chat([{"role": "user", "content": "hi"}]).count(bos) == 1
 
 
+def test_a_llama3_gguf_without_the_bos_key_adds_bos_as_llama_cpp_does():
+    """Older Llama 3 GGUFs carry no tokenizer.ggml.add_bos_token; llama.cpp adds BOS for that pre-tokenizer
+    group unless the file says otherwise, other byte-level files add none unless it says so."""
+    for pre, key, adds in (("llama-bpe", None, True), ("llama-bpe", False, False), ("qwen2", None, False),
+                           ("qwen2", True, True)):
+        tok = Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.ggml.pre": pre,
+                                                            "tokenizer.ggml.add_bos_token": key}))
+        assert (tok.encode("the")[0] == tok.bos_token_id) == adds == tok.add_bos_token, (pre, key)
+
+
 def test_text_with_a_lone_surrogate_is_a_clear_error():
     """(Undecodable bytes in a command line arrive as lone surrogates; JSON can spell one too.)"""
     tok = Tokenizer.from_gguf_metadata(tiny_metadata())

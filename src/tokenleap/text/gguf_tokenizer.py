@@ -34,6 +34,9 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "stablelm2", "deepseek-r1-qwen")},
     **{name: ((_LLAMA3_SPLIT,), True) for name in ("llama-bpe", "llama3", "llama-v3", "falcon3")},
 }
+# pre types whose text starts with BOS where the file does not say (llama.cpp's Llama 3 group: older
+# Llama 3 GGUFs carry no tokenizer.ggml.add_bos_token, and the model expects <|begin_of_text|>)
+_BOS_BY_DEFAULT = frozenset(("llama-bpe", "llama3", "llama-v3", "falcon3"))
 
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
@@ -142,7 +145,7 @@ def _special(metadata: dict[str, Any], tokens: list[str], name: str) -> str | No
 def _adds_bos(metadata: dict[str, Any]) -> bool:
     if metadata.get("tokenizer.ggml.model") in SENTENCEPIECE_MODELS:
         return sentencepiece_adds_bos(metadata)
-    return bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    return bool(metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.pre") in _BOS_BY_DEFAULT))
 
 
 def _set_post_processor(backend: _Backend, metadata: dict[str, Any], tokens: list[str]) -> None:
