@@ -54,3 +54,23 @@ def test_a_gguf_of_the_wrong_layout_is_refused_before_its_conversion_is_written(
     with pytest.raises(errors.ModelFormatError, match=r"model.norm.weight has shape \(128,\), expected \(64,\)"):
         load_checkpoint(path, torch.float32, cache_dir=tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # no copy that can never load
+
+
+def test_load_errors_say_which_file_and_what_to_do(tmp_path):
+    """A GGUF whose weights and metadata disagree is named; a file inside a model directory points at the
+    directory; a directory with a tokenizer only in another form says which form tokenleap reads."""
+    from tokenleap.text.tokenizer import Tokenizer
+    sd = tiny_state("llama")
+    sd["model.norm.weight"] = np.concatenate([sd["model.norm.weight"]] * 2)
+    path = write_tiny_gguf(tmp_path / "wide.gguf", "llama", sd)
+    with pytest.raises(errors.ModelFormatError, match=r"wide\.gguf: tensor .* the weights and the config .* disagree"):
+        load_checkpoint(path, torch.float32, cache_dir=tmp_path / "cache")
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(errors.ModelFormatError, match=f"name the directory: {model_dir}"):
+        load_checkpoint(model_dir / "config.json", torch.float32)
+    (model_dir / "tokenizer.model").write_bytes(b"sp")
+    with pytest.raises(errors.ModelFormatError, match="tokenizer.json only, not tokenizer.model -- transformers"):
+        Tokenizer.from_dir(model_dir)

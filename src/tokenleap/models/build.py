@@ -61,7 +61,8 @@ def check_layout(config: ModelConfig, shapes: dict[str, tuple[int, ...]], model:
                                f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, shape in expected.items():
         if shapes[name] != shape:
-            raise ModelFormatError(f"tensor {name} has shape {shapes[name]}, expected {shape}")
+            raise ModelFormatError(f"tensor {name} has shape {shapes[name]}, expected {shape} by the model's "
+                                   "config: the weights and the config (config.json, or a GGUF's metadata) disagree")
 
 
 def build_transformer(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:

@@ -77,7 +77,9 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype | str,
     path = Path(key).expanduser()
     if path.is_file():
         if not _looks_like_gguf(path):
-            raise ModelFormatError(f"{path} is neither a GGUF file nor a model directory")
+            inside = (path.parent / hf.CONFIG_FILE).is_file()
+            hint = f" (to load the model directory it is in, name the directory: {path.parent})" if inside else ""
+            raise ModelFormatError(f"{path} is neither a GGUF file nor a model directory{hint}")
         return _load_gguf(path, dtype, cache_dir, source=f"gguf:{path.resolve()}")
     if path.is_dir():
         if not (path / hf.CONFIG_FILE).is_file():
@@ -209,7 +211,10 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
         return out
     gg = GGUFFile(gguf_path)  # validates header and tensor ranges before the long work
     try:
-        check_layout(gg.config, {name: gg.info(name).shape for name in gg.hf_names()})  # (nor a copy never loaded)
+        try:  # (nor a copy that can never load)
+            check_layout(gg.config, {name: gg.info(name).shape for name in gg.hf_names()})
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{gguf_path}: {e}") from None
         _remove_dead_conversions(root, out.name)  # first: what they hold counts against the space check
         _check_disk_space(gg, dtype, root)
         tmp = root / f".tmp-{out.name}-{os.getpid()}"

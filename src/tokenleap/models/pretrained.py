@@ -10,6 +10,7 @@ import torch
 
 from tokenleap import kernels
 from tokenleap.config import QUANT_MODES, ConfigError
+from tokenleap.errors import ModelFormatError
 from tokenleap.models.build import build_transformer, float32_activations_, pack_bf16_weights_
 from tokenleap.models.changes import modules_changed
 from tokenleap.models import packed_cache
@@ -123,7 +124,10 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "auto", quan
 def _quantized(ckpt: Checkpoint, tokenizer: Tokenizer, dt: torch.dtype, quant: str, cache_dir: str | Path | None,
                gguf_other: str) -> Transformer:
     """The checkpoint's model built and quantized with ``quant`` (see ``load_model``)."""
-    model = build_transformer(ckpt.config, ckpt.weights, dt)
+    try:
+        model = build_transformer(ckpt.config, ckpt.weights, dt)
+    except ModelFormatError as e:
+        raise ModelFormatError(f"{ckpt.tokenizer_dir}: {e}") from None
     if quant == "int4" and ckpt.gguf_path is not None:
         # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other -- in a
         # file with no 4-bit tensors at all (F16, BF16, Q8_0, Q5_K_M...) every one becomes int4, as asked

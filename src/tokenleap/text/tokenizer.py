@@ -176,7 +176,12 @@ class Tokenizer:
         holds the file's end-of-text, end-of-turn and end-of-message tokens)."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
-            raise ModelFormatError(f"no tokenizer.json in {path}; the model directory is incomplete")
+            other = [n for n in ("tokenizer.model", "vocab.json", "merges.txt") if (path / n).is_file()]
+            raise ModelFormatError(
+                f"no tokenizer.json in {path}; " + (
+                    f"tokenleap reads a tokenizer from tokenizer.json only, not {' + '.join(other)} -- transformers "
+                    f"writes one: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)" if other
+                    else "the model directory is incomplete"))
         backend = _backend_of(path / "tokenizer.json")
         config = _read_json(path / "tokenizer_config.json")
         if not _pick_template(config.get("chat_template")) and (path / "chat_template.jinja").is_file():
