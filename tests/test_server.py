@@ -129,6 +129,9 @@ def test_auth_model_and_value_errors(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
     assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:  # of several prompts, the one that does not fit is named
+        c.completions.create(model=NAME, prompt=["x", "x " * 5000], max_tokens=2)
+    assert e.value.body["message"].startswith("prompt 1 (of 2, counted from 0): this model's maximum context length")
     assert [m.id for m in c.models.list()] == [NAME]
     assert c.models.retrieve(NAME).id == c.models.retrieve("/models/tiny.gguf").id == NAME
     with pytest.raises(openai.NotFoundError):

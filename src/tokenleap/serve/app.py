@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.errors import PromptTooLongError
-from tokenleap.serve.context_window import check_max_tokens, truncate_prompt
+from tokenleap.serve.context_window import check_each_max_tokens, check_max_tokens, truncate_prompt
 from tokenleap.serve.chat_render import chat_messages, chat_options
 from tokenleap.serve.body import parse_body
 from tokenleap.serve.protocol import APIError, ChatRequest, CompletionRequest, bad_request, sampling_params
@@ -153,8 +153,7 @@ class OpenAIServer(ChecksAndPrompts):
         echo_only = req.max_tokens == 0  # the prompt (and its logprobs) alone, as vLLM and OpenAI answer it
         if echo_only and not req.echo:
             raise bad_request("max_tokens 0 returns the prompt alone: it needs echo set to true", "max_tokens")
-        budgets = [check_max_tokens(1 if echo_only else req.max_tokens, len(p), self.engine.max_len, 16)
-                   for p in prompts]
+        budgets = check_each_max_tokens(1 if echo_only else req.max_tokens, prompts, self.engine.max_len, 16)
         fmt = Format(new_id("cmpl"), "text_completion", self.cfg.model_name, now(), chat=False,
                       **usage_options(req), token_ids=bool(req.return_token_ids),
                       tokens=self._token_text(req.logprobs is not None, req.return_tokens_as_token_ids))

@@ -3,9 +3,10 @@
 API's ``truncation: "auto"`` and Ollama's ``num_ctx`` (``fit_turns``, then ``keep_ends``)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
-from tokenleap.serve.protocol import bad_request
+from tokenleap.serve.protocol import APIError, bad_request
 
 
 def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None,
@@ -28,6 +29,20 @@ def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
                           f"completion): lower {param} or shorten the prompt", param,
                           "context_length_exceeded")
     return requested
+
+
+def check_each_max_tokens(requested: int | None, prompts: list[list[int]], max_model_len: int,
+                          default: int | None, param: str = "max_tokens") -> list[int]:
+    """``check_max_tokens`` for each of a request's prompts; with several, a refusal names which one."""
+    budgets = []
+    for i, p in enumerate(prompts):
+        try:
+            budgets.append(check_max_tokens(requested, len(p), max_model_len, default, param))
+        except APIError as e:
+            if len(prompts) > 1:
+                raise replace(e, message=f"prompt {i} (of {len(prompts)}, counted from 0): {e.message}") from None
+            raise
+    return budgets
 
 
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int,

@@ -43,7 +43,7 @@ from fastapi.responses import Response
 
 from tokenleap.config import MAX_LOGPROBS, ConfigError
 from tokenleap.serve.jobs import Job
-from tokenleap.serve.context_window import check_max_tokens
+from tokenleap.serve.context_window import check_each_max_tokens
 from tokenleap.serve.protocol import (MAX_PROMPTS, CompletionRequest, Int64, _Strict, bad_request, failed,
                                       repeat_window, structured_output)
 from tokenleap.serve.body import parse_body
@@ -232,7 +232,7 @@ class LlamaCppRoutes:
                    prompts: list[list[int]], kind: str, multi: bool, truncated: bool = False) -> Response:
         server = self.server
         # n_predict past the context's end stops there (llama.cpp's "limit"), as a default would
-        budgets = [check_max_tokens(None, len(p), server.engine.max_len, req.max_tokens, "n_predict") for p in prompts]
+        budgets = check_each_max_tokens(None, prompts, server.engine.max_len, req.max_tokens, "n_predict")
         fmt = Format(new_id("cmpl"), kind, server.cfg.model_name, now(), chat=False)
         job = await server._start(req, prompts, budgets, structured_output(req), req.logprobs)
         shape = _Shape(job, server.cfg.model_name, TokenText(server.tokenizer) if req.logprobs else None,
