@@ -135,7 +135,8 @@ def test_prompts_file_errors(capsys, tmp_path):
 
 def test_flag_spellings_and_where_errors_point(capsys, tmp_path, smollm2_gguf):
     """An unknown flag points at the subcommand's --help; --max-new-tokens / --max-tokens and --prompts /
-    --prompts-file are other spellings of generate's, bench's and the other commands' flags; a prompts file's failing prompt is named."""
+    --prompts-file are other spellings of generate's, bench's and the other commands' flags; a prompts
+    file's failing prompt is named."""
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", "x", "--prompt", "hi", "--threads", "2"])
     err = capsys.readouterr().err
@@ -231,8 +232,9 @@ def test_ngram_speculation_equals_plain_on_real_model(capsys, smollm2_gguf):
     assert spec["stats"]["draft_tokens"] > 0 and spec["stats"]["mean_accepted_tokens"] >= 1.0
     auto = cli_json(capsys, "--prompt", prompt, "--chat", "--spec", "ngram")[0]
     assert auto["token_ids"] == plain["token_ids"]
+    # (a fixed depth: a timed one may decode plainly wherever n-gram lookup has a proposal)
     tree = cli_json(capsys, "--prompt", prompt, "--chat", "--spec", "ngram", "--spec-tree", "on",
-                    "--max-tree-nodes", "8", "--logprobs", "2")[0]
+                    "--num-spec-tokens", "4", "--max-tree-nodes", "8", "--logprobs", "2")[0]
     assert tree["token_ids"] == plain["token_ids"] and tree["stats"]["draft_tokens"] > 0
     assert "logprobs" not in auto
     # logprobs on the real model: the same figures with and without speculation
@@ -417,9 +419,9 @@ def test_a_prediction_file_drafts_from_its_text_on_real_model(capsys, tmp_path, 
     plain = cli_json(capsys, "--prompt", prompt, "--chat", "--max-tokens", "40")[0]
     f = tmp_path / "prediction.txt"
     f.write_text(plain["text"], encoding="utf-8")
-    without = cli_json(capsys, "--prompt", prompt, "--chat", "--max-tokens", "40", "--spec", "ngram")[0]
-    with_it = cli_json(capsys, "--prompt", prompt, "--chat", "--max-tokens", "40", "--spec", "ngram",
-                       "--prediction", str(f))[0]
+    fixed = ("--spec", "ngram", "--num-spec-tokens", "6")  # (a timed draft length may decode plainly)
+    without = cli_json(capsys, "--prompt", prompt, "--chat", "--max-tokens", "40", *fixed)[0]
+    with_it = cli_json(capsys, "--prompt", prompt, "--chat", "--max-tokens", "40", *fixed, "--prediction", str(f))[0]
     assert with_it["token_ids"] == without["token_ids"] == plain["token_ids"]
     assert with_it["stats"]["accepted_tokens"] > without["stats"]["accepted_tokens"] + 10
     assert_error(capsys, ["generate", "--model", "smollm2-135m-instruct", "--prompt", "x", "--prediction",

@@ -167,7 +167,9 @@ def test_background_responses_run_on_and_can_be_cancelled(server):
         with pytest.raises(openai.BadRequestError, match=message):
             c.responses.create(model=NAME, input="x", background=True, **extra)
 
-    eng = paged_engine("ngram")
+    # a fixed draft length: every step proposes, so takes the delay (the timed controller prices the delay as
+    # the draft's cost and decodes plainly, and the reply then ends in well under a second)
+    eng = paged_engine("ngram", k=2)
     eng.proposer = SlowProposer(eng.proposer)
     with LiveServer(create_app(eng, ServerConfig(NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
         slow = client(s)

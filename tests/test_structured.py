@@ -177,7 +177,8 @@ def test_speculative_output_equals_plain_under_a_constraint(kind, proposer):
                                     structured=GRAMMARS[kind])
             want, got = run(plain, prompt, params), run(spec, prompt, params)
             assert got.generated == want.generated, (prompt, k)
-    assert spec.totals.draft_tokens > 0  # speculation did run
+        if k == 2:  # speculation did run (at the fixed length: "auto" drafts only where measured times say it pays)
+            assert spec.totals.draft_tokens > 0
 
 
 def test_a_draft_model_drafts_inside_the_grammar():
