@@ -161,11 +161,12 @@ def test_gguf_configs(tmp_path):
 
 @pytest.fixture
 def tokenizer_stub(monkeypatch):
-    def write(metadata: dict, out_dir: Path) -> None:
+    def write(metadata: dict, out_dir: Path, backend=None) -> None:
         (Path(out_dir) / "tokenizer.json").write_text("{}")
         (Path(out_dir) / "tokenizer_config.json").write_text("{}")
 
     monkeypatch.setattr(tokenleap.text.gguf_tokenizer, "write_tokenizer_files", write)
+    monkeypatch.setattr(tokenleap.text.gguf_tokenizer, "build_backend_tokenizer", lambda metadata: None)
 
 
 @pytest.mark.parametrize("name", ["llama3.1", "phi3", "qwen3", "gemma3"])

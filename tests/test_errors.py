@@ -3,6 +3,8 @@ is a ``TokenleapError``; the spellings of a dtype, a quantization and a config's
 vLLM and transformers write load as they expect; a GGUF that cannot load leaves no converted copy."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -69,8 +71,28 @@ def test_load_errors_say_which_file_and_what_to_do(tmp_path):
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     (model_dir / "model.safetensors").write_bytes(b"\0" * 16)
-    with pytest.raises(errors.ModelFormatError, match=f"name the directory: {model_dir}"):
+    with pytest.raises(errors.ModelFormatError, match=re.escape(f"name the directory: {model_dir}")):
         load_checkpoint(model_dir / "config.json", torch.float32)
     (model_dir / "tokenizer.model").write_bytes(b"sp")
     with pytest.raises(errors.ModelFormatError, match="tokenizer.json only, not tokenizer.model -- transformers"):
         Tokenizer.from_dir(model_dir)
+
+
+def test_a_model_directory_whose_config_disagrees_with_its_weights_is_named(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from test_gguf import tiny_tokenizer_meta
+    from tokenleap.text.gguf_tokenizer import write_tokenizer_files
+    sd = tiny_state("llama")  # intermediate size 128
+    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}, str(tmp_path / "m.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(BASE | {"model_type": "llama", "intermediate_size": 256,
+                                                            "tie_word_embeddings": "lm_head.weight" not in sd}))
+    tok = tiny_tokenizer_meta(96)
+    write_tokenizer_files({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tok["tokens"],
+                           "tokenizer.ggml.merges": tok["merges"], "tokenizer.ggml.token_type": tok["types"],
+                           "tokenizer.ggml.eos_token_id": 95}, tmp_path)
+    with pytest.raises(errors.ModelFormatError,
+                       match=re.escape(f"{tmp_path}: tensor model.layers.0.mlp.gate_proj.weight has shape")):
+        pretrained.load_model(tmp_path, quant="none", cache_dir=tmp_path / "c")

@@ -5,9 +5,8 @@ llama.cpp's converter does (written out independently of tokenleap's code).
 """
 from __future__ import annotations
 
-import json
-
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -283,7 +282,6 @@ def test_real_smollm2_header_and_tensors():
     assert len(g.tokenizer_metadata()["tokenizer.ggml.tokens"]) == 49152
 
 
-
 def test_a_conversion_refuses_before_writing_the_weights_and_takes_llama_cpps_qwen2_aliases(tmp_path, monkeypatch):
     """A pre-tokenizer tokenleap cannot build, or a tensor type it cannot dequantize, is refused with the
     file's name before the long write of the weights; DeepSeek-R1-Distill-Qwen's pre-tokenizer name is
@@ -337,4 +335,36 @@ def test_every_end_token_of_a_gguf_or_a_config_json_ends_a_reply(tmp_path):
     (converted / "config.json").write_text(json.dumps(config))
     assert {95, 9} <= set(Tokenizer.from_dir(converted).eos_token_ids)
     (converted / "generation_config.json").write_text(json.dumps({"eos_token_id": 95}))
-    assert 9 not in Tokenizer.from_dir(converted).eos_token_ids  # (generation_config.json's, where it names one)
+    assert 9 not in Tokenizer.from_dir(converted).eos_token_ids  # generation_config.json's, where there is one
+    (converted / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    assert 9 not in Tokenizer.from_dir(converted).eos_token_ids  # (even naming none, as transformers reads it)
+    (converted / "generation_config.json").unlink()
+    wrapper = {"model_type": "gemma3", "eos_token_id": 12, "text_config": {**config, "eos_token_id": [95, 11]}}
+    (converted / "config.json").write_text(json.dumps(wrapper))  # a multimodal config: its text model's first
+    ids = Tokenizer.from_dir(converted).eos_token_ids
+    assert 11 in ids and 12 not in ids
+
+
+def test_a_copy_converted_by_an_older_tokenleap_gets_its_tokenizer_files_again(tmp_path, monkeypatch):
+    """A tokenizer fix (here: BOS for a Llama 3 GGUF that does not say) reaches copies converted before
+    it: their tokenizer files are written again, with their checksums, and the weights are kept."""
+    import os
+
+    import tokenleap.models.checkpoint as checkpoint
+    import tokenleap.text.gguf_tokenizer as gguf_tokenizer
+    from tokenleap.models.checkpoint import load_checkpoint
+    from tokenleap.text.tokenizer import Tokenizer
+
+    path = write_tiny_gguf(tmp_path / "l3.gguf", "llama", tiny_state("llama"), pre="llama-bpe")
+    with monkeypatch.context() as old:  # as an older tokenleap converted it
+        old.setattr(checkpoint, "TOKENIZER_VERSION", 1)
+        old.setattr(gguf_tokenizer, "_adds_bos", lambda metadata: False)
+        out = load_checkpoint(path, torch.float32, cache_dir=tmp_path).tokenizer_dir
+    assert not Tokenizer.from_dir(out).add_bos_token
+    weights = (out / "model.safetensors").stat().st_mtime_ns
+    again = load_checkpoint(path, torch.float32, cache_dir=tmp_path).tokenizer_dir
+    assert again == out and Tokenizer.from_dir(out).add_bos_token
+    assert (out / "model.safetensors").stat().st_mtime_ns == weights
+    assert json.loads((out / "source.json").read_text())["tokenizer_version"] == checkpoint.TOKENIZER_VERSION
+    checkpoint._check_converted(out)  # the new files' checksums are the ones recorded
+    assert not [p for p in os.listdir(out) if p.startswith(".tokenizer-") or p.startswith(".source-")]

@@ -70,6 +70,10 @@ def test_several_prompts_and_mixed_ids(server):
     for bad in ({"prompt": [[5, 6], 7]}, {"prompt": ["x"] * 17}, {"prompt": [[]]}, {"prompt": [5, VOCAB]},
                 {"prompt": [["a", VOCAB]]}):
         assert post(server, "/completion", {**greedy, **bad}).status_code == 400, bad
+    over = post(server, "/completion", {**greedy, "prompt": ["x", [5] * 5000]})  # the one that does not fit, named
+    assert over.status_code == 400 and over.json()["error"]["message"].startswith("prompt 1 (of 2, counted from 0)")
+    bad_budget = post(server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": -1}).json()["error"]
+    assert not bad_budget["message"].startswith("prompt")  # (the request's own: no prompt to blame)
 
 
 def test_n_probs_and_return_tokens(server):

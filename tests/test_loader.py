@@ -27,12 +27,13 @@ def tokenizer_stub(monkeypatch):
     """Stand-in for tokenizer.write_tokenizer_files (tiny vocabularies are no real BPE); records calls."""
     calls = []
 
-    def write(metadata: dict, out_dir: Path) -> None:
+    def write(metadata: dict, out_dir: Path, backend=None) -> None:
         calls.append(metadata)
         (Path(out_dir) / "tokenizer.json").write_text(json.dumps({"n": len(metadata["tokenizer.ggml.tokens"])}))
         (Path(out_dir) / "tokenizer_config.json").write_text(json.dumps({"chat_template": "x"}))
 
     monkeypatch.setattr(tokenleap.text.gguf_tokenizer, "write_tokenizer_files", write)
+    monkeypatch.setattr(tokenleap.text.gguf_tokenizer, "build_backend_tokenizer", lambda metadata: None)
     return calls
 
 

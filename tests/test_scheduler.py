@@ -229,7 +229,7 @@ def test_metrics_export_and_log_line():
 def test_a_snapshot_reads_the_proposer_table_while_the_loop_adds_to_it():
     """/metrics reads the totals on the HTTP thread while the scheduler's thread records steps: a
     proposer named for the first time mid-read must not fail the scrape (the table is copied whole)."""
-    sched = run_workload("self-draft", blocks=128, n=2)
+    sched = run_workload("self-draft", blocks=128, n=2, k=3)  # (a fixed length: a proposer named in the table)
 
     class Growing(dict):  # a step of a new proposer recorded while a reader walks the table
         def items(self):

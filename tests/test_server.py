@@ -3,6 +3,7 @@ server on 127.0.0.1 (tiny random model, ToyTokenizer with a chat template)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -287,12 +288,13 @@ class GateProposer:
     name = "gate"
 
     def __init__(self, inner) -> None:
-        self.inner, self.gate = inner, threading.Event()
+        self.inner, self.gate, self.entered = inner, threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def propose_many(self, requests):
+        self.entered.set()  # (a request is held in its step from here)
         self.gate.wait(120)
         return self.inner.propose_many(requests)
 
@@ -302,11 +304,12 @@ def test_a_non_streaming_client_that_leaves_is_cancelled():
     eng = paged_engine("ngram", k=2)
     eng.proposer = held = GateProposer(eng.proposer)
     with LiveServer(create_app(eng, ServerConfig(NAME, scheduler=SchedulerConfig(log_interval=0)))) as s:
-        # (the request must be prefilled and held in its step before the client leaves: a process's first
-        # request took 0.45 s to get there on a loaded machine, against the 1 s the client waited)
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(s.url + "/v1/completions", json={"prompt": "wait for me", "max_tokens": 60,
-                                                           "ignore_eos": True}, timeout=5.0)
+        body = json.dumps({"prompt": "wait for me", "max_tokens": 60, "ignore_eos": True}).encode()
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert held.entered.wait(60)  # prefilled and held in its step: the client leaves now
         assert wait_until(lambda: s.scheduler._cancelled, 30)  # noticed while the scheduler is held
         held.gate.set()
         assert wait_until(lambda: s.scheduler.idle)

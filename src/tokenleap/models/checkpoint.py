@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer as TokenizerBackend
 
 from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
@@ -35,6 +36,11 @@ from tokenleap.models.gguf_split import named_shards
 log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1  # bump when the converted layout or numerics change: old caches are then ignored
+# bump when the tokenizer files a GGUF's metadata gives change (a pre-tokenizer's BOS default): a copy
+# converted before has only its tokenizer files written again, keeping its weights and the keys of its
+# packed copies and calibrations
+TOKENIZER_VERSION = 2
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _HEADER_BYTES = 1 << 20  # how much of the GGUF the cache key hashes
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -105,6 +111,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path, source: str) -> 
     parse: tokenleap's own copy, which nothing else writes) is converted again, once."""
     out = convert_gguf(path, dtype, cache_dir)
     try:
+        _refresh_tokenizer(out, path)
         _check_converted(out)
         config, weights = hf.load_hf_dir(out, dtype)
     except ModelFormatError as e:
@@ -114,6 +121,39 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path, source: str) -> 
         _check_converted(out)  # where the cache is read-only, the damaged copy is still there: refused
         config, weights = hf.load_hf_dir(out, dtype)
     return Checkpoint(config, weights, out, source=source, gguf_path=path)
+
+
+def _refresh_tokenizer(out: Path, gguf_path: Path) -> None:
+    """Write the tokenizer files of the converted copy ``out`` again where an older tokenleap wrote them
+    (``TOKENIZER_VERSION``), with their CRC-32s; a read-only cache keeps what it has."""
+    source_file = out / "source.json"
+    try:
+        source = json.loads(source_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # (``_check_converted`` refuses it)
+    if not isinstance(source, dict) or source.get("tokenizer_version", 1) >= TOKENIZER_VERSION:
+        return
+    if not os.access(out, os.W_OK):
+        return
+    from tokenleap.text.gguf_tokenizer import write_tokenizer_files
+
+    gg = GGUFFile(gguf_path)
+    fresh = out / f".tokenizer-{os.getpid()}"
+    sums = source.get("crc32") if isinstance(source.get("crc32"), dict) else {}
+    try:
+        write_tokenizer_files(gg.tokenizer_metadata(), fresh)
+        for name in _TOKENIZER_FILES:
+            sums[name] = _crc32(fresh / name)
+            os.replace(fresh / name, out / name)  # (each file whole: a reader sees the old one or the new)
+    finally:
+        gg.close()
+        shutil.rmtree(fresh, ignore_errors=True)
+    source.update(crc32=sums, tokenizer_version=TOKENIZER_VERSION)
+    tmp = out / f".source-{os.getpid()}.json"
+    tmp.write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, source_file)
+    log.info("wrote the tokenizer files of %s's converted copy again (tokenizer version %d)",
+             gguf_path.name, TOKENIZER_VERSION)
 
 
 def _crc32(path: Path) -> int:
@@ -211,17 +251,22 @@ def convert_gguf(gguf_path: Path, dtype: torch.dtype, cache_dir: Path | None = N
         return out
     gg = GGUFFile(gguf_path)  # validates header and tensor ranges before the long work
     try:
-        try:  # (nor a copy that can never load)
+        # what can be refused is refused before the disk check and the long write: a layout that can
+        # never load, a tokenizer tokenleap cannot build, a tensor type it cannot dequantize
+        from tokenleap.text.gguf_tokenizer import build_backend_tokenizer  # lazy: only conversions need it
+        try:
             check_layout(gg.config, {name: gg.info(name).shape for name in gg.hf_names()})
+            backend = build_backend_tokenizer(gg.tokenizer_metadata())
         except ModelFormatError as e:
             raise ModelFormatError(f"{gguf_path}: {e}") from None
+        gg.check_types()
         _remove_dead_conversions(root, out.name)  # first: what they hold counts against the space check
         _check_disk_space(gg, dtype, root)
         tmp = root / f".tmp-{out.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            _write_converted(gg, dtype, tmp)
+            _write_converted(gg, dtype, tmp, backend)
             if not _is_complete(out):  # else a concurrent conversion finished first: keep its result
                 shutil.rmtree(out, ignore_errors=True)  # an incomplete leftover, if any
                 try:
@@ -258,17 +303,13 @@ def _check_disk_space(gg: GGUFFile, dtype: torch.dtype, root: Path) -> None:
             f"but only {free / 2**30:.1f} GiB is free; free space or set TOKENLEAP_CACHE elsewhere")
 
 
-def _write_converted(gg: GGUFFile, dtype: torch.dtype, out: Path) -> None:
-    """Tokenizer files, model.safetensors (streamed, one tensor in memory at a time), config.json, and
-    source.json: where they came from, and their CRC-32s. What can be refused (a tokenizer tokenleap
-    cannot build, a tensor type it cannot dequantize) is refused before the weights' long write."""
+def _write_converted(gg: GGUFFile, dtype: torch.dtype, out: Path, backend: TokenizerBackend) -> None:
+    """Tokenizer files (``backend``: the tokenizer built from the file's metadata), model.safetensors
+    (streamed, one tensor in memory at a time), config.json, and source.json: where they came from,
+    and their CRC-32s."""
     from tokenleap.text.gguf_tokenizer import write_tokenizer_files  # lazy: only conversions need it
 
-    try:
-        write_tokenizer_files(gg.tokenizer_metadata(), out)
-    except ModelFormatError as e:
-        raise ModelFormatError(f"{gg.path}: {e}") from None
-    gg.check_types()
+    write_tokenizer_files(gg.tokenizer_metadata(), out, backend)
     crc = _write_safetensors(gg, dtype, out / "model.safetensors")
     config = gg.config.to_hf_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -276,7 +317,8 @@ def _write_converted(gg: GGUFFile, dtype: torch.dtype, out: Path) -> None:
     st = gg.path.stat()
     sums = {f.name: _crc32(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != "model.safetensors"}
     source = {"gguf": str(gg.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-              "dtype": str(dtype), "converter_version": CONVERTER_VERSION, "crc32": {**sums, "model.safetensors": crc}}
+              "dtype": str(dtype), "converter_version": CONVERTER_VERSION, "tokenizer_version": TOKENIZER_VERSION,
+              "crc32": {**sums, "model.safetensors": crc}}
     (out / "source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
 
 

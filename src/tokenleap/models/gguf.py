@@ -349,19 +349,19 @@ class GGUFFile:
         except NotImplementedError:
             raise ModelFormatError(
                 f"{self.path}: tensor {info.name!r} is stored as {info.qtype.name}, which tokenleap cannot "
-                "dequantize; use a file quantized as Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ1..IQ4, F16, "
-                "BF16 or F32") from None
+                "dequantize; use a file quantized as Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ1..IQ4, TQ1_0, "
+                "TQ2_0, MXFP4, F16, BF16 or F32") from None
 
     def check_types(self) -> None:
         """Refuse now, not part-way through a conversion, a tensor type that cannot be dequantized: the
-        first row of one tensor of each type is dequantized."""
+        first row of one tensor of each type is dequantized (a 1-D tensor, small, whole)."""
         tried: set[GGMLQuantizationType] = set()
         for hf_name in self.hf_to_gguf:
             info = self.info(hf_name)
             if info.qtype not in tried:
                 tried.add(info.qtype)
                 raw = self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
-                self._dequantize(info, raw[:1] if raw.ndim > 1 else raw)
+                self._dequantize(info, raw.reshape(-1, raw.shape[-1])[:1] if raw.ndim > 1 else raw)
 
     def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized tensor in HF shape and order, e.g. [out, in] for projections."""

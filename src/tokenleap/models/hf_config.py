@@ -59,6 +59,16 @@ def _architecture(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return arch, d
 
 
+def config_eos(raw: dict[str, Any]) -> Any:
+    """config.json's ``eos_token_id`` (an id, a list, or None) as ``config_from_hf_dict`` reads it: a
+    multimodal Gemma 3's from its text_config first."""
+    try:
+        _, d = _architecture(raw)
+    except ConfigError:  # (a family tokenleap does not run: the tokenizer still reads the top level)
+        d = raw
+    return d.get("eos_token_id")
+
+
 def _rope_settings(arch: str, d: dict[str, Any]) -> tuple[float, dict[str, Any], float | None]:
     """(rope_theta, scaling of the global layers (no rope_theta; {} when plain), local base freq)."""
     params = d.get("rope_parameters")

@@ -127,7 +127,7 @@ def _quantized(ckpt: Checkpoint, tokenizer: Tokenizer, dt: torch.dtype, quant: s
     try:
         model = build_transformer(ckpt.config, ckpt.weights, dt)
     except ModelFormatError as e:
-        raise ModelFormatError(f"{ckpt.tokenizer_dir}: {e}") from None
+        raise ModelFormatError(f"{ckpt.gguf_path or ckpt.tokenizer_dir}: {e}") from None
     if quant == "int4" and ckpt.gguf_path is not None:
         # re-pack the file's own 4-bit blocks (exact); its 5-8-bit tensors become gguf_other -- in a
         # file with no 4-bit tensors at all (F16, BF16, Q8_0, Q5_K_M...) every one becomes int4, as asked

@@ -33,13 +33,14 @@ def check_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
 
 def check_each_max_tokens(requested: int | None, prompts: list[list[int]], max_model_len: int,
                           default: int | None, param: str = "max_tokens") -> list[int]:
-    """``check_max_tokens`` for each of a request's prompts; with several, a refusal names which one."""
+    """``check_max_tokens`` for each of a request's prompts; with several, a prompt that does not fit is
+    named (a bad ``requested`` is the whole request's, and refused as it is)."""
     budgets = []
     for i, p in enumerate(prompts):
         try:
             budgets.append(check_max_tokens(requested, len(p), max_model_len, default, param))
         except APIError as e:
-            if len(prompts) > 1:
+            if len(prompts) > 1 and e.code == "context_length_exceeded":
                 raise replace(e, message=f"prompt {i} (of {len(prompts)}, counted from 0): {e.message}") from None
             raise
     return budgets

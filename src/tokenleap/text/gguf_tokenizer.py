@@ -26,17 +26,18 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 
+# llama.cpp's Llama 3 group: their text starts with BOS where the file does not say (older Llama 3
+# GGUFs carry no tokenizer.ggml.add_bos_token, and the model expects <|begin_of_text|>)
+_LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3", "falcon3")
+
 # pre type -> (split patterns applied in order, BPE ignore_merges)
 _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{name: ((_GPT2_SPLIT,), False) for name in ("gpt2", "gpt-2", "mpt", "olmo")},
     **{name: ((_DIGIT_SPLIT, _GPT2_SPLIT), False)
        for name in ("smollm", "starcoder", "refact", "codeshell", "command-r")},
     **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "stablelm2", "deepseek-r1-qwen")},
-    **{name: ((_LLAMA3_SPLIT,), True) for name in ("llama-bpe", "llama3", "llama-v3", "falcon3")},
+    **{name: ((_LLAMA3_SPLIT,), True) for name in _LLAMA3_PRES},
 }
-# pre types whose text starts with BOS where the file does not say (llama.cpp's Llama 3 group: older
-# Llama 3 GGUFs carry no tokenizer.ggml.add_bos_token, and the model expects <|begin_of_text|>)
-_BOS_BY_DEFAULT = frozenset(("llama-bpe", "llama3", "llama-v3", "falcon3"))
 
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
@@ -145,7 +146,7 @@ def _special(metadata: dict[str, Any], tokens: list[str], name: str) -> str | No
 def _adds_bos(metadata: dict[str, Any]) -> bool:
     if metadata.get("tokenizer.ggml.model") in SENTENCEPIECE_MODELS:
         return sentencepiece_adds_bos(metadata)
-    return bool(metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.pre") in _BOS_BY_DEFAULT))
+    return bool(metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.pre") in _LLAMA3_PRES))
 
 
 def _set_post_processor(backend: _Backend, metadata: dict[str, Any], tokens: list[str]) -> None:
@@ -181,10 +182,11 @@ def tokenizer_config_from_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def write_tokenizer_files(metadata: dict[str, Any], out_dir: Path) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` for GGUF tokenizer metadata."""
+def write_tokenizer_files(metadata: dict[str, Any], out_dir: Path, backend: _Backend | None = None) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` for GGUF tokenizer metadata (``backend``:
+    the tokenizer ``build_backend_tokenizer`` made of it, where the caller has it already)."""
     out_dir = Path(out_dir)
-    backend = build_backend_tokenizer(metadata)
+    backend = backend if backend is not None else build_backend_tokenizer(metadata)
     out_dir.mkdir(parents=True, exist_ok=True)
     backend.save(str(out_dir / "tokenizer.json"))
     config = json.dumps(tokenizer_config_from_metadata(metadata), indent=2, ensure_ascii=False)

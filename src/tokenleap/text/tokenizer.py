@@ -170,27 +170,27 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         """Load ``tokenizer.json`` (required) and, when present, ``tokenizer_config.json``,
-        ``chat_template.jinja`` and ``generation_config.json`` from a directory. Without an end token
-        in ``generation_config.json``, config.json's (a list: every one of them) ends a reply, as
-        transformers' ``GenerationConfig.from_model_config`` takes them (a converted GGUF's config.json
-        holds the file's end-of-text, end-of-turn and end-of-message tokens)."""
+        ``chat_template.jinja`` and ``generation_config.json`` from a directory. Without a
+        ``generation_config.json``, config.json's end tokens (a list: every one of them) end a reply, as
+        transformers and vLLM fall back to them (a converted GGUF's config.json holds the file's
+        end-of-text, end-of-turn and end-of-message tokens)."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             other = [n for n in ("tokenizer.model", "vocab.json", "merges.txt") if (path / n).is_file()]
             raise ModelFormatError(
                 f"no tokenizer.json in {path}; " + (
                     f"tokenleap reads a tokenizer from tokenizer.json only, not {' + '.join(other)} -- transformers "
-                    f"writes one: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)" if other
+                    f"writes one: AutoTokenizer.from_pretrained({str(path)!r}).save_pretrained({str(path)!r})"
+                    if other
                     else "the model directory is incomplete"))
         backend = _backend_of(path / "tokenizer.json")
         config = _read_json(path / "tokenizer_config.json")
         if not _pick_template(config.get("chat_template")) and (path / "chat_template.jinja").is_file():
             config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8-sig")
         generation = _read_json(path / "generation_config.json")
-        if generation.get("eos_token_id") is None:
-            model = _read_json(path / "config.json")
-            text = model.get("text_config") if isinstance(model.get("text_config"), dict) else {}
-            model_eos = model.get("eos_token_id", text.get("eos_token_id"))
+        if not (path / "generation_config.json").is_file():
+            from tokenleap.models.hf_config import config_eos
+            model_eos = config_eos(_read_json(path / "config.json"))
             if model_eos is not None:
                 generation["eos_token_id"] = model_eos
         return cls(backend, config, generation)
