@@ -156,3 +156,29 @@ def test_barred_sequences_by_their_index_equal_the_rule():
                 if last < vocab and (not rest or ends_with_rest):
                     want[i, last] = float("-inf")
         assert torch.equal(got, want), (words, generated, draft)
+
+
+def test_a_draft_past_a_token_the_allowed_set_forbids_does_not_fail_the_request(target):
+    """allowed_token_ids with bad words: n-gram lookup drafts a token outside the allowed set, and the row
+    after it follows a history in which the bad words bar every allowed token. Verification never reaches
+    that row (the drafted token is rejected first) and plain decoding never meets it, so speculation --
+    chains and trees, greedy and seeded -- decodes what plain decoding does instead of failing there."""
+    prompt = [10, 11, 12] * 6 + [10, 11]  # lookup continues "10 11" with 12
+    bad = ((12, 10), (12, 11), (10, 10), (11, 11))
+    for extra in ({}, {"temperature": 0.8, "seed": 3}):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, allowed_token_ids=(10, 11), bad_word_ids=bad, **extra)
+
+        def generated(proposer=None, tree_nodes=0):
+            eng = Engine(target, ToyTokenizer(VOCAB), max_len=128, proposer=proposer, tree_nodes=tree_nodes,
+                         controller=ControllerConfig(max_k=4, fixed_k=4 if proposer else None))
+            *_, (seq, _) = eng.generate(prompt, params)
+            return seq.generated, seq.stats.draft_tokens
+
+        want, _ = generated()
+        assert set(want) == {10, 11} and all(a != b for a, b in zip(want, want[1:]))  # (what both rules allow)
+        for tree_nodes in (0, 8):
+            got, drafted = generated(NgramProposer(3, 1), tree_nodes)
+            assert got == want and drafted > 0, (extra, tree_nodes)
+    with pytest.raises(ConfigError, match="leave no token"):  # a dead end plain decoding meets is still refused
+        list(Engine(target, ToyTokenizer(VOCAB), max_len=128).generate(prompt, SamplingParams(
+            max_tokens=4, allowed_token_ids=(10, 11), bad_word_ids=((10,), (11,)))))

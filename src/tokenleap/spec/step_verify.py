@@ -102,9 +102,26 @@ def target_logits(seq: Sequence, logits: torch.Tensor, drafted: list[int]) -> to
     if p.min_tokens > seq.num_generated:
         logits = suppress_early_stops(logits, p, seq.num_generated, seq.eos_ids)
     if (p.allowed_token_ids or p.bad_word_ids) and not bool(torch.isfinite(logits).any(dim=-1).all()):
+        logits = _unreachable_rows_cleared(logits, drafted)
+    return logits
+
+
+def _unreachable_rows_cleared(logits: torch.Tensor, drafted: list[int]) -> torch.Tensor:
+    """``logits`` [k + 1, vocab] where some row allows no token. A row the verification can reach (each
+    drafted token before it allowed by its own row) is the request's dead end, as in plain decoding: a
+    ``ConfigError``. A row after a drafted token its own row forbids is never reached (that token is
+    rejected there), so it may follow a history plain decoding never has: it is made uniform instead."""
+    reachable = len(drafted) + 1
+    for i, t in enumerate(drafted):
+        if not bool(torch.isfinite(logits[i, t])):
+            reachable = i + 1
+            break
+    if not bool(torch.isfinite(logits[:reachable]).any(dim=-1).all()):
         raise ConfigError("allowed_token_ids or bad_words leave no token that the reply's grammar (or min_tokens) "
                           "allows here")
-    return logits
+    out = logits.clone()
+    out[reachable:] = 0.0  # (never read: uniform, so that nothing downstream meets a row of -inf)
+    return out
 
 
 def tree_target_logits(seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
