@@ -96,15 +96,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head", default=None, metavar="auto|PATH",
                    help="--spec eagle: the trained draft head (a file from tokenleap train-head); auto (default): "
                         "the one stored for --model")
-    p.add_argument("--draft-vocab", type=non_negative_int, default=32768,
+    p.add_argument("--draft-vocab", type=non_negative_int, default=SpecConfig.draft_vocab,
                    help="draft head over the first N token ids + special + prompt tokens (0: full vocabulary)")
     p.add_argument("--num-spec-tokens", type=_num_spec_tokens, default="auto",
                    help="draft length: 'auto' (adaptive, falls back to plain decoding) or a fixed N "
                         "(default: %(default)s)")
-    p.add_argument("--max-spec-tokens", type=positive_int, default=8,
-                   help="upper bound for the adaptive draft length (default: 8)")
-    p.add_argument("--ngram-max", type=positive_int, default=4,
-                   help="longest suffix match n-gram lookup drafts from (default: 4)")
+    p.add_argument("--max-spec-tokens", type=positive_int, default=SpecConfig.max_num_tokens,
+                   help="upper bound for the adaptive draft length (default: %(default)s)")
+    p.add_argument("--ngram-max", type=positive_int, default=SpecConfig.ngram_max,
+                   help="longest suffix match n-gram lookup drafts from (default: %(default)s)")
     p.add_argument("--ngram-min", type=positive_int, default=None,
                    help=f"shortest suffix match n-gram lookup drafts from (default {SpecConfig.ngram_min}, "
                         "at most --ngram-max)")
@@ -181,12 +181,12 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
 
 
 # a proposer's tuning flags: (dest, flag, its default, the methods that read it; None: every speculative one)
-_TUNING = (("max_spec_tokens", "--max-spec-tokens", 8, None),
+_TUNING = (("max_spec_tokens", "--max-spec-tokens", SpecConfig.max_num_tokens, None),
            ("max_tree_nodes", "--max-tree-nodes", SpecConfig.max_tree_nodes, None),
            ("ngram_pool", "--ngram-pool", SpecConfig.ngram_pool, ("ngram", "auto", "draft")),
-           ("ngram_max", "--ngram-max", 4, ("ngram", "auto", "lookahead", "layerskip")),
+           ("ngram_max", "--ngram-max", SpecConfig.ngram_max, ("ngram", "auto", "lookahead", "layerskip")),
            ("ngram_min", "--ngram-min", None, ("ngram", "auto")),
-           ("draft_vocab", "--draft-vocab", 32768, ("draft", "auto")),
+           ("draft_vocab", "--draft-vocab", SpecConfig.draft_vocab, ("draft", "auto")),
            ("lookahead_window", "--lookahead-window", SpecConfig.lookahead_window, ("lookahead", "auto")),
            ("lookahead_ngram", "--lookahead-ngram", SpecConfig.lookahead_ngram, ("lookahead", "auto")),
            ("lookahead_guesses", "--lookahead-guesses", SpecConfig.lookahead_guesses, ("lookahead", "auto")))
