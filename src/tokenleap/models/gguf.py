@@ -337,11 +337,15 @@ class GGUFFile:
         exact: quantization blocks never cross rows); each row holds its quantization blocks.
         """
         info = self.info(hf_name)
-        raw = self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)  # [rows, bytes]
+        raw = self._bytes(info)  # [rows, bytes]
         n_head = self._heads_to_unpermute(hf_name)
         if n_head is not None:
             raw = _unpermute_rows(raw, n_head)
         return info.qtype, raw, info.shape
+
+    def _bytes(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's stored bytes in file order, uint8 [*shape[:-1], bytes_per_row], read-only."""
+        return self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
 
     def _dequantize(self, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
         try:
@@ -360,14 +364,13 @@ class GGUFFile:
             info = self.info(hf_name)
             if info.qtype not in tried:
                 tried.add(info.qtype)
-                raw = self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
+                raw = self._bytes(info)
                 self._dequantize(info, raw.reshape(-1, raw.shape[-1])[:1] if raw.ndim > 1 else raw)
 
     def tensor(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized tensor in HF shape and order, e.g. [out, in] for projections."""
         info = self.info(hf_name)
-        raw = self._data[info.file][info.offset:info.offset + info.nbytes].reshape(info.byte_shape)
-        values = self._dequantize(info, raw)  # float32, info.shape
+        values = self._dequantize(info, self._bytes(info))  # float32, info.shape
         out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True).reshape(info.shape))
         n_head = self._heads_to_unpermute(hf_name)
         if n_head is not None:
