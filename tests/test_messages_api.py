@@ -5,6 +5,7 @@ do is a 400 in Anthropic's error form."""
 from __future__ import annotations
 
 import json
+import threading
 
 import anthropic
 import httpx
@@ -267,3 +268,33 @@ def test_any_tool_choice_allows_several_calls_unless_parallel_use_is_disabled():
     for choice in ({"type": "any"}, {"type": "tool", "name": "f"}):  # without tools: said in this API's terms
         with pytest.raises(APIError, match=f'tool_choice {{"type": "{choice["type"]}"}} needs tools'):
             chat_request(MessagesRequest.model_validate({**base, "tools": None, "tool_choice": choice}))
+
+
+def test_a_busy_server_is_overloaded_in_anthropics_status():
+    """The queue full: 529 ``overloaded_error`` on /v1/messages (the SDK's ``OverloadedError``, which it
+    retries), while the OpenAI routes keep their 503."""
+    from serving_helpers import LiveServer, paged_engine
+    from test_server import GateProposer
+    from tokenleap.serve.app import ServerConfig, create_app
+    from tokenleap.serve.scheduler import SchedulerConfig
+    eng = paged_engine("ngram", k=2)
+    eng.proposer = held = GateProposer(eng.proposer)
+    config = ServerConfig(NAME, scheduler=SchedulerConfig(log_interval=0, max_num_seqs=1, max_waiting=0))
+    with LiveServer(create_app(eng, config)) as s:
+        done = []
+        t = threading.Thread(target=lambda: done.append(httpx.post(s.url + "/v1/completions", json={
+            "prompt": "wait for me", "max_tokens": 20, "ignore_eos": True}, timeout=120)))
+        t.start()
+        try:
+            assert held.entered.wait(60)  # the one slot is taken and nothing may wait
+            with pytest.raises(anthropic.OverloadedError) as e:
+                anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60).messages.create(
+                    model=NAME, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+            assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error", e.value.body
+            assert e.value.response.headers["retry-after"] == "1"
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        finally:
+            held.gate.set()
+            t.join(120)
+        assert done and done[0].status_code == 200, done

@@ -59,7 +59,14 @@ def _response(request: HTTPRequest, exc: APIError, headers: dict[str, str] | Non
     refused_log.info("%s %s -> %d (%s) from %s%s: %s", request.method, _one_line(request.url.path), exc.status,
                      exc.code or exc.type, f"{client.host}:{client.port}" if client else "?",
                      f" (x-request-id {CURRENT.get()})" if CURRENT.get() else "", _one_line(exc.message))
-    return JSONResponse(error_body(request.url.path, exc), status_code=exc.status, headers=headers)
+    return JSONResponse(error_body(request.url.path, exc), status_code=http_status(request.url.path, exc.status),
+                        headers=headers)
+
+
+def http_status(path: str, status: int) -> int:
+    """The HTTP status an error of ``status`` is sent with on ``path``: a busy server's 503 is Anthropic's 529
+    (``overloaded_error``, which its SDKs raise as ``OverloadedError`` and retry) on the Messages API's routes."""
+    return 529 if status == 503 and path.startswith(MESSAGES_PATH) else status
 
 
 async def _api_error(request: HTTPRequest, exc: APIError) -> JSONResponse:
