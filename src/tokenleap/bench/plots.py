@@ -56,9 +56,11 @@ def speedup_plot(results: dict[str, Any], path: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * (1 + len(methods) / 4)), 4.2))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
-        xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
-        ys = [(t.get(m) or {}).get("speedup") or 0.0 for _, t in groups]
-        bars = ax.bar(xs, ys, width, label=m)
+        # (a group the method has no speedup in -- it never ran there -- gets no bar, not a 0.00 one)
+        bars_at = [(g + (i - (len(methods) - 1) / 2) * width, (t.get(m) or {}).get("speedup"))
+                   for g, (_, t) in enumerate(groups)]
+        bars_at = [(x, y) for x, y in bars_at if y is not None]
+        bars = ax.bar([x for x, _ in bars_at], [y for _, y in bars_at], width, label=m)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)), [label for label, _ in groups], rotation=20 if len(groups) > 4 else 0)

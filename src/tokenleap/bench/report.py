@@ -81,18 +81,19 @@ def _equality(results: dict[str, Any]) -> list[str]:
     if not eq["checked"]:
         return [f"Not checked: {eq.get('reason')}."]
     lines = []
-    mm = eq["mismatches"]
-    if mm:
-        lines.append(f"**MISMATCH: {len(mm)} request(s) differ from `plain` token by token:**\n")
-        lines += [f"- **`{m['method']}`** on `{m['prompt_id']}` (repeat {m['repeat']}): first difference at "
-                  f"generated token {m['first_difference']} ({m['method_tokens']} vs {m['reference_tokens']} tokens)"
-                  for m in mm[:_MAX_LISTED]]
-        lines += [f"- … and {len(mm) - _MAX_LISTED} more (see results.json)"] if len(mm) > _MAX_LISTED else []
+    ours, peers = _split_mismatches(results)
+    if ours:
+        lines.append(f"**MISMATCH: {len(ours)} request(s) of tokenleap methods differ from `plain` token by token:**\n")
+        lines += _listed(ours, bold=True)
     elif eq.get("mode") == "seeded":
         lines.append("Sampled run, seeded per prompt: every tokenleap method's output is token-identical to "
                      "`plain`'s seeded output for the same prompt.")
     else:
-        lines.append("Every greedy output is token-identical to `plain`'s output for the same prompt.")
+        lines.append("Every greedy output of a tokenleap method is token-identical to `plain`'s output for the "
+                     "same prompt.")
+    if peers:  # (not a losslessness failure: their kernels round differently)
+        lines.append(f"\nPeers: {len(peers)} request(s) differ from tokenleap `plain`'s output:\n")
+        lines += _listed(peers, bold=False)
     for name, c in eq["by_method"].items():
         lines.append(f"- `{name}`: {c['identical']}/{c['compared']} identical to `plain`")
     for name, c in eq.get("own_baseline", {}).items():
@@ -102,6 +103,22 @@ def _equality(results: dict[str, Any]) -> list[str]:
     lines.append("\nPeers run other kernels (transformers on the dequantized weights, llama.cpp on the GGUF's "
                  "quantized blocks), so their outputs can differ from tokenleap's where two tokens are nearly tied.")
     return lines
+
+
+def _split_mismatches(results: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """The requests that differ from ``plain``'s: tokenleap methods' (a losslessness failure), peers'."""
+    kinds = {m["name"]: m["kind"] for m in results["methods"]}
+    mm = results["equality"].get("mismatches", [])
+    return ([m for m in mm if kinds.get(m["method"]) == "tokenleap"],
+            [m for m in mm if kinds.get(m["method"]) != "tokenleap"])
+
+
+def _listed(mm: list[dict], bold: bool) -> list[str]:
+    b = "**" if bold else ""
+    lines = [f"- {b}`{m['method']}`{b} on `{m['prompt_id']}` (repeat {m['repeat']}): first difference at "
+             f"generated token {m['first_difference']} ({m['method_tokens']} vs {m['reference_tokens']} tokens)"
+             for m in mm[:_MAX_LISTED]]
+    return lines + ([f"- … and {len(mm) - _MAX_LISTED} more (see results.json)"] if len(mm) > _MAX_LISTED else [])
 
 
 def _methods_not_run(results: dict[str, Any]) -> list[str]:
@@ -167,12 +184,11 @@ def console_summary(results: dict[str, Any]) -> str:
     if busy is not None and busy > BUSY_SHARE:
         out.append(f"warning: other processes used {busy:.0%} of this machine's CPU time during the run: the "
                    "timings are slower and noisier than on an idle machine")
-    kinds = {m["name"]: m["kind"] for m in results["methods"]}
-    mm = results["equality"].get("mismatches", [])
-    ours = sum(1 for m in mm if kinds.get(m["method"]) == "tokenleap")
+    ours, peers = _split_mismatches(results)
     if ours:
-        out.append(f"!!! MISMATCH: {ours} request(s) of tokenleap methods differ from plain's output; see report.md")
-    if len(mm) > ours:
-        out.append(f"note: {len(mm) - ours} request(s) of peers differ from tokenleap plain's output (other kernels "
+        out.append(f"!!! MISMATCH: {len(ours)} request(s) of tokenleap methods differ from plain's output; see "
+                   "report.md")
+    if peers:
+        out.append(f"note: {len(peers)} request(s) of peers differ from tokenleap plain's output (other kernels "
                    "round differently; not a losslessness failure); see report.md")
     return "\n".join(out)

@@ -4,7 +4,9 @@ Protocol (figures defined in docs/METRICS.md): one short warm-up generation per 
 discarded; for every prompt and repeat all methods run back to back, their order rotated from one
 prompt to the next, so drift of the machine touches every method alike; each finished request is
 appended to ``results.jsonl`` at once, so an interrupted run keeps what it measured and
-``--resume`` runs only the missing (prompt, method, repeat) triples.
+``--resume`` runs only what is missing -- by whole (prompt, repeat) groups: a group some method lacks
+(cut by the interruption, or a method added on resuming) runs again with every method, so each speedup
+still compares requests run side by side. A peer that failed stays skipped on resuming.
 """
 from __future__ import annotations
 
@@ -59,6 +61,9 @@ def check_out_dir(out: Path, resume: bool) -> None:
     """Refuse a file, and an existing, non-empty output directory unless resuming."""
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file, not a directory: choose another --out")
+    parent = next((d for d in out.absolute().parents if d.exists()), None)
+    if not out.exists() and parent is not None and not parent.is_dir():
+        raise BenchError(f"--out {out}: {parent} is a file, not a directory: choose another --out")
     if out.exists() and not resume and any(out.iterdir()):
         raise BenchError(f"output directory {out} already exists and is not empty; pass --resume to "
                          "continue the run in it, or choose another --out (nothing is overwritten)")
@@ -74,13 +79,27 @@ def open_out_dir(settings: BenchSettings, started: str) -> tuple[Path, str | Non
     check_out_dir(out, settings.resume)
     saved: dict[str, Any] = {}
     if settings.resume and run_file.is_file():
-        saved = json.loads(run_file.read_text(encoding="utf-8"))
+        saved = _read_run_file(run_file)
         _check_identity(saved.get("identity", {}), settings.identity)
     out.mkdir(parents=True, exist_ok=True)
-    if not run_file.is_file():
-        run_file.write_text(json.dumps({"schema": SCHEMA, "identity": settings.identity, "started": started},
-                                       indent=2) + "\n")
+    if not run_file.is_file():  # (whole or not at all: a run cut here can still be resumed)
+        tmp = run_file.with_name(RUN_FILE + ".tmp")
+        tmp.write_text(json.dumps({"schema": SCHEMA, "identity": settings.identity, "started": started},
+                                  indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, run_file)
     return out, saved.get("started")
+
+
+def _read_run_file(run_file: Path) -> dict[str, Any]:
+    """``run.json``'s object, or a ``BenchError`` that says the file is not a bench run's."""
+    try:
+        saved = json.loads(run_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BenchError(f"cannot resume: {run_file} is not a bench run's file ({e}); choose another --out") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("identity", {}), dict):
+        raise BenchError(f"cannot resume: {run_file} is not a bench run's file (not its JSON object); choose "
+                         "another --out")
+    return saved
 
 
 def check_resume(out: Path, known: dict[str, Any]) -> None:
@@ -88,7 +107,7 @@ def check_resume(out: Path, known: dict[str, Any]) -> None:
     the chat template, which come with the model) against those saved in ``out``."""
     run_file = out / RUN_FILE
     if run_file.is_file():
-        saved = json.loads(run_file.read_text(encoding="utf-8")).get("identity", {})
+        saved = _read_run_file(run_file).get("identity", {})
         shared = [k for k in known if k in saved]
         _check_identity({k: saved[k] for k in shared}, {k: known[k] for k in shared})
 
@@ -102,14 +121,19 @@ def _check_identity(old: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 class ResultsLog:
-    """``results.jsonl``: one JSON object per finished request (or ``{"event": "failure"}``)."""
+    """``results.jsonl``: one JSON object per finished request (or ``{"event": "failure"}``); a request run
+    again (its group resumed) replaces the earlier record of the same (prompt, method, repeat)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.records: list[dict] = []
+        self._records: dict[tuple[str, str, int], dict] = {}
         self.failures: list[dict] = []
         if path.is_file():
             self._load()
+
+    @property
+    def records(self) -> list[dict]:
+        return list(self._records.values())
 
     def _load(self) -> None:
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -122,20 +146,38 @@ class ResultsLog:
                     self.path.write_text("".join(good), encoding="utf-8")
                     return
                 raise BenchError(f"{self.path} line {n} is corrupt; delete that line to resume") from None
+            if not _is_entry(obj):
+                raise BenchError(f"{self.path} line {n} is not a bench request's record; delete that line to resume")
             good.append(line if line.endswith("\n") else line + "\n")
-            (self.failures if obj.get("event") == "failure" else self.records).append(obj)
+            self._add(obj)
         if lines and not lines[-1].endswith("\n"):
             self.path.write_text("".join(good), encoding="utf-8")
 
+    def _add(self, obj: dict) -> None:
+        if obj.get("event") == "failure":
+            self.failures.append(obj)
+        else:
+            self._records[(obj["prompt_id"], obj["method"], obj["repeat"])] = obj
+
     def done(self) -> set[tuple[str, str, int]]:
-        return {(r["prompt_id"], r["method"], r["repeat"]) for r in self.records}
+        return set(self._records)
 
     def append(self, obj: dict) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(obj, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        (self.failures if obj.get("event") == "failure" else self.records).append(obj)
+        self._add(obj)
+
+
+def _is_entry(obj: Any) -> bool:
+    """A request's record (its prompt, method, repeat and tokens) or a failure event."""
+    if not isinstance(obj, dict):
+        return False
+    if obj.get("event") == "failure":
+        return isinstance(obj.get("method"), str)
+    return (isinstance(obj.get("prompt_id"), str) and isinstance(obj.get("method"), str)
+            and type(obj.get("repeat")) is int and isinstance(obj.get("token_ids"), list))
 
 
 # -- the loop --------------------------------------------------------------------------------------
@@ -164,7 +206,9 @@ class _Run:
         self.s, self.prompts, self.prompt_ids, self.log = settings, prompts, prompt_ids, log
         self.stop_ids = stop_ids or [()] * len(prompts)  # per prompt, tokens besides EOS that end a reply
         self.methods = {m.name: m for m in methods}
-        self.failed: dict[str, str] = {}
+        # a peer that failed before an interruption stays skipped (its failure is the run's)
+        self.failed: dict[str, str] = {f["method"]: f.get("error", "failed") for f in log.failures
+                                       if f["method"] in self.methods}
 
     def fail(self, method: BenchMethod, prompt_id: str, error: Exception) -> None:
         reason = f"{type(error).__name__}: {error}"
@@ -221,13 +265,25 @@ class _Run:
                 _say(f"[bench] {what}: {r['method']} differs from plain on {r['prompt_id']} "
                      f"(repeat {r['repeat']}) at generated token {diff}")
 
+    def todo(self) -> list[tuple[int, int, str]]:
+        """The schedule's requests still to run: every (prompt, repeat) group that lacks a record of a
+        method not failed runs whole -- its methods side by side in this session."""
+        done = self.log.done()
+        order = schedule(len(self.prompts), self.s.repeats, list(self.methods))
+        short = {(pi, rep) for pi, rep, name in order
+                 if name not in self.failed and (self.prompts[pi].id, name, rep) not in done}
+        again = sum(1 for pi, rep, name in order if (pi, rep) in short and (self.prompts[pi].id, name, rep) in done
+                    and name not in self.failed)
+        if again:
+            _say(f"[bench] resuming: {again} finished request(s) run again beside the methods missing from their "
+                 "prompt, so every speedup compares requests run side by side")
+        return [t for t in order if (t[0], t[1]) in short]
+
     def loop(self) -> None:
         from tqdm import tqdm
 
-        done = self.log.done()
-        todo = [t for t in schedule(len(self.prompts), self.s.repeats, list(self.methods))
-                if (self.prompts[t[0]].id, t[2], t[1]) not in done]
-        self.warm_up(list(dict.fromkeys(t[2] for t in todo)))
+        todo = self.todo()
+        self.warm_up(list(dict.fromkeys(t[2] for t in todo if t[2] not in self.failed)))
         bar = tqdm(total=len(todo), desc="bench", unit="req", disable=not self.s.progress, file=sys.stderr)
         with bar:
             for pi, rep, name in todo:

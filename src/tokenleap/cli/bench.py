@@ -52,7 +52,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--quant", default="none", help=f"tokenleap target weights: {QUANT_HELP}")
     p.add_argument("--draft-quant", default="none", help=f"tokenleap draft weights: {', '.join(QUANT_MODES)}")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished requests")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out: runs what is missing, a prompt's methods side by side (a prompt "
+                        "that lacks a method, one cut by the interruption or added now, runs again with every method)")
     p.add_argument("--no-chat", action="store_true", help="raw prompts, no chat template for instruct models")
     p.add_argument("--pass-at-1", action="store_true",
                    help="run HumanEval tests on the outputs (executes model-written code in a subprocess)")
