@@ -216,6 +216,26 @@ def test_head_file_round_trip_and_refusals(trained, tmp_path):
             warnings.simplefilter("error")
             with pytest.raises(ConfigError, match=said):
                 EagleHead.load(tmp_path / "shape.safetensors")
+    # metadata and tensors that disagree: refused before the head's memory is taken (metadata can name any
+    # size) -- and a tensor that would broadcast into its parameter ([1] into [64]) is no head either
+    import tokenleap.heads.eagle as eagle_mod
+    def allocating(self, cfg):
+        raise AssertionError(f"a head of {cfg} was allocated")
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(eagle_mod.EagleHead, "__init__", allocating)
+    try:
+        for meta_change, tensors_change, said in (
+                ({"intermediate_size": 10**7}, {}, r"gate_proj.weight is \[\d+, 64\], its metadata says "
+                                                   r"\[10000000, 64\]"),
+                ({}, {"fc.bias": torch.zeros(1)}, r"fc.bias is \[1\], its metadata says \[64\]")):
+            save_file({**load_file(str(path)), **tensors_change}, str(tmp_path / "odd.safetensors"),
+                      metadata={"tokenleap_eagle": json.dumps({**meta, **meta_change})})
+            with pytest.raises(ConfigError, match="is damaged: its tensor " + said):
+                EagleHead.load(tmp_path / "odd.safetensors")
+        with pytest.raises(ConfigError, match="hidden size 64"):  # the target's fit, checked first too
+            EagleHead.load(path, wider.config)
+    finally:
+        monkey.undo()
 
 
 def test_train_head_command_and_spec_eagle_on_a_real_model(capsys, tmp_path, smollm2_gguf):
@@ -257,6 +277,7 @@ def test_eagle_flags_checked_before_loading(capsys, tmp_path):
     from tokenleap.cli.main import UsageError, main
     model = a_model_file(tmp_path)
     for args, needle in ((["--draft-head", "h.safetensors"], "--draft-head goes with --spec eagle"),
+                         (["--spec", "eagle", "--draft-head", ""], "--draft-head is empty"),
                          (["--spec", "eagle", "--draft-model", model], "not a draft model")):
         assert main(["generate", "--model", model, "--prompt", "hi", *args]) == 2
         assert needle in capsys.readouterr().err

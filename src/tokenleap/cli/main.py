@@ -159,6 +159,8 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                          "model: drop --draft-model (the head is --draft-head)")
     if args.draft_head is not None and args.spec != "eagle":
         raise UsageError("--draft-head goes with --spec eagle")
+    if args.draft_head is not None and not args.draft_head.strip():
+        raise UsageError("--draft-head is empty: give a head file, or auto (the model's head train-head stored)")
     if args.spec == "lookahead" and args.draft_model:
         raise UsageError("--spec lookahead needs no draft model (the target drafts its own n-grams): "
                          "drop --draft-model, or use --spec draft")

@@ -72,6 +72,20 @@ class EagleConfig:
                    rope_theta=float(cfg.rope_theta), rms_eps=float(cfg.rms_norm_eps),
                    vocab_size=cfg.vocab_size, subset=min(subset, cfg.vocab_size), target=target)
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each projection's (in, out) features."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"fc": (2 * h, h), "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a head file of this shape stores, by name."""
+        shapes: dict[str, tuple[int, ...]] = {f"{n}.weight": (b, a) for n, (a, b) in self.linear_shapes().items()}
+        shapes["fc.bias"] = (self.hidden_size,)
+        shapes.update({f"{n}.weight": (self.hidden_size,) for n in NORMS})
+        return shapes
+
     def check_target(self, cfg) -> None:
         """A ConfigError unless the head fits the target ``ModelConfig`` (width, vocabulary)."""
         if cfg.hidden_size != self.hidden_size or cfg.vocab_size != self.vocab_size:
@@ -147,12 +161,9 @@ class EagleHead(nn.Module):
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        shapes = {"fc": (2 * h, h), "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        self.linears = nn.ModuleDict({n: nn.Linear(a, b, bias=(n == "fc")) for n, (a, b) in shapes.items()})
-        self.norms = nn.ParameterDict({n: nn.Parameter(torch.ones(h)) for n in NORMS})
+        self.linears = nn.ModuleDict({n: nn.Linear(a, b, bias=(n == "fc"))
+                                      for n, (a, b) in cfg.linear_shapes().items()})
+        self.norms = nn.ParameterDict({n: nn.Parameter(torch.ones(cfg.hidden_size)) for n in NORMS})
 
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Whole sequences: feats, embeds [T, H] of one sequence, positions [T] -> predictions [T, H]."""
@@ -202,8 +213,10 @@ class EagleHead(nn.Module):
             tmp.write_bytes(data)
 
     @classmethod
-    def load(cls, path: Path) -> "EagleHead":
-        """A head saved by ``save``; a ConfigError for a missing or foreign file."""
+    def load(cls, path: Path, target=None) -> "EagleHead":
+        """A head saved by ``save``; a ConfigError for a missing or foreign file, or one that does not fit
+        the ``target`` ``ModelConfig`` if given -- every check made before the head's memory is taken (its
+        metadata could name any size)."""
         from safetensors import SafetensorError, safe_open
         if not Path(path).is_file():
             raise ConfigError(f"no draft head file at {path} (train one with `tokenleap train-head`)")
@@ -212,7 +225,15 @@ class EagleHead(nn.Module):
                 meta = (f.metadata() or {}).get(_META_KEY)
                 if meta is None:
                     raise ConfigError(f"{path} is not a tokenleap draft head (no {_META_KEY} metadata)")
-                head = cls(EagleConfig(**json.loads(meta)))
+                cfg = EagleConfig(**json.loads(meta))
+                if target is not None:
+                    cfg.check_target(target)
+                stored = set(f.keys())
+                for name, shape in cfg.tensor_shapes().items():
+                    if name in stored and tuple(f.get_slice(name).get_shape()) != shape:
+                        raise ConfigError(f"the draft head {path} is damaged: its tensor {name} is "
+                                          f"{list(f.get_slice(name).get_shape())}, its metadata says {list(shape)}")
+                head = cls(cfg)
                 for n, m in head.linears.items():
                     m.weight.data.copy_(f.get_tensor(f"{n}.weight"))
                 head.linears["fc"].bias.data.copy_(f.get_tensor("fc.bias"))

@@ -69,7 +69,7 @@ def eagle_proposer(target: LoadedModel, draft_head: str, max_len: int, cache_dir
     from tokenleap.spec.proposers.eagle import EagleProposer
     path = Path(draft_head) if draft_head != "auto" else default_head_path(
         Path(cache_dir) if cache_dir else default_cache_dir(), target.source.removeprefix("catalog:"))
-    head = EagleHead.load(path)
+    head = EagleHead.load(path, target.model.config)  # (refused before its memory is taken if it does not fit)
     specials = target.tokenizer.backend.get_added_tokens_decoder().keys()
     proposer = EagleProposer(head, target.model, specials, max_len)
     proposer.note = f"draft head {path}"  # which head drafts, for --stats and the server's startup line
