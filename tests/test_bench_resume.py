@@ -133,3 +133,30 @@ def test_the_speedup_plot_draws_no_bar_where_a_method_has_no_speedup(tmp_path, m
         "a": table, "b": {"plain": {"speedup": 1.0}, "ngram": {"speedup": 1.2}, "peer": {"speedup": None}}}}}
     assert speedup_plot(results, tmp_path / "s.png")
     assert dict(drawn) == {"ngram": [1.5, 1.5, 1.2], "peer": [0.8, 0.8]}
+
+
+def test_a_failed_peers_record_leaves_with_the_plain_run_it_ran_beside(tmp_path):
+    out = tmp_path / "o"
+    run_bench(settings(out), FAKE_PROMPTS, FAKE_IDS, [Timed("plain", 1.0), Timed("hf-plain", 1.0, PEER, fail_at=3)])
+    first = run_bench(settings(out, resume=True), FAKE_PROMPTS, FAKE_IDS, [Timed("plain", 1.0), Fake("hf-plain", PEER)])
+    assert [r["prompt_id"] for r in first["requests"] if r["method"] == "hf-plain"] == ["q0"]  # (nothing reran)
+    results = run_bench(settings(out, resume=True), FAKE_PROMPTS, FAKE_IDS,
+                        [Timed("plain", 0.5), Timed("ngram", 0.5), Fake("hf-plain", PEER)])
+    assert not [r for r in results["requests"] if r["method"] == "hf-plain"]  # its q0 ran beside the old plain
+    assert "hf-plain" not in results["summary"]["overall"]
+    again = run_bench(settings(out, resume=True), FAKE_PROMPTS, FAKE_IDS,
+                      [Timed("plain", 0.5), Timed("ngram", 0.5), Fake("hf-plain", PEER)])
+    assert not [r for r in again["requests"] if r["method"] == "hf-plain"]  # (dropped in the file too)
+
+
+def test_a_request_that_differs_is_said_once(tmp_path, capsys):
+    class Off(Fake):
+        def generate(self, prompt_ids, params):
+            g = super().generate(prompt_ids, params)
+            return Generation(g.token_ids[:-1] + [0], g.text, g.seconds, g.finish_reason)
+    out = tmp_path / "o"
+    run_bench(settings(out), FAKE_PROMPTS, FAKE_IDS, [Fake("plain")])
+    capsys.readouterr()
+    run_bench(settings(out, resume=True), FAKE_PROMPTS, FAKE_IDS, [Fake("plain"), Off("ngram")])
+    said = [line for line in capsys.readouterr().err.splitlines() if "MISMATCH: ngram differs" in line]
+    assert len(said) == 3, said  # one a request, though plain ran again after some of them

@@ -232,8 +232,17 @@ def test_head_file_round_trip_and_refusals(trained, tmp_path):
                       metadata={"tokenleap_eagle": json.dumps({**meta, **meta_change})})
             with pytest.raises(ConfigError, match="is damaged: its tensor " + said):
                 EagleHead.load(tmp_path / "odd.safetensors")
+        kept = {k: v for k, v in load_file(str(path)).items() if not k.startswith(("gate_proj", "up_proj"))}
+        save_file(kept, str(tmp_path / "odd.safetensors"),
+                  metadata={"tokenleap_eagle": json.dumps({**meta, "intermediate_size": 10**7})})
+        with pytest.raises(ConfigError, match="is damaged: it lacks gate_proj.weight, up_proj.weight"):
+            EagleHead.load(tmp_path / "odd.safetensors")
         with pytest.raises(ConfigError, match="hidden size 64"):  # the target's fit, checked first too
             EagleHead.load(path, wider.config)
+        from types import SimpleNamespace
+        from tokenleap.spec.proposers.factory import eagle_proposer
+        with pytest.raises(ConfigError, match="hidden size 64"):  # and so from the factory the CLI uses
+            eagle_proposer(SimpleNamespace(model=wider, source="wider"), str(path), 64, tmp_path)
     finally:
         monkey.undo()
 

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 
 def test_the_loading_responder_answers_a_client_waiting_to_send_its_body_and_one_sending_too_much():
@@ -169,6 +170,12 @@ def test_while_loading_an_allowed_page_can_read_the_503_and_a_proxy_gets_its_api
             while chunk := client.recv(65536):
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 503") and reply.endswith(b'{"error": "the model is loading; retry shortly"}')
+        import anthropic  # Anthropic's API: its overloaded status, as the running server's busy answer
+        url = "http://%s:%d" % sock.getsockname()
+        with pytest.raises(anthropic.OverloadedError) as e:
+            anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=10).messages.create(
+                model="m", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
         with socket.create_connection(sock.getsockname(), timeout=5) as client:  # a bare line feed in a value
             client.sendall(b"OPTIONS /v1/models HTTP/1.1\r\nOrigin: http://localhost:3000\r\n"
                            b"Access-Control-Request-Method: GET\r\n"

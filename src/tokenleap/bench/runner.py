@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenleap.config import SamplingParams
+from tokenleap.models.cache_files import written_aside
 from tokenleap.bench import summary as S
 from tokenleap.bench.common import PEER, BenchError, BenchMethod, MethodInfo
 from tokenleap.bench.datasets import BenchPrompt
@@ -83,10 +84,9 @@ def open_out_dir(settings: BenchSettings, started: str) -> tuple[Path, str | Non
         _check_identity(saved.get("identity", {}), settings.identity)
     out.mkdir(parents=True, exist_ok=True)
     if not run_file.is_file():  # (whole or not at all: a run cut here can still be resumed)
-        tmp = run_file.with_name(RUN_FILE + ".tmp")
-        tmp.write_text(json.dumps({"schema": SCHEMA, "identity": settings.identity, "started": started},
-                                  indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, run_file)
+        with written_aside(run_file) as tmp:
+            tmp.write_text(json.dumps({"schema": SCHEMA, "identity": settings.identity, "started": started},
+                                      indent=2) + "\n", encoding="utf-8")
     return out, saved.get("started")
 
 
@@ -122,7 +122,8 @@ def _check_identity(old: dict[str, Any], new: dict[str, Any]) -> None:
 
 class ResultsLog:
     """``results.jsonl``: one JSON object per finished request (or ``{"event": "failure"}``); a request run
-    again (its group resumed) replaces the earlier record of the same (prompt, method, repeat)."""
+    again (its group resumed) replaces the earlier record of the same (prompt, method, repeat), and a
+    ``{"event": "dropped"}`` line takes one out (a failed peer's, where its group ran again without it)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -156,8 +157,14 @@ class ResultsLog:
     def _add(self, obj: dict) -> None:
         if obj.get("event") == "failure":
             self.failures.append(obj)
+        elif obj.get("event") == "dropped":
+            self._records.pop((obj["prompt_id"], obj["method"], obj["repeat"]), None)
         else:
             self._records[(obj["prompt_id"], obj["method"], obj["repeat"])] = obj
+
+    def drop(self, key: tuple[str, str, int]) -> None:
+        """Take the record of (prompt, method, repeat) out, in the file too."""
+        self.append({"event": "dropped", "prompt_id": key[0], "method": key[1], "repeat": key[2]})
 
     def done(self) -> set[tuple[str, str, int]]:
         return set(self._records)
@@ -171,13 +178,14 @@ class ResultsLog:
 
 
 def _is_entry(obj: Any) -> bool:
-    """A request's record (its prompt, method, repeat and tokens) or a failure event."""
+    """A request's record (its prompt, method, repeat and tokens), a failure event or a dropped record's."""
     if not isinstance(obj, dict):
         return False
     if obj.get("event") == "failure":
         return isinstance(obj.get("method"), str)
-    return (isinstance(obj.get("prompt_id"), str) and isinstance(obj.get("method"), str)
-            and type(obj.get("repeat")) is int and isinstance(obj.get("token_ids"), list))
+    keyed = (isinstance(obj.get("prompt_id"), str) and isinstance(obj.get("method"), str)
+             and type(obj.get("repeat")) is int)
+    return keyed and (obj.get("event") == "dropped" or isinstance(obj.get("token_ids"), list))
 
 
 # -- the loop --------------------------------------------------------------------------------------
@@ -209,12 +217,14 @@ class _Run:
         # a peer that failed before an interruption stays skipped (its failure is the run's)
         self.failed: dict[str, str] = {f["method"]: f.get("error", "failed") for f in log.failures
                                        if f["method"] in self.methods}
+        self.warned: set[tuple[str, str, int]] = set()  # requests already said to differ from plain's
 
     def fail(self, method: BenchMethod, prompt_id: str, error: Exception) -> None:
         reason = f"{type(error).__name__}: {error}"
         self.failed[method.name] = reason
         self.log.append({"event": "failure", "method": method.name, "prompt_id": prompt_id, "error": reason})
-        _say(f"[bench] peer {method.name} failed ({reason}); it is skipped for the rest of the run")
+        _say(f"[bench] peer {method.name} failed ({reason}); it is skipped for the rest of the run (a --resume "
+             "of it too: to try it again, start a new --out)")
 
     def params(self, pi: int, max_tokens: int | None = None) -> SamplingParams:
         params = self.s.params(pi, max_tokens)
@@ -260,30 +270,35 @@ class _Run:
             return
         for r in ([record] if record is not ref else same):
             diff = S.first_difference(r["token_ids"], ref["token_ids"])
-            if r is not ref and diff is not None:
+            key = (r["prompt_id"], r["method"], r["repeat"])
+            if r is not ref and diff is not None and key not in self.warned:
+                self.warned.add(key)
                 what = "peer output differs (its own arithmetic)" if r["kind"] == PEER else "MISMATCH"
                 _say(f"[bench] {what}: {r['method']} differs from plain on {r['prompt_id']} "
                      f"(repeat {r['repeat']}) at generated token {diff}")
 
     def todo(self) -> list[tuple[int, int, str]]:
         """The schedule's requests still to run: every (prompt, repeat) group that lacks a record of a
-        method not failed runs whole -- its methods side by side in this session."""
+        method not failed runs whole -- its methods side by side in this session -- and a failed peer's
+        record in such a group is dropped (it ran beside the plain run being replaced)."""
         done = self.log.done()
-        order = schedule(len(self.prompts), self.s.repeats, list(self.methods))
-        short = {(pi, rep) for pi, rep, name in order
-                 if name not in self.failed and (self.prompts[pi].id, name, rep) not in done}
-        again = sum(1 for pi, rep, name in order if (pi, rep) in short and (self.prompts[pi].id, name, rep) in done
-                    and name not in self.failed)
+        order = [t for t in schedule(len(self.prompts), self.s.repeats, list(self.methods)) if t[2] not in self.failed]
+        short = {(pi, rep) for pi, rep, name in order if (self.prompts[pi].id, name, rep) not in done}
+        again = sum(1 for pi, rep, name in order if (pi, rep) in short and (self.prompts[pi].id, name, rep) in done)
         if again:
             _say(f"[bench] resuming: {again} finished request(s) run again beside the methods missing from their "
                  "prompt, so every speedup compares requests run side by side")
+        for pi, rep in sorted(short):
+            for name in self.failed:
+                if (self.prompts[pi].id, name, rep) in done:
+                    self.log.drop((self.prompts[pi].id, name, rep))
         return [t for t in order if (t[0], t[1]) in short]
 
     def loop(self) -> None:
         from tqdm import tqdm
 
         todo = self.todo()
-        self.warm_up(list(dict.fromkeys(t[2] for t in todo if t[2] not in self.failed)))
+        self.warm_up(list(dict.fromkeys(t[2] for t in todo)))
         bar = tqdm(total=len(todo), desc="bench", unit="req", disable=not self.s.progress, file=sys.stderr)
         with bar:
             for pi, rep, name in todo:

@@ -54,7 +54,8 @@ def register(subparsers) -> None:
     p.add_argument("--draft-quant", default="none", help=f"tokenleap draft weights: {', '.join(QUANT_MODES)}")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out: runs what is missing, a prompt's methods side by side (a prompt "
-                        "that lacks a method, one cut by the interruption or added now, runs again with every method)")
+                        "that lacks a method, one cut by the interruption or added now, runs again with every method); "
+                        "a peer that failed stays skipped")
     p.add_argument("--no-chat", action="store_true", help="raw prompts, no chat template for instruct models")
     p.add_argument("--pass-at-1", action="store_true",
                    help="run HumanEval tests on the outputs (executes model-written code in a subprocess)")

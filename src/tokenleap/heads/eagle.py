@@ -229,8 +229,11 @@ class EagleHead(nn.Module):
                 if target is not None:
                     cfg.check_target(target)
                 stored = set(f.keys())
+                missing = sorted(set(cfg.tensor_shapes()) - stored)
+                if missing:
+                    raise ConfigError(f"the draft head {path} is damaged: it lacks {', '.join(missing)}")
                 for name, shape in cfg.tensor_shapes().items():
-                    if name in stored and tuple(f.get_slice(name).get_shape()) != shape:
+                    if tuple(f.get_slice(name).get_shape()) != shape:
                         raise ConfigError(f"the draft head {path} is damaged: its tensor {name} is "
                                           f"{list(f.get_slice(name).get_shape())}, its metadata says {list(shape)}")
                 head = cls(cfg)

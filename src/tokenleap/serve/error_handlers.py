@@ -56,11 +56,11 @@ def _response(request: HTTPRequest, exc: APIError, headers: dict[str, str] | Non
     """The error answer, and one log line saying what was refused and why (an operator otherwise sees
     nothing of requests that never started: uvicorn's access log is off)."""
     client = request.client
-    refused_log.info("%s %s -> %d (%s) from %s%s: %s", request.method, _one_line(request.url.path), exc.status,
+    status = http_status(request.url.path, exc.status)
+    refused_log.info("%s %s -> %d (%s) from %s%s: %s", request.method, _one_line(request.url.path), status,
                      exc.code or exc.type, f"{client.host}:{client.port}" if client else "?",
                      f" (x-request-id {CURRENT.get()})" if CURRENT.get() else "", _one_line(exc.message))
-    return JSONResponse(error_body(request.url.path, exc), status_code=http_status(request.url.path, exc.status),
-                        headers=headers)
+    return JSONResponse(error_body(request.url.path, exc), status_code=status, headers=headers)
 
 
 def http_status(path: str, status: int) -> int:

@@ -1,4 +1,5 @@
-"""The server's answer while its model loads: 503 "the model is loading" on every path.
+"""The server's answer while its model loads: 503 "the model is loading" on every path (529, Anthropic's
+status, on the Messages API).
 
 ``tokenleap serve`` listens before it builds the engine, so a busy port fails at once and a client (a
 readiness probe, ``curl --retry``, a script polling ``/health``) gets an HTTP answer it can retry on
@@ -79,8 +80,10 @@ def _answer(conn: socket.socket, done: threading.Semaphore, origins: tuple[str, 
 
 
 def _response(method: str, path: str, headers: dict[str, str], origins: tuple[str, ...]) -> bytes:
-    """The answer: 503 with the path's error object; a page the server allows (CORS, as the running server
-    decides) gets the headers that let it read that answer, and its preflight a 204 that lets it ask."""
+    """The answer: 503 (529 on Anthropic's Messages API, as the running server's) with the path's error object;
+    a page the server allows (CORS, as the running server decides) gets the headers that let it read that
+    answer, and its preflight a 204 that lets it ask."""
+    from tokenleap.serve.error_handlers import http_status
     from tokenleap.serve.request_ids import given_or_new
     rid = f"x-request-id: {given_or_new(headers.get('x-request-id', '').encode('latin-1'))}\r\n"
     cors = ""
@@ -99,7 +102,8 @@ def _response(method: str, path: str, headers: dict[str, str], origins: tuple[st
                 + "Content-Length: 0\r\nConnection: close\r\n\r\n").encode("latin-1")
     payload = loading_body(path)
     expose = "Access-Control-Expose-Headers: x-request-id\r\n" if cors else ""  # (a page may read the id)
-    header = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n" + rid + cors + expose
+    status = "529 Overloaded" if http_status(path, 503) == 529 else "503 Service Unavailable"  # (Anthropic's)
+    header = (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n" + rid + cors + expose
               + f"Content-Length: {len(payload)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode("latin-1")
     return header if method == "HEAD" else header + payload
 

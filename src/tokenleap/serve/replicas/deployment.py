@@ -33,7 +33,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from tokenleap.serve.replicas.bridge import HTTPCall, ResponseStart, forwarded_headers, run_asgi
-from tokenleap.serve.error_handlers import error_body
+from tokenleap.serve.error_handlers import error_body, http_status
 from tokenleap.serve.messages_routes import PATH as MESSAGES_PATH
 from tokenleap.serve.ollama_routes import PREFIX as OLLAMA_PREFIX
 from tokenleap.serve.protocol import APIError
@@ -236,8 +236,8 @@ class Ingress:
             self.routed[start.replica] = self.routed.get(start.replica, 0) + 1
             return Response(content, start.status, headers=dict(start.headers))
         message = f"no replica could serve the request ({failure}); retry later"
-        return JSONResponse(error_body(path, APIError(503, message, "server_busy")), status_code=503,
-                            headers={"Retry-After": "1"})
+        return JSONResponse(error_body(path, APIError(503, message, "server_busy")),
+                            status_code=http_status(path, 503), headers={"Retry-After": "1"})
 
     async def _relay(self, gen, path: str) -> AsyncIterator[bytes]:
         """A streamed body as the replica sends it; an error event (``stream_cut``) if the replica fails."""
