@@ -1,7 +1,7 @@
 """tokenleap bench, resuming: a group of a prompt's methods runs whole in one session (a method added on
 resuming runs beside plain again), a failed peer stays failed, damaged files in --out are refused in one
 line; the report keeps peers' differences apart from tokenleap's mismatches; the speedup plot draws no bar
-for a method that has no speedup in a category."""
+for a method that has no speedup in a category, and the draft-length plot joins only methods alike but for k."""
 from __future__ import annotations
 
 import pytest
@@ -160,3 +160,13 @@ def test_a_request_that_differs_is_said_once(tmp_path, capsys):
     run_bench(settings(out, resume=True), FAKE_PROMPTS, FAKE_IDS, [Fake("plain"), Off("ngram")])
     said = [line for line in capsys.readouterr().err.splitlines() if "MISMATCH: ngram differs" in line]
     assert len(said) == 3, said  # one a request, though plain ran again after some of them
+
+
+def test_the_draft_length_plot_joins_only_methods_that_differ_in_k():
+    from tokenleap.bench.plots import _by_draft_length
+    methods = [("ngram:k=2,max=2", {"k": 2, "max": 2}), ("ngram:k=3,max=4", {"k": 3, "max": 4}),
+               ("ngram:k=5,max=4", {"k": 5, "max": 4}), ("draft:k=2", {"k": 2}), ("draft:k=4", {"k": 4})]
+    results = {"methods": [{"name": n, "family": n.partition(":")[0], "options": o} for n, o in methods],
+               "summary": {"overall": {n: {"tokens_per_second": float(i + 1)} for i, (n, _) in enumerate(methods)}}}
+    assert _by_draft_length(results) == {"ngram:max=2": [(2, 1.0)], "ngram:max=4": [(3, 2.0), (5, 3.0)],
+                                         "draft": [(2, 4.0), (4, 5.0)]}

@@ -90,25 +90,27 @@ def acceptance_plot(results: dict[str, Any], path: Path) -> str | None:
 
 
 def _by_draft_length(results: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
-    """family -> [(k, tok/s)] for methods with a fixed numeric k."""
+    """line -> [(k, tok/s)] for methods with a fixed numeric k: one line per family and its other options
+    (``ngram:k=2,max=2`` and ``ngram:k=3,max=4`` differ in more than k, so they are not one curve)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for info in results["methods"]:
         k = info["options"].get("k")
         fig = results["summary"]["overall"].get(info["name"])
         if isinstance(k, int) and fig and fig["tokens_per_second"] is not None:
-            out.setdefault(info["family"], []).append((k, fig["tokens_per_second"]))
+            rest = ",".join(f"{o}={v}" for o, v in sorted(info["options"].items()) if o != "k")
+            out.setdefault(info["family"] + (f":{rest}" if rest else ""), []).append((k, fig["tokens_per_second"]))
     return {f: sorted(v) for f, v in out.items()}
 
 
 def draft_length_plot(results: dict[str, Any], path: Path) -> str | None:
-    """tok/s against k, for every family run with at least two fixed draft lengths."""
+    """tok/s against k, for every family (and its other options) run with at least two fixed draft lengths."""
     series = {f: v for f, v in _by_draft_length(results).items() if len({k for k, _ in v}) >= 2}
     if not series:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for family, points in series.items():
-        ax.plot([k for k, _ in points], [t for _, t in points], marker="o", label=family)
+    for line, points in series.items():
+        ax.plot([k for k, _ in points], [t for _, t in points], marker="o", label=line)
     _integer_x(ax)
     plain = (results["summary"]["overall"].get("plain") or {}).get("tokens_per_second")
     if plain:
