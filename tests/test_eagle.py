@@ -311,6 +311,9 @@ def test_eagle_flags_checked_before_loading(capsys, tmp_path):
     bad.write_text('{"prompt": [1, 2], "output": [3, 150]}\n')  # another model's replies
     with pytest.raises(UsageError, match="outside this model's vocabulary"):
         _replies(llm, [], 8, bad)
+    bad.write_text("\n")  # none at all: said, not trained on nothing
+    with pytest.raises(UsageError, match="holds no replies"):
+        _replies(llm, [], 8, bad)
 
 
 @pytest.fixture(scope="module")

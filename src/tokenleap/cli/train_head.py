@@ -134,6 +134,9 @@ def _replies(llm, prompts: list[str], max_tokens: int, path: Path | None) -> lis
         except (ValueError, KeyError, TypeError) as e:
             raise UsageError(f"--replies {path}: not a replies file this command wrote (each line a JSON object "
                              f"with token id lists \"prompt\" and \"output\"): {e}") from None
+        if not out:  # (said before a features file of nothing is stored for it)
+            raise UsageError(f"--replies {path} holds no replies: give a file this command wrote, or a path that "
+                             "does not exist yet to generate the replies there")
         vocab = llm.target.model.config.vocab_size
         if any(not 0 <= t < vocab for ids in out for t in ids):
             raise UsageError(f"--replies {path}: token ids outside this model's vocabulary ({vocab}): "
