@@ -118,13 +118,15 @@ def test_while_the_model_loads_every_path_answers_503_in_its_apis_error_form(cap
     with pytest.raises(RuntimeError, match="the load failed"):
         main(["serve", "--model", "smollm2-135m-instruct", "--port", str(port)])
     assert f"loading smollm2-135m-instruct; {url} answers 503" in capsys.readouterr().err
-    assert all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in seen.values())
+    assert all(r.status_code == (529 if name == "anthropic" else 503) and r.headers["retry-after"] == "1"
+               for name, r in seen.items())  # (529: Anthropic's status for its overloaded_error)
     assert seen["head"].content == b""
     openai_error = {"message": "the model is loading; retry shortly", "type": "unavailable_error", "param": None,
                     "code": "model_loading"}
     assert seen["health"].json() == seen["chat"].json() == {"error": openai_error}
     assert seen["ollama"].json() == {"error": "the model is loading; retry shortly"}
     assert seen["anthropic"].json()["type"] == "error"
+    assert seen["anthropic"].json()["error"]["type"] == "overloaded_error"
     with socket.socket() as again:  # the port was closed with the failed load (its served connections may
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # linger in TIME_WAIT: bind as a server does)
         again.bind(("127.0.0.1", port))
