@@ -252,6 +252,8 @@ def test_skip_auto_calibrates_on_the_first_request_then_reuses_the_stored_choice
     assert second.skip == first.skip and "calibrated," in logs[1]  # read back, no new search
     stored = json.loads(next((tmp_path / "layerskip").glob("*.json")).read_text())
     assert second.predicted_speedup == stored["predicted_speedup"]  # what --spec auto weighs it by
+    # a set predicted slower than plain decoding says what that means, rather than only naming it
+    assert all(("below plain decoding" in line) == (stored["predicted_speedup"] < 1) for line in logs)
     given = layerskip_proposer(loaded, "1,2", tmp_path)
     assert given.skip == frozenset({1, 2}) and given.predicted_speedup is None
 

@@ -281,7 +281,7 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
         if log is not None or path not in _ANNOUNCED:  # on stderr once a process: an LLM builds a proposer
             _ANNOUNCED.add(path)                        # for each engine
             say(f"layer skip: skipping layers {format_skip(cal.skip_set)} of {layers} (calibrated, {path}; "
-                f"predicted {cal.predicted_speedup:.2f}x)")
+                f"{_predicted(cal.predicted_speedup)})")
         return LayerSkipProposer(model, cal.skip_set, head=head, lookup=finder, predicted_speedup=cal.predicted_speedup)
 
     def calibrate(m: Transformer, tokens: list[int]) -> frozenset[int]:
@@ -291,8 +291,14 @@ def layerskip_proposer(target, skip_layers: str, cache_dir=None, log=None, looku
         except OSError as e:
             say(f"layer skip: could not store the calibration at {path}: {e.strerror}")
         say(f"layer skip: calibrated in {cal.search_seconds:.1f}s on this request: skipping layers "
-            f"{format_skip(cal.skip_set)} of {layers} (agreement {cal.agreement:.2f}, predicted "
-            f"{cal.predicted_speedup:.2f}x); stored at {path}")
+            f"{format_skip(cal.skip_set)} of {layers} (agreement {cal.agreement:.2f}, "
+            f"{_predicted(cal.predicted_speedup)}); stored at {path}")
         return cal.skip_set
 
     return LayerSkipProposer(model, None, calibrate, head=head, lookup=finder)
+
+
+def _predicted(speedup: float) -> str:
+    """The calibration's predicted speed, and what a figure below plain decoding's means for the run."""
+    return f"predicted {speedup:.2f}x" + (": below plain decoding, so steps draft only where the measured costs "
+                                          "say it pays" if speedup < 1 else "")
