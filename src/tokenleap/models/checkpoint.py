@@ -28,7 +28,7 @@ from tokenleap.config import ConfigError, ModelConfig
 from tokenleap.errors import ModelFormatError, ModelNotFoundError
 from tokenleap.models import hf
 from tokenleap.models.catalog import CATALOG, default_cache_dir, resolve_gguf
-from tokenleap.models.cache_files import abandoned, stamped, write_stamp
+from tokenleap.models.cache_files import abandoned, stamped, write_stamp, written_aside
 from tokenleap.models.build import check_layout
 from tokenleap.models.gguf import GGUF_MAGIC, GGUFFile
 from tokenleap.models.gguf_split import named_shards
@@ -149,9 +149,8 @@ def _refresh_tokenizer(out: Path, gguf_path: Path) -> None:
         gg.close()
         shutil.rmtree(fresh, ignore_errors=True)
     source.update(crc32=sums, tokenizer_version=TOKENIZER_VERSION)
-    tmp = out / f".source-{os.getpid()}.json"
-    tmp.write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, source_file)
+    with written_aside(source_file) as tmp:
+        tmp.write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
     log.info("wrote the tokenizer files of %s's converted copy again (tokenizer version %d)",
              gguf_path.name, TOKENIZER_VERSION)
 
