@@ -158,9 +158,9 @@ class ResultsLog:
         if obj.get("event") == "failure":
             self.failures.append(obj)
         elif obj.get("event") == "dropped":
-            self._records.pop((obj["prompt_id"], obj["method"], obj["repeat"]), None)
+            self._records.pop(_key(obj), None)
         else:
-            self._records[(obj["prompt_id"], obj["method"], obj["repeat"])] = obj
+            self._records[_key(obj)] = obj
 
     def drop(self, key: tuple[str, str, int]) -> None:
         """Take the record of (prompt, method, repeat) out, in the file too."""
@@ -175,6 +175,11 @@ class ResultsLog:
             f.flush()
             os.fsync(f.fileno())
         self._add(obj)
+
+
+def _key(obj: dict) -> tuple[str, str, int]:
+    """A record's request: (prompt, method, repeat)."""
+    return obj["prompt_id"], obj["method"], obj["repeat"]
 
 
 def _is_entry(obj: Any) -> bool:
@@ -270,9 +275,8 @@ class _Run:
             return
         for r in ([record] if record is not ref else same):
             diff = S.first_difference(r["token_ids"], ref["token_ids"])
-            key = (r["prompt_id"], r["method"], r["repeat"])
-            if r is not ref and diff is not None and key not in self.warned:
-                self.warned.add(key)
+            if r is not ref and diff is not None and _key(r) not in self.warned:
+                self.warned.add(_key(r))
                 what = "peer output differs (its own arithmetic)" if r["kind"] == PEER else "MISMATCH"
                 _say(f"[bench] {what}: {r['method']} differs from plain on {r['prompt_id']} "
                      f"(repeat {r['repeat']}) at generated token {diff}")
